@@ -1,0 +1,95 @@
+package daemon
+
+import (
+	"errors"
+
+	"github.com/mochi-mqtt/server/v2/packets"
+
+	"github.com/tandem-edge/tandem/mqtt"
+	"github.com/tandem-edge/tandem/replication"
+	"github.com/tandem-edge/tandem/storage"
+)
+
+// logAdapter plugs replication into the broker: it is the broker's Log.
+type logAdapter struct {
+	node *replication.Node
+}
+
+// Propose encodes m as a record and proposes it. The encoded bytes belong
+// to raft from here on (its unstable log and our tail cache keep them), so
+// they are allocated per record, once, at their exact size.
+func (a *logAdapter) Propose(m *mqtt.Message, mode mqtt.AckMode, done func(error)) {
+	m.Origin = a.node.ID()
+	m.Seq = a.node.NextSeq()
+	rec := recordOf(m)
+	data := storage.AppendRecord(make([]byte, 0, 64+len(m.Topic)+len(m.ClientID)+len(m.Payload)), &rec)
+	rmode := replication.Async
+	if mode == mqtt.Sync {
+		rmode = replication.Sync
+	}
+	a.node.Propose(data, rmode, func(_ uint64, err error) {
+		if errors.Is(err, replication.ErrStorage) {
+			err = errors.Join(mqtt.ErrQuota, err)
+		}
+		done(err)
+	})
+}
+
+func recordOf(m *mqtt.Message) storage.Record {
+	r := storage.Record{
+		Origin: m.Origin, Seq: m.Seq, ClientID: m.ClientID, Topic: m.Topic, QoS: m.QoS,
+		Retain: m.Retain, Will: m.Will, PacketID: m.PacketID, Time: m.Time, Payload: m.Payload,
+		Props: storage.Properties{
+			PayloadFormat: m.PayloadFormat, PayloadFormatSet: m.PayloadFormatSet,
+			MessageExpiry: m.MessageExpiry, MessageExpirySet: m.MessageExpirySet,
+			ContentType: m.ContentType, ResponseTopic: m.ResponseTopic, CorrelationData: m.CorrelationData,
+		},
+	}
+	for _, u := range m.User {
+		r.Props.User = append(r.Props.User, storage.UserProperty{Key: u.Key, Value: u.Val})
+	}
+	return r
+}
+
+func messageOf(r *storage.Record) *mqtt.Message {
+	m := &mqtt.Message{
+		Origin: r.Origin, Seq: r.Seq, ClientID: r.ClientID, Topic: r.Topic, QoS: r.QoS,
+		Retain: r.Retain, Will: r.Will, PacketID: r.PacketID, Time: r.Time, Payload: r.Payload,
+		PayloadFormat: r.Props.PayloadFormat, PayloadFormatSet: r.Props.PayloadFormatSet,
+		MessageExpiry: r.Props.MessageExpiry, MessageExpirySet: r.Props.MessageExpirySet,
+		ContentType: r.Props.ContentType, ResponseTopic: r.Props.ResponseTopic, CorrelationData: r.Props.CorrelationData,
+	}
+	for _, u := range r.Props.User {
+		m.User = append(m.User, mqttUser(u))
+	}
+	return m
+}
+
+// applier delivers committed records to the broker. It waits for the
+// broker to have loaded its persisted state first: applying on top of a
+// retained store that is then overwritten by the older one on disk would
+// lose the newer retained messages.
+type applier struct {
+	ready  chan struct{}
+	broker *mqtt.Broker
+}
+
+func (a *applier) Apply(_ uint64, rec *storage.Record) error {
+	<-a.ready
+	return a.broker.Deliver(messageOf(rec))
+}
+
+// sessionStore keeps the broker's sessions in the data file, staged so they
+// commit with the log.
+type sessionStore struct{ db *storage.DB }
+
+func (s sessionStore) Put(k string, v []byte) { s.db.Stage(storage.BucketSessions, k, v) }
+func (s sessionStore) Delete(k string)        { s.db.StageDelete(storage.BucketSessions, k) }
+func (s sessionStore) Sync() error            { return s.db.Sync() }
+func (s sessionStore) Load(prefix string, fn func(string, []byte) error) error {
+	return s.db.ForEach(storage.BucketSessions, prefix, func(k, v []byte) error { return fn(string(k), v) })
+}
+
+func mqttUser(u storage.UserProperty) packets.UserProperty {
+	return packets.UserProperty{Key: u.Key, Val: u.Value}
+}

@@ -1,0 +1,194 @@
+package daemon
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"runtime"
+	"strings"
+	"syscall"
+
+	"github.com/spf13/cobra"
+)
+
+// Build information, set with -ldflags -X by the Makefile.
+var (
+	Version = "dev"
+	Commit  = "unknown"
+)
+
+// Exit codes of the contract.
+const (
+	ExitOK      = 0
+	ExitFailure = 1
+	ExitUsage   = 2
+)
+
+// usageError marks errors that exit 2: bad flags, bad config.
+type usageError struct{ err error }
+
+func (e usageError) Error() string { return e.err.Error() }
+func (e usageError) Unwrap() error { return e.err }
+
+// Main runs the tandem command line and returns the process exit code.
+func Main(args []string, stdout, stderr io.Writer) int {
+	root := newRoot(stdout, stderr)
+	root.SetArgs(args)
+	err := root.Execute()
+	if err == nil {
+		return ExitOK
+	}
+	fmt.Fprintln(stderr, "tandem:", err)
+	var ue usageError
+	var ce *ConfigError
+	if errors.As(err, &ue) || errors.As(err, &ce) || strings.HasPrefix(err.Error(), "unknown ") || strings.Contains(err.Error(), "flag") || strings.Contains(err.Error(), "arg(s)") {
+		return ExitUsage
+	}
+	return ExitFailure
+}
+
+func newRoot(stdout, stderr io.Writer) *cobra.Command {
+	root := &cobra.Command{
+		Use:           "tandem",
+		Short:         "Durable, replicated MQTT for edge gateways",
+		Long:          "tandem is an MQTT gateway that keeps every publish in a crash-safe log and replicates it across 2 or 3 gateways.",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	root.AddCommand(newRunCmd(), newVersionCmd(), newCheckCmd(), newInspectCmd())
+	return root
+}
+
+func newVersionCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "version",
+		Short: "Print version, commit, Go version and platform",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			fmt.Fprintf(cmd.OutOrStdout(), "tandem %s (commit %s, %s, %s/%s)\n", Version, Commit, runtime.Version(), runtime.GOOS, runtime.GOARCH)
+			return nil
+		},
+	}
+}
+
+func newCheckCmd() *cobra.Command {
+	var path string
+	cmd := &cobra.Command{
+		Use:   "check --config FILE",
+		Short: "Validate a config file",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if path == "" {
+				return usageError{errors.New("check needs --config FILE")}
+			}
+			if _, err := LoadConfig(path); err != nil {
+				return usageError{err}
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s: ok\n", path)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&path, "config", "", "config file to validate")
+	return cmd
+}
+
+// runFlags are the flags of `tandem run`; set ones override the config.
+type runFlags struct {
+	config, data, mqtt, peer, http, name string
+}
+
+func newRunCmd() *cobra.Command {
+	var f runFlags
+	cmd := &cobra.Command{
+		Use:   "run",
+		Short: "Run the gateway in the foreground",
+		Long:  "Run the gateway in the foreground. With no flags and no config: a standalone gateway, data in ./tandem-data, MQTT on 127.0.0.1:1883 (anonymous, loopback only), HTTP on 127.0.0.1:7880.",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cfg, err := f.load(cmd)
+			if err != nil {
+				return usageError{err}
+			}
+			return runDaemon(cfg, cmd.ErrOrStderr())
+		},
+	}
+	fl := cmd.Flags()
+	fl.StringVar(&f.config, "config", "", "config file (YAML)")
+	fl.StringVar(&f.data, "data", "", "data dir (node.data_dir)")
+	fl.StringVar(&f.mqtt, "mqtt", "", "MQTT listen address (mqtt.listen)")
+	fl.StringVar(&f.peer, "peer", "", "peer listen address (peer.listen)")
+	fl.StringVar(&f.http, "http", "", "HTTP listen address (http.listen)")
+	fl.StringVar(&f.name, "name", "", "node name (node.name)")
+	return cmd
+}
+
+func (f *runFlags) load(cmd *cobra.Command) (*Config, error) {
+	cfg := DefaultConfig()
+	if f.config != "" {
+		var err error
+		if cfg, err = LoadConfig(f.config); err != nil {
+			return nil, err
+		}
+	}
+	set := func(flag string, dst *string, v string) {
+		if cmd.Flags().Changed(flag) {
+			*dst = v
+		}
+	}
+	set("data", &cfg.Node.DataDir, f.data)
+	set("mqtt", &cfg.MQTT.Listen, f.mqtt)
+	set("peer", &cfg.Peer.Listen, f.peer)
+	set("http", &cfg.HTTP.Listen, f.http)
+	set("name", &cfg.Node.Name, f.name)
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return cfg, nil
+}
+
+// newLogger builds the daemon's slog handler: text or JSON, at the level set.
+func newLogger(cfg LogConfig, w io.Writer) *slog.Logger {
+	var lvl slog.Level
+	_ = lvl.UnmarshalText([]byte(cfg.Level))
+	opts := &slog.HandlerOptions{Level: lvl}
+	if cfg.Format == "json" {
+		return slog.New(slog.NewJSONHandler(w, opts))
+	}
+	return slog.New(slog.NewTextHandler(w, opts))
+}
+
+// runDaemon runs until SIGTERM/SIGINT (clean stop, nil) or a failure.
+func runDaemon(cfg *Config, logw io.Writer) error {
+	log := newLogger(cfg.Log, logw)
+	d, err := New(cfg, log)
+	if err != nil {
+		return usageError{err}
+	}
+	sigc := make(chan os.Signal, 4)
+	signal.Notify(sigc, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
+	defer signal.Stop(sigc)
+	if err := d.Start(context.Background()); err != nil {
+		return err
+	}
+	for {
+		select {
+		case s := <-sigc:
+			if s == syscall.SIGHUP {
+				log.Info("SIGHUP: nothing to reload yet (users, ACLs and topic rules come with the security issue)")
+				continue
+			}
+			log.Info("stopping", "signal", s.String())
+			return d.Stop()
+		case <-d.Failed():
+			err := d.Err()
+			d.Stop()
+			return err
+		}
+	}
+}

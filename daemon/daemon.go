@@ -1,0 +1,192 @@
+package daemon
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/tandem-edge/tandem/mqtt"
+	"github.com/tandem-edge/tandem/replication"
+	"github.com/tandem-edge/tandem/storage"
+)
+
+// Daemon is one running gateway: storage, replication, broker and the HTTP
+// listener, started in that order and stopped in reverse.
+type Daemon struct {
+	cfg    *Config
+	log    *slog.Logger
+	id     *replication.Identity
+	db     *storage.DB
+	node   *replication.Node
+	broker *mqtt.Broker
+	apply  *applier
+
+	httpSrv *http.Server
+	httpLn  net.Listener
+
+	stopOnce sync.Once
+}
+
+// New validates cfg; Start does the work.
+func New(cfg *Config, log *slog.Logger) (*Daemon, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Daemon{cfg: cfg, log: log}, nil
+}
+
+// Start opens the data dir and starts serving. On error everything started
+// so far is stopped again.
+func (d *Daemon) Start(ctx context.Context) (err error) {
+	defer func() {
+		if err != nil {
+			d.Stop()
+		}
+	}()
+	c := d.cfg
+	if d.id, err = replication.LoadOrCreateIdentity(c.Node.DataDir); err != nil {
+		return err
+	}
+	d.log = d.log.With("node", replication.ShortID(d.id.ID))
+	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log}); err != nil {
+		return err
+	}
+	var topics []mqtt.TopicPolicy
+	for _, t := range c.Topics {
+		mode, err := mqtt.ParseAckMode(t.Ack)
+		if err != nil {
+			return fmt.Errorf("topic %q: %w", t.Match, err)
+		}
+		topics = append(topics, mqtt.TopicPolicy{Filter: t.Match, Ack: mode})
+		if mode == mqtt.Sync {
+			d.log.Warn("sync topics cannot be acked by a lone gateway: publishes to them are refused after sync_timeout", "topic", t.Match)
+		}
+	}
+	la := &logAdapter{}
+	d.broker, err = mqtt.New(mqtt.Config{
+		Listen:         c.MQTT.Listen,
+		AllowAnonymous: c.MQTT.AllowAnonymous,
+		MaxInflight:    c.MQTT.MaxInflight,
+		Topics:         topics,
+		SyncTimeout:    c.Cluster.SyncTimeout.Duration(),
+		Sessions:       sessionStore{d.db},
+		Logger:         d.log.With("component", "mqtt"),
+	}, la)
+	if err != nil {
+		return err
+	}
+	d.apply = &applier{ready: make(chan struct{}), broker: d.broker}
+	d.node, err = replication.NewNode(replication.Config{
+		Identity:        d.id,
+		Storage:         d.db,
+		Applier:         d.apply,
+		Logger:          d.log.With("component", "replication"),
+		Heartbeat:       c.Cluster.Heartbeat.Duration(),
+		ElectionTimeout: c.Cluster.ElectionTimeout.Duration(),
+		SyncTimeout:     c.Cluster.SyncTimeout.Duration(),
+		MinSyncReplicas: c.Cluster.MinSyncReplicas,
+	})
+	if err != nil {
+		return err
+	}
+	la.node = d.node
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second+c.Cluster.ElectionTimeout.Duration())
+	err = d.node.WaitLeader(wctx)
+	cancel()
+	if err != nil {
+		return fmt.Errorf("waiting for a master: %w", err)
+	}
+	if err = d.broker.Start(); err != nil {
+		return err
+	}
+	close(d.apply.ready)
+	if err = d.startHTTP(); err != nil {
+		return err
+	}
+	d.log.Info("gateway started", "id", replication.IDString(d.id.ID), "name", c.Node.Name, "mqtt", d.broker.Addr(), "http", d.HTTPAddr(), "data", c.Node.DataDir)
+	return nil
+}
+
+// Failed is closed when the node stops on its own (storage failure,
+// corruption found while applying).
+func (d *Daemon) Failed() <-chan struct{} { return d.node.Failed() }
+
+// Err returns why the node failed.
+func (d *Daemon) Err() error { return d.node.Err() }
+
+// MQTTAddr returns the MQTT listener's address.
+func (d *Daemon) MQTTAddr() string { return d.broker.Addr() }
+
+// HTTPAddr returns the HTTP listener's address.
+func (d *Daemon) HTTPAddr() string {
+	if d.httpLn == nil {
+		return ""
+	}
+	return d.httpLn.Addr().String()
+}
+
+// Stop stops the gateway: HTTP, broker (its clients' wills are logged),
+// replication, storage.
+func (d *Daemon) Stop() error {
+	var errs []error
+	d.stopOnce.Do(func() {
+		if d.httpSrv != nil {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			_ = d.httpSrv.Shutdown(ctx)
+			cancel()
+		}
+		if d.broker != nil {
+			if d.apply != nil {
+				select {
+				case <-d.apply.ready:
+				default:
+					close(d.apply.ready)
+				}
+			}
+			if err := d.broker.Stop(); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		if d.node != nil {
+			d.node.Stop()
+		}
+		if d.db != nil {
+			if err := d.db.Close(); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		d.log.Info("gateway stopped")
+	})
+	return errors.Join(errs...)
+}
+
+func (d *Daemon) startHTTP() error {
+	ln, err := net.Listen("tcp", d.cfg.HTTP.Listen)
+	if err != nil {
+		return fmt.Errorf("http: %w", err)
+	}
+	d.httpLn = ln
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+		if d.node.Err() != nil {
+			http.Error(w, d.node.Err().Error(), http.StatusServiceUnavailable)
+			return
+		}
+		fmt.Fprintln(w, "ok")
+	})
+	d.httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		if err := d.httpSrv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			d.log.Error("http server stopped", "error", err)
+		}
+	}()
+	return nil
+}

@@ -1,0 +1,395 @@
+package mqtt
+
+import (
+	"bytes"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	mochi "github.com/mochi-mqtt/server/v2"
+	"github.com/mochi-mqtt/server/v2/packets"
+)
+
+// Log is what the broker needs of the replicated log.
+type Log interface {
+	// Propose logs m under mode. It sets m.Origin and m.Seq before it
+	// returns; done is called exactly once, when the record meets mode's
+	// ack rule (nil) or cannot (an error, ErrQuota for lack of space). done
+	// must not block. Propose may block to apply back-pressure.
+	Propose(m *Message, mode AckMode, done func(err error))
+}
+
+// ackSlot is one PUBACK/PUBREC owed to a client, in the order its PUBLISH
+// arrived: MQTT wants acks in that order, and sync and async topics resolve
+// out of it.
+type ackSlot struct {
+	cl   *mochi.Client
+	pid  uint16
+	qos  byte
+	done bool
+	err  error
+}
+
+// clientState is the ack bookkeeping of one client id; it outlives a
+// connection so a session take-over can wait for the old one's acks.
+type clientState struct {
+	id string
+	mu sync.Mutex // guards the fields below
+	// queue holds the unreleased acks, oldest first.
+	queue []*ackSlot
+	// writing is true while a writer goroutine drains queue.
+	writing bool
+	// released is signalled whenever acks are released (back-pressure).
+	released *sync.Cond
+	// failedQoS2 marks packet ids whose PUBREC carried an error: the client
+	// may retry them, and mochi still holds their PUBREC in Inflight.
+	failedQoS2 map[uint16]bool
+}
+
+// ingest is the mochi hook that turns PUBLISHes into log proposals and
+// writes the acks when the log says so (FACTS.md, "The MQTT ack path").
+// Register it last: Hooks.OnPublish stops at its ErrRejectPacket.
+type ingest struct {
+	mochi.HookBase
+	b *Broker
+
+	mu      sync.Mutex // guards clients and wills
+	clients map[string]*clientState
+	wills   map[string]*time.Timer // delayed wills by client id
+}
+
+func (h *ingest) ID() string { return "tandem-ingest" }
+
+func (h *ingest) Provides(b byte) bool {
+	switch b {
+	case mochi.OnConnectAuthenticate, mochi.OnACLCheck, mochi.OnPacketRead, mochi.OnPublish,
+		mochi.OnWill, mochi.OnSessionEstablish:
+		return true
+	}
+	return false
+}
+
+// OnConnectAuthenticate admits anonymous clients where the listener allows
+// them (the loopback default, or allow_anonymous); users come with the
+// security issue.
+func (h *ingest) OnConnectAuthenticate(cl *mochi.Client, _ packets.Packet) bool {
+	return h.b.anonymousOK(cl.Net.Listener)
+}
+
+// OnACLCheck allows every topic until ACLs exist.
+func (h *ingest) OnACLCheck(*mochi.Client, string, bool) bool { return true }
+
+func (h *ingest) state(id string) *clientState {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	cs := h.clients[id]
+	if cs == nil {
+		cs = &clientState{id: id, failedQoS2: map[uint16]bool{}}
+		cs.released = sync.NewCond(&cs.mu)
+		h.clients[id] = cs
+	}
+	return cs
+}
+
+// dupMark tags a QoS 2 resend that OnPacketRead turned into an inert QoS 0
+// packet; ReasonCodes is unused on PUBLISH, so it carries the real id.
+const dupMark = 0xD0
+
+// OnPacketRead catches a QoS 2 resend whose PUBREC mochi already holds:
+// mochi would answer it with 0x91 before any hook runs (FACTS.md). A resend
+// of a publish whose PUBREC failed is a fresh attempt: mochi's stale entry
+// goes (this is the client's read loop, where Inflight may be changed).
+func (h *ingest) OnPacketRead(cl *mochi.Client, pk packets.Packet) (packets.Packet, error) {
+	if pk.FixedHeader.Type != packets.Publish || pk.FixedHeader.Qos != 2 {
+		return pk, nil
+	}
+	prev, ok := cl.State.Inflight.Get(pk.PacketID)
+	if !ok || prev.FixedHeader.Type != packets.Pubrec {
+		return pk, nil
+	}
+	cs := h.state(cl.ID)
+	cs.mu.Lock()
+	failed := cs.failedQoS2[pk.PacketID]
+	delete(cs.failedQoS2, pk.PacketID)
+	cs.mu.Unlock()
+	if failed {
+		if cl.State.Inflight.Delete(pk.PacketID) {
+			atomic.AddInt64(&h.b.srv.Info.Inflight, -1)
+		}
+		return pk, nil
+	}
+	pk.ReasonCodes = []byte{dupMark, byte(pk.PacketID >> 8), byte(pk.PacketID)}
+	pk.FixedHeader.Qos = 0
+	pk.FixedHeader.Dup = false
+	pk.PacketID = 0
+	return pk, nil
+}
+
+// OnSessionEstablish waits, on a take-over, until the old connection's acks
+// are released, so the inherited Inflight holds only PUBRECs that were
+// really earned before mochi resends them.
+func (h *ingest) OnSessionEstablish(cl *mochi.Client, _ packets.Packet) {
+	h.mu.Lock()
+	if t := h.wills[cl.ID]; t != nil {
+		t.Stop() // [MQTT-3.1.3-9]: the client is back before its will's delay
+		delete(h.wills, cl.ID)
+	}
+	h.mu.Unlock()
+	cs := h.state(cl.ID)
+	deadline := time.Now().Add(h.b.cfg.SyncTimeout + time.Second)
+	cs.mu.Lock()
+	for len(cs.queue) > 0 && time.Now().Before(deadline) {
+		cs.mu.Unlock()
+		time.Sleep(2 * time.Millisecond)
+		cs.mu.Lock()
+	}
+	cs.mu.Unlock()
+}
+
+// OnPublish proposes the publish and tells mochi to neither ack nor route it:
+// the ack is written when the log resolves it, delivery happens at commit.
+func (h *ingest) OnPublish(cl *mochi.Client, pk packets.Packet) (packets.Packet, error) {
+	if cl.Net.Inline {
+		return pk, nil // our own delivery of a committed record
+	}
+	if len(pk.ReasonCodes) == 3 && pk.ReasonCodes[0] == dupMark {
+		h.resend(cl, uint16(pk.ReasonCodes[1])<<8|uint16(pk.ReasonCodes[2]))
+		return pk, packets.ErrRejectPacket
+	}
+	m := &Message{}
+	m.fromPacket(cl.ID, &pk, time.Now().UnixNano())
+	mode := AckFor(h.b.cfg.Topics, m.Topic)
+	if pk.FixedHeader.Qos == 0 {
+		h.b.log.Propose(m, mode, h.b.logFailure)
+		return pk, packets.ErrRejectPacket
+	}
+	cs := h.state(cl.ID)
+	cl.State.Inflight.DecreaseReceiveQuota()
+	if pk.FixedHeader.Qos == 2 {
+		// mochi's processPubrel needs the PUBREC in Inflight; set here, on
+		// the read loop, where Inflight may be changed safely.
+		rec := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pk.PacketID, Created: time.Now().Unix()}
+		if cl.State.Inflight.Set(rec) {
+			atomic.AddInt64(&h.b.srv.Info.Inflight, 1)
+		}
+	}
+	slot := &ackSlot{cl: cl, pid: pk.PacketID, qos: pk.FixedHeader.Qos}
+	cs.mu.Lock()
+	if cl.Properties.ProtocolVersion < 5 {
+		// 3.1.1 has no receive maximum: hold its read loop instead of
+		// letting mochi disconnect it (FACTS.md).
+		for len(cs.queue) >= h.b.cfg.MaxInflight && !cl.Closed() {
+			cs.released.Wait()
+		}
+	}
+	cs.queue = append(cs.queue, slot)
+	cs.mu.Unlock()
+	h.b.log.Propose(m, mode, func(err error) { h.resolved(cs, slot, err) })
+	return pk, packets.ErrRejectPacket
+}
+
+// resend answers a QoS 2 resend of a publish already logged: a PUBREC in
+// its turn, after the acks owed before it.
+func (h *ingest) resend(cl *mochi.Client, pid uint16) {
+	cs := h.state(cl.ID)
+	slot := &ackSlot{cl: cl, pid: pid, qos: 2, done: true}
+	cs.mu.Lock()
+	cs.queue = append(cs.queue, slot)
+	cs.mu.Unlock()
+	h.resolved(cs, slot, nil)
+}
+
+// resolved marks slot done and makes sure a writer drains cs. It runs on the
+// log's goroutine, so it only flips state and maybe starts a goroutine.
+func (h *ingest) resolved(cs *clientState, slot *ackSlot, err error) {
+	cs.mu.Lock()
+	slot.done, slot.err = true, err
+	start := !cs.writing && len(cs.queue) > 0 && cs.queue[0].done
+	if start {
+		cs.writing = true
+	}
+	cs.mu.Unlock()
+	if start {
+		h.b.goFunc(func() { h.release(cs) })
+	}
+}
+
+// release writes the acks at the head of cs's queue that are done, in
+// order, coalescing each run into one write. One writer per client at a
+// time, so a client that stops reading blocks only its own acks.
+func (h *ingest) release(cs *clientState) {
+	var buf bytes.Buffer
+	for {
+		cs.mu.Lock()
+		n := 0
+		for n < len(cs.queue) && cs.queue[n].done {
+			n++
+		}
+		if n == 0 {
+			cs.writing = false
+			cs.mu.Unlock()
+			return
+		}
+		batch := append([]*ackSlot(nil), cs.queue[:n]...)
+		cs.mu.Unlock()
+
+		buf.Reset()
+		if h.markQoS2(batch) {
+			// A PUBREC promises the PUBREL its PUBCOMP, also across a
+			// restart: its session entry must be on disk before it is sent.
+			if err := h.b.persist.store.Sync(); err != nil {
+				h.b.logger.Error("saving QoS 2 state failed", "client", cs.id, "error", err)
+			}
+		}
+		var last *mochi.Client
+		for _, s := range batch {
+			if last != nil && s.cl != last {
+				h.flush(last, &buf)
+			}
+			last = s.cl
+			h.encodeAck(s, &buf)
+		}
+		h.flush(last, &buf)
+
+		cs.mu.Lock()
+		cs.queue = append(cs.queue[:0], cs.queue[n:]...)
+		cs.released.Broadcast()
+		cs.mu.Unlock()
+	}
+}
+
+// markQoS2 stages the session entries of the successful PUBRECs in batch
+// and reports whether there were any.
+func (h *ingest) markQoS2(batch []*ackSlot) bool {
+	marked := false
+	for _, s := range batch {
+		if s.qos == 2 && s.err == nil && durable(s.cl) && h.b.persist.store != nil {
+			h.b.persist.inflightSet(s.cl, packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: s.pid, Created: time.Now().Unix()})
+			marked = true
+		}
+	}
+	return marked
+}
+
+// encodeAck appends slot's ack to buf, or acts on its failure.
+func (h *ingest) encodeAck(s *ackSlot, buf *bytes.Buffer) {
+	cl := s.cl
+	v5 := cl.Properties.ProtocolVersion == 5
+	if s.err != nil {
+		h.b.log4(cl, s, s.err)
+		if s.qos == 2 {
+			// The client may retry this id; mochi's PUBREC entry is stale.
+			cs := h.state(cl.ID)
+			cs.mu.Lock()
+			cs.failedQoS2[s.pid] = true
+			cs.mu.Unlock()
+			h.b.persist.inflightDelete(cl.ID, s.pid)
+		}
+		if !v5 {
+			// 3.1.1 has no negative ack: disconnect; the client resends.
+			// (mochi's DisconnectClient would send a DISCONNECT, which a
+			// 3.1.1 server must not.)
+			h.flush(cl, buf)
+			cl.Stop(packets.ErrUnspecifiedError)
+			return
+		}
+		cl.State.Inflight.IncreaseReceiveQuota()
+	} else if s.qos == 1 {
+		// Quota first: a client at exactly its receive maximum may send
+		// the next publish as soon as it reads this PUBACK (FACTS.md).
+		cl.State.Inflight.IncreaseReceiveQuota()
+	}
+	typ := byte(packets.Puback)
+	if s.qos == 2 {
+		typ = packets.Pubrec
+	}
+	pk := packets.Packet{FixedHeader: packets.FixedHeader{Type: typ}, PacketID: s.pid, ProtocolVersion: cl.Properties.ProtocolVersion}
+	if s.err != nil {
+		code := packets.ErrUnspecifiedError
+		if errors.Is(s.err, ErrQuota) {
+			code = packets.ErrQuotaExceeded
+		}
+		pk.ReasonCode = code.Code
+		if !(cl.Properties.Props.RequestProblemInfoFlag && cl.Properties.Props.RequestProblemInfo == 0) {
+			pk.Properties.ReasonString = s.err.Error()
+		}
+	}
+	if typ == packets.Puback {
+		_ = pk.PubackEncode(buf)
+	} else {
+		_ = pk.PubrecEncode(buf)
+	}
+}
+
+// flush writes buf to cl in one write under the client's lock, the lock
+// mochi's WritePacket takes, so packets never interleave.
+func (h *ingest) flush(cl *mochi.Client, buf *bytes.Buffer) {
+	if buf.Len() == 0 || cl == nil {
+		return
+	}
+	defer buf.Reset()
+	if cl.Closed() || cl.Net.Conn == nil {
+		return // the record is durable; a QoS 1 resend is an allowed duplicate
+	}
+	cl.Lock()
+	n, err := cl.Net.Conn.Write(buf.Bytes())
+	cl.Unlock()
+	atomic.AddInt64(&h.b.srv.Info.BytesSent, int64(n))
+	if err != nil {
+		h.b.logger.Debug("writing acks failed", "client", cl.ID, "error", err)
+	}
+}
+
+// OnWill takes the will over: mochi's sendLWT bypasses OnPublish and cannot
+// be vetoed, so the will is proposed here as a record and mochi is handed an
+// inert copy with no topic, which reaches no subscriber (FACTS.md).
+func (h *ingest) OnWill(cl *mochi.Client, will mochi.Will) (mochi.Will, error) {
+	if will.TopicName == "" {
+		return will, nil
+	}
+	m := &Message{ClientID: cl.ID, Topic: will.TopicName, QoS: will.Qos, Retain: will.Retain, Will: true, Payload: will.Payload, User: will.User}
+	if d := will.WillDelayInterval; d > 0 && cl.Properties.ProtocolVersion == 5 {
+		h.mu.Lock()
+		if old := h.wills[cl.ID]; old != nil {
+			old.Stop()
+		}
+		h.wills[cl.ID] = time.AfterFunc(time.Duration(d)*time.Second, func() {
+			h.mu.Lock()
+			delete(h.wills, cl.ID)
+			h.mu.Unlock()
+			h.proposeWill(m)
+		})
+		h.mu.Unlock()
+	} else {
+		h.proposeWill(m)
+	}
+	return mochi.Will{Flag: will.Flag}, nil
+}
+
+func (h *ingest) proposeWill(m *Message) {
+	m.Time = time.Now().UnixNano()
+	h.b.log.Propose(m, AckFor(h.b.cfg.Topics, m.Topic), h.b.logFailure)
+}
+
+// stopWills cancels delayed wills at shutdown: they are not due yet.
+func (h *ingest) stopWills() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for id, t := range h.wills {
+		t.Stop()
+		delete(h.wills, id)
+	}
+}
+
+// log4 logs a refused publish once per failure, with its reason.
+func (b *Broker) log4(cl *mochi.Client, s *ackSlot, err error) {
+	b.logger.Warn("publish not acked", "client", cl.ID, "packet_id", s.pid, "qos", s.qos, "error", err)
+}
+
+// logFailure is the done callback of publishes nobody acks (QoS 0, wills).
+func (b *Broker) logFailure(err error) {
+	if err != nil {
+		b.logger.Warn("unacknowledged publish not logged", "error", err)
+	}
+}

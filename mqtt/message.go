@@ -1,0 +1,149 @@
+package mqtt
+
+import (
+	"errors"
+	"strings"
+
+	"github.com/mochi-mqtt/server/v2/packets"
+)
+
+// AckMode is a topic's acknowledgement rule (see DESIGN.md).
+type AckMode uint8
+
+const (
+	// Async: PUBACK/PUBREC once the record is on the master's disk.
+	Async AckMode = iota
+	// Sync: PUBACK/PUBREC once a slave has it on disk too.
+	Sync
+)
+
+// String returns "async" or "sync".
+func (m AckMode) String() string {
+	if m == Sync {
+		return "sync"
+	}
+	return "async"
+}
+
+// ParseAckMode parses "sync" or "async".
+func ParseAckMode(s string) (AckMode, error) {
+	switch s {
+	case "sync":
+		return Sync, nil
+	case "async", "":
+		return Async, nil
+	}
+	return Async, errors.New("ack mode must be sync or async")
+}
+
+// TopicPolicy chooses the ack mode of the topics Filter matches.
+type TopicPolicy struct {
+	Filter string
+	Ack    AckMode
+}
+
+// AckFor returns the ack mode of topic: the first matching policy wins, and
+// async when none matches.
+func AckFor(policies []TopicPolicy, topic string) AckMode {
+	for i := range policies {
+		if MatchTopic(policies[i].Filter, topic) {
+			return policies[i].Ack
+		}
+	}
+	return Async
+}
+
+// MatchTopic reports whether the MQTT topic filter matches topic, with the
+// spec's rule that wildcards at the first level do not match topics starting
+// with '$'.
+func MatchTopic(filter, topic string) bool {
+	if strings.HasPrefix(topic, "$") && (strings.HasPrefix(filter, "+") || strings.HasPrefix(filter, "#")) {
+		return false
+	}
+	for {
+		fl, frest, fmore := strings.Cut(filter, "/")
+		if fl == "#" {
+			return true
+		}
+		tl, trest, tmore := strings.Cut(topic, "/")
+		if fl != "+" && fl != tl {
+			return false
+		}
+		if !fmore || !tmore {
+			// "a/#" matches "a" too: the parent level.
+			return fmore == tmore || (fmore && frest == "#")
+		}
+		filter, topic = frest, trest
+	}
+}
+
+// Message is one publish as the broker hands it to the log and gets it back
+// when committed. It mirrors the record of DESIGN.md; the daemon converts.
+type Message struct {
+	Origin   uint64 // set by the log: node that took the publish
+	Seq      uint64 // set by the log: per-origin sequence number
+	ClientID string
+	Topic    string
+	QoS      byte
+	Retain   bool
+	Will     bool
+	PacketID uint16
+	Time     int64 // Unix nanoseconds
+	Payload  []byte
+
+	PayloadFormat    byte
+	PayloadFormatSet bool
+	MessageExpiry    uint32
+	MessageExpirySet bool
+	ContentType      string
+	ResponseTopic    string
+	CorrelationData  []byte
+	User             []packets.UserProperty
+}
+
+// fromPacket fills m from a PUBLISH.
+func (m *Message) fromPacket(clientID string, pk *packets.Packet, now int64) {
+	m.ClientID = clientID
+	m.Topic = pk.TopicName
+	m.QoS = pk.FixedHeader.Qos
+	m.Retain = pk.FixedHeader.Retain
+	m.PacketID = pk.PacketID
+	m.Time = now
+	m.Payload = pk.Payload
+	p := &pk.Properties
+	m.PayloadFormat, m.PayloadFormatSet = p.PayloadFormat, p.PayloadFormatFlag
+	m.MessageExpiry, m.MessageExpirySet = p.MessageExpiryInterval, p.MessageExpiryInterval > 0
+	m.ContentType = p.ContentType
+	m.ResponseTopic = p.ResponseTopic
+	m.CorrelationData = p.CorrelationData
+	m.User = p.User
+}
+
+// packet builds the PUBLISH that delivers m to subscribers.
+func (m *Message) packet() packets.Packet {
+	pk := packets.Packet{
+		FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: m.QoS, Retain: m.Retain},
+		TopicName:   m.Topic,
+		Payload:     m.Payload,
+		Properties: packets.Properties{
+			PayloadFormat:         m.PayloadFormat,
+			PayloadFormatFlag:     m.PayloadFormatSet,
+			MessageExpiryInterval: m.MessageExpiry,
+			ContentType:           m.ContentType,
+			ResponseTopic:         m.ResponseTopic,
+			CorrelationData:       m.CorrelationData,
+			User:                  m.User,
+		},
+	}
+	if m.QoS > 0 {
+		pk.PacketID = 1 // inline publishes need a non-zero id to pass validation
+	}
+	return pk
+}
+
+// Sentinel errors the Log may pass to a proposal's done callback to choose
+// the reason code a device sees; anything else is "unspecified error".
+var (
+	// ErrQuota means the log refused the record for lack of space (0x97).
+	ErrQuota = errors.New("mqtt: quota exceeded")
+)

@@ -1,0 +1,18 @@
+// Package replication owns consensus: one go.etcd.io/raft/v3 group per
+// cluster, driven by one goroutine (Node.run) that alone touches the RawNode,
+// decides the log's write order and tracks every proposal.
+//
+// The loop follows raft's documented order for each Ready: persist the
+// entries and hard state in one storage transaction, send messages, hand
+// committed entries to the apply goroutine, Advance.
+//
+// Acks are computed here, not read off raft's commit index: an async
+// proposal resolves once the entries holding it are saved on this node while
+// it is the master; a sync one once MinSyncReplicas other members' Match
+// covers it. A proposal that cannot meet its rule within SyncTimeout fails
+// with ErrAckTimeout, so nothing is ever reported acked that is not.
+//
+// Threading: Propose, Status and Stop may be called from any goroutine.
+// Proposal callbacks run on the raft goroutine and must not block. Applier
+// runs on its own goroutine, in log order.
+package replication

@@ -1,0 +1,24 @@
+package replication
+
+import "errors"
+
+// Sentinel errors a proposal's Done callback may receive; test with errors.Is.
+var (
+	// ErrAckTimeout means the record's ack rule was not met within
+	// sync_timeout: for a sync topic, not enough slaves hold it. The record
+	// may still be in the log (and be delivered); it was not acked.
+	ErrAckTimeout = errors.New("replication: ack rule not met within sync_timeout")
+
+	// ErrNotLeader means this node cannot take proposals now (no master, or
+	// it is not the master); the record was not logged.
+	ErrNotLeader = errors.New("replication: not the master")
+
+	// ErrStopped means the node stopped before the record met its ack rule.
+	ErrStopped = errors.New("replication: stopped")
+
+	// ErrStorage means the data file failed to take the record.
+	ErrStorage = errors.New("replication: storage failure")
+
+	// ErrIdentity means the data dir belongs to another node identity.
+	ErrIdentity = errors.New("replication: data dir belongs to another node")
+)

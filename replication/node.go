@@ -1,0 +1,635 @@
+package replication
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.etcd.io/raft/v3"
+	pb "go.etcd.io/raft/v3/raftpb"
+	"go.etcd.io/raft/v3/tracker"
+
+	"github.com/tandem-edge/tandem/storage"
+)
+
+// AckMode is a topic's acknowledgement rule.
+type AckMode uint8
+
+const (
+	// Async: acked once the master has the record on disk.
+	Async AckMode = iota
+	// Sync: acked once the master and at least MinSyncReplicas other
+	// members have the record on disk.
+	Sync
+)
+
+// String returns "async" or "sync".
+func (m AckMode) String() string {
+	if m == Sync {
+		return "sync"
+	}
+	return "async"
+}
+
+// Applier receives committed records in log order, on one goroutine of its
+// own (never the raft loop). An error stops the node: the log can no longer
+// be applied in order.
+type Applier interface {
+	Apply(index uint64, rec *storage.Record) error
+}
+
+// Transport carries raft messages to peers. Send must not block on a slow
+// peer. A nil Transport means a single-node group.
+type Transport interface {
+	Send(msgs []pb.Message)
+}
+
+// Config configures a Node. Zero fields take the defaults of DefaultConfig.
+type Config struct {
+	// Identity is this node's key pair and id (required).
+	Identity *Identity
+	// Storage is the opened data file (required). The Node owns its writes.
+	Storage *storage.DB
+	// Applier receives committed records (required).
+	Applier Applier
+	// Transport sends raft messages to peers; nil for a lone gateway.
+	Transport Transport
+	// Logger receives the node's and raft's messages; nil discards them.
+	Logger *slog.Logger
+	// Heartbeat is the raft tick: leaders heartbeat once per tick.
+	Heartbeat time.Duration
+	// ElectionTimeout is how long a follower waits for a leader before it
+	// campaigns; a whole number of heartbeats, at least two.
+	ElectionTimeout time.Duration
+	// SyncTimeout bounds how long a proposal may wait for its ack rule.
+	SyncTimeout time.Duration
+	// MinSyncReplicas is how many members besides the master must hold a
+	// record before a sync topic acks it.
+	MinSyncReplicas int
+	// MemberContext is stored with this node's membership entry when a new
+	// group is bootstrapped (name, addresses, fingerprint).
+	MemberContext []byte
+}
+
+// DefaultConfig returns the defaults of DESIGN.md.
+func DefaultConfig() Config {
+	return Config{Heartbeat: 100 * time.Millisecond, ElectionTimeout: time.Second, SyncTimeout: 5 * time.Second, MinSyncReplicas: 1}
+}
+
+// validate checks c and fills defaults.
+func (c *Config) validate() error {
+	d := DefaultConfig()
+	if c.Identity == nil || c.Storage == nil || c.Applier == nil {
+		return errors.New("replication: Identity, Storage and Applier are required")
+	}
+	if c.Logger == nil {
+		c.Logger = discard()
+	}
+	if c.Heartbeat == 0 {
+		c.Heartbeat = d.Heartbeat
+	}
+	if c.ElectionTimeout == 0 {
+		c.ElectionTimeout = d.ElectionTimeout
+	}
+	if c.SyncTimeout == 0 {
+		c.SyncTimeout = d.SyncTimeout
+	}
+	if c.MinSyncReplicas == 0 {
+		c.MinSyncReplicas = d.MinSyncReplicas
+	}
+	if c.ElectionTimeout < 2*c.Heartbeat {
+		return fmt.Errorf("replication: election timeout %v must be at least two heartbeats (%v)", c.ElectionTimeout, c.Heartbeat)
+	}
+	return nil
+}
+
+// recID is a record's id: origin node and sequence number.
+type recID struct{ origin, seq uint64 }
+
+// proposal is one record on its way to its ack rule. Loop-owned after
+// Propose hands it over.
+type proposal struct {
+	id       recID
+	data     []byte
+	mode     AckMode
+	done     func(index uint64, err error)
+	deadline time.Time
+	index    uint64
+	resolved bool
+}
+
+// Node is one member of a raft group of gateways. One goroutine (run) owns
+// the RawNode, the log's write order and every proposal; others reach it
+// through the proposal queue, recvc and the status request channel.
+type Node struct {
+	cfg Config
+	id  uint64
+	db  *storage.DB
+	rn  *raft.RawNode
+	log *slog.Logger
+
+	// propMu guards propQ, the proposals not yet taken by the loop; propSig
+	// wakes the loop. A mutex-guarded slice costs one lock per publish and
+	// lets the loop take a whole burst at once.
+	propMu  sync.Mutex
+	propQ   []*proposal
+	propSig chan struct{}
+
+	recvc    chan pb.Message
+	statusc  chan chan Status
+	stopc    chan struct{}
+	stopOnce sync.Once
+	wg       sync.WaitGroup
+	applyc   chan []pb.Entry
+	failed   atomic.Pointer[error] // sticky: set when the log can no longer be written or applied
+	failc    chan struct{}         // closed when failed is set
+	failOnce sync.Once
+
+	seq atomic.Uint64 // next record sequence number
+
+	// Loop-owned state.
+	pending  map[recID]*proposal // proposed, not yet saved
+	syncWait []*proposal         // saved, sync mode, waiting for replicas; by index
+	byDue    []*proposal         // every unresolved proposal, by deadline
+	leader   bool
+}
+
+// NewNode opens the raft group stored in cfg.Storage, bootstrapping a
+// single-voter group on an empty file.
+func NewNode(cfg Config) (*Node, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	db := cfg.Storage
+	id := cfg.Identity.ID
+	switch stored := db.NodeID(); {
+	case stored == 0:
+		if err := db.SetNodeID(id); err != nil {
+			return nil, err
+		}
+	case stored != id:
+		return nil, fmt.Errorf("data file %s was written by node %s, this node's key is %s: %w", db.Path(), IDString(stored), IDString(id), ErrIdentity)
+	}
+	epoch, err := db.NextEpoch()
+	if err != nil {
+		return nil, err
+	}
+	n := &Node{
+		cfg:     cfg,
+		id:      id,
+		db:      db,
+		log:     cfg.Logger,
+		propSig: make(chan struct{}, 1),
+		recvc:   make(chan pb.Message, 256),
+		statusc: make(chan chan Status),
+		stopc:   make(chan struct{}),
+		applyc:  make(chan []pb.Entry, 64),
+		failc:   make(chan struct{}),
+		pending: map[recID]*proposal{},
+	}
+	n.seq.Store(epoch << 32)
+	rcfg := &raft.Config{
+		ID:              id,
+		ElectionTick:    int(cfg.ElectionTimeout / cfg.Heartbeat),
+		HeartbeatTick:   1,
+		Storage:         db,
+		Applied:         db.Applied(),
+		MaxSizePerMsg:   1 << 20,
+		MaxInflightMsgs: 256,
+		CheckQuorum:     true,
+		PreVote:         true,
+		Logger:          raftLogger{cfg.Logger.With("component", "raft")},
+	}
+	rn, err := raft.NewRawNode(rcfg)
+	if err != nil {
+		return nil, fmt.Errorf("replication: %w", err)
+	}
+	n.rn = rn
+	last, _ := db.LastIndex()
+	if last == 0 && raft.IsEmptyHardState(db.HardState()) {
+		if err := rn.Bootstrap([]raft.Peer{{ID: id, Context: cfg.MemberContext}}); err != nil {
+			return nil, fmt.Errorf("replication: bootstrap: %w", err)
+		}
+		n.log.Info("new single-gateway group", "id", IDString(id))
+		// Persist and apply the bootstrap entries now: raft refuses to
+		// campaign while a configuration change is pending.
+		for rn.HasReady() {
+			if !n.handleReady() {
+				return nil, n.errOr(ErrStopped)
+			}
+		}
+	}
+	if cs := rn.Status().Config.Voters.IDs(); len(cs) == 1 {
+		if _, ok := cs[id]; !ok {
+			goto start
+		}
+		// A lone voter need not wait an election timeout to lead.
+		if err := rn.Campaign(); err != nil {
+			return nil, fmt.Errorf("replication: campaign: %w", err)
+		}
+	}
+start:
+	n.wg.Add(2)
+	go n.run()
+	go n.applyLoop()
+	return n, nil
+}
+
+// ID returns this node's id.
+func (n *Node) ID() uint64 { return n.id }
+
+// NextSeq returns a fresh sequence number for a record originating here.
+func (n *Node) NextSeq() uint64 { return n.seq.Add(1) }
+
+// Propose submits data, an encoded record, under mode's ack rule. done is
+// called exactly once, on the replication goroutine, with the record's index
+// when the rule is met, or with an error (ErrAckTimeout, ErrNotLeader,
+// ErrStopped, ErrStorage) when it cannot be. done must not block.
+func (n *Node) Propose(data []byte, mode AckMode, done func(index uint64, err error)) {
+	origin, seq, err := storage.RecordID(data)
+	if err != nil {
+		done(0, fmt.Errorf("replication: propose: %w", err))
+		return
+	}
+	p := &proposal{id: recID{origin, seq}, data: data, mode: mode, done: done, deadline: time.Now().Add(n.cfg.SyncTimeout)}
+	n.propMu.Lock()
+	n.propQ = append(n.propQ, p)
+	n.propMu.Unlock()
+	select {
+	case n.propSig <- struct{}{}:
+	default:
+	}
+}
+
+// Err returns the sticky error that stopped the node, or nil.
+func (n *Node) Err() error {
+	if e := n.failed.Load(); e != nil {
+		return *e
+	}
+	return nil
+}
+
+// Failed is closed when the node stops because of a storage or apply failure.
+func (n *Node) Failed() <-chan struct{} { return n.failc }
+
+// Stop stops the node: unresolved proposals get ErrStopped, the apply loop
+// drains what was committed, staged metadata is flushed. The caller closes
+// the storage afterwards.
+func (n *Node) Stop() {
+	n.stopOnce.Do(func() { close(n.stopc) })
+	n.wg.Wait()
+	if err := n.db.Flush(); err != nil && !errors.Is(err, storage.ErrClosed) {
+		n.log.Error("flush at stop failed", "error", err)
+	}
+}
+
+func (n *Node) fail(err error) {
+	n.failOnce.Do(func() {
+		n.failed.Store(&err)
+		n.log.Error("replication stopped", "error", err)
+		close(n.failc)
+	})
+}
+
+// run is the raft loop: tick, take proposals and messages, then handle every
+// Ready in raft's order: persist → send → apply → Advance.
+func (n *Node) run() {
+	defer n.wg.Done()
+	defer close(n.applyc)
+	ticker := time.NewTicker(n.cfg.Heartbeat)
+	defer ticker.Stop()
+	due := time.NewTimer(time.Hour)
+	defer due.Stop()
+	var dueAt time.Time
+	for {
+		select {
+		case <-ticker.C:
+			n.rn.Tick()
+			if n.db.Pending() && !n.rn.HasReady() {
+				// Staged metadata (applied index, sessions) with no log
+				// traffic to ride on: commit it on its own.
+				if err := n.db.Flush(); err != nil {
+					n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
+				}
+			}
+		case <-n.propSig:
+			n.proposeQueued()
+		case m := <-n.recvc:
+			_ = n.rn.Step(m)
+		case ch := <-n.statusc:
+			ch <- n.status()
+		case <-due.C:
+			dueAt = time.Time{}
+		case <-n.failc:
+			n.resolveAll(n.Err())
+			return
+		case <-n.stopc:
+			n.resolveAll(ErrStopped)
+			return
+		}
+		for n.rn.HasReady() {
+			if !n.handleReady() {
+				n.resolveAll(n.errOr(ErrStopped))
+				return
+			}
+		}
+		n.expire(time.Now())
+		if len(n.byDue) > 0 && !n.byDue[0].deadline.Equal(dueAt) {
+			dueAt = n.byDue[0].deadline
+			due.Reset(time.Until(dueAt))
+		}
+	}
+}
+
+func (n *Node) errOr(def error) error {
+	if err := n.Err(); err != nil {
+		return err
+	}
+	return def
+}
+
+// proposeQueued hands the queued proposals to raft in one MsgProp.
+func (n *Node) proposeQueued() {
+	n.propMu.Lock()
+	ps := n.propQ
+	n.propQ = nil
+	n.propMu.Unlock()
+	if len(ps) == 0 {
+		return
+	}
+	if !n.leader {
+		for _, p := range ps {
+			p.resolved = true
+			p.done(0, ErrNotLeader)
+		}
+		return
+	}
+	ents := make([]pb.Entry, len(ps))
+	for i, p := range ps {
+		ents[i].Data = p.data
+	}
+	if err := n.rn.Step(pb.Message{Type: pb.MsgProp, From: n.id, Entries: ents}); err != nil {
+		for _, p := range ps {
+			p.resolved = true
+			p.done(0, fmt.Errorf("%w (%v)", ErrNotLeader, err))
+		}
+		return
+	}
+	for _, p := range ps {
+		n.pending[p.id] = p
+		n.byDue = append(n.byDue, p)
+	}
+}
+
+// handleReady processes one Ready; false means the node must stop.
+func (n *Node) handleReady() bool {
+	rd := n.rn.Ready()
+	if rd.SoftState != nil {
+		n.setLeader(rd.SoftState.RaftState == raft.StateLeader, rd.SoftState.Lead)
+	}
+	if len(rd.Entries) > 0 || !raft.IsEmptyHardState(rd.HardState) {
+		if !n.save(rd.HardState, rd.Entries) {
+			return false
+		}
+	}
+	if n.leader {
+		n.matchSaved(rd.Entries)
+	}
+	if n.cfg.Transport != nil && len(rd.Messages) > 0 {
+		n.cfg.Transport.Send(rd.Messages)
+	}
+	if len(rd.CommittedEntries) > 0 {
+		for i := range rd.CommittedEntries {
+			if e := &rd.CommittedEntries[i]; e.Type != pb.EntryNormal {
+				n.applyConfChange(e)
+			}
+		}
+		select {
+		case n.applyc <- rd.CommittedEntries:
+		case <-n.stopc:
+			return false
+		case <-n.failc:
+			return false
+		}
+	}
+	n.rn.Advance(rd)
+	n.checkSync()
+	return true
+}
+
+// save persists one Ready, retrying a failing disk until it works or the
+// node stops: raft has handed over this Ready and cannot take it back.
+func (n *Node) save(hs pb.HardState, ents []pb.Entry) bool {
+	backoff := 10 * time.Millisecond
+	for {
+		err := n.db.Save(hs, ents)
+		if err == nil {
+			return true
+		}
+		if errors.Is(err, storage.ErrClosed) {
+			n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
+			return false
+		}
+		n.log.Error("saving the log failed; retrying", "error", err, "index", firstIndex(ents))
+		n.expire(time.Now())
+		select {
+		case <-time.After(backoff):
+		case <-n.stopc:
+			return false
+		}
+		if backoff < time.Second {
+			backoff *= 2
+		}
+	}
+}
+
+func firstIndex(ents []pb.Entry) uint64 {
+	if len(ents) == 0 {
+		return 0
+	}
+	return ents[0].Index
+}
+
+func (n *Node) setLeader(leader bool, lead uint64) {
+	if leader != n.leader {
+		n.log.Info("role changed", "master", leader, "leader", IDString(lead), "term", n.rn.BasicStatus().Term)
+	}
+	n.leader = leader
+	if !leader {
+		// Proposals not yet in a saved Ready will never be: raft dropped
+		// them with the leadership.
+		for id, p := range n.pending {
+			delete(n.pending, id)
+			n.resolve(p, ErrNotLeader)
+		}
+	}
+}
+
+// matchSaved resolves the proposals whose entries were just saved: async
+// ones are acked now (on the master's disk); sync ones wait for replicas.
+func (n *Node) matchSaved(ents []pb.Entry) {
+	if len(n.pending) == 0 {
+		return
+	}
+	for i := range ents {
+		e := &ents[i]
+		if e.Type != pb.EntryNormal || len(e.Data) == 0 {
+			continue
+		}
+		origin, seq, err := storage.RecordID(e.Data)
+		if err != nil {
+			continue
+		}
+		p := n.pending[recID{origin, seq}]
+		if p == nil {
+			continue
+		}
+		delete(n.pending, p.id)
+		p.index = e.Index
+		if p.mode == Async {
+			n.resolve(p, nil)
+		} else {
+			n.syncWait = append(n.syncWait, p)
+		}
+	}
+}
+
+// checkSync acks the sync proposals that enough other members hold, as
+// their Progress.Match says (learners count: a 2-gateway slave is one).
+func (n *Node) checkSync() {
+	if len(n.syncWait) == 0 || !n.leader {
+		return
+	}
+	k := n.cfg.MinSyncReplicas
+	var top [2]uint64 // the k highest Match among others; k ≤ 2
+	n.rn.WithProgress(func(id uint64, _ raft.ProgressType, pr tracker.Progress) {
+		if id == n.id {
+			return
+		}
+		m := pr.Match
+		if m > top[0] {
+			top[0], top[1] = m, top[0]
+		} else if m > top[1] {
+			top[1] = m
+		}
+	})
+	if k < 1 || k > len(top) {
+		return
+	}
+	covered := top[k-1]
+	i := 0
+	for ; i < len(n.syncWait) && n.syncWait[i].index <= covered; i++ {
+		n.resolve(n.syncWait[i], nil)
+	}
+	n.syncWait = n.syncWait[i:]
+}
+
+// resolve reports p's outcome once.
+func (n *Node) resolve(p *proposal, err error) {
+	if p.resolved {
+		return
+	}
+	p.resolved = true
+	if err != nil {
+		p.done(0, err)
+		return
+	}
+	p.done(p.index, nil)
+}
+
+// expire fails the proposals past their deadline and drops resolved ones
+// from the head of byDue.
+func (n *Node) expire(now time.Time) {
+	i := 0
+	for ; i < len(n.byDue); i++ {
+		p := n.byDue[i]
+		if !p.resolved {
+			if now.Before(p.deadline) {
+				break
+			}
+			delete(n.pending, p.id)
+			n.resolve(p, ErrAckTimeout)
+		}
+	}
+	if i > 0 {
+		n.byDue = append(n.byDue[:0], n.byDue[i:]...)
+	}
+	j := 0
+	for ; j < len(n.syncWait) && n.syncWait[j].resolved; j++ {
+	}
+	n.syncWait = n.syncWait[j:]
+}
+
+// resolveAll fails every unresolved proposal, queued ones included.
+func (n *Node) resolveAll(err error) {
+	n.propMu.Lock()
+	q := n.propQ
+	n.propQ = nil
+	n.propMu.Unlock()
+	for _, p := range q {
+		n.resolve(p, err)
+	}
+	for _, p := range n.byDue {
+		n.resolve(p, err)
+	}
+	n.byDue, n.syncWait = nil, nil
+	clear(n.pending)
+}
+
+// applyConfChange applies a membership entry on the raft goroutine, as raft
+// requires, and records the new conf state.
+func (n *Node) applyConfChange(e *pb.Entry) {
+	var cc pb.ConfChangeI
+	switch e.Type {
+	case pb.EntryConfChange:
+		var c pb.ConfChange
+		if err := c.Unmarshal(e.Data); err != nil {
+			n.fail(fmt.Errorf("replication: conf change at %d: %v: %w", e.Index, err, storage.ErrCorrupt))
+			return
+		}
+		cc = c
+	case pb.EntryConfChangeV2:
+		var c pb.ConfChangeV2
+		if err := c.Unmarshal(e.Data); err != nil {
+			n.fail(fmt.Errorf("replication: conf change at %d: %v: %w", e.Index, err, storage.ErrCorrupt))
+			return
+		}
+		cc = c
+	default:
+		return
+	}
+	cs := n.rn.ApplyConfChange(cc)
+	n.db.SetConfState(*cs)
+}
+
+// applyLoop delivers committed records in order and records the applied
+// index after them, so a restart resumes where delivery stopped.
+func (n *Node) applyLoop() {
+	defer n.wg.Done()
+	for ents := range n.applyc {
+		if n.Err() != nil {
+			continue
+		}
+		for i := range ents {
+			e := &ents[i]
+			if e.Type != pb.EntryNormal || len(e.Data) == 0 {
+				continue
+			}
+			rec, err := storage.DecodeRecord(e.Data)
+			if err != nil {
+				n.fail(fmt.Errorf("replication: committed entry %d: %w", e.Index, err))
+				break
+			}
+			if err := n.cfg.Applier.Apply(e.Index, &rec); err != nil {
+				n.fail(fmt.Errorf("replication: apply %d: %w", e.Index, err))
+				break
+			}
+		}
+		if n.Err() == nil {
+			n.db.SetApplied(ents[len(ents)-1].Index)
+		}
+	}
+}

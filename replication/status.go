@@ -1,0 +1,96 @@
+package replication
+
+import (
+	"context"
+	"time"
+
+	"go.etcd.io/raft/v3"
+	"go.etcd.io/raft/v3/tracker"
+)
+
+// Status is a point-in-time view of the node, for the status endpoint.
+type Status struct {
+	ID      uint64
+	Role    string // "master", "slave" or "candidate"
+	Term    uint64
+	Leader  uint64 // 0 when none is known
+	Commit  uint64
+	Applied uint64
+	First   uint64
+	Last    uint64
+	Members []MemberProgress // the master's view of the others; empty elsewhere
+}
+
+// MemberProgress is what the master knows of one other member.
+type MemberProgress struct {
+	ID      uint64
+	Learner bool
+	Match   uint64
+}
+
+// RoleName maps a raft state to the role names of the status contract.
+func RoleName(s raft.StateType) string {
+	switch s {
+	case raft.StateLeader:
+		return "master"
+	case raft.StateFollower:
+		return "slave"
+	default:
+		return "candidate"
+	}
+}
+
+// status is computed on the raft goroutine.
+func (n *Node) status() Status {
+	bs := n.rn.BasicStatus()
+	st := n.db.Stats()
+	s := Status{ID: n.id, Role: RoleName(bs.RaftState), Term: bs.Term, Leader: bs.Lead, Commit: bs.Commit, Applied: st.Applied, First: st.FirstIndex, Last: st.LastIndex}
+	if bs.RaftState == raft.StateLeader {
+		n.rn.WithProgress(func(id uint64, typ raft.ProgressType, pr tracker.Progress) {
+			if id != n.id {
+				s.Members = append(s.Members, MemberProgress{ID: id, Learner: pr.IsLearner, Match: pr.Match})
+			}
+		})
+	}
+	return s
+}
+
+// Status asks the raft goroutine for the node's status.
+func (n *Node) Status(ctx context.Context) (Status, error) {
+	ch := make(chan Status, 1)
+	select {
+	case n.statusc <- ch:
+	case <-n.stopc:
+		return Status{}, ErrStopped
+	case <-n.failc:
+		return Status{}, n.Err()
+	case <-ctx.Done():
+		return Status{}, ctx.Err()
+	}
+	select {
+	case s := <-ch:
+		return s, nil
+	case <-ctx.Done():
+		return Status{}, ctx.Err()
+	}
+}
+
+// WaitLeader waits until the group has a master (this node or another).
+func (n *Node) WaitLeader(ctx context.Context) error {
+	t := time.NewTicker(10 * time.Millisecond)
+	defer t.Stop()
+	for {
+		s, err := n.Status(ctx)
+		if err != nil {
+			return err
+		}
+		if s.Leader != 0 {
+			return nil
+		}
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}

@@ -1,0 +1,343 @@
+package storage
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+	bolterrors "go.etcd.io/bbolt/errors"
+	"go.etcd.io/raft/v3"
+	pb "go.etcd.io/raft/v3/raftpb"
+)
+
+var (
+	errCompacted   = raft.ErrCompacted
+	errUnavailable = raft.ErrUnavailable
+)
+
+// FileName is the name of the data file inside the data dir.
+const FileName = "tandem.db"
+
+// FormatVersion is the layout of buckets and values this build writes. A file
+// with a higher version is refused rather than misread.
+const FormatVersion = 1
+
+// Bucket names. Big-endian uint64 keys in the log bucket keep cursor order
+// equal to log order.
+var (
+	bucketLog       = []byte("log")       // index → entry
+	bucketRaftState = []byte("raftstate") // hard state, conf state, snapshot metadata
+	bucketMeta      = []byte("meta")      // format version, node id, applied index
+	bucketRequeue   = []byte("requeue")   // data entries a conflicting append overwrote
+	// BucketSessions holds the broker's persistent state (sessions,
+	// subscriptions, in-flight messages, retained messages), written through
+	// Stage so it commits with the log.
+	BucketSessions = "sessions"
+)
+
+var (
+	keyHardState = []byte("hardstate")
+	keyConfState = []byte("confstate")
+	keySnapMeta  = []byte("snapshot")
+	keyFormat    = []byte("format")
+	keyNodeID    = []byte("node_id")
+	keyApplied   = []byte("applied")
+	keyEpoch     = []byte("epoch")
+)
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// Options tune Open. A nil *Options means the defaults.
+type Options struct {
+	// Logger receives open and recovery messages; nil discards them.
+	Logger *slog.Logger
+	// LockTimeout bounds the wait for the file lock another process holds;
+	// zero means 1s. bbolt's own default waits forever.
+	LockTimeout time.Duration
+	// ReadOnly opens the file without writing to it, for `tandem inspect`.
+	ReadOnly bool
+	// TailBytes bounds the in-memory copy of the newest entries, which
+	// serves raft's reads of what was just appended; zero means 16 MiB.
+	TailBytes int
+}
+
+// DB is the node's data file: the raft log, raft state and metadata in one
+// bbolt file. It implements raft.Storage. The write methods (Save, Stage*,
+// Flush) may be called from any goroutine, but the replication loop is the
+// only caller of Save, which keeps the log's order.
+type DB struct {
+	path    string
+	bolt    *bolt.DB
+	log     *slog.Logger
+	ro      bool
+	maxTail int
+
+	// mu guards the in-memory view of the file below. raft reads it on the
+	// replication goroutine; status and metrics read it from others.
+	mu        sync.RWMutex
+	hs        pb.HardState
+	cs        pb.ConfState
+	snapIndex uint64
+	snapTerm  uint64
+	first     uint64 // first index in the log bucket (snapIndex+1)
+	last      uint64 // last index in the log bucket (snapIndex when empty)
+	applied   uint64
+	nodeID    uint64
+	tail      []pb.Entry // newest entries; tail ends at last
+	tailBytes int
+	closed    bool
+
+	// stageMu guards staged: metadata writes waiting for the next
+	// transaction, so they commit together with the entries proposed after
+	// them, at no extra fsync.
+	stageMu sync.Mutex
+	staged  map[string]stagedOp
+}
+
+type stagedOp struct {
+	bucket string
+	key    string
+	val    []byte // nil means delete
+}
+
+// Open opens (creating if needed) the data file in dir. A file that is empty,
+// truncated, locked by another process or fails its checks is reported and
+// left exactly as it is.
+func Open(dir string, opts *Options) (*DB, error) {
+	if opts == nil {
+		opts = &Options{}
+	}
+	lg := opts.Logger
+	if lg == nil {
+		lg = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	timeout := opts.LockTimeout
+	if timeout == 0 {
+		timeout = time.Second
+	}
+	maxTail := opts.TailBytes
+	if maxTail == 0 {
+		maxTail = 16 << 20
+	}
+	path := filepath.Join(dir, FileName)
+	if opts.ReadOnly {
+		if _, err := os.Stat(path); err != nil {
+			return nil, fmt.Errorf("storage: %w", err)
+		}
+	} else if err := os.MkdirAll(dir, 0o750); err != nil {
+		return nil, fmt.Errorf("storage: data dir: %w", err)
+	}
+	if err := checkFile(path); err != nil {
+		return nil, err
+	}
+	bdb, err := bolt.Open(path, 0o640, &bolt.Options{
+		Timeout:        timeout,
+		ReadOnly:       opts.ReadOnly,
+		NoFreelistSync: true,
+		FreelistType:   bolt.FreelistMapType,
+	})
+	if err != nil {
+		if errors.Is(err, bolterrors.ErrTimeout) {
+			return nil, fmt.Errorf("%s: %w", path, ErrInUse)
+		}
+		if errors.Is(err, bolterrors.ErrInvalid) || errors.Is(err, bolterrors.ErrChecksum) || errors.Is(err, bolterrors.ErrVersionMismatch) {
+			return nil, fmt.Errorf("%s: %v: %w", path, err, ErrCorrupt)
+		}
+		return nil, fmt.Errorf("storage: open %s: %w", path, err)
+	}
+	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}}
+	if err := db.load(); err != nil {
+		bdb.Close()
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	lg.Info("data file opened", "path", path, "first_index", db.first, "last_index", db.last, "applied", db.applied)
+	return db, nil
+}
+
+// load creates the buckets of a new file and reads the state of an existing
+// one, checking every entry's CRC: a damaged page must stop the daemon at
+// start, not after it has acked more publishes on top of it.
+func (db *DB) load() (err error) {
+	defer func() {
+		// bbolt panics on some damaged pages; that is corruption, not a bug.
+		if r := recover(); r != nil {
+			err = fmt.Errorf("reading the file failed (%v): %w", r, ErrCorrupt)
+		}
+	}()
+	if !db.ro {
+		err = db.bolt.Update(func(tx *bolt.Tx) error {
+			for _, b := range [][]byte{bucketLog, bucketRaftState, bucketMeta, bucketRequeue, []byte(BucketSessions)} {
+				if _, err := tx.CreateBucketIfNotExists(b); err != nil {
+					return err
+				}
+			}
+			m := tx.Bucket(bucketMeta)
+			if m.Get(keyFormat) == nil {
+				return m.Put(keyFormat, u64(FormatVersion))
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+	}
+	return db.bolt.View(func(tx *bolt.Tx) error {
+		m := tx.Bucket(bucketMeta)
+		if m == nil {
+			return fmt.Errorf("no meta bucket (not a tandem data file): %w", ErrCorrupt)
+		}
+		if v := m.Get(keyFormat); len(v) != 8 {
+			return fmt.Errorf("no format version: %w", ErrCorrupt)
+		} else if f := binary.BigEndian.Uint64(v); f > FormatVersion {
+			return fmt.Errorf("data format %d, this build reads up to %d: %w", f, FormatVersion, ErrUnknownVersion)
+		}
+		if v := m.Get(keyNodeID); len(v) == 8 {
+			db.nodeID = binary.BigEndian.Uint64(v)
+		}
+		if v := m.Get(keyApplied); len(v) == 8 {
+			db.applied = binary.BigEndian.Uint64(v)
+		}
+		rs := tx.Bucket(bucketRaftState)
+		if rs == nil {
+			return fmt.Errorf("no raftstate bucket: %w", ErrCorrupt)
+		}
+		if v := rs.Get(keyHardState); v != nil {
+			if err := db.hs.Unmarshal(v); err != nil {
+				return fmt.Errorf("hard state: %v: %w", err, ErrCorrupt)
+			}
+		}
+		if v := rs.Get(keyConfState); v != nil {
+			if err := db.cs.Unmarshal(v); err != nil {
+				return fmt.Errorf("conf state: %v: %w", err, ErrCorrupt)
+			}
+		}
+		if v := rs.Get(keySnapMeta); len(v) == 16 {
+			db.snapIndex = binary.BigEndian.Uint64(v)
+			db.snapTerm = binary.BigEndian.Uint64(v[8:])
+		}
+		db.first, db.last = db.snapIndex+1, db.snapIndex
+		lb := tx.Bucket(bucketLog)
+		if lb == nil {
+			return fmt.Errorf("no log bucket: %w", ErrCorrupt)
+		}
+		return db.scanLocked(lb)
+	})
+}
+
+// scanLocked checks every entry of the log bucket (CRC, contiguous indexes,
+// non-decreasing terms), then fills the tail cache from the newest end.
+func (db *DB) scanLocked(lb *bolt.Bucket) error {
+	c := lb.Cursor()
+	var prevTerm uint64
+	next := db.snapIndex + 1
+	for k, v := c.First(); k != nil; k, v = c.Next() {
+		if len(k) != 8 {
+			return fmt.Errorf("log key of %d bytes: %w", len(k), ErrCorrupt)
+		}
+		idx := binary.BigEndian.Uint64(k)
+		if idx != next {
+			return fmt.Errorf("log index %d where %d was expected (gap or lost head): %w", idx, next, ErrCorrupt)
+		}
+		term, err := checkEntry(idx, v)
+		if err != nil {
+			return err
+		}
+		if term < prevTerm {
+			return fmt.Errorf("entry %d has term %d after term %d: %w", idx, term, prevTerm, ErrCorrupt)
+		}
+		prevTerm = term
+		db.last = idx
+		next++
+	}
+	if db.hs.Commit > db.last {
+		return fmt.Errorf("commit index %d is past the last entry %d: %w", db.hs.Commit, db.last, ErrCorrupt)
+	}
+	var rev []pb.Entry
+	size := 0
+	for k, v := c.Last(); k != nil && size < db.maxTail; k, v = c.Prev() {
+		e, err := decodeEntry(binary.BigEndian.Uint64(k), v)
+		if err != nil {
+			return err
+		}
+		size += entrySize(&e)
+		rev = append(rev, e)
+	}
+	for i := len(rev) - 1; i >= 0; i-- {
+		db.tail = append(db.tail, rev[i])
+	}
+	db.tailBytes = size
+	return nil
+}
+
+// Close flushes staged metadata and closes the file.
+func (db *DB) Close() error {
+	db.mu.Lock()
+	if db.closed {
+		db.mu.Unlock()
+		return nil
+	}
+	db.closed = true
+	db.mu.Unlock()
+	var ferr error
+	if !db.ro {
+		ferr = db.flush()
+	}
+	if err := db.bolt.Close(); err != nil {
+		return err
+	}
+	return ferr
+}
+
+// Path returns the data file's path.
+func (db *DB) Path() string { return db.path }
+
+// u64 returns v as an 8-byte big-endian key.
+func u64(v uint64) []byte {
+	var b [8]byte
+	binary.BigEndian.PutUint64(b[:], v)
+	return b[:]
+}
+
+// Entry values: CRC-32C of the rest (4) | term (8) | type (1) | data.
+const entryHdr = 13
+
+func entrySize(e *pb.Entry) int { return entryHdr + len(e.Data) }
+
+func putEntry(dst []byte, e *pb.Entry) {
+	binary.BigEndian.PutUint64(dst[4:], e.Term)
+	dst[12] = byte(e.Type)
+	copy(dst[entryHdr:], e.Data)
+	binary.BigEndian.PutUint32(dst, crc32.Checksum(dst[4:], castagnoli))
+}
+
+// checkEntry verifies a log value's CRC and returns its term.
+func checkEntry(idx uint64, v []byte) (uint64, error) {
+	if len(v) < entryHdr {
+		return 0, fmt.Errorf("entry %d is %d bytes, shorter than its header: %w", idx, len(v), ErrCorrupt)
+	}
+	if got, want := crc32.Checksum(v[4:], castagnoli), binary.BigEndian.Uint32(v); got != want {
+		return 0, fmt.Errorf("entry %d fails its CRC (stored %08x, computed %08x): %w", idx, want, got, ErrCorrupt)
+	}
+	return binary.BigEndian.Uint64(v[4:]), nil
+}
+
+// decodeEntry decodes a log value, copying its data out of the bbolt page.
+func decodeEntry(idx uint64, v []byte) (pb.Entry, error) {
+	term, err := checkEntry(idx, v)
+	if err != nil {
+		return pb.Entry{}, err
+	}
+	e := pb.Entry{Index: idx, Term: term, Type: pb.EntryType(v[12])}
+	if len(v) > entryHdr {
+		e.Data = append([]byte(nil), v[entryHdr:]...)
+	}
+	return e, nil
+}

@@ -1,0 +1,23 @@
+// Package storage owns the node's data file: one bbolt file holding the raft
+// log (entries by index), the raft hard state and conf state, and small
+// metadata buckets (format version, node id, applied index, requeued entries,
+// the broker's persistent sessions and retained messages).
+//
+// DB implements raft.Storage over that file; no MemoryStorage holds the log.
+// Save appends a whole Ready batch in one transaction, so many publishes share
+// one group of fsyncs. Metadata written through Stage rides along with the
+// next Save, so it costs no fsync of its own and is never newer on disk than
+// the entries proposed after it.
+//
+// Durability: every entry carries a CRC-32C, checked on every read and for
+// the whole log at Open. A file that is empty, truncated, locked by another
+// process or fails a check is reported with ErrCorrupt or ErrInUse and left
+// exactly as it is; nothing here ever resets a file. bbolt itself falls back
+// to the last complete commit after a torn one.
+//
+// Threading: the raft.Storage methods may be called from any goroutine; Save
+// is called only by the replication loop, which keeps the log's order.
+//
+// The record encoding (DecodeRecord, AppendRecord) also lives here: it is
+// the unit the log stores and the CRC the daemon checks on read.
+package storage

@@ -1,0 +1,202 @@
+package storage
+
+import (
+	"encoding/binary"
+	"fmt"
+	"os"
+
+	bolt "go.etcd.io/bbolt"
+	pb "go.etcd.io/raft/v3/raftpb"
+)
+
+// stage queues a metadata write for the next transaction.
+func (db *DB) stage(bucket, key string, val []byte) {
+	db.stageMu.Lock()
+	db.staged[bucket+"\x00"+key] = stagedOp{bucket: bucket, key: key, val: val}
+	db.stageMu.Unlock()
+}
+
+// Stage queues key=val in bucket (BucketSessions) for the next transaction:
+// it becomes durable no later than any entry saved after Stage returns.
+// val must not be modified afterwards.
+func (db *DB) Stage(bucket, key string, val []byte) {
+	if val == nil {
+		val = []byte{}
+	}
+	db.stage(bucket, key, val)
+}
+
+// StageDelete queues the deletion of key in bucket, like Stage.
+func (db *DB) StageDelete(bucket, key string) { db.stage(bucket, key, nil) }
+
+// applyStaged writes and clears the staged operations inside tx. Taking them
+// inside the transaction (under bbolt's writer lock) keeps the order: what
+// was staged before an entry was proposed commits with it or before it.
+func (db *DB) applyStaged(tx *bolt.Tx) error {
+	db.stageMu.Lock()
+	ops := db.staged
+	if len(ops) == 0 {
+		db.stageMu.Unlock()
+		return nil
+	}
+	db.staged = make(map[string]stagedOp, len(ops))
+	db.stageMu.Unlock()
+	for _, op := range ops {
+		b := tx.Bucket([]byte(op.bucket))
+		if b == nil {
+			var err error
+			if b, err = tx.CreateBucketIfNotExists([]byte(op.bucket)); err != nil {
+				return err
+			}
+		}
+		var err error
+		if op.val == nil {
+			err = b.Delete([]byte(op.key))
+		} else {
+			err = b.Put([]byte(op.key), op.val)
+		}
+		if err != nil {
+			return fmt.Errorf("%s/%s: %w", op.bucket, op.key, err)
+		}
+	}
+	return nil
+}
+
+// Pending reports whether staged metadata waits for a transaction.
+func (db *DB) Pending() bool {
+	db.stageMu.Lock()
+	defer db.stageMu.Unlock()
+	return len(db.staged) > 0
+}
+
+// Flush commits staged metadata now.
+func (db *DB) Flush() error {
+	db.mu.RLock()
+	closed := db.closed
+	db.mu.RUnlock()
+	if closed {
+		return ErrClosed
+	}
+	return db.flush()
+}
+
+// Sync makes everything staged so far durable before it returns, even what
+// a transaction in progress has already taken: bbolt runs this one after it.
+func (db *DB) Sync() error {
+	db.mu.RLock()
+	closed := db.closed
+	db.mu.RUnlock()
+	if closed {
+		return ErrClosed
+	}
+	if err := db.bolt.Update(db.applyStaged); err != nil {
+		return fmt.Errorf("storage: sync: %w", err)
+	}
+	return nil
+}
+
+func (db *DB) flush() error {
+	if !db.Pending() {
+		return nil
+	}
+	if err := db.bolt.Update(db.applyStaged); err != nil {
+		return fmt.Errorf("storage: flush: %w", err)
+	}
+	return nil
+}
+
+// ForEach calls fn for every key in bucket with the given prefix, in key
+// order. k and v are only valid during the call.
+func (db *DB) ForEach(bucket, prefix string, fn func(k, v []byte) error) error {
+	return db.bolt.View(func(tx *bolt.Tx) error {
+		b := tx.Bucket([]byte(bucket))
+		if b == nil {
+			return nil
+		}
+		c := b.Cursor()
+		p := []byte(prefix)
+		for k, v := c.Seek(p); k != nil && len(k) >= len(p) && string(k[:len(p)]) == prefix; k, v = c.Next() {
+			if err := fn(k, v); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// NodeID returns the node id recorded in the file, 0 if none yet.
+func (db *DB) NodeID() uint64 {
+	db.mu.RLock()
+	defer db.mu.RUnlock()
+	return db.nodeID
+}
+
+// SetNodeID records the node id the file belongs to, durably. A data dir is
+// bound to one identity: replication refuses a file of another node.
+func (db *DB) SetNodeID(id uint64) error {
+	err := db.bolt.Update(func(tx *bolt.Tx) error {
+		return tx.Bucket(bucketMeta).Put(keyNodeID, u64(id))
+	})
+	if err != nil {
+		return fmt.Errorf("storage: set node id: %w", err)
+	}
+	db.mu.Lock()
+	db.nodeID = id
+	db.mu.Unlock()
+	return nil
+}
+
+// Scan calls fn for each entry with index >= from, in order, until fn
+// returns false or the log ends. Entries are decoded and CRC-checked; fn may
+// keep them.
+func (db *DB) Scan(from uint64, fn func(e pb.Entry) bool) error {
+	return db.bolt.View(func(tx *bolt.Tx) error {
+		c := tx.Bucket(bucketLog).Cursor()
+		for k, v := c.Seek(u64(from)); k != nil; k, v = c.Next() {
+			e, err := decodeEntry(binary.BigEndian.Uint64(k), v)
+			if err != nil {
+				return err
+			}
+			if !fn(e) {
+				return nil
+			}
+		}
+		return nil
+	})
+}
+
+// Stats is a snapshot of the file's size and the log's bounds.
+type Stats struct {
+	FirstIndex, LastIndex, Commit, Applied uint64
+	FileBytes                              int64
+}
+
+// Stats returns the log bounds and the file size.
+func (db *DB) Stats() Stats {
+	db.mu.RLock()
+	s := Stats{FirstIndex: db.first, LastIndex: db.last, Commit: db.hs.Commit, Applied: db.applied}
+	db.mu.RUnlock()
+	if fi, err := os.Stat(db.path); err == nil {
+		s.FileBytes = fi.Size()
+	}
+	return s
+}
+
+// NextEpoch increments and returns the node's start counter, durably. Record
+// sequence numbers start at epoch<<32, so they never repeat across restarts
+// even on a gateway whose clock starts in 1970.
+func (db *DB) NextEpoch() (uint64, error) {
+	var epoch uint64
+	err := db.bolt.Update(func(tx *bolt.Tx) error {
+		m := tx.Bucket(bucketMeta)
+		if v := m.Get(keyEpoch); len(v) == 8 {
+			epoch = binary.BigEndian.Uint64(v)
+		}
+		epoch++
+		return m.Put(keyEpoch, u64(epoch))
+	})
+	if err != nil {
+		return 0, fmt.Errorf("storage: next epoch: %w", err)
+	}
+	return epoch, nil
+}

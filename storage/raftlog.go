@@ -1,0 +1,308 @@
+package storage
+
+import (
+	"encoding/binary"
+	"fmt"
+
+	bolt "go.etcd.io/bbolt"
+	pb "go.etcd.io/raft/v3/raftpb"
+)
+
+// InitialState implements raft.Storage.
+func (db *DB) InitialState() (pb.HardState, pb.ConfState, error) {
+	db.mu.RLock()
+	defer db.mu.RUnlock()
+	return db.hs, db.cs, nil
+}
+
+// FirstIndex implements raft.Storage.
+func (db *DB) FirstIndex() (uint64, error) {
+	db.mu.RLock()
+	defer db.mu.RUnlock()
+	return db.first, nil
+}
+
+// LastIndex implements raft.Storage.
+func (db *DB) LastIndex() (uint64, error) {
+	db.mu.RLock()
+	defer db.mu.RUnlock()
+	return db.last, nil
+}
+
+// Snapshot implements raft.Storage. The snapshot carries only the
+// membership: every record before it is still in the log or was deliberately
+// expired by retention.
+func (db *DB) Snapshot() (pb.Snapshot, error) {
+	db.mu.RLock()
+	defer db.mu.RUnlock()
+	return pb.Snapshot{Metadata: pb.SnapshotMetadata{Index: db.snapIndex, Term: db.snapTerm, ConfState: db.cs}}, nil
+}
+
+// Term implements raft.Storage.
+func (db *DB) Term(i uint64) (uint64, error) {
+	db.mu.RLock()
+	defer db.mu.RUnlock()
+	switch {
+	case i == db.snapIndex:
+		return db.snapTerm, nil
+	case i < db.snapIndex:
+		return 0, ErrCompacted
+	case i > db.last:
+		return 0, ErrUnavailable
+	}
+	if e, ok := db.tailEntryLocked(i); ok {
+		return e.Term, nil
+	}
+	var term uint64
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		v := tx.Bucket(bucketLog).Get(u64(i))
+		if v == nil {
+			return fmt.Errorf("entry %d missing: %w", i, ErrCorrupt)
+		}
+		var err error
+		term, err = checkEntry(i, v)
+		return err
+	})
+	return term, err
+}
+
+// Entries implements raft.Storage: entries [lo, hi), at most maxSize bytes
+// but at least one.
+func (db *DB) Entries(lo, hi, maxSize uint64) ([]pb.Entry, error) {
+	db.mu.RLock()
+	defer db.mu.RUnlock()
+	if lo <= db.snapIndex {
+		return nil, ErrCompacted
+	}
+	if hi > db.last+1 || lo > hi {
+		return nil, fmt.Errorf("entries [%d, %d) past last index %d: %w", lo, hi, db.last, ErrUnavailable)
+	}
+	if lo == hi {
+		return nil, nil
+	}
+	if len(db.tail) > 0 && lo >= db.tail[0].Index {
+		off := db.tail[0].Index
+		ents := db.tail[lo-off : hi-off]
+		n := limitSize(ents, maxSize)
+		return append([]pb.Entry(nil), ents[:n]...), nil
+	}
+	return db.readEntries(lo, hi, maxSize)
+}
+
+// readEntries reads entries [lo, hi) from the file.
+func (db *DB) readEntries(lo, hi, maxSize uint64) ([]pb.Entry, error) {
+	var out []pb.Entry
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		c := tx.Bucket(bucketLog).Cursor()
+		var size uint64
+		i := lo
+		for k, v := c.Seek(u64(lo)); k != nil && i < hi; k, v = c.Next() {
+			if binary.BigEndian.Uint64(k) != i {
+				return fmt.Errorf("entry %d missing: %w", i, ErrCorrupt)
+			}
+			e, err := decodeEntry(i, v)
+			if err != nil {
+				return err
+			}
+			size += uint64(e.Size())
+			if len(out) > 0 && size > maxSize {
+				break
+			}
+			out = append(out, e)
+			i++
+		}
+		if len(out) == 0 {
+			return fmt.Errorf("entry %d missing: %w", lo, ErrCorrupt)
+		}
+		return nil
+	})
+	return out, err
+}
+
+// limitSize returns how many of ents fit in maxSize bytes, at least one.
+func limitSize(ents []pb.Entry, maxSize uint64) int {
+	var size uint64
+	for i := range ents {
+		size += uint64(ents[i].Size())
+		if i > 0 && size > maxSize {
+			return i
+		}
+	}
+	return len(ents)
+}
+
+func (db *DB) tailEntryLocked(i uint64) (pb.Entry, bool) {
+	if len(db.tail) == 0 || i < db.tail[0].Index || i > db.last {
+		return pb.Entry{}, false
+	}
+	return db.tail[i-db.tail[0].Index], true
+}
+
+// appendTailLocked adds ents (contiguous, ending at db.last) to the tail
+// cache, cutting a conflicting suffix first and dropping the oldest entries
+// past the byte budget.
+func (db *DB) appendTailLocked(ents []pb.Entry) {
+	if len(ents) == 0 {
+		return
+	}
+	if len(db.tail) > 0 {
+		first := db.tail[0].Index
+		switch {
+		case ents[0].Index <= first:
+			db.tail, db.tailBytes = db.tail[:0], 0
+		case ents[0].Index <= db.tail[len(db.tail)-1].Index+1:
+			for _, e := range db.tail[ents[0].Index-first:] {
+				db.tailBytes -= entrySize(&e)
+			}
+			db.tail = db.tail[:ents[0].Index-first]
+		default:
+			db.tail, db.tailBytes = db.tail[:0], 0
+		}
+	}
+	for i := range ents {
+		db.tailBytes += entrySize(&ents[i])
+	}
+	db.tail = append(db.tail, ents...)
+	drop := 0
+	for db.tailBytes > db.maxTail && drop < len(db.tail)-1 {
+		db.tailBytes -= entrySize(&db.tail[drop])
+		drop++
+	}
+	if drop > 0 {
+		// Copy rather than reslice so the dropped entries' memory is freed
+		// once in a while instead of pinned by the backing array.
+		if drop > len(db.tail)/2 {
+			db.tail = append([]pb.Entry(nil), db.tail[drop:]...)
+		} else {
+			db.tail = db.tail[drop:]
+		}
+	}
+}
+
+// Save makes hs and ents durable in one bbolt transaction (one commit, so
+// one group of fsyncs for the whole batch), together with any staged
+// metadata. Entries that ents overwrite are moved to the requeue bucket,
+// never dropped: a deposed master may have acked them.
+func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
+	if db.ro {
+		return fmt.Errorf("storage: save on a read-only file")
+	}
+	db.mu.RLock()
+	closed, last := db.closed, db.last
+	db.mu.RUnlock()
+	if closed {
+		return ErrClosed
+	}
+	// One buffer for every value of the batch: bbolt keeps the slices until
+	// commit, and one allocation per batch beats one per entry.
+	size := 0
+	for i := range ents {
+		size += 8 + entrySize(&ents[i])
+	}
+	buf := make([]byte, size)
+	err := db.bolt.Update(func(tx *bolt.Tx) error {
+		lb := tx.Bucket(bucketLog)
+		lb.FillPercent = 1.0 // appends are sequential: full pages halve growth
+		if len(ents) > 0 && ents[0].Index <= last {
+			if err := requeueFrom(tx, lb, ents[0].Index, last); err != nil {
+				return err
+			}
+		}
+		off := 0
+		for i := range ents {
+			k := buf[off : off+8]
+			binary.BigEndian.PutUint64(k, ents[i].Index)
+			n := entrySize(&ents[i])
+			v := buf[off+8 : off+8+n]
+			putEntry(v, &ents[i])
+			off += 8 + n
+			if err := lb.Put(k, v); err != nil {
+				return err
+			}
+		}
+		if !isEmptyHardState(hs) {
+			b, err := hs.Marshal()
+			if err != nil {
+				return err
+			}
+			if err := tx.Bucket(bucketRaftState).Put(keyHardState, b); err != nil {
+				return err
+			}
+		}
+		return db.applyStaged(tx)
+	})
+	if err != nil {
+		return fmt.Errorf("storage: save: %w", err)
+	}
+	db.mu.Lock()
+	if !isEmptyHardState(hs) {
+		db.hs = hs
+	}
+	if len(ents) > 0 {
+		db.last = ents[len(ents)-1].Index
+		db.appendTailLocked(ents)
+	}
+	db.mu.Unlock()
+	return nil
+}
+
+func isEmptyHardState(hs pb.HardState) bool { return hs == pb.HardState{} }
+
+// requeueFrom moves the data entries [from, last] out of the log into the
+// requeue bucket, keyed by their old index.
+func requeueFrom(tx *bolt.Tx, lb *bolt.Bucket, from, last uint64) error {
+	rq := tx.Bucket(bucketRequeue)
+	for i := from; i <= last; i++ {
+		k := u64(i)
+		v := lb.Get(k)
+		if v == nil {
+			continue
+		}
+		if len(v) > entryHdr && pb.EntryType(v[12]) == pb.EntryNormal {
+			if err := rq.Put(k, append([]byte(nil), v...)); err != nil {
+				return err
+			}
+		}
+		if err := lb.Delete(k); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// SetConfState records the membership raft applied; it is written with the
+// next transaction, which is also the one recording the applied index.
+func (db *DB) SetConfState(cs pb.ConfState) {
+	b, err := cs.Marshal()
+	if err != nil {
+		panic(fmt.Sprintf("storage: marshal conf state: %v", err))
+	}
+	db.mu.Lock()
+	db.cs = cs
+	db.mu.Unlock()
+	db.stage(string(bucketRaftState), string(keyConfState), b)
+}
+
+// SetApplied records the index of the last entry applied (delivered to
+// subscribers and reflected in the retained store). It is written with the
+// next transaction, after the metadata staged while applying.
+func (db *DB) SetApplied(i uint64) {
+	db.mu.Lock()
+	db.applied = i
+	db.mu.Unlock()
+	db.stage(string(bucketMeta), string(keyApplied), u64(i))
+}
+
+// Applied returns the applied index recorded in the file.
+func (db *DB) Applied() uint64 {
+	db.mu.RLock()
+	defer db.mu.RUnlock()
+	return db.applied
+}
+
+// HardState returns the persisted raft hard state.
+func (db *DB) HardState() pb.HardState {
+	db.mu.RLock()
+	defer db.mu.RUnlock()
+	return db.hs
+}

@@ -1,0 +1,363 @@
+package storage
+
+import (
+	"encoding/binary"
+	"fmt"
+	"hash/crc32"
+	"math/bits"
+	"slices"
+)
+
+// Record is one MQTT publish as kept in the log: the unit every raft data
+// entry carries. It holds everything a subscriber on any member needs to get
+// the message as the device sent it, plus the id that lets a retried forward
+// or a requeued tail be recognised instead of logged twice.
+type Record struct {
+	Origin      uint64 // id of the node that took the publish from a device
+	Seq         uint64 // per-origin sequence number; (Origin, Seq) is the record id
+	ClientID    string
+	Topic       string
+	QoS         byte // 0, 1 or 2; AppendRecord panics on anything else
+	Retain      bool
+	Republished bool   // re-proposed from a deposed master's tail (requeue)
+	Will        bool   // a will (last will and testament) message
+	PacketID    uint16 // MQTT packet id at the origin (0 for QoS 0)
+	Time        int64  // publish time, Unix nanoseconds, taken at the origin
+	Payload     []byte
+	Props       Properties
+}
+
+// Properties are the MQTT 5 properties that travel with a message.
+//
+// MQTT tells an absent payload format or message expiry apart from a zero
+// one, hence the Set flags; a value whose flag is false is not stored, so it
+// decodes as zero.
+type Properties struct {
+	PayloadFormat    byte
+	PayloadFormatSet bool
+	MessageExpiry    uint32 // seconds
+	MessageExpirySet bool
+	ContentType      string
+	ResponseTopic    string
+	CorrelationData  []byte
+	User             []UserProperty
+}
+
+// UserProperty is one MQTT 5 user property (order and duplicates are kept).
+type UserProperty struct{ Key, Value string }
+
+// RecordVersion is the encoding version AppendRecord writes. DecodeRecord
+// reads this version only: a record from a newer tandem must stop the daemon
+// rather than be half understood.
+const RecordVersion = 1
+
+// Flag bits of byte 1. Unknown bits are rejected so that a future version
+// cannot smuggle meaning past an old decoder under the same version byte.
+const (
+	flagRetain        = 1 << 0
+	flagRepublished   = 1 << 1
+	flagWill          = 1 << 2
+	flagPayloadFormat = 1 << 3
+	flagMessageExpiry = 1 << 4
+	flagsKnown        = flagRetain | flagRepublished | flagWill | flagPayloadFormat | flagMessageExpiry
+)
+
+// Fixed header layout. It comes first and has fixed offsets so that RecordID
+// is a couple of loads.
+const (
+	offVersion  = 0
+	offFlags    = 1
+	offQoS      = 2
+	offOrigin   = 3
+	offSeq      = 11
+	offTime     = 19
+	offPacketID = 27
+	headerLen   = 29
+
+	crcLen = 4
+
+	// Six zero-length fields and a zero user property count.
+	minRecordLen = headerLen + 6 + 1 + crcLen
+)
+
+// crcTable is built once: MakeTable(Castagnoli) hands back the table the
+// crc32 package recognises for its hardware-accelerated path.
+var crcTable = crc32.MakeTable(crc32.Castagnoli)
+
+// AppendRecord appends r's encoding to dst and returns the extended slice.
+//
+// It is on the hot path (one call per publish, into a pooled buffer), so it
+// sizes the encoding first and grows dst at most once; with enough capacity
+// it does not allocate.
+//
+// It panics if r.QoS is above 2: the decoder treats such a record as
+// corruption and the daemon would refuse to start on it, so a caller bug must
+// fail here rather than poison the log.
+func AppendRecord(dst []byte, r *Record) []byte {
+	if r.QoS > 2 {
+		panic(fmt.Sprintf("storage: AppendRecord: QoS %d is not 0, 1 or 2", r.QoS))
+	}
+	p := &r.Props
+	dst = slices.Grow(dst, encodedLen(r))
+	start := len(dst)
+
+	var flags byte
+	if r.Retain {
+		flags |= flagRetain
+	}
+	if r.Republished {
+		flags |= flagRepublished
+	}
+	if r.Will {
+		flags |= flagWill
+	}
+	if p.PayloadFormatSet {
+		flags |= flagPayloadFormat
+	}
+	if p.MessageExpirySet {
+		flags |= flagMessageExpiry
+	}
+
+	dst = append(dst, RecordVersion, flags, r.QoS)
+	dst = binary.BigEndian.AppendUint64(dst, r.Origin)
+	dst = binary.BigEndian.AppendUint64(dst, r.Seq)
+	dst = binary.BigEndian.AppendUint64(dst, uint64(r.Time))
+	dst = binary.BigEndian.AppendUint16(dst, r.PacketID)
+
+	dst = appendString(dst, r.ClientID)
+	dst = appendString(dst, r.Topic)
+	dst = appendBytes(dst, r.Payload)
+	dst = appendString(dst, p.ContentType)
+	dst = appendString(dst, p.ResponseTopic)
+	dst = appendBytes(dst, p.CorrelationData)
+	if p.PayloadFormatSet {
+		dst = append(dst, p.PayloadFormat)
+	}
+	if p.MessageExpirySet {
+		dst = binary.BigEndian.AppendUint32(dst, p.MessageExpiry)
+	}
+	dst = binary.AppendUvarint(dst, uint64(len(p.User)))
+	for i := range p.User {
+		dst = appendString(dst, p.User[i].Key)
+		dst = appendString(dst, p.User[i].Value)
+	}
+
+	return binary.BigEndian.AppendUint32(dst, crc32.Checksum(dst[start:], crcTable))
+}
+
+// encodedLen must agree exactly with AppendRecord, or the single up-front
+// grow becomes several.
+func encodedLen(r *Record) int {
+	p := &r.Props
+	n := headerLen +
+		fieldLen(len(r.ClientID)) +
+		fieldLen(len(r.Topic)) +
+		fieldLen(len(r.Payload)) +
+		fieldLen(len(p.ContentType)) +
+		fieldLen(len(p.ResponseTopic)) +
+		fieldLen(len(p.CorrelationData)) +
+		uvarintLen(uint64(len(p.User))) +
+		crcLen
+	if p.PayloadFormatSet {
+		n++
+	}
+	if p.MessageExpirySet {
+		n += 4
+	}
+	for i := range p.User {
+		n += fieldLen(len(p.User[i].Key)) + fieldLen(len(p.User[i].Value))
+	}
+	return n
+}
+
+func fieldLen(n int) int { return uvarintLen(uint64(n)) + n }
+
+func uvarintLen(x uint64) int { return (bits.Len64(x|1) + 6) / 7 }
+
+func appendString(dst []byte, s string) []byte {
+	dst = binary.AppendUvarint(dst, uint64(len(s)))
+	return append(dst, s...)
+}
+
+func appendBytes(dst, b []byte) []byte {
+	dst = binary.AppendUvarint(dst, uint64(len(b)))
+	return append(dst, b...)
+}
+
+// DecodeRecord decodes one record encoded by AppendRecord.
+//
+// Nothing in the result aliases b, which may be a bbolt page that is only
+// valid inside its transaction. Empty Payload, CorrelationData and User come
+// back nil.
+//
+// The CRC is checked before the body is parsed, so a damaged record reports
+// ErrCorrupt. ErrTruncated means a length that runs past the input,
+// ErrUnknownVersion a version byte other than RecordVersion (a newer writer,
+// or a damaged first byte: the two cannot be told apart).
+func DecodeRecord(b []byte) (Record, error) {
+	if err := checkHeader(b); err != nil {
+		return Record{}, err
+	}
+	end := len(b) - crcLen
+	stored := binary.BigEndian.Uint32(b[end:])
+	if computed := crc32.Checksum(b[:end], crcTable); computed != stored {
+		return Record{}, fmt.Errorf("record: crc mismatch (stored %08x, computed %08x): %w", stored, computed, ErrCorrupt)
+	}
+
+	flags := b[offFlags]
+	if flags&^flagsKnown != 0 {
+		return Record{}, fmt.Errorf("record: unknown flag bits %#02x: %w", flags&^flagsKnown, ErrCorrupt)
+	}
+	qos := b[offQoS]
+	if qos > 2 {
+		return Record{}, fmt.Errorf("record: qos %d: %w", qos, ErrCorrupt)
+	}
+	r := Record{
+		Origin:      binary.BigEndian.Uint64(b[offOrigin:]),
+		Seq:         binary.BigEndian.Uint64(b[offSeq:]),
+		QoS:         qos,
+		Retain:      flags&flagRetain != 0,
+		Republished: flags&flagRepublished != 0,
+		Will:        flags&flagWill != 0,
+		PacketID:    binary.BigEndian.Uint16(b[offPacketID:]),
+		Time:        int64(binary.BigEndian.Uint64(b[offTime:])),
+	}
+
+	d := decoder{b: b[headerLen:end]}
+	r.ClientID = string(d.field("client id"))
+	r.Topic = string(d.field("topic"))
+	r.Payload = cloneBytes(d.field("payload"))
+	r.Props.ContentType = string(d.field("content type"))
+	r.Props.ResponseTopic = string(d.field("response topic"))
+	r.Props.CorrelationData = cloneBytes(d.field("correlation data"))
+	if flags&flagPayloadFormat != 0 {
+		if v := d.fixed("payload format", 1); v != nil {
+			r.Props.PayloadFormat = v[0]
+			r.Props.PayloadFormatSet = true
+		}
+	}
+	if flags&flagMessageExpiry != 0 {
+		if v := d.fixed("message expiry", 4); v != nil {
+			r.Props.MessageExpiry = binary.BigEndian.Uint32(v)
+			r.Props.MessageExpirySet = true
+		}
+	}
+	n := d.uvarint("user property count")
+	// Each pair takes at least two bytes (two zero lengths); bounding the
+	// count by what is left keeps a forged count from driving a huge make.
+	if d.err == nil && n > uint64(len(d.b))/2 {
+		d.err = fmt.Errorf("record: %d user properties cannot fit in the %d bytes left: %w", n, len(d.b), ErrTruncated)
+	}
+	if d.err == nil && n > 0 {
+		r.Props.User = make([]UserProperty, n)
+		for i := range r.Props.User {
+			r.Props.User[i].Key = string(d.field("user property key"))
+			r.Props.User[i].Value = string(d.field("user property value"))
+		}
+	}
+	if d.err != nil {
+		return Record{}, d.err
+	}
+	if len(d.b) != 0 {
+		return Record{}, fmt.Errorf("record: %d trailing bytes after the last field: %w", len(d.b), ErrCorrupt)
+	}
+	return r, nil
+}
+
+// RecordID returns the record id from the fixed header. It neither parses the
+// rest nor checks the CRC: the persist path uses it to match entries to
+// pending proposals, and the full check happens when the entry is decoded.
+func RecordID(b []byte) (origin, seq uint64, err error) {
+	if err := checkHeader(b); err != nil {
+		return 0, 0, err
+	}
+	return binary.BigEndian.Uint64(b[offOrigin:]), binary.BigEndian.Uint64(b[offSeq:]), nil
+}
+
+// checkHeader looks at the version before the length, so that a record from a
+// newer tandem is reported as such even if it is shorter than ours can be.
+func checkHeader(b []byte) error {
+	if len(b) == 0 {
+		return fmt.Errorf("record: empty input: %w", ErrTruncated)
+	}
+	if v := b[offVersion]; v != RecordVersion {
+		return fmt.Errorf("record: version %d, this build reads version %d only: %w", v, RecordVersion, ErrUnknownVersion)
+	}
+	if len(b) < minRecordLen {
+		return fmt.Errorf("record: %d bytes, shorter than the %d-byte minimum: %w", len(b), minRecordLen, ErrTruncated)
+	}
+	return nil
+}
+
+// decoder walks the variable part of a record. Its error is sticky so that
+// DecodeRecord reads as a straight list of fields and checks once.
+type decoder struct {
+	b   []byte
+	err error
+}
+
+// uvarint rejects non-minimal encodings as well as overflow: the encoding
+// must be canonical (decode then encode gives back the same bytes), so one
+// value must have exactly one spelling.
+func (d *decoder) uvarint(what string) uint64 {
+	if d.err != nil {
+		return 0
+	}
+	var x uint64
+	for i, c := range d.b {
+		if i == binary.MaxVarintLen64-1 && c > 1 {
+			d.err = fmt.Errorf("record: %s: varint overflows 64 bits: %w", what, ErrCorrupt)
+			return 0
+		}
+		x |= uint64(c&0x7f) << (7 * i)
+		if c < 0x80 {
+			if c == 0 && i > 0 {
+				d.err = fmt.Errorf("record: %s: varint not minimally encoded: %w", what, ErrCorrupt)
+				return 0
+			}
+			d.b = d.b[i+1:]
+			return x
+		}
+	}
+	d.err = fmt.Errorf("record: input ends inside the %s varint: %w", what, ErrTruncated)
+	return 0
+}
+
+// field returns a length-prefixed field, aliasing the input; callers copy.
+// The length is compared as a uint64 before any conversion to int, which is
+// 32 bits on ARM.
+func (d *decoder) field(what string) []byte {
+	n := d.uvarint(what)
+	if d.err != nil {
+		return nil
+	}
+	if n > uint64(len(d.b)) {
+		d.err = fmt.Errorf("record: %s length %d exceeds the %d bytes left: %w", what, n, len(d.b), ErrTruncated)
+		return nil
+	}
+	v := d.b[:n:n]
+	d.b = d.b[n:]
+	return v
+}
+
+func (d *decoder) fixed(what string, n int) []byte {
+	if d.err != nil {
+		return nil
+	}
+	if n > len(d.b) {
+		d.err = fmt.Errorf("record: %s needs %d bytes, %d left: %w", what, n, len(d.b), ErrTruncated)
+		return nil
+	}
+	v := d.b[:n:n]
+	d.b = d.b[n:]
+	return v
+}
+
+func cloneBytes(b []byte) []byte {
+	if len(b) == 0 {
+		return nil
+	}
+	c := make([]byte, len(b))
+	copy(c, b)
+	return c
+}
