@@ -809,9 +809,9 @@ func (c *Config) validate(w *configWalker) error {
 	if strings.IndexFunc(c.Node.Name, unicode.IsControl) >= 0 {
 		ck.failf("node.name", "%s contains control characters", quoteConfigValue(c.Node.Name))
 	}
-	ck.listenAddr("mqtt.listen", c.MQTT.Listen)
+	ck.hostPort("mqtt.listen", c.MQTT.Listen)
 	if c.MQTT.TLS.Listen != "" {
-		ck.listenAddr("mqtt.tls.listen", c.MQTT.TLS.Listen)
+		ck.hostPort("mqtt.tls.listen", c.MQTT.TLS.Listen)
 	}
 	if c.MQTT.MaxInflight < 1 || c.MQTT.MaxInflight > 65535 {
 		ck.failf("mqtt.max_inflight", "%d is out of range: MQTT's receive maximum is 1 to 65535", c.MQTT.MaxInflight)
@@ -820,11 +820,11 @@ func (c *Config) validate(w *configWalker) error {
 		ck.needUsers("mqtt.listen", c.MQTT.Listen)
 		ck.needUsers("mqtt.tls.listen", c.MQTT.TLS.Listen)
 	}
-	ck.listenAddr("peer.listen", c.Peer.Listen)
+	ck.hostPort("peer.listen", c.Peer.Listen)
 	for i, a := range c.Peer.Advertise {
 		ck.advertiseAddr(fmt.Sprintf("peer.advertise[%d]", i), a)
 	}
-	ck.listenAddr("http.listen", c.HTTP.Listen)
+	ck.hostPort("http.listen", c.HTTP.Listen)
 	ck.oneOf("log.level", c.Log.Level, "debug", "info", "warn", "error")
 	ck.oneOf("log.format", c.Log.Format, "text", "json")
 	ck.oneOf("cluster.failover", c.Cluster.Failover, "manual", "auto")
@@ -922,10 +922,6 @@ func (ck *configChecker) hostPort(key, addr string) (host string, port uint64, o
 	return host, port, true
 }
 
-func (ck *configChecker) listenAddr(key, addr string) {
-	ck.hostPort(key, addr)
-}
-
 func (ck *configChecker) advertiseAddr(key, addr string) {
 	host, port, ok := ck.hostPort(key, addr)
 	switch {
@@ -955,9 +951,12 @@ func loopbackListenHost(host string) bool {
 	return err == nil && a.Unmap().IsLoopback()
 }
 
+// plausibleHostName accepts "" (every interface) and names made of the
+// characters host names use, to catch typos early; net.Listen has the last
+// word at start.
 func plausibleHostName(h string) bool {
-	if h == "" || len(h) > 253 {
-		return h == ""
+	if len(h) > 253 {
+		return false
 	}
 	for _, r := range h {
 		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '.' || r == '_') {
