@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"sync"
 	"time"
 
@@ -52,6 +53,9 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		}
 	}()
 	c := d.cfg
+	if err = os.MkdirAll(c.Node.DataDir, 0o750); err != nil {
+		return fmt.Errorf("data dir: %w", err)
+	}
 	if d.id, err = replication.LoadOrCreateIdentity(c.Node.DataDir); err != nil {
 		return err
 	}
@@ -73,7 +77,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	la := &logAdapter{}
 	d.broker, err = mqtt.New(mqtt.Config{
 		Listen:         c.MQTT.Listen,
-		AllowAnonymous: c.MQTT.AllowAnonymous,
+		AllowAnonymous: c.MQTT.AnonymousAllowed(),
 		MaxInflight:    c.MQTT.MaxInflight,
 		Topics:         topics,
 		SyncTimeout:    c.Cluster.SyncTimeout.Duration(),

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"sync"
 	"time"
 
@@ -18,8 +17,7 @@ import (
 type Config struct {
 	// Listen is the TCP address of the MQTT listener ("127.0.0.1:1883").
 	Listen string
-	// AllowAnonymous admits clients without credentials on a listener that
-	// is not loopback; loopback listeners always admit them.
+	// AllowAnonymous admits clients without credentials.
 	AllowAnonymous bool
 	// MaxInflight is the receive maximum per client: how many QoS 1/2
 	// publishes a client may have unacknowledged.
@@ -150,26 +148,9 @@ func (b *Broker) Deliver(m *Message) error {
 // Clients returns the number of connected clients.
 func (b *Broker) Clients() int64 { return b.srv.Info.ClientsConnected }
 
-// anonymousOK reports whether listener admits clients without credentials:
-// loopback listeners do; others only with allow_anonymous.
-func (b *Broker) anonymousOK(string) bool {
-	if b.cfg.AllowAnonymous {
-		return true
-	}
-	return isLoopback(b.cfg.Listen)
-}
-
-func isLoopback(addr string) bool {
-	host, _, err := net.SplitHostPort(addr)
-	if err != nil {
-		return false
-	}
-	if host == "localhost" {
-		return true
-	}
-	ip := net.ParseIP(host)
-	return ip != nil && ip.IsLoopback()
-}
+// anonymousOK reports whether listener admits clients without credentials.
+// The daemon's config decides (loopback default, or allow_anonymous).
+func (b *Broker) anonymousOK(string) bool { return b.cfg.AllowAnonymous }
 
 // levelFloor drops records below min before they reach h.
 type levelFloor struct {

@@ -134,9 +134,10 @@ type Node struct {
 	// propMu guards propQ, the proposals not yet taken by the loop; propSig
 	// wakes the loop. A mutex-guarded slice costs one lock per publish and
 	// lets the loop take a whole burst at once.
-	propMu  sync.Mutex
-	propQ   []*proposal
-	propSig chan struct{}
+	propMu    sync.Mutex
+	propQ     []*proposal
+	closedErr error // set when the loop has exited: proposals fail at once
+	propSig   chan struct{}
 
 	recvc    chan pb.Message
 	statusc  chan chan Status
@@ -256,6 +257,12 @@ func (n *Node) Propose(data []byte, mode AckMode, done func(index uint64, err er
 	}
 	p := &proposal{id: recID{origin, seq}, data: data, mode: mode, done: done, deadline: time.Now().Add(n.cfg.SyncTimeout)}
 	n.propMu.Lock()
+	if n.closedErr != nil {
+		err := n.closedErr
+		n.propMu.Unlock()
+		done(0, err)
+		return
+	}
 	n.propQ = append(n.propQ, p)
 	n.propMu.Unlock()
 	select {
@@ -563,11 +570,13 @@ func (n *Node) expire(now time.Time) {
 	n.syncWait = n.syncWait[j:]
 }
 
-// resolveAll fails every unresolved proposal, queued ones included.
+// resolveAll fails every unresolved proposal, queued ones included, and
+// makes later proposals fail at once: the loop is exiting.
 func (n *Node) resolveAll(err error) {
 	n.propMu.Lock()
 	q := n.propQ
 	n.propQ = nil
+	n.closedErr = err
 	n.propMu.Unlock()
 	for _, p := range q {
 		n.resolve(p, err)

@@ -1,0 +1,111 @@
+package daemon
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func runMain(t *testing.T, args ...string) (int, string, string) {
+	t.Helper()
+	var out, errb bytes.Buffer
+	code := Main(args, &out, &errb)
+	return code, out.String(), errb.String()
+}
+
+func TestCheckNamesKeyAndLine(t *testing.T) {
+	dir := t.TempDir()
+	bad := filepath.Join(dir, "tandem.yaml")
+	os.WriteFile(bad, []byte("node:\n  name: gw\ncluster:\n  sync_timeout: 5\n"), 0o644)
+	code, _, stderr := runMain(t, "check", "--config", bad)
+	if code != ExitUsage {
+		t.Fatalf("exit %d, want 2; stderr %s", code, stderr)
+	}
+	if !strings.Contains(stderr, "tandem.yaml:4") || !strings.Contains(stderr, "cluster.sync_timeout") {
+		t.Fatalf("error does not name line 4 and the key: %s", stderr)
+	}
+	code, _, stderr = runMain(t, "run", "--config", bad)
+	if code != ExitUsage || !strings.Contains(stderr, "cluster.sync_timeout") {
+		t.Fatalf("run with a bad config: exit %d, %s", code, stderr)
+	}
+	good := filepath.Join(dir, "good.yaml")
+	os.WriteFile(good, []byte("topics:\n  - match: a/#\n    ack: sync\n"), 0o644)
+	if code, out, stderr := runMain(t, "check", "--config", good); code != ExitOK || !strings.Contains(out, "ok") {
+		t.Fatalf("good config: exit %d %s %s", code, out, stderr)
+	}
+	if code, _, _ := runMain(t, "run", "--no-such-flag"); code != ExitUsage {
+		t.Fatalf("unknown flag: exit %d, want 2", code)
+	}
+}
+
+func TestVersion(t *testing.T) {
+	code, out, _ := runMain(t, "version")
+	if code != 0 || !strings.HasPrefix(out, "tandem ") || !strings.Contains(out, "go1") {
+		t.Fatalf("version: %d %q", code, out)
+	}
+}
+
+func fileHash(t *testing.T, p string) [32]byte {
+	t.Helper()
+	b, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sha256.Sum256(b)
+}
+
+func runArgs(dir string) []string {
+	return []string{"run", "--data", dir, "--mqtt", "127.0.0.1:0", "--http", "127.0.0.1:0", "--peer", "127.0.0.1:0"}
+}
+
+func TestRunRefusesBadDataDirs(t *testing.T) {
+	t.Run("not a directory", func(t *testing.T) {
+		f := filepath.Join(t.TempDir(), "file")
+		os.WriteFile(f, []byte("x"), 0o644)
+		code, _, stderr := runMain(t, runArgs(filepath.Join(f, "data"))...)
+		if code != ExitFailure || !strings.Contains(stderr, "not a directory") {
+			t.Fatalf("exit %d: %s", code, stderr)
+		}
+	})
+	t.Run("empty data file", func(t *testing.T) {
+		dir := t.TempDir()
+		p := filepath.Join(dir, "tandem.db")
+		os.WriteFile(p, nil, 0o640)
+		code, _, stderr := runMain(t, runArgs(dir)...)
+		if code != ExitFailure || !strings.Contains(stderr, "empty") {
+			t.Fatalf("exit %d: %s", code, stderr)
+		}
+		if st, err := os.Stat(p); err != nil || st.Size() != 0 {
+			t.Fatalf("empty file changed: %v %v", st, err)
+		}
+	})
+	t.Run("truncated data file", func(t *testing.T) {
+		dir := t.TempDir()
+		d := testGateway(t, dir, nil)
+		d.Stop()
+		p := filepath.Join(dir, "tandem.db")
+		st, _ := os.Stat(p)
+		if err := os.Truncate(p, st.Size()/2); err != nil {
+			t.Fatal(err)
+		}
+		before := fileHash(t, p)
+		code, _, stderr := runMain(t, runArgs(dir)...)
+		if code != ExitFailure || !strings.Contains(stderr, "truncated") {
+			t.Fatalf("exit %d: %s", code, stderr)
+		}
+		if fileHash(t, p) != before {
+			t.Fatal("truncated file was modified")
+		}
+	})
+	t.Run("held by another tandem", func(t *testing.T) {
+		dir := t.TempDir()
+		testGateway(t, dir, nil)
+		code, _, stderr := runMain(t, runArgs(dir)...)
+		if code != ExitFailure || !strings.Contains(stderr, "in use") {
+			t.Fatalf("exit %d: %s", code, stderr)
+		}
+	})
+}
