@@ -61,7 +61,7 @@ func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	}
 	root.SetOut(stdout)
 	root.SetErr(stderr)
-	root.AddCommand(newRunCmd(), newVersionCmd(), newCheckCmd(), newInspectCmd())
+	root.AddCommand(newRunCmd(), newVersionCmd(), newCheckCmd(), newInspectCmd(), newBenchCmd())
 	return root
 }
 

@@ -156,6 +156,7 @@ type Node struct {
 	syncWait []*proposal         // saved, sync mode, waiting for replicas; by index
 	byDue    []*proposal         // every unresolved proposal, by deadline
 	leader   bool
+	savedHS  pb.HardState // the last hard state written by Save
 }
 
 // NewNode opens the raft group stored in cfg.Storage, bootstrapping a
@@ -209,6 +210,7 @@ func NewNode(cfg Config) (*Node, error) {
 		return nil, fmt.Errorf("replication: %w", err)
 	}
 	n.rn = rn
+	n.savedHS = db.HardState()
 	last, _ := db.LastIndex()
 	if last == 0 && raft.IsEmptyHardState(db.HardState()) {
 		if err := rn.Bootstrap([]raft.Peer{{ID: id, Context: cfg.MemberContext}}); err != nil {
@@ -397,9 +399,18 @@ func (n *Node) handleReady() bool {
 	if rd.SoftState != nil {
 		n.setLeader(rd.SoftState.RaftState == raft.StateLeader, rd.SoftState.Lead)
 	}
-	if len(rd.Entries) > 0 || !raft.IsEmptyHardState(rd.HardState) {
-		if !n.save(rd.HardState, rd.Entries) {
+	hs := rd.HardState
+	if !raft.IsEmptyHardState(hs) && hs.Term == n.savedHS.Term && hs.Vote == n.savedHS.Vote {
+		// Only the commit index moved: no fsync of its own (SetCommit).
+		n.db.SetCommit(hs)
+		hs = pb.HardState{}
+	}
+	if len(rd.Entries) > 0 || !raft.IsEmptyHardState(hs) {
+		if !n.save(hs, rd.Entries) {
 			return false
+		}
+		if !raft.IsEmptyHardState(hs) {
+			n.savedHS = hs
 		}
 	}
 	if n.leader {

@@ -221,6 +221,10 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 			}
 		}
 		if !isEmptyHardState(hs) {
+			// A full hard state supersedes a staged commit-only one.
+			db.stageMu.Lock()
+			delete(db.staged, string(bucketRaftState)+"\x00"+string(keyHardState))
+			db.stageMu.Unlock()
 			b, err := hs.Marshal()
 			if err != nil {
 				return err
@@ -247,6 +251,22 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 }
 
 func isEmptyHardState(hs pb.HardState) bool { return hs == pb.HardState{} }
+
+// SetCommit records a hard state whose term and vote are already on disk
+// and whose commit index moved. It is written with the next transaction
+// instead of costing a commit of its own: a commit index that lags on disk
+// is safe (raft learns it again from the log and the leader), and the
+// applied index is clamped to it at start.
+func (db *DB) SetCommit(hs pb.HardState) {
+	b, err := hs.Marshal()
+	if err != nil {
+		panic(fmt.Sprintf("storage: marshal hard state: %v", err))
+	}
+	db.mu.Lock()
+	db.hs = hs
+	db.mu.Unlock()
+	db.stage(string(bucketRaftState), string(keyHardState), b)
+}
 
 // requeueFrom moves the data entries [from, last] out of the log into the
 // requeue bucket, keyed by their old index.
@@ -293,11 +313,12 @@ func (db *DB) SetApplied(i uint64) {
 	db.stage(string(bucketMeta), string(keyApplied), u64(i))
 }
 
-// Applied returns the applied index recorded in the file.
+// Applied returns the applied index recorded in the file, never past the
+// recorded commit index (see SetCommit): what lies between is applied again.
 func (db *DB) Applied() uint64 {
 	db.mu.RLock()
 	defer db.mu.RUnlock()
-	return db.applied
+	return min(db.applied, db.hs.Commit)
 }
 
 // HardState returns the persisted raft hard state.

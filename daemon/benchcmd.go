@@ -1,0 +1,95 @@
+package daemon
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"time"
+
+	"github.com/schollz/progressbar/v3"
+	"github.com/spf13/cobra"
+	"golang.org/x/term"
+
+	"github.com/tandem-edge/tandem/bench"
+)
+
+func newBenchCmd() *cobra.Command {
+	var o bench.Options
+	var asJSON bool
+	var qos int
+	cmd := &cobra.Command{
+		Use:   "bench",
+		Short: "Load-test an MQTT broker (tandem or any other)",
+		Long: `Publish from --clients connections, each keeping --window publishes in flight,
+and report throughput and ack latency; with --subscribe, also end-to-end latency.
+Works against any MQTT 3.1.1 or 5 broker.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if qos < 0 || qos > 2 {
+				return usageError{fmt.Errorf("--qos must be 0, 1 or 2")}
+			}
+			o.QoS = byte(qos)
+			out := cmd.OutOrStdout()
+			if f, ok := out.(*os.File); ok && !asJSON && term.IsTerminal(int(f.Fd())) {
+				total := int64(-1)
+				if o.Count > 0 {
+					total = int64(o.Count * max(o.Clients, 1))
+				}
+				bar := progressbar.NewOptions64(total, progressbar.OptionSetWriter(cmd.ErrOrStderr()),
+					progressbar.OptionSetDescription("publishing"), progressbar.OptionShowCount(), progressbar.OptionShowIts(),
+					progressbar.OptionClearOnFinish(), progressbar.OptionThrottle(100*time.Millisecond))
+				o.Progress = func(n int64) { _ = bar.Set64(n) }
+				defer bar.Finish()
+			}
+			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+			defer stop()
+			res, err := bench.Run(ctx, o)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return json.NewEncoder(out).Encode(res)
+			}
+			printResult(out, &o, res)
+			return nil
+		},
+	}
+	fl := cmd.Flags()
+	fl.StringVar(&o.Broker, "broker", "127.0.0.1:1883", "broker address host:port")
+	fl.IntVar(&o.Clients, "clients", 1, "publishing connections")
+	fl.IntVar(&o.Count, "count", 1000, "publishes per client (0: run for --duration)")
+	fl.DurationVar(&o.Duration, "duration", 0, "run this long (with --count 0)")
+	fl.IntVar(&qos, "qos", 1, "QoS of the publishes (0, 1, 2)")
+	fl.IntVar(&o.Size, "size", 100, "payload size in bytes")
+	fl.IntVar(&o.Window, "window", 1, "publishes in flight per client")
+	fl.StringVar(&o.Topic, "topic", "bench/%c", "topic; %c is replaced by the client number")
+	fl.IntVar(&o.Version, "mqtt-version", 5, "MQTT version: 3 (3.1.1) or 5")
+	fl.BoolVar(&o.Subscribe, "subscribe", false, "also subscribe and time end-to-end delivery")
+	fl.StringVar(&o.Username, "username", "", "username")
+	fl.StringVar(&o.Password, "password", "", "password")
+	fl.BoolVar(&asJSON, "json", false, "print the result as JSON")
+	return cmd
+}
+
+func printResult(w io.Writer, o *bench.Options, r *bench.Result) {
+	fmt.Fprintf(w, "%d clients × %s, QoS %d, %d B, window %d → %s\n", r.Clients, countOrDuration(o), r.QoS, r.Size, r.Window, o.Broker)
+	fmt.Fprintf(w, "  acked      %d of %d in %.2fs (%d failed)\n", r.Acked, r.Sent, r.Seconds, r.Failed)
+	fmt.Fprintf(w, "  throughput %.0f msg/s\n", r.MsgPerSec)
+	fmt.Fprintf(w, "  ack        p50 %.3f ms  p99 %.3f ms  max %.3f ms\n", r.AckP50Ms, r.AckP99Ms, r.AckMaxMs)
+	if o.Subscribe {
+		fmt.Fprintf(w, "  delivered  %d  e2e p50 %.3f ms  p99 %.3f ms  max %.3f ms\n", r.Received, r.E2EP50Ms, r.E2EP99Ms, r.E2EMaxMs)
+	}
+	if r.FirstFailure != "" {
+		fmt.Fprintf(w, "  first failure: %s\n", r.FirstFailure)
+	}
+}
+
+func countOrDuration(o *bench.Options) string {
+	if o.Count > 0 {
+		return fmt.Sprint(o.Count)
+	}
+	return o.Duration.String()
+}
