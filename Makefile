@@ -9,7 +9,7 @@ LDFLAGS  := -s -w -X $(PKG)/daemon.Version=$(VERSION) -X $(PKG)/daemon.Commit=$(
 # Packages with goroutines of their own run under the race detector.
 RACE_PKGS := ./storage/ ./replication/ ./mqtt/
 
-.PHONY: build run test test-short vet fmt fuzz clean
+.PHONY: build run test vet fuzz bench clean
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/tandem .
@@ -39,3 +39,9 @@ fuzz:
 
 clean:
 	rm -rf bin dist
+
+# The standard workloads against tandem and Mosquitto on loopback
+# (installs mosquitto with apt-get when missing and run as root).
+bench: build
+	@command -v mosquitto >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq mosquitto >/dev/null; }
+	$(GO) run ./bench/suite --tandem bin/tandem

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	mochi "github.com/mochi-mqtt/server/v2"
@@ -146,7 +147,10 @@ func (b *Broker) Deliver(m *Message) error {
 }
 
 // Clients returns the number of connected clients.
-func (b *Broker) Clients() int64 { return b.srv.Info.ClientsConnected }
+func (b *Broker) Clients() int64 { return atomic.LoadInt64(&b.srv.Info.ClientsConnected) }
+
+// Inflight returns the QoS 1/2 messages in flight, both directions.
+func (b *Broker) Inflight() int64 { return atomic.LoadInt64(&b.srv.Info.Inflight) }
 
 // anonymousOK reports whether listener admits clients without credentials.
 // The daemon's config decides (loopback default, or allow_anonymous).

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
@@ -94,6 +95,8 @@ type DB struct {
 	tail      []pb.Entry // newest entries; tail ends at last
 	tailBytes int
 	closed    bool
+
+	commits atomic.Uint64 // write transactions committed, for fsyncs-per-message figures
 
 	// stageMu guards staged: metadata writes waiting for the next
 	// transaction, so they commit together with the entries proposed after
@@ -295,6 +298,10 @@ func (db *DB) Close() error {
 	}
 	return ferr
 }
+
+// Commits returns how many write transactions the file has committed since
+// Open; each costs bbolt two fdatasyncs.
+func (db *DB) Commits() uint64 { return db.commits.Load() }
 
 // Path returns the data file's path.
 func (db *DB) Path() string { return db.path }

@@ -92,6 +92,7 @@ func (db *DB) Sync() error {
 	if err := db.bolt.Update(db.applyStaged); err != nil {
 		return fmt.Errorf("storage: sync: %w", err)
 	}
+	db.commits.Add(1)
 	return nil
 }
 
@@ -102,6 +103,7 @@ func (db *DB) flush() error {
 	if err := db.bolt.Update(db.applyStaged); err != nil {
 		return fmt.Errorf("storage: flush: %w", err)
 	}
+	db.commits.Add(1)
 	return nil
 }
 

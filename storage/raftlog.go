@@ -238,6 +238,7 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 	if err != nil {
 		return fmt.Errorf("storage: save: %w", err)
 	}
+	db.commits.Add(1)
 	db.mu.Lock()
 	if !isEmptyHardState(hs) {
 		db.hs = hs

@@ -1,0 +1,128 @@
+package daemon
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"syscall"
+	"time"
+
+	"github.com/tandem-edge/tandem/replication"
+)
+
+// Status is the status JSON of the contract (GET /v1/status, `tandem status
+// --json`). Field names are stable; fields may be added.
+type Status struct {
+	Node    StatusNode     `json:"node"`
+	Role    string         `json:"role"`
+	Term    uint64         `json:"term"`
+	Leader  *StatusNodeRef `json:"leader"`
+	Members []StatusMember `json:"members"`
+	Log     StatusLog      `json:"log"`
+	Disk    StatusDisk     `json:"disk"`
+	MQTT    StatusMQTT     `json:"mqtt"`
+	Pairing StatusPairing  `json:"pairing"`
+	Storage StatusStorage  `json:"storage"`
+}
+
+// StatusNode identifies the gateway answering.
+type StatusNode struct {
+	ID      string `json:"id"`
+	Name    string `json:"name"`
+	Version string `json:"version"`
+}
+
+// StatusNodeRef names another node.
+type StatusNodeRef struct {
+	ID   string `json:"id"`
+	Name string `json:"name"`
+}
+
+// StatusMember is one other member of the cluster.
+type StatusMember struct {
+	ID         string  `json:"id"`
+	Name       string  `json:"name"`
+	Addr       string  `json:"addr"`
+	Role       string  `json:"role"`
+	Voter      bool    `json:"voter"`
+	Reachable  bool    `json:"reachable"`
+	MatchIndex uint64  `json:"match_index"`
+	LagRecords uint64  `json:"lag_records"`
+	LagSeconds float64 `json:"lag_seconds"`
+}
+
+// StatusLog gives the log's bounds.
+type StatusLog struct {
+	FirstIndex   uint64 `json:"first_index"`
+	LastIndex    uint64 `json:"last_index"`
+	CommitIndex  uint64 `json:"commit_index"`
+	AppliedIndex uint64 `json:"applied_index"`
+}
+
+// StatusDisk gives the data file's use of the disk.
+type StatusDisk struct {
+	UsedBytes   int64  `json:"used_bytes"`
+	FreeBytes   uint64 `json:"free_bytes"`
+	BudgetBytes uint64 `json:"budget_bytes"`
+}
+
+// StatusMQTT counts the broker's clients.
+type StatusMQTT struct {
+	Clients  int64 `json:"clients"`
+	Inflight int64 `json:"inflight"`
+}
+
+// StatusPairing says whether pairing is open.
+type StatusPairing struct {
+	Open    bool       `json:"open"`
+	Expires *time.Time `json:"expires"`
+}
+
+// StatusStorage counts the data file's commits (two fdatasyncs each).
+type StatusStorage struct {
+	Commits uint64 `json:"commits"`
+}
+
+// status assembles the status JSON.
+func (d *Daemon) status(ctx context.Context) (*Status, error) {
+	rs, err := d.node.Status(ctx)
+	if err != nil {
+		return nil, err
+	}
+	st := d.db.Stats()
+	s := &Status{
+		Node:    StatusNode{ID: replication.IDString(d.id.ID), Name: d.cfg.Node.Name, Version: Version},
+		Role:    rs.Role,
+		Term:    rs.Term,
+		Members: []StatusMember{},
+		Log:     StatusLog{FirstIndex: st.FirstIndex, LastIndex: st.LastIndex, CommitIndex: rs.Commit, AppliedIndex: st.Applied},
+		Disk:    StatusDisk{UsedBytes: st.FileBytes, BudgetBytes: uint64(d.cfg.Storage.MaxBytes)},
+		MQTT:    StatusMQTT{Clients: d.broker.Clients(), Inflight: d.broker.Inflight()},
+		Storage: StatusStorage{Commits: d.db.Commits()},
+	}
+	if rs.Leader != 0 {
+		s.Leader = &StatusNodeRef{ID: replication.IDString(rs.Leader)}
+		if rs.Leader == d.id.ID {
+			s.Leader.Name = d.cfg.Node.Name
+		}
+	}
+	var fs syscall.Statfs_t
+	if syscall.Statfs(d.cfg.Node.DataDir, &fs) == nil {
+		s.Disk.FreeBytes = uint64(fs.Bavail) * uint64(fs.Bsize)
+	}
+	return s, nil
+}
+
+func (d *Daemon) handleStatus(w http.ResponseWriter, r *http.Request) {
+	ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
+	defer cancel()
+	s, err := d.status(ctx)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusServiceUnavailable)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(s)
+}
