@@ -4,6 +4,7 @@ import (
 	"errors"
 
 	"github.com/mochi-mqtt/server/v2/packets"
+	raftpb "go.etcd.io/raft/v3/raftpb"
 
 	"github.com/tandem-edge/tandem/mqtt"
 	"github.com/tandem-edge/tandem/replication"
@@ -13,14 +14,38 @@ import (
 // logAdapter plugs replication into the broker: it is the broker's Log.
 type logAdapter struct {
 	node *replication.Node
+	db   *storage.DB
+}
+
+// Reserve gives m this node's id and a fresh sequence number.
+func (a *logAdapter) Reserve(m *mqtt.Message) {
+	m.Origin = a.node.ID()
+	m.Seq = a.node.NextSeq()
+}
+
+// Logged scans the log for the records of origin with the given sequence
+// numbers. It runs at start, for the few QoS 2 flows a crash interrupted.
+func (a *logAdapter) Logged(origin uint64, seqs []uint64) (map[uint64]bool, error) {
+	want := make(map[uint64]bool, len(seqs))
+	for _, s := range seqs {
+		want[s] = true
+	}
+	found := map[uint64]bool{}
+	err := a.db.Scan(1, func(e raftpb.Entry) bool {
+		if e.Type == raftpb.EntryNormal && len(e.Data) > 0 {
+			if o, s, err := storage.RecordID(e.Data); err == nil && o == origin && want[s] {
+				found[s] = true
+			}
+		}
+		return len(found) < len(want)
+	})
+	return found, err
 }
 
 // Propose encodes m as a record and proposes it. The encoded bytes belong
 // to raft from here on (its unstable log and our tail cache keep them), so
 // they are allocated per record, once, at their exact size.
 func (a *logAdapter) Propose(m *mqtt.Message, mode mqtt.AckMode, done func(error)) {
-	m.Origin = a.node.ID()
-	m.Seq = a.node.NextSeq()
 	rec := recordOf(m)
 	data := storage.AppendRecord(make([]byte, 0, 64+len(m.Topic)+len(m.ClientID)+len(m.Payload)), &rec)
 	rmode := replication.Async

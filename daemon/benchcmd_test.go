@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"context"
 	"encoding/json"
 	"strings"
 	"testing"
@@ -34,5 +35,25 @@ func TestBenchAgainstAGateway(t *testing.T) {
 	}
 	if code, _, _ := runMain(t, "bench", "--qos", "3"); code != ExitUsage {
 		t.Fatalf("--qos 3: exit %d, want 2", code)
+	}
+}
+
+// An MQTT 3.1.1 client has no receive maximum to respect: one that keeps
+// more publishes in flight than max_inflight is slowed down, not dropped.
+func TestMQTT311ClientOverReceiveMaximumIsSlowedNotDropped(t *testing.T) {
+	d := testGateway(t, t.TempDir(), func(c *Config) { c.MQTT.MaxInflight = 4 })
+	res, err := bench.Run(context.Background(), bench.Options{Broker: d.MQTTAddr(), Clients: 2, Count: 300, Window: 32, QoS: 1, Size: 16, Version: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Acked != 600 || res.Failed != 0 {
+		t.Fatalf("acked %d of 600, %d failed (%s)", res.Acked, res.Failed, res.FirstFailure)
+	}
+	res, err = bench.Run(context.Background(), bench.Options{Broker: d.MQTTAddr(), Clients: 1, Count: 100, Window: 32, QoS: 2, Size: 16, Version: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Acked != 100 || res.Failed != 0 {
+		t.Fatalf("QoS 2: acked %d of 100, %d failed (%s)", res.Acked, res.Failed, res.FirstFailure)
 	}
 }

@@ -6,6 +6,9 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
+	"net/http"
+	"net/http/pprof"
 	"os"
 	"os/signal"
 	"runtime"
@@ -45,7 +48,7 @@ func Main(args []string, stdout, stderr io.Writer) int {
 	fmt.Fprintln(stderr, "tandem:", err)
 	var ue usageError
 	var ce *ConfigError
-	if errors.As(err, &ue) || errors.As(err, &ce) || strings.HasPrefix(err.Error(), "unknown ") || strings.Contains(err.Error(), "flag") || strings.Contains(err.Error(), "arg(s)") {
+	if errors.As(err, &ue) || errors.As(err, &ce) || strings.HasPrefix(err.Error(), "unknown command") {
 		return ExitUsage
 	}
 	return ExitFailure
@@ -61,7 +64,19 @@ func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	}
 	root.SetOut(stdout)
 	root.SetErr(stderr)
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	root.AddCommand(newRunCmd(), newVersionCmd(), newCheckCmd(), newInspectCmd(), newBenchCmd())
+	for _, c := range root.Commands() {
+		if c.Args != nil {
+			args := c.Args
+			c.Args = func(cmd *cobra.Command, a []string) error {
+				if err := args(cmd, a); err != nil {
+					return usageError{err}
+				}
+				return nil
+			}
+		}
+	}
 	return root
 }
 
@@ -100,7 +115,7 @@ func newCheckCmd() *cobra.Command {
 
 // runFlags are the flags of `tandem run`; set ones override the config.
 type runFlags struct {
-	config, data, mqtt, peer, http, name string
+	config, data, mqtt, peer, http, name, pprof string
 }
 
 func newRunCmd() *cobra.Command {
@@ -115,6 +130,11 @@ func newRunCmd() *cobra.Command {
 			if err != nil {
 				return usageError{err}
 			}
+			if f.pprof != "" {
+				if err := servePprof(f.pprof); err != nil {
+					return err
+				}
+			}
 			return runDaemon(cfg, cmd.ErrOrStderr())
 		},
 	}
@@ -125,6 +145,7 @@ func newRunCmd() *cobra.Command {
 	fl.StringVar(&f.peer, "peer", "", "peer listen address (peer.listen)")
 	fl.StringVar(&f.http, "http", "", "HTTP listen address (http.listen)")
 	fl.StringVar(&f.name, "name", "", "node name (node.name)")
+	fl.StringVar(&f.pprof, "pprof", "", "serve Go's pprof profiles on this address (e.g. 127.0.0.1:6060)")
 	return cmd
 }
 
@@ -191,4 +212,19 @@ func runDaemon(cfg *Config, logw io.Writer) error {
 			return err
 		}
 	}
+}
+
+// servePprof serves net/http/pprof's handlers on addr, apart from the API.
+func servePprof(addr string) error {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("--pprof: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	go http.Serve(ln, mux)
+	return nil
 }

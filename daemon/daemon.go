@@ -101,7 +101,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
-	la.node = d.node
+	la.node, la.db = d.node, d.db
 	wctx, cancel := context.WithTimeout(ctx, 10*time.Second+c.Cluster.ElectionTimeout.Duration())
 	err = d.node.WaitLeader(wctx)
 	cancel()

@@ -3,6 +3,7 @@ package mqtt
 import (
 	"bytes"
 	"errors"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -13,11 +14,16 @@ import (
 
 // Log is what the broker needs of the replicated log.
 type Log interface {
-	// Propose logs m under mode. It sets m.Origin and m.Seq before it
-	// returns; done is called exactly once, when the record meets mode's
-	// ack rule (nil) or cannot (an error, ErrQuota for lack of space). done
-	// must not block. Propose may block to apply back-pressure.
+	// Reserve gives m its record id (m.Origin, m.Seq) ahead of Propose, so
+	// state that names the record can be staged before the record exists.
+	Reserve(m *Message)
+	// Propose logs m, whose id Reserve set, under mode. done is called
+	// exactly once, when the record meets mode's ack rule (nil) or cannot
+	// (an error, ErrQuota for lack of space). done must not block.
 	Propose(m *Message, mode AckMode, done func(err error))
+	// Logged reports which of the given sequence numbers of records from
+	// origin are in the log.
+	Logged(origin uint64, seqs []uint64) (map[uint64]bool, error)
 }
 
 // ackSlot is one PUBACK/PUBREC owed to a client, in the order its PUBLISH
@@ -64,7 +70,7 @@ func (h *ingest) ID() string { return "tandem-ingest" }
 func (h *ingest) Provides(b byte) bool {
 	switch b {
 	case mochi.OnConnectAuthenticate, mochi.OnACLCheck, mochi.OnPacketRead, mochi.OnPublish,
-		mochi.OnWill, mochi.OnSessionEstablish:
+		mochi.OnWill, mochi.OnSessionEstablish, mochi.OnSessionEstablished:
 		return true
 	}
 	return false
@@ -101,7 +107,13 @@ const dupMark = 0xD0
 // of a publish whose PUBREC failed is a fresh attempt: mochi's stale entry
 // goes (this is the client's read loop, where Inflight may be changed).
 func (h *ingest) OnPacketRead(cl *mochi.Client, pk packets.Packet) (packets.Packet, error) {
-	if pk.FixedHeader.Type != packets.Publish || pk.FixedHeader.Qos != 2 {
+	if pk.FixedHeader.Type != packets.Publish || pk.FixedHeader.Qos == 0 {
+		return pk, nil
+	}
+	if cl.Properties.ProtocolVersion < 5 {
+		h.backPressure(cl)
+	}
+	if pk.FixedHeader.Qos != 2 {
 		return pk, nil
 	}
 	prev, ok := cl.State.Inflight.Get(pk.PacketID)
@@ -124,6 +136,27 @@ func (h *ingest) OnPacketRead(cl *mochi.Client, pk packets.Packet) (packets.Pack
 	pk.FixedHeader.Dup = false
 	pk.PacketID = 0
 	return pk, nil
+}
+
+// OnSessionEstablished lifts mochi's receive quota off 3.1.1 clients: that
+// protocol has no receive maximum, so a client sending more is no violation.
+// backPressure bounds them instead (FACTS.md).
+func (h *ingest) OnSessionEstablished(cl *mochi.Client, _ packets.Packet) {
+	if cl.Properties.ProtocolVersion < 5 {
+		cl.State.Inflight.ResetReceiveQuota(math.MaxInt32)
+	}
+}
+
+// backPressure holds a 3.1.1 client's read loop while it has max_inflight
+// acks owed: it waits only on acks the log will release, never on the
+// client's own PUBRELs, which this read loop would have to read.
+func (h *ingest) backPressure(cl *mochi.Client) {
+	cs := h.state(cl.ID)
+	cs.mu.Lock()
+	for len(cs.queue) >= h.b.cfg.MaxInflight && !cl.Closed() {
+		cs.released.Wait()
+	}
+	cs.mu.Unlock()
 }
 
 // OnSessionEstablish waits, on a take-over, until the old connection's acks
@@ -160,6 +193,7 @@ func (h *ingest) OnPublish(cl *mochi.Client, pk packets.Packet) (packets.Packet,
 	m := &Message{}
 	m.fromPacket(cl.ID, &pk, time.Now().UnixNano())
 	mode := AckFor(h.b.cfg.Topics, m.Topic)
+	h.b.log.Reserve(m)
 	if pk.FixedHeader.Qos == 0 {
 		h.b.log.Propose(m, mode, h.b.logFailure)
 		return pk, packets.ErrRejectPacket
@@ -173,16 +207,13 @@ func (h *ingest) OnPublish(cl *mochi.Client, pk packets.Packet) (packets.Packet,
 		if cl.State.Inflight.Set(rec) {
 			atomic.AddInt64(&h.b.srv.Info.Inflight, 1)
 		}
+		// Staged before the record is proposed, so it is on disk no later
+		// than the record: after a crash a resend is recognised, and a
+		// marker whose record never made it is dropped at start.
+		h.b.persist.qos2Set(cl, pk.PacketID, m.Origin, m.Seq)
 	}
 	slot := &ackSlot{cl: cl, pid: pk.PacketID, qos: pk.FixedHeader.Qos}
 	cs.mu.Lock()
-	if cl.Properties.ProtocolVersion < 5 {
-		// 3.1.1 has no receive maximum: hold its read loop instead of
-		// letting mochi disconnect it (FACTS.md).
-		for len(cs.queue) >= h.b.cfg.MaxInflight && !cl.Closed() {
-			cs.released.Wait()
-		}
-	}
 	cs.queue = append(cs.queue, slot)
 	cs.mu.Unlock()
 	h.b.log.Propose(m, mode, func(err error) { h.resolved(cs, slot, err) })
@@ -235,13 +266,6 @@ func (h *ingest) release(cs *clientState) {
 		cs.mu.Unlock()
 
 		buf.Reset()
-		if h.markQoS2(batch) {
-			// A PUBREC promises the PUBREL its PUBCOMP, also across a
-			// restart: its session entry must be on disk before it is sent.
-			if err := h.b.persist.store.Sync(); err != nil {
-				h.b.logger.Error("saving QoS 2 state failed", "client", cs.id, "error", err)
-			}
-		}
 		var last *mochi.Client
 		for _, s := range batch {
 			if last != nil && s.cl != last {
@@ -259,19 +283,6 @@ func (h *ingest) release(cs *clientState) {
 	}
 }
 
-// markQoS2 stages the session entries of the successful PUBRECs in batch
-// and reports whether there were any.
-func (h *ingest) markQoS2(batch []*ackSlot) bool {
-	marked := false
-	for _, s := range batch {
-		if s.qos == 2 && s.err == nil && durable(s.cl) && h.b.persist.store != nil {
-			h.b.persist.inflightSet(s.cl, packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: s.pid, Created: time.Now().Unix()})
-			marked = true
-		}
-	}
-	return marked
-}
-
 // encodeAck appends slot's ack to buf, or acts on its failure.
 func (h *ingest) encodeAck(s *ackSlot, buf *bytes.Buffer) {
 	cl := s.cl
@@ -284,7 +295,7 @@ func (h *ingest) encodeAck(s *ackSlot, buf *bytes.Buffer) {
 			cs.mu.Lock()
 			cs.failedQoS2[s.pid] = true
 			cs.mu.Unlock()
-			h.b.persist.inflightDelete(cl.ID, s.pid)
+			h.b.persist.qos2Delete(cl.ID, s.pid)
 		}
 		if !v5 {
 			// 3.1.1 has no negative ack: disconnect; the client resends.
@@ -369,6 +380,7 @@ func (h *ingest) OnWill(cl *mochi.Client, will mochi.Will) (mochi.Will, error) {
 
 func (h *ingest) proposeWill(m *Message) {
 	m.Time = time.Now().UnixNano()
+	h.b.log.Reserve(m)
 	h.b.log.Propose(m, AckFor(h.b.cfg.Topics, m.Topic), h.b.logFailure)
 }
 

@@ -2,7 +2,10 @@ package mqtt
 
 import (
 	"encoding"
+	"encoding/binary"
 	"strconv"
+	"strings"
+	"time"
 
 	mochi "github.com/mochi-mqtt/server/v2"
 	"github.com/mochi-mqtt/server/v2/hooks/storage"
@@ -31,6 +34,7 @@ const (
 	prefixSub      = "s\x00"
 	prefixInflight = "i\x00"
 	prefixRetained = "r\x00"
+	prefixQoS2     = "q\x00" // inbound QoS 2 publishes awaiting PUBREL
 )
 
 // persist is the mochi hook that mirrors session state into a SessionStore,
@@ -83,6 +87,11 @@ func (h *persist) OnSessionEstablished(cl *mochi.Client, _ packets.Packet) {
 		return
 	}
 	h.putClient(cl)
+	// Connects are rare: make the session durable before the client
+	// relies on it (its CONNACK went out just before this hook).
+	if err := h.store.Sync(); err != nil {
+		h.b.logger.Error("saving the session failed", "client", cl.ID, "error", err)
+	}
 }
 
 func (h *persist) OnWillSent(cl *mochi.Client, _ packets.Packet) {
@@ -121,7 +130,7 @@ func (h *persist) putClient(cl *mochi.Client) {
 // deleteClient drops a session and everything hanging off it.
 func (h *persist) deleteClient(id string) {
 	h.store.Delete(prefixClient + id)
-	for _, p := range []string{prefixSub, prefixInflight} {
+	for _, p := range []string{prefixSub, prefixInflight, prefixQoS2} {
 		pre := p + id + "\x00"
 		var keys []string
 		_ = h.store.Load(pre, func(k string, _ []byte) error {
@@ -210,6 +219,85 @@ func (h *persist) inflightDelete(client string, pid uint16) {
 
 func (h *persist) OnQosComplete(cl *mochi.Client, pk packets.Packet) {
 	h.inflightDelete(cl.ID, pk.PacketID)
+	if pk.FixedHeader.Type == packets.Pubrel {
+		h.qos2Delete(cl.ID, pk.PacketID)
+	}
+}
+
+func qos2Key(client string, pid uint16) string {
+	return prefixQoS2 + client + "\x00" + strconv.Itoa(int(pid))
+}
+
+// qos2Set stages the marker of an inbound QoS 2 publish of a durable
+// session: the record it names (origin, seq) and when it arrived.
+func (h *persist) qos2Set(cl *mochi.Client, pid uint16, origin, seq uint64) {
+	if h.store == nil || !durable(cl) {
+		return
+	}
+	var v [24]byte
+	binary.BigEndian.PutUint64(v[0:], origin)
+	binary.BigEndian.PutUint64(v[8:], seq)
+	binary.BigEndian.PutUint64(v[16:], uint64(time.Now().Unix()))
+	h.store.Put(qos2Key(cl.ID, pid), v[:])
+}
+
+// qos2Delete stages the removal of a QoS 2 marker.
+func (h *persist) qos2Delete(client string, pid uint16) {
+	if h.store != nil {
+		h.store.Delete(qos2Key(client, pid))
+	}
+}
+
+// storedQoS2 turns the QoS 2 markers whose records are in the log back into
+// the PUBRECs mochi keeps in Inflight; a marker whose record never reached
+// the log (a crash in between) is dropped, so the client's resend is logged.
+func (h *persist) storedQoS2() ([]storage.Message, error) {
+	type marker struct {
+		key, client string
+		pid         uint16
+		origin, seq uint64
+		created     int64
+	}
+	var ms []marker
+	err := h.store.Load(prefixQoS2, func(k string, v []byte) error {
+		parts := strings.Split(k, "\x00")
+		if len(v) != 24 || len(parts) != 3 {
+			return nil
+		}
+		pid, err := strconv.Atoi(parts[2])
+		if err != nil {
+			return nil
+		}
+		ms = append(ms, marker{k, parts[1], uint16(pid), binary.BigEndian.Uint64(v), binary.BigEndian.Uint64(v[8:]), int64(binary.BigEndian.Uint64(v[16:]))})
+		return nil
+	})
+	if err != nil || len(ms) == 0 {
+		return nil, err
+	}
+	byOrigin := map[uint64][]uint64{}
+	for _, m := range ms {
+		byOrigin[m.origin] = append(byOrigin[m.origin], m.seq)
+	}
+	logged := map[[2]uint64]bool{}
+	for origin, seqs := range byOrigin {
+		got, err := h.b.log.Logged(origin, seqs)
+		if err != nil {
+			return nil, err
+		}
+		for s := range got {
+			logged[[2]uint64{origin, s}] = true
+		}
+	}
+	var out []storage.Message
+	for _, m := range ms {
+		if !logged[[2]uint64{m.origin, m.seq}] {
+			h.store.Delete(m.key)
+			continue
+		}
+		out = append(out, storage.Message{ID: m.key, T: storage.InflightKey, Client: m.client, PacketID: m.pid, Created: m.created,
+			FixedHeader: packets.FixedHeader{Type: packets.Pubrec}})
+	}
+	return out, nil
 }
 
 func (h *persist) OnQosDropped(cl *mochi.Client, pk packets.Packet) {
@@ -257,7 +345,12 @@ func (h *persist) StoredSubscriptions() ([]storage.Subscription, error) {
 }
 
 func (h *persist) StoredInflightMessages() ([]storage.Message, error) {
-	return loadAll[storage.Message](h.store, prefixInflight)
+	out, err := loadAll[storage.Message](h.store, prefixInflight)
+	if err != nil {
+		return nil, err
+	}
+	q, err := h.storedQoS2()
+	return append(out, q...), err
 }
 
 func (h *persist) StoredRetainedMessages() ([]storage.Message, error) {
