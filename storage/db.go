@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -56,6 +57,10 @@ var (
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
+// errFresh marks a bbolt file without a single bucket: created, then the
+// process died before tandem's first transaction. It is initialised.
+var errFresh = errors.New("storage: file has no buckets yet")
+
 // Options tune Open. A nil *Options means the defaults.
 type Options struct {
 	// Logger receives open and recovery messages; nil discards them.
@@ -101,14 +106,16 @@ type DB struct {
 	// stageMu guards staged: metadata writes waiting for the next
 	// transaction, so they commit together with the entries proposed after
 	// them, at no extra fsync.
-	stageMu sync.Mutex
-	staged  map[string]stagedOp
+	stageMu  sync.Mutex
+	staged   map[string]stagedOp
+	stageGen uint64
 }
 
 type stagedOp struct {
 	bucket string
 	key    string
 	val    []byte // nil means delete
+	gen    uint64 // when it was staged: a commit clears only what it wrote
 }
 
 // Open opens (creating if needed) the data file in dir. A file that is empty,
@@ -141,23 +148,33 @@ func Open(dir string, opts *Options) (*DB, error) {
 	if err := checkFile(path); err != nil {
 		return nil, err
 	}
-	bdb, err := bolt.Open(path, 0o640, &bolt.Options{
-		Timeout:        timeout,
-		ReadOnly:       opts.ReadOnly,
-		NoFreelistSync: true,
-		FreelistType:   bolt.FreelistMapType,
-	})
+	st, statErr := os.Stat(path)
+	exists := statErr == nil && st.Size() > 0
+	if exists && !opts.ReadOnly {
+		// Check the whole file read-only first: any write (even bbolt's
+		// own meta page) would change a file we may be about to refuse, and
+		// bbolt's read-write open walks the pages in a goroutine of its own
+		// where a damaged page panics beyond any recover.
+		switch err := verifyFile(path, timeout); {
+		case errors.Is(err, errFresh):
+			exists = false
+		case err != nil:
+			return nil, err
+		}
+	}
+	bdb, err := openBolt(path, timeout, opts.ReadOnly)
 	if err != nil {
-		if errors.Is(err, bolterrors.ErrTimeout) {
-			return nil, fmt.Errorf("%s: %w", path, ErrInUse)
-		}
-		if errors.Is(err, bolterrors.ErrInvalid) || errors.Is(err, bolterrors.ErrChecksum) || errors.Is(err, bolterrors.ErrVersionMismatch) {
-			return nil, fmt.Errorf("%s: %v: %w", path, err, ErrCorrupt)
-		}
-		return nil, fmt.Errorf("storage: open %s: %w", path, err)
+		return nil, err
 	}
 	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}}
-	if err := db.load(); err != nil {
+	if !exists && !opts.ReadOnly {
+		if err := db.create(); err != nil {
+			bdb.Close()
+			return nil, fmt.Errorf("%s: %w", path, err)
+		}
+	}
+	// A read-only open is not verified beforehand: check every entry now.
+	if err := db.load(opts.ReadOnly); err != nil {
 		bdb.Close()
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
@@ -165,36 +182,84 @@ func Open(dir string, opts *Options) (*DB, error) {
 	return db, nil
 }
 
-// load creates the buckets of a new file and reads the state of an existing
-// one, checking every entry's CRC: a damaged page must stop the daemon at
-// start, not after it has acked more publishes on top of it.
-func (db *DB) load() (err error) {
+func openBolt(path string, timeout time.Duration, ro bool) (*bolt.DB, error) {
+	bdb, err := bolt.Open(path, 0o640, &bolt.Options{
+		Timeout:        timeout,
+		ReadOnly:       ro,
+		NoFreelistSync: true,
+		FreelistType:   bolt.FreelistMapType,
+	})
+	if err == nil {
+		return bdb, nil
+	}
+	if errors.Is(err, bolterrors.ErrTimeout) {
+		return nil, fmt.Errorf("%s: %w", path, ErrInUse)
+	}
+	if errors.Is(err, bolterrors.ErrInvalid) || errors.Is(err, bolterrors.ErrChecksum) || errors.Is(err, bolterrors.ErrVersionMismatch) {
+		return nil, fmt.Errorf("%s: %v: %w", path, err, ErrCorrupt)
+	}
+	return nil, fmt.Errorf("storage: open %s: %w", path, err)
+}
+
+// verifyFile opens path read-only and reads every page: the log's entries
+// with their CRCs, every other bucket's keys, the state. Faults and bbolt's
+// panics on damaged pages become ErrCorrupt.
+func verifyFile(path string, timeout time.Duration) (err error) {
+	bdb, err := openBolt(path, timeout, true)
+	if err != nil {
+		return err
+	}
+	defer bdb.Close()
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%s: reading the file failed (%v): %w", path, r, ErrCorrupt)
+		}
+	}()
+	db := &DB{path: path, bolt: bdb, ro: true, maxTail: 1}
+	if err := db.load(true); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	return bdb.View(func(tx *bolt.Tx) error {
+		return tx.ForEach(func(name []byte, b *bolt.Bucket) error {
+			c := b.Cursor()
+			for k, _ := c.First(); k != nil; k, _ = c.Next() {
+			}
+			return nil
+		})
+	})
+}
+
+// create makes the buckets of a new file.
+func (db *DB) create() error {
+	return db.bolt.Update(func(tx *bolt.Tx) error {
+		for _, b := range [][]byte{bucketLog, bucketRaftState, bucketMeta, bucketRequeue, []byte(BucketSessions)} {
+			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
+				return err
+			}
+		}
+		return tx.Bucket(bucketMeta).Put(keyFormat, u64(FormatVersion))
+	})
+}
+
+// load reads the state of the file. With verify it checks every entry's
+// CRC: a damaged page must stop the daemon at start, not after it has acked
+// more publishes on top of it.
+func (db *DB) load(verify bool) (err error) {
 	defer func() {
 		// bbolt panics on some damaged pages; that is corruption, not a bug.
 		if r := recover(); r != nil {
 			err = fmt.Errorf("reading the file failed (%v): %w", r, ErrCorrupt)
 		}
 	}()
-	if !db.ro {
-		err = db.bolt.Update(func(tx *bolt.Tx) error {
-			for _, b := range [][]byte{bucketLog, bucketRaftState, bucketMeta, bucketRequeue, []byte(BucketSessions)} {
-				if _, err := tx.CreateBucketIfNotExists(b); err != nil {
-					return err
-				}
-			}
-			m := tx.Bucket(bucketMeta)
-			if m.Get(keyFormat) == nil {
-				return m.Put(keyFormat, u64(FormatVersion))
-			}
-			return nil
-		})
-		if err != nil {
-			return err
-		}
-	}
 	return db.bolt.View(func(tx *bolt.Tx) error {
 		m := tx.Bucket(bucketMeta)
 		if m == nil {
+			if err := tx.ForEach(func([]byte, *bolt.Bucket) error { return ErrCorrupt }); err == nil {
+				// No bucket at all: bbolt made the file, a crash came
+				// before our first transaction.
+				return errFresh
+			}
 			return fmt.Errorf("no meta bucket (not a tandem data file): %w", ErrCorrupt)
 		}
 		if v := m.Get(keyFormat); len(v) != 8 {
@@ -231,17 +296,22 @@ func (db *DB) load() (err error) {
 		if lb == nil {
 			return fmt.Errorf("no log bucket: %w", ErrCorrupt)
 		}
-		return db.scanLocked(lb)
+		return db.scanLocked(lb, verify)
 	})
 }
 
 // scanLocked checks every entry of the log bucket (CRC, contiguous indexes,
 // non-decreasing terms), then fills the tail cache from the newest end.
-func (db *DB) scanLocked(lb *bolt.Bucket) error {
+func (db *DB) scanLocked(lb *bolt.Bucket, verify bool) error {
 	c := lb.Cursor()
 	var prevTerm uint64
 	next := db.snapIndex + 1
-	for k, v := c.First(); k != nil; k, v = c.Next() {
+	if !verify {
+		if k, _ := c.Last(); len(k) == 8 {
+			db.last = binary.BigEndian.Uint64(k)
+		}
+	}
+	for k, v := c.First(); verify && k != nil; k, v = c.Next() {
 		if len(k) != 8 {
 			return fmt.Errorf("log key of %d bytes: %w", len(k), ErrCorrupt)
 		}

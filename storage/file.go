@@ -47,11 +47,21 @@ func checkFile(path string) error {
 		return fmt.Errorf("%s is empty (0 bytes): a data file is never empty, so it was damaged or created by something else; move it away to start afresh: %w", path, ErrCorrupt)
 	}
 	m0, err0 := readBoltMeta(f, 0)
-	ps := int64(4096)
+	var m1 boltMeta
+	var err1 error
 	if err0 == nil {
-		ps = int64(m0.pageSize)
+		m1, err1 = readBoltMeta(f, int64(m0.pageSize))
+	} else {
+		// Meta page 0 is torn: find page 1 the way bbolt does, at the
+		// offset equal to its own page size (4 KiB, 16 KiB, 64 KiB...).
+		err1 = err0
+		for ps := int64(1024); ps <= 1<<16 && ps < size; ps <<= 1 {
+			if m, err := readBoltMeta(f, ps); err == nil && int64(m.pageSize) == ps {
+				m1, err1 = m, nil
+				break
+			}
+		}
 	}
-	m1, err1 := readBoltMeta(f, ps)
 	var m boltMeta
 	switch {
 	case err0 != nil && err1 != nil:

@@ -3,6 +3,7 @@ package storage
 import (
 	"encoding/binary"
 	"fmt"
+	"maps"
 	"os"
 
 	bolt "go.etcd.io/bbolt"
@@ -12,7 +13,8 @@ import (
 // stage queues a metadata write for the next transaction.
 func (db *DB) stage(bucket, key string, val []byte) {
 	db.stageMu.Lock()
-	db.staged[bucket+"\x00"+key] = stagedOp{bucket: bucket, key: key, val: val}
+	db.stageGen++
+	db.staged[bucket+"\x00"+key] = stagedOp{bucket: bucket, key: key, val: val, gen: db.stageGen}
 	db.stageMu.Unlock()
 }
 
@@ -29,36 +31,49 @@ func (db *DB) Stage(bucket, key string, val []byte) {
 // StageDelete queues the deletion of key in bucket, like Stage.
 func (db *DB) StageDelete(bucket, key string) { db.stage(bucket, key, nil) }
 
-// applyStaged writes and clears the staged operations inside tx. Taking them
-// inside the transaction (under bbolt's writer lock) keeps the order: what
-// was staged before an entry was proposed commits with it or before it.
-func (db *DB) applyStaged(tx *bolt.Tx) error {
-	db.stageMu.Lock()
-	ops := db.staged
-	if len(ops) == 0 {
+// commit runs fn and the staged operations in one write transaction.
+// Taking them inside the transaction (under bbolt's writer lock) keeps the
+// order: what was staged before an entry was proposed commits with it or
+// before it. They leave the stage only once the commit succeeded, so a
+// failed commit (a full disk) loses none of them.
+func (db *DB) commit(fn func(tx *bolt.Tx) error) error {
+	var taken map[string]stagedOp
+	err := db.bolt.Update(func(tx *bolt.Tx) error {
+		db.stageMu.Lock()
+		taken = maps.Clone(db.staged)
 		db.stageMu.Unlock()
-		return nil
-	}
-	db.staged = make(map[string]stagedOp, len(ops))
-	db.stageMu.Unlock()
-	for _, op := range ops {
-		b := tx.Bucket([]byte(op.bucket))
-		if b == nil {
-			var err error
-			if b, err = tx.CreateBucketIfNotExists([]byte(op.bucket)); err != nil {
+		for _, op := range taken {
+			b, err := tx.CreateBucketIfNotExists([]byte(op.bucket))
+			if err != nil {
 				return err
 			}
+			if op.val == nil {
+				err = b.Delete([]byte(op.key))
+			} else {
+				err = b.Put([]byte(op.key), op.val)
+			}
+			if err != nil {
+				return fmt.Errorf("%s/%s: %w", op.bucket, op.key, err)
+			}
 		}
-		var err error
-		if op.val == nil {
-			err = b.Delete([]byte(op.key))
-		} else {
-			err = b.Put([]byte(op.key), op.val)
+		if fn != nil {
+			// After the staged operations: a full hard state passed to Save
+			// supersedes a staged commit-only one.
+			return fn(tx)
 		}
-		if err != nil {
-			return fmt.Errorf("%s/%s: %w", op.bucket, op.key, err)
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	db.commits.Add(1)
+	db.stageMu.Lock()
+	for k, op := range taken {
+		if cur, ok := db.staged[k]; ok && cur.gen == op.gen {
+			delete(db.staged, k)
 		}
 	}
+	db.stageMu.Unlock()
 	return nil
 }
 
@@ -89,10 +104,9 @@ func (db *DB) Sync() error {
 	if closed {
 		return ErrClosed
 	}
-	if err := db.bolt.Update(db.applyStaged); err != nil {
+	if err := db.commit(nil); err != nil {
 		return fmt.Errorf("storage: sync: %w", err)
 	}
-	db.commits.Add(1)
 	return nil
 }
 
@@ -100,10 +114,9 @@ func (db *DB) flush() error {
 	if !db.Pending() {
 		return nil
 	}
-	if err := db.bolt.Update(db.applyStaged); err != nil {
+	if err := db.commit(nil); err != nil {
 		return fmt.Errorf("storage: flush: %w", err)
 	}
-	db.commits.Add(1)
 	return nil
 }
 

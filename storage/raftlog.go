@@ -200,7 +200,7 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 		size += 8 + entrySize(&ents[i])
 	}
 	buf := make([]byte, size)
-	err := db.bolt.Update(func(tx *bolt.Tx) error {
+	err := db.commit(func(tx *bolt.Tx) error {
 		lb := tx.Bucket(bucketLog)
 		lb.FillPercent = 1.0 // appends are sequential: full pages halve growth
 		if len(ents) > 0 && ents[0].Index <= last {
@@ -221,10 +221,6 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 			}
 		}
 		if !isEmptyHardState(hs) {
-			// A full hard state supersedes a staged commit-only one.
-			db.stageMu.Lock()
-			delete(db.staged, string(bucketRaftState)+"\x00"+string(keyHardState))
-			db.stageMu.Unlock()
 			b, err := hs.Marshal()
 			if err != nil {
 				return err
@@ -233,12 +229,11 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 				return err
 			}
 		}
-		return db.applyStaged(tx)
+		return nil
 	})
 	if err != nil {
 		return fmt.Errorf("storage: save: %w", err)
 	}
-	db.commits.Add(1)
 	db.mu.Lock()
 	if !isEmptyHardState(hs) {
 		db.hs = hs
@@ -270,7 +265,8 @@ func (db *DB) SetCommit(hs pb.HardState) {
 }
 
 // requeueFrom moves the data entries [from, last] out of the log into the
-// requeue bucket, keyed by their old index.
+// requeue bucket, keyed by their old index and term: a node overwritten
+// twice at the same indexes keeps both generations.
 func requeueFrom(tx *bolt.Tx, lb *bolt.Bucket, from, last uint64) error {
 	rq := tx.Bucket(bucketRequeue)
 	for i := from; i <= last; i++ {
@@ -280,7 +276,8 @@ func requeueFrom(tx *bolt.Tx, lb *bolt.Bucket, from, last uint64) error {
 			continue
 		}
 		if len(v) > entryHdr && pb.EntryType(v[12]) == pb.EntryNormal {
-			if err := rq.Put(k, append([]byte(nil), v...)); err != nil {
+			rk := append(append([]byte(nil), k...), v[4:12]...)
+			if err := rq.Put(rk, append([]byte(nil), v...)); err != nil {
 				return err
 			}
 		}
