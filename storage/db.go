@@ -71,7 +71,9 @@ type Options struct {
 	// ReadOnly opens the file without writing to it, for `tandem inspect`.
 	ReadOnly bool
 	// TailBytes bounds the in-memory copy of the newest entries, which
-	// serves raft's reads of what was just appended; zero means 16 MiB.
+	// serves raft's reads of what was just appended and of what slaves are
+	// about to fetch; zero means 2 MiB (some 10,000 small records), which
+	// keeps a gateway's memory small.
 	TailBytes int
 }
 
@@ -135,7 +137,7 @@ func Open(dir string, opts *Options) (*DB, error) {
 	}
 	maxTail := opts.TailBytes
 	if maxTail == 0 {
-		maxTail = 16 << 20
+		maxTail = 2 << 20
 	}
 	path := filepath.Join(dir, FileName)
 	if opts.ReadOnly {
