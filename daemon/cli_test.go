@@ -109,3 +109,19 @@ func TestRunRefusesBadDataDirs(t *testing.T) {
 		}
 	})
 }
+
+func TestPackagedConfigIsValid(t *testing.T) {
+	if code, out, stderr := runMain(t, "check", "--config", "../packaging/tandem.yaml"); code != 0 {
+		t.Fatalf("packaging/tandem.yaml: exit %d %s %s", code, out, stderr)
+	}
+}
+
+func TestUnenforcedSettingsRefusedAtStart(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "tandem.yaml")
+	os.WriteFile(cfg, []byte("mqtt:\n  users_file: /etc/tandem/users\nstorage:\n  max_bytes: 1GiB\n"), 0o644)
+	code, _, stderr := runMain(t, append(runArgs(filepath.Join(dir, "data")), "--config", cfg)...)
+	if code != ExitUsage || !strings.Contains(stderr, "mqtt.users_file") || !strings.Contains(stderr, "storage.max_bytes") {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+}

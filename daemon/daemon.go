@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
@@ -53,6 +54,12 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		}
 	}()
 	c := d.cfg
+	if err = notYet(c); err != nil {
+		return err
+	}
+	if c.Discovery.MDNS {
+		d.log.Warn("discovery.mdns is on, but mDNS is not implemented in this version: nothing is advertised")
+	}
 	if err = os.MkdirAll(c.Node.DataDir, 0o750); err != nil {
 		return fmt.Errorf("data dir: %w", err)
 	}
@@ -193,5 +200,34 @@ func (d *Daemon) startHTTP() error {
 			d.log.Error("http server stopped", "error", err)
 		}
 	}()
+	return nil
+}
+
+// notYet refuses settings this version accepts in a config file but does
+// not enforce yet: running without a cap, a user list or TLS the operator
+// asked for would be worse than not starting.
+func notYet(c *Config) error {
+	var keys []string
+	if c.MQTT.UsersFile != "" {
+		keys = append(keys, "mqtt.users_file")
+	}
+	if c.MQTT.ACLFile != "" {
+		keys = append(keys, "mqtt.acl_file")
+	}
+	if c.MQTT.TLS.Listen != "" {
+		keys = append(keys, "mqtt.tls")
+	}
+	if c.Storage.Flush == "interval" {
+		keys = append(keys, "storage.flush: interval")
+	}
+	if c.Storage.MaxBytes != 0 {
+		keys = append(keys, "storage.max_bytes")
+	}
+	if c.Storage.MaxAge != 0 {
+		keys = append(keys, "storage.max_age")
+	}
+	if len(keys) > 0 {
+		return usageError{fmt.Errorf("not supported by this version yet: %s", strings.Join(keys, ", "))}
+	}
 	return nil
 }
