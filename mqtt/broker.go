@@ -51,7 +51,7 @@ type Broker struct {
 
 	shadowMu sync.Mutex // guards shadow, whose ID changes per delivery
 	shadow   *mochi.Client
-	wg       sync.WaitGroup
+	closing  atomic.Bool // set by Stop: read loops held by back-pressure let go
 }
 
 const listenerID = "tcp"
@@ -116,34 +116,42 @@ func (b *Broker) Addr() string { return b.tcp.Address() }
 // Stop closes the listener and every client; will messages of the clients it
 // disconnects are proposed as records.
 func (b *Broker) Stop() error {
+	b.closing.Store(true)
+	b.ingest.wakeAll()
 	err := b.srv.Close()
 	b.ingest.stopWills()
-	b.wg.Wait()
 	return err
 }
 
-// goFunc runs f on a goroutine that Stop waits for.
-func (b *Broker) goFunc(f func()) {
-	b.wg.Add(1)
-	go func() {
-		defer b.wg.Done()
-		f()
-	}()
-}
+// goFunc runs f on a goroutine of its own. Ack writers are short-lived and
+// end with their client's connection, so Stop does not wait for them.
+func (b *Broker) goFunc(f func()) { go f() }
 
 // Deliver hands a committed record to the local subscribers and the retained
 // store, with every MQTT 5 property kept. It is called in log order from one
 // goroutine.
 func (b *Broker) Deliver(m *Message) error {
-	pk := m.packet()
+	pk, live := m.packet(time.Now())
+	if !live {
+		return nil // its message expiry ran out before it was delivered
+	}
 	b.shadowMu.Lock()
 	defer b.shadowMu.Unlock()
 	// The publisher's id as origin keeps NoLocal subscriptions working.
 	b.shadow.ID = m.ClientID
-	if err := b.srv.InjectPacket(b.shadow, pk); err != nil && !errors.Is(err, packets.ErrRejectPacket) {
-		return fmt.Errorf("mqtt: deliver %s: %w", m.Topic, err)
+	err := b.srv.InjectPacket(b.shadow, pk)
+	var code packets.Code
+	switch {
+	case err == nil, errors.Is(err, packets.ErrRejectPacket):
+		return nil
+	case errors.As(err, &code):
+		// A record mochi refuses to route (a topic it deems invalid) is
+		// skipped, the same way on every member, rather than stopping the
+		// log: it stays in the log for inspect.
+		b.logger.Warn("committed record not deliverable", "topic", m.Topic, "client", m.ClientID, "error", err)
+		return nil
 	}
-	return nil
+	return fmt.Errorf("mqtt: deliver %s: %w", m.Topic, err)
 }
 
 // Clients returns the number of connected clients.

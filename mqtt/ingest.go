@@ -35,6 +35,10 @@ type ackSlot struct {
 	qos  byte
 	done bool
 	err  error
+	// resend marks a QoS 2 resend; original is the slot of the publish it
+	// repeats when that was still owed, whose outcome it shares.
+	resend   bool
+	original *ackSlot
 }
 
 // clientState is the ack bookkeeping of one client id; it outlives a
@@ -48,9 +52,12 @@ type clientState struct {
 	writing bool
 	// released is signalled whenever acks are released (back-pressure).
 	released *sync.Cond
-	// failedQoS2 marks packet ids whose PUBREC carried an error: the client
-	// may retry them, and mochi still holds their PUBREC in Inflight.
+	// failedQoS2 marks packet ids whose PUBREC carried an error: mochi
+	// still holds their PUBREC in Inflight until a read loop drops it.
 	failedQoS2 map[uint16]bool
+	// awaitingRel counts PUBRECs sent whose PUBREL has not come: with
+	// queue, what an MQTT 5 client owes against its receive maximum.
+	awaitingRel int
 }
 
 // ingest is the mochi hook that turns PUBLISHes into log proposals and
@@ -70,7 +77,7 @@ func (h *ingest) ID() string { return "tandem-ingest" }
 func (h *ingest) Provides(b byte) bool {
 	switch b {
 	case mochi.OnConnectAuthenticate, mochi.OnACLCheck, mochi.OnPacketRead, mochi.OnPublish,
-		mochi.OnWill, mochi.OnSessionEstablish, mochi.OnSessionEstablished:
+		mochi.OnWill, mochi.OnSessionEstablish, mochi.OnSessionEstablished, mochi.OnDisconnect:
 		return true
 	}
 	return false
@@ -102,16 +109,35 @@ func (h *ingest) state(id string) *clientState {
 // packet; ReasonCodes is unused on PUBLISH, so it carries the real id.
 const dupMark = 0xD0
 
-// OnPacketRead catches a QoS 2 resend whose PUBREC mochi already holds:
-// mochi would answer it with 0x91 before any hook runs (FACTS.md). A resend
-// of a publish whose PUBREC failed is a fresh attempt: mochi's stale entry
-// goes (this is the client's read loop, where Inflight may be changed).
+// OnPacketRead runs on the client's read loop, the one goroutine where
+// mochi's Inflight may be changed. It drops PUBRECs whose publish failed,
+// bounds the acks a client may owe (MQTT 5: its receive maximum; 3.1.1:
+// back-pressure), and catches QoS 2 resends whose PUBREC mochi already holds:
+// mochi would answer those with 0x91 before any hook runs (FACTS.md).
 func (h *ingest) OnPacketRead(cl *mochi.Client, pk packets.Packet) (packets.Packet, error) {
-	if pk.FixedHeader.Type != packets.Publish || pk.FixedHeader.Qos == 0 {
+	cs := h.state(cl.ID)
+	h.dropFailed(cl, cs)
+	switch {
+	case pk.FixedHeader.Type == packets.Pubrel:
+		if prev, ok := cl.State.Inflight.Get(pk.PacketID); ok && prev.FixedHeader.Type == packets.Pubrec {
+			cs.mu.Lock()
+			cs.awaitingRel = max(cs.awaitingRel-1, 0)
+			cs.mu.Unlock()
+		}
+		return pk, nil
+	case pk.FixedHeader.Type != packets.Publish || pk.FixedHeader.Qos == 0:
 		return pk, nil
 	}
 	if cl.Properties.ProtocolVersion < 5 {
-		h.backPressure(cl)
+		h.backPressure(cl, cs)
+	} else {
+		cs.mu.Lock()
+		owed := len(cs.queue) + cs.awaitingRel
+		cs.mu.Unlock()
+		if owed >= h.b.cfg.MaxInflight {
+			_ = h.b.srv.DisconnectClient(cl, packets.ErrReceiveMaximum) // [MQTT-3.3.4-9]
+			return pk, packets.ErrRejectPacket
+		}
 	}
 	if pk.FixedHeader.Qos != 2 {
 		return pk, nil
@@ -120,15 +146,10 @@ func (h *ingest) OnPacketRead(cl *mochi.Client, pk packets.Packet) (packets.Pack
 	if !ok || prev.FixedHeader.Type != packets.Pubrec {
 		return pk, nil
 	}
-	cs := h.state(cl.ID)
-	cs.mu.Lock()
-	failed := cs.failedQoS2[pk.PacketID]
-	delete(cs.failedQoS2, pk.PacketID)
-	cs.mu.Unlock()
-	if failed {
-		if cl.State.Inflight.Delete(pk.PacketID) {
-			atomic.AddInt64(&h.b.srv.Info.Inflight, -1)
-		}
+	if !pk.FixedHeader.Dup {
+		// Not a resend [MQTT-3.3.1-1]: a new flow reusing the id, so the
+		// entry is stale (left by a crash before its PUBREL was recorded).
+		h.forgetPubrec(cl, cs, pk.PacketID)
 		return pk, nil
 	}
 	pk.ReasonCodes = []byte{dupMark, byte(pk.PacketID >> 8), byte(pk.PacketID)}
@@ -138,22 +159,50 @@ func (h *ingest) OnPacketRead(cl *mochi.Client, pk packets.Packet) (packets.Pack
 	return pk, nil
 }
 
-// OnSessionEstablished lifts mochi's receive quota off 3.1.1 clients: that
-// protocol has no receive maximum, so a client sending more is no violation.
-// backPressure bounds them instead (FACTS.md).
-func (h *ingest) OnSessionEstablished(cl *mochi.Client, _ packets.Packet) {
-	if cl.Properties.ProtocolVersion < 5 {
-		cl.State.Inflight.ResetReceiveQuota(math.MaxInt32)
+// forgetPubrec removes a PUBREC from mochi's Inflight and its marker; call
+// it on cl's read loop (or once that loop has ended).
+func (h *ingest) forgetPubrec(cl *mochi.Client, cs *clientState, pid uint16) {
+	if cl.State.Inflight.Delete(pid) {
+		atomic.AddInt64(&h.b.srv.Info.Inflight, -1)
+		cs.mu.Lock()
+		cs.awaitingRel = max(cs.awaitingRel-1, 0)
+		cs.mu.Unlock()
 	}
+	h.b.persist.qos2Delete(cl.ID, pid)
+}
+
+// dropFailed removes the PUBRECs of publishes whose ack failed from cl's
+// Inflight: left there, mochi would resend them as successes when the
+// session resumes. Call on cl's read loop, or once that loop has ended.
+func (h *ingest) dropFailed(cl *mochi.Client, cs *clientState) {
+	cs.mu.Lock()
+	if len(cs.failedQoS2) == 0 {
+		cs.mu.Unlock()
+		return
+	}
+	failed := cs.failedQoS2
+	cs.failedQoS2 = map[uint16]bool{}
+	cs.mu.Unlock()
+	for pid := range failed {
+		if cl.State.Inflight.Delete(pid) {
+			atomic.AddInt64(&h.b.srv.Info.Inflight, -1)
+		}
+	}
+}
+
+// OnSessionEstablished lifts mochi's receive quota: mochi checks it on every
+// PUBLISH, QoS 0 included, and on 3.1.1 clients, which have no receive
+// maximum. OnPacketRead bounds the acks a client owes instead.
+func (h *ingest) OnSessionEstablished(cl *mochi.Client, _ packets.Packet) {
+	cl.State.Inflight.ResetReceiveQuota(math.MaxInt32)
 }
 
 // backPressure holds a 3.1.1 client's read loop while it has max_inflight
 // acks owed: it waits only on acks the log will release, never on the
 // client's own PUBRELs, which this read loop would have to read.
-func (h *ingest) backPressure(cl *mochi.Client) {
-	cs := h.state(cl.ID)
+func (h *ingest) backPressure(cl *mochi.Client, cs *clientState) {
 	cs.mu.Lock()
-	for len(cs.queue) >= h.b.cfg.MaxInflight && !cl.Closed() {
+	for len(cs.queue) >= h.b.cfg.MaxInflight && !cl.Closed() && !h.b.closing.Load() {
 		cs.released.Wait()
 	}
 	cs.mu.Unlock()
@@ -172,12 +221,17 @@ func (h *ingest) OnSessionEstablish(cl *mochi.Client, _ packets.Packet) {
 	cs := h.state(cl.ID)
 	deadline := time.Now().Add(h.b.cfg.SyncTimeout + time.Second)
 	cs.mu.Lock()
-	for len(cs.queue) > 0 && time.Now().Before(deadline) {
+	for (len(cs.queue) > 0 || cs.writing) && time.Now().Before(deadline) {
 		cs.mu.Unlock()
 		time.Sleep(2 * time.Millisecond)
 		cs.mu.Lock()
 	}
 	cs.mu.Unlock()
+	// The old connection's read loop has ended: its failed PUBRECs can go
+	// before mochi clones its Inflight into the new connection.
+	if old, ok := h.b.srv.Clients.Get(cl.ID); ok && old != cl {
+		h.dropFailed(old, cs)
+	}
 }
 
 // OnPublish proposes the publish and tells mochi to neither ack nor route it:
@@ -190,6 +244,12 @@ func (h *ingest) OnPublish(cl *mochi.Client, pk packets.Packet) (packets.Packet,
 		h.resend(cl, uint16(pk.ReasonCodes[1])<<8|uint16(pk.ReasonCodes[2]))
 		return pk, packets.ErrRejectPacket
 	}
+	if pk.TopicName == "" {
+		// An MQTT 5 topic alias the client never set, with no topic: a
+		// protocol error, and a record no subscriber could receive.
+		_ = h.b.srv.DisconnectClient(cl, packets.ErrProtocolViolationInvalidTopic)
+		return pk, packets.ErrRejectPacket
+	}
 	m := &Message{}
 	m.fromPacket(cl.ID, &pk, time.Now().UnixNano())
 	mode := AckFor(h.b.cfg.Topics, m.Topic)
@@ -199,7 +259,6 @@ func (h *ingest) OnPublish(cl *mochi.Client, pk packets.Packet) (packets.Packet,
 		return pk, packets.ErrRejectPacket
 	}
 	cs := h.state(cl.ID)
-	cl.State.Inflight.DecreaseReceiveQuota()
 	if pk.FixedHeader.Qos == 2 {
 		// mochi's processPubrel needs the PUBREC in Inflight; set here, on
 		// the read loop, where Inflight may be changed safely.
@@ -221,11 +280,17 @@ func (h *ingest) OnPublish(cl *mochi.Client, pk packets.Packet) (packets.Packet,
 }
 
 // resend answers a QoS 2 resend of a publish already logged: a PUBREC in
-// its turn, after the acks owed before it.
+// its turn, after the acks owed before it, with the outcome of the original
+// when that is still pending.
 func (h *ingest) resend(cl *mochi.Client, pid uint16) {
 	cs := h.state(cl.ID)
-	slot := &ackSlot{cl: cl, pid: pid, qos: 2, done: true}
+	slot := &ackSlot{cl: cl, pid: pid, qos: 2, done: true, resend: true}
 	cs.mu.Lock()
+	for _, s := range cs.queue {
+		if s.pid == pid && s.qos == 2 && !s.resend {
+			slot.original = s
+		}
+	}
 	cs.queue = append(cs.queue, slot)
 	cs.mu.Unlock()
 	h.resolved(cs, slot, nil)
@@ -262,7 +327,20 @@ func (h *ingest) release(cs *clientState) {
 			cs.mu.Unlock()
 			return
 		}
+		// Off the queue before the write: the client may send its next
+		// publish the moment it reads these acks, and must not find them
+		// still counted against its receive maximum (FACTS.md).
 		batch := append([]*ackSlot(nil), cs.queue[:n]...)
+		cs.queue = append(cs.queue[:0], cs.queue[n:]...)
+		for _, s := range batch {
+			if s.original != nil {
+				s.err = s.original.err // released before s: the queue is in order
+			}
+			if s.err == nil && s.qos == 2 && !s.resend {
+				cs.awaitingRel++
+			}
+		}
+		cs.released.Broadcast()
 		cs.mu.Unlock()
 
 		buf.Reset()
@@ -275,11 +353,6 @@ func (h *ingest) release(cs *clientState) {
 			h.encodeAck(s, &buf)
 		}
 		h.flush(last, &buf)
-
-		cs.mu.Lock()
-		cs.queue = append(cs.queue[:0], cs.queue[n:]...)
-		cs.released.Broadcast()
-		cs.mu.Unlock()
 	}
 }
 
@@ -305,11 +378,6 @@ func (h *ingest) encodeAck(s *ackSlot, buf *bytes.Buffer) {
 			cl.Stop(packets.ErrUnspecifiedError)
 			return
 		}
-		cl.State.Inflight.IncreaseReceiveQuota()
-	} else if s.qos == 1 {
-		// Quota first: a client at exactly its receive maximum may send
-		// the next publish as soon as it reads this PUBACK (FACTS.md).
-		cl.State.Inflight.IncreaseReceiveQuota()
 	}
 	typ := byte(packets.Puback)
 	if s.qos == 2 {
@@ -359,6 +427,12 @@ func (h *ingest) OnWill(cl *mochi.Client, will mochi.Will) (mochi.Will, error) {
 	if will.TopicName == "" {
 		return will, nil
 	}
+	if !mochi.IsValidFilter(will.TopicName, true) {
+		// A will topic with wildcards passes mochi's CONNECT checks but no
+		// subscriber could receive it: not logged.
+		h.b.logger.Warn("will with an invalid topic dropped", "client", cl.ID, "topic", will.TopicName)
+		return mochi.Will{Flag: will.Flag}, nil
+	}
 	m := &Message{ClientID: cl.ID, Topic: will.TopicName, QoS: will.Qos, Retain: will.Retain, Will: true, Payload: will.Payload, User: will.User}
 	if d := will.WillDelayInterval; d > 0 && cl.Properties.ProtocolVersion == 5 {
 		h.mu.Lock()
@@ -382,6 +456,34 @@ func (h *ingest) proposeWill(m *Message) {
 	m.Time = time.Now().UnixNano()
 	h.b.log.Reserve(m)
 	h.b.log.Propose(m, AckFor(h.b.cfg.Topics, m.Topic), h.b.logFailure)
+}
+
+// wakeAll wakes every read loop held by back-pressure (at Stop).
+func (h *ingest) wakeAll() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, cs := range h.clients {
+		cs.mu.Lock()
+		cs.released.Broadcast()
+		cs.mu.Unlock()
+	}
+}
+
+// OnDisconnect forgets a client's ack bookkeeping once nothing is owed, so
+// the map does not grow with every client id ever seen.
+func (h *ingest) OnDisconnect(cl *mochi.Client, _ error, _ bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	cs := h.clients[cl.ID]
+	if cs == nil {
+		return
+	}
+	cs.mu.Lock()
+	idle := len(cs.queue) == 0 && !cs.writing && len(cs.failedQoS2) == 0 && cs.awaitingRel == 0
+	cs.mu.Unlock()
+	if idle {
+		delete(h.clients, cl.ID)
+	}
 }
 
 // stopWills cancels delayed wills at shutdown: they are not due yet.

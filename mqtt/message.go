@@ -3,6 +3,7 @@ package mqtt
 import (
 	"errors"
 	"strings"
+	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
 )
@@ -119,16 +120,26 @@ func (m *Message) fromPacket(clientID string, pk *packets.Packet, now int64) {
 	m.User = p.User
 }
 
-// packet builds the PUBLISH that delivers m to subscribers.
-func (m *Message) packet() packets.Packet {
-	pk := packets.Packet{
+// packet builds the PUBLISH that delivers m to subscribers, its message
+// expiry reduced by the time since it was published; live is false once
+// that expiry has passed.
+func (m *Message) packet(now time.Time) (pk packets.Packet, live bool) {
+	expiry := m.MessageExpiry
+	if m.MessageExpirySet {
+		age := now.Sub(time.Unix(0, m.Time))
+		if age >= time.Duration(expiry)*time.Second {
+			return packets.Packet{}, false
+		}
+		expiry -= uint32(age / time.Second)
+	}
+	pk = packets.Packet{
 		FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: m.QoS, Retain: m.Retain},
 		TopicName:   m.Topic,
 		Payload:     m.Payload,
 		Properties: packets.Properties{
 			PayloadFormat:         m.PayloadFormat,
 			PayloadFormatFlag:     m.PayloadFormatSet,
-			MessageExpiryInterval: m.MessageExpiry,
+			MessageExpiryInterval: expiry,
 			ContentType:           m.ContentType,
 			ResponseTopic:         m.ResponseTopic,
 			CorrelationData:       m.CorrelationData,
@@ -138,7 +149,7 @@ func (m *Message) packet() packets.Packet {
 	if m.QoS > 0 {
 		pk.PacketID = 1 // inline publishes need a non-zero id to pass validation
 	}
-	return pk
+	return pk, true
 }
 
 // Sentinel errors the Log may pass to a proposal's done callback to choose

@@ -149,7 +149,9 @@ type Node struct {
 	failc    chan struct{}         // closed when failed is set
 	failOnce sync.Once
 
-	seq atomic.Uint64 // next record sequence number
+	seq     atomic.Uint64         // next record sequence number
+	diskErr atomic.Pointer[error] // set while saving the log fails
+	lead    atomic.Uint64         // the leader raft last reported, 0 for none
 
 	// Loop-owned state.
 	pending  map[recID]*proposal // proposed, not yet saved
@@ -258,6 +260,10 @@ func (n *Node) Propose(data []byte, mode AckMode, done func(index uint64, err er
 		return
 	}
 	p := &proposal{id: recID{origin, seq}, data: data, mode: mode, done: done, deadline: time.Now().Add(n.cfg.SyncTimeout)}
+	if e := n.diskErr.Load(); e != nil {
+		done(0, *e)
+		return
+	}
 	n.propMu.Lock()
 	if n.closedErr != nil {
 		err := n.closedErr
@@ -313,8 +319,13 @@ func (n *Node) run() {
 	due := time.NewTimer(time.Hour)
 	defer due.Stop()
 	var dueAt time.Time
+	// A Ready may be waiting before the first event (the campaign of a
+	// lone voter at start): the wake-up below handles it at once.
+	wake := make(chan struct{}, 1)
+	wake <- struct{}{}
 	for {
 		select {
+		case <-wake:
 		case <-ticker.C:
 			n.rn.Tick()
 			if n.db.Pending() && !n.rn.HasReady() {
@@ -399,9 +410,12 @@ func (n *Node) handleReady() bool {
 	if rd.SoftState != nil {
 		n.setLeader(rd.SoftState.RaftState == raft.StateLeader, rd.SoftState.Lead)
 	}
+
 	hs := rd.HardState
-	if !raft.IsEmptyHardState(hs) && hs.Term == n.savedHS.Term && hs.Vote == n.savedHS.Vote {
-		// Only the commit index moved: no fsync of its own (SetCommit).
+	if last, _ := n.db.LastIndex(); !raft.IsEmptyHardState(hs) && hs.Term == n.savedHS.Term && hs.Vote == n.savedHS.Vote && hs.Commit <= last {
+		// Only the commit index moved, and not past entries already on
+		// disk (a follower commits what arrives in the same Ready): no
+		// fsync of its own (SetCommit).
 		n.db.SetCommit(hs)
 		hs = pb.HardState{}
 	}
@@ -439,20 +453,30 @@ func (n *Node) handleReady() bool {
 }
 
 // save persists one Ready, retrying a failing disk until it works or the
-// node stops: raft has handed over this Ready and cannot take it back.
+// node stops: raft has handed over this Ready and cannot take it back. While
+// it fails, every waiting proposal fails with ErrStorage (0x97 to devices)
+// and new ones fail at once, instead of hanging past sync_timeout.
 func (n *Node) save(hs pb.HardState, ents []pb.Entry) bool {
 	backoff := 10 * time.Millisecond
 	for {
 		err := n.db.Save(hs, ents)
 		if err == nil {
+			if n.diskErr.Load() != nil {
+				n.log.Info("the log is writable again")
+				n.diskErr.Store(nil)
+			}
 			return true
 		}
 		if errors.Is(err, storage.ErrClosed) {
 			n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
 			return false
 		}
-		n.log.Error("saving the log failed; retrying", "error", err, "index", firstIndex(ents))
-		n.expire(time.Now())
+		if n.diskErr.Load() == nil {
+			n.log.Error("saving the log failed; refusing publishes and retrying", "error", err, "index", firstIndex(ents))
+		}
+		serr := fmt.Errorf("%w: %v", ErrStorage, err)
+		n.diskErr.Store(&serr)
+		n.failWaiting(serr)
 		select {
 		case <-time.After(backoff):
 		case <-n.stopc:
@@ -462,6 +486,23 @@ func (n *Node) save(hs pb.HardState, ents []pb.Entry) bool {
 			backoff *= 2
 		}
 	}
+}
+
+// failWaiting fails every proposal not yet acked, queued ones included;
+// the loop goes on.
+func (n *Node) failWaiting(err error) {
+	n.propMu.Lock()
+	q := n.propQ
+	n.propQ = nil
+	n.propMu.Unlock()
+	for _, p := range q {
+		n.resolve(p, err)
+	}
+	for _, p := range n.byDue {
+		n.resolve(p, err)
+	}
+	n.byDue, n.syncWait = nil, nil
+	clear(n.pending)
 }
 
 func firstIndex(ents []pb.Entry) uint64 {
@@ -476,6 +517,7 @@ func (n *Node) setLeader(leader bool, lead uint64) {
 		n.log.Info("role changed", "master", leader, "leader", IDString(lead), "term", n.rn.BasicStatus().Term)
 	}
 	n.leader = leader
+	n.lead.Store(lead)
 	if !leader {
 		// Proposals not yet in a saved Ready will never be: raft dropped
 		// them with the leadership.
@@ -585,18 +627,9 @@ func (n *Node) expire(now time.Time) {
 // makes later proposals fail at once: the loop is exiting.
 func (n *Node) resolveAll(err error) {
 	n.propMu.Lock()
-	q := n.propQ
-	n.propQ = nil
 	n.closedErr = err
 	n.propMu.Unlock()
-	for _, p := range q {
-		n.resolve(p, err)
-	}
-	for _, p := range n.byDue {
-		n.resolve(p, err)
-	}
-	n.byDue, n.syncWait = nil, nil
-	clear(n.pending)
+	n.failWaiting(err)
 }
 
 // applyConfChange applies a membership entry on the raft goroutine, as raft

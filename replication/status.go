@@ -75,22 +75,24 @@ func (n *Node) Status(ctx context.Context) (Status, error) {
 	}
 }
 
+// Leader returns the leader raft last reported, 0 when none is known.
+// Unlike Status it does not need the raft goroutine, which may be busy.
+func (n *Node) Leader() uint64 { return n.lead.Load() }
+
 // WaitLeader waits until the group has a master (this node or another).
 func (n *Node) WaitLeader(ctx context.Context) error {
-	t := time.NewTicker(10 * time.Millisecond)
+	t := time.NewTicker(5 * time.Millisecond)
 	defer t.Stop()
-	for {
-		s, err := n.Status(ctx)
-		if err != nil {
-			return err
-		}
-		if s.Leader != 0 {
-			return nil
-		}
+	for n.Leader() == 0 {
 		select {
 		case <-t.C:
+		case <-n.failc:
+			return n.Err()
+		case <-n.stopc:
+			return ErrStopped
 		case <-ctx.Done():
 			return ctx.Err()
 		}
 	}
+	return nil
 }
