@@ -1,0 +1,100 @@
+package daemon
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/eclipse/paho.golang/paho"
+)
+
+// A full disk refuses publishes with 0x97 (quota exceeded), corrupts
+// nothing, and the gateway takes publishes again once space returns.
+func TestDiskFullRefusesThenRecovers(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to mount a small tmpfs as a full disk")
+	}
+	dir := t.TempDir()
+	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size=8m", "tandem-test", dir).CombinedOutput(); err != nil {
+		t.Skipf("cannot mount a tmpfs here: %v %s", err, out)
+	}
+	t.Cleanup(func() { exec.Command("umount", "-l", dir).Run() })
+	data := filepath.Join(dir, "data")
+	d := testGateway(t, data, func(c *Config) { c.Cluster.SyncTimeout = Duration(2 * time.Second) })
+	pub, _ := v5(t, d.MQTTAddr(), "filler", nil)
+	if r := publish(t, pub, &paho.Publish{Topic: "before/full", QoS: 1, Payload: []byte("kept")}); r.ReasonCode != 0 {
+		t.Fatalf("reason %#x before the disk filled", r.ReasonCode)
+	}
+
+	// Fill the file system to the last byte.
+	filler := filepath.Join(dir, "filler")
+	f, err := os.Create(filler)
+	if err != nil {
+		t.Fatal(err)
+	}
+	chunk := make([]byte, 64<<10)
+	for {
+		if _, err := f.Write(chunk); err != nil {
+			break
+		}
+	}
+	for n := 4096; n > 0; n /= 2 {
+		for {
+			if _, err := f.Write(chunk[:n]); err != nil {
+				break
+			}
+		}
+	}
+	f.Close()
+
+	var refused bool
+	payload := make([]byte, 16<<10) // a few pages per commit, so the next one needs room
+	for i := 0; i < 50 && !refused; i++ {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		r, err := pub.Publish(ctx, &paho.Publish{Topic: "during/full", QoS: 1, Payload: payload})
+		cancel()
+		if r == nil {
+			t.Fatalf("publish on a full disk: %v (want PUBACK 0x97)", err)
+		}
+		switch r.ReasonCode {
+		case 0:
+		case 0x97:
+			refused = true
+		default:
+			t.Fatalf("publish on a full disk: reason %#x, want 0x97", r.ReasonCode)
+		}
+	}
+	if !refused {
+		t.Fatal("50 publishes of 16 KiB on a full disk were all acked")
+	}
+
+	if err := os.Remove(filler); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		r, err := pub.Publish(ctx, &paho.Publish{Topic: "after/full", QoS: 1, Payload: []byte("back")})
+		cancel()
+		if r == nil {
+			t.Fatal(err)
+		}
+		if r.ReasonCode == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("still refused (%#x) 10 s after space returned", r.ReasonCode)
+		}
+		time.Sleep(50 * time.Millisecond) // retry pacing, not synchronisation
+	}
+	if err := d.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	d2 := testGateway(t, data, nil)
+	if countTopic(t, d2, "before/full") != 1 || countTopic(t, d2, "after/full") < 1 {
+		t.Fatal("acked records missing after the disk-full episode and a restart")
+	}
+}
