@@ -250,6 +250,15 @@ func (h *ingest) OnPublish(cl *mochi.Client, pk packets.Packet) (packets.Packet,
 		_ = h.b.srv.DisconnectClient(cl, packets.ErrProtocolViolationInvalidTopic)
 		return pk, packets.ErrRejectPacket
 	}
+	if !h.b.canPublish(cl, pk.TopicName) {
+		// Refused here rather than by mochi, which would write its PUBACK
+		// ahead of the acks this client is still owed.
+		h.b.logger.Debug("publish denied by ACL", "client", cl.ID, "topic", pk.TopicName)
+		if pk.FixedHeader.Qos > 0 {
+			h.refuse(cl, pk.PacketID, pk.FixedHeader.Qos, ErrNotAuthorized)
+		}
+		return pk, packets.ErrRejectPacket
+	}
 	m := &Message{}
 	m.fromPacket(cl.ID, &pk, time.Now().UnixNano())
 	mode := AckFor(h.b.cfg.Topics, m.Topic)
@@ -277,6 +286,16 @@ func (h *ingest) OnPublish(cl *mochi.Client, pk packets.Packet) (packets.Packet,
 	cs.mu.Unlock()
 	h.b.log.Propose(m, mode, func(err error) { h.resolved(cs, slot, err) })
 	return pk, packets.ErrRejectPacket
+}
+
+// refuse queues a failed ack for a publish that is not logged.
+func (h *ingest) refuse(cl *mochi.Client, pid uint16, qos byte, err error) {
+	cs := h.state(cl.ID)
+	slot := &ackSlot{cl: cl, pid: pid, qos: qos}
+	cs.mu.Lock()
+	cs.queue = append(cs.queue, slot)
+	cs.mu.Unlock()
+	h.resolved(cs, slot, err)
 }
 
 // resend answers a QoS 2 resend of a publish already logged: a PUBREC in
@@ -386,8 +405,11 @@ func (h *ingest) encodeAck(s *ackSlot, buf *bytes.Buffer) {
 	pk := packets.Packet{FixedHeader: packets.FixedHeader{Type: typ}, PacketID: s.pid, ProtocolVersion: cl.Properties.ProtocolVersion}
 	if s.err != nil {
 		code := packets.ErrUnspecifiedError
-		if errors.Is(s.err, ErrQuota) {
+		switch {
+		case errors.Is(s.err, ErrQuota):
 			code = packets.ErrQuotaExceeded
+		case errors.Is(s.err, ErrNotAuthorized):
+			code = packets.ErrNotAuthorized
 		}
 		pk.ReasonCode = code.Code
 		if !(cl.Properties.Props.RequestProblemInfoFlag && cl.Properties.Props.RequestProblemInfo == 0) {

@@ -157,4 +157,7 @@ func (m *Message) packet(now time.Time) (pk packets.Packet, live bool) {
 var (
 	// ErrQuota means the log refused the record for lack of space (0x97).
 	ErrQuota = errors.New("mqtt: quota exceeded")
+
+	// ErrNotAuthorized means the client may not publish to the topic (0x87).
+	ErrNotAuthorized = errors.New("mqtt: not authorized")
 )
