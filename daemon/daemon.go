@@ -104,6 +104,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		ElectionTimeout: c.Cluster.ElectionTimeout.Duration(),
 		SyncTimeout:     c.Cluster.SyncTimeout.Duration(),
 		MinSyncReplicas: c.Cluster.MinSyncReplicas,
+		AfterResolve:    d.broker.ReleaseAcks,
 	})
 	if err != nil {
 		return err
@@ -231,3 +232,7 @@ func notYet(c *Config) error {
 	}
 	return nil
 }
+
+type errNotYet string
+
+func (e errNotYet) Error() string { return string(e) + " is not in this version yet" }

@@ -52,6 +52,10 @@ type Broker struct {
 	shadowMu sync.Mutex // guards shadow, whose ID changes per delivery
 	shadow   *mochi.Client
 	closing  atomic.Bool // set by Stop: read loops held by back-pressure let go
+
+	ackSig  chan struct{} // wakes the acker
+	ackStop chan struct{}
+	ackDone chan struct{}
 }
 
 const listenerID = "tcp"
@@ -81,7 +85,9 @@ func New(cfg Config, log Log) (*Broker, error) {
 	// only its warnings belong in a gateway's journal.
 	mlog := slog.New(levelFloor{cfg.Logger.Handler(), slog.LevelWarn}).With("component", "mochi")
 	srv := mochi.New(&mochi.Options{Capabilities: caps, Logger: mlog})
-	b := &Broker{cfg: cfg, log: log, logger: cfg.Logger, srv: srv}
+	b := &Broker{cfg: cfg, log: log, logger: cfg.Logger, srv: srv,
+		ackSig: make(chan struct{}, 1), ackStop: make(chan struct{}), ackDone: make(chan struct{})}
+	go b.acker()
 	b.persist = &persist{store: cfg.Sessions, b: b}
 	b.ingest = &ingest{b: b, clients: map[string]*clientState{}, wills: map[string]*time.Timer{}}
 	if err := srv.AddHook(b.persist, nil); err != nil {
@@ -120,6 +126,12 @@ func (b *Broker) Stop() error {
 	b.ingest.wakeAll()
 	err := b.srv.Close()
 	b.ingest.stopWills()
+	select {
+	case <-b.ackStop:
+	default:
+		close(b.ackStop)
+	}
+	<-b.ackDone
 	return err
 }
 
@@ -152,6 +164,31 @@ func (b *Broker) Deliver(m *Message) error {
 		return nil
 	}
 	return fmt.Errorf("mqtt: deliver %s: %w", m.Topic, err)
+}
+
+// ReleaseAcks has the acks the Log resolved since the last call written,
+// by the broker's acker goroutine: the acks a batch resolves for one client
+// leave in one write, and the Log's goroutine goes straight back to its next
+// commit. It never blocks.
+func (b *Broker) ReleaseAcks() {
+	select {
+	case b.ackSig <- struct{}{}:
+	default: // the acker is already due to run
+	}
+}
+
+// acker writes released acks until Stop.
+func (b *Broker) acker() {
+	defer close(b.ackDone)
+	for {
+		select {
+		case <-b.ackSig:
+			b.ingest.releaseReady()
+		case <-b.ackStop:
+			b.ingest.releaseReady()
+			return
+		}
+	}
 }
 
 // Clients returns the number of connected clients.

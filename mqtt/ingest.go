@@ -6,6 +6,7 @@ import (
 	"math"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	mochi "github.com/mochi-mqtt/server/v2"
@@ -19,7 +20,8 @@ type Log interface {
 	Reserve(m *Message)
 	// Propose logs m, whose id Reserve set, under mode. done is called
 	// exactly once, when the record meets mode's ack rule (nil) or cannot
-	// (an error, ErrQuota for lack of space). done must not block.
+	// (an error, ErrQuota for lack of space). done must not block. After a
+	// run of done calls, the Log calls Broker.ReleaseAcks.
 	Propose(m *Message, mode AckMode, done func(err error))
 	// Logged reports which of the given sequence numbers of records from
 	// origin are in the log.
@@ -58,6 +60,11 @@ type clientState struct {
 	// awaitingRel counts PUBRECs sent whose PUBREL has not come: with
 	// queue, what an MQTT 5 client owes against its receive maximum.
 	awaitingRel int
+	// listed is true while cs waits in ingest.ready for releaseReady.
+	listed bool
+	// raw is rawFor's socket, for writes that must not block.
+	raw    syscall.RawConn
+	rawFor *mochi.Client
 }
 
 // ingest is the mochi hook that turns PUBLISHes into log proposals and
@@ -70,7 +77,13 @@ type ingest struct {
 	mu      sync.Mutex // guards clients and wills
 	clients map[string]*clientState
 	wills   map[string]*time.Timer // delayed wills by client id
+
+	readyMu sync.Mutex     // guards ready
+	ready   []*clientState // clients with acks resolved since the last releaseReady
 }
+
+// bufPool holds encode buffers for acks written without blocking.
+var bufPool = sync.Pool{New: func() any { return new(bytes.Buffer) }}
 
 func (h *ingest) ID() string { return "tandem-ingest" }
 
@@ -295,7 +308,7 @@ func (h *ingest) refuse(cl *mochi.Client, pid uint16, qos byte, err error) {
 	cs.mu.Lock()
 	cs.queue = append(cs.queue, slot)
 	cs.mu.Unlock()
-	h.resolved(cs, slot, err)
+	h.resolvedHere(cs, slot, err)
 }
 
 // resend answers a QoS 2 resend of a publish already logged: a PUBREC in
@@ -312,15 +325,33 @@ func (h *ingest) resend(cl *mochi.Client, pid uint16) {
 	}
 	cs.queue = append(cs.queue, slot)
 	cs.mu.Unlock()
-	h.resolved(cs, slot, nil)
+	h.resolvedHere(cs, slot, nil)
 }
 
-// resolved marks slot done and makes sure a writer drains cs. It runs on the
-// log's goroutine, so it only flips state and maybe starts a goroutine.
+// resolved marks slot done. It runs on the log's goroutine, which calls
+// Broker.ReleaseAcks after a run of them: the client is only listed here, so
+// all the acks a batch resolves for one client leave in one write.
 func (h *ingest) resolved(cs *clientState, slot *ackSlot, err error) {
 	cs.mu.Lock()
 	slot.done, slot.err = true, err
-	start := !cs.writing && len(cs.queue) > 0 && cs.queue[0].done
+	list := !cs.writing && !cs.listed && cs.queue[0].done
+	if list {
+		cs.listed = true
+	}
+	cs.mu.Unlock()
+	if list {
+		h.readyMu.Lock()
+		h.ready = append(h.ready, cs)
+		h.readyMu.Unlock()
+	}
+}
+
+// resolvedHere marks slot done from a client's read loop (refusals,
+// resends) and starts a writer if none runs.
+func (h *ingest) resolvedHere(cs *clientState, slot *ackSlot, err error) {
+	cs.mu.Lock()
+	slot.done, slot.err = true, err
+	start := !cs.writing && cs.queue[0].done
 	if start {
 		cs.writing = true
 	}
@@ -330,48 +361,165 @@ func (h *ingest) resolved(cs *clientState, slot *ackSlot, err error) {
 	}
 }
 
-// release writes the acks at the head of cs's queue that are done, in
-// order, coalescing each run into one write. One writer per client at a
-// time, so a client that stops reading blocks only its own acks.
-func (h *ingest) release(cs *clientState) {
+// releaseReady writes the acks of the clients resolved listed. It runs on
+// the log's goroutine, so it never blocks: a write the socket cannot take
+// whole, a client whose lock is busy, or a failed ack goes to a writer
+// goroutine of that client. Concurrent calls are safe: each client is
+// written by whoever set its writing flag.
+func (h *ingest) releaseReady() {
+	h.readyMu.Lock()
+	ready := h.ready
+	h.ready = nil
+	h.readyMu.Unlock()
+	for _, cs := range ready {
+		cs.mu.Lock()
+		cs.listed = false
+		if cs.writing {
+			cs.mu.Unlock()
+			continue // its writer goroutine picks these up
+		}
+		batch := h.takeDone(cs)
+		if len(batch) == 0 {
+			cs.mu.Unlock()
+			continue
+		}
+		cs.writing = true
+		cs.mu.Unlock()
+		h.releaseBatch(cs, batch)
+	}
+}
+
+// releaseBatch tries to write batch at once; what it cannot goes on in a
+// writer goroutine, which also drains whatever got done meanwhile.
+func (h *ingest) releaseBatch(cs *clientState, batch []*ackSlot) {
+	cl := batch[0].cl
+	simple := true
+	for _, s := range batch {
+		if s.err != nil || s.cl != cl {
+			simple = false
+			break
+		}
+	}
+	if simple {
+		buf := bufPool.Get().(*bytes.Buffer)
+		defer bufPool.Put(buf)
+		buf.Reset()
+		for _, s := range batch {
+			h.encodeAck(s, buf)
+		}
+		rest, ok := h.tryWrite(cs, cl, buf.Bytes())
+		if ok && len(rest) == 0 {
+			h.release(cs) // normally finds nothing more and returns
+			return
+		}
+		if ok {
+			rest = append([]byte(nil), rest...)
+			h.b.goFunc(func() {
+				h.writeAll(cl, rest)
+				h.release(cs)
+			})
+			return
+		}
+	}
+	h.b.goFunc(func() {
+		h.writeBatch(batch)
+		h.release(cs)
+	})
+}
+
+// takeDone removes the done acks at the head of cs's queue and returns
+// them. Called with cs.mu held. Off the queue before the write: the client
+// may send its next publish the moment it reads these acks, and must not
+// find them still counted against its receive maximum (FACTS.md).
+func (h *ingest) takeDone(cs *clientState) []*ackSlot {
+	n := 0
+	for n < len(cs.queue) && cs.queue[n].done {
+		n++
+	}
+	if n == 0 {
+		return nil
+	}
+	batch := append([]*ackSlot(nil), cs.queue[:n]...)
+	cs.queue = append(cs.queue[:0], cs.queue[n:]...)
+	for _, s := range batch {
+		if s.original != nil {
+			s.err = s.original.err // released before s: the queue is in order
+		}
+		if s.err == nil && s.qos == 2 && !s.resend {
+			cs.awaitingRel++
+		}
+	}
+	cs.released.Broadcast()
+	return batch
+}
+
+// tryWrite writes b to cl's socket without blocking, under the client's
+// lock (the one mochi's WritePacket takes). ok is false when it could not
+// try (lock busy, no raw socket); rest is what the socket did not take.
+func (h *ingest) tryWrite(cs *clientState, cl *mochi.Client, b []byte) (rest []byte, ok bool) {
+	if cl.Closed() || cl.Net.Conn == nil {
+		return nil, true // the record is durable; a QoS 1 resend is an allowed duplicate
+	}
+	if cs.rawFor != cl {
+		cs.raw, cs.rawFor = nil, cl
+		if sc, isSC := cl.Net.Conn.(syscall.Conn); isSC {
+			cs.raw, _ = sc.SyscallConn()
+		}
+	}
+	if cs.raw == nil || !cl.TryLock() {
+		return b, false
+	}
+	var n int
+	var werr error
+	err := cs.raw.Write(func(fd uintptr) bool {
+		n, werr = syscall.Write(int(fd), b)
+		return true // never wait: that is the writer goroutine's job
+	})
+	cl.Unlock()
+	if n > 0 {
+		atomic.AddInt64(&h.b.srv.Info.BytesSent, int64(n))
+	}
+	if err != nil || (werr != nil && werr != syscall.EAGAIN) {
+		return nil, true // connection gone: mochi's read loop cleans up
+	}
+	return b[max(n, 0):], true
+}
+
+// writeAll writes b to cl, blocking, under the client's lock.
+func (h *ingest) writeAll(cl *mochi.Client, b []byte) {
+	buf := bytes.NewBuffer(b)
+	h.flush(cl, buf)
+}
+
+// writeBatch encodes and writes batch, blocking, one write per client run.
+func (h *ingest) writeBatch(batch []*ackSlot) {
 	var buf bytes.Buffer
+	var last *mochi.Client
+	for _, s := range batch {
+		if last != nil && s.cl != last {
+			h.flush(last, &buf)
+		}
+		last = s.cl
+		h.encodeAck(s, &buf)
+	}
+	h.flush(last, &buf)
+}
+
+// release writes the acks at the head of cs's queue that are done, in
+// order, coalescing each run into one write, until none is left; it owns
+// cs.writing while it runs. One writer per client at a time, so a client
+// that stops reading blocks only its own acks.
+func (h *ingest) release(cs *clientState) {
 	for {
 		cs.mu.Lock()
-		n := 0
-		for n < len(cs.queue) && cs.queue[n].done {
-			n++
-		}
-		if n == 0 {
+		batch := h.takeDone(cs)
+		if len(batch) == 0 {
 			cs.writing = false
 			cs.mu.Unlock()
 			return
 		}
-		// Off the queue before the write: the client may send its next
-		// publish the moment it reads these acks, and must not find them
-		// still counted against its receive maximum (FACTS.md).
-		batch := append([]*ackSlot(nil), cs.queue[:n]...)
-		cs.queue = append(cs.queue[:0], cs.queue[n:]...)
-		for _, s := range batch {
-			if s.original != nil {
-				s.err = s.original.err // released before s: the queue is in order
-			}
-			if s.err == nil && s.qos == 2 && !s.resend {
-				cs.awaitingRel++
-			}
-		}
-		cs.released.Broadcast()
 		cs.mu.Unlock()
-
-		buf.Reset()
-		var last *mochi.Client
-		for _, s := range batch {
-			if last != nil && s.cl != last {
-				h.flush(last, &buf)
-			}
-			last = s.cl
-			h.encodeAck(s, &buf)
-		}
-		h.flush(last, &buf)
+		h.writeBatch(batch)
 	}
 }
 

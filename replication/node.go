@@ -72,6 +72,11 @@ type Config struct {
 	// MemberContext is stored with this node's membership entry when a new
 	// group is bootstrapped (name, addresses, fingerprint).
 	MemberContext []byte
+	// AfterResolve, if set, is called after each run of proposal
+	// callbacks, so their effects (acks) can be batched: on the raft
+	// goroutine, or on Propose's caller when it refuses at once. It must
+	// not block and must be safe for concurrent calls.
+	AfterResolve func()
 }
 
 // DefaultConfig returns the defaults of DESIGN.md.
@@ -154,11 +159,12 @@ type Node struct {
 	lead    atomic.Uint64         // the leader raft last reported, 0 for none
 
 	// Loop-owned state.
-	pending  map[recID]*proposal // proposed, not yet saved
-	syncWait []*proposal         // saved, sync mode, waiting for replicas; by index
-	byDue    []*proposal         // every unresolved proposal, by deadline
-	leader   bool
-	savedHS  pb.HardState // the last hard state written by Save
+	pending      map[recID]*proposal // proposed, not yet saved
+	syncWait     []*proposal         // saved, sync mode, waiting for replicas; by index
+	byDue        []*proposal         // every unresolved proposal, by deadline
+	leader       bool
+	savedHS      pb.HardState // the last hard state written by Save
+	resolvedSome bool         // callbacks ran since the last flushResolved
 }
 
 // NewNode opens the raft group stored in cfg.Storage, bootstrapping a
@@ -256,19 +262,19 @@ func (n *Node) NextSeq() uint64 { return n.seq.Add(1) }
 func (n *Node) Propose(data []byte, mode AckMode, done func(index uint64, err error)) {
 	origin, seq, err := storage.RecordID(data)
 	if err != nil {
-		done(0, fmt.Errorf("replication: propose: %w", err))
+		n.refuseNow(done, fmt.Errorf("replication: propose: %w", err))
 		return
 	}
 	p := &proposal{id: recID{origin, seq}, data: data, mode: mode, done: done, deadline: time.Now().Add(n.cfg.SyncTimeout)}
 	if e := n.diskErr.Load(); e != nil {
-		done(0, *e)
+		n.refuseNow(done, *e)
 		return
 	}
 	n.propMu.Lock()
 	if n.closedErr != nil {
 		err := n.closedErr
 		n.propMu.Unlock()
-		done(0, err)
+		n.refuseNow(done, err)
 		return
 	}
 	n.propQ = append(n.propQ, p)
@@ -276,6 +282,15 @@ func (n *Node) Propose(data []byte, mode AckMode, done func(index uint64, err er
 	select {
 	case n.propSig <- struct{}{}:
 	default:
+	}
+}
+
+// refuseNow fails a proposal on the caller's goroutine, then lets
+// AfterResolve act on it as the raft goroutine would.
+func (n *Node) refuseNow(done func(uint64, error), err error) {
+	done(0, err)
+	if n.cfg.AfterResolve != nil {
+		n.cfg.AfterResolve()
 	}
 }
 
@@ -357,6 +372,7 @@ func (n *Node) run() {
 			}
 		}
 		n.expire(time.Now())
+		n.flushResolved()
 		if len(n.byDue) > 0 && !n.byDue[0].deadline.Equal(dueAt) {
 			dueAt = n.byDue[0].deadline
 			due.Reset(time.Until(dueAt))
@@ -382,8 +398,7 @@ func (n *Node) proposeQueued() {
 	}
 	if !n.leader {
 		for _, p := range ps {
-			p.resolved = true
-			p.done(0, ErrNotLeader)
+			n.resolve(p, ErrNotLeader)
 		}
 		return
 	}
@@ -393,8 +408,7 @@ func (n *Node) proposeQueued() {
 	}
 	if err := n.rn.Step(pb.Message{Type: pb.MsgProp, From: n.id, Entries: ents}); err != nil {
 		for _, p := range ps {
-			p.resolved = true
-			p.done(0, fmt.Errorf("%w (%v)", ErrNotLeader, err))
+			n.resolve(p, fmt.Errorf("%w (%v)", ErrNotLeader, err))
 		}
 		return
 	}
@@ -429,6 +443,7 @@ func (n *Node) handleReady() bool {
 	}
 	if n.leader {
 		n.matchSaved(rd.Entries)
+		n.flushResolved() // acks first: the rest of the Ready can wait
 	}
 	if n.cfg.Transport != nil && len(rd.Messages) > 0 {
 		n.cfg.Transport.Send(rd.Messages)
@@ -477,6 +492,7 @@ func (n *Node) save(hs pb.HardState, ents []pb.Entry) bool {
 		serr := fmt.Errorf("%w: %v", ErrStorage, err)
 		n.diskErr.Store(&serr)
 		n.failWaiting(serr)
+		n.flushResolved()
 		select {
 		case <-time.After(backoff):
 		case <-n.stopc:
@@ -593,11 +609,21 @@ func (n *Node) resolve(p *proposal, err error) {
 		return
 	}
 	p.resolved = true
+	n.resolvedSome = true
 	if err != nil {
 		p.done(0, err)
 		return
 	}
 	p.done(p.index, nil)
+}
+
+// flushResolved lets AfterResolve act on the callbacks run since the last
+// call (acks written in one go per client).
+func (n *Node) flushResolved() {
+	if n.resolvedSome && n.cfg.AfterResolve != nil {
+		n.cfg.AfterResolve()
+	}
+	n.resolvedSome = false
 }
 
 // expire fails the proposals past their deadline and drops resolved ones
@@ -630,6 +656,7 @@ func (n *Node) resolveAll(err error) {
 	n.closedErr = err
 	n.propMu.Unlock()
 	n.failWaiting(err)
+	n.flushResolved()
 }
 
 // applyConfChange applies a membership entry on the raft goroutine, as raft
