@@ -72,6 +72,10 @@ type Config struct {
 	// MemberContext is stored with this node's membership entry when a new
 	// group is bootstrapped (name, addresses, fingerprint).
 	MemberContext []byte
+	// InitialMembers, if set, is the membership a fresh data dir starts
+	// with (it must include this node); by default a group of this node
+	// alone. Tests build clusters this way; gateways join by conf change.
+	InitialMembers []raft.Peer
 	// AfterResolve, if set, is called after each run of proposal
 	// callbacks, so their effects (acks) can be batched: on the raft
 	// goroutine, or on Propose's caller when it refuses at once. It must
@@ -145,6 +149,7 @@ type Node struct {
 	propSig   chan struct{}
 
 	recvc    chan pb.Message
+	unreachc chan uint64
 	statusc  chan chan Status
 	stopc    chan struct{}
 	stopOnce sync.Once
@@ -188,17 +193,18 @@ func NewNode(cfg Config) (*Node, error) {
 		return nil, err
 	}
 	n := &Node{
-		cfg:     cfg,
-		id:      id,
-		db:      db,
-		log:     cfg.Logger,
-		propSig: make(chan struct{}, 1),
-		recvc:   make(chan pb.Message, 256),
-		statusc: make(chan chan Status),
-		stopc:   make(chan struct{}),
-		applyc:  make(chan []pb.Entry, 64),
-		failc:   make(chan struct{}),
-		pending: map[recID]*proposal{},
+		cfg:      cfg,
+		id:       id,
+		db:       db,
+		log:      cfg.Logger,
+		propSig:  make(chan struct{}, 1),
+		recvc:    make(chan pb.Message, 256),
+		unreachc: make(chan uint64, 16),
+		statusc:  make(chan chan Status),
+		stopc:    make(chan struct{}),
+		applyc:   make(chan []pb.Entry, 64),
+		failc:    make(chan struct{}),
+		pending:  map[recID]*proposal{},
 	}
 	n.seq.Store(epoch << 32)
 	rcfg := &raft.Config{
@@ -221,10 +227,14 @@ func NewNode(cfg Config) (*Node, error) {
 	n.savedHS = db.HardState()
 	last, _ := db.LastIndex()
 	if last == 0 && raft.IsEmptyHardState(db.HardState()) {
-		if err := rn.Bootstrap([]raft.Peer{{ID: id, Context: cfg.MemberContext}}); err != nil {
+		members := cfg.InitialMembers
+		if len(members) == 0 {
+			members = []raft.Peer{{ID: id, Context: cfg.MemberContext}}
+		}
+		if err := rn.Bootstrap(members); err != nil {
 			return nil, fmt.Errorf("replication: bootstrap: %w", err)
 		}
-		n.log.Info("new single-gateway group", "id", IDString(id))
+		n.log.Info("new group", "id", IDString(id), "members", len(members))
 		// Persist and apply the bootstrap entries now: raft refuses to
 		// campaign while a configuration change is pending.
 		for rn.HasReady() {
@@ -294,6 +304,26 @@ func (n *Node) refuseNow(done func(uint64, error), err error) {
 	}
 }
 
+// Step hands a raft message from a peer to the raft goroutine. It blocks
+// while the node is busy (back-pressure on the peer's connection) and drops
+// the message once the node has stopped.
+func (n *Node) Step(m pb.Message) {
+	select {
+	case n.recvc <- m:
+	case <-n.stopc:
+	case <-n.failc:
+	}
+}
+
+// ReportUnreachable tells raft that messages to id could not be sent, so it
+// stops pipelining to it until it answers again.
+func (n *Node) ReportUnreachable(id uint64) {
+	select {
+	case n.unreachc <- id:
+	default: // one report waiting is as good as several
+	}
+}
+
 // Err returns the sticky error that stopped the node, or nil.
 func (n *Node) Err() error {
 	if e := n.failed.Load(); e != nil {
@@ -354,6 +384,8 @@ func (n *Node) run() {
 			n.proposeQueued()
 		case m := <-n.recvc:
 			_ = n.rn.Step(m)
+		case id := <-n.unreachc:
+			n.rn.ReportUnreachable(id)
 		case ch := <-n.statusc:
 			ch <- n.status()
 		case <-due.C:
