@@ -309,3 +309,124 @@ func TestSyncAckedRecordsSurviveAFaultyNetwork(t *testing.T) {
 		})
 	}
 }
+
+// startJoiner starts a fresh node that waits to be added to the cluster.
+func (c *cluster) startJoiner() uint64 {
+	t := c.t
+	dir := t.TempDir()
+	ident, err := LoadOrCreateIdentity(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	db, err := storage.Open(dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	app := &recorder{}
+	n, err := NewNode(Config{Identity: ident, Storage: db, Applier: app, Transport: endpoint{c.net, ident.ID}, Join: true,
+		SyncTimeout: 2 * time.Second, Heartbeat: 10 * time.Millisecond, ElectionTimeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.ids = append(c.ids, ident.ID)
+	c.dirs[ident.ID] = dir
+	c.net.mu.Lock()
+	c.net.nodes[ident.ID] = n
+	c.net.mu.Unlock()
+	c.nodes[ident.ID] = &testNode{Node: n, db: db, app: app, dir: dir}
+	t.Cleanup(func() { c.stop(ident.ID) })
+	return ident.ID
+}
+
+func (c *cluster) change(typ pb.ConfChangeType, id uint64) error {
+	c.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	return c.leader().ChangeMember(ctx, typ, Member{ID: id, Name: "gw-" + ShortID(id), Addrs: []string{"198.51.100.1:7883"}})
+}
+
+func (c *cluster) voters() (voters, learners int) {
+	st, err := c.leader().Status(context.Background())
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	voters = 1 // the master
+	for _, m := range st.Members {
+		if m.Learner {
+			learners++
+		} else {
+			voters++
+		}
+	}
+	return voters, learners
+}
+
+// 1 → 2 → 3 → 2 gateways: the second joins as a learner (RocketMQ's slave,
+// and enough for sync acks), the third joins as a learner and both slaves
+// become voters; removing one demotes the other back to learner. A fourth
+// is refused, and so is removing the last voter.
+func TestGrowAndShrinkMembership(t *testing.T) {
+	c := newCluster(t, 1)
+	a := c.ids[0]
+	if r := c.propose("solo", Sync); !errors.Is(r.err, ErrAckTimeout) {
+		t.Fatalf("sync on one gateway: %v", r.err)
+	}
+	b := c.startJoiner()
+	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {
+		t.Fatal(err)
+	}
+	if r := c.propose("two", Sync); r.err != nil {
+		t.Fatalf("sync with a learner slave: %v", r.err)
+	}
+	waitFor(t, "the slave has the whole log", func() bool { return len(c.applied(b)) == 2 })
+
+	cc := c.startJoiner()
+	if err := c.change(pb.ConfChangeAddLearnerNode, cc); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []uint64{b, cc} {
+		if err := c.change(pb.ConfChangeAddNode, id); err != nil {
+			t.Fatalf("promote %s: %v", ShortID(id), err)
+		}
+	}
+	if v, l := c.voters(); v != 3 || l != 0 {
+		t.Fatalf("after 2 → 3: %d voters, %d learners", v, l)
+	}
+	d := c.startJoiner()
+	if err := c.change(pb.ConfChangeAddLearnerNode, d); !errors.Is(err, ErrClusterFull) {
+		t.Fatalf("a fourth member: %v, want ErrClusterFull", err)
+	}
+	members, err := c.leader().Members()
+	if err != nil || len(members) != 3 {
+		t.Fatalf("members %v %v", members, err)
+	}
+	for _, m := range members {
+		if m.ID != a && (m.Name != "gw-"+ShortID(m.ID) || len(m.Addrs) != 1) {
+			t.Fatalf("member details lost: %+v", m)
+		}
+	}
+
+	// 3 → 2: remove a slave, demote the other.
+	lead := c.leader().ID()
+	var others []uint64
+	for _, id := range []uint64{a, b, cc} {
+		if id != lead {
+			others = append(others, id)
+		}
+	}
+	if err := c.change(pb.ConfChangeRemoveNode, others[0]); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.change(pb.ConfChangeAddLearnerNode, others[1]); err != nil {
+		t.Fatal(err)
+	}
+	if v, l := c.voters(); v != 1 || l != 1 {
+		t.Fatalf("after 3 → 2: %d voters, %d learners", v, l)
+	}
+	if r := c.propose("two-again", Sync); r.err != nil {
+		t.Fatalf("sync after 3 → 2: %v", r.err)
+	}
+	if err := c.change(pb.ConfChangeRemoveNode, lead); !errors.Is(err, ErrLastVoter) {
+		t.Fatalf("removing the last voter: %v, want ErrLastVoter", err)
+	}
+}

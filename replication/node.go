@@ -72,6 +72,10 @@ type Config struct {
 	// MemberContext is stored with this node's membership entry when a new
 	// group is bootstrapped (name, addresses, fingerprint).
 	MemberContext []byte
+	// Join starts a fresh data dir as a member-to-be of an existing
+	// cluster: no bootstrap, no campaign; the master's log (from index 1,
+	// membership included) brings it up to date once it adds this node.
+	Join bool
 	// InitialMembers, if set, is the membership a fresh data dir starts
 	// with (it must include this node); by default a group of this node
 	// alone. Tests build clusters this way; gateways join by conf change.
@@ -150,6 +154,7 @@ type Node struct {
 
 	recvc    chan pb.Message
 	unreachc chan uint64
+	confc    chan confReq
 	statusc  chan chan Status
 	stopc    chan struct{}
 	stopOnce sync.Once
@@ -168,8 +173,10 @@ type Node struct {
 	syncWait     []*proposal         // saved, sync mode, waiting for replicas; by index
 	byDue        []*proposal         // every unresolved proposal, by deadline
 	leader       bool
-	savedHS      pb.HardState // the last hard state written by Save
-	resolvedSome bool         // callbacks ran since the last flushResolved
+	confSeq      uint64        // ids of the conf changes this node proposed
+	confWait     []*confWaiter // conf changes proposed here, not yet applied
+	savedHS      pb.HardState  // the last hard state written by Save
+	resolvedSome bool          // callbacks ran since the last flushResolved
 }
 
 // NewNode opens the raft group stored in cfg.Storage, bootstrapping a
@@ -200,6 +207,7 @@ func NewNode(cfg Config) (*Node, error) {
 		propSig:  make(chan struct{}, 1),
 		recvc:    make(chan pb.Message, 256),
 		unreachc: make(chan uint64, 16),
+		confc:    make(chan confReq),
 		statusc:  make(chan chan Status),
 		stopc:    make(chan struct{}),
 		applyc:   make(chan []pb.Entry, 64),
@@ -207,6 +215,7 @@ func NewNode(cfg Config) (*Node, error) {
 		pending:  map[recID]*proposal{},
 	}
 	n.seq.Store(epoch << 32)
+	n.confSeq = epoch << 32 // conf change ids of this run never match an earlier run's
 	rcfg := &raft.Config{
 		ID:              id,
 		ElectionTick:    int(cfg.ElectionTimeout / cfg.Heartbeat),
@@ -226,7 +235,7 @@ func NewNode(cfg Config) (*Node, error) {
 	n.rn = rn
 	n.savedHS = db.HardState()
 	last, _ := db.LastIndex()
-	if last == 0 && raft.IsEmptyHardState(db.HardState()) {
+	if last == 0 && raft.IsEmptyHardState(db.HardState()) && !cfg.Join {
 		members := cfg.InitialMembers
 		if len(members) == 0 {
 			members = []raft.Peer{{ID: id, Context: cfg.MemberContext}}
@@ -386,6 +395,8 @@ func (n *Node) run() {
 			_ = n.rn.Step(m)
 		case id := <-n.unreachc:
 			n.rn.ReportUnreachable(id)
+		case req := <-n.confc:
+			n.proposeConfChange(req)
 		case ch := <-n.statusc:
 			ch <- n.status()
 		case <-due.C:
@@ -567,6 +578,10 @@ func (n *Node) setLeader(leader bool, lead uint64) {
 	n.leader = leader
 	n.lead.Store(lead)
 	if !leader {
+		for _, w := range n.confWait {
+			w.done <- ErrNotLeader
+		}
+		n.confWait = nil
 		// Proposals not yet in a saved Ready will never be: raft dropped
 		// them with the leadership.
 		for id, p := range n.pending {
@@ -692,9 +707,12 @@ func (n *Node) resolveAll(err error) {
 }
 
 // applyConfChange applies a membership entry on the raft goroutine, as raft
-// requires, and records the new conf state.
+// requires, records the new conf state and the members' details, and wakes
+// the proposer waiting for it.
 func (n *Node) applyConfChange(e *pb.Entry) {
 	var cc pb.ConfChangeI
+	var ctx []byte
+	var id uint64
 	switch e.Type {
 	case pb.EntryConfChange:
 		var c pb.ConfChange
@@ -702,19 +720,26 @@ func (n *Node) applyConfChange(e *pb.Entry) {
 			n.fail(fmt.Errorf("replication: conf change at %d: %v: %w", e.Index, err, storage.ErrCorrupt))
 			return
 		}
-		cc = c
+		cc, ctx, id = c, c.Context, c.ID
 	case pb.EntryConfChangeV2:
 		var c pb.ConfChangeV2
 		if err := c.Unmarshal(e.Data); err != nil {
 			n.fail(fmt.Errorf("replication: conf change at %d: %v: %w", e.Index, err, storage.ErrCorrupt))
 			return
 		}
-		cc = c
+		cc, ctx = c, c.Context
 	default:
 		return
 	}
 	cs := n.rn.ApplyConfChange(cc)
 	n.db.SetConfState(*cs)
+	for _, ch := range cc.AsV2().Changes {
+		n.recordMember(ch, ctx)
+		n.log.Info("membership changed", "change", ch.Type.String(), "peer", IDString(ch.NodeID), "index", e.Index)
+	}
+	if id != 0 {
+		n.confApplied(id, nil)
+	}
 }
 
 // applyLoop delivers committed records in order and records the applied
