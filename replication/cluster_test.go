@@ -84,6 +84,28 @@ func (e endpoint) Send(msgs []pb.Message) {
 	}
 }
 
+// memForwarder is Forward over the memNet, honouring its cuts.
+type memForwarder struct {
+	net  *memNet
+	from uint64
+}
+
+func (f memForwarder) Forward(ctx context.Context, master uint64, data []byte, mode AckMode) error {
+	for {
+		f.net.mu.Lock()
+		to, cut := f.net.nodes[master], f.net.cut[[2]uint64{f.from, master}]
+		f.net.mu.Unlock()
+		if to != nil && !cut {
+			return to.HandleForward(ctx, data, mode)
+		}
+		select { // the link is down: the request waits like a TCP retry
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
 // isolate cuts every link of id, both ways; heal undoes all cuts.
 func (nw *memNet) isolate(id uint64) {
 	nw.mu.Lock()
@@ -141,7 +163,7 @@ func (c *cluster) start(id uint64) *testNode {
 	}
 	app := &recorder{}
 	n, err := NewNode(Config{Identity: ident, Storage: db, Applier: app, Transport: endpoint{c.net, id},
-		InitialMembers: c.peers, SyncTimeout: 2 * time.Second,
+		InitialMembers: c.peers, SyncTimeout: 2 * time.Second, Forwarder: memForwarder{c.net, id},
 		Heartbeat: 10 * time.Millisecond, ElectionTimeout: 100 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
@@ -428,5 +450,61 @@ func TestGrowAndShrinkMembership(t *testing.T) {
 	}
 	if err := c.change(pb.ConfChangeRemoveNode, lead); !errors.Is(err, ErrLastVoter) {
 		t.Fatalf("removing the last voter: %v, want ErrLastVoter", err)
+	}
+}
+
+func (c *cluster) follower() *testNode {
+	c.t.Helper()
+	lead := c.leader()
+	for _, tn := range c.nodes {
+		if tn != lead {
+			return tn
+		}
+	}
+	c.t.Fatal("no follower")
+	return nil
+}
+
+// A publish taken on a slave is forwarded to the master and acked under the
+// same rule; a retried forward of the same record is logged once.
+func TestSlaveForwardsToMasterOnce(t *testing.T) {
+	c := newCluster(t, 3)
+	f := c.follower()
+	data := f.record(t, "via/slave")
+	for i := 0; i < 2; i++ { // the second is a retry of the same record
+		ch := make(chan result, 1)
+		f.Propose(data, Sync, func(idx uint64, err error) { ch <- result{idx, err} })
+		if r := wait(t, ch); r.err != nil {
+			t.Fatalf("forwarded sync publish (try %d): %v", i, r.err)
+		}
+	}
+	for _, id := range c.ids {
+		waitFor(t, "every member applies the forwarded record", func() bool { return len(c.applied(id)) >= 1 })
+	}
+	// Something proposed later proves nothing else is still on its way.
+	if r := c.propose("marker", Async); r.err != nil {
+		t.Fatal(r.err)
+	}
+	for _, id := range c.ids {
+		waitFor(t, "the marker", func() bool { return len(c.applied(id)) == 2 })
+		if got := c.applied(id); got[0] != "via/slave" {
+			t.Fatalf("member %s applied %v", ShortID(id), got)
+		}
+	}
+}
+
+// A slave cut off from the master cannot get a publish acked: after
+// sync_timeout the device gets the "no slave reachable" outcome.
+func TestCutOffSlaveTimesOut(t *testing.T) {
+	c := newCluster(t, 3)
+	f := c.follower()
+	c.net.isolate(f.ID())
+	start := time.Now()
+	r := wait(t, f.propose(t, "lost/slave", Async))
+	if !errors.Is(r.err, ErrAckTimeout) {
+		t.Fatalf("publish on a cut-off slave: %v, want ErrAckTimeout", r.err)
+	}
+	if el := time.Since(start); el < 2*time.Second {
+		t.Fatalf("gave up after %v, before sync_timeout", el)
 	}
 }

@@ -1,9 +1,11 @@
 package replication
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -80,6 +82,9 @@ type Config struct {
 	// with (it must include this node); by default a group of this node
 	// alone. Tests build clusters this way; gateways join by conf change.
 	InitialMembers []raft.Peer
+	// Forwarder, if set, carries proposals made while another node is the
+	// master to that master. Without it they fail with ErrNotLeader.
+	Forwarder Forwarder
 	// AfterResolve, if set, is called after each run of proposal
 	// callbacks, so their effects (acks) can be batched: on the raft
 	// goroutine, or on Propose's caller when it refuses at once. It must
@@ -132,6 +137,7 @@ type proposal struct {
 	deadline time.Time
 	index    uint64
 	resolved bool
+	also     []*proposal // later copies of the same record, sharing the outcome
 }
 
 // Node is one member of a raft group of gateways. One goroutine (run) owns
@@ -170,6 +176,8 @@ type Node struct {
 
 	// Loop-owned state.
 	pending      map[recID]*proposal // proposed, not yet saved
+	live         map[recID]*proposal // proposed here and unresolved, by record id
+	logged       recentLogged        // where recently saved records are, by id
 	syncWait     []*proposal         // saved, sync mode, waiting for replicas; by index
 	byDue        []*proposal         // every unresolved proposal, by deadline
 	leader       bool
@@ -213,6 +221,7 @@ func NewNode(cfg Config) (*Node, error) {
 		applyc:   make(chan []pb.Entry, 64),
 		failc:    make(chan struct{}),
 		pending:  map[recID]*proposal{},
+		live:     map[recID]*proposal{},
 	}
 	n.seq.Store(epoch << 32)
 	n.confSeq = epoch << 32 // conf change ids of this run never match an earlier run's
@@ -285,15 +294,25 @@ func (n *Node) Propose(data []byte, mode AckMode, done func(index uint64, err er
 		return
 	}
 	p := &proposal{id: recID{origin, seq}, data: data, mode: mode, done: done, deadline: time.Now().Add(n.cfg.SyncTimeout)}
+	if n.cfg.Forwarder != nil && n.Leader() != n.id {
+		go n.forward(p)
+		return
+	}
+	n.enqueue(p)
+}
+
+// enqueue hands p to the raft goroutine, or fails it at once when the node
+// cannot take proposals.
+func (n *Node) enqueue(p *proposal) {
 	if e := n.diskErr.Load(); e != nil {
-		n.refuseNow(done, *e)
+		n.refuseNow(p.done, *e)
 		return
 	}
 	n.propMu.Lock()
 	if n.closedErr != nil {
 		err := n.closedErr
 		n.propMu.Unlock()
-		n.refuseNow(done, err)
+		n.refuseNow(p.done, err)
 		return
 	}
 	n.propQ = append(n.propQ, p)
@@ -445,18 +464,51 @@ func (n *Node) proposeQueued() {
 		}
 		return
 	}
-	ents := make([]pb.Entry, len(ps))
-	for i, p := range ps {
-		ents[i].Data = p.data
+	ents := make([]pb.Entry, 0, len(ps))
+	fresh := ps[:0]
+	for _, p := range ps {
+		// A record already on its way or in the log (a slave's retried
+		// forward, a requeue) is not logged twice: it shares the outcome
+		// of the copy that is.
+		if live := n.live[p.id]; live != nil {
+			live.also = append(live.also, p)
+			continue
+		}
+		if idx, ok := n.logged.get(p.id); ok {
+			p.index = idx
+			if p.mode == Async {
+				n.resolve(p, nil)
+			} else {
+				n.waitSync(p)
+			}
+			continue
+		}
+		ents = append(ents, pb.Entry{Data: p.data})
+		fresh = append(fresh, p)
+	}
+	if len(ents) == 0 {
+		return
 	}
 	if err := n.rn.Step(pb.Message{Type: pb.MsgProp, From: n.id, Entries: ents}); err != nil {
-		for _, p := range ps {
+		for _, p := range fresh {
 			n.resolve(p, fmt.Errorf("%w (%v)", ErrNotLeader, err))
 		}
 		return
 	}
-	for _, p := range ps {
+	for _, p := range fresh {
 		n.pending[p.id] = p
+		n.live[p.id] = p
+		n.byDue = append(n.byDue, p)
+	}
+}
+
+// waitSync adds a saved sync proposal to syncWait, kept in index order.
+func (n *Node) waitSync(p *proposal) {
+	i, _ := slices.BinarySearchFunc(n.syncWait, p.index, func(q *proposal, idx uint64) int {
+		return cmp.Compare(q.index, idx)
+	})
+	n.syncWait = slices.Insert(n.syncWait, i, p)
+	if !slices.Contains(n.byDue, p) {
 		n.byDue = append(n.byDue, p)
 	}
 }
@@ -562,6 +614,7 @@ func (n *Node) failWaiting(err error) {
 	}
 	n.byDue, n.syncWait = nil, nil
 	clear(n.pending)
+	clear(n.live)
 }
 
 func firstIndex(ents []pb.Entry) uint64 {
@@ -606,7 +659,9 @@ func (n *Node) matchSaved(ents []pb.Entry) {
 		if err != nil {
 			continue
 		}
-		p := n.pending[recID{origin, seq}]
+		id := recID{origin, seq}
+		n.logged.add(id, e.Index)
+		p := n.pending[id]
 		if p == nil {
 			continue
 		}
@@ -650,13 +705,21 @@ func (n *Node) checkSync() {
 	n.syncWait = n.syncWait[i:]
 }
 
-// resolve reports p's outcome once.
+// resolve reports p's outcome once, and the same outcome to the copies
+// of its record that waited on it.
 func (n *Node) resolve(p *proposal, err error) {
 	if p.resolved {
 		return
 	}
 	p.resolved = true
 	n.resolvedSome = true
+	if n.live[p.id] == p {
+		delete(n.live, p.id)
+	}
+	for _, q := range p.also {
+		q.index = p.index
+		n.resolve(q, err)
+	}
 	if err != nil {
 		p.done(0, err)
 		return
