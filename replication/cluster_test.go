@@ -508,3 +508,60 @@ func TestCutOffSlaveTimesOut(t *testing.T) {
 		t.Fatalf("gave up after %v, before sync_timeout", el)
 	}
 }
+
+// A master cut off from the others keeps acking async publishes (they are
+// on its disk) until it steps down; when it rejoins, raft overwrites that
+// tail, and the requeue re-publishes it on the new master: nothing acked is
+// lost (DESIGN.md, "Truncation eats async acks").
+func TestDeposedMastersAsyncAcksAreRequeued(t *testing.T) {
+	c := newCluster(t, 3)
+	old := c.leader()
+	if r := c.propose("before", Async); r.err != nil {
+		t.Fatal(r.err)
+	}
+	c.net.isolate(old.ID())
+	var acked []string
+	for i := 0; i < 5; i++ {
+		topic := fmt.Sprintf("cut/%d", i)
+		if r := wait(t, old.propose(t, topic, Async)); r.err == nil {
+			acked = append(acked, topic)
+		}
+	}
+	if len(acked) == 0 {
+		t.Fatal("the cut-off master acked nothing; the test needs it to")
+	}
+	// The others elect a master and write over the same indexes.
+	var lead2 *testNode
+	waitFor(t, "a new master", func() bool {
+		for id, tn := range c.nodes {
+			if s, err := tn.Status(context.Background()); err == nil && id != old.ID() && s.Role == "master" {
+				lead2 = tn
+				return true
+			}
+		}
+		return false
+	})
+	for i := 0; i < 10; i++ {
+		if r := wait(t, lead2.propose(t, fmt.Sprintf("new/%d", i), Sync)); r.err != nil {
+			t.Fatal(r.err)
+		}
+	}
+	c.net.heal()
+	for _, id := range c.ids {
+		waitFor(t, "every async ack of the deposed master on every member", func() bool {
+			got := map[string]int{}
+			for _, tp := range c.applied(id) {
+				got[tp]++
+			}
+			for _, tp := range acked {
+				if got[tp] == 0 {
+					return false
+				}
+			}
+			return true
+		})
+	}
+	if old.Requeued() < uint64(len(acked)) {
+		t.Fatalf("the deposed master re-published %d records, want at least %d", old.Requeued(), len(acked))
+	}
+}

@@ -161,14 +161,17 @@ type Node struct {
 	recvc    chan pb.Message
 	unreachc chan uint64
 	confc    chan confReq
-	statusc  chan chan Status
-	stopc    chan struct{}
-	stopOnce sync.Once
-	wg       sync.WaitGroup
-	applyc   chan []pb.Entry
-	failed   atomic.Pointer[error] // sticky: set when the log can no longer be written or applied
-	failc    chan struct{}         // closed when failed is set
-	failOnce sync.Once
+	// requeueSig wakes requeueLoop after a save moved entries aside.
+	requeueSig    chan struct{}
+	requeuedTotal atomic.Uint64
+	statusc       chan chan Status
+	stopc         chan struct{}
+	stopOnce      sync.Once
+	wg            sync.WaitGroup
+	applyc        chan []pb.Entry
+	failed        atomic.Pointer[error] // sticky: set when the log can no longer be written or applied
+	failc         chan struct{}         // closed when failed is set
+	failOnce      sync.Once
 
 	seq     atomic.Uint64         // next record sequence number
 	diskErr atomic.Pointer[error] // set while saving the log fails
@@ -208,20 +211,21 @@ func NewNode(cfg Config) (*Node, error) {
 		return nil, err
 	}
 	n := &Node{
-		cfg:      cfg,
-		id:       id,
-		db:       db,
-		log:      cfg.Logger,
-		propSig:  make(chan struct{}, 1),
-		recvc:    make(chan pb.Message, 256),
-		unreachc: make(chan uint64, 16),
-		confc:    make(chan confReq),
-		statusc:  make(chan chan Status),
-		stopc:    make(chan struct{}),
-		applyc:   make(chan []pb.Entry, 64),
-		failc:    make(chan struct{}),
-		pending:  map[recID]*proposal{},
-		live:     map[recID]*proposal{},
+		cfg:        cfg,
+		id:         id,
+		db:         db,
+		log:        cfg.Logger,
+		propSig:    make(chan struct{}, 1),
+		recvc:      make(chan pb.Message, 256),
+		unreachc:   make(chan uint64, 16),
+		confc:      make(chan confReq),
+		requeueSig: make(chan struct{}, 1),
+		statusc:    make(chan chan Status),
+		stopc:      make(chan struct{}),
+		applyc:     make(chan []pb.Entry, 64),
+		failc:      make(chan struct{}),
+		pending:    map[recID]*proposal{},
+		live:       map[recID]*proposal{},
 	}
 	n.seq.Store(epoch << 32)
 	n.confSeq = epoch << 32 // conf change ids of this run never match an earlier run's
@@ -271,9 +275,10 @@ func NewNode(cfg Config) (*Node, error) {
 		}
 	}
 start:
-	n.wg.Add(2)
+	n.wg.Add(3)
 	go n.run()
 	go n.applyLoop()
+	go n.requeueLoop()
 	return n, nil
 }
 
@@ -534,6 +539,12 @@ func (n *Node) handleReady() bool {
 		}
 		if !raft.IsEmptyHardState(hs) {
 			n.savedHS = hs
+		}
+		if n.db.TakeRequeueSignal() {
+			select {
+			case n.requeueSig <- struct{}{}:
+			default:
+			}
 		}
 	}
 	if n.leader {

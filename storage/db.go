@@ -103,7 +103,8 @@ type DB struct {
 	tailBytes int
 	closed    bool
 
-	commits atomic.Uint64 // write transactions committed, for fsyncs-per-message figures
+	commits  atomic.Uint64 // write transactions committed, for fsyncs-per-message figures
+	requeued atomic.Bool   // entries were moved to the requeue bucket (TakeRequeueSignal)
 
 	// stageMu guards staged: metadata writes waiting for the next
 	// transaction, so they commit together with the entries proposed after

@@ -207,6 +207,7 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 			if err := requeueFrom(tx, lb, ents[0].Index, last); err != nil {
 				return err
 			}
+			db.requeued.Store(true)
 		}
 		off := 0
 		for i := range ents {

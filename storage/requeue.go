@@ -1,0 +1,46 @@
+package storage
+
+import (
+	"encoding/binary"
+	"fmt"
+
+	bolt "go.etcd.io/bbolt"
+)
+
+// Requeued is a data entry that a conflicting append overwrote: a deposed
+// master's tail, which it may have acked as async. Replication proposes it
+// again to the current master and drops it once that is done.
+type Requeued struct {
+	Key   string // its key in the requeue bucket
+	Index uint64 // where it was in the overwritten log
+	Term  uint64
+	Data  []byte // the record
+}
+
+// Requeued returns up to limit requeued entries, oldest index first.
+func (db *DB) Requeued(limit int) ([]Requeued, error) {
+	var out []Requeued
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		c := tx.Bucket(bucketRequeue).Cursor()
+		for k, v := c.First(); k != nil && len(out) < limit; k, v = c.Next() {
+			if len(k) != 16 {
+				return fmt.Errorf("requeue key of %d bytes: %w", len(k), ErrCorrupt)
+			}
+			idx := binary.BigEndian.Uint64(k)
+			e, err := decodeEntry(idx, v)
+			if err != nil {
+				return err
+			}
+			out = append(out, Requeued{Key: string(k), Index: idx, Term: e.Term, Data: e.Data})
+		}
+		return nil
+	})
+	return out, err
+}
+
+// DropRequeued removes a requeued entry, with the next transaction.
+func (db *DB) DropRequeued(key string) { db.stage(string(bucketRequeue), key, nil) }
+
+// TakeRequeueSignal reports whether entries were requeued since the last
+// call.
+func (db *DB) TakeRequeueSignal() bool { return db.requeued.Swap(false) }
