@@ -159,8 +159,12 @@ type Node struct {
 	propSig   chan struct{}
 
 	recvc    chan pb.Message
-	unreachc chan uint64
-	confc    chan confReq
+	unreachc chan struct{}
+	// unreachMu guards unreach, the peers reported unreachable since the
+	// raft goroutine last looked.
+	unreachMu sync.Mutex
+	unreach   map[uint64]bool
+	confc     chan confReq
 	// requeueSig wakes requeueLoop after a save moved entries aside.
 	requeueSig    chan struct{}
 	requeuedTotal atomic.Uint64
@@ -217,7 +221,8 @@ func NewNode(cfg Config) (*Node, error) {
 		log:        cfg.Logger,
 		propSig:    make(chan struct{}, 1),
 		recvc:      make(chan pb.Message, 256),
-		unreachc:   make(chan uint64, 16),
+		unreachc:   make(chan struct{}, 1),
+		unreach:    map[uint64]bool{},
 		confc:      make(chan confReq),
 		requeueSig: make(chan struct{}, 1),
 		statusc:    make(chan chan Status),
@@ -349,11 +354,15 @@ func (n *Node) Step(m pb.Message) {
 }
 
 // ReportUnreachable tells raft that messages to id could not be sent, so it
-// stops pipelining to it until it answers again.
+// stops pipelining to it until it answers again. Reports are merged per
+// peer, never lost for one peer because another's is pending.
 func (n *Node) ReportUnreachable(id uint64) {
+	n.unreachMu.Lock()
+	n.unreach[id] = true
+	n.unreachMu.Unlock()
 	select {
-	case n.unreachc <- id:
-	default: // one report waiting is as good as several
+	case n.unreachc <- struct{}{}:
+	default: // a wake-up is pending: it takes the whole set
 	}
 }
 
@@ -417,8 +426,13 @@ func (n *Node) run() {
 			n.proposeQueued()
 		case m := <-n.recvc:
 			_ = n.rn.Step(m)
-		case id := <-n.unreachc:
-			n.rn.ReportUnreachable(id)
+		case <-n.unreachc:
+			n.unreachMu.Lock()
+			for id := range n.unreach {
+				n.rn.ReportUnreachable(id)
+			}
+			clear(n.unreach)
+			n.unreachMu.Unlock()
 		case req := <-n.confc:
 			n.proposeConfChange(req)
 		case ch := <-n.statusc:
