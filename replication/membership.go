@@ -74,7 +74,7 @@ var (
 const MaxMembers = 3
 
 // membersBucket holds Member JSON by 16-hex-digit id.
-const membersBucket = "members"
+var membersBucket = storage.BucketMembers
 
 // Members returns the cluster's members as the data file records them.
 func (n *Node) Members() ([]Member, error) {

@@ -43,6 +43,9 @@ var (
 	// subscriptions, in-flight messages, retained messages), written through
 	// Stage so it commits with the log.
 	BucketSessions = "sessions"
+	// BucketMembers holds the cluster members' details, by node id,
+	// written by replication as membership changes apply.
+	BucketMembers = "members"
 )
 
 var (

@@ -215,3 +215,91 @@ func (db *DB) NextEpoch() (uint64, error) {
 	}
 	return epoch, nil
 }
+
+// GetMeta returns a copy of the metadata value of key, nil if unset.
+func (db *DB) GetMeta(key string) ([]byte, error) {
+	var out []byte
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		if v := tx.Bucket(bucketMeta).Get([]byte(key)); v != nil {
+			out = append([]byte{}, v...)
+		}
+		return nil
+	})
+	return out, err
+}
+
+// PutMeta sets the metadata value of key, durably, before it returns.
+func (db *DB) PutMeta(key string, val []byte) error {
+	err := db.bolt.Update(func(tx *bolt.Tx) error {
+		return tx.Bucket(bucketMeta).Put([]byte(key), val)
+	})
+	if err != nil {
+		return fmt.Errorf("storage: %s: %w", key, err)
+	}
+	db.commits.Add(1)
+	return nil
+}
+
+// DataRecords counts the data entries (records) in the log.
+func (db *DB) DataRecords() (int, error) {
+	n := 0
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		c := tx.Bucket(bucketLog).Cursor()
+		for _, v := c.First(); v != nil; _, v = c.Next() {
+			if len(v) > entryHdr && pb.EntryType(v[12]) == pb.EntryNormal {
+				n++
+			}
+		}
+		return nil
+	})
+	return n, err
+}
+
+// ResetRaft wipes the raft state (log, hard and conf state, applied index,
+// members) so the node can join another cluster. With requeue its records
+// move to the requeue bucket first, to be re-published into that cluster;
+// without, they are discarded. No Node may run on db meanwhile.
+func (db *DB) ResetRaft(requeue bool) error {
+	err := db.commit(func(tx *bolt.Tx) error {
+		lb := tx.Bucket(bucketLog)
+		var last uint64
+		if k, _ := lb.Cursor().Last(); len(k) == 8 {
+			last = binary.BigEndian.Uint64(k)
+		}
+		if requeue && last > 0 {
+			if err := requeueFrom(tx, lb, 1, last); err != nil {
+				return err
+			}
+		}
+		for _, b := range [][]byte{bucketLog, []byte(BucketMembers)} {
+			if tx.Bucket(b) != nil {
+				if err := tx.DeleteBucket(b); err != nil {
+					return err
+				}
+			}
+			if _, err := tx.CreateBucket(b); err != nil {
+				return err
+			}
+		}
+		rs := tx.Bucket(bucketRaftState)
+		for _, k := range [][]byte{keyHardState, keyConfState, keySnapMeta} {
+			if err := rs.Delete(k); err != nil {
+				return err
+			}
+		}
+		return tx.Bucket(bucketMeta).Delete(keyApplied)
+	})
+	if err != nil {
+		return fmt.Errorf("storage: reset: %w", err)
+	}
+	db.mu.Lock()
+	db.hs, db.cs = pb.HardState{}, pb.ConfState{}
+	db.snapIndex, db.snapTerm, db.applied = 0, 0, 0
+	db.first, db.last = 1, 0
+	db.tail, db.tailBytes = nil, 0
+	db.mu.Unlock()
+	if requeue {
+		db.requeued.Store(true)
+	}
+	return nil
+}
