@@ -1,6 +1,7 @@
 package replication
 
 import (
+	"cmp"
 	"context"
 	"encoding/hex"
 	"encoding/json"
@@ -76,46 +77,60 @@ const MaxMembers = 3
 // membersBucket holds Member JSON by 16-hex-digit id.
 var membersBucket = storage.BucketMembers
 
-// Members returns the cluster's members as the data file records them.
-func (n *Node) Members() ([]Member, error) {
-	var out []Member
-	err := n.db.ForEach(membersBucket, "", func(_, v []byte) error {
+// Members returns the cluster's members, by id.
+func (n *Node) Members() []Member {
+	n.membersMu.Lock()
+	defer n.membersMu.Unlock()
+	out := make([]Member, 0, len(n.members))
+	for _, m := range n.members {
+		out = append(out, m)
+	}
+	slices.SortFunc(out, func(a, b Member) int { return cmp.Compare(a.ID, b.ID) })
+	return out
+}
+
+// loadMembers reads the members bucket at start.
+func (n *Node) loadMembers() error {
+	n.members = map[uint64]Member{}
+	return n.db.ForEach(membersBucket, "", func(_, v []byte) error {
 		var m Member
 		if err := json.Unmarshal(v, &m); err != nil {
 			return fmt.Errorf("members bucket: %v: %w", err, storage.ErrCorrupt)
 		}
-		out = append(out, m)
+		n.members[m.ID] = m
 		return nil
 	})
-	slices.SortFunc(out, func(a, b Member) int {
-		switch {
-		case a.ID < b.ID:
-			return -1
-		case a.ID > b.ID:
-			return 1
-		}
-		return 0
-	})
-	return out, err
 }
 
-// recordMember keeps m's details after its conf change applied.
+// recordMember keeps m's details after its conf change applied, and tells
+// OnMembership.
 func (n *Node) recordMember(cc pb.ConfChangeSingle, ctx []byte) {
 	key := IDString(cc.NodeID)
+	n.membersMu.Lock()
 	if cc.Type == pb.ConfChangeRemoveNode {
+		delete(n.members, cc.NodeID)
+		n.membersMu.Unlock()
 		n.db.StageDelete(membersBucket, key)
-		return
-	}
-	var m Member
-	if len(ctx) > 0 {
-		if err := json.Unmarshal(ctx, &m); err != nil {
-			n.log.Warn("membership entry without readable details", "peer", key, "error", err)
+	} else {
+		m := n.members[cc.NodeID]
+		if len(ctx) > 0 {
+			var got Member
+			if err := json.Unmarshal(ctx, &got); err != nil {
+				n.log.Warn("membership entry without readable details", "peer", key, "error", err)
+			} else {
+				m = got
+			}
 		}
+		m.ID = cc.NodeID
+		m.Voter = cc.Type == pb.ConfChangeAddNode
+		n.members[m.ID] = m
+		n.membersMu.Unlock()
+		b, _ := json.Marshal(m)
+		n.db.Stage(membersBucket, key, b)
 	}
-	m.ID = cc.NodeID
-	m.Voter = cc.Type == pb.ConfChangeAddNode
-	b, _ := json.Marshal(m)
-	n.db.Stage(membersBucket, key, b)
+	if n.cfg.OnMembership != nil {
+		n.cfg.OnMembership(n.Members())
+	}
 }
 
 // confWaiter is a conf change proposal waiting to be applied.

@@ -82,6 +82,9 @@ type Config struct {
 	// with (it must include this node); by default a group of this node
 	// alone. Tests build clusters this way; gateways join by conf change.
 	InitialMembers []raft.Peer
+	// OnMembership, if set, is called with the whole membership whenever a
+	// change to it is applied (on the raft goroutine: it must not block).
+	OnMembership func([]Member)
 	// Forwarder, if set, carries proposals made while another node is the
 	// master to that master. Without it they fail with ErrNotLeader.
 	Forwarder Forwarder
@@ -168,14 +171,19 @@ type Node struct {
 	// requeueSig wakes requeueLoop after a save moved entries aside.
 	requeueSig    chan struct{}
 	requeuedTotal atomic.Uint64
-	statusc       chan chan Status
-	stopc         chan struct{}
-	stopOnce      sync.Once
-	wg            sync.WaitGroup
-	applyc        chan []pb.Entry
-	failed        atomic.Pointer[error] // sticky: set when the log can no longer be written or applied
-	failc         chan struct{}         // closed when failed is set
-	failOnce      sync.Once
+
+	// membersMu guards members: the cluster's details, kept in memory
+	// because staged writes are not readable before their commit.
+	membersMu sync.Mutex
+	members   map[uint64]Member
+	statusc   chan chan Status
+	stopc     chan struct{}
+	stopOnce  sync.Once
+	wg        sync.WaitGroup
+	applyc    chan []pb.Entry
+	failed    atomic.Pointer[error] // sticky: set when the log can no longer be written or applied
+	failc     chan struct{}         // closed when failed is set
+	failOnce  sync.Once
 
 	seq     atomic.Uint64         // next record sequence number
 	diskErr atomic.Pointer[error] // set while saving the log fails
@@ -231,6 +239,9 @@ func NewNode(cfg Config) (*Node, error) {
 		failc:      make(chan struct{}),
 		pending:    map[recID]*proposal{},
 		live:       map[recID]*proposal{},
+	}
+	if err := n.loadMembers(); err != nil {
+		return nil, err
 	}
 	n.seq.Store(epoch << 32)
 	n.confSeq = epoch << 32 // conf change ids of this run never match an earlier run's
