@@ -65,7 +65,7 @@ func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
-	root.AddCommand(newRunCmd(), newVersionCmd(), newCheckCmd(), newInspectCmd(), newBenchCmd())
+	root.AddCommand(newRunCmd(), newVersionCmd(), newCheckCmd(), newInspectCmd(), newBenchCmd(), newServiceCmd(), newPasswdCmd())
 	for _, c := range root.Commands() {
 		if c.Args != nil {
 			args := c.Args
@@ -201,7 +201,11 @@ func runDaemon(cfg *Config, logw io.Writer) error {
 		select {
 		case s := <-sigc:
 			if s == syscall.SIGHUP {
-				log.Info("SIGHUP: nothing to reload yet (users, ACLs and topic rules come with the security issue)")
+				if err := d.Reload(); err != nil {
+					log.Error("reload failed; keeping the previous users, ACLs and topic rules", "error", err)
+				} else {
+					log.Info("reloaded users, ACLs and topic rules")
+				}
 				continue
 			}
 			log.Info("stopping", "signal", s.String())

@@ -49,6 +49,11 @@ type Config struct {
 	Topics []TopicRule `yaml:"topics"`
 	// Discovery configures mDNS advertising and browsing on the LAN.
 	Discovery DiscoveryConfig `yaml:"discovery"`
+
+	// file is the path LoadConfig read, which a reload (SIGHUP) reads
+	// again for the topic rules and the users and ACL files; "" for a
+	// Config that did not come from a file.
+	file string
 }
 
 // NodeConfig identifies the gateway.
@@ -69,7 +74,8 @@ type MQTTConfig struct {
 	// "127.0.0.1:1883": loopback, so an unconfigured gateway is not an open
 	// broker on the LAN.
 	Listen string `yaml:"listen"`
-	// TLS is an optional MQTT-over-TLS listener; off while TLS.Listen is "".
+	// TLS is an optional MQTT-over-TLS listener: on when TLS.CertFile is
+	// set (or TLS.Listen, which then needs it).
 	TLS TLSConfig `yaml:"tls"`
 	// AllowAnonymous accepts clients without credentials on a listener
 	// reachable from the network. Without it (the default) such a listener
@@ -78,9 +84,11 @@ type MQTTConfig struct {
 	// standalone gateway usable.
 	AllowAnonymous bool `yaml:"allow_anonymous"`
 	// UsersFile holds one "user:bcrypt-hash" line per user, as printed by
-	// `tandem passwd`. Reloaded on SIGHUP.
+	// `tandem passwd`. With it, a client that gives a user name must give
+	// its password. Reloaded on SIGHUP.
 	UsersFile string `yaml:"users_file"`
-	// ACLFile holds the per-user topic ACLs. Reloaded on SIGHUP.
+	// ACLFile holds the topic ACLs in Mosquitto's acl_file syntax; with it,
+	// whatever it does not grant is refused. Reloaded on SIGHUP.
 	ACLFile string `yaml:"acl_file"`
 	// MaxInflight is the receive maximum granted to each client: how many
 	// QoS 1 and 2 publishes it may have unacknowledged. Acks wait for an
@@ -88,6 +96,35 @@ type MQTTConfig struct {
 	// to reach full throughput. 1 to 65535; 0 means the default, 1024 (as
 	// mochi-mqtt).
 	MaxInflight int `yaml:"max_inflight"`
+	// MaxPacketSize bounds one MQTT packet; a client that sends a bigger
+	// one is disconnected (MQTT 5 clients learn the size from the CONNACK).
+	// Default 1MiB; at most 256MiB, MQTT's own limit.
+	MaxPacketSize ByteSize `yaml:"max_packet_size"`
+	// MaxClients caps the connected clients; one more is refused with
+	// CONNACK server busy (MQTT 3.1.1: server unavailable). Default 1000.
+	MaxClients int `yaml:"max_clients"`
+	// MaxTopicLength bounds a topic name or filter, in bytes. Default
+	// 1024. A PUBLISH over it disconnects its client (MQTT 5: DISCONNECT
+	// 0x90); a subscription over it is refused (SUBACK 0x8F, 3.1.1: 0x80).
+	MaxTopicLength int `yaml:"max_topic_length"`
+	// MaxTopicLevels bounds the levels of a topic name or filter, as
+	// MaxTopicLength. Default 32.
+	MaxTopicLevels int `yaml:"max_topic_levels"`
+	// ConnectRate is the connections per second one source address (IPv4
+	// address, IPv6 /64) may open on average; ConnectBurst how many it may
+	// open at once. Over it a connection is closed before it is read.
+	// Defaults 20 and 100; set them high to lift the limit.
+	ConnectRate float64 `yaml:"connect_rate"`
+	// ConnectBurst: see ConnectRate.
+	ConnectBurst int `yaml:"connect_burst"`
+	// KeepAliveMin and KeepAliveMax bound the keep-alive clients ask for,
+	// in whole seconds; 0 means no bound. An MQTT 5 client outside them is
+	// told the bound in its CONNACK; an MQTT 3.1.1 client cannot be, and is
+	// refused (CONNACK 0x02, as Mosquitto's max_keepalive). A keep-alive of
+	// 0 is above any maximum.
+	KeepAliveMin Duration `yaml:"keepalive_min"`
+	// KeepAliveMax: see KeepAliveMin.
+	KeepAliveMax Duration `yaml:"keepalive_max"`
 }
 
 // AnonymousAllowed reports whether the broker should accept clients without
@@ -100,15 +137,32 @@ func (m MQTTConfig) AnonymousAllowed() bool {
 
 // TLSConfig holds the settings of the MQTT-over-TLS listener.
 type TLSConfig struct {
-	// Listen is the TLS listener's host:port; "" disables it.
+	// Listen is the TLS listener's host:port. Default ":8883" once
+	// CertFile is set; the listener is off without CertFile.
 	Listen string `yaml:"listen"`
-	// CertFile is the PEM server certificate (chain).
+	// CertFile is the PEM server certificate (chain). Its contents are
+	// read again on SIGHUP, so a renewed certificate needs no restart.
 	CertFile string `yaml:"cert_file"`
 	// KeyFile is the PEM private key of CertFile.
 	KeyFile string `yaml:"key_file"`
-	// CAFile is a PEM bundle of CAs for client certificates.
+	// CAFile is a PEM bundle of the CAs that sign client certificates; a
+	// client certificate that is presented must chain to one of them.
 	CAFile string `yaml:"ca_file"`
+	// RequireClientCert refuses, in the TLS handshake, clients without a
+	// valid certificate from CAFile (expired and untrusted ones included).
+	// Such a listener needs no users_file: the certificate is the
+	// credential.
+	RequireClientCert bool `yaml:"require_client_cert"`
+	// UseIdentityAsUsername makes a client certificate's common name the
+	// client's user name for the ACLs, with no password asked, as
+	// Mosquitto's use_identity_as_username. Needs RequireClientCert.
+	UseIdentityAsUsername bool `yaml:"use_identity_as_username"`
+	// MinVersion is the oldest TLS version accepted: 1.2 (default) or 1.3.
+	MinVersion string `yaml:"min_version"`
 }
+
+// Enabled reports whether the TLS listener is configured.
+func (t TLSConfig) Enabled() bool { return t.Listen != "" || t.CertFile != "" }
 
 // PeerConfig configures the gateway-to-gateway (raft) listener.
 type PeerConfig struct {
@@ -217,6 +271,20 @@ func (c *Config) setDefaults() {
 	setDefaultIfZero(&c.Node.DataDir, "./tandem-data")
 	setDefaultIfZero(&c.MQTT.Listen, "127.0.0.1:1883")
 	setDefaultIfZero(&c.MQTT.MaxInflight, 1024)
+	setDefaultIfZero(&c.MQTT.MaxPacketSize, 1<<20)
+	setDefaultIfZero(&c.MQTT.MaxClients, 1000)
+	setDefaultIfZero(&c.MQTT.MaxTopicLength, 1024)
+	setDefaultIfZero(&c.MQTT.MaxTopicLevels, 32)
+	setDefaultIfZero(&c.MQTT.ConnectRate, 20)
+	setDefaultIfZero(&c.MQTT.ConnectBurst, 100)
+	if c.MQTT.TLS.CertFile != "" {
+		// A certificate is the sign that TLS is wanted; 8883 is MQTT's
+		// registered TLS port.
+		setDefaultIfZero(&c.MQTT.TLS.Listen, ":8883")
+	}
+	if c.MQTT.TLS.Enabled() {
+		setDefaultIfZero(&c.MQTT.TLS.MinVersion, "1.2")
+	}
 	setDefaultIfZero(&c.Peer.Listen, ":7883")
 	setDefaultIfZero(&c.HTTP.Listen, "127.0.0.1:7880")
 	setDefaultIfZero(&c.Log.Level, "info")
@@ -259,7 +327,12 @@ func LoadConfig(path string) (*Config, error) {
 		}
 		return nil, &ConfigError{File: path, Msg: "cannot read: " + cause.Error(), Err: err}
 	}
-	return ParseConfig(data, path)
+	c, err := ParseConfig(data, path)
+	if err != nil {
+		return nil, err
+	}
+	c.file = path
+	return c, nil
 }
 
 // ParseConfig is LoadConfig on data already in memory; name is used as the
@@ -780,6 +853,8 @@ func yamlKindWord(t reflect.Type) string {
 		return "a string"
 	case reflect.Slice:
 		return "a list"
+	case reflect.Float32, reflect.Float64:
+		return "a number"
 	}
 	if t.Kind() >= reflect.Int && t.Kind() <= reflect.Uint64 {
 		return "a whole number"
@@ -810,16 +885,17 @@ func (c *Config) validate(w *configWalker) error {
 		ck.failf("node.name", "%s contains control characters", quoteConfigValue(c.Node.Name))
 	}
 	ck.hostPort("mqtt.listen", c.MQTT.Listen)
-	if c.MQTT.TLS.Listen != "" {
-		ck.hostPort("mqtt.tls.listen", c.MQTT.TLS.Listen)
-	}
 	if c.MQTT.MaxInflight < 1 || c.MQTT.MaxInflight > 65535 {
 		ck.failf("mqtt.max_inflight", "%d is out of range: MQTT's receive maximum is 1 to 65535", c.MQTT.MaxInflight)
 	}
 	if !c.MQTT.AllowAnonymous && c.MQTT.UsersFile == "" {
 		ck.needUsers("mqtt.listen", c.MQTT.Listen)
-		ck.needUsers("mqtt.tls.listen", c.MQTT.TLS.Listen)
+		if !c.MQTT.TLS.RequireClientCert {
+			ck.needUsers("mqtt.tls.listen", c.MQTT.TLS.Listen)
+		}
 	}
+	ck.tls(c.MQTT.TLS)
+	ck.limits(c.MQTT)
 	ck.hostPort("peer.listen", c.Peer.Listen)
 	for i, a := range c.Peer.Advertise {
 		ck.advertiseAddr(fmt.Sprintf("peer.advertise[%d]", i), a)
@@ -849,6 +925,76 @@ func (c *Config) validate(w *configWalker) error {
 	ck.nonNegative("storage.max_age", c.Storage.MaxAge)
 	ck.topics(c.Topics)
 	return ck.err
+}
+
+// tls checks the TLS listener's settings hang together; the files are read
+// at start, where a missing one fails with its name.
+func (ck *configChecker) tls(t TLSConfig) {
+	if !t.Enabled() {
+		if t.KeyFile != "" {
+			ck.failf("mqtt.tls.key_file", "set without mqtt.tls.cert_file, which turns the TLS listener on")
+		}
+		if t.CAFile != "" {
+			ck.failf("mqtt.tls.ca_file", "set without mqtt.tls.cert_file, which turns the TLS listener on")
+		}
+		if t.RequireClientCert || t.UseIdentityAsUsername || t.MinVersion != "" {
+			ck.failf("mqtt.tls", "TLS settings without mqtt.tls.cert_file, which turns the TLS listener on")
+		}
+		return
+	}
+	ck.hostPort("mqtt.tls.listen", t.Listen)
+	if t.CertFile == "" {
+		ck.failf("mqtt.tls.cert_file", "missing: the TLS listener needs a server certificate")
+	}
+	if t.KeyFile == "" {
+		ck.failf("mqtt.tls.key_file", "missing: the TLS listener needs the certificate's private key")
+	}
+	if t.RequireClientCert && t.CAFile == "" {
+		ck.failf("mqtt.tls.require_client_cert", "needs mqtt.tls.ca_file, the CAs client certificates must chain to")
+	}
+	if t.UseIdentityAsUsername && !t.RequireClientCert {
+		ck.failf("mqtt.tls.use_identity_as_username", "needs mqtt.tls.require_client_cert: true")
+	}
+	ck.oneOf("mqtt.tls.min_version", t.MinVersion, "1.2", "1.3")
+}
+
+// limits checks the MQTT limits against what the protocol can carry.
+func (ck *configChecker) limits(m MQTTConfig) {
+	const maxPacket = 256 << 20 // MQTT's remaining length tops out just under 256 MiB
+	if m.MaxPacketSize < 256 || m.MaxPacketSize > maxPacket {
+		ck.failf("mqtt.max_packet_size", "%s is out of range: 256B to 256MiB", m.MaxPacketSize)
+	}
+	if m.MaxClients < 1 {
+		ck.failf("mqtt.max_clients", "%d is out of range: at least 1", m.MaxClients)
+	}
+	if m.MaxTopicLength < 1 || m.MaxTopicLength > 65535 {
+		ck.failf("mqtt.max_topic_length", "%d is out of range: 1 to 65535 bytes, MQTT's longest topic", m.MaxTopicLength)
+	}
+	if m.MaxTopicLevels < 1 || m.MaxTopicLevels > 32768 {
+		ck.failf("mqtt.max_topic_levels", "%d is out of range: 1 to 32768", m.MaxTopicLevels)
+	}
+	if !(m.ConnectRate > 0) || m.ConnectRate > 1e9 {
+		ck.failf("mqtt.connect_rate", "%v is out of range: connections per second, more than 0", m.ConnectRate)
+	}
+	if m.ConnectBurst < 1 {
+		ck.failf("mqtt.connect_burst", "%d is out of range: at least 1", m.ConnectBurst)
+	}
+	for _, k := range []struct {
+		key string
+		d   Duration
+	}{{"mqtt.keepalive_min", m.KeepAliveMin}, {"mqtt.keepalive_max", m.KeepAliveMax}} {
+		switch d := k.d.Duration(); {
+		case d < 0:
+			ck.failf(k.key, "%s is negative", d)
+		case d%time.Second != 0:
+			ck.failf(k.key, "%s is not a whole number of seconds, which is all MQTT's keep-alive can say", d)
+		case d > 65535*time.Second:
+			ck.failf(k.key, "%s is out of range: MQTT's keep-alive is at most 65535s (18h12m15s)", d)
+		}
+	}
+	if m.KeepAliveMin > 0 && m.KeepAliveMax > 0 && m.KeepAliveMin > m.KeepAliveMax {
+		ck.failf("mqtt.keepalive_min", "%s is more than mqtt.keepalive_max (%s)", m.KeepAliveMin, m.KeepAliveMax)
+	}
 }
 
 // configChecker keeps the first validation error, so that validate reads

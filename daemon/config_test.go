@@ -26,7 +26,8 @@ func TestDefaultConfig(t *testing.T) {
 	}
 	want := &Config{
 		Node: NodeConfig{Name: host, DataDir: "./tandem-data"},
-		MQTT: MQTTConfig{Listen: "127.0.0.1:1883", MaxInflight: 1024},
+		MQTT: MQTTConfig{Listen: "127.0.0.1:1883", MaxInflight: 1024, MaxPacketSize: 1 << 20, MaxClients: 1000,
+			MaxTopicLength: 1024, MaxTopicLevels: 32, ConnectRate: 20, ConnectBurst: 100},
 		Peer: PeerConfig{Listen: ":7883"},
 		HTTP: HTTPConfig{Listen: "127.0.0.1:7880"},
 		Log:  LogConfig{Level: "info", Format: "text"},
@@ -78,14 +79,25 @@ func fullConfig() *Config {
 		MQTT: MQTTConfig{
 			Listen: "0.0.0.0:1883",
 			TLS: TLSConfig{
-				Listen:   "0.0.0.0:8883",
-				CertFile: "/etc/tandem/mqtt.crt",
-				KeyFile:  "/etc/tandem/mqtt.key",
-				CAFile:   "/etc/tandem/clients-ca.crt",
+				Listen:                "0.0.0.0:8883",
+				CertFile:              "/etc/tandem/mqtt.crt",
+				KeyFile:               "/etc/tandem/mqtt.key",
+				CAFile:                "/etc/tandem/clients-ca.crt",
+				RequireClientCert:     true,
+				UseIdentityAsUsername: true,
+				MinVersion:            "1.3",
 			},
-			UsersFile:   "/etc/tandem/users",
-			ACLFile:     "/etc/tandem/acl",
-			MaxInflight: 4096,
+			UsersFile:      "/etc/tandem/users",
+			ACLFile:        "/etc/tandem/acl",
+			MaxInflight:    4096,
+			MaxPacketSize:  256 << 10,
+			MaxClients:     200,
+			MaxTopicLength: 256,
+			MaxTopicLevels: 8,
+			ConnectRate:    2.5,
+			ConnectBurst:   10,
+			KeepAliveMin:   Duration(10 * time.Second),
+			KeepAliveMax:   Duration(time.Hour),
 		},
 		Peer: PeerConfig{Listen: "0.0.0.0:7884", Advertise: []string{"198.51.100.1:7884", "gw-1.local:7884"}},
 		HTTP: HTTPConfig{Listen: "127.0.0.1:7881", TokenFile: "/etc/tandem/http-token"},
@@ -118,7 +130,9 @@ func TestLoadConfigFull(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := fullConfig(); !reflect.DeepEqual(c, want) {
+	want := fullConfig()
+	want.file = configTestdata("full.yaml") // what a reload reads again
+	if !reflect.DeepEqual(c, want) {
 		t.Fatalf("full.yaml =\n%+v\nwant\n%+v", c, want)
 	}
 	// Every yaml key of Config must be in full.yaml, so it stays the

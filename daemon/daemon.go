@@ -31,6 +31,9 @@ type Daemon struct {
 	httpSrv *http.Server
 	httpLn  net.Listener
 
+	reloadMu sync.Mutex // serialises Reload; guards live
+	live     *Config    // the configuration in force: cfg, then each reload's
+
 	stopOnce sync.Once
 }
 
@@ -57,6 +60,17 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err = notYet(c); err != nil {
 		return err
 	}
+	// The users, ACL and TLS files are configuration too: a bad one exits
+	// 2, before the data dir is touched.
+	access, err := loadAccess(c.MQTT)
+	if err != nil {
+		return usageError{err}
+	}
+	tlsCfg, err := mqttTLS(c.MQTT.TLS)
+	if err != nil {
+		return usageError{err}
+	}
+	d.live = c
 	if c.Discovery.MDNS {
 		d.log.Warn("discovery.mdns is on, but mDNS is not implemented in this version: nothing is advertised")
 	}
@@ -70,22 +84,20 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log}); err != nil {
 		return err
 	}
-	var topics []mqtt.TopicPolicy
-	for _, t := range c.Topics {
-		mode, err := mqtt.ParseAckMode(t.Ack)
-		if err != nil {
-			return fmt.Errorf("topic %q: %w", t.Match, err)
-		}
-		topics = append(topics, mqtt.TopicPolicy{Filter: t.Match, Ack: mode})
-		if mode == mqtt.Sync {
-			d.log.Warn("sync topics cannot be acked by a lone gateway: publishes to them are refused after sync_timeout", "topic", t.Match)
-		}
+	topics, err := d.topicPolicies(c.Topics)
+	if err != nil {
+		return err
 	}
 	la := &logAdapter{}
 	d.broker, err = mqtt.New(mqtt.Config{
 		Listen:         c.MQTT.Listen,
-		AllowAnonymous: c.MQTT.AnonymousAllowed(),
+		TLS:            tlsCfg,
+		AllowAnonymous: access.AllowAnonymous,
+		Users:          access.Users,
+		ACL:            access.ACL,
+		Limits:         mqttLimits(c.MQTT),
 		MaxInflight:    c.MQTT.MaxInflight,
+		MaxPacketSize:  uint32(c.MQTT.MaxPacketSize),
 		Topics:         topics,
 		SyncTimeout:    c.Cluster.SyncTimeout.Duration(),
 		Sessions:       sessionStore{d.db},
@@ -136,6 +148,9 @@ func (d *Daemon) Err() error { return d.node.Err() }
 
 // MQTTAddr returns the MQTT listener's address.
 func (d *Daemon) MQTTAddr() string { return d.broker.Addr() }
+
+// MQTTTLSAddr returns the MQTT-over-TLS listener's address, or "".
+func (d *Daemon) MQTTTLSAddr() string { return d.broker.TLSAddr() }
 
 // HTTPAddr returns the HTTP listener's address.
 func (d *Daemon) HTTPAddr() string {
@@ -209,15 +224,6 @@ func (d *Daemon) startHTTP() error {
 // asked for would be worse than not starting.
 func notYet(c *Config) error {
 	var keys []string
-	if c.MQTT.UsersFile != "" {
-		keys = append(keys, "mqtt.users_file")
-	}
-	if c.MQTT.ACLFile != "" {
-		keys = append(keys, "mqtt.acl_file")
-	}
-	if c.MQTT.TLS.Listen != "" {
-		keys = append(keys, "mqtt.tls")
-	}
 	if c.Storage.Flush == "interval" {
 		keys = append(keys, "storage.flush: interval")
 	}

@@ -2,15 +2,17 @@ package mqtt
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	mochi "github.com/mochi-mqtt/server/v2"
-	"github.com/mochi-mqtt/server/v2/listeners"
 	"github.com/mochi-mqtt/server/v2/packets"
 )
 
@@ -18,8 +20,16 @@ import (
 type Config struct {
 	// Listen is the TCP address of the MQTT listener ("127.0.0.1:1883").
 	Listen string
+	// TLS configures an MQTT-over-TLS listener; nil means none.
+	TLS *TLSConfig
 	// AllowAnonymous admits clients without credentials.
 	AllowAnonymous bool
+	// Users is the users file; nil means none (see Access).
+	Users *Users
+	// ACL is the ACL file; nil allows everything.
+	ACL *ACL
+	// Limits bounds clients, topics and connection rates.
+	Limits Limits
 	// MaxInflight is the receive maximum per client: how many QoS 1/2
 	// publishes a client may have unacknowledged.
 	MaxInflight int
@@ -27,6 +37,7 @@ type Config struct {
 	// maximum of 256 MiB is too much for a gateway.
 	MaxPacketSize uint32
 	// Topics chooses each topic's ack mode; first match wins, default async.
+	// SetTopics replaces them while the broker runs.
 	Topics []TopicPolicy
 	// SyncTimeout is how long a session take-over waits for the old
 	// connection's acks.
@@ -43,11 +54,27 @@ type Config struct {
 type Broker struct {
 	cfg     Config
 	log     Log
-	logger  *slog.Logger
+	logger  *slog.Logger // rate-limited: info and warnings once a minute per message and client
 	srv     *mochi.Server
 	ingest  *ingest
 	persist *persist
-	tcp     *listeners.TCP
+	tcp     *listener
+	tls     *listener // nil without a TLS listener
+
+	rawLogger *slog.Logger // cfg.Logger, for lines limited by refusals
+	refusals  *logLimiter  // refused clients and packets: once a minute per reason and source
+
+	// What a reload replaces; read on every connect, subscribe, publish
+	// and delivery, so they are swapped whole, never changed in place.
+	access  atomic.Pointer[Access]
+	topics  atomic.Pointer[[]TopicPolicy]
+	tlsConf atomic.Pointer[tls.Config]
+
+	connRate     *connRate     // nil: no connect rate limit
+	openConns    atomic.Int64  // sockets accepted and not yet closed, both listeners
+	maxOpenConns int64         // sockets beyond it are closed at once
+	bcryptSem    chan struct{} // bounds concurrent password checks
+	refusedConns sync.Map      // net.Conn → true: refused and already logged by the guard
 
 	shadowMu sync.Mutex // guards shadow, whose ID changes per delivery
 	shadow   *mochi.Client
@@ -58,7 +85,11 @@ type Broker struct {
 	ackDone chan struct{}
 }
 
-const listenerID = "tcp"
+// Listener ids, as mochi records them in cl.Net.Listener.
+const (
+	listenerID    = "tcp"
+	tlsListenerID = "tls"
+)
 
 // New builds a broker that logs publishes through log.
 func New(cfg Config, log Log) (*Broker, error) {
@@ -77,19 +108,37 @@ func New(cfg Config, log Log) (*Broker, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
+	cfg.Limits.setDefaults()
 	caps := mochi.NewDefaultServerCapabilities()
 	caps.ReceiveMaximum = uint16(cfg.MaxInflight)
 	caps.MaximumPacketSize = cfg.MaxPacketSize
 	caps.MaximumClientWritesPending = 8192
+	caps.MaximumClients = int64(cfg.Limits.MaxClients)
+	// One limiter for mochi's lines and ours: a client that misbehaves is
+	// logged once a minute, not once per packet.
+	lim := newLogLimiter(time.Minute)
 	// mochi logs routine events (hooks added, listeners attached) at info;
 	// only its warnings belong in a gateway's journal.
-	mlog := slog.New(levelFloor{cfg.Logger.Handler(), slog.LevelWarn}).With("component", "mochi")
+	mlog := slog.New(limitedHandler{mochiFilter{levelFloor{cfg.Logger.Handler(), slog.LevelWarn}}, lim}).With("component", "mochi")
 	srv := mochi.New(&mochi.Options{Capabilities: caps, Logger: mlog})
-	b := &Broker{cfg: cfg, log: log, logger: cfg.Logger, srv: srv,
-		ackSig: make(chan struct{}, 1), ackStop: make(chan struct{}), ackDone: make(chan struct{})}
+	b := &Broker{cfg: cfg, log: log, srv: srv,
+		logger:       slog.New(limitedHandler{cfg.Logger.Handler(), lim}),
+		rawLogger:    cfg.Logger,
+		refusals:     newLogLimiter(time.Minute),
+		connRate:     newConnRate(cfg.Limits.ConnectRate, cfg.Limits.ConnectBurst),
+		maxOpenConns: int64(2*cfg.Limits.MaxClients + 16),
+		bcryptSem:    make(chan struct{}, max(1, runtime.GOMAXPROCS(0)/2)),
+		ackSig:       make(chan struct{}, 1), ackStop: make(chan struct{}), ackDone: make(chan struct{})}
+	b.access.Store(&Access{AllowAnonymous: cfg.AllowAnonymous, Users: cfg.Users, ACL: cfg.ACL})
+	b.SetTopics(cfg.Topics)
 	go b.acker()
 	b.persist = &persist{store: cfg.Sessions, b: b}
 	b.ingest = &ingest{b: b, clients: map[string]*clientState{}, wills: map[string]*time.Timer{}}
+	// First: its OnConnect and OnPacketRead refuse before anything else
+	// sees the client or the packet.
+	if err := srv.AddHook(&guard{b: b}, nil); err != nil {
+		return nil, err
+	}
 	if err := srv.AddHook(b.persist, nil); err != nil {
 		return nil, err
 	}
@@ -99,11 +148,73 @@ func New(cfg Config, log Log) (*Broker, error) {
 	}
 	b.shadow = srv.NewClient(nil, listenerID, "tandem-deliver", true)
 	b.shadow.Properties.ProtocolVersion = 5
-	b.tcp = listeners.NewTCP(listeners.Config{ID: listenerID, Address: cfg.Listen})
+	b.tcp = &listener{id: listenerID, addr: cfg.Listen, b: b}
 	if err := srv.AddListener(b.tcp); err != nil {
 		return nil, fmt.Errorf("mqtt: listen %s: %w", cfg.Listen, err)
 	}
+	if cfg.TLS != nil {
+		if err := b.addTLS(); err != nil {
+			b.tcp.Close(func(string) {})
+			return nil, err
+		}
+	}
 	return b, nil
+}
+
+// addTLS loads the TLS configuration and adds the TLS listener.
+func (b *Broker) addTLS() error {
+	conf, err := loadTLS(b.cfg.TLS)
+	if err != nil {
+		return err
+	}
+	b.tlsConf.Store(conf)
+	// Every handshake takes the configuration of the moment, so ReloadTLS
+	// can change certificates under a running listener.
+	outer := &tls.Config{GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) { return b.tlsConf.Load(), nil }}
+	b.tls = &listener{id: tlsListenerID, addr: b.cfg.TLS.Listen, tls: outer, b: b}
+	if err := b.srv.AddListener(b.tls); err != nil {
+		b.tls = nil
+		return fmt.Errorf("mqtt: tls listen %s: %w", b.cfg.TLS.Listen, err)
+	}
+	return nil
+}
+
+// SetAccess replaces the users, ACLs and anonymous rule. Connected clients
+// stay connected; their next subscribe, publish or delivery is checked
+// against the new rules.
+func (b *Broker) SetAccess(a Access) { b.access.Store(&a) }
+
+// SetTopics replaces the topic ack rules; publishes taken after it returns
+// are acked by the new rules.
+func (b *Broker) SetTopics(p []TopicPolicy) {
+	p = slices.Clone(p)
+	b.topics.Store(&p)
+}
+
+// topicPolicies returns the topic ack rules in force.
+func (b *Broker) topicPolicies() []TopicPolicy { return *b.topics.Load() }
+
+// ReloadTLS reads the TLS listener's certificate, key and client CAs
+// again; new handshakes use them, established connections keep theirs. On
+// error the previous ones stay. Without a TLS listener it does nothing.
+func (b *Broker) ReloadTLS() error {
+	if b.tls == nil {
+		return nil
+	}
+	conf, err := loadTLS(b.cfg.TLS)
+	if err != nil {
+		return err
+	}
+	b.tlsConf.Store(conf)
+	return nil
+}
+
+// TLSAddr returns the TLS listener's address, or "" without one.
+func (b *Broker) TLSAddr() string {
+	if b.tls == nil {
+		return ""
+	}
+	return b.tls.Address()
 }
 
 // Start loads the persisted sessions and retained messages and starts
@@ -113,6 +224,9 @@ func (b *Broker) Start() error {
 		return fmt.Errorf("mqtt: %w", err)
 	}
 	b.logger.Info("mqtt listening", "addr", b.Addr())
+	if b.tls != nil {
+		b.logger.Info("mqtt tls listening", "addr", b.TLSAddr(), "client_certs", b.cfg.TLS.RequireClientCert)
+	}
 	return nil
 }
 
@@ -197,10 +311,6 @@ func (b *Broker) Clients() int64 { return atomic.LoadInt64(&b.srv.Info.ClientsCo
 // Inflight returns the QoS 1/2 messages in flight, both directions.
 func (b *Broker) Inflight() int64 { return atomic.LoadInt64(&b.srv.Info.Inflight) }
 
-// anonymousOK reports whether listener admits clients without credentials.
-// The daemon's config decides (loopback default, or allow_anonymous).
-func (b *Broker) anonymousOK(string) bool { return b.cfg.AllowAnonymous }
-
 // levelFloor drops records below min before they reach h.
 type levelFloor struct {
 	slog.Handler
@@ -218,3 +328,21 @@ func (l levelFloor) WithAttrs(a []slog.Attr) slog.Handler {
 func (l levelFloor) WithGroup(g string) slog.Handler {
 	return levelFloor{l.Handler.WithGroup(g), l.min}
 }
+
+// mochiFilter drops mochi's warning about keep-alives of 5 s or less: it
+// comes with every such CONNECT, keep-alive 0 included, and keep-alive
+// bounds are the gateway's business (Limits).
+type mochiFilter struct{ slog.Handler }
+
+func (f mochiFilter) Handle(ctx context.Context, r slog.Record) error {
+	if r.Message == mochi.ErrMinimumKeepalive.Error() {
+		return nil
+	}
+	return f.Handler.Handle(ctx, r)
+}
+
+func (f mochiFilter) WithAttrs(a []slog.Attr) slog.Handler {
+	return mochiFilter{f.Handler.WithAttrs(a)}
+}
+
+func (f mochiFilter) WithGroup(g string) slog.Handler { return mochiFilter{f.Handler.WithGroup(g)} }

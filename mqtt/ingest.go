@@ -89,22 +89,12 @@ func (h *ingest) ID() string { return "tandem-ingest" }
 
 func (h *ingest) Provides(b byte) bool {
 	switch b {
-	case mochi.OnConnectAuthenticate, mochi.OnACLCheck, mochi.OnPacketRead, mochi.OnPublish,
+	case mochi.OnPacketRead, mochi.OnPublish,
 		mochi.OnWill, mochi.OnSessionEstablish, mochi.OnSessionEstablished, mochi.OnDisconnect:
 		return true
 	}
 	return false
 }
-
-// OnConnectAuthenticate admits anonymous clients where the listener allows
-// them (the loopback default, or allow_anonymous); users come with the
-// security issue.
-func (h *ingest) OnConnectAuthenticate(cl *mochi.Client, _ packets.Packet) bool {
-	return h.b.anonymousOK(cl.Net.Listener)
-}
-
-// OnACLCheck allows every topic until ACLs exist.
-func (h *ingest) OnACLCheck(*mochi.Client, string, bool) bool { return true }
 
 func (h *ingest) state(id string) *clientState {
 	h.mu.Lock()
@@ -274,7 +264,7 @@ func (h *ingest) OnPublish(cl *mochi.Client, pk packets.Packet) (packets.Packet,
 	}
 	m := &Message{}
 	m.fromPacket(cl.ID, &pk, time.Now().UnixNano())
-	mode := AckFor(h.b.cfg.Topics, m.Topic)
+	mode := AckFor(h.b.topicPolicies(), m.Topic)
 	h.b.log.Reserve(m)
 	if pk.FixedHeader.Qos == 0 {
 		h.b.log.Propose(m, mode, h.b.logFailure)
@@ -625,7 +615,7 @@ func (h *ingest) OnWill(cl *mochi.Client, will mochi.Will) (mochi.Will, error) {
 func (h *ingest) proposeWill(m *Message) {
 	m.Time = time.Now().UnixNano()
 	h.b.log.Reserve(m)
-	h.b.log.Propose(m, AckFor(h.b.cfg.Topics, m.Topic), h.b.logFailure)
+	h.b.log.Propose(m, AckFor(h.b.topicPolicies(), m.Topic), h.b.logFailure)
 }
 
 // wakeAll wakes every read loop held by back-pressure (at Stop).

@@ -1,0 +1,190 @@
+package daemon
+
+import (
+	"bufio"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+
+	"github.com/spf13/cobra"
+	"golang.org/x/crypto/bcrypt"
+	"golang.org/x/term"
+
+	"github.com/tandem-edge/tandem/mqtt"
+)
+
+// Reload re-reads what SIGHUP reloads, without dropping a connection: the
+// config file's topic rules, mqtt.users_file, mqtt.acl_file and
+// mqtt.allow_anonymous, the users and ACL files themselves, and the TLS
+// listener's certificate, key and client CAs. Everything is read and
+// checked first and swapped in only when all of it is good: on error the
+// rules in force stay as they are. Other settings take effect at the next
+// start.
+func (d *Daemon) Reload() error {
+	d.reloadMu.Lock()
+	defer d.reloadMu.Unlock()
+	if d.broker == nil {
+		return errors.New("reload: the gateway is not running")
+	}
+	next := *d.live
+	if d.cfg.file != "" {
+		fresh, err := LoadConfig(d.cfg.file)
+		if err != nil {
+			return err
+		}
+		// Only the reloadable keys are taken; flags given at start keep
+		// overriding the rest. Validating the merge catches, say, a
+		// users_file dropped under a network listener set by --mqtt.
+		next.Topics = fresh.Topics
+		next.MQTT.UsersFile = fresh.MQTT.UsersFile
+		next.MQTT.ACLFile = fresh.MQTT.ACLFile
+		next.MQTT.AllowAnonymous = fresh.MQTT.AllowAnonymous
+		if err := next.Validate(); err != nil {
+			return err
+		}
+	}
+	topics, err := d.topicPolicies(next.Topics)
+	if err != nil {
+		return err
+	}
+	access, err := loadAccess(next.MQTT)
+	if err != nil {
+		return err
+	}
+	if err := d.broker.ReloadTLS(); err != nil {
+		return err
+	}
+	d.broker.SetAccess(access)
+	d.broker.SetTopics(topics)
+	d.live = &next
+	return nil
+}
+
+// topicPolicies turns the config's topic rules into the broker's, warning
+// about sync rules, which a lone gateway cannot satisfy.
+func (d *Daemon) topicPolicies(rules []TopicRule) ([]mqtt.TopicPolicy, error) {
+	var topics []mqtt.TopicPolicy
+	for _, t := range rules {
+		mode, err := mqtt.ParseAckMode(t.Ack)
+		if err != nil {
+			return nil, fmt.Errorf("topic %q: %w", t.Match, err)
+		}
+		topics = append(topics, mqtt.TopicPolicy{Filter: t.Match, Ack: mode})
+		if mode == mqtt.Sync {
+			d.log.Warn("sync topics cannot be acked by a lone gateway: publishes to them are refused after sync_timeout", "topic", t.Match)
+		}
+	}
+	return topics, nil
+}
+
+// loadAccess reads the users and ACL files m names.
+func loadAccess(m MQTTConfig) (mqtt.Access, error) {
+	a := mqtt.Access{AllowAnonymous: m.AnonymousAllowed()}
+	var err error
+	if m.UsersFile != "" {
+		if a.Users, err = mqtt.LoadUsers(m.UsersFile); err != nil {
+			return a, fmt.Errorf("mqtt.users_file: %w", err)
+		}
+	}
+	if m.ACLFile != "" {
+		if a.ACL, err = mqtt.LoadACL(m.ACLFile); err != nil {
+			return a, fmt.Errorf("mqtt.acl_file: %w", err)
+		}
+	}
+	return a, nil
+}
+
+// mqttTLS converts the TLS settings, nil when the listener is off, and
+// reads the files once so that a missing or broken one stops the start
+// with its name (exit 2) rather than later.
+func mqttTLS(t TLSConfig) (*mqtt.TLSConfig, error) {
+	if !t.Enabled() {
+		return nil, nil
+	}
+	v := uint16(tls.VersionTLS12)
+	if t.MinVersion == "1.3" {
+		v = tls.VersionTLS13
+	}
+	c := &mqtt.TLSConfig{
+		Listen: t.Listen, CertFile: t.CertFile, KeyFile: t.KeyFile, CAFile: t.CAFile,
+		RequireClientCert: t.RequireClientCert, IdentityAsUsername: t.UseIdentityAsUsername, MinVersion: v,
+	}
+	return c, c.Check()
+}
+
+// mqttLimits converts the limits of the mqtt section.
+func mqttLimits(m MQTTConfig) mqtt.Limits {
+	return mqtt.Limits{
+		MaxClients:     m.MaxClients,
+		MaxTopicLength: m.MaxTopicLength,
+		MaxTopicLevels: m.MaxTopicLevels,
+		ConnectRate:    m.ConnectRate,
+		ConnectBurst:   m.ConnectBurst,
+		KeepAliveMin:   uint16(m.KeepAliveMin.Duration().Seconds()),
+		KeepAliveMax:   uint16(m.KeepAliveMax.Duration().Seconds()),
+	}
+}
+
+// newPasswdCmd is `tandem passwd USER`: it prints the users-file line for
+// USER with the password read from the terminal (asked twice) or, when
+// stdin is not a terminal, from the first line of stdin.
+func newPasswdCmd() *cobra.Command {
+	var cost int
+	cmd := &cobra.Command{
+		Use:   "passwd USER",
+		Short: "Print a users-file line (user:bcrypt-hash) for USER",
+		Long: "Print the line for mqtt.users_file that gives USER a password: user:bcrypt-hash. " +
+			"The password is asked twice on a terminal, or read from the first line of stdin, so it never appears in the process list or shell history. " +
+			"Append the line to the users file and send the daemon SIGHUP (systemctl reload tandem).",
+		Example: "  tandem passwd sensor-12 >> /etc/tandem/users\n  printf '%s\\n' \"$PW\" | tandem passwd sensor-12",
+		Args:    cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := mqtt.CheckUserName(args[0]); err != nil {
+				return usageError{err}
+			}
+			pw, err := readPassword(cmd.InOrStdin(), cmd.ErrOrStderr())
+			if err != nil {
+				return usageError{err}
+			}
+			line, err := mqtt.HashPassword(args[0], pw, cost)
+			if err != nil {
+				return usageError{err}
+			}
+			fmt.Fprintln(cmd.OutOrStdout(), line)
+			return nil
+		},
+	}
+	cmd.Flags().IntVar(&cost, "cost", bcrypt.DefaultCost, "bcrypt cost (4-31): each step doubles the time a login takes, on the gateway too")
+	return cmd
+}
+
+// readPassword reads a password: from a terminal without echo, twice; from
+// anything else, the first line.
+func readPassword(in io.Reader, prompt io.Writer) ([]byte, error) {
+	if f, ok := in.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
+		fmt.Fprint(prompt, "Password: ")
+		pw, err := term.ReadPassword(int(f.Fd()))
+		fmt.Fprintln(prompt)
+		if err != nil {
+			return nil, err
+		}
+		fmt.Fprint(prompt, "Again: ")
+		again, err := term.ReadPassword(int(f.Fd()))
+		fmt.Fprintln(prompt)
+		if err != nil {
+			return nil, err
+		}
+		if string(pw) != string(again) {
+			return nil, errors.New("the passwords differ")
+		}
+		return pw, nil
+	}
+	line, err := bufio.NewReader(in).ReadString('\n')
+	if err != nil && !(errors.Is(err, io.EOF) && line != "") {
+		return nil, errors.New("no password on stdin")
+	}
+	return []byte(strings.TrimRight(line, "\r\n")), nil
+}
