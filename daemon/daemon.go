@@ -81,7 +81,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return err
 	}
 	d.log = d.log.With("node", replication.ShortID(d.id.ID))
-	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log}); err != nil {
+	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log, SyncDelay: benchSyncDelay()}); err != nil {
 		return err
 	}
 	topics, err := d.topicPolicies(c.Topics)
@@ -242,3 +242,12 @@ func notYet(c *Config) error {
 type errNotYet string
 
 func (e errNotYet) Error() string { return string(e) + " is not in this version yet" }
+
+// benchSyncDelay reads TANDEM_BENCH_FSYNC_DELAY (a Go duration), which
+// makes every fdatasync that long: what a gateway's SD card or eMMC would
+// give, measured on a fast disk. For benchmarks only; never set it on a
+// gateway, it only slows acks down.
+func benchSyncDelay() time.Duration {
+	d, _ := time.ParseDuration(os.Getenv("TANDEM_BENCH_FSYNC_DELAY"))
+	return d
+}

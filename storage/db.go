@@ -73,6 +73,10 @@ type Options struct {
 	LockTimeout time.Duration
 	// ReadOnly opens the file without writing to it, for `tandem inspect`.
 	ReadOnly bool
+	// SyncDelay is added to each fdatasync (bbolt does two per commit), to
+	// measure what a slow flash device would give (an SD card or eMMC
+	// flushes in 1–5 ms). Benchmarks only; zero in production.
+	SyncDelay time.Duration
 	// TailBytes bounds the in-memory copy of the newest entries, which
 	// serves raft's reads of what was just appended and of what slaves are
 	// about to fetch; zero means 2 MiB (some 10,000 small records), which
@@ -106,8 +110,9 @@ type DB struct {
 	tailBytes int
 	closed    bool
 
-	commits  atomic.Uint64 // write transactions committed, for fsyncs-per-message figures
-	requeued atomic.Bool   // entries were moved to the requeue bucket (TakeRequeueSignal)
+	commits   atomic.Uint64 // write transactions committed, for fsyncs-per-message figures
+	syncDelay time.Duration // Options.SyncDelay
+	requeued  atomic.Bool   // entries were moved to the requeue bucket (TakeRequeueSignal)
 
 	// stageMu guards staged: metadata writes waiting for the next
 	// transaction, so they commit together with the entries proposed after
@@ -172,7 +177,7 @@ func Open(dir string, opts *Options) (*DB, error) {
 	if err != nil {
 		return nil, err
 	}
-	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}}
+	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}, syncDelay: opts.SyncDelay}
 	if !exists && !opts.ReadOnly {
 		if err := db.create(); err != nil {
 			bdb.Close()

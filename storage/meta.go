@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"maps"
 	"os"
+	"time"
 
 	bolt "go.etcd.io/bbolt"
 	pb "go.etcd.io/raft/v3/raftpb"
@@ -65,6 +66,9 @@ func (db *DB) commit(fn func(tx *bolt.Tx) error) error {
 	})
 	if err != nil {
 		return err
+	}
+	if db.syncDelay > 0 {
+		time.Sleep(2 * db.syncDelay) // bbolt's two fdatasyncs, on slow flash
 	}
 	db.commits.Add(1)
 	db.stageMu.Lock()
