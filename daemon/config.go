@@ -18,9 +18,10 @@ import (
 	"strings"
 	"time"
 	"unicode"
-	"unicode/utf8"
 
 	"gopkg.in/yaml.v3"
+
+	"github.com/tandem-edge/tandem/mqtt"
 )
 
 // Config is the whole of tandem.yaml. Start from DefaultConfig (LoadConfig
@@ -1137,26 +1138,5 @@ func (ck *configChecker) topics(rules []TopicRule) {
 	}
 }
 
-// checkTopicFilter applies the MQTT 5 rules for topic filters (4.7).
-func checkTopicFilter(f string) error {
-	switch {
-	case f == "":
-		return errors.New("it is empty")
-	case len(f) > 65535:
-		return errors.New("it is longer than 65535 bytes")
-	case !utf8.ValidString(f):
-		return errors.New("it is not valid UTF-8")
-	case strings.ContainsRune(f, 0):
-		return errors.New("it contains a NUL character")
-	}
-	levels := strings.Split(f, "/")
-	for i, l := range levels {
-		if strings.Contains(l, "#") && (l != "#" || i != len(levels)-1) {
-			return errors.New("'#' must be the whole last level")
-		}
-		if strings.Contains(l, "+") && l != "+" {
-			return errors.New("'+' must be a whole level")
-		}
-	}
-	return nil
-}
+// checkTopicFilter applies the MQTT rules for topic filters (4.7).
+func checkTopicFilter(f string) error { return mqtt.ValidFilter(f) }

@@ -129,14 +129,15 @@ func parseACLRule(rest string) (aclRule, error) {
 		}
 		r = aclRule{filter: after, access: acc}
 	}
-	if err := validFilter(r.filter); err != nil {
+	if err := ValidFilter(r.filter); err != nil {
 		return aclRule{}, fmt.Errorf("%q: %w", r.filter, err)
 	}
 	return r, nil
 }
 
-// validFilter applies MQTT's rules for topic filters (4.7).
-func validFilter(f string) error {
+// ValidFilter applies MQTT's rules for topic filters (4.7); the config
+// checks its topic rules with it too.
+func ValidFilter(f string) error {
 	switch {
 	case f == "":
 		return errors.New("empty topic filter")

@@ -121,7 +121,7 @@ func FuzzACLCovers(f *testing.F) {
 		f.Add(s[0], s[1])
 	}
 	f.Fuzz(func(t *testing.T, acl, sub string) {
-		if validFilter(acl) != nil || validFilter(sub) != nil {
+		if ValidFilter(acl) != nil || ValidFilter(sub) != nil {
 			return
 		}
 		if !covers(acl, sub) {
