@@ -14,7 +14,6 @@ import (
 	"go.etcd.io/raft/v3"
 	pb "go.etcd.io/raft/v3/raftpb"
 
-	"github.com/tandem-edge/tandem/storage"
 )
 
 // memNet is an in-memory network between the nodes of one test, with the
@@ -152,23 +151,10 @@ func newCluster(t *testing.T, n int) *cluster {
 
 func (c *cluster) start(id uint64) *testNode {
 	t := c.t
-	dir := c.dirs[id]
-	ident, err := LoadOrCreateIdentity(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	db, err := storage.Open(dir, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	app := &recorder{}
-	n, err := NewNode(Config{Identity: ident, Storage: db, Applier: app, Transport: endpoint{c.net, id},
-		InitialMembers: c.peers, SyncTimeout: 2 * time.Second, Forwarder: memForwarder{c.net, id},
-		Heartbeat: 10 * time.Millisecond, ElectionTimeout: 100 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	tn := &testNode{Node: n, db: db, app: app, dir: dir}
+	tn := openTestNode(t, c.dirs[id], func(cfg *Config) {
+		cfg.Transport, cfg.Forwarder, cfg.InitialMembers = endpoint{c.net, id}, memForwarder{c.net, id}, c.peers
+	})
+	n := tn.Node
 	c.net.mu.Lock()
 	c.net.nodes[id] = n
 	c.net.mu.Unlock()
@@ -340,22 +326,16 @@ func (c *cluster) startJoiner() uint64 {
 	if err != nil {
 		t.Fatal(err)
 	}
-	db, err := storage.Open(dir, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	app := &recorder{}
-	n, err := NewNode(Config{Identity: ident, Storage: db, Applier: app, Transport: endpoint{c.net, ident.ID}, Join: true,
-		SyncTimeout: 2 * time.Second, Heartbeat: 10 * time.Millisecond, ElectionTimeout: 100 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
+	tn := openTestNode(t, dir, func(cfg *Config) {
+		cfg.Transport, cfg.Join = endpoint{c.net, ident.ID}, true
+	})
+	n := tn.Node
 	c.ids = append(c.ids, ident.ID)
 	c.dirs[ident.ID] = dir
 	c.net.mu.Lock()
 	c.net.nodes[ident.ID] = n
 	c.net.mu.Unlock()
-	c.nodes[ident.ID] = &testNode{Node: n, db: db, app: app, dir: dir}
+	c.nodes[ident.ID] = tn
 	t.Cleanup(func() { c.stop(ident.ID) })
 	return ident.ID
 }

@@ -39,7 +39,9 @@ type testNode struct {
 	dir string
 }
 
-func startNode(t *testing.T, dir string, syncTimeout time.Duration) *testNode {
+// openTestNode opens dir and starts a node on it with fast timers; mutate
+// adjusts the config (the identity, storage and applier are filled in).
+func openTestNode(t *testing.T, dir string, mutate func(*Config)) *testNode {
 	t.Helper()
 	id, err := LoadOrCreateIdentity(dir)
 	if err != nil {
@@ -50,18 +52,27 @@ func startNode(t *testing.T, dir string, syncTimeout time.Duration) *testNode {
 		t.Fatal(err)
 	}
 	app := &recorder{}
-	n, err := NewNode(Config{Identity: id, Storage: db, Applier: app, SyncTimeout: syncTimeout, Heartbeat: 10 * time.Millisecond, ElectionTimeout: 100 * time.Millisecond})
+	cfg := Config{Identity: id, Storage: db, Applier: app, SyncTimeout: 2 * time.Second, Heartbeat: 10 * time.Millisecond, ElectionTimeout: 100 * time.Millisecond}
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	n, err := NewNode(cfg)
 	if err != nil {
 		db.Close()
 		t.Fatal(err)
 	}
+	return &testNode{Node: n, db: db, app: app, dir: dir}
+}
+
+func startNode(t *testing.T, dir string, syncTimeout time.Duration) *testNode {
+	t.Helper()
+	tn := openTestNode(t, dir, func(c *Config) { c.SyncTimeout = syncTimeout })
+	t.Cleanup(tn.stop)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	if err := n.WaitLeader(ctx); err != nil {
+	if err := tn.WaitLeader(ctx); err != nil {
 		t.Fatal(err)
 	}
-	tn := &testNode{Node: n, db: db, app: app, dir: dir}
-	t.Cleanup(tn.stop)
 	return tn
 }
 
