@@ -13,7 +13,6 @@ import (
 
 	"go.etcd.io/raft/v3"
 	pb "go.etcd.io/raft/v3/raftpb"
-
 )
 
 // memNet is an in-memory network between the nodes of one test, with the
