@@ -186,14 +186,16 @@ func newLogger(cfg LogConfig, w io.Writer) *slog.Logger {
 
 // runDaemon runs until SIGTERM/SIGINT (clean stop, nil) or a failure.
 func runDaemon(cfg *Config, logw io.Writer) error {
+	// Signals first: a reload or stop that arrives while the daemon starts
+	// is handled once it has, not fatal (SIGHUP's default is to exit).
+	sigc := make(chan os.Signal, 4)
+	signal.Notify(sigc, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
+	defer signal.Stop(sigc)
 	log := newLogger(cfg.Log, logw)
 	d, err := New(cfg, log)
 	if err != nil {
 		return usageError{err}
 	}
-	sigc := make(chan os.Signal, 4)
-	signal.Notify(sigc, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
-	defer signal.Stop(sigc)
 	if err := d.Start(context.Background()); err != nil {
 		return err
 	}

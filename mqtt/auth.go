@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"time"
 
 	mochi "github.com/mochi-mqtt/server/v2"
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -105,6 +106,12 @@ func (g *guard) OnConnect(cl *mochi.Client, pk packets.Packet) error {
 	}
 	// An unproven user name must not pick an ACL section.
 	cl.Properties.Username = []byte(user)
+	// A session belongs to the user who made it: taking over another
+	// user's client id would inherit its subscriptions and in-flight
+	// messages, which mochi resends without an ACL check.
+	if old, ok := b.srv.Clients.Get(cl.ID); ok && string(old.Properties.Username) != user {
+		return g.refuse(cl, packets.ErrClientIdentifierNotValid, 0x02, "client id held by another user's session")
+	}
 
 	if pk.Connect.WillFlag {
 		topic := pk.Connect.WillTopic
@@ -160,7 +167,8 @@ func (g *guard) OnACLCheck(cl *mochi.Client, topic string, write bool) bool {
 	if acl == nil {
 		return true
 	}
-	if rest, ok := strings.CutPrefix(topic, "$share/"); ok {
+	// "$share" is matched without regard to case, as mochi does.
+	if first, rest, ok := strings.Cut(topic, "/"); ok && strings.EqualFold(first, "$share") {
 		if _, f, ok := strings.Cut(rest, "/"); ok {
 			topic = f // a shared subscription's filter is what is read
 		}
@@ -242,8 +250,16 @@ func (g *guard) OnWill(cl *mochi.Client, will mochi.Will) (mochi.Will, error) {
 // checkPassword runs the bcrypt comparison, at most a few at a time: each
 // one is tens of milliseconds of CPU (more on ARM), and a flood of CONNECTs
 // must not take the CPU the log needs.
+// A client that waits longer than the connect deadline for its turn is
+// refused rather than queued without end.
 func (b *Broker) checkPassword(u *Users, user string, password []byte) bool {
-	b.bcryptSem <- struct{}{}
+	t := time.NewTimer(b.cfg.Limits.ConnectTimeout)
+	defer t.Stop()
+	select {
+	case b.bcryptSem <- struct{}{}:
+	case <-t.C:
+		return false
+	}
 	defer func() { <-b.bcryptSem }()
 	return u.Check(user, password)
 }
