@@ -35,12 +35,16 @@ vet:
 	if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
 	$(GO) vet ./...
 
-# Everything CI runs: vet, the whole suite, the race detector on the
-# concurrent packages, and a short pass of each fuzz target.
+# Everything CI runs: vet, the whole suite (every fuzz target's seed corpus
+# included), the race detector on the concurrent packages, a short fuzzing
+# pass over the inputs that come from outside (records read back, configs,
+# client byte streams), and the ARM tests. `make fuzz` fuzzes every target.
 test: vet build
 	$(GO) test -count=1 -timeout 8m ./...
 	$(GO) test -count=1 -race -timeout 8m $(RACE_PKGS)
-	$(MAKE) fuzz FUZZTIME=10s
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeRecord$$' -fuzztime 8s ./storage/
+	$(GO) test -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime 8s ./daemon/
+	$(GO) test -run '^$$' -fuzz '^FuzzInboundStream$$' -fuzztime 8s ./daemon/
 	$(MAKE) test-arm
 
 # The storage and replication tests on arm64 and armv7, run by qemu-user
