@@ -189,8 +189,8 @@ func (d *Daemon) Stop() error {
 			if err := d.db.Close(); err != nil {
 				errs = append(errs, err)
 			}
+			d.log.Info("gateway stopped")
 		}
-		d.log.Info("gateway stopped")
 	})
 	return errors.Join(errs...)
 }
@@ -238,10 +238,6 @@ func notYet(c *Config) error {
 	}
 	return nil
 }
-
-type errNotYet string
-
-func (e errNotYet) Error() string { return string(e) + " is not in this version yet" }
 
 // benchSyncDelay reads TANDEM_BENCH_FSYNC_DELAY (a Go duration), which
 // makes every fdatasync that long: what a gateway's SD card or eMMC would
