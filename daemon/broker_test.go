@@ -3,10 +3,12 @@ package daemon
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -479,3 +481,23 @@ func pub2(t *testing.T, d *Daemon) *paho.Client {
 }
 
 type pbEntry = raftpb.Entry
+
+func TestStatusOfALoneGateway(t *testing.T) {
+	d := testGateway(t, t.TempDir(), func(c *Config) { c.Node.Name = "gw-1" })
+	pub, _ := v5(t, d.MQTTAddr(), "st", nil)
+	publish(t, pub, &paho.Publish{Topic: "s/t", QoS: 1, Payload: []byte("x")})
+	resp, err := http.Get("http://" + d.HTTPAddr() + "/v1/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var s Status
+	if err := json.NewDecoder(resp.Body).Decode(&s); err != nil {
+		t.Fatal(err)
+	}
+	if s.Role != "master" || s.Node.Name != "gw-1" || len(s.Node.ID) != 16 || s.Leader == nil || s.Leader.Name != "gw-1" ||
+		s.Members == nil || len(s.Members) != 0 || s.Log.LastIndex < 3 || s.Log.CommitIndex < s.Log.LastIndex-1 ||
+		s.Disk.UsedBytes <= 0 || s.Disk.FreeBytes == 0 || s.MQTT.Clients != 1 || s.Pairing.Open {
+		t.Fatalf("status of a lone gateway: %+v", s)
+	}
+}

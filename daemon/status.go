@@ -100,11 +100,37 @@ func (d *Daemon) status(ctx context.Context) (*Status, error) {
 		MQTT:    StatusMQTT{Clients: d.broker.Clients(), Inflight: d.broker.Inflight()},
 		Storage: StatusStorage{Commits: d.db.Commits()},
 	}
-	if rs.Leader != 0 {
-		s.Leader = &StatusNodeRef{ID: replication.IDString(rs.Leader)}
-		if rs.Leader == d.id.ID {
-			s.Leader.Name = d.cfg.Node.Name
+	names := map[uint64]string{d.id.ID: d.cfg.Node.Name}
+	progress := map[uint64]replication.MemberProgress{}
+	for _, p := range rs.Members {
+		progress[p.ID] = p
+	}
+	for _, m := range d.node.Members() {
+		if m.ID == d.id.ID {
+			continue
 		}
+		if m.Name != "" {
+			names[m.ID] = m.Name
+		}
+		sm := StatusMember{ID: replication.IDString(m.ID), Name: m.Name, Voter: m.Voter, Role: "slave"}
+		if len(m.Addrs) > 0 {
+			sm.Addr = m.Addrs[0]
+		}
+		if m.ID == rs.Leader {
+			sm.Role = "master"
+		}
+		// What the master knows of the others' logs; a slave reports none.
+		if p, ok := progress[m.ID]; ok {
+			sm.MatchIndex = p.Match
+			sm.Reachable = true
+			if rs.Last > p.Match {
+				sm.LagRecords = rs.Last - p.Match
+			}
+		}
+		s.Members = append(s.Members, sm)
+	}
+	if rs.Leader != 0 {
+		s.Leader = &StatusNodeRef{ID: replication.IDString(rs.Leader), Name: names[rs.Leader]}
 	}
 	var fs syscall.Statfs_t
 	if syscall.Statfs(d.cfg.Node.DataDir, &fs) == nil {
