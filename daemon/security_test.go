@@ -1305,22 +1305,7 @@ func FuzzInboundStream(f *testing.F) {
 // fuzzSeeds are client streams worth mutating: valid sessions of both
 // protocol versions and the usual kinds of malformation.
 func fuzzSeeds() [][]byte {
-	frame := func(hdr byte, body []byte) []byte {
-		b := []byte{hdr}
-		n := len(body)
-		for {
-			d := byte(n % 128)
-			n /= 128
-			if n > 0 {
-				d |= 128
-			}
-			b = append(b, d)
-			if n == 0 {
-				break
-			}
-		}
-		return append(b, body...)
-	}
+	frame := mqttFrame
 	v3 := frame(0x10, connectBody(connOpts{version: 4, id: "f3", keepAlive: 30}))
 	v5 := frame(0x10, connectBody(connOpts{version: 5, id: "f5", keepAlive: 30}))
 	will := frame(0x10, connectBody(connOpts{version: 4, id: "fw", keepAlive: 30, willTopic: "fuzz/will"}))
