@@ -188,6 +188,8 @@ type Node struct {
 	seq     atomic.Uint64         // next record sequence number
 	diskErr atomic.Pointer[error] // set while saving the log fails
 	lead    atomic.Uint64         // the leader raft last reported, 0 for none
+	// leaderChanges counts changes of lead, for metrics.
+	leaderChanges atomic.Uint64
 
 	// Loop-owned state.
 	pending      map[recID]*proposal // proposed, not yet saved
@@ -665,7 +667,9 @@ func (n *Node) setLeader(leader bool, lead uint64) {
 		n.log.Info("role changed", "master", leader, "leader", IDString(lead), "term", n.rn.BasicStatus().Term)
 	}
 	n.leader = leader
-	n.lead.Store(lead)
+	if n.lead.Swap(lead) != lead {
+		n.leaderChanges.Add(1)
+	}
 	if !leader {
 		for _, w := range n.confWait {
 			w.done <- ErrNotLeader

@@ -19,6 +19,9 @@ type Status struct {
 	First   uint64
 	Last    uint64
 	Members []MemberProgress // the master's view of the others; empty elsewhere
+	// LeaderChanges counts the times this node saw the leader change
+	// (to another node or to none) since it started.
+	LeaderChanges uint64
 }
 
 // MemberProgress is what the master knows of one other member.
@@ -44,7 +47,7 @@ func RoleName(s raft.StateType) string {
 func (n *Node) status() Status {
 	bs := n.rn.BasicStatus()
 	st := n.db.Stats()
-	s := Status{ID: n.id, Role: RoleName(bs.RaftState), Term: bs.Term, Leader: bs.Lead, Commit: bs.Commit, Applied: st.Applied, First: st.FirstIndex, Last: st.LastIndex}
+	s := Status{ID: n.id, Role: RoleName(bs.RaftState), Term: bs.Term, Leader: bs.Lead, Commit: bs.Commit, Applied: st.Applied, First: st.FirstIndex, Last: st.LastIndex, LeaderChanges: n.leaderChanges.Load()}
 	if bs.RaftState == raft.StateLeader {
 		n.rn.WithProgress(func(id uint64, typ raft.ProgressType, pr tracker.Progress) {
 			if id != n.id {
