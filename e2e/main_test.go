@@ -1,0 +1,129 @@
+// Package e2e holds tests that run real tandem processes on real networks:
+// network-namespace hosts from internal/netns, real mDNS between them.
+// They need root and iproute2 and skip without them (fail under CI=true).
+package e2e
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/tandem-edge/tandem/discovery"
+)
+
+// binDir holds the tandem binary TestMain's first caller of tandemBin
+// builds; removed when the tests end.
+var (
+	binDir   string
+	buildMu  sync.Mutex
+	builtBin string
+	buildErr error
+)
+
+// TestMain also serves as the helper process the tests start inside a
+// namespace: with TANDEM_E2E_HELPER set, the test binary runs that helper
+// instead of the tests (see runHelper).
+func TestMain(m *testing.M) {
+	if h := os.Getenv("TANDEM_E2E_HELPER"); h != "" {
+		os.Exit(runHelper(h))
+	}
+	dir, err := os.MkdirTemp("", "tandem-e2e-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	binDir = dir
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// tandemBin builds bin/tandem from this module once per test binary
+// (`go build -o TMP/tandem .`) and returns its path.
+func tandemBin(t testing.TB) string {
+	t.Helper()
+	buildMu.Lock()
+	defer buildMu.Unlock()
+	if builtBin == "" && buildErr == nil {
+		out := filepath.Join(binDir, "tandem")
+		cmd := exec.Command("go", "build", "-o", out, ".")
+		cmd.Dir = ".."
+		if b, err := cmd.CombinedOutput(); err != nil {
+			buildErr = fmt.Errorf("go build: %v\n%s", err, b)
+		} else {
+			builtBin = out
+		}
+	}
+	if buildErr != nil {
+		t.Fatal(buildErr)
+	}
+	return builtBin
+}
+
+// testBinary is this test binary's path, to run as a helper inside a
+// namespace (/proc/self/exe would name `ip` there).
+func testBinary(t testing.TB) string {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return exe
+}
+
+// runHelper runs the helper named by TANDEM_E2E_HELPER:
+//
+//	advertise: discovery.Advertise with the discovery.Info JSON in
+//	TANDEM_E2E_INFO on TANDEM_E2E_IFACE. Prints "ready BACKEND". Each
+//	line of Info JSON on stdin replaces the info and calls Changed, then
+//	prints "changed"; EOF closes the advertiser and exits 0.
+func runHelper(name string) int {
+	switch name {
+	case "advertise":
+		var mu sync.Mutex
+		var info discovery.Info
+		if err := json.Unmarshal([]byte(os.Getenv("TANDEM_E2E_INFO")), &info); err != nil {
+			fmt.Println("error", err)
+			return 1
+		}
+		a, err := discovery.Advertise(discovery.Config{
+			Interface: os.Getenv("TANDEM_E2E_IFACE"),
+			Info: func() discovery.Info {
+				mu.Lock()
+				defer mu.Unlock()
+				return info
+			},
+		})
+		if err != nil {
+			fmt.Println("error", err)
+			return 1
+		}
+		fmt.Println("ready", a.Backend())
+		sc := bufio.NewScanner(os.Stdin)
+		for sc.Scan() {
+			var next discovery.Info
+			if err := json.Unmarshal([]byte(strings.TrimSpace(sc.Text())), &next); err != nil {
+				fmt.Println("error", err)
+				continue
+			}
+			mu.Lock()
+			info = next
+			mu.Unlock()
+			a.Changed()
+			fmt.Println("changed")
+		}
+		if err := a.Close(); err != nil {
+			fmt.Println("error", err)
+			return 1
+		}
+		return 0
+	}
+	fmt.Println("unknown helper", name)
+	return 2
+}
