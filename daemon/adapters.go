@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"errors"
+	"sync/atomic"
 
 	"github.com/mochi-mqtt/server/v2/packets"
 	raftpb "go.etcd.io/raft/v3/raftpb"
@@ -12,15 +13,12 @@ import (
 )
 
 // logAdapter plugs replication into the broker: it is the broker's Log.
-type logAdapter struct {
-	node *replication.Node
-	db   *storage.DB
-}
+type logAdapter struct{ d *Daemon }
 
 // Reserve gives m this node's id and a fresh sequence number.
 func (a *logAdapter) Reserve(m *mqtt.Message) {
-	m.Origin = a.node.ID()
-	m.Seq = a.node.NextSeq()
+	m.Origin = a.d.node().ID()
+	m.Seq = a.d.node().NextSeq()
 }
 
 // Logged scans the log for the records of origin with the given sequence
@@ -31,7 +29,7 @@ func (a *logAdapter) Logged(origin uint64, seqs []uint64) (map[uint64]bool, erro
 		want[s] = true
 	}
 	found := map[uint64]bool{}
-	err := a.db.Scan(1, func(e raftpb.Entry) bool {
+	err := a.d.db.Scan(1, func(e raftpb.Entry) bool {
 		if e.Type == raftpb.EntryNormal && len(e.Data) > 0 {
 			if o, s, err := storage.RecordID(e.Data); err == nil && o == origin && want[s] {
 				found[s] = true
@@ -52,7 +50,7 @@ func (a *logAdapter) Propose(m *mqtt.Message, mode mqtt.AckMode, done func(error
 	if mode == mqtt.Sync {
 		rmode = replication.Sync
 	}
-	a.node.Propose(data, rmode, func(_ uint64, err error) {
+	a.d.node().Propose(data, rmode, func(_ uint64, err error) {
 		if errors.Is(err, replication.ErrStorage) {
 			err = errors.Join(mqtt.ErrQuota, err)
 		}
@@ -97,10 +95,17 @@ func messageOf(r *storage.Record) *mqtt.Message {
 type applier struct {
 	ready  chan struct{}
 	broker *mqtt.Broker
+	// quietUntil: records up to this index are a joined cluster's
+	// history; they only update the retained store.
+	quietUntil atomic.Uint64
 }
 
-func (a *applier) Apply(_ uint64, rec *storage.Record) error {
+func (a *applier) Apply(index uint64, rec *storage.Record) error {
 	<-a.ready
+	if index <= a.quietUntil.Load() {
+		a.broker.Retain(messageOf(rec))
+		return nil
+	}
 	return a.broker.Deliver(messageOf(rec))
 }
 

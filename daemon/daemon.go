@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -10,6 +11,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/tandem-edge/tandem/mqtt"
@@ -24,9 +26,19 @@ type Daemon struct {
 	log    *slog.Logger
 	id     *replication.Identity
 	db     *storage.DB
-	node   *replication.Node
+	nodeP  atomic.Pointer[replication.Node]
 	broker *mqtt.Broker
 	apply  *applier
+	cl     *cluster
+	addrs  []string // the peer addresses other gateways dial
+
+	// swapMu serialises the node replacements of a join or a removal.
+	swapMu sync.Mutex
+	// failc is closed when the gateway can no longer serve: the node
+	// in force failed (storage, corruption) or could not be replaced.
+	failc    chan struct{}
+	failErr  atomic.Pointer[error]
+	failOnce sync.Once
 
 	httpSrv *http.Server
 	httpLn  net.Listener
@@ -45,8 +57,12 @@ func New(cfg *Config, log *slog.Logger) (*Daemon, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Daemon{cfg: cfg, log: log}, nil
+	return &Daemon{cfg: cfg, log: log, failc: make(chan struct{})}, nil
 }
+
+// node returns the replication node in force: a join or a removal replaces
+// it.
+func (d *Daemon) node() *replication.Node { return d.nodeP.Load() }
 
 // Start opens the data dir and starts serving. On error everything started
 // so far is stopped again.
@@ -88,7 +104,15 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
-	la := &logAdapter{}
+	d.cl = &cluster{d: d, invites: &inviteBook{}, peerTopics: map[uint64]string{}, warned: map[uint64]string{}, stopc: make(chan struct{})}
+	if err = d.cl.loadMeta(d.db); err != nil {
+		return err
+	}
+	if err = d.cl.startTransport(); err != nil {
+		return fmt.Errorf("peer port: %w", err)
+	}
+	d.addrs = advertised(c.Peer.Advertise, d.cl.tr.Addr())
+	la := &logAdapter{d: d}
 	d.broker, err = mqtt.New(mqtt.Config{
 		Listen:         c.MQTT.Listen,
 		TLS:            tlsCfg,
@@ -107,27 +131,30 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return err
 	}
 	d.apply = &applier{ready: make(chan struct{}), broker: d.broker}
-	d.node, err = replication.NewNode(replication.Config{
-		Identity:        d.id,
-		Storage:         d.db,
-		Applier:         d.apply,
-		Logger:          d.log.With("component", "replication"),
-		Heartbeat:       c.Cluster.Heartbeat.Duration(),
-		ElectionTimeout: c.Cluster.ElectionTimeout.Duration(),
-		SyncTimeout:     c.Cluster.SyncTimeout.Duration(),
-		MinSyncReplicas: c.Cluster.MinSyncReplicas,
-		AfterResolve:    d.broker.ReleaseAcks,
-	})
-	if err != nil {
+	if err = d.startNode(false); err != nil {
 		return err
 	}
-	la.node, la.db = d.node, d.db
-	wctx, cancel := context.WithTimeout(ctx, 10*time.Second+c.Cluster.ElectionTimeout.Duration())
-	err = d.node.WaitLeader(wctx)
-	cancel()
-	if err != nil {
-		return fmt.Errorf("waiting for a master: %w", err)
+	n := d.node()
+	d.cl.tr.SetPeers(peersOf(n.Members()))
+	if len(n.Members()) <= 1 {
+		// A lone gateway leads at once; wait for it so the first
+		// publishes do not meet a node still campaigning. A member of a
+		// cluster serves whether or not a master is in sight: its
+		// devices get the sync_timeout outcome until one is.
+		wctx, cancel := context.WithTimeout(ctx, 10*time.Second+c.Cluster.ElectionTimeout.Duration())
+		err = n.WaitLeader(wctx)
+		cancel()
+		if err != nil {
+			return fmt.Errorf("waiting for a master: %w", err)
+		}
+	} else if c.Cluster.MinSyncReplicas > len(n.Members())-1 && d.hasSyncTopics() {
+		d.log.Warn("min_sync_replicas is larger than the number of other members: sync topics cannot be acked", "min_sync_replicas", c.Cluster.MinSyncReplicas, "members", len(n.Members()))
 	}
+	if len(n.Members()) <= 1 && d.hasSyncTopics() {
+		d.log.Warn("this gateway has no slave: publishes on sync topics will get the sync_timeout outcome until one joins")
+	}
+	d.cl.wg.Add(1)
+	go d.cl.keeper()
 	if err = d.broker.Start(); err != nil {
 		return err
 	}
@@ -135,16 +162,92 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err = d.startHTTP(); err != nil {
 		return err
 	}
-	d.log.Info("gateway started", "id", replication.IDString(d.id.ID), "name", c.Node.Name, "mqtt", d.broker.Addr(), "http", d.HTTPAddr(), "data", c.Node.DataDir)
+	d.log.Info("gateway started", "id", replication.IDString(d.id.ID), "name", c.Node.Name, "mqtt", d.broker.Addr(), "http", d.HTTPAddr(), "peer", d.cl.tr.Addr().String(), "cluster", d.cl.clusterID(), "members", len(n.Members()), "data", c.Node.DataDir)
 	return nil
 }
 
 // Failed is closed when the node stops on its own (storage failure,
 // corruption found while applying).
-func (d *Daemon) Failed() <-chan struct{} { return d.node.Failed() }
+func (d *Daemon) Failed() <-chan struct{} { return d.failc }
 
 // Err returns why the node failed.
-func (d *Daemon) Err() error { return d.node.Err() }
+func (d *Daemon) Err() error {
+	if e := d.failErr.Load(); e != nil {
+		return *e
+	}
+	return nil
+}
+
+// fail stops the gateway from serving: Failed is closed.
+func (d *Daemon) fail(err error) {
+	d.failOnce.Do(func() {
+		d.failErr.Store(&err)
+		close(d.failc)
+	})
+}
+
+// PeerAddr returns the peer listener's address.
+func (d *Daemon) PeerAddr() string { return d.cl.tr.Addr().String() }
+
+// nodeConfig is the replication config of this gateway.
+func (d *Daemon) nodeConfig(join bool) replication.Config {
+	c := d.cfg
+	self, _ := json.Marshal(d.self())
+	return replication.Config{
+		Identity:        d.id,
+		Storage:         d.db,
+		Applier:         d.apply,
+		Transport:       d.cl.tr,
+		Logger:          d.log.With("component", "replication"),
+		Heartbeat:       c.Cluster.Heartbeat.Duration(),
+		ElectionTimeout: c.Cluster.ElectionTimeout.Duration(),
+		SyncTimeout:     c.Cluster.SyncTimeout.Duration(),
+		MinSyncReplicas: c.Cluster.MinSyncReplicas,
+		MemberContext:   self,
+		Join:            join,
+		OnMembership:    d.cl.onMembership,
+		Forwarder:       forwarder{d.cl},
+		AfterResolve:    d.broker.ReleaseAcks,
+	}
+}
+
+// startNode starts the replication node on the data file as it is and
+// makes it the one in force.
+func (d *Daemon) startNode(join bool) error {
+	n, err := replication.NewNode(d.nodeConfig(join))
+	if err != nil {
+		return err
+	}
+	d.nodeP.Store(n)
+	go func() {
+		<-n.Failed()
+		if d.node() == n {
+			d.fail(n.Err())
+		}
+	}()
+	return nil
+}
+
+// restartNode stops the node in force, runs prep on the stopped data file
+// (a raft reset), and starts a new node: how a gateway joins a cluster or
+// leaves one. Deliveries of records up to quietUntil only update the
+// retained store: they are the history of a cluster this node joins. A
+// failure after the stop leaves the gateway unable to serve: it fails.
+func (d *Daemon) restartNode(prep func() error, join bool, quietUntil uint64) error {
+	d.swapMu.Lock()
+	defer d.swapMu.Unlock()
+	d.node().Stop()
+	err := prep()
+	if err == nil {
+		d.apply.quietUntil.Store(quietUntil)
+		err = d.startNode(join)
+	}
+	if err != nil {
+		err = fmt.Errorf("restarting replication: %w", err)
+		d.fail(err)
+	}
+	return err
+}
 
 // MQTTAddr returns the MQTT listener's address.
 func (d *Daemon) MQTTAddr() string { return d.broker.Addr() }
@@ -182,9 +285,18 @@ func (d *Daemon) Stop() error {
 				errs = append(errs, err)
 			}
 		}
-		if d.node != nil {
-			d.node.Stop()
+		if d.cl != nil {
+			close(d.cl.stopc)
+			d.cl.wg.Wait()
+			if d.cl.tr != nil {
+				d.cl.tr.Close()
+			}
 		}
+		d.swapMu.Lock()
+		if n := d.node(); n != nil {
+			n.Stop()
+		}
+		d.swapMu.Unlock()
 		if d.db != nil {
 			if err := d.db.Close(); err != nil {
 				errs = append(errs, err)
@@ -203,13 +315,14 @@ func (d *Daemon) startHTTP() error {
 	d.httpLn = ln
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
-		if d.node.Err() != nil {
-			http.Error(w, d.node.Err().Error(), http.StatusServiceUnavailable)
+		if err := d.Err(); err != nil {
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
 			return
 		}
 		fmt.Fprintln(w, "ok")
 	})
 	mux.HandleFunc("GET /v1/status", d.handleStatus)
+	d.registerClusterAPI(mux)
 	d.registerFieldView(mux)
 	d.httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go func() {

@@ -7,7 +7,10 @@ import (
 	"syscall"
 	"time"
 
+	raftpb "go.etcd.io/raft/v3/raftpb"
+
 	"github.com/tandem-edge/tandem/replication"
+	"github.com/tandem-edge/tandem/storage"
 )
 
 // Status is the status JSON of the contract (GET /v1/status, `tandem status
@@ -23,6 +26,18 @@ type Status struct {
 	MQTT    StatusMQTT     `json:"mqtt"`
 	Pairing StatusPairing  `json:"pairing"`
 	Storage StatusStorage  `json:"storage"`
+	Cluster StatusCluster  `json:"cluster"`
+}
+
+// StatusCluster names the cluster this gateway belongs to.
+type StatusCluster struct {
+	ID         string `json:"id"`
+	Generation uint64 `json:"generation"`
+	// TopicsHash is this gateway's topic rules hash; members whose
+	// TopicsMatch is false have other rules.
+	TopicsHash string   `json:"topics_hash"`
+	PeerAddrs  []string `json:"peer_addrs"`
+	Requeued   uint64   `json:"requeued"`
 }
 
 // StatusNode identifies the gateway answering.
@@ -49,6 +64,9 @@ type StatusMember struct {
 	MatchIndex uint64  `json:"match_index"`
 	LagRecords uint64  `json:"lag_records"`
 	LagSeconds float64 `json:"lag_seconds"`
+	// TopicsMatch is false when the member's topic rules differ from
+	// this gateway's; nil while unknown.
+	TopicsMatch *bool `json:"topics_match"`
 }
 
 // StatusLog gives the log's bounds.
@@ -85,7 +103,8 @@ type StatusStorage struct {
 
 // status assembles the status JSON.
 func (d *Daemon) status(ctx context.Context) (*Status, error) {
-	rs, err := d.node.Status(ctx)
+	n := d.node()
+	rs, err := n.Status(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -99,13 +118,15 @@ func (d *Daemon) status(ctx context.Context) (*Status, error) {
 		Disk:    StatusDisk{UsedBytes: st.FileBytes, BudgetBytes: uint64(d.cfg.Storage.MaxBytes)},
 		MQTT:    StatusMQTT{Clients: d.broker.Clients(), Inflight: d.broker.Inflight()},
 		Storage: StatusStorage{Commits: d.db.Commits()},
+		Cluster: StatusCluster{ID: d.cl.clusterID(), Generation: d.cl.generation(), TopicsHash: d.topicsHash(), PeerAddrs: d.addrs, Requeued: n.Requeued()},
 	}
 	names := map[uint64]string{d.id.ID: d.cfg.Node.Name}
 	progress := map[uint64]replication.MemberProgress{}
 	for _, p := range rs.Members {
 		progress[p.ID] = p
 	}
-	for _, m := range d.node.Members() {
+	now := time.Now()
+	for _, m := range n.Members() {
 		if m.ID == d.id.ID {
 			continue
 		}
@@ -119,12 +140,17 @@ func (d *Daemon) status(ctx context.Context) (*Status, error) {
 		if m.ID == rs.Leader {
 			sm.Role = "master"
 		}
+		sm.Reachable = d.cl.tr.Reachable(m.ID)
+		if h := d.cl.topicsOf(m.ID); h != "" {
+			same := h == s.Cluster.TopicsHash
+			sm.TopicsMatch = &same
+		}
 		// What the master knows of the others' logs; a slave reports none.
 		if p, ok := progress[m.ID]; ok {
 			sm.MatchIndex = p.Match
-			sm.Reachable = true
 			if rs.Last > p.Match {
 				sm.LagRecords = rs.Last - p.Match
+				sm.LagSeconds = d.lagSeconds(p.Match, rs.Last, now)
 			}
 		}
 		s.Members = append(s.Members, sm)
@@ -151,4 +177,25 @@ func (d *Daemon) handleStatus(w http.ResponseWriter, r *http.Request) {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	_ = enc.Encode(s)
+}
+
+// lagSeconds is now minus the publish time of the oldest record after
+// match: how far behind a member that holds the log up to match is.
+func (d *Daemon) lagSeconds(match, last uint64, now time.Time) float64 {
+	hi := min(last+1, match+65)
+	ents, err := d.db.Entries(match+1, hi, 1<<20)
+	if err != nil {
+		return 0
+	}
+	for _, e := range ents {
+		if e.Type != raftpb.EntryNormal || len(e.Data) == 0 {
+			continue
+		}
+		rec, err := storage.DecodeRecord(e.Data)
+		if err != nil || rec.Time == 0 {
+			return 0
+		}
+		return max(0, now.Sub(time.Unix(0, rec.Time)).Seconds())
+	}
+	return 0
 }

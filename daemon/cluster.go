@@ -1,0 +1,638 @@
+package daemon
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	raftpb "go.etcd.io/raft/v3/raftpb"
+
+	"github.com/tandem-edge/tandem/replication"
+	"github.com/tandem-edge/tandem/storage"
+)
+
+// Requests one member makes of another over the peer link (tandem's own,
+// beside raft's messages).
+const (
+	reqForward byte = 'F' // a publish taken on a slave, for the master to log
+	reqAdmin   byte = 'A' // a cluster command (invite, remove) for the master
+	reqTopics  byte = 'T' // this member's topic rules hash; the answer is the peer's
+	reqUpdate  byte = 'U' // this member's current details (name, addresses)
+	reqLeave   byte = 'L' // the master tells a node it removed: raft never will
+)
+
+// lingerRemoved is how long the transport keeps a link to a removed
+// member: long enough for the master to tell it.
+const lingerRemoved = 10 * time.Second
+
+// Outcomes of a forwarded publish: the first byte of the master's answer.
+// Errors cross the peer link as text only, so the ones the slave must tell
+// apart travel as codes.
+const (
+	fwdOK byte = iota
+	fwdNotLeader
+	fwdAckTimeout
+	fwdStorage
+	fwdOther
+)
+
+// Metadata keys of the cluster a node belongs to.
+const (
+	metaClusterID  = "cluster.id"
+	metaGeneration = "cluster.gen"
+)
+
+// cluster is the daemon's part of replication: the peer transport, the
+// cluster id and generation, invites, and the watchers that keep the
+// membership in the shape DESIGN.md gives (2 gateways: voter + learner; 3:
+// three voters).
+type cluster struct {
+	d  *Daemon
+	tr *replication.PeerTransport
+
+	id  sync.Mutex // guards clusterID
+	cid string
+	gen uint64
+
+	invites *inviteBook
+
+	// topicsMu guards peerTopics: each member's topic rules hash as it
+	// last told us, and whether a mismatch was already logged.
+	topicsMu   sync.Mutex
+	peerTopics map[uint64]string
+	warned     map[uint64]string
+
+	// joinedAt is the master's commit index when this node joined (0 if
+	// it did not join in this run); seenSelf is set once this node has
+	// seen itself a member past it. Guarded by d.swapMu.
+	joinedAt uint64
+	seenSelf bool
+
+	// lingerMu guards lingering: removed members the transport keeps a
+	// link to for a while, by id.
+	lingerMu  sync.Mutex
+	lingering map[uint64]replication.PeerInfo
+
+	last []replication.PeerInfo // the members' peers, as last set; lingerMu
+
+	stopc chan struct{}
+	wg    sync.WaitGroup
+}
+
+// loadClusterMeta reads (or, on a new data dir, creates) the cluster id and
+// generation.
+func (c *cluster) loadMeta(db *storage.DB) error {
+	v, err := db.GetMeta(metaClusterID)
+	if err != nil {
+		return err
+	}
+	if len(v) == 0 {
+		v = []byte(newClusterID())
+		if err := db.PutMeta(metaClusterID, v); err != nil {
+			return err
+		}
+	}
+	c.cid = string(v)
+	g, err := db.GetMeta(metaGeneration)
+	if err != nil {
+		return err
+	}
+	if len(g) > 0 {
+		if c.gen, err = strconv.ParseUint(string(g), 10, 64); err != nil {
+			return fmt.Errorf("%s %q: %w", metaGeneration, g, storage.ErrCorrupt)
+		}
+	}
+	return nil
+}
+
+// setMeta makes id and gen this node's cluster, durably.
+func (c *cluster) setMeta(db *storage.DB, id string, gen uint64) error {
+	if err := db.PutMeta(metaClusterID, []byte(id)); err != nil {
+		return err
+	}
+	if err := db.PutMeta(metaGeneration, []byte(strconv.FormatUint(gen, 10))); err != nil {
+		return err
+	}
+	c.id.Lock()
+	c.cid, c.gen = id, gen
+	c.id.Unlock()
+	return nil
+}
+
+// clusterID returns the cluster this node belongs to.
+func (c *cluster) clusterID() string {
+	c.id.Lock()
+	defer c.id.Unlock()
+	return c.cid
+}
+
+// generation returns the cluster generation this node is in.
+func (c *cluster) generation() uint64 {
+	c.id.Lock()
+	defer c.id.Unlock()
+	return c.gen
+}
+
+// newClusterID returns a random cluster id: 16 hex digits.
+func newClusterID() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// advertised returns the addresses other gateways should dial: the
+// configured ones, else the peer listener's own address, or, for a
+// listener on every interface, each non-loopback address of this host.
+func advertised(cfg []string, ln net.Addr) []string {
+	if len(cfg) > 0 {
+		return slices.Clone(cfg)
+	}
+	ta, ok := ln.(*net.TCPAddr)
+	if !ok {
+		return nil
+	}
+	port := strconv.Itoa(ta.Port)
+	if !ta.IP.IsUnspecified() {
+		return []string{net.JoinHostPort(ta.IP.String(), port)}
+	}
+	var out []string
+	ifs, _ := net.Interfaces()
+	for _, ifc := range ifs {
+		if ifc.Flags&net.FlagUp == 0 || ifc.Flags&net.FlagLoopback != 0 {
+			continue
+		}
+		addrs, _ := ifc.Addrs()
+		for _, a := range addrs {
+			ipn, ok := a.(*net.IPNet)
+			if !ok || !ipn.IP.IsGlobalUnicast() {
+				continue
+			}
+			if ipn.IP.To4() == nil && ta.IP.To4() != nil && ta.IP.String() == "0.0.0.0" {
+				continue // an IPv4-only listener
+			}
+			out = append(out, net.JoinHostPort(ipn.IP.String(), port))
+		}
+	}
+	if len(out) == 0 {
+		out = []string{net.JoinHostPort("127.0.0.1", port)}
+	}
+	return out
+}
+
+// self is this node's member entry as it should be in the cluster.
+func (d *Daemon) self() replication.Member {
+	return replication.Member{ID: d.id.ID, Name: d.cfg.Node.Name, Addrs: d.addrs, Fingerprint: d.id.Fingerprint}
+}
+
+// startTransport opens the peer port. Raft traffic is admitted only from
+// members' pinned certificates; a stranger may only knock with a join
+// secret.
+func (c *cluster) startTransport() error {
+	d := c.d
+	tr, err := replication.NewPeerTransport(replication.TransportConfig{
+		Identity:   d.id,
+		Listen:     d.cfg.Peer.Listen,
+		Logger:     d.log.With("component", "peer"),
+		ClusterID:  c.clusterID,
+		Generation: c.generation,
+		OnRaft: func(_ uint64, msgs []raftpb.Message) {
+			n := d.node()
+			for _, m := range msgs {
+				n.Step(m)
+			}
+		},
+		OnUnreachable: func(id uint64) { d.node().ReportUnreachable(id) },
+		OnRequest:     c.onRequest,
+		OnStranger:    c.onStranger,
+	})
+	if err != nil {
+		return err
+	}
+	c.tr = tr
+	tr.Start()
+	return nil
+}
+
+// peersOf turns members into the transport's peer list.
+func peersOf(members []replication.Member) []replication.PeerInfo {
+	out := make([]replication.PeerInfo, 0, len(members))
+	for _, m := range members {
+		out = append(out, replication.PeerInfo{ID: m.ID, Addrs: m.Addrs, Fingerprint: m.Fingerprint})
+	}
+	return out
+}
+
+// onMembership follows a membership change: links to new members, none
+// to removed ones, and a node that finds itself removed leaves.
+func (c *cluster) onMembership(members []replication.Member) {
+	c.lingerMu.Lock()
+	defer c.lingerMu.Unlock()
+	peers := peersOf(members)
+	if c.lingering == nil {
+		c.lingering = map[uint64]replication.PeerInfo{}
+	}
+	for _, p := range c.last {
+		if !slices.ContainsFunc(peers, func(q replication.PeerInfo) bool { return q.ID == p.ID }) {
+			c.lingering[p.ID] = p
+			time.AfterFunc(lingerRemoved, func() {
+				c.lingerMu.Lock()
+				delete(c.lingering, p.ID)
+				c.lingerMu.Unlock()
+				c.setPeers()
+			})
+		}
+	}
+	for _, p := range peers {
+		delete(c.lingering, p.ID)
+	}
+	c.last = peers
+	if c.tr != nil {
+		c.tr.SetPeers(c.peersLocked())
+	}
+	c.d.log.Info("membership changed", "members", memberNames(members))
+}
+
+// setPeers gives the transport the members and the lingering removed.
+func (c *cluster) setPeers() {
+	c.lingerMu.Lock()
+	defer c.lingerMu.Unlock()
+	if c.tr != nil {
+		c.tr.SetPeers(c.peersLocked())
+	}
+}
+
+func (c *cluster) peersLocked() []replication.PeerInfo {
+	out := slices.Clone(c.last)
+	for _, p := range c.lingering {
+		out = append(out, p)
+	}
+	return out
+}
+
+// tellRemoved tells a node the master just removed that it is out: raft
+// stops talking to it once the removal applies, often before it has
+// learned the removal is committed.
+func (c *cluster) tellRemoved(ctx context.Context, id uint64) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if _, err := c.tr.Request(ctx, id, reqLeave, nil); err != nil {
+		c.d.log.Warn("could not tell the removed node it is out; it stays without a master until it is reset", "peer", replication.IDString(id), "error", err)
+	}
+}
+
+func memberNames(ms []replication.Member) []string {
+	out := make([]string, 0, len(ms))
+	for _, m := range ms {
+		role := "learner"
+		if m.Voter {
+			role = "voter"
+		}
+		out = append(out, fmt.Sprintf("%s(%s,%s)", m.Name, replication.ShortID(m.ID), role))
+	}
+	return out
+}
+
+// forwarder carries publishes taken on this node, while it is a slave, to
+// the master (replication.Forwarder).
+type forwarder struct{ c *cluster }
+
+// Forward sends data to master and returns the outcome of its ack rule
+// there. A lost link is retried by replication (as ErrNotLeader): the record
+// id makes a repeat harmless.
+func (f forwarder) Forward(ctx context.Context, master uint64, data []byte, mode replication.AckMode) error {
+	payload := make([]byte, 1+len(data))
+	payload[0] = byte(mode)
+	copy(payload[1:], data)
+	reply, err := f.c.tr.Request(ctx, master, reqForward, payload)
+	if err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		// Not an answer (link lost, master unknown yet): wait a moment
+		// and look for the master again.
+		t := time.NewTimer(50 * time.Millisecond)
+		defer t.Stop()
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		return replication.ErrNotLeader
+	}
+	if len(reply) == 0 {
+		return errors.New("empty answer to a forwarded publish")
+	}
+	switch reply[0] {
+	case fwdOK:
+		return nil
+	case fwdNotLeader:
+		return replication.ErrNotLeader
+	case fwdAckTimeout:
+		return replication.ErrAckTimeout
+	case fwdStorage:
+		return fmt.Errorf("%w: on the master: %s", replication.ErrStorage, reply[1:])
+	}
+	return fmt.Errorf("master: %s", reply[1:])
+}
+
+// onRequest answers a member's request.
+func (c *cluster) onRequest(ctx context.Context, from uint64, kind byte, payload []byte) ([]byte, error) {
+	switch kind {
+	case reqForward:
+		if len(payload) < 1 || payload[0] > byte(replication.Sync) {
+			return nil, errors.New("bad forward request")
+		}
+		err := c.d.node().HandleForward(ctx, payload[1:], replication.AckMode(payload[0]))
+		switch {
+		case err == nil:
+			return []byte{fwdOK}, nil
+		case errors.Is(err, replication.ErrNotLeader), errors.Is(err, replication.ErrStopped):
+			return []byte{fwdNotLeader}, nil
+		case errors.Is(err, replication.ErrAckTimeout):
+			return []byte{fwdAckTimeout}, nil
+		case errors.Is(err, replication.ErrStorage):
+			return append([]byte{fwdStorage}, err.Error()...), nil
+		}
+		return append([]byte{fwdOther}, err.Error()...), nil
+	case reqAdmin:
+		return c.handleAdmin(ctx, payload)
+	case reqTopics:
+		c.noteTopics(from, string(payload))
+		return []byte(c.d.topicsHash()), nil
+	case reqUpdate:
+		return nil, c.handleUpdate(ctx, from, payload)
+	case reqLeave:
+		n := c.d.node()
+		if from != n.Leader() {
+			return nil, errors.New("only the master can say this node was removed")
+		}
+		c.wg.Add(1)
+		go func() {
+			defer c.wg.Done()
+			c.leave()
+		}()
+		return nil, nil
+	}
+	return nil, fmt.Errorf("unknown request kind %q", kind)
+}
+
+// handleUpdate applies a member's new details (its addresses after a
+// restart on another DHCP lease, a new name) on the master.
+func (c *cluster) handleUpdate(ctx context.Context, from uint64, payload []byte) error {
+	var m replication.Member
+	if err := json.Unmarshal(payload, &m); err != nil {
+		return err
+	}
+	n := c.d.node()
+	var cur replication.Member
+	found := false
+	for _, x := range n.Members() {
+		if x.ID == from {
+			cur, found = x, true
+		}
+	}
+	if !found || m.ID != from || m.Fingerprint != cur.Fingerprint {
+		return errors.New("update refused: not this member's details")
+	}
+	typ := raftpb.ConfChangeAddLearnerNode
+	if cur.Voter {
+		typ = raftpb.ConfChangeAddNode
+	}
+	return n.ChangeMember(ctx, typ, m)
+}
+
+// sameDetails reports whether a and b name the same node the same way.
+func sameDetails(a, b replication.Member) bool {
+	return a.ID == b.ID && a.Name == b.Name && slices.Equal(a.Addrs, b.Addrs) && a.Fingerprint == b.Fingerprint
+}
+
+// keeper runs on every node: it keeps this node's own member details
+// current in the cluster and exchanges topic rule hashes; on the master it
+// also keeps the membership in DESIGN.md's shape.
+func (c *cluster) keeper() {
+	defer c.wg.Done()
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	var lastTopics time.Time
+	for {
+		select {
+		case <-c.stopc:
+			return
+		case <-t.C:
+		}
+		n := c.d.node()
+		if n == nil {
+			continue
+		}
+		// Not while a join or leave replaces the node.
+		if !c.d.swapMu.TryLock() {
+			continue
+		}
+		gone := c.removed(n)
+		c.d.swapMu.Unlock()
+		if gone {
+			c.leave()
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		c.refreshSelf(ctx, n)
+		if n.Leader() == n.ID() {
+			c.shape(ctx, n)
+		}
+		if time.Since(lastTopics) > 10*time.Second {
+			lastTopics = time.Now()
+			c.exchangeTopics(ctx, n)
+		}
+		cancel()
+	}
+}
+
+// removed reports whether this node has seen its own removal applied;
+// d.swapMu is held.
+// A joining node replays the cluster's history first, in which it is not
+// yet a member: only a node that saw itself a member, past the point it
+// joined at, can have been removed.
+func (c *cluster) removed(n *replication.Node) bool {
+	in := false
+	for _, m := range n.Members() {
+		if m.ID == n.ID() {
+			in = true
+		}
+	}
+	if in {
+		if c.d.db.Applied() >= c.joinedAt {
+			c.seenSelf = true
+		}
+		return false
+	}
+	return c.seenSelf
+}
+
+// leave turns a removed node back into a lone gateway of a new cluster:
+// its raft state goes (its records are the cluster's, which has them), and
+// it stays reachable for a new invite.
+func (c *cluster) leave() {
+	c.d.log.Warn("this gateway was removed from the cluster: it now runs alone, in a new cluster")
+	err := c.d.restartNode(func() error {
+		c.seenSelf, c.joinedAt = false, 0
+		if err := c.d.db.ResetRaft(false); err != nil {
+			return err
+		}
+		return c.setMeta(c.d.db, newClusterID(), 0)
+	}, false, 0)
+	if err == nil {
+		c.tr.SetPeers(nil)
+		c.tr.Reconnect()
+	}
+}
+
+// refreshSelf puts this node's current name and addresses into the
+// membership when they differ from what the cluster has.
+func (c *cluster) refreshSelf(ctx context.Context, n *replication.Node) {
+	want := c.d.self()
+	var cur replication.Member
+	found := false
+	for _, m := range n.Members() {
+		if m.ID == want.ID {
+			cur, found = m, true
+		}
+	}
+	if !found || sameDetails(cur, want) {
+		return
+	}
+	lead := n.Leader()
+	var err error
+	switch {
+	case lead == 0:
+		return
+	case lead == n.ID():
+		typ := raftpb.ConfChangeAddLearnerNode
+		if cur.Voter {
+			typ = raftpb.ConfChangeAddNode
+		}
+		err = n.ChangeMember(ctx, typ, want)
+	default:
+		b, _ := json.Marshal(want)
+		_, err = c.tr.Request(ctx, lead, reqUpdate, b)
+	}
+	if err != nil {
+		c.d.log.Debug("updating this node's details in the cluster failed; will retry", "error", err)
+	}
+}
+
+// shape keeps the master's cluster as DESIGN.md says: with 3 members, the
+// learners are promoted once they have caught up; with 2, one voter and one
+// learner (the slave), so a 3 → 2 shrink demotes the remaining slave.
+func (c *cluster) shape(ctx context.Context, n *replication.Node) {
+	ms := n.Members()
+	voters := 0
+	for _, m := range ms {
+		if m.Voter {
+			voters++
+		}
+	}
+	switch {
+	case len(ms) == 3 && voters < 3:
+		st, err := n.Status(ctx)
+		if err != nil {
+			return
+		}
+		for _, p := range st.Members {
+			// Caught up: close enough to the master's log that promoting
+			// it cannot stall commits for long.
+			if p.Learner && p.Match+64 >= st.Last {
+				for _, m := range ms {
+					if m.ID == p.ID {
+						if err := n.ChangeMember(ctx, raftpb.ConfChangeAddNode, m); err != nil {
+							c.d.log.Warn("promoting a learner to voter failed; will retry", "peer", m.Name, "error", err)
+						} else {
+							c.d.log.Info("member promoted to voter", "peer", m.Name, "id", replication.IDString(m.ID))
+						}
+					}
+				}
+				return // one change at a time
+			}
+		}
+	case len(ms) == 2 && voters == 2:
+		for _, m := range ms {
+			if m.ID != n.ID() && m.Voter {
+				if err := n.ChangeMember(ctx, raftpb.ConfChangeAddLearnerNode, m); err != nil {
+					c.d.log.Warn("demoting the slave to learner failed; will retry", "peer", m.Name, "error", err)
+				} else {
+					c.d.log.Info("member demoted to learner: a 2-gateway cluster has one voter", "peer", m.Name)
+				}
+				return
+			}
+		}
+	}
+}
+
+// topicsHash is the hash of this node's topic rules, in order.
+func (d *Daemon) topicsHash() string {
+	d.reloadMu.Lock()
+	rules := d.live.Topics
+	d.reloadMu.Unlock()
+	h := sha256.New()
+	for _, r := range rules {
+		fmt.Fprintf(h, "%q %q\n", r.Match, r.Ack)
+	}
+	return hex.EncodeToString(h.Sum(nil)[:8])
+}
+
+// exchangeTopics tells every member this node's topic rules hash and
+// learns theirs.
+func (c *cluster) exchangeTopics(ctx context.Context, n *replication.Node) {
+	mine := c.d.topicsHash()
+	for _, m := range n.Members() {
+		if m.ID == n.ID() || !c.tr.Reachable(m.ID) {
+			continue
+		}
+		reply, err := c.tr.Request(ctx, m.ID, reqTopics, []byte(mine))
+		if err == nil {
+			c.noteTopics(m.ID, string(reply))
+		}
+	}
+}
+
+// noteTopics records a member's topic rules hash and logs a mismatch once
+// per change.
+func (c *cluster) noteTopics(from uint64, hash string) {
+	mine := c.d.topicsHash()
+	c.topicsMu.Lock()
+	defer c.topicsMu.Unlock()
+	c.peerTopics[from] = hash
+	if hash != mine && c.warned[from] != hash+mine {
+		c.warned[from] = hash + mine
+		c.d.log.Warn("topic rules differ from a member's: a publish's ack mode depends on the gateway that takes it", "peer", replication.IDString(from), "ours", mine, "theirs", hash)
+	} else if hash == mine {
+		delete(c.warned, from)
+	}
+}
+
+// topicsOf returns a member's topic rules hash, "" if unknown.
+func (c *cluster) topicsOf(id uint64) string {
+	c.topicsMu.Lock()
+	defer c.topicsMu.Unlock()
+	return c.peerTopics[id]
+}
+
+// logError logs err at level unless it is nil.
+func logError(log *slog.Logger, msg string, err error) {
+	if err != nil {
+		log.Error(msg, "error", err)
+	}
+}
+
+// equalFP compares fingerprints.
+func equalFP(a, b [32]byte) bool { return bytes.Equal(a[:], b[:]) }

@@ -1,0 +1,286 @@
+package daemon
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/eclipse/paho.golang/paho"
+)
+
+// clusterGateway starts an in-process gateway named name, with the topics
+// under s/ acked sync and fast raft timing.
+func clusterGateway(t *testing.T, name string, mutate func(*Config)) *Daemon {
+	t.Helper()
+	return testGateway(t, t.TempDir(), func(c *Config) {
+		c.Node.Name = name
+		c.Topics = []TopicRule{{Match: "s/#", Ack: "sync"}}
+		c.Cluster.Heartbeat = Duration(50 * time.Millisecond)
+		c.Cluster.ElectionTimeout = Duration(500 * time.Millisecond)
+		c.Cluster.SyncTimeout = Duration(3 * time.Second)
+		if mutate != nil {
+			mutate(c)
+		}
+	})
+}
+
+// api POSTs req to a gateway's cluster API; it returns the status and
+// decodes a 200 answer into out, else returns the error text.
+func api(t *testing.T, d *Daemon, path string, req, out any) (int, string) {
+	t.Helper()
+	b, _ := json.Marshal(req)
+	resp, err := http.Post("http://"+d.HTTPAddr()+path, "application/json", bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		var ae apiError
+		_ = json.NewDecoder(resp.Body).Decode(&ae)
+		return resp.StatusCode, ae.Error
+	}
+	if out != nil {
+		if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return resp.StatusCode, ""
+}
+
+func inviteToken(t *testing.T, d *Daemon) string {
+	t.Helper()
+	code, out, errOut := runMain(t, "cluster", "invite", "--http", d.HTTPAddr())
+	if code != 0 {
+		t.Fatalf("cluster invite: exit %d: %s", code, errOut)
+	}
+	tok, _, _ := strings.Cut(out, "\n")
+	return tok
+}
+
+func joinWith(t *testing.T, d *Daemon, token string, extra ...string) {
+	t.Helper()
+	args := append([]string{"cluster", "join", token, "--http", d.HTTPAddr()}, extra...)
+	if code, out, errOut := runMain(t, args...); code != 0 {
+		t.Fatalf("cluster join: exit %d: %s%s", code, out, errOut)
+	}
+}
+
+func statusOfGW(t *testing.T, d *Daemon) *Status {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	s, err := d.status(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// shape reports a master's view: how many members besides itself are
+// voters and learners, and whether all have caught up.
+func shape(s *Status) (voters, learners int, caughtUp bool) {
+	caughtUp = s.Role == "master"
+	for _, m := range s.Members {
+		if m.Voter {
+			voters++
+		} else {
+			learners++
+		}
+		if m.MatchIndex < s.Log.LastIndex-2 {
+			caughtUp = false
+		}
+	}
+	return voters, learners, caughtUp
+}
+
+func TestClusterInviteJoinReplicateAndShrink(t *testing.T) {
+	g1 := clusterGateway(t, "gw-1", nil)
+	g2 := clusterGateway(t, "gw-2", nil)
+	g3 := clusterGateway(t, "gw-3", nil)
+
+	// A lone gateway has no slave: sync is refused, async works.
+	pub1, got1 := v5(t, g1.MQTTAddr(), "pub1", nil)
+	subscribe(t, pub1, "#", 1)
+	if r := publish(t, pub1, &paho.Publish{Topic: "a/before", QoS: 1, Payload: []byte("0")}); r.ReasonCode != 0 {
+		t.Fatalf("async on a lone gateway: reason %#x", r.ReasonCode)
+	}
+	receive(t, got1, 5*time.Second)
+
+	// 1 → 2: the slave is a learner; it replays the history quietly.
+	joinWith(t, g2, inviteToken(t, g1))
+	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+		v, l, ok := shape(statusOfGW(t, g1))
+		return v == 0 && l == 1 && ok
+	})
+	s2 := statusOfGW(t, g2)
+	if s2.Role != "slave" || s2.Leader == nil || s2.Leader.Name != "gw-1" || s2.Cluster.ID != statusOfGW(t, g1).Cluster.ID {
+		t.Fatalf("gw-2 status: role %s leader %+v cluster %s", s2.Role, s2.Leader, s2.Cluster.ID)
+	}
+
+	// A device on the slave publishes (sync and async) and subscribes.
+	dev2, got2 := v5(t, g2.MQTTAddr(), "dev2", nil)
+	subscribe(t, dev2, "#", 1)
+	for _, topic := range []string{"s/on-slave", "a/on-slave"} {
+		if r := publish(t, dev2, &paho.Publish{Topic: topic, QoS: 1, Payload: []byte(topic)}); r.ReasonCode != 0 {
+			t.Fatalf("%s published on the slave: reason %#x", topic, r.ReasonCode)
+		}
+	}
+	if r := publish(t, pub1, &paho.Publish{Topic: "s/on-master", QoS: 1, Payload: []byte("m")}); r.ReasonCode != 0 {
+		t.Fatalf("sync on the master with a slave: reason %#x", r.ReasonCode)
+	}
+	want := map[string]bool{"s/on-slave": true, "a/on-slave": true, "s/on-master": true}
+	for _, ch := range []chan *paho.Publish{got1, got2} {
+		seen := map[string]bool{}
+		for len(seen) < len(want) {
+			p := receive(t, ch, 5*time.Second)
+			if p.Topic == "a/before" {
+				t.Fatal("the slave's subscriber got a record from before it joined")
+			}
+			seen[p.Topic] = true
+		}
+	}
+	for _, g := range []*Daemon{g1, g2} {
+		topics := map[string]int{}
+		for _, r := range logRecords(t, g) {
+			topics[r.Topic]++
+		}
+		for tp := range want {
+			if topics[tp] != 1 {
+				t.Fatalf("%s's log holds %s %d times, want once: %v", g.cfg.Node.Name, tp, topics[tp], topics)
+			}
+		}
+	}
+
+	// 2 → 3: the third joins as a learner, then all three are voters.
+	joinWith(t, g3, inviteToken(t, g2)) // a slave passes the invite to the master
+	waitFor(t, 15*time.Second, "three voters", func() bool {
+		v, l, ok := shape(statusOfGW(t, g1))
+		return v == 2 && l == 0 && ok
+	})
+	// A fourth is refused.
+	if code, msg := api(t, g1, "/v1/cluster/invite", inviteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "at most") && !strings.Contains(msg, "most tandem runs") {
+		t.Fatalf("invite in a full cluster: %d %q", code, msg)
+	}
+
+	// 3 → 2, asked on a slave: the removed node goes, the remaining
+	// slave is demoted to learner, and the removed one runs alone.
+	var rr removeResponse
+	if code, msg := api(t, g2, "/v1/cluster/remove", removeRequest{Node: "gw-3"}, &rr); code != 200 || rr.Removed != "gw-3" {
+		t.Fatalf("remove gw-3: %d %q", code, msg)
+	}
+	waitFor(t, 10*time.Second, "voter + learner", func() bool {
+		s := statusOfGW(t, g1)
+		v, l, _ := shape(s)
+		return v == 0 && l == 1 && len(s.Members) == 1
+	})
+	waitFor(t, 10*time.Second, "gw-3 alone", func() bool {
+		s := statusOfGW(t, g3)
+		return s.Role == "master" && len(s.Members) == 0 && s.Cluster.ID != statusOfGW(t, g1).Cluster.ID
+	})
+	if r := publish(t, pub1, &paho.Publish{Topic: "s/after-shrink", QoS: 1, Payload: []byte("x")}); r.ReasonCode != 0 {
+		t.Fatalf("sync after 3 → 2: reason %#x", r.ReasonCode)
+	}
+
+	// Removing the slave would leave sync topics unackable: refused
+	// without --force; the master cannot remove itself.
+	if code, msg := api(t, g1, "/v1/cluster/remove", removeRequest{Node: "gw-2"}, nil); code != http.StatusConflict || !strings.Contains(msg, "min_sync_replicas") {
+		t.Fatalf("remove the only slave: %d %q", code, msg)
+	}
+	if code, msg := api(t, g1, "/v1/cluster/remove", removeRequest{Node: "gw-1"}, nil); code != http.StatusConflict || !strings.Contains(msg, "master") {
+		t.Fatalf("remove the master: %d %q", code, msg)
+	}
+	if code, msg := api(t, g1, "/v1/cluster/remove", removeRequest{Node: "gw-9"}, nil); code != http.StatusConflict || !strings.Contains(msg, "not a member") {
+		t.Fatalf("remove a stranger: %d %q", code, msg)
+	}
+	if v, l, _ := shape(statusOfGW(t, g1)); v != 0 || l != 1 {
+		t.Fatalf("membership changed by refused removals: %d voters %d learners", v, l)
+	}
+}
+
+func TestClusterJoinRefusals(t *testing.T) {
+	g1 := clusterGateway(t, "gw-1", nil)
+	g2 := clusterGateway(t, "gw-2", nil)
+	other := clusterGateway(t, "other", nil)
+
+	tok := inviteToken(t, g1)
+	// Garbled and expired tokens: usage errors, nothing asked of anyone.
+	for _, bad := range []string{"hello", tok[:len(tok)-9], expiredToken(t, tok)} {
+		code, _, errOut := runMain(t, "cluster", "join", bad, "--http", g2.HTTPAddr())
+		if code != ExitUsage || !strings.Contains(errOut, "token") {
+			t.Fatalf("join with a bad token: exit %d: %s", code, errOut)
+		}
+	}
+	// A node holding records must say what becomes of them.
+	dev, _ := v5(t, g2.MQTTAddr(), "dev", nil)
+	publish(t, dev, &paho.Publish{Topic: "a/x", QoS: 1, Payload: []byte("kept")})
+	code, _, errOut := runMain(t, "cluster", "join", tok, "--http", g2.HTTPAddr())
+	if code != ExitUsage || !strings.Contains(errOut, "--requeue") {
+		t.Fatalf("join of a node with records: exit %d: %s", code, errOut)
+	}
+	// --requeue: its record is published into the cluster.
+	joinWith(t, g2, tok, "--requeue")
+	waitFor(t, 10*time.Second, "the requeued record on the master", func() bool {
+		for _, r := range logRecords(t, g1) {
+			if r.Topic == "a/x" && string(r.Payload) == "kept" && r.Republished {
+				return true
+			}
+		}
+		return false
+	})
+	// The token was used: a second node cannot use it again.
+	code, _, errOut = runMain(t, "cluster", "join", tok, "--http", other.HTTPAddr())
+	if code != ExitFailure || !strings.Contains(errOut, "already used") {
+		t.Fatalf("replayed token: exit %d: %s", code, errOut)
+	}
+	// A member of one cluster cannot join another.
+	code, _, errOut = runMain(t, "cluster", "join", inviteToken(t, other), "--http", g2.HTTPAddr())
+	if code != ExitFailure || !strings.Contains(errOut, "another cluster") {
+		t.Fatalf("join from another cluster: exit %d: %s", code, errOut)
+	}
+	if s := statusOfGW(t, other); len(s.Members) != 0 {
+		t.Fatalf("the other cluster changed: %+v", s.Members)
+	}
+	if s := statusOfGW(t, g1); len(s.Members) != 1 {
+		t.Fatalf("the cluster changed: %+v", s.Members)
+	}
+	// Removing the last voter of a lone gateway is refused.
+	if code, msg := api(t, other, "/v1/cluster/remove", removeRequest{Node: "other"}, nil); code == 200 || !strings.Contains(msg, "last voter") {
+		t.Fatalf("remove the last voter: %d %q", code, msg)
+	}
+}
+
+// expiredToken rewrites tok's expiry into the past.
+func expiredToken(t *testing.T, tok string) string {
+	t.Helper()
+	jt, _, err := parseToken(tok, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	jt.Expires = time.Now().Add(-time.Minute).Unix()
+	return jt.encode()
+}
+
+func TestInviteBookRefusesExpiredAndReused(t *testing.T) {
+	var b inviteBook
+	now := time.Now()
+	b.add([]byte("0123456789abcdef"), now.Add(time.Minute))
+	if _, err := b.claim([]byte("0123456789abcdeX"), 1, now); err == nil {
+		t.Fatal("an unknown secret was accepted")
+	}
+	if _, err := b.claim([]byte("0123456789abcdef"), 1, now.Add(2*time.Minute)); err == nil || !strings.Contains(err.Error(), "expired") {
+		t.Fatalf("expired secret: %v", err)
+	}
+	if _, err := b.claim([]byte("0123456789abcdef"), 1, now); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.claim([]byte("0123456789abcdef"), 1, now); err != nil {
+		t.Fatalf("the same node retrying: %v", err)
+	}
+	if _, err := b.claim([]byte("0123456789abcdef"), 2, now); err == nil || !strings.Contains(err.Error(), "already used") {
+		t.Fatalf("reused secret: %v", err)
+	}
+}
