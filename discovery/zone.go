@@ -18,12 +18,13 @@ const ttl = 20
 // zone answers mDNS questions from the gateway's live state: every answer
 // is built from Info() and the interface addresses at that moment.
 type zone struct {
-	cfg Config
-	ifi *net.Interface // nil: the addresses of every multicast interface
+	cfg   Config
+	ifi   *net.Interface                // nil: the addresses of every multicast interface
+	addrs func(*net.Interface) []net.IP // localIPs; tests replace it
 }
 
 func newMDNSServer(cfg Config, ifi *net.Interface) (*mdns.Server, error) {
-	s, err := mdns.NewServer(&mdns.Config{Zone: &zone{cfg: cfg, ifi: ifi}, Iface: ifi, Logger: stdLogger(cfg.Logger)})
+	s, err := mdns.NewServer(&mdns.Config{Zone: &zone{cfg: cfg, ifi: ifi, addrs: localIPs}, Iface: ifi, Logger: stdLogger(cfg.Logger)})
 	if err != nil {
 		return nil, fmt.Errorf("discovery: mdns: %w", err)
 	}
@@ -33,7 +34,7 @@ func newMDNSServer(cfg Config, ifi *net.Interface) (*mdns.Server, error) {
 // Records implements mdns.Zone.
 func (z *zone) Records(q dns.Question) []dns.RR {
 	info := z.cfg.Info()
-	ips := localIPs(z.ifi)
+	ips := z.addrs(z.ifi)
 	if len(ips) == 0 {
 		return nil // no address to give (and NewMDNSService would do a DNS lookup)
 	}
