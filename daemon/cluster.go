@@ -303,6 +303,13 @@ func memberNames(ms []replication.Member) []string {
 	return out
 }
 
+// masterWatch is how often a forwarded publish checks that its master is
+// still the master.
+const masterWatch = 20 * time.Millisecond
+
+// errMasterChanged ends a forward whose master was replaced.
+var errMasterChanged = errors.New("the master changed")
+
 // forwarder carries publishes taken on this node, while it is a slave, to
 // the master (replication.Forwarder).
 type forwarder struct{ c *cluster }
@@ -314,10 +321,35 @@ func (f forwarder) Forward(ctx context.Context, master uint64, data []byte, mode
 	payload := make([]byte, 1+len(data))
 	payload[0] = byte(mode)
 	copy(payload[1:], data)
+	// A master that dies takes its answers with it: once another is
+	// elected, stop waiting and ask that one (the record id dedupes).
+	parent := ctx
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	done := make(chan struct{})
+	defer close(done)
+	go func() {
+		t := time.NewTicker(masterWatch)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				if f.c.d.node().Leader() != master {
+					cancel(errMasterChanged)
+					return
+				}
+			}
+		}
+	}()
 	reply, err := f.c.tr.Request(ctx, master, reqForward, payload)
 	if err != nil {
-		if ctx.Err() != nil {
-			return ctx.Err()
+		if errors.Is(context.Cause(ctx), errMasterChanged) {
+			return replication.ErrNotLeader
+		}
+		if parent.Err() != nil {
+			return parent.Err()
 		}
 		// Not an answer (link lost, master unknown yet): wait a moment
 		// and look for the master again.

@@ -372,6 +372,12 @@ func (c *cluster) join(ctx context.Context, token string, mode joinMode) (joinRe
 	}
 	c.tr.SetPeers(peersOf(rep.Members))
 	c.tr.Reconnect()
+	// Answer once the master is in contact, so that what the operator
+	// runs next (tandem status) already shows the cluster; a master slow
+	// to dial back is not a failed join, though.
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	_ = d.node().WaitLeader(wctx)
+	cancel()
 	d.log.Info("joined the cluster", "cluster", rep.Cluster, "master", rep.Master, "mode", string(mode), "records", recs)
 	return rep, nil
 }

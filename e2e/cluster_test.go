@@ -1,0 +1,466 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/eclipse/paho.golang/paho"
+	"golang.org/x/sys/unix"
+
+	"github.com/tandem-edge/tandem/internal/netns"
+)
+
+// inNS runs fn on an OS thread moved into h's network namespace: sockets
+// it opens live there, and stay usable from any goroutine afterwards. The
+// thread is never unlocked, so it dies with the goroutine instead of
+// carrying the namespace back into the pool.
+func inNS(h *netns.Host, fn func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		f, err := os.Open("/var/run/netns/" + h.NS)
+		if err != nil {
+			errc <- err
+			return
+		}
+		defer f.Close()
+		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
+			errc <- fmt.Errorf("setns %s: %w", h.NS, err)
+			return
+		}
+		errc <- fn()
+	}()
+	return <-errc
+}
+
+// dialIn opens a TCP connection from inside h's namespace.
+func dialIn(h *netns.Host, addr string) (net.Conn, error) {
+	var c net.Conn
+	err := inNS(h, func() (err error) {
+		c, err = net.DialTimeout("tcp", addr, 3*time.Second)
+		return err
+	})
+	return c, err
+}
+
+// gw is one tandem process on a namespace host.
+type gw struct {
+	t    *testing.T
+	name string
+	h    *netns.Host
+	dir  string
+	cfg  string
+	proc *netns.Proc
+	http *http.Client
+}
+
+const clusterConfig = `node:
+  name: %s
+  data_dir: %s
+mqtt:
+  listen: "0.0.0.0:1883"
+  allow_anonymous: true
+peer:
+  listen: "0.0.0.0:7883"
+http:
+  listen: "127.0.0.1:7880"
+cluster:
+  heartbeat: 100ms
+  election_timeout: 1s
+  sync_timeout: 5s
+topics:
+  - match: "s/#"
+    ack: sync
+`
+
+// newGW writes a gateway's config on host h; start runs it.
+func newGW(t *testing.T, h *netns.Host, name string) *gw {
+	dir := t.TempDir()
+	g := &gw{t: t, name: name, h: h, dir: filepath.Join(dir, "data"), cfg: filepath.Join(dir, "tandem.yaml")}
+	if err := os.WriteFile(g.cfg, []byte(fmt.Sprintf(clusterConfig, name, g.dir)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	g.http = &http.Client{Timeout: 3 * time.Second, Transport: &http.Transport{
+		DialContext: func(_ context.Context, _, addr string) (net.Conn, error) { return dialIn(h, addr) },
+	}}
+	return g
+}
+
+func (g *gw) start() {
+	g.t.Helper()
+	g.proc = g.h.Start(g.h.Command(tandemBin(g.t), "run", "--config", g.cfg))
+	deadline := time.Now().Add(15 * time.Second)
+	for g.status() == nil {
+		if time.Now().After(deadline) {
+			g.t.Fatalf("%s did not start", g.name)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// kill stops the process with SIGKILL.
+func (g *gw) kill() { g.proc.Stop() }
+
+// stop stops the process with SIGTERM (a clean stop) and waits.
+func (g *gw) stop() {
+	g.t.Helper()
+	_ = g.proc.Cmd.Process.Signal(syscall.SIGTERM)
+	if err := g.proc.Wait(15 * time.Second); err != nil {
+		g.t.Fatalf("%s: clean stop: %v", g.name, err)
+	}
+}
+
+// gwStatus is the part of the status JSON these tests read.
+type gwStatus struct {
+	Role   string `json:"role"`
+	Leader *struct {
+		Name string `json:"name"`
+	} `json:"leader"`
+	Members []struct {
+		Name       string `json:"name"`
+		Voter      bool   `json:"voter"`
+		Reachable  bool   `json:"reachable"`
+		MatchIndex uint64 `json:"match_index"`
+		LagRecords uint64 `json:"lag_records"`
+	} `json:"members"`
+	Log struct {
+		LastIndex uint64 `json:"last_index"`
+	} `json:"log"`
+}
+
+// status asks the gateway's HTTP API; nil when it does not answer.
+func (g *gw) status() *gwStatus {
+	resp, err := g.http.Get("http://127.0.0.1:7880/v1/status")
+	if err != nil {
+		return nil
+	}
+	defer resp.Body.Close()
+	var s gwStatus
+	if resp.StatusCode != 200 || json.NewDecoder(resp.Body).Decode(&s) != nil {
+		return nil
+	}
+	return &s
+}
+
+// cli runs a tandem command in the gateway's namespace (so it reaches the
+// daemon's loopback HTTP listener) and returns its stdout.
+func (g *gw) cli(args ...string) (string, error) {
+	cmd := g.h.Command(tandemBin(g.t), args...)
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	if err != nil {
+		return out.String(), fmt.Errorf("tandem %s: %v: %s", strings.Join(args, " "), err, errb.String())
+	}
+	return out.String(), nil
+}
+
+// join has g join the cluster of master, with a token from inviter.
+func (g *gw) join(inviter *gw) {
+	g.t.Helper()
+	out, err := inviter.cli("cluster", "invite")
+	if err != nil {
+		g.t.Fatal(err)
+	}
+	tok, _, _ := strings.Cut(out, "\n")
+	if _, err := g.cli("cluster", "join", tok); err != nil {
+		g.t.Fatal(err)
+	}
+}
+
+// waitShape waits until master sees the others as voters/learners, caught up.
+func waitShape(t *testing.T, master *gw, voters, learners int, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		s := master.status()
+		if s != nil && s.Role == "master" {
+			v, l, ok := 0, 0, true
+			for _, m := range s.Members {
+				if m.Voter {
+					v++
+				} else {
+					l++
+				}
+				if m.MatchIndex == 0 || !m.Reachable || m.LagRecords > 64 {
+					ok = false
+				}
+			}
+			if v == voters && l == learners && ok {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			b, _ := json.Marshal(s)
+			t.Fatalf("%s: want %d other voters and %d learners, caught up; status %s", master.name, voters, learners, b)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// device is an MQTT 5 client connected to a gateway from inside its host.
+func device(t *testing.T, g *gw, id string, onMsg func(*paho.Publish)) (*paho.Client, error) {
+	conn, err := dialIn(g.h, g.h.Addr()+":1883")
+	if err != nil {
+		return nil, err
+	}
+	cfg := paho.ClientConfig{ClientID: id, Conn: conn}
+	if onMsg != nil {
+		cfg.OnPublishReceived = []func(paho.PublishReceived) (bool, error){func(pr paho.PublishReceived) (bool, error) {
+			onMsg(pr.Packet)
+			return true, nil
+		}}
+	}
+	c := paho.NewClient(cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	ca, err := c.Connect(ctx, &paho.Connect{ClientID: id, CleanStart: true, KeepAlive: 30})
+	if err != nil {
+		conn.Close()
+		return nil, err
+	}
+	if ca.ReasonCode != 0 {
+		conn.Close()
+		return nil, fmt.Errorf("connect %s: reason %#x", id, ca.ReasonCode)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return c, nil
+}
+
+// load publishes QoS 1 on sync topics from clients spread over gateways,
+// one in flight each, reconnecting to the next gateway of its list when
+// its connection fails, and remembers every payload acked.
+type load struct {
+	t     *testing.T
+	mu    sync.Mutex
+	acked map[string]time.Time
+	n     atomic.Int64
+	stopc chan struct{}
+	wg    sync.WaitGroup
+}
+
+func startLoad(t *testing.T, clients int, topic string, gws func(i int) []*gw) *load {
+	l := &load{t: t, acked: map[string]time.Time{}, stopc: make(chan struct{})}
+	for i := 0; i < clients; i++ {
+		l.wg.Add(1)
+		go l.run(i, topic, gws(i))
+	}
+	return l
+}
+
+func (l *load) run(i int, topic string, gws []*gw) {
+	defer l.wg.Done()
+	id := fmt.Sprintf("load-%d", i)
+	var c *paho.Client
+	for seq, at := 0, 0; ; {
+		select {
+		case <-l.stopc:
+			return
+		default:
+		}
+		if c == nil {
+			var err error
+			if c, err = device(l.t, gws[at%len(gws)], id, nil); err != nil {
+				at++
+				time.Sleep(50 * time.Millisecond) // a dead gateway refuses at once; don't spin
+				continue
+			}
+		}
+		payload := fmt.Sprintf("%s-%d", id, seq)
+		ctx, cancel := context.WithTimeout(context.Background(), 8*time.Second)
+		r, err := c.Publish(ctx, &paho.Publish{Topic: fmt.Sprintf("%s/%d", topic, i), QoS: 1, Payload: []byte(payload)})
+		cancel()
+		seq++
+		switch {
+		case err != nil && r == nil:
+			// Connection lost (its gateway killed): try the next one.
+			c, at = nil, at+1
+		case r.ReasonCode < 0x80:
+			l.mu.Lock()
+			l.acked[payload] = time.Now()
+			l.mu.Unlock()
+			l.n.Add(1)
+		}
+	}
+}
+
+// stop ends the load and returns what was acked, and when.
+func (l *load) stop() map[string]time.Time {
+	close(l.stopc)
+	l.wg.Wait()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.acked
+}
+
+// waitAcks waits until the load has n more acks than it had.
+func (l *load) waitAcks(t *testing.T, n int64, within time.Duration) {
+	t.Helper()
+	want := l.n.Load() + n
+	deadline := time.Now().Add(within)
+	for l.n.Load() < want {
+		if time.Now().After(deadline) {
+			t.Fatalf("load: %d acks, want %d within %v", l.n.Load(), want, within)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// payloads reads a stopped gateway's log with tandem inspect.
+func payloads(t *testing.T, g *gw) map[string]int {
+	t.Helper()
+	out, err := exec.Command(tandemBin(t), "inspect", "--data", g.dir, "--json").Output()
+	if err != nil {
+		t.Fatalf("inspect %s: %v", g.name, err)
+	}
+	got := map[string]int{}
+	dec := json.NewDecoder(bytes.NewReader(out))
+	for dec.More() {
+		var r struct {
+			Payload string `json:"payload"`
+		}
+		if err := dec.Decode(&r); err != nil {
+			t.Fatal(err)
+		}
+		b, _ := base64.StdEncoding.DecodeString(r.Payload)
+		got[string(b)]++
+	}
+	return got
+}
+
+// checkAll fails unless every acked payload is in every gateway's log.
+func checkAll(t *testing.T, acked map[string]time.Time, gws ...*gw) {
+	t.Helper()
+	for _, g := range gws {
+		logged := payloads(t, g)
+		missing := 0
+		for p := range acked {
+			if logged[p] == 0 {
+				missing++
+				if missing < 5 {
+					t.Errorf("%s: acked %q not in its log", g.name, p)
+				}
+			}
+		}
+		if missing > 0 {
+			t.Fatalf("%s: %d of %d acked records missing", g.name, missing, len(acked))
+		}
+		t.Logf("%s: all %d acked records in its log (%d records)", g.name, len(acked), len(logged))
+	}
+}
+
+func TestThreeGatewaysSurviveMasterKill(t *testing.T) {
+	nt := netns.New(t, 3)
+	g1, g2, g3 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")
+	for _, g := range []*gw{g1, g2, g3} {
+		g.start()
+	}
+	g2.join(g1)
+	waitShape(t, g1, 0, 1, 15*time.Second)
+	g3.join(g2) // asked on a slave: the master issues the token
+	waitShape(t, g1, 2, 0, 15*time.Second)
+
+	// A device on a slave publishes and another on the other slave gets it.
+	got := make(chan string, 16)
+	sub, err := device(t, g3, "sub3", func(p *paho.Publish) { got <- string(p.Payload) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	if _, err := sub.Subscribe(ctx, &paho.Subscribe{Subscriptions: []paho.SubscribeOptions{{Topic: "hello/#", QoS: 1}}}); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	pub, err := device(t, g2, "pub2", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel = context.WithTimeout(context.Background(), 5*time.Second)
+	r, err := pub.Publish(ctx, &paho.Publish{Topic: "hello/x", QoS: 1, Payload: []byte("from a slave")})
+	cancel()
+	if err != nil || r.ReasonCode != 0 {
+		t.Fatalf("publish on a slave: %v %+v", err, r)
+	}
+	select {
+	case p := <-got:
+		if p != "from a slave" {
+			t.Fatalf("got %q", p)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the other slave's subscriber got nothing")
+	}
+
+	// Sync load on all three; kill -9 the master.
+	l := startLoad(t, 6, "s/load", func(i int) []*gw {
+		all := []*gw{g1, g2, g3}
+		return []*gw{all[i%3], all[(i+1)%3], all[(i+2)%3]}
+	})
+	l.waitAcks(t, 300, 20*time.Second)
+	killed := time.Now()
+	g1.kill()
+	var master *gw
+	deadline := killed.Add(5 * time.Second)
+	for master == nil {
+		for _, g := range []*gw{g2, g3} {
+			if s := g.status(); s != nil && s.Role == "master" {
+				master = g
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no new master within 5 s of the kill")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	elected := time.Since(killed)
+	l.waitAcks(t, 300, 20*time.Second)
+	acked := l.stop()
+	var firstAfter time.Duration = -1
+	for _, at := range acked {
+		if d := at.Sub(killed); d > 0 && (firstAfter < 0 || d < firstAfter) {
+			firstAfter = d
+		}
+	}
+	t.Logf("master killed: %s elected after %v; first ack after the kill at %v; %d acked", master.name, elected.Round(time.Millisecond), firstAfter.Round(time.Millisecond), len(acked))
+	g2.stop()
+	g3.stop()
+	checkAll(t, acked, g2, g3)
+}
+
+func TestGrowAndShrinkUnderLoad(t *testing.T) {
+	nt := netns.New(t, 3)
+	g1, g2, g3 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")
+	for _, g := range []*gw{g1, g2, g3} {
+		g.start()
+	}
+	g2.join(g1)
+	waitShape(t, g1, 0, 1, 15*time.Second)
+	l := startLoad(t, 4, "s/grow", func(i int) []*gw { return []*gw{[]*gw{g1, g2}[i%2]} })
+	l.waitAcks(t, 200, 20*time.Second)
+	g3.join(g1) // 2 → 3 under load
+	waitShape(t, g1, 2, 0, 20*time.Second)
+	l.waitAcks(t, 200, 20*time.Second)
+	if _, err := g2.cli("cluster", "remove", "gw-3"); err != nil { // 3 → 2, asked on a slave
+		t.Fatal(err)
+	}
+	waitShape(t, g1, 0, 1, 20*time.Second)
+	l.waitAcks(t, 200, 20*time.Second)
+	acked := l.stop()
+	g1.stop()
+	g2.stop()
+	checkAll(t, acked, g1, g2)
+}
