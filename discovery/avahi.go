@@ -53,14 +53,14 @@ type avahiGroup struct {
 	conn  *dbus.Conn
 	cfg   Config
 	iface int32
-	path  dbus.ObjectPath
 	sigs  chan *dbus.Signal
 	done  chan struct{}
 	wg    sync.WaitGroup
 
-	mu   sync.Mutex // guards name and last, and orders calls on the group
-	name string     // instance name; avahi may have us pick another
-	last Info       // what the group holds now
+	mu   sync.Mutex      // guards path, name and last, and orders calls on the group
+	path dbus.ObjectPath // our entry group; a new one after avahi restarts
+	name string          // instance name; avahi may have us pick another
+	last Info            // what the group holds now
 }
 
 func newAvahiGroup(conn *dbus.Conn, cfg Config, ifi *net.Interface) (*avahiGroup, error) {
@@ -69,6 +69,11 @@ func newAvahiGroup(conn *dbus.Conn, cfg Config, ifi *net.Interface) (*avahiGroup
 	// Subscribe before the group exists so no StateChanged is missed.
 	conn.Signal(g.sigs)
 	if err := conn.AddMatchSignal(dbus.WithMatchInterface(avahiGroupIf), dbus.WithMatchMember("StateChanged")); err != nil {
+		return nil, fmt.Errorf("discovery: avahi: %w", err)
+	}
+	// A restarted avahi-daemon has forgotten our group: watch for it.
+	if err := conn.AddMatchSignal(dbus.WithMatchSender("org.freedesktop.DBus"), dbus.WithMatchMember("NameOwnerChanged"),
+		dbus.WithMatchArg(0, avahiName)); err != nil {
 		return nil, fmt.Errorf("discovery: avahi: %w", err)
 	}
 	if err := conn.Object(avahiName, "/").Call(avahiServer+".EntryGroupNew", 0).Store(&g.path); err != nil {
@@ -149,7 +154,8 @@ func (g *avahiGroup) update() error {
 }
 
 // watch handles the group's state changes: on a name collision (another
-// host has our instance name) it takes avahi's alternative name ("gw-1 #2").
+// host has our instance name) it takes avahi's alternative name ("gw-1 #2");
+// when avahi-daemon comes back after a restart it registers again.
 func (g *avahiGroup) watch() {
 	defer g.wg.Done()
 	for {
@@ -160,7 +166,16 @@ func (g *avahiGroup) watch() {
 			if !ok {
 				return
 			}
-			if s.Path != g.path || len(s.Body) < 1 {
+			if s.Name == "org.freedesktop.DBus.NameOwnerChanged" {
+				if len(s.Body) == 3 && s.Body[0] == avahiName && s.Body[2] != "" {
+					g.restarted()
+				}
+				continue
+			}
+			g.mu.Lock()
+			ours := s.Path == g.path
+			g.mu.Unlock()
+			if !ours || len(s.Body) < 1 {
 				continue
 			}
 			state, _ := s.Body[0].(int32)
@@ -172,6 +187,23 @@ func (g *avahiGroup) watch() {
 			}
 		}
 	}
+}
+
+// restarted registers our services with a new avahi-daemon.
+func (g *avahiGroup) restarted() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var path dbus.ObjectPath
+	if err := g.conn.Object(avahiName, "/").Call(avahiServer+".EntryGroupNew", 0).Store(&path); err != nil {
+		g.cfg.Logger.Warn("mdns: avahi-daemon restarted; cannot register again", "err", err)
+		return
+	}
+	g.path = path
+	if err := g.publishLocked(g.cfg.Info()); err != nil {
+		g.cfg.Logger.Warn("mdns: avahi-daemon restarted; cannot register again", "err", err)
+		return
+	}
+	g.cfg.Logger.Info("mdns: avahi-daemon restarted; services registered again")
 }
 
 func (g *avahiGroup) rename() {

@@ -104,6 +104,11 @@ func newGW(t *testing.T, h *netns.Host, name string) *gw {
 func (g *gw) start() {
 	g.t.Helper()
 	g.proc = g.h.Start(g.h.Command(tandemBin(g.t), "run", "--config", g.cfg))
+	g.t.Cleanup(func() {
+		if g.t.Failed() {
+			g.t.Logf("%s output:\n%s", g.name, g.proc.Output())
+		}
+	})
 	deadline := time.Now().Add(15 * time.Second)
 	for g.status() == nil {
 		if time.Now().After(deadline) {

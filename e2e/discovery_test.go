@@ -225,7 +225,7 @@ func TestAvahi(t *testing.T) {
 	nt := netns.New(t, 2)
 	h1, h2 := nt.Hosts[0], nt.Hosts[1]
 	tandemBin(t)
-	bus := startAvahi(t, h1)
+	bus, restartAvahi := startAvahi(t, h1)
 	env := []string{"DBUS_SYSTEM_BUS_ADDRESS=" + bus}
 
 	i1, i2 := infoFor(1), infoFor(2)
@@ -273,6 +273,11 @@ func TestAvahi(t *testing.T) {
 	wantPeers[i1.ID] = expectPeer(i1, h1.Addr())
 	waitPeers(t, h2, 5*time.Second, func(p []discovery.Peer) bool { return has(p, wantPeers) })
 
+	// avahi-daemon restarts (killed, started again): the advertiser
+	// registers with the new one.
+	restartAvahi()
+	waitPeers(t, h2, 10*time.Second, func(p []discovery.Peer) bool { return has(p, wantPeers) })
+
 	// A clean stop withdraws the services from avahi (goodbye).
 	a1.close(t)
 	waitPeers(t, h2, 5*time.Second, func(p []discovery.Peer) bool {
@@ -283,8 +288,9 @@ func TestAvahi(t *testing.T) {
 
 // startAvahi starts a private system bus and avahi-daemon on h (both
 // killed by PID at the end) and returns the bus address once avahi owns
-// org.freedesktop.Avahi on it.
-func startAvahi(t *testing.T, h *netns.Host) string {
+// org.freedesktop.Avahi on it, and a func that kills avahi-daemon and
+// starts it again.
+func startAvahi(t *testing.T, h *netns.Host) (string, func()) {
 	t.Helper()
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "bus.sock")
@@ -327,8 +333,16 @@ publish-workstation=no
 			t.Fatal(err)
 		}
 	}
-	h.Start(h.Command("dbus-daemon", "--nofork", "--nopidfile", "--config-file="+filepath.Join(dir, "bus.conf")))
+	bus := h.Start(h.Command("dbus-daemon", "--nofork", "--nopidfile", "--print-address", "--config-file="+filepath.Join(dir, "bus.conf")))
+	// It prints its address once it listens.
+	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(bus.Output(), sock); {
+		if time.Now().After(deadline) {
+			t.Fatalf("dbus-daemon not listening within 10s: %s", bus.Output())
+		}
+		time.Sleep(20 * time.Millisecond) // poll interval, not synchronisation
+	}
 	addr := "unix:path=" + sock
+	var procs []*netns.Proc // avahi-daemons started, the running one last
 	// avahi-daemon keeps its pid file and socket in /run/avahi-daemon and
 	// refuses to start when the pid file names a live process: give it a
 	// private one (a mount namespace of its own, tmpfs there), so it runs
@@ -336,27 +350,37 @@ publish-workstation=no
 	if err := os.MkdirAll("/run/avahi-daemon", 0o755); err != nil {
 		t.Fatal(err)
 	}
-	cmd := h.Command("unshare", "--mount", "--propagation", "private", "sh", "-c",
-		`mount -t tmpfs tmpfs /run/avahi-daemon && exec avahi-daemon --no-drop-root --no-chroot --no-rlimits -f "$1"`,
-		"sh", filepath.Join(dir, "avahi.conf"))
-	cmd.Env = append(os.Environ(), "DBUS_SYSTEM_BUS_ADDRESS="+addr)
-	avahi := h.Start(cmd)
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		out, err := h.Command("dbus-send", "--bus="+addr, "--print-reply", "--dest=org.freedesktop.DBus",
-			"/org/freedesktop/DBus", "org.freedesktop.DBus.NameHasOwner", "string:org.freedesktop.Avahi").CombinedOutput()
-		if err == nil && strings.Contains(string(out), "boolean true") {
-			return addr
+	start := func() {
+		t.Helper()
+		cmd := h.Command("unshare", "--mount", "--propagation", "private", "sh", "-c",
+			`mount -t tmpfs tmpfs /run/avahi-daemon && exec avahi-daemon --no-drop-root --no-chroot --no-rlimits -f "$1"`,
+			"sh", filepath.Join(dir, "avahi.conf"))
+		cmd.Env = append(os.Environ(), "DBUS_SYSTEM_BUS_ADDRESS="+addr)
+		avahi := h.Start(cmd)
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			out, err := h.Command("dbus-send", "--bus="+addr, "--print-reply", "--dest=org.freedesktop.DBus",
+				"/org/freedesktop/DBus", "org.freedesktop.DBus.NameHasOwner", "string:org.freedesktop.Avahi").CombinedOutput()
+			if err == nil && strings.Contains(string(out), "boolean true") {
+				procs = append(procs, avahi)
+				return
+			}
+			select {
+			case <-avahi.Done():
+				t.Fatalf("avahi-daemon exited: %s", avahi.Output())
+			default:
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("avahi-daemon did not own org.freedesktop.Avahi within 10s: %s %v; avahi: %s", out, err, avahi.Output())
+			}
+			time.Sleep(50 * time.Millisecond) // poll interval, not synchronisation
 		}
-		select {
-		case <-avahi.Done():
-			t.Fatalf("avahi-daemon exited: %s", avahi.Output())
-		default:
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("avahi-daemon did not own org.freedesktop.Avahi within 10s: %s %v; avahi: %s", out, err, avahi.Output())
-		}
-		time.Sleep(50 * time.Millisecond) // poll interval, not synchronisation
+	}
+	start()
+	return addr, func() {
+		t.Helper()
+		procs[len(procs)-1].Stop()
+		start()
 	}
 }
 
