@@ -47,6 +47,9 @@ type Config struct {
 	Sessions SessionStore
 	// Logger receives the broker's messages; nil discards them.
 	Logger *slog.Logger
+	// Observer is told of each publish and ack, for metrics; nil means
+	// none.
+	Observer Observer
 }
 
 // Broker is the embedded MQTT server: mochi with tandem's ingest and

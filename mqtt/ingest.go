@@ -37,6 +37,10 @@ type ackSlot struct {
 	qos  byte
 	done bool
 	err  error
+	// mode and start are for the Observer: the topic's ack mode and when
+	// the PUBLISH was read.
+	mode  AckMode
+	start time.Time
 	// resend marks a QoS 2 resend; original is the slot of the publish it
 	// repeats when that was still owed, whose outcome it shares.
 	resend   bool
@@ -253,18 +257,20 @@ func (h *ingest) OnPublish(cl *mochi.Client, pk packets.Packet) (packets.Packet,
 		_ = h.b.srv.DisconnectClient(cl, packets.ErrProtocolViolationInvalidTopic)
 		return pk, packets.ErrRejectPacket
 	}
+	now := time.Now()
+	rule, mode := ruleFor(h.b.topicPolicies(), pk.TopicName)
 	if !h.b.canPublish(cl, pk.TopicName) {
 		// Refused here rather than by mochi, which would write its PUBACK
 		// ahead of the acks this client is still owed.
 		h.b.logger.Debug("publish denied by ACL", "client", cl.ID, "topic", pk.TopicName)
 		if pk.FixedHeader.Qos > 0 {
-			h.refuse(cl, pk.PacketID, pk.FixedHeader.Qos, ErrNotAuthorized)
+			h.refuse(cl, pk.PacketID, pk.FixedHeader.Qos, mode, now, ErrNotAuthorized)
 		}
 		return pk, packets.ErrRejectPacket
 	}
 	m := &Message{}
-	m.fromPacket(cl.ID, &pk, time.Now().UnixNano())
-	mode := AckFor(h.b.topicPolicies(), m.Topic)
+	m.fromPacket(cl.ID, &pk, now.UnixNano())
+	h.b.observer().Published(mode, pk.FixedHeader.Qos, rule)
 	h.b.log.Reserve(m)
 	if pk.FixedHeader.Qos == 0 {
 		h.b.log.Propose(m, mode, h.b.logFailure)
@@ -283,7 +289,7 @@ func (h *ingest) OnPublish(cl *mochi.Client, pk packets.Packet) (packets.Packet,
 		// marker whose record never made it is dropped at start.
 		h.b.persist.qos2Set(cl, pk.PacketID, m.Origin, m.Seq)
 	}
-	slot := &ackSlot{cl: cl, pid: pk.PacketID, qos: pk.FixedHeader.Qos}
+	slot := &ackSlot{cl: cl, pid: pk.PacketID, qos: pk.FixedHeader.Qos, mode: mode, start: now}
 	cs.mu.Lock()
 	cs.queue = append(cs.queue, slot)
 	cs.mu.Unlock()
@@ -292,9 +298,9 @@ func (h *ingest) OnPublish(cl *mochi.Client, pk packets.Packet) (packets.Packet,
 }
 
 // refuse queues a failed ack for a publish that is not logged.
-func (h *ingest) refuse(cl *mochi.Client, pid uint16, qos byte, err error) {
+func (h *ingest) refuse(cl *mochi.Client, pid uint16, qos byte, mode AckMode, start time.Time, err error) {
 	cs := h.state(cl.ID)
-	slot := &ackSlot{cl: cl, pid: pid, qos: qos}
+	slot := &ackSlot{cl: cl, pid: pid, qos: qos, mode: mode, start: start}
 	cs.mu.Lock()
 	cs.queue = append(cs.queue, slot)
 	cs.mu.Unlock()
@@ -517,6 +523,9 @@ func (h *ingest) release(cs *clientState) {
 func (h *ingest) encodeAck(s *ackSlot, buf *bytes.Buffer) {
 	cl := s.cl
 	v5 := cl.Properties.ProtocolVersion == 5
+	if !s.resend { // a resend answers a publish already counted
+		h.b.observer().Acked(s.mode, s.err, time.Since(s.start))
+	}
 	if s.err != nil {
 		h.b.log4(cl, s, s.err)
 		if s.qos == 2 {
