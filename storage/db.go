@@ -82,6 +82,12 @@ type Options struct {
 	// about to fetch; zero means 2 MiB (some 10,000 small records), which
 	// keeps a gateway's memory small.
 	TailBytes int
+	// OnCommit, when set, is called after each write transaction of the
+	// log (Save, Sync, Flush) is durable, with how long bbolt took to
+	// write and fdatasync it and how many log entries it held (0 for one
+	// of metadata or raft state only). It runs on the committing goroutine,
+	// the replication loop's for Save: it must be quick.
+	OnCommit func(sync time.Duration, entries int)
 }
 
 // DB is the node's data file: the raft log, raft state and metadata in one
@@ -110,9 +116,10 @@ type DB struct {
 	tailBytes int
 	closed    bool
 
-	commits   atomic.Uint64 // write transactions committed, for fsyncs-per-message figures
-	syncDelay time.Duration // Options.SyncDelay
-	requeued  atomic.Bool   // entries were moved to the requeue bucket (TakeRequeueSignal)
+	commits   atomic.Uint64            // write transactions committed, for fsyncs-per-message figures
+	syncDelay time.Duration            // Options.SyncDelay
+	onCommit  func(time.Duration, int) // Options.OnCommit
+	requeued  atomic.Bool              // entries were moved to the requeue bucket (TakeRequeueSignal)
 
 	// stageMu guards staged: metadata writes waiting for the next
 	// transaction, so they commit together with the entries proposed after
@@ -177,7 +184,7 @@ func Open(dir string, opts *Options) (*DB, error) {
 	if err != nil {
 		return nil, err
 	}
-	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}, syncDelay: opts.SyncDelay}
+	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}, syncDelay: opts.SyncDelay, onCommit: opts.OnCommit}
 	if !exists && !opts.ReadOnly {
 		if err := db.create(); err != nil {
 			bdb.Close()

@@ -37,9 +37,15 @@ func (db *DB) StageDelete(bucket, key string) { db.stage(bucket, key, nil) }
 // order: what was staged before an entry was proposed commits with it or
 // before it. They leave the stage only once the commit succeeded, so a
 // failed commit (a full disk) loses none of them.
-func (db *DB) commit(fn func(tx *bolt.Tx) error) error {
+func (db *DB) commit(fn func(tx *bolt.Tx) error) error { return db.commitEntries(0, fn) }
+
+// commitEntries is commit for a transaction that appends entries log
+// entries, the batch size Options.OnCommit reports.
+func (db *DB) commitEntries(entries int, fn func(tx *bolt.Tx) error) error {
 	var taken map[string]stagedOp
+	var built time.Time // when fn is done and bbolt starts writing and syncing
 	err := db.bolt.Update(func(tx *bolt.Tx) error {
+		defer func() { built = time.Now() }()
 		db.stageMu.Lock()
 		taken = maps.Clone(db.staged)
 		db.stageMu.Unlock()
@@ -71,6 +77,9 @@ func (db *DB) commit(fn func(tx *bolt.Tx) error) error {
 		time.Sleep(2 * db.syncDelay) // bbolt's two fdatasyncs, on slow flash
 	}
 	db.commits.Add(1)
+	if db.onCommit != nil {
+		db.onCommit(time.Since(built), entries)
+	}
 	db.stageMu.Lock()
 	for k, op := range taken {
 		if cur, ok := db.staged[k]; ok && cur.gen == op.gen {

@@ -200,7 +200,7 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 		size += 8 + entrySize(&ents[i])
 	}
 	buf := make([]byte, size)
-	err := db.commit(func(tx *bolt.Tx) error {
+	err := db.commitEntries(len(ents), func(tx *bolt.Tx) error {
 		lb := tx.Bucket(bucketLog)
 		lb.FillPercent = 1.0 // appends are sequential: full pages halve growth
 		if len(ents) > 0 && ents[0].Index <= last {
