@@ -47,6 +47,8 @@ type Daemon struct {
 	live     *Config    // the configuration in force: cfg, then each reload's
 
 	stopOnce sync.Once
+
+	fv *fieldView // metrics and status page, made by fieldView()
 }
 
 // New validates cfg; Start does the work.
