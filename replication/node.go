@@ -439,6 +439,12 @@ func (n *Node) run() {
 			n.proposeQueued()
 		case m := <-n.recvc:
 			_ = n.rn.Step(m)
+			if m.Type == pb.MsgAppResp {
+				// A learner's ack moves no commit index, so no Ready
+				// follows it: the sync records it covers are acked here,
+				// not at the next heartbeat.
+				n.checkSync()
+			}
 		case <-n.unreachc:
 			n.unreachMu.Lock()
 			for id := range n.unreach {
@@ -552,6 +558,16 @@ func (n *Node) handleReady() bool {
 		n.setLeader(rd.SoftState.RaftState == raft.StateLeader, rd.SoftState.Lead)
 	}
 
+	// A leader may send its appends while it writes the same entries to
+	// its own disk (raft's README; etcd does the same): the slaves' fsync
+	// then runs beside the master's instead of after it, which is most of
+	// a sync ack's latency. Never before a new term or vote is on disk,
+	// and never on a follower, whose answers promise what it has saved.
+	early := n.leader && n.cfg.Transport != nil && len(rd.Messages) > 0 &&
+		(raft.IsEmptyHardState(rd.HardState) || (rd.HardState.Term == n.savedHS.Term && rd.HardState.Vote == n.savedHS.Vote))
+	if early {
+		n.cfg.Transport.Send(rd.Messages)
+	}
 	hs := rd.HardState
 	if last, _ := n.db.LastIndex(); !raft.IsEmptyHardState(hs) && hs.Term == n.savedHS.Term && hs.Vote == n.savedHS.Vote && hs.Commit <= last {
 		// Only the commit index moved, and not past entries already on
@@ -578,7 +594,7 @@ func (n *Node) handleReady() bool {
 		n.matchSaved(rd.Entries)
 		n.flushResolved() // acks first: the rest of the Ready can wait
 	}
-	if n.cfg.Transport != nil && len(rd.Messages) > 0 {
+	if !early && n.cfg.Transport != nil && len(rd.Messages) > 0 {
 		n.cfg.Transport.Send(rd.Messages)
 	}
 	if len(rd.CommittedEntries) > 0 {

@@ -59,6 +59,7 @@ func main() {
 	tandemBin := flag.String("tandem", "bin/tandem", "tandem binary")
 	reps := flag.Int("reps", 3, "runs of each workload per broker (the median is shown)")
 	only := flag.String("only", "", "comma-separated workloads to run (default all)")
+	clusters := flag.Bool("clusters", true, "also run the cluster workloads (2 and 3 gateways on loopback)")
 	flag.Parse()
 
 	dir, err := os.MkdirTemp("", "tandem-bench-")
@@ -87,6 +88,11 @@ func main() {
 		printRow(w.name, "tandem", a)
 		printRow("", "mosquitto", b)
 		fmt.Printf("%-4s %-9s %10s  tandem/mosquitto = %.2f× msg/s (%s)\n\n", "", "", "", a.res.MsgPerSec/b.res.MsgPerSec, w.goal)
+	}
+	if *clusters {
+		stop(tan)
+		stop(mos)
+		runClusters(*tandemBin, dir, *reps)
 	}
 }
 

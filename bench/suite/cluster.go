@@ -1,0 +1,183 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/tandem-edge/tandem/bench"
+)
+
+// clusterConfig makes s/# sync and everything else async.
+const clusterConfig = `node:
+  name: %s
+  data_dir: %s
+topics:
+  - match: "s/#"
+    ack: sync
+`
+
+// cluster workloads: the single-gateway W1 as the reference, then the same
+// load on clusters of 2 and 3 processes on loopback, all clients on the
+// master (a slave would forward each publish to it).
+type clusterWorkload struct {
+	name    string
+	members int
+	o       bench.Options
+	topic   string
+	goal    string
+}
+
+var clusterWorkloads = []clusterWorkload{
+	{"C1 async, 1 gw (ref.)", 1, bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "a/%c", "reference"},
+	{"C2 async, 3 gw", 3, bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "a/%c", "≥0.7× C1"},
+	{"C3 sync, 2 gw", 2, bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "s/%c", "≥0.5× C1"},
+	{"C4 sync, 3 gw", 3, bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "s/%c", "≥0.5× C1"},
+	{"C5 sync, 3 gw, 1 conn win 1", 3, bench.Options{Clients: 1, Count: 5000, Window: 1, QoS: 1, Size: 100}, "s/%c", "p99 ≤3 ms"},
+}
+
+// runClusters runs the cluster workloads, reps times each on a fresh
+// cluster per size, and prints medians and the replication lag seen.
+func runClusters(bin, dir string, reps int) {
+	fmt.Printf("\nclusters on loopback (every member fsyncs before it reports; clients on the master), %d runs each, medians\n", reps)
+	fmt.Printf("%-30s %10s %9s %9s %11s %11s  %s\n", "", "msg/s", "p50 ms", "p99 ms", "max lag rec", "max lag s", "ratio (goal)")
+	clusters := map[int][]*broker{}
+	defer func() {
+		for _, bs := range clusters {
+			for _, b := range bs {
+				stop(b)
+			}
+		}
+	}()
+	var ref float64
+	for _, w := range clusterWorkloads {
+		bs := clusters[w.members]
+		if bs == nil {
+			bs = startCluster(bin, filepath.Join(dir, fmt.Sprintf("c%d", w.members)), w.members)
+			clusters[w.members] = bs
+		}
+		var ss []sample
+		var lagRec uint64
+		var lagSec float64
+		for r := 0; r < reps; r++ {
+			o := w.o
+			o.Broker = bs[0].addr
+			o.Topic = w.topic
+			o.Version = 5
+			stopLag := watchLag(bs[0].http, &lagRec, &lagSec)
+			res, err := bench.Run(context.Background(), o)
+			stopLag()
+			check(err)
+			if res.Failed > 0 {
+				fmt.Fprintf(os.Stderr, "%s: %d failed: %s\n", w.name, res.Failed, res.FirstFailure)
+			}
+			ss = append(ss, sample{res: res})
+		}
+		m := median(ss)
+		if ref == 0 {
+			ref = m.res.MsgPerSec
+		}
+		fmt.Printf("%-30s %10.0f %9.3f %9.3f %11d %11.3f  %.2f× C1 (%s)\n", w.name, m.res.MsgPerSec, m.res.AckP50Ms, m.res.AckP99Ms, lagRec, lagSec, m.res.MsgPerSec/ref, w.goal)
+	}
+}
+
+// watchLag polls the master's status until the returned stop is called,
+// keeping the largest lag any member showed.
+func watchLag(httpAddr string, rec *uint64, sec *float64) func() {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		t := time.NewTicker(100 * time.Millisecond)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+			}
+			resp, err := http.Get("http://" + httpAddr + "/v1/status")
+			if err != nil {
+				continue
+			}
+			var s struct {
+				Members []struct {
+					LagRecords uint64  `json:"lag_records"`
+					LagSeconds float64 `json:"lag_seconds"`
+				} `json:"members"`
+			}
+			_ = json.NewDecoder(resp.Body).Decode(&s)
+			resp.Body.Close()
+			for _, m := range s.Members {
+				*rec = max(*rec, m.LagRecords)
+				*sec = max(*sec, m.LagSeconds)
+			}
+		}
+	}()
+	return func() { close(done); wg.Wait() }
+}
+
+// startCluster starts n gateways in dir; the first is the master, the
+// others join it with `tandem cluster invite` and `join`.
+func startCluster(bin, dir string, n int) []*broker {
+	var bs []*broker
+	for i := 0; i < n; i++ {
+		gd := filepath.Join(dir, fmt.Sprintf("gw-%d", i+1))
+		check(os.MkdirAll(gd, 0o755))
+		cfg := filepath.Join(gd, "tandem.yaml")
+		check(os.WriteFile(cfg, []byte(fmt.Sprintf(clusterConfig, fmt.Sprintf("gw-%d", i+1), filepath.Join(gd, "data"))), 0o644))
+		mq, hp, pp := freePort(), freePort(), freePort()
+		cmd := exec.Command(bin, "run", "--config", cfg, "--mqtt", mq, "--http", hp, "--peer", pp)
+		logf, err := os.Create(filepath.Join(gd, "tandem.log"))
+		check(err)
+		cmd.Stdout, cmd.Stderr = logf, logf
+		check(cmd.Start())
+		b := &broker{name: fmt.Sprintf("gw-%d", i+1), addr: mq, cmd: cmd, http: hp}
+		waitListening(mq)
+		bs = append(bs, b)
+	}
+	for _, b := range bs[1:] {
+		out, err := exec.Command(bin, "cluster", "invite", "--http", bs[0].http).Output()
+		check(err)
+		tok, _, _ := strings.Cut(string(out), "\n")
+		if out, err := exec.Command(bin, "cluster", "join", tok, "--http", b.http).CombinedOutput(); err != nil {
+			check(fmt.Errorf("join %s: %v: %s", b.name, err, out))
+		}
+	}
+	// Wait for the shape: with 3, all voters; every member caught up.
+	deadline := time.Now().Add(30 * time.Second)
+	for n > 1 {
+		resp, err := http.Get("http://" + bs[0].http + "/v1/status")
+		if err == nil {
+			var s struct {
+				Members []struct {
+					Voter      bool   `json:"voter"`
+					Reachable  bool   `json:"reachable"`
+					MatchIndex uint64 `json:"match_index"`
+				} `json:"members"`
+			}
+			_ = json.NewDecoder(resp.Body).Decode(&s)
+			resp.Body.Close()
+			ok := len(s.Members) == n-1
+			for _, m := range s.Members {
+				ok = ok && m.Reachable && m.MatchIndex > 0 && m.Voter == (n == 3)
+			}
+			if ok {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			check(fmt.Errorf("a cluster of %d did not form", n))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return bs
+}
