@@ -246,8 +246,11 @@ func (c *cluster) newInvite(ttl time.Duration) (string, error) {
 // onStranger answers a knock on the peer port: a join token's secret. A
 // pairing proof is the pairing issue's; until then it is refused.
 func (c *cluster) onStranger(ctx context.Context, r replication.Remote, kind byte, payload []byte) ([]byte, error) {
+	if kind == replication.KnockPair {
+		return c.onPair(ctx, r, payload)
+	}
 	if kind != replication.KnockJoin {
-		return nil, errors.New("pairing is not open on this gateway")
+		return nil, errors.New("unknown knock")
 	}
 	var req joinRequest
 	if err := json.Unmarshal(payload, &req); err != nil {

@@ -158,6 +158,9 @@ func (d *Daemon) status(ctx context.Context) (*Status, error) {
 	if rs.Leader != 0 {
 		s.Leader = &StatusNodeRef{ID: replication.IDString(rs.Leader), Name: names[rs.Leader]}
 	}
+	if open, exp := d.cl.pairState(); open {
+		s.Pairing = StatusPairing{Open: true, Expires: &exp}
+	}
 	var fs syscall.Statfs_t
 	if syscall.Statfs(d.cfg.Node.DataDir, &fs) == nil {
 		s.Disk.FreeBytes = uint64(fs.Bavail) * uint64(fs.Bsize)
