@@ -26,11 +26,19 @@ const (
 // bound to Remote.Fingerprint), sends kind and payload, and returns the
 // reply and who answered. It needs no Start and no membership.
 func (t *PeerTransport) Knock(ctx context.Context, addr string, pin [32]byte, kind byte, payload []byte) ([]byte, Remote, error) {
-	if kind != KnockJoin && kind != KnockPair {
-		return nil, Remote{}, fmt.Errorf("replication: knock kind %q is not a stranger kind", kind)
-	}
 	if 2+len(payload) > maxSmallFrame {
 		return nil, Remote{}, fmt.Errorf("%w: knock of %d bytes", ErrFrameTooLarge, len(payload))
+	}
+	return t.KnockWith(ctx, addr, pin, kind, func(Remote) ([]byte, error) { return payload, nil })
+}
+
+// KnockWith is Knock with a payload made once the handshake is done, from
+// who answered: a proof bound to the server's fingerprint and to the
+// connection (Remote.Binding) can only be computed then. An error from
+// payload closes the connection without a knock and is returned as is.
+func (t *PeerTransport) KnockWith(ctx context.Context, addr string, pin [32]byte, kind byte, payload func(Remote) ([]byte, error)) ([]byte, Remote, error) {
+	if kind != KnockJoin && kind != KnockPair {
+		return nil, Remote{}, fmt.Errorf("replication: knock kind %q is not a stranger kind", kind)
 	}
 	if t.ctx.Err() != nil {
 		return nil, Remote{}, ErrTransportClosed
@@ -45,7 +53,14 @@ func (t *PeerTransport) Knock(ctx context.Context, addr string, pin [32]byte, ki
 	defer t.untrack(tc.NetConn())
 	stop := context.AfterFunc(ctx, func() { tc.NetConn().SetDeadline(time.Unix(1, 0)) })
 	defer stop()
-	if _, err := tc.Write(appendKnock(nil, kind, payload)); err != nil {
+	body, err := payload(r)
+	if err != nil {
+		return nil, r, err
+	}
+	if 2+len(body) > maxSmallFrame {
+		return nil, r, fmt.Errorf("%w: knock of %d bytes", ErrFrameTooLarge, len(body))
+	}
+	if _, err := tc.Write(appendKnock(nil, kind, body)); err != nil {
 		return nil, r, fmt.Errorf("%w: knock on %s: %v", ErrPeerUnreachable, addr, err)
 	}
 	fr.max = MaxFrameSize
@@ -144,6 +159,11 @@ func (t *PeerTransport) greetIO(ctx context.Context, tc *tls.Conn, purpose byte,
 	}
 	leaf := cs.PeerCertificates[0]
 	r := Remote{Fingerprint: sha256.Sum256(leaf.Raw), Addr: tc.RemoteAddr().String()}
+	binding, err := cs.ExportKeyingMaterial(BindingLabel, nil, 32)
+	if err != nil {
+		return Remote{}, 0, nil, fmt.Errorf("TLS exporter: %w", err)
+	}
+	r.Binding = binding
 	if !server {
 		if err := t.sendHello(tc, purpose); err != nil {
 			return r, 0, nil, err

@@ -63,7 +63,15 @@ type Remote struct {
 	Addr        string
 	Generation  uint64
 	ClusterID   string
+	// Binding is this TLS connection's exporter value (RFC 8446 7.5, label
+	// BindingLabel, 32 bytes): the same on both ends of one connection,
+	// different on any other. A proof computed over it (a pairing MAC)
+	// cannot be relayed to another connection by a man in the middle.
+	Binding []byte
 }
+
+// BindingLabel is the TLS exporter label of Remote.Binding.
+const BindingLabel = "EXPORTER-tandem-pair"
 
 // TransportConfig configures a PeerTransport. Callbacks may be called from
 // several transport goroutines at once, hold no transport lock (they may
