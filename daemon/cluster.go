@@ -18,6 +18,7 @@ import (
 
 	raftpb "go.etcd.io/raft/v3/raftpb"
 
+	"github.com/tandem-edge/tandem/discovery"
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
 )
@@ -85,6 +86,16 @@ type cluster struct {
 	lingering map[uint64]replication.PeerInfo
 
 	last []replication.PeerInfo // the members' peers, as last set; lingerMu
+
+	// mDNS, keeper-owned: the advertiser (nil when off), what it last
+	// said, and when members were last looked for.
+	adv        *discovery.Advertiser
+	advTried   bool
+	lastInfo   discovery.Info
+	lastBrowse time.Time
+
+	addrsMu sync.Mutex
+	addrs   []string // this node's peer addresses as other gateways should dial them
 
 	stopc chan struct{}
 	wg    sync.WaitGroup
@@ -192,7 +203,29 @@ func advertised(cfg []string, ln net.Addr) []string {
 
 // self is this node's member entry as it should be in the cluster.
 func (d *Daemon) self() replication.Member {
-	return replication.Member{ID: d.id.ID, Name: d.cfg.Node.Name, Addrs: d.addrs, Fingerprint: d.id.Fingerprint}
+	return replication.Member{ID: d.id.ID, Name: d.cfg.Node.Name, Addrs: d.cl.myAddrs(), Fingerprint: d.id.Fingerprint}
+}
+
+// myAddrs returns the peer addresses other gateways should dial.
+func (c *cluster) myAddrs() []string {
+	c.addrsMu.Lock()
+	defer c.addrsMu.Unlock()
+	if c.addrs == nil {
+		c.addrs = advertised(c.d.cfg.Peer.Advertise, c.tr.Addr())
+	}
+	return slices.Clone(c.addrs)
+}
+
+// refreshAddrs notices this host's addresses changing (a new DHCP lease):
+// refreshSelf then tells the cluster.
+func (c *cluster) refreshAddrs() {
+	now := advertised(c.d.cfg.Peer.Advertise, c.tr.Addr())
+	c.addrsMu.Lock()
+	defer c.addrsMu.Unlock()
+	if c.addrs != nil && !slices.Equal(now, c.addrs) {
+		c.d.log.Info("this gateway's addresses changed", "addrs", now, "was", c.addrs)
+	}
+	c.addrs = now
 }
 
 // startTransport opens the peer port. Raft traffic is admitted only from
@@ -457,6 +490,11 @@ func (c *cluster) keeper() {
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	var lastTopics time.Time
+	defer func() {
+		if c.adv != nil {
+			_ = c.adv.Close()
+		}
+	}()
 	for {
 		select {
 		case <-c.stopc:
@@ -467,6 +505,13 @@ func (c *cluster) keeper() {
 		if n == nil {
 			continue
 		}
+		select {
+		case <-c.d.apply.ready: // the broker serves: its address is known
+			c.startDiscovery()
+		default:
+		}
+		c.refreshAddrs()
+		c.tickDiscovery(n)
 		// Not while a join or leave replaces the node.
 		if !c.d.swapMu.TryLock() {
 			continue

@@ -30,7 +30,6 @@ type Daemon struct {
 	broker *mqtt.Broker
 	apply  *applier
 	cl     *cluster
-	addrs  []string // the peer addresses other gateways dial
 
 	// swapMu serialises the node replacements of a join or a removal.
 	swapMu sync.Mutex
@@ -89,9 +88,6 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return usageError{err}
 	}
 	d.live = c
-	if c.Discovery.MDNS {
-		d.log.Warn("discovery.mdns is on, but mDNS is not implemented in this version: nothing is advertised")
-	}
 	if err = os.MkdirAll(c.Node.DataDir, 0o750); err != nil {
 		return fmt.Errorf("data dir: %w", err)
 	}
@@ -99,7 +95,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return err
 	}
 	d.log = d.log.With("node", replication.ShortID(d.id.ID))
-	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log, SyncDelay: benchSyncDelay()}); err != nil {
+	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log, SyncDelay: benchSyncDelay(), OnCommit: d.fieldView().onCommit}); err != nil {
 		return err
 	}
 	topics, err := d.topicPolicies(c.Topics)
@@ -113,7 +109,6 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err = d.cl.startTransport(); err != nil {
 		return fmt.Errorf("peer port: %w", err)
 	}
-	d.addrs = advertised(c.Peer.Advertise, d.cl.tr.Addr())
 	la := &logAdapter{d: d}
 	d.broker, err = mqtt.New(mqtt.Config{
 		Listen:         c.MQTT.Listen,
@@ -128,6 +123,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		SyncTimeout:    c.Cluster.SyncTimeout.Duration(),
 		Sessions:       sessionStore{d.db},
 		Logger:         d.log.With("component", "mqtt"),
+		Observer:       d.fieldView(),
 	}, la)
 	if err != nil {
 		return err
@@ -270,6 +266,9 @@ func (d *Daemon) HTTPAddr() string {
 func (d *Daemon) Stop() error {
 	var errs []error
 	d.stopOnce.Do(func() {
+		if d.fv != nil {
+			d.fv.stop()
+		}
 		if d.httpSrv != nil {
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 			_ = d.httpSrv.Shutdown(ctx)

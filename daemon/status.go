@@ -118,7 +118,7 @@ func (d *Daemon) status(ctx context.Context) (*Status, error) {
 		Disk:    StatusDisk{UsedBytes: st.FileBytes, BudgetBytes: uint64(d.cfg.Storage.MaxBytes)},
 		MQTT:    StatusMQTT{Clients: d.broker.Clients(), Inflight: d.broker.Inflight()},
 		Storage: StatusStorage{Commits: d.db.Commits()},
-		Cluster: StatusCluster{ID: d.cl.clusterID(), Generation: d.cl.generation(), TopicsHash: d.topicsHash(), PeerAddrs: d.addrs, Requeued: n.Requeued()},
+		Cluster: StatusCluster{ID: d.cl.clusterID(), Generation: d.cl.generation(), TopicsHash: d.topicsHash(), PeerAddrs: d.cl.myAddrs(), Requeued: n.Requeued()},
 	}
 	names := map[uint64]string{d.id.ID: d.cfg.Node.Name}
 	progress := map[uint64]replication.MemberProgress{}

@@ -190,6 +190,7 @@ type Node struct {
 	lead    atomic.Uint64         // the leader raft last reported, 0 for none
 	// leaderChanges counts changes of lead, for metrics.
 	leaderChanges atomic.Uint64
+	term          atomic.Uint64 // the term last saved
 
 	// Loop-owned state.
 	pending      map[recID]*proposal // proposed, not yet saved
@@ -265,6 +266,7 @@ func NewNode(cfg Config) (*Node, error) {
 	}
 	n.rn = rn
 	n.savedHS = db.HardState()
+	n.term.Store(n.savedHS.Term)
 	last, _ := db.LastIndex()
 	if last == 0 && raft.IsEmptyHardState(db.HardState()) && !cfg.Join {
 		members := cfg.InitialMembers
@@ -582,6 +584,7 @@ func (n *Node) handleReady() bool {
 		}
 		if !raft.IsEmptyHardState(hs) {
 			n.savedHS = hs
+			n.term.Store(hs.Term)
 		}
 		if n.db.TakeRequeueSignal() {
 			select {

@@ -82,6 +82,10 @@ func (n *Node) Status(ctx context.Context) (Status, error) {
 // Unlike Status it does not need the raft goroutine, which may be busy.
 func (n *Node) Leader() uint64 { return n.lead.Load() }
 
+// Term returns the raft term this node last saved, without asking the
+// raft goroutine: cheap enough for every mDNS answer.
+func (n *Node) Term() uint64 { return n.term.Load() }
+
 // WaitLeader waits until the group has a master (this node or another).
 func (n *Node) WaitLeader(ctx context.Context) error {
 	t := time.NewTicker(5 * time.Millisecond)
