@@ -284,3 +284,25 @@ func TestInviteBookRefusesExpiredAndReused(t *testing.T) {
 		t.Fatalf("reused secret: %v", err)
 	}
 }
+
+func TestTopicRuleMismatchShownInStatus(t *testing.T) {
+	g1 := clusterGateway(t, "gw-1", nil)
+	g2 := clusterGateway(t, "gw-2", func(c *Config) { c.Topics = []TopicRule{{Match: "other/#", Ack: "sync"}} })
+	joinWith(t, g2, inviteToken(t, g1))
+	for _, g := range []*Daemon{g1, g2} {
+		waitFor(t, 15*time.Second, g.cfg.Node.Name+" seeing the other's rules differ", func() bool {
+			s := statusOfGW(t, g)
+			return len(s.Members) == 1 && s.Members[0].TopicsMatch != nil && !*s.Members[0].TopicsMatch
+		})
+	}
+	g3 := clusterGateway(t, "gw-3", nil)
+	joinWith(t, g3, inviteToken(t, g1))
+	waitFor(t, 15*time.Second, "gw-1 seeing gw-3's rules match", func() bool {
+		for _, m := range statusOfGW(t, g1).Members {
+			if m.Name == "gw-3" {
+				return m.TopicsMatch != nil && *m.TopicsMatch
+			}
+		}
+		return false
+	})
+}
