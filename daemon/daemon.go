@@ -348,6 +348,9 @@ func notYet(c *Config) error {
 	if c.Storage.MaxAge != 0 {
 		keys = append(keys, "storage.max_age")
 	}
+	if c.Cluster.Failover == "auto" {
+		keys = append(keys, "cluster.failover: auto")
+	}
 	if len(keys) > 0 {
 		return usageError{fmt.Errorf("not supported by this version yet: %s", strings.Join(keys, ", "))}
 	}
