@@ -81,6 +81,8 @@ type invite struct {
 type inviteBook struct {
 	mu   sync.Mutex
 	list []*invite
+
+	pair pairBook // the open pairing code, if any (pair.go)
 }
 
 // add records a new invite for secret.
@@ -146,7 +148,7 @@ type joinReply struct {
 
 // adminRequest is a cluster command a slave passes to the master.
 type adminRequest struct {
-	Op    string        `json:"op"` // "invite" or "remove"
+	Op    string        `json:"op"` // "invite", "remove" or "pair"
 	TTL   time.Duration `json:"ttl,omitempty"`
 	Node  string        `json:"node,omitempty"`
 	Force bool          `json:"force,omitempty"`
@@ -154,8 +156,10 @@ type adminRequest struct {
 
 // adminReply answers an adminRequest.
 type adminReply struct {
-	Token   string `json:"token,omitempty"`
-	Removed string `json:"removed,omitempty"`
+	Token   string    `json:"token,omitempty"`
+	Removed string    `json:"removed,omitempty"`
+	Code    string    `json:"code,omitempty"`   // "pair": the pairing code
+	Expires time.Time `json:"expires,omitzero"` // "pair": when it expires
 }
 
 // errNoMaster is the answer to a cluster command while no master is known.
@@ -219,6 +223,9 @@ func (c *cluster) adminLocal(ctx context.Context, req adminRequest) (adminReply,
 	case "remove":
 		name, err := c.remove(ctx, req.Node, req.Force)
 		return adminReply{Removed: name}, err
+	case "pair":
+		code, exp, err := c.openPairing(req.TTL)
+		return adminReply{Code: code, Expires: exp}, err
 	}
 	return adminReply{}, fmt.Errorf("unknown cluster command %q", req.Op)
 }
@@ -278,6 +285,15 @@ func (c *cluster) admit(ctx context.Context, r replication.Remote, req joinReque
 	if err != nil {
 		return joinReply{}, err
 	}
+	return c.addMember(ctx, m, func() { c.invites.release(in) })
+}
+
+// addMember adds m, whose right to join was checked (a token's secret or a
+// pairing proof), as a learner unless it is a member already, and answers
+// with the cluster it joined. release gives the right back when m could
+// not be added.
+func (c *cluster) addMember(ctx context.Context, m replication.Member, release func()) (joinReply, error) {
+	n := c.d.node()
 	already := false
 	for _, x := range n.Members() {
 		if x.ID == m.ID {
@@ -286,12 +302,12 @@ func (c *cluster) admit(ctx context.Context, r replication.Remote, req joinReque
 	}
 	if !already {
 		if len(n.Members()) >= replication.MaxMembers {
-			c.invites.release(in)
+			release()
 			return joinReply{}, replication.ErrClusterFull
 		}
 		m.Voter = false
 		if err := n.ChangeMember(ctx, raftpb.ConfChangeAddLearnerNode, m); err != nil {
-			c.invites.release(in)
+			release()
 			return joinReply{}, fmt.Errorf("adding the node: %w", err)
 		}
 		c.d.log.Info("gateway joined the cluster", "peer", m.Name, "id", replication.IDString(m.ID), "addrs", m.Addrs)
@@ -320,23 +336,9 @@ func (c *cluster) join(ctx context.Context, token string, mode joinMode) (joinRe
 	if err != nil {
 		return joinReply{}, usageError{err}
 	}
-	n := d.node()
-	members := n.Members()
-	selfIn := slices.ContainsFunc(members, func(m replication.Member) bool { return m.ID == n.ID() })
-	if lead := n.Leader(); len(members) > 1 || !selfIn || (lead != 0 && lead != n.ID()) {
-		// More members, another master, or not yet a member of its own
-		// membership (still catching up after a join): in a cluster.
-		if tok.Cluster == c.clusterID() {
-			return joinReply{}, errors.New("this gateway is already a member of that cluster")
-		}
-		return joinReply{}, fmt.Errorf("this gateway is a member of another cluster (%s, %d gateways): remove it there first (tandem cluster remove %s, on that cluster's master)", c.clusterID(), len(members), d.cfg.Node.Name)
-	}
-	recs, err := d.db.DataRecords()
+	recs, err := c.joinable(tok.Cluster, mode)
 	if err != nil {
 		return joinReply{}, err
-	}
-	if recs > 0 && mode == joinFresh {
-		return joinReply{}, usageError{fmt.Errorf("this gateway's log holds %d records: join with --requeue to publish them into the cluster, or with --discard to drop them", recs)}
 	}
 	payload, _ := json.Marshal(joinRequest{Secret: tok.Secret, Member: d.self()})
 	var reply []byte
@@ -361,6 +363,45 @@ func (c *cluster) join(ctx context.Context, token string, mode joinMode) (joinRe
 	if rep.Cluster != tok.Cluster {
 		return joinReply{}, fmt.Errorf("the master answered for cluster %s, the token names %s", rep.Cluster, tok.Cluster)
 	}
+	return c.becomeMember(ctx, rep, mode, recs)
+}
+
+// joinable checks that this node may join cluster (its id, or "" when not
+// known yet, as in pairing) with mode: it is in no cluster of more than
+// itself, and a log holding records needs --requeue or --discard. It
+// returns how many records the log holds.
+func (c *cluster) joinable(cluster string, mode joinMode) (int, error) {
+	d := c.d
+	n := d.node()
+	members := n.Members()
+	selfIn := slices.ContainsFunc(members, func(m replication.Member) bool { return m.ID == n.ID() })
+	if lead := n.Leader(); len(members) > 1 || !selfIn || (lead != 0 && lead != n.ID()) {
+		// More members, another master, or not yet a member of its own
+		// membership (still catching up after a join): in a cluster.
+		if cluster != "" && cluster == c.clusterID() {
+			return 0, errors.New("this gateway is already a member of that cluster")
+		}
+		which := "another cluster"
+		if cluster == "" {
+			which = "a cluster"
+		}
+		return 0, fmt.Errorf("this gateway is a member of %s (%s, %d gateways): remove it there first (tandem cluster remove %s, on that cluster's master)", which, c.clusterID(), len(members), d.cfg.Node.Name)
+	}
+	recs, err := d.db.DataRecords()
+	if err != nil {
+		return 0, err
+	}
+	if recs > 0 && mode == joinFresh {
+		return 0, usageError{fmt.Errorf("this gateway's log holds %d records: join with --requeue to publish them into the cluster, or with --discard to drop them", recs)}
+	}
+	return recs, nil
+}
+
+// becomeMember makes this node a member of the cluster rep describes, once
+// the master admitted it: rep must already be authenticated (a pinned
+// certificate, or a pairing proof). recs is what joinable counted.
+func (c *cluster) becomeMember(ctx context.Context, rep joinReply, mode joinMode, recs int) (joinReply, error) {
+	d := c.d
 	// From here on this node belongs to the cluster: its own raft state
 	// goes (its records to the requeue bucket, if asked), and the
 	// master's log brings it up to date, membership included.
