@@ -119,9 +119,9 @@ func TestPackagedConfigIsValid(t *testing.T) {
 func TestUnenforcedSettingsRefusedAtStart(t *testing.T) {
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "tandem.yaml")
-	os.WriteFile(cfg, []byte("storage:\n  max_bytes: 1GiB\n  max_age: 24h\ncluster:\n  failover: auto\n"), 0o644)
+	os.WriteFile(cfg, []byte("storage:\n  max_bytes: 1GiB\n  max_age: 24h"), 0o644)
 	code, _, stderr := runMain(t, append(runArgs(filepath.Join(dir, "data")), "--config", cfg)...)
-	if code != ExitUsage || !strings.Contains(stderr, "storage.max_age") || !strings.Contains(stderr, "storage.max_bytes") || !strings.Contains(stderr, "cluster.failover: auto") {
+	if code != ExitUsage || !strings.Contains(stderr, "storage.max_age") || !strings.Contains(stderr, "storage.max_bytes") {
 		t.Fatalf("exit %d: %s", code, stderr)
 	}
 }

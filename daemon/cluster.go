@@ -94,6 +94,9 @@ type cluster struct {
 	lastInfo   discovery.Info
 	lastBrowse time.Time
 
+	failover        failoverState
+	lastRejoinCheck time.Time // keeper-owned
+
 	addrsMu sync.Mutex
 	addrs   []string // this node's peer addresses as other gateways should dial them
 
@@ -239,7 +242,14 @@ func (c *cluster) startTransport() error {
 		Logger:     d.log.With("component", "peer"),
 		ClusterID:  c.clusterID,
 		Generation: c.generation,
+		OnGeneration: func(_, gen uint64) bool {
+			// A member in a later generation promoted itself over this
+			// node: no raft with it before the wipe; the keeper's
+			// rejoin check asks it by knock.
+			return gen <= c.generation()
+		},
 		OnRaft: func(_ uint64, msgs []raftpb.Message) {
+			c.failover.heard.Store(time.Now().UnixNano())
 			n := d.node()
 			for _, m := range msgs {
 				n.Step(m)
@@ -512,6 +522,8 @@ func (c *cluster) keeper() {
 		}
 		c.refreshAddrs()
 		c.tickDiscovery(n)
+		c.checkDeposed(n)
+		c.checkFailover(n)
 		// Not while a join or leave replaces the node.
 		if !c.d.swapMu.TryLock() {
 			continue

@@ -62,6 +62,7 @@ func (d *Daemon) registerClusterAPI(mux *http.ServeMux) {
 	mux.HandleFunc("POST /v1/cluster/invite", d.mutating(d.handleInvite))
 	mux.HandleFunc("POST /v1/cluster/join", d.mutating(d.handleJoin))
 	mux.HandleFunc("POST /v1/cluster/remove", d.mutating(d.handleRemove))
+	mux.HandleFunc("POST /v1/cluster/promote", d.mutating(d.handlePromote))
 	d.registerPairAPI(mux)
 }
 

@@ -103,6 +103,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return err
 	}
 	d.cl = &cluster{d: d, invites: &inviteBook{}, peerTopics: map[uint64]string{}, warned: map[uint64]string{}, stopc: make(chan struct{})}
+	d.cl.failover.heard.Store(time.Now().UnixNano()) // silence counts from the start
 	if err = d.cl.loadMeta(d.db); err != nil {
 		return err
 	}
@@ -235,16 +236,22 @@ func (d *Daemon) restartNode(prep func() error, join bool, quietUntil uint64) er
 	d.swapMu.Lock()
 	defer d.swapMu.Unlock()
 	d.node().Stop()
-	err := prep()
-	if err == nil {
-		d.apply.quietUntil.Store(quietUntil)
-		err = d.startNode(join)
+	if err := prep(); err != nil {
+		// prep changes the data file in one transaction or not at all
+		// (or the disk failed): serve on with the node as it was.
+		if serr := d.startNode(false); serr != nil {
+			d.fail(fmt.Errorf("restarting replication: %w", serr))
+		}
+		return err
 	}
-	if err != nil {
+	d.apply.quietUntil.Store(quietUntil)
+	d.cl.failover.heard.Store(time.Now().UnixNano()) // a new membership: silence counts from now
+	if err := d.startNode(join); err != nil {
 		err = fmt.Errorf("restarting replication: %w", err)
 		d.fail(err)
+		return err
 	}
-	return err
+	return nil
 }
 
 // MQTTAddr returns the MQTT listener's address.
@@ -347,9 +354,6 @@ func notYet(c *Config) error {
 	}
 	if c.Storage.MaxAge != 0 {
 		keys = append(keys, "storage.max_age")
-	}
-	if c.Cluster.Failover == "auto" {
-		keys = append(keys, "cluster.failover: auto")
 	}
 	if len(keys) > 0 {
 		return usageError{fmt.Errorf("not supported by this version yet: %s", strings.Join(keys, ", "))}

@@ -135,6 +135,11 @@ func (b *inviteBook) release(in *invite) {
 type joinRequest struct {
 	Secret []byte             `json:"secret"`
 	Member replication.Member `json:"member"`
+	// Rejoin asks, instead, whether the knocked node promoted itself over
+	// this one (a master deposed by `tandem promote`): Gen is the
+	// knocker's generation.
+	Rejoin bool   `json:"rejoin,omitempty"`
+	Gen    uint64 `json:"gen,omitempty"`
 }
 
 // joinReply is the master's answer: the cluster the joiner now belongs to.
@@ -144,6 +149,9 @@ type joinReply struct {
 	Members    []replication.Member `json:"members"`
 	Commit     uint64               `json:"commit"`
 	Master     string               `json:"master"`
+	// Fork is, for a rejoining deposed master, the promoted node's last
+	// index before its promotion: the logs agree up to it.
+	Fork uint64 `json:"fork,omitempty"`
 }
 
 // adminRequest is a cluster command a slave passes to the master.
@@ -262,6 +270,13 @@ func (c *cluster) onStranger(ctx context.Context, r replication.Remote, kind byt
 	var req joinRequest
 	if err := json.Unmarshal(payload, &req); err != nil {
 		return nil, errors.New("malformed join request")
+	}
+	if req.Rejoin {
+		rep, err := c.admitRejoin(ctx, r, req)
+		if err != nil {
+			return nil, err
+		}
+		return json.Marshal(rep)
 	}
 	rep, err := c.admit(ctx, r, req)
 	if err != nil {

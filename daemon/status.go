@@ -3,6 +3,7 @@ package daemon
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"net/http"
 	"syscall"
 	"time"
@@ -105,6 +106,14 @@ type StatusStorage struct {
 func (d *Daemon) status(ctx context.Context) (*Status, error) {
 	n := d.node()
 	rs, err := n.Status(ctx)
+	if errors.Is(err, replication.ErrStopped) {
+		// A join, rejoin or promotion is replacing the node: wait for
+		// it (the swap holds swapMu) and ask the new one.
+		d.swapMu.Lock()
+		n = d.node()
+		d.swapMu.Unlock()
+		rs, err = n.Status(ctx)
+	}
 	if err != nil {
 		return nil, err
 	}

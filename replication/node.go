@@ -855,6 +855,11 @@ func (n *Node) applyConfChange(e *pb.Entry) {
 	}
 	cs := n.rn.ApplyConfChange(cc)
 	n.db.SetConfState(*cs)
+	if len(cs.Voters) == 1 && cs.Voters[0] == n.id && n.rn.BasicStatus().RaftState != raft.StateLeader {
+		// The sole voter now (a forced promotion): lead at once rather
+		// than after an election timeout.
+		_ = n.rn.Campaign()
+	}
 	for _, ch := range cc.AsV2().Changes {
 		n.recordMember(ch, ctx)
 		n.log.Info("membership changed", "change", ch.Type.String(), "peer", IDString(ch.NodeID), "index", e.Index)

@@ -273,14 +273,26 @@ func (db *DB) DataRecords() (int, error) {
 // move to the requeue bucket first, to be re-published into that cluster;
 // without, they are discarded. No Node may run on db meanwhile.
 func (db *DB) ResetRaft(requeue bool) error {
+	var from uint64
+	if requeue {
+		from = 1
+	}
+	return db.ResetRaftFrom(from)
+}
+
+// ResetRaftFrom is ResetRaft that requeues the data entries from index
+// from on (none when from is 0): how a deposed master keeps what it logged
+// after the point where the promoted slave's log forked from its own.
+func (db *DB) ResetRaftFrom(from uint64) error {
+	requeue := from > 0
 	err := db.commit(func(tx *bolt.Tx) error {
 		lb := tx.Bucket(bucketLog)
 		var last uint64
 		if k, _ := lb.Cursor().Last(); len(k) == 8 {
 			last = binary.BigEndian.Uint64(k)
 		}
-		if requeue && last > 0 {
-			if err := requeueFrom(tx, lb, 1, last); err != nil {
+		if requeue && last >= from {
+			if err := requeueFrom(tx, lb, from, last); err != nil {
 				return err
 			}
 		}

@@ -1,0 +1,142 @@
+package daemon
+
+import (
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/eclipse/paho.golang/paho"
+)
+
+// fixedGateway is a cluster gateway whose peer port survives restarts, as
+// a real gateway's does.
+type fixedGateway struct {
+	name, dir, peer string
+	d               *Daemon
+}
+
+func (g *fixedGateway) start(t *testing.T, mutate func(*Config)) {
+	t.Helper()
+	g.d = testGateway(t, g.dir, func(c *Config) {
+		c.Node.Name = g.name
+		c.Peer.Listen = g.peer
+		c.Topics = []TopicRule{{Match: "s/#", Ack: "sync"}}
+		c.Cluster.Heartbeat = Duration(50 * time.Millisecond)
+		c.Cluster.ElectionTimeout = Duration(500 * time.Millisecond)
+		c.Cluster.SyncTimeout = Duration(3 * time.Second)
+		if mutate != nil {
+			mutate(c)
+		}
+	})
+}
+
+func topicsIn(t *testing.T, d *Daemon) map[string]int {
+	t.Helper()
+	got := map[string]int{}
+	for _, r := range logRecords(t, d) {
+		got[r.Topic]++
+	}
+	return got
+}
+
+func TestPromoteAndTheDeposedMasterRejoins(t *testing.T) {
+	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: freePeerAddr(t)}
+	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: freePeerAddr(t)}
+	g1.start(t, nil)
+	g2.start(t, nil)
+	joinWith(t, g2.d, inviteToken(t, g1.d))
+	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+		v, l, ok := shape(statusOfGW(t, g1.d))
+		return v == 0 && l == 1 && ok
+	})
+	// While the master is alive, promote is refused.
+	if code, msg := api(t, g2.d, "/v1/cluster/promote", promoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "alive") {
+		t.Fatalf("promote with a live master: %d %q", code, msg)
+	}
+	pub1, _ := v5(t, g1.d.MQTTAddr(), "pub1", nil)
+	publish(t, pub1, &paho.Publish{Topic: "a/common", QoS: 1, Payload: []byte("1")})
+	waitFor(t, 5*time.Second, "a/common on gw-2", func() bool { return topicsIn(t, g2.d)["a/common"] == 1 })
+
+	// The slave goes away; the master acks async publishes alone: the
+	// tail the promotion will fork off.
+	g2.d.Stop()
+	for _, tp := range []string{"a/only-old-1", "a/only-old-2"} {
+		if r := publish(t, pub1, &paho.Publish{Topic: tp, QoS: 1, Payload: []byte("x")}); r.ReasonCode != 0 {
+			t.Fatalf("%s: reason %#x", tp, r.ReasonCode)
+		}
+	}
+	g1.d.Stop()
+
+	// The slave comes back alone and is promoted; it takes publishes.
+	g2.start(t, nil)
+	var pr promoteResponse
+	if code, msg := api(t, g2.d, "/v1/cluster/promote", promoteRequest{}, &pr); code != 200 || pr.Deposed != "gw-1" || pr.Generation != 1 {
+		t.Fatalf("promote: %d %q %+v", code, msg, pr)
+	}
+	waitFor(t, 5*time.Second, "gw-2 master", func() bool { return statusOfGW(t, g2.d).Role == "master" })
+	pub2, _ := v5(t, g2.d.MQTTAddr(), "pub2", nil)
+	if r := publish(t, pub2, &paho.Publish{Topic: "a/only-new", QoS: 1, Payload: []byte("y")}); r.ReasonCode != 0 {
+		t.Fatalf("publish on the promoted master: reason %#x", r.ReasonCode)
+	}
+
+	// The old master returns: it finds it was deposed, hands over its
+	// tail and rejoins as the slave.
+	g1.start(t, nil)
+	waitFor(t, 20*time.Second, "gw-1 a slave of gw-2", func() bool {
+		s := statusOfGW(t, g1.d)
+		return s.Role == "slave" && s.Leader != nil && s.Leader.Name == "gw-2" && s.Cluster.Generation == 1
+	})
+	waitFor(t, 10*time.Second, "every acked record on the new master and its slave", func() bool {
+		for _, d := range []*Daemon{g2.d, g1.d} {
+			got := topicsIn(t, d)
+			for _, tp := range []string{"a/common", "a/only-old-1", "a/only-old-2", "a/only-new"} {
+				if got[tp] != 1 {
+					return false
+				}
+			}
+		}
+		return true
+	})
+	s := statusOfGW(t, g2.d)
+	if s.Cluster.Generation != 1 || len(s.Members) != 1 || s.Members[0].Name != "gw-1" || s.Members[0].Voter {
+		t.Fatalf("new master's view: gen %d members %+v", s.Cluster.Generation, s.Members)
+	}
+	// A sync publish needs the rejoined slave: it works again.
+	if r := publish(t, pub2, &paho.Publish{Topic: "s/after", QoS: 1, Payload: []byte("z")}); r.ReasonCode != 0 {
+		t.Fatalf("sync after the rejoin: reason %#x", r.ReasonCode)
+	}
+}
+
+func TestPromoteRefusals(t *testing.T) {
+	lone := clusterGateway(t, "lone", nil)
+	if code, msg := api(t, lone, "/v1/cluster/promote", promoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "not in a cluster") {
+		t.Fatalf("promote a lone gateway: %d %q", code, msg)
+	}
+	g1 := clusterGateway(t, "gw-1", nil)
+	g2 := clusterGateway(t, "gw-2", nil)
+	joinWith(t, g2, inviteToken(t, g1))
+	waitFor(t, 10*time.Second, "gw-2 knowing the cluster", func() bool { return len(statusOfGW(t, g2).Members) == 1 })
+	if code, msg := api(t, g1, "/v1/cluster/promote", promoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "master already") {
+		t.Fatalf("promote the master: %d %q", code, msg)
+	}
+	code, _, errOut := runMain(t, "promote", "--http", g2.HTTPAddr())
+	if code != ExitFailure || !strings.Contains(errOut, "alive") {
+		t.Fatalf("tandem promote with a live master: exit %d: %s", code, errOut)
+	}
+	if s := statusOfGW(t, g1); s.Role != "master" || s.Cluster.Generation != 0 {
+		t.Fatalf("refused promotions changed the cluster: %+v", s)
+	}
+}
+
+// freePeerAddr returns a loopback address whose port was free a moment ago.
+func freePeerAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}

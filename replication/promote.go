@@ -1,0 +1,69 @@
+package replication
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+
+	pb "go.etcd.io/raft/v3/raftpb"
+
+	"github.com/tandem-edge/tandem/storage"
+)
+
+// ErrNotPromotable refuses a forced promotion of a node that is not the
+// learner of a 2-gateway cluster.
+var ErrNotPromotable = errors.New("replication: only the slave of a 2-gateway cluster can be promoted")
+
+// ForcePromote makes the learner self the sole voter of its cluster, the
+// way etcd's force-new-cluster does, on a stopped node's data file: it
+// appends two membership entries to its own log — add self as a voter,
+// then remove the old master (in that order: removing first would leave no
+// voter) — and marks them committed. Started again, the node applies them,
+// finds itself the only voter and elects itself at a term above any it
+// has seen. It returns the fork index: the last index of the log before
+// the promotion, after which the old master's log and this one differ.
+//
+// The old master still believes itself the sole voter of the old
+// configuration; the cluster generation the caller bumps is what tells it
+// otherwise (DESIGN.md, "Forced promotion forks the cluster").
+func ForcePromote(db *storage.DB, self Member, old uint64) (uint64, error) {
+	_, cs, _ := db.InitialState()
+	isLearner := false
+	for _, id := range cs.Learners {
+		isLearner = isLearner || id == self.ID
+	}
+	if !isLearner || len(cs.Voters) != 1 || cs.Voters[0] != old {
+		return 0, fmt.Errorf("%w (voters %v, learners %v)", ErrNotPromotable, cs.Voters, cs.Learners)
+	}
+	last, err := db.LastIndex()
+	if err != nil {
+		return 0, err
+	}
+	hs := db.HardState()
+	term := hs.Term
+	if lt, err := db.Term(last); err == nil && lt > term {
+		term = lt
+	}
+	self.Voter = true
+	ctx, err := json.Marshal(self)
+	if err != nil {
+		return 0, err
+	}
+	add, err := (&pb.ConfChange{Type: pb.ConfChangeAddNode, NodeID: self.ID, Context: ctx}).Marshal()
+	if err != nil {
+		return 0, err
+	}
+	rm, err := (&pb.ConfChange{Type: pb.ConfChangeRemoveNode, NodeID: old}).Marshal()
+	if err != nil {
+		return 0, err
+	}
+	ents := []pb.Entry{
+		{Type: pb.EntryConfChange, Term: term, Index: last + 1, Data: add},
+		{Type: pb.EntryConfChange, Term: term, Index: last + 2, Data: rm},
+	}
+	hs.Term, hs.Commit = term, last+2
+	if err := db.Save(hs, ents); err != nil {
+		return 0, fmt.Errorf("replication: promote: %w", err)
+	}
+	return last, nil
+}
