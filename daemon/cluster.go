@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	raftpb "go.etcd.io/raft/v3/raftpb"
@@ -96,6 +97,9 @@ type cluster struct {
 
 	failover        failoverState
 	lastRejoinCheck time.Time // keeper-owned
+
+	// Background tasks of the keeper that are running.
+	bgBrowse, bgDeposed, bgTend atomic.Bool
 
 	addrsMu sync.Mutex
 	addrs   []string // this node's peer addresses as other gateways should dial them
@@ -499,6 +503,9 @@ func (c *cluster) keeper() {
 	defer c.wg.Done()
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
+	// ctx ends the background tasks' network calls at Stop.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
 	var lastTopics time.Time
 	defer func() {
 		if c.adv != nil {
@@ -521,12 +528,12 @@ func (c *cluster) keeper() {
 		default:
 		}
 		c.refreshAddrs()
-		c.tickDiscovery(n)
-		c.checkDeposed(n)
+		c.announce()
+		// Quick decisions first, on the keeper itself: nothing that waits
+		// on the network may delay a failover.
 		c.checkFailover(n)
-		// Not while a join or leave replaces the node.
 		if !c.d.swapMu.TryLock() {
-			continue
+			continue // a join, leave or promotion is replacing the node
 		}
 		gone := c.removed(n)
 		c.d.swapMu.Unlock()
@@ -534,17 +541,59 @@ func (c *cluster) keeper() {
 			c.leave()
 			continue
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		c.refreshSelf(ctx, n)
-		if n.Leader() == n.ID() {
-			c.shape(ctx, n)
+		// What talks to peers runs in the background, one of each kind
+		// at a time.
+		if lost := c.lostMembers(n); len(lost) > 0 {
+			if c.adv != nil && time.Since(c.lastBrowse) >= browseEvery {
+				c.lastBrowse = time.Now()
+				c.background(&c.bgBrowse, func() { c.browse(ctx) })
+			}
+			if n.Leader() == n.ID() && time.Since(c.lastRejoinCheck) >= rejoinEvery {
+				c.lastRejoinCheck = time.Now()
+				c.background(&c.bgDeposed, func() { c.checkDeposed(ctx, lost) })
+			}
 		}
-		if time.Since(lastTopics) > 10*time.Second {
+		topics := time.Since(lastTopics) > 10*time.Second
+		if topics {
 			lastTopics = time.Now()
-			c.exchangeTopics(ctx, n)
 		}
-		cancel()
+		c.background(&c.bgTend, func() {
+			tctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			defer cancel()
+			c.refreshSelf(tctx, n)
+			if n.Leader() == n.ID() {
+				c.shape(tctx, n)
+			}
+			if topics {
+				c.exchangeTopics(tctx, n)
+			}
+		})
 	}
+}
+
+// background runs fn on a goroutine of its own unless the previous run
+// flagged by running is still going.
+func (c *cluster) background(running *atomic.Bool, fn func()) {
+	if !running.CompareAndSwap(false, true) {
+		return
+	}
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		defer running.Store(false)
+		fn()
+	}()
+}
+
+// lostMembers returns the members other than this node without a link.
+func (c *cluster) lostMembers(n *replication.Node) []replication.Member {
+	var lost []replication.Member
+	for _, m := range n.Members() {
+		if m.ID != n.ID() && !c.tr.Reachable(m.ID) {
+			lost = append(lost, m)
+		}
+	}
+	return lost
 }
 
 // removed reports whether this node has seen its own removal applied;

@@ -70,9 +70,8 @@ func portOf(addr string) int {
 	return n
 }
 
-// tickDiscovery re-announces a changed state and looks for unreachable
-// members under new addresses.
-func (c *cluster) tickDiscovery(n *replication.Node) {
+// announce re-announces a changed state over mDNS.
+func (c *cluster) announce() {
 	if c.adv == nil {
 		return
 	}
@@ -80,17 +79,11 @@ func (c *cluster) tickDiscovery(n *replication.Node) {
 		c.lastInfo = info
 		c.adv.Changed()
 	}
-	lost := false
-	for _, m := range n.Members() {
-		if m.ID != n.ID() && !c.tr.Reachable(m.ID) {
-			lost = true
-		}
-	}
-	if !lost || time.Since(c.lastBrowse) < browseEvery {
-		return
-	}
-	c.lastBrowse = time.Now()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+}
+
+// browse looks for unreachable members under new addresses.
+func (c *cluster) browse(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	peers, err := discovery.Browse(ctx, discovery.BrowseOptions{Interface: c.d.cfg.Discovery.Interface, Timeout: 1500 * time.Millisecond})
 	if err != nil {

@@ -121,25 +121,12 @@ func (c *cluster) admitRejoin(ctx context.Context, r replication.Remote, req joi
 // new master, and it rejoins as the slave (DESIGN.md: the old master must
 // not talk raft to the new one before that wipe; it never does, as the new
 // master no longer admits its certificate to a member link).
-func (c *cluster) checkDeposed(n *replication.Node) {
-	if n.Leader() != n.ID() || time.Since(c.lastRejoinCheck) < rejoinEvery {
-		return
-	}
-	var lost []replication.Member
-	for _, m := range n.Members() {
-		if m.ID != n.ID() && !c.tr.Reachable(m.ID) {
-			lost = append(lost, m)
-		}
-	}
-	if len(lost) == 0 {
-		return
-	}
-	c.lastRejoinCheck = time.Now()
+func (c *cluster) checkDeposed(ctx context.Context, lost []replication.Member) {
 	payload, _ := json.Marshal(joinRequest{Rejoin: true, Member: c.d.self(), Gen: c.generation()})
 	for _, m := range lost {
 		for _, addr := range m.Addrs {
-			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
-			reply, remote, err := c.tr.Knock(ctx, addr, m.Fingerprint, replication.KnockJoin, payload)
+			kctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+			reply, remote, err := c.tr.Knock(kctx, addr, m.Fingerprint, replication.KnockJoin, payload)
 			cancel()
 			if err != nil {
 				if errors.Is(err, replication.ErrRemote) {

@@ -38,7 +38,10 @@ type StatusCluster struct {
 	// TopicsMatch is false have other rules.
 	TopicsHash string   `json:"topics_hash"`
 	PeerAddrs  []string `json:"peer_addrs"`
-	Requeued   uint64   `json:"requeued"`
+	// Requeued counts the records this node re-published since it
+	// started; RequeuePending those still waiting to be (up to 10000).
+	Requeued       uint64 `json:"requeued"`
+	RequeuePending int    `json:"requeue_pending"`
 }
 
 // StatusNode identifies the gateway answering.
@@ -128,6 +131,9 @@ func (d *Daemon) status(ctx context.Context) (*Status, error) {
 		MQTT:    StatusMQTT{Clients: d.broker.Clients(), Inflight: d.broker.Inflight()},
 		Storage: StatusStorage{Commits: d.db.Commits()},
 		Cluster: StatusCluster{ID: d.cl.clusterID(), Generation: d.cl.generation(), TopicsHash: d.topicsHash(), PeerAddrs: d.cl.myAddrs(), Requeued: n.Requeued()},
+	}
+	if rq, err := d.db.Requeued(10000); err == nil {
+		s.Cluster.RequeuePending = len(rq)
 	}
 	names := map[uint64]string{d.id.ID: d.cfg.Node.Name}
 	progress := map[uint64]replication.MemberProgress{}

@@ -85,6 +85,7 @@ cluster:
   heartbeat: 100ms
   election_timeout: 1s
   sync_timeout: 5s
+%s
 topics:
   - match: "s/#"
     ack: sync
@@ -93,11 +94,12 @@ discovery:
   interface: %s
 `
 
-// newGW writes a gateway's config on host h; start runs it.
-func newGW(t *testing.T, h *netns.Host, name string) *gw {
+// newGW writes a gateway's config on host h; start runs it. cluster adds
+// lines to the config's cluster section.
+func newGW(t *testing.T, h *netns.Host, name string, cluster ...string) *gw {
 	dir := t.TempDir()
 	g := &gw{t: t, name: name, h: h, dir: filepath.Join(dir, "data"), cfg: filepath.Join(dir, "tandem.yaml")}
-	if err := os.WriteFile(g.cfg, []byte(fmt.Sprintf(clusterConfig, name, g.dir, netns.Iface)), 0o600); err != nil {
+	if err := os.WriteFile(g.cfg, []byte(fmt.Sprintf(clusterConfig, name, g.dir, strings.Join(cluster, "\n"), netns.Iface)), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	g.http = &http.Client{Timeout: 3 * time.Second, Transport: &http.Transport{
@@ -151,6 +153,10 @@ type gwStatus struct {
 	Log struct {
 		LastIndex uint64 `json:"last_index"`
 	} `json:"log"`
+	Cluster struct {
+		Generation     uint64 `json:"generation"`
+		RequeuePending int    `json:"requeue_pending"`
+	} `json:"cluster"`
 }
 
 // status asks the gateway's HTTP API; nil when it does not answer.
@@ -275,7 +281,7 @@ func startLoad(t *testing.T, clients int, topic string, gws func(i int) []*gw) *
 
 func (l *load) run(i int, topic string, gws []*gw) {
 	defer l.wg.Done()
-	id := fmt.Sprintf("load-%d", i)
+	id := fmt.Sprintf("load-%s-%d", strings.ReplaceAll(topic, "/", "-"), i)
 	var c *paho.Client
 	for seq, at := 0, 0; ; {
 		select {

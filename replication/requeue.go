@@ -26,19 +26,41 @@ func (n *Node) requeueLoop() {
 		case <-n.failc:
 			return
 		}
-		n.republish()
+		// Round after round while rounds come back full and clean: a
+		// deposed master's tail can be thousands of records.
+		total := 0
+		for {
+			done, again := n.republish()
+			total += done
+			if !again {
+				break
+			}
+			select {
+			case <-n.stopc:
+				return
+			default:
+			}
+		}
+		if total > 0 {
+			n.log.Info("re-published requeued records (a deposed master's tail)", "records", total, "requeued_since_start", n.requeuedTotal.Load())
+		}
 	}
 }
 
-// republish proposes one round of requeued records and waits for them.
-func (n *Node) republish() {
-	items, err := n.db.Requeued(256)
+// requeueBatch is how many requeued records one round proposes at once.
+const requeueBatch = 1024
+
+// republish proposes one round of requeued records and waits for them. It
+// returns how many were logged, and whether another round should follow at
+// once (this one was full and all of it was logged).
+func (n *Node) republish() (int, bool) {
+	items, err := n.db.Requeued(requeueBatch)
 	if err != nil {
 		n.log.Error("reading requeued records failed", "error", err)
-		return
+		return 0, false
 	}
 	if len(items) == 0 {
-		return
+		return 0, false
 	}
 	var wg sync.WaitGroup
 	var mu sync.Mutex
@@ -65,10 +87,16 @@ func (n *Node) republish() {
 		})
 	}
 	wg.Wait()
-	if done > 0 {
-		n.requeuedTotal.Add(uint64(done))
-		n.log.Info("re-published records of a deposed master's tail", "records", done, "left", len(items)-done)
+	if done == 0 {
+		return 0, false
 	}
+	n.requeuedTotal.Add(uint64(done))
+	// The drops ride on a commit: make it now, so the next round does
+	// not read them again.
+	if err := n.db.Flush(); err != nil {
+		return done, false
+	}
+	return done, done == len(items) && len(items) == requeueBatch
 }
 
 // Requeued returns how many records this node has re-published since start.
