@@ -98,6 +98,9 @@ type cluster struct {
 	failover        failoverState
 	lastRejoinCheck time.Time // keeper-owned
 
+	// promotions and depositions count this process's failovers.
+	promotions, depositions atomic.Uint64
+
 	// Background tasks of the keeper that are running.
 	bgBrowse, bgDeposed, bgTend atomic.Bool
 

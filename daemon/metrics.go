@@ -234,6 +234,12 @@ var (
 	descInflight      = desc("tandem_mqtt_inflight_messages", "QoS 1/2 messages in flight between this gateway and its clients.")
 	descRetained      = desc("tandem_mqtt_retained_messages", "Retained messages this gateway holds.")
 	descStatusUp      = desc("tandem_status_up", "1 when the status could be read for this scrape; the state metrics are missing when 0.")
+	descGeneration    = desc("tandem_cluster_generation", "The cluster generation: raised by each promotion (tandem promote, failover: auto).")
+	descPromotions    = desc("tandem_promotions_total", "Times this gateway promoted itself to master since it started.")
+	descDeposed       = desc("tandem_deposed_total", "Times this gateway found it had been replaced as master and rejoined as slave, since it started.")
+	descRequeued      = desc("tandem_requeued_records_total", "Records set aside (a deposed master's tail, or --requeue) that this node re-published since its replication last started.")
+	descRequeuePend   = desc("tandem_requeue_pending_records", "Records set aside and not yet re-published.")
+	descTopicsMatch   = desc("tandem_peer_topic_rules_match", "1 when the member's topic rules hash equals this gateway's, 0 when they differ (absent while unknown).", "peer", "peer_id")
 )
 
 var roles = [...]string{"master", "slave", "candidate"}
@@ -243,7 +249,8 @@ func (statusCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descNode, descTerm, descRole, descLeaderChanges, descHasLeader, descMembers,
 		descLagRecords, descLagSeconds, descMatchIndex, descReachable, descVoter,
 		descFirstIndex, descLastIndex, descCommitIndex, descAppliedIndex,
-		descDiskUsed, descDiskFree, descDiskBudget, descCommits, descClients, descInflight, descRetained, descStatusUp} {
+		descDiskUsed, descDiskFree, descDiskBudget, descCommits, descClients, descInflight, descRetained, descStatusUp,
+		descGeneration, descPromotions, descDeposed, descRequeued, descRequeuePend, descTopicsMatch} {
 		ch <- d
 	}
 }
@@ -276,7 +283,15 @@ func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- gauge(descMatchIndex, float64(m.MatchIndex), m.Name, m.ID)
 		ch <- gauge(descReachable, b2f(m.Reachable), m.Name, m.ID)
 		ch <- gauge(descVoter, b2f(m.Voter), m.Name, m.ID)
+		if m.TopicsMatch != nil {
+			ch <- gauge(descTopicsMatch, b2f(*m.TopicsMatch), m.Name, m.ID)
+		}
 	}
+	ch <- gauge(descGeneration, float64(s.Cluster.Generation))
+	ch <- prometheus.MustNewConstMetric(descPromotions, prometheus.CounterValue, float64(d.cl.promotions.Load()))
+	ch <- prometheus.MustNewConstMetric(descDeposed, prometheus.CounterValue, float64(d.cl.depositions.Load()))
+	ch <- prometheus.MustNewConstMetric(descRequeued, prometheus.CounterValue, float64(s.Cluster.Requeued))
+	ch <- gauge(descRequeuePend, float64(s.Cluster.RequeuePending))
 	ch <- gauge(descFirstIndex, float64(s.Log.FirstIndex))
 	ch <- gauge(descLastIndex, float64(s.Log.LastIndex))
 	ch <- gauge(descCommitIndex, float64(s.Log.CommitIndex))

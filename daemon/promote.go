@@ -82,6 +82,7 @@ func (c *cluster) promote(ctx context.Context, force bool, reason string) (repli
 		return old, err
 	}
 	c.tr.Reconnect()
+	c.promotions.Add(1)
 	d.log.Warn("promoted to master", "reason", reason, "deposed", old.Name, "generation", gen, "fork_index", fork)
 	return old, nil
 }
@@ -166,6 +167,7 @@ func (c *cluster) rejoin(rep joinReply, by replication.Member) {
 	}
 	c.tr.SetPeers(peersOf(rep.Members))
 	c.tr.Reconnect()
+	c.depositions.Add(1)
 	d.log.Warn("deposed: another gateway was promoted to master; rejoined as its slave", "master", by.Name, "generation", rep.Generation, "fork_index", rep.Fork, "records_requeued", requeued)
 }
 

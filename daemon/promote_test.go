@@ -103,6 +103,26 @@ func TestPromoteAndTheDeposedMasterRejoins(t *testing.T) {
 	if s.Cluster.Generation != 1 || len(s.Members) != 1 || s.Members[0].Name != "gw-1" || s.Members[0].Voter {
 		t.Fatalf("new master's view: gen %d members %+v", s.Cluster.Generation, s.Members)
 	}
+	// Metrics say what happened.
+	m2, m1 := scrape(t, g2.d), scrape(t, g1.d)
+	for _, c := range []struct {
+		who  string
+		got  float64
+		want float64
+	}{
+		{"gw-2 tandem_cluster_generation", value(m2, "tandem_cluster_generation"), 1},
+		{"gw-2 tandem_promotions_total", value(m2, "tandem_promotions_total"), 1},
+		{"gw-1 tandem_cluster_generation", value(m1, "tandem_cluster_generation"), 1},
+		{"gw-1 tandem_deposed_total", value(m1, "tandem_deposed_total"), 1},
+		{"gw-1 tandem_requeue_pending_records", value(m1, "tandem_requeue_pending_records"), 0},
+	} {
+		if c.got != c.want {
+			t.Errorf("%s = %v, want %v", c.who, c.got, c.want)
+		}
+	}
+	if value(m1, "tandem_requeued_records_total") < 2 {
+		t.Errorf("gw-1 re-published %v records, want the 2 it acked alone", value(m1, "tandem_requeued_records_total"))
+	}
 	// A sync publish needs the rejoined slave: it works again.
 	if r := publish(t, pub2, &paho.Publish{Topic: "s/after", QoS: 1, Payload: []byte("z")}); r.ReasonCode != 0 {
 		t.Fatalf("sync after the rejoin: reason %#x", r.ReasonCode)
