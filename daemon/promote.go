@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -125,7 +126,7 @@ func (c *cluster) admitRejoin(ctx context.Context, r replication.Remote, req joi
 func (c *cluster) checkDeposed(ctx context.Context, lost []replication.Member) {
 	payload, _ := json.Marshal(joinRequest{Rejoin: true, Member: c.d.self(), Gen: c.generation()})
 	for _, m := range lost {
-		for _, addr := range m.Addrs {
+		for _, addr := range c.peerAddrs(m) {
 			kctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 			reply, remote, err := c.tr.Knock(kctx, addr, m.Fingerprint, replication.KnockJoin, payload)
 			cancel()
@@ -250,4 +251,23 @@ func newPromoteCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&force, "force", false, "promote even though the master is still in contact (two masters until it learns)")
 	af.add(cmd)
 	return cmd
+}
+
+// peerAddrs returns where to reach m: the addresses mDNS last found it at
+// first, then those the membership has.
+func (c *cluster) peerAddrs(m replication.Member) []string {
+	c.lingerMu.Lock()
+	defer c.lingerMu.Unlock()
+	var out []string
+	for _, p := range c.last {
+		if p.ID == m.ID {
+			out = append(out, p.Addrs...)
+		}
+	}
+	for _, a := range m.Addrs {
+		if !slices.Contains(out, a) {
+			out = append(out, a)
+		}
+	}
+	return out
 }
