@@ -17,15 +17,20 @@ import (
 func clusterGateway(t *testing.T, name string, mutate func(*Config)) *Daemon {
 	t.Helper()
 	return testGateway(t, t.TempDir(), func(c *Config) {
-		c.Node.Name = name
-		c.Topics = []TopicRule{{Match: "s/#", Ack: "sync"}}
-		c.Cluster.Heartbeat = Duration(50 * time.Millisecond)
-		c.Cluster.ElectionTimeout = Duration(500 * time.Millisecond)
-		c.Cluster.SyncTimeout = Duration(3 * time.Second)
+		clusterTestConfig(c, name)
 		if mutate != nil {
 			mutate(c)
 		}
 	})
+}
+
+// clusterTestConfig names a test gateway, makes s/# sync and raft fast.
+func clusterTestConfig(c *Config, name string) {
+	c.Node.Name = name
+	c.Topics = []TopicRule{{Match: "s/#", Ack: "sync"}}
+	c.Cluster.Heartbeat = Duration(50 * time.Millisecond)
+	c.Cluster.ElectionTimeout = Duration(500 * time.Millisecond)
+	c.Cluster.SyncTimeout = Duration(3 * time.Second)
 }
 
 // api POSTs req to a gateway's cluster API; it returns the status and

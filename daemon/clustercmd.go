@@ -172,9 +172,9 @@ func (d *Daemon) handleJoin(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, statusOf(err), err)
 		return
 	}
-	mode := joinMode(req.Mode)
-	if mode != joinFresh && mode != joinRequeue && mode != joinDiscard {
-		writeAPIError(w, http.StatusBadRequest, fmt.Errorf("mode %q: requeue or discard", req.Mode))
+	mode, err := parseJoinMode(req.Mode)
+	if err != nil {
+		writeAPIError(w, http.StatusBadRequest, err)
 		return
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), 60*time.Second)
@@ -189,6 +189,15 @@ func (d *Daemon) handleJoin(w http.ResponseWriter, r *http.Request) {
 		out.Members = append(out.Members, m.Name)
 	}
 	writeJSON(w, http.StatusOK, out)
+}
+
+// parseJoinMode reads the mode of a join request.
+func parseJoinMode(s string) (joinMode, error) {
+	switch m := joinMode(s); m {
+	case joinFresh, joinRequeue, joinDiscard:
+		return m, nil
+	}
+	return "", fmt.Errorf("mode %q: requeue or discard", s)
 }
 
 func (d *Daemon) handleRemove(w http.ResponseWriter, r *http.Request) {

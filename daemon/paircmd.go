@@ -78,9 +78,9 @@ func (d *Daemon) handlePairJoin(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, statusOf(err), err)
 		return
 	}
-	mode := joinMode(req.Mode)
-	if mode != joinFresh && mode != joinRequeue && mode != joinDiscard {
-		writeAPIError(w, http.StatusBadRequest, fmt.Errorf("mode %q: requeue or discard", req.Mode))
+	mode, err := parseJoinMode(req.Mode)
+	if err != nil {
+		writeAPIError(w, http.StatusBadRequest, err)
 		return
 	}
 	within := defaultPairBrowse

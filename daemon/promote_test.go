@@ -1,7 +1,6 @@
 package daemon
 
 import (
-	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -20,12 +19,8 @@ type fixedGateway struct {
 func (g *fixedGateway) start(t *testing.T, mutate func(*Config)) {
 	t.Helper()
 	g.d = testGateway(t, g.dir, func(c *Config) {
-		c.Node.Name = g.name
+		clusterTestConfig(c, g.name)
 		c.Peer.Listen = g.peer
-		c.Topics = []TopicRule{{Match: "s/#", Ack: "sync"}}
-		c.Cluster.Heartbeat = Duration(50 * time.Millisecond)
-		c.Cluster.ElectionTimeout = Duration(500 * time.Millisecond)
-		c.Cluster.SyncTimeout = Duration(3 * time.Second)
 		if mutate != nil {
 			mutate(c)
 		}
@@ -42,8 +37,8 @@ func topicsIn(t *testing.T, d *Daemon) map[string]int {
 }
 
 func TestPromoteAndTheDeposedMasterRejoins(t *testing.T) {
-	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: freePeerAddr(t)}
-	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: freePeerAddr(t)}
+	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: unusedAddr(t)}
+	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: unusedAddr(t)}
 	g1.start(t, nil)
 	g2.start(t, nil)
 	joinWith(t, g2.d, inviteToken(t, g1.d))
@@ -148,15 +143,4 @@ func TestPromoteRefusals(t *testing.T) {
 	if s := statusOfGW(t, g1); s.Role != "master" || s.Cluster.Generation != 0 {
 		t.Fatalf("refused promotions changed the cluster: %+v", s)
 	}
-}
-
-// freePeerAddr returns a loopback address whose port was free a moment ago.
-func freePeerAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
 }
