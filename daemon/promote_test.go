@@ -98,7 +98,9 @@ func TestPromoteAndTheDeposedMasterRejoins(t *testing.T) {
 	if s.Cluster.Generation != 1 || len(s.Members) != 1 || s.Members[0].Name != "gw-1" || s.Members[0].Voter {
 		t.Fatalf("new master's view: gen %d members %+v", s.Cluster.Generation, s.Members)
 	}
-	// Metrics say what happened.
+	// Metrics say what happened, once the re-published records have left
+	// the requeue bucket (just after they reached the log).
+	waitFor(t, 10*time.Second, "gw-1's requeue drained", func() bool { return statusOfGW(t, g1.d).Cluster.RequeuePending == 0 })
 	m2, m1 := scrape(t, g2.d), scrape(t, g1.d)
 	for _, c := range []struct {
 		who  string
