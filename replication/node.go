@@ -140,6 +140,7 @@ type proposal struct {
 	deadline time.Time
 	index    uint64
 	resolved bool
+	counted  bool        // in batch.inNode: enqueued, not yet resolved
 	also     []*proposal // later copies of the same record, sharing the outcome
 }
 
@@ -160,6 +161,8 @@ type Node struct {
 	propQ     []*proposal
 	closedErr error // set when the loop has exited: proposals fail at once
 	propSig   chan struct{}
+	// batch decides when the loop takes propQ (group commit).
+	batch groupCommit
 
 	recvc    chan pb.Message
 	unreachc chan struct{}
@@ -340,8 +343,17 @@ func (n *Node) enqueue(p *proposal) {
 		n.refuseNow(p.done, err)
 		return
 	}
+	p.counted = true
 	n.propQ = append(n.propQ, p)
+	wake := n.batch.arrived(len(n.propQ))
 	n.propMu.Unlock()
+	if wake {
+		n.wakeProposals()
+	}
+}
+
+// wakeProposals makes the loop look at propQ.
+func (n *Node) wakeProposals() {
 	select {
 	case n.propSig <- struct{}{}:
 	default:
@@ -492,6 +504,10 @@ func (n *Node) errOr(def error) error {
 // proposeQueued hands the queued proposals to raft in one MsgProp.
 func (n *Node) proposeQueued() {
 	n.propMu.Lock()
+	if len(n.propQ) == 0 || !n.batch.take(time.Now(), n.leader, n.wakeProposals) {
+		n.propMu.Unlock()
+		return
+	}
 	ps := n.propQ
 	n.propQ = nil
 	n.propMu.Unlock()
@@ -772,6 +788,9 @@ func (n *Node) resolve(p *proposal, err error) {
 	}
 	p.resolved = true
 	n.resolvedSome = true
+	if p.counted {
+		n.batch.left()
+	}
 	if n.live[p.id] == p {
 		delete(n.live, p.id)
 	}

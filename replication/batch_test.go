@@ -1,0 +1,88 @@
+package replication
+
+import (
+	"testing"
+	"time"
+)
+
+// TestGroupCommitWaitsForPopulation: a population seen once is waited for,
+// at most the wait bound, after which the estimate drops to what came back;
+// a lone publisher never waits.
+func TestGroupCommitWaitsForPopulation(t *testing.T) {
+	var g groupCommit
+	woken := make(chan struct{}, 8)
+	wake := func() { woken <- struct{}{} }
+	now := time.Now()
+	arrive := func(n int) {
+		for i := range n {
+			g.arrived(i + 1)
+		}
+	}
+	leave := func(n int) {
+		for range n {
+			g.left()
+		}
+	}
+
+	// A lone client: taken at once.
+	arrive(1)
+	if !g.take(now, true, wake) {
+		t.Fatal("first proposal of a population of one was not taken")
+	}
+	leave(1)
+	arrive(1)
+	if !g.take(now, true, wake) {
+		t.Fatal("population of one waited")
+	}
+	leave(1)
+
+	// Ten arrive together (a new population): taken, and remembered.
+	arrive(10)
+	if !g.take(now, true, wake) {
+		t.Fatal("ten in the node, not taken")
+	}
+	leave(10)
+	// Three come back: wait for the rest.
+	arrive(3)
+	if g.take(now, true, wake) {
+		t.Fatal("took 3 of a population of 10")
+	}
+	// Enough of the rest (7/8 of 10 = 8) come back: taken.
+	for i := 4; i <= 8; i++ {
+		if g.arrived(i) != (i == 8) {
+			t.Fatalf("arrival %d: wake-up %v", i, i != 8)
+		}
+	}
+	if !g.take(now.Add(time.Microsecond), true, wake) {
+		t.Fatal("population back, not taken")
+	}
+	leave(8)
+
+	// Only two come back: the wait ends at its bound, with a wake-up.
+	arrive(2)
+	if g.take(now, true, wake) {
+		t.Fatal("took 2 of 10")
+	}
+	select {
+	case <-woken:
+	case <-time.After(time.Second):
+		t.Fatal("no wake-up at the end of the wait")
+	}
+	if !g.take(now.Add(maxBatchWait), true, wake) {
+		t.Fatal("not taken after the wait bound")
+	}
+	leave(2)
+	arrive(2)
+	if !g.take(now.Add(maxBatchWait+time.Millisecond), true, wake) {
+		t.Fatal("the estimate did not drop to the two that came back")
+	}
+
+	// Not leader: taken at once (refused there).
+	leave(2)
+	g.peak = 100
+	g.target.Store(100)
+	arrive(1)
+	if !g.take(now, false, wake) {
+		t.Fatal("a follower waited")
+	}
+}
