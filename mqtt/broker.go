@@ -79,8 +79,15 @@ type Broker struct {
 	bcryptSem    chan struct{} // bounds concurrent password checks
 	refusedConns sync.Map      // net.Conn → true: refused and already logged by the guard
 
-	shadowMu sync.Mutex // guards shadow, whose ID changes per delivery
+	shadowMu sync.Mutex // guards shadow, whose ID changes per delivery, and routes
 	shadow   *mochi.Client
+	// routes remembers, per topic delivered, whether it had subscribers,
+	// so a record nobody subscribes to skips mochi's routing (its
+	// subscriber scan allocates several maps per publish). A topic without
+	// subscribers is only trusted while subsGen has not moved; one with
+	// subscribers is simply routed.
+	routes  map[string]route
+	subsGen atomic.Uint64 // subscriptions made (OnSubscribed)
 	closing  atomic.Bool // set by Stop: read loops held by back-pressure let go
 
 	ackSig  chan struct{} // wakes the acker
@@ -260,12 +267,15 @@ func (b *Broker) goFunc(f func()) { go f() }
 // store, with every MQTT 5 property kept. It is called in log order from one
 // goroutine.
 func (b *Broker) Deliver(m *Message) error {
+	b.shadowMu.Lock()
+	defer b.shadowMu.Unlock()
+	if !m.Retain && b.unroutedLocked(m.Topic) {
+		return nil
+	}
 	pk, live := m.packet(time.Now())
 	if !live {
 		return nil // its message expiry ran out before it was delivered
 	}
-	b.shadowMu.Lock()
-	defer b.shadowMu.Unlock()
 	// The publisher's id as origin keeps NoLocal subscriptions working.
 	b.shadow.ID = m.ClientID
 	err := b.srv.InjectPacket(b.shadow, pk)
@@ -282,6 +292,35 @@ func (b *Broker) Deliver(m *Message) error {
 	}
 	return fmt.Errorf("mqtt: deliver %s: %w", m.Topic, err)
 }
+
+// route is what Deliver knows of a topic's subscribers.
+type route struct {
+	none bool   // no subscriber matched
+	gen  uint64 // subsGen when that was found
+}
+
+// maxRoutes bounds the topics remembered; past it they are forgotten.
+const maxRoutes = 4096
+
+// unroutedLocked reports whether no subscriber matches topic, from the
+// cache when it can. Called with shadowMu held.
+func (b *Broker) unroutedLocked(topic string) bool {
+	gen := b.subsGen.Load() // before the scan: a subscription made meanwhile moves it
+	if r, ok := b.routes[topic]; ok && (!r.none || r.gen == gen) {
+		return r.none
+	}
+	subs := b.srv.Topics.Subscribers(topic)
+	none := len(subs.Subscriptions) == 0 && len(subs.Shared) == 0 && len(subs.InlineSubscriptions) == 0
+	if b.routes == nil || len(b.routes) >= maxRoutes {
+		b.routes = make(map[string]route)
+	}
+	b.routes[topic] = route{none: none, gen: gen}
+	return none
+}
+
+// subscribed is told of every subscription made: topics remembered
+// without subscribers are scanned again.
+func (b *Broker) subscribed() { b.subsGen.Add(1) }
 
 // ReleaseAcks has the acks the Log resolved since the last call written,
 // by the broker's acker goroutine: the acks a batch resolves for one client
