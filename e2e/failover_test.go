@@ -82,6 +82,7 @@ func TestTwoGatewaysPromoteAndRejoin(t *testing.T) {
 	waitRequeued(t, g1, 10*time.Second)
 	acked := merge(ls, la)
 	logLine(t, g1, "rejoined as its slave")
+	converge(t, 20*time.Second, g1, g2)
 	g1.stop()
 	g2.stop()
 	checkAll(t, acked, g2, g1)
@@ -221,6 +222,7 @@ func TestRestartsUnderLoadLoseNothing(t *testing.T) {
 		ls.waitAcks(t, 100, 30*time.Second)
 	}
 	acked := merge(ls, la)
+	converge(t, 30*time.Second, gws...)
 	for _, g := range gws {
 		g.stop()
 	}

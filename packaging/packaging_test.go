@@ -23,6 +23,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/tandem-edge/tandem/internal/netns"
 )
 
 const (
@@ -515,7 +517,10 @@ func runAsService(t *testing.T) {
 	}
 	opts := "--mqtt 127.0.0.1:0 --http 127.0.0.1:0 --peer 127.0.0.1:0"
 	argv := strings.Fields(strings.Replace(m[1], "$TANDEM_OPTS", opts, 1))
-	cmd := exec.Command("setpriv", append([]string{"--reuid=tandem", "--regid=tandem", "--init-groups", "--"}, argv...)...)
+	// The packaged config turns mDNS on: the daemon runs in a network
+	// namespace of its own, so nothing it announces leaves this test.
+	host := netns.New(t, 1).Hosts[0]
+	cmd := host.Command("setpriv", append([]string{"--reuid=tandem", "--regid=tandem", "--init-groups", "--"}, argv...)...)
 	cmd.Dir = "/var/lib/tandem"
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
