@@ -15,10 +15,11 @@ import (
 // commit ends splits them into cohorts that alternate (while one commits, the
 // other turns its acks around), each commit carrying a fraction of them. So
 // the gate estimates the population of such publishes (peak: the most
-// proposals that were in the node at once) and, while fewer than most of
-// them are in, waits for the rest, at most maxBatchWait. A lone client with
+// proposals that were in the node at once) and, while fewer are in, waits
+// for the rest, at most twice their usual turnaround. A lone client with
 // window 1 has a population of one and never waits; clients that leave cost
-// one wait, after which the estimate drops to what came back.
+// a few waits, each of which moves the estimate a quarter of the way down to
+// what came back (one slow straggler must not halve the next commits).
 //
 // Safety is untouched: a proposal is acked after the commit that holds it,
 // as before; the gate only chooses how long a queue may grow first.
@@ -42,11 +43,6 @@ const (
 	minBatchWait = 200 * time.Microsecond
 	maxBatchWait = 5 * time.Millisecond
 )
-
-// batchShare is the share of the population (in 1/8ths) a commit waits for:
-// the stragglers of a cohort go to the next commit instead of holding this
-// one up.
-const batchShare = 7
 
 // arrived counts a proposal put in the queue, which now holds queued; it
 // reports whether the loop must be woken: for the first one (to take it or
@@ -84,9 +80,9 @@ func (g *groupCommit) take(now time.Time, leader bool, wake func()) bool {
 	default:
 		// The rest did not come: they left, or are slower than that.
 		g.turn += (now.Sub(g.waitStart) - g.turn) / 8
-		g.peak = c
+		g.peak -= (g.peak - c + 3) / 4 // c ≤ peak here: c < target = peak
 	}
 	g.waitStart = time.Time{}
-	g.target.Store(max(1, g.peak*batchShare/8))
+	g.target.Store(max(1, g.peak))
 	return true
 }

@@ -47,16 +47,16 @@ func TestGroupCommitWaitsForPopulation(t *testing.T) {
 	if g.take(now, true, wake) {
 		t.Fatal("took 3 of a population of 10")
 	}
-	// Enough of the rest (7/8 of 10 = 8) come back: taken.
-	for i := 4; i <= 8; i++ {
-		if g.arrived(i) != (i == 8) {
-			t.Fatalf("arrival %d: wake-up %v", i, i != 8)
+	// The rest come back: the last one wakes the loop, and all are taken.
+	for i := 4; i <= 10; i++ {
+		if g.arrived(i) != (i == 10) {
+			t.Fatalf("arrival %d: wake-up %v", i, i != 10)
 		}
 	}
 	if !g.take(now.Add(time.Microsecond), true, wake) {
 		t.Fatal("population back, not taken")
 	}
-	leave(8)
+	leave(10)
 
 	// Only two come back: the wait ends at its bound, with a wake-up.
 	arrive(2)
@@ -71,10 +71,29 @@ func TestGroupCommitWaitsForPopulation(t *testing.T) {
 	if !g.take(now.Add(maxBatchWait), true, wake) {
 		t.Fatal("not taken after the wait bound")
 	}
+	// The estimate moved a quarter of the way down (10 -> 8); waits that
+	// keep ending at their bound bring it down to the two that remain.
+	if g.peak != 8 {
+		t.Fatalf("estimate %d after a wait for 10 that saw 2, want 8", g.peak)
+	}
+	for range 8 {
+		if g.peak == 2 {
+			break
+		}
+		leave(2)
+		arrive(2)
+		now = now.Add(time.Second)
+		if g.take(now, true, wake) {
+			t.Fatalf("took 2 of an estimated %d at once", g.peak)
+		}
+		if !g.take(now.Add(maxBatchWait), true, wake) {
+			t.Fatal("not taken after the wait bound")
+		}
+	}
 	leave(2)
 	arrive(2)
-	if !g.take(now.Add(maxBatchWait+time.Millisecond), true, wake) {
-		t.Fatal("the estimate did not drop to the two that came back")
+	if g.peak != 2 || !g.take(now.Add(time.Hour), true, wake) {
+		t.Fatalf("the estimate (%d) did not come down to the two that came back", g.peak)
 	}
 
 	// Not leader: taken at once (refused there).
