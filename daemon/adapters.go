@@ -106,6 +106,9 @@ func (a *applier) Apply(index uint64, rec *storage.Record) error {
 		a.broker.Retain(messageOf(rec))
 		return nil
 	}
+	if !rec.Retain && a.broker.Unrouted(rec.Topic) {
+		return nil // nobody subscribes: no Message to build
+	}
 	return a.broker.Deliver(messageOf(rec))
 }
 

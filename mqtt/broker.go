@@ -318,6 +318,14 @@ func (b *Broker) unroutedLocked(topic string) bool {
 	return none
 }
 
+// Unrouted reports whether Deliver would drop a record on topic without
+// retain for lack of subscribers, so a caller can skip building its Message.
+func (b *Broker) Unrouted(topic string) bool {
+	b.shadowMu.Lock()
+	defer b.shadowMu.Unlock()
+	return b.unroutedLocked(topic)
+}
+
 // subscribed is told of every subscription made: topics remembered
 // without subscribers are scanned again.
 func (b *Broker) subscribed() { b.subsGen.Add(1) }
