@@ -88,7 +88,7 @@ type Broker struct {
 	// subscribers is simply routed.
 	routes  map[string]route
 	subsGen atomic.Uint64 // subscriptions made (OnSubscribed)
-	closing  atomic.Bool // set by Stop: read loops held by back-pressure let go
+	closing atomic.Bool   // set by Stop: read loops held by back-pressure let go
 
 	ackSig  chan struct{} // wakes the acker
 	ackStop chan struct{}
