@@ -18,8 +18,9 @@ import (
 // proposals that were in the node at once) and, while fewer are in, waits
 // for the rest, at most twice their usual turnaround. A lone client with
 // window 1 has a population of one and never waits; clients that leave cost
-// a few waits, each of which moves the estimate a quarter of the way down to
-// what came back (one slow straggler must not halve the next commits).
+// a few waits, each of which moves the estimate half way down to what came
+// back (one slow straggler must not halve the next commits; a population of
+// 64 that drops to 1 costs 6 waits).
 //
 // Safety is untouched: a proposal is acked after the commit that holds it,
 // as before; the gate only chooses how long a queue may grow first.
@@ -80,7 +81,7 @@ func (g *groupCommit) take(now time.Time, leader bool, wake func()) bool {
 	default:
 		// The rest did not come: they left, or are slower than that.
 		g.turn += (now.Sub(g.waitStart) - g.turn) / 8
-		g.peak -= (g.peak - c + 3) / 4 // c ≤ peak here: c < target = peak
+		g.peak -= (g.peak - c + 1) / 2 // c < target = peak here
 	}
 	g.waitStart = time.Time{}
 	g.target.Store(max(1, g.peak))

@@ -71,10 +71,10 @@ func TestGroupCommitWaitsForPopulation(t *testing.T) {
 	if !g.take(now.Add(maxBatchWait), true, wake) {
 		t.Fatal("not taken after the wait bound")
 	}
-	// The estimate moved a quarter of the way down (10 -> 8); waits that
-	// keep ending at their bound bring it down to the two that remain.
-	if g.peak != 8 {
-		t.Fatalf("estimate %d after a wait for 10 that saw 2, want 8", g.peak)
+	// The estimate moved half way down (10 -> 6); waits that keep ending
+	// at their bound bring it down to the two that remain.
+	if g.peak != 6 {
+		t.Fatalf("estimate %d after a wait for 10 that saw 2, want 6", g.peak)
 	}
 	for range 8 {
 		if g.peak == 2 {
