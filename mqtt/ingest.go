@@ -66,9 +66,16 @@ type clientState struct {
 	awaitingRel int
 	// listed is true while cs waits in ingest.ready for releaseReady.
 	listed bool
-	// raw is rawFor's socket, for writes that must not block.
-	raw    syscall.RawConn
-	rawFor *mochi.Client
+	// raw is rawFor's socket, for writes that must not block. rawWrite is
+	// the callback raw.Write runs, made once per socket rather than per
+	// write: it writes wbuf and leaves its results in wn and werr. All four
+	// belong to whoever holds writing.
+	raw      syscall.RawConn
+	rawFor   *mochi.Client
+	rawWrite func(fd uintptr) bool
+	wbuf     []byte
+	wn       int
+	werr     error
 }
 
 // ingest is the mochi hook that turns PUBLISHes into log proposals and
@@ -464,16 +471,20 @@ func (h *ingest) tryWrite(cs *clientState, cl *mochi.Client, b []byte) (rest []b
 		if sc, isSC := cl.Net.Conn.(syscall.Conn); isSC {
 			cs.raw, _ = sc.SyscallConn()
 		}
+		if cs.rawWrite == nil {
+			cs.rawWrite = func(fd uintptr) bool {
+				cs.wn, cs.werr = syscall.Write(int(fd), cs.wbuf)
+				return true // never wait: that is the writer goroutine's job
+			}
+		}
 	}
 	if cs.raw == nil || !cl.TryLock() {
 		return b, false
 	}
-	var n int
-	var werr error
-	err := cs.raw.Write(func(fd uintptr) bool {
-		n, werr = syscall.Write(int(fd), b)
-		return true // never wait: that is the writer goroutine's job
-	})
+	cs.wbuf, cs.wn, cs.werr = b, 0, nil
+	err := cs.raw.Write(cs.rawWrite)
+	n, werr := cs.wn, cs.werr
+	cs.wbuf = nil
 	cl.Unlock()
 	if n > 0 {
 		atomic.AddInt64(&h.b.srv.Info.BytesSent, int64(n))
