@@ -486,19 +486,7 @@ func TestThreeGatewaysSurviveMasterKill(t *testing.T) {
 	l.waitAcks(t, 300, 20*time.Second)
 	killed := time.Now()
 	g1.kill()
-	var master *gw
-	deadline := killed.Add(5 * time.Second)
-	for master == nil {
-		for _, g := range []*gw{g2, g3} {
-			if s := g.status(); s != nil && s.Role == "master" {
-				master = g
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no new master within 5 s of the kill")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	master := waitMaster(t, killed.Add(5*time.Second), g2, g3)
 	elected := time.Since(killed)
 	l.waitAcks(t, 300, 20*time.Second)
 	acked := l.stop()
@@ -577,4 +565,20 @@ func TestMasterFoundAgainAfterAddressChange(t *testing.T) {
 	}
 	t.Logf("replication resumed %v after the master's address changed", time.Since(moved).Round(time.Millisecond))
 	waitShape(t, g1, 0, 1, 10*time.Second)
+}
+
+// waitMaster waits until one of gws is master, at the latest by deadline.
+func waitMaster(t *testing.T, deadline time.Time, gws ...*gw) *gw {
+	t.Helper()
+	for {
+		for _, g := range gws {
+			if s := g.status(); s != nil && s.Role == "master" {
+				return g
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no master among %d gateways by %s", len(gws), deadline.Format("15:04:05.000"))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }

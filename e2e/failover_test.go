@@ -143,19 +143,7 @@ func TestThreeGatewaysMasterCutOff(t *testing.T) {
 	la.waitAcks(t, 200, 20*time.Second)
 	cut := time.Now()
 	nt.Partition([]*netns.Host{nt.Hosts[0]}, []*netns.Host{nt.Hosts[1], nt.Hosts[2]})
-	var master *gw
-	deadline := time.Now().Add(10 * time.Second)
-	for master == nil {
-		for _, g := range []*gw{g2, g3} {
-			if s := g.status(); s != nil && s.Role == "master" {
-				master = g
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no new master among the majority")
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	master := waitMaster(t, time.Now().Add(10*time.Second), g2, g3)
 	// The old master steps down (check-quorum): it stops acking.
 	waitRoleNot(t, g1, "master", 5*time.Second)
 	healed := time.Now()
