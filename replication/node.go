@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -530,7 +531,7 @@ func (n *Node) proposeQueued() {
 			live.also = append(live.also, p)
 			continue
 		}
-		if idx, ok := n.logged.get(p.id); ok {
+		if idx, ok := n.logged.get(p.id); ok && n.holds(idx, p.id) {
 			p.index = idx
 			if p.mode == Async {
 				n.resolve(p, nil)
@@ -735,7 +736,12 @@ func (n *Node) matchSaved(ents []pb.Entry) {
 			continue
 		}
 		id := recID{origin, seq}
-		n.logged.add(id, e.Index)
+		if origin != n.id {
+			// Only another node's records come again (a slave's retried
+			// forward, a deposed master's requeue): this node's own are
+			// proposed once, so they need no entry here.
+			n.logged.add(id, e.Index)
+		}
 		p := n.pending[id]
 		if p == nil {
 			continue
@@ -748,6 +754,19 @@ func (n *Node) matchSaved(ents []pb.Entry) {
 			n.syncWait = append(n.syncWait, p)
 		}
 	}
+}
+
+// holds reports whether the log entry at index is still the record id: an
+// entry recentLogged remembers may since have been overwritten (and moved
+// to the requeue bucket) when this node lost the mastership, and the record
+// must then be logged again, not taken as logged.
+func (n *Node) holds(index uint64, id recID) bool {
+	ents, err := n.db.Entries(index, index+1, math.MaxUint64)
+	if err != nil || len(ents) != 1 {
+		return false
+	}
+	o, s, err := storage.RecordID(ents[0].Data)
+	return err == nil && o == id.origin && s == id.seq
 }
 
 // checkSync acks the sync proposals that enough other members hold, as
