@@ -127,9 +127,11 @@ type DB struct {
 	stageMu  sync.Mutex
 	staged   map[string]stagedOp
 	stageGen uint64
+	takeBuf  []stagedOp // reused by commitEntries; bbolt runs one commit at a time
 }
 
 type stagedOp struct {
+	k      string // its key in DB.staged
 	bucket string
 	key    string
 	val    []byte // nil means delete

@@ -3,7 +3,6 @@ package storage
 import (
 	"encoding/binary"
 	"fmt"
-	"maps"
 	"os"
 	"time"
 
@@ -15,7 +14,8 @@ import (
 func (db *DB) stage(bucket, key string, val []byte) {
 	db.stageMu.Lock()
 	db.stageGen++
-	db.staged[bucket+"\x00"+key] = stagedOp{bucket: bucket, key: key, val: val, gen: db.stageGen}
+	k := bucket + "\x00" + key
+	db.staged[k] = stagedOp{k: k, bucket: bucket, key: key, val: val, gen: db.stageGen}
 	db.stageMu.Unlock()
 }
 
@@ -42,18 +42,34 @@ func (db *DB) commit(fn func(tx *bolt.Tx) error) error { return db.commitEntries
 // commitEntries is commit for a transaction that appends entries log
 // entries, the batch size Options.OnCommit reports.
 func (db *DB) commitEntries(entries int, fn func(tx *bolt.Tx) error) error {
-	var taken map[string]stagedOp
+	var taken []stagedOp
 	var built time.Time // when fn is done and bbolt starts writing and syncing
 	err := db.bolt.Update(func(tx *bolt.Tx) error {
 		defer func() { built = time.Now() }()
+		// Copied into a slice kept from commit to commit (bbolt runs one
+		// at a time), not a cloned map: a clone is as large as the map
+		// ever grew, at every commit.
 		db.stageMu.Lock()
-		taken = maps.Clone(db.staged)
+		taken = db.takeBuf[:0]
+		for _, op := range db.staged {
+			taken = append(taken, op)
+		}
+		db.takeBuf = taken
 		db.stageMu.Unlock()
+		var buckets map[string]*bolt.Bucket
 		for _, op := range taken {
-			b, err := tx.CreateBucketIfNotExists([]byte(op.bucket))
-			if err != nil {
-				return err
+			b := buckets[op.bucket]
+			if b == nil {
+				var err error
+				if b, err = tx.CreateBucketIfNotExists([]byte(op.bucket)); err != nil {
+					return err
+				}
+				if buckets == nil {
+					buckets = make(map[string]*bolt.Bucket, 4)
+				}
+				buckets[op.bucket] = b
 			}
+			var err error
 			if op.val == nil {
 				err = b.Delete([]byte(op.key))
 			} else {
@@ -81,9 +97,9 @@ func (db *DB) commitEntries(entries int, fn func(tx *bolt.Tx) error) error {
 		db.onCommit(time.Since(built), entries)
 	}
 	db.stageMu.Lock()
-	for k, op := range taken {
-		if cur, ok := db.staged[k]; ok && cur.gen == op.gen {
-			delete(db.staged, k)
+	for _, op := range taken {
+		if cur, ok := db.staged[op.k]; ok && cur.gen == op.gen {
+			delete(db.staged, op.k)
 		}
 	}
 	db.stageMu.Unlock()
