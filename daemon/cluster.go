@@ -78,15 +78,17 @@ type cluster struct {
 	// joinedAt is the master's commit index when this node joined (0 if
 	// it did not join in this run); seenSelf is set once this node has
 	// seen itself a member past it. Guarded by d.swapMu.
-	joinedAt uint64
-	seenSelf bool
+	joinedAt  uint64
+	seenSelf  bool
+	catchUpTo uint64 // the node's Config.CatchUpTo; 0 when caught up
 
 	// lingerMu guards lingering: removed members the transport keeps a
 	// link to for a while, by id.
 	lingerMu  sync.Mutex
 	lingering map[uint64]replication.PeerInfo
 
-	last []replication.PeerInfo // the members' peers, as last set; lingerMu
+	last  []replication.PeerInfo // the members' peers, as last set; lingerMu
+	floor []replication.PeerInfo // peers kept while catching up after a join; lingerMu
 
 	// mDNS, keeper-owned: the advertiser (nil when off), what it last
 	// said, and when members were last looked for.
@@ -102,13 +104,52 @@ type cluster struct {
 	promotions, depositions atomic.Uint64
 
 	// Background tasks of the keeper that are running.
-	bgBrowse, bgDeposed, bgTend atomic.Bool
+	bgBrowse, bgDeposed, bgTend, bgLeave atomic.Bool
 
 	addrsMu sync.Mutex
 	addrs   []string // this node's peer addresses as other gateways should dial them
 
 	stopc chan struct{}
 	wg    sync.WaitGroup
+}
+
+// metaCatchUp records a join or rejoin whose history this node is still
+// replaying: the master's commit index then, and the members it named.
+const metaCatchUp = "cluster.catchup"
+
+// catchUpState is metaCatchUp's value.
+type catchUpState struct {
+	Commit  uint64               `json:"commit"`
+	Members []replication.Member `json:"members"`
+}
+
+// startCatchUp records, durably, that this node replays the history of the
+// cluster rep describes; d.swapMu is held. A restart in the middle goes on
+// catching up: it neither campaigns, nor takes an old removal of itself
+// for a new one, nor forgets how to reach today's master.
+func (c *cluster) startCatchUp(rep joinReply) error {
+	b, _ := json.Marshal(catchUpState{Commit: rep.Commit, Members: rep.Members})
+	if err := c.d.db.PutMeta(metaCatchUp, b); err != nil {
+		return err
+	}
+	c.joinedAt, c.seenSelf, c.catchUpTo = rep.Commit, false, rep.Commit
+	return nil
+}
+
+// caughtUp ends a catch-up; d.swapMu is held.
+func (c *cluster) caughtUp() {
+	if c.catchUpTo == 0 {
+		return
+	}
+	c.catchUpTo = 0
+	if err := c.d.db.PutMeta(metaCatchUp, nil); err != nil {
+		c.d.log.Warn("recording the end of a catch-up failed", "error", err)
+	}
+	c.lingerMu.Lock()
+	c.floor = nil
+	c.lingerMu.Unlock()
+	c.setPeers()
+	c.d.log.Info("caught up with the cluster's log")
 }
 
 // loadClusterMeta reads (or, on a new data dir, creates) the cluster id and
@@ -125,6 +166,15 @@ func (c *cluster) loadMeta(db *storage.DB) error {
 		}
 	}
 	c.cid = string(v)
+	if cu, err := db.GetMeta(metaCatchUp); err != nil {
+		return err
+	} else if len(cu) > 0 {
+		var st catchUpState
+		if err := json.Unmarshal(cu, &st); err != nil {
+			return fmt.Errorf("%s: %v: %w", metaCatchUp, err, storage.ErrCorrupt)
+		}
+		c.joinedAt, c.catchUpTo, c.floor = st.Commit, st.Commit, peersOf(st.Members)
+	}
 	g, err := db.GetMeta(metaGeneration)
 	if err != nil {
 		return err
@@ -258,13 +308,20 @@ func (c *cluster) startTransport() error {
 		OnRaft: func(_ uint64, msgs []raftpb.Message) {
 			c.failover.heard.Store(time.Now().UnixNano())
 			n := d.node()
+			if n == nil {
+				return // still starting: raft resends
+			}
 			for _, m := range msgs {
 				n.Step(m)
 			}
 		},
-		OnUnreachable: func(id uint64) { d.node().ReportUnreachable(id) },
-		OnRequest:     c.onRequest,
-		OnStranger:    c.onStranger,
+		OnUnreachable: func(id uint64) {
+			if n := d.node(); n != nil {
+				n.ReportUnreachable(id)
+			}
+		},
+		OnRequest:  c.onRequest,
+		OnStranger: c.onStranger,
 	})
 	if err != nil {
 		return err
@@ -327,7 +384,35 @@ func (c *cluster) peersLocked() []replication.PeerInfo {
 	for _, p := range c.lingering {
 		out = append(out, p)
 	}
+	// While a joining node replays the cluster's history, the membership
+	// it applies is an old one, maybe without today's master: the members
+	// the master named at the join stay linked until it has caught up.
+	for _, p := range c.floor {
+		if !slices.ContainsFunc(out, func(q replication.PeerInfo) bool { return q.ID == p.ID }) {
+			out = append(out, p)
+		}
+	}
 	return out
+}
+
+// setMembers links to members (at start: the membership on disk).
+func (c *cluster) setMembers(members []replication.Member) {
+	c.lingerMu.Lock()
+	c.last = peersOf(members)
+	c.lingerMu.Unlock()
+	c.setPeers()
+}
+
+// setFloor sets the peers kept linked while this node catches up after a
+// join or rejoin (nil once it has).
+func (c *cluster) setFloor(members []replication.Member) {
+	c.lingerMu.Lock()
+	c.floor = peersOf(members)
+	if members != nil {
+		c.last = c.floor
+	}
+	c.lingerMu.Unlock()
+	c.setPeers()
 }
 
 // tellRemoved tells a node the master just removed that it is out: raft
@@ -430,6 +515,9 @@ func (f forwarder) Forward(ctx context.Context, master uint64, data []byte, mode
 
 // onRequest answers a member's request.
 func (c *cluster) onRequest(ctx context.Context, from uint64, kind byte, payload []byte) ([]byte, error) {
+	if c.d.node() == nil {
+		return nil, errors.New("this gateway is still starting")
+	}
 	switch kind {
 	case reqForward:
 		if len(payload) < 1 || payload[0] > byte(replication.Sync) {
@@ -459,11 +547,12 @@ func (c *cluster) onRequest(ctx context.Context, from uint64, kind byte, payload
 		if from != n.Leader() {
 			return nil, errors.New("only the master can say this node was removed")
 		}
-		c.wg.Add(1)
-		go func() {
-			defer c.wg.Done()
-			c.leave()
-		}()
+		select {
+		case <-c.stopc:
+			return nil, errors.New("this gateway is stopping")
+		default:
+		}
+		c.background(&c.bgLeave, c.leave)
 		return nil, nil
 	}
 	return nil, fmt.Errorf("unknown request kind %q", kind)
@@ -612,8 +701,9 @@ func (c *cluster) removed(n *replication.Node) bool {
 		}
 	}
 	if in {
-		if c.d.db.Applied() >= c.joinedAt {
+		if !c.seenSelf && c.d.db.Applied() >= c.joinedAt {
 			c.seenSelf = true
+			c.caughtUp()
 		}
 		return false
 	}
@@ -626,7 +716,8 @@ func (c *cluster) removed(n *replication.Node) bool {
 func (c *cluster) leave() {
 	c.d.log.Warn("this gateway was removed from the cluster: it now runs alone, in a new cluster")
 	err := c.d.restartNode(func() error {
-		c.seenSelf, c.joinedAt = false, 0
+		c.seenSelf, c.joinedAt, c.catchUpTo = false, 0, 0
+		_ = c.d.db.PutMeta(metaCatchUp, nil)
 		if err := c.d.db.ResetRaft(false); err != nil {
 			return err
 		}

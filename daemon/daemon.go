@@ -134,7 +134,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return err
 	}
 	n := d.node()
-	d.cl.tr.SetPeers(peersOf(n.Members()))
+	d.cl.setMembers(n.Members())
 	if len(n.Members()) <= 1 {
 		// A lone gateway leads at once; wait for it so the first
 		// publishes do not meet a node still campaigning. A member of a
@@ -204,6 +204,7 @@ func (d *Daemon) nodeConfig(join bool) replication.Config {
 		MinSyncReplicas: c.Cluster.MinSyncReplicas,
 		MemberContext:   self,
 		Join:            join,
+		CatchUpTo:       d.cl.catchUpTo,
 		OnMembership:    d.cl.onMembership,
 		Forwarder:       forwarder{d.cl},
 		AfterResolve:    d.broker.ReleaseAcks,

@@ -150,8 +150,9 @@ type joinReply struct {
 	Commit     uint64               `json:"commit"`
 	Master     string               `json:"master"`
 	// Fork is, for a rejoining deposed master, the promoted node's last
-	// index before its promotion: the logs agree up to it.
-	Fork uint64 `json:"fork,omitempty"`
+	// index before its promotion, and ForkTerm the term of its entry there.
+	Fork     uint64 `json:"fork,omitempty"`
+	ForkTerm uint64 `json:"fork_term,omitempty"`
 }
 
 // adminRequest is a cluster command a slave passes to the master.
@@ -261,6 +262,9 @@ func (c *cluster) newInvite(ttl time.Duration) (string, error) {
 // onStranger answers a knock on the peer port: a join token's secret. A
 // pairing proof is the pairing issue's; until then it is refused.
 func (c *cluster) onStranger(ctx context.Context, r replication.Remote, kind byte, payload []byte) ([]byte, error) {
+	if c.d.node() == nil {
+		return nil, errors.New("this gateway is still starting")
+	}
 	if kind == replication.KnockPair {
 		return c.onPair(ctx, r, payload)
 	}
@@ -421,15 +425,17 @@ func (c *cluster) becomeMember(ctx context.Context, rep joinReply, mode joinMode
 	// goes (its records to the requeue bucket, if asked), and the
 	// master's log brings it up to date, membership included.
 	if err := d.restartNode(func() error {
-		c.joinedAt, c.seenSelf = rep.Commit, false
 		if err := d.db.ResetRaft(mode == joinRequeue); err != nil {
+			return err
+		}
+		if err := c.startCatchUp(rep); err != nil {
 			return err
 		}
 		return c.setMeta(d.db, rep.Cluster, rep.Generation)
 	}, true, rep.Commit); err != nil {
 		return joinReply{}, err
 	}
-	c.tr.SetPeers(peersOf(rep.Members))
+	c.setFloor(rep.Members)
 	c.tr.Reconnect()
 	// Answer once the master is in contact, so that what the operator
 	// runs next (tandem status) already shows the cluster; a master slow

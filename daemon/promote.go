@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/tandem-edge/tandem/replication"
+	"github.com/tandem-edge/tandem/storage"
 )
 
 // Metadata a promotion leaves on the promoted node, for the deposed master
@@ -77,12 +78,16 @@ func (c *cluster) promote(ctx context.Context, force bool, reason string) (repli
 		if err := d.db.PutMeta(metaFork, []byte(strconv.FormatUint(fork, 10))); err != nil {
 			return err
 		}
-		return c.setMeta(d.db, c.clusterID(), gen)
+		if err := c.setMeta(d.db, c.clusterID(), gen); err != nil {
+			return err
+		}
+		// No link made under the old generation outlives the promotion.
+		c.tr.Reconnect()
+		return nil
 	}, false, 0)
 	if err != nil {
 		return old, err
 	}
-	c.tr.Reconnect()
 	c.promotions.Add(1)
 	d.log.Warn("promoted to master", "reason", reason, "deposed", old.Name, "generation", gen, "fork_index", fork)
 	return old, nil
@@ -113,6 +118,11 @@ func (c *cluster) admitRejoin(ctx context.Context, r replication.Remote, req joi
 		return joinReply{}, err
 	}
 	rep.Fork = fork
+	if t, err := d.db.Term(fork); err == nil {
+		rep.ForkTerm = t
+	}
+	// It may rejoin this way once: afterwards it is a member like any.
+	_ = d.db.PutMeta(metaDeposed, nil)
 	d.log.Info("the deposed master rejoins as slave", "peer", req.Member.Name, "fork_index", fork)
 	return rep, nil
 }
@@ -154,19 +164,21 @@ func (c *cluster) rejoin(rep joinReply, by replication.Member) {
 	var requeued int
 	err := d.restartNode(func() error {
 		before, _ := d.db.DataRecords()
-		c.joinedAt, c.seenSelf = rep.Commit, false
-		if err := d.db.ResetRaftFrom(rep.Fork + 1); err != nil {
+		if err := d.db.ResetRaftFrom(forkFrom(d.db, rep)); err != nil {
 			return err
 		}
 		after, _ := d.db.DataRecords()
 		requeued = before - after
+		if err := c.startCatchUp(rep); err != nil {
+			return err
+		}
 		return c.setMeta(d.db, rep.Cluster, rep.Generation)
 	}, true, min(rep.Fork, applied))
 	if err != nil {
 		d.log.Error("stepping down for the promoted master failed", "error", err)
 		return
 	}
-	c.tr.SetPeers(peersOf(rep.Members))
+	c.setFloor(rep.Members)
 	c.tr.Reconnect()
 	c.depositions.Add(1)
 	d.log.Warn("deposed: another gateway was promoted to master; rejoined as its slave", "master", by.Name, "generation", rep.Generation, "fork_index", rep.Fork, "records_requeued", requeued)
@@ -270,4 +282,27 @@ func (c *cluster) peerAddrs(m replication.Member) []string {
 		}
 	}
 	return out
+}
+
+// forkFrom is the first index of this deposed master's log to requeue:
+// after the fork, and earlier where its log differs from the promoted
+// node's before it. That happens when this node lost entries it had sent
+// before its own fsync finished (a crash), then logged others at those
+// indexes in a later term: every entry of a term above the promoted
+// node's term at the fork is this node's alone.
+func forkFrom(db *storage.DB, rep joinReply) uint64 {
+	from := rep.Fork + 1
+	if rep.ForkTerm == 0 {
+		return from
+	}
+	first, _ := db.FirstIndex()
+	last, _ := db.LastIndex()
+	for i := min(rep.Fork, last); i >= first && i > 0; i-- {
+		t, err := db.Term(i)
+		if err != nil || t <= rep.ForkTerm {
+			break
+		}
+		from = i
+	}
+	return from
 }

@@ -1,6 +1,8 @@
 package daemon
 
 import (
+	"bytes"
+	"fmt"
 	"net/http"
 	"strings"
 	"testing"
@@ -145,4 +147,37 @@ func TestPromoteRefusals(t *testing.T) {
 	if s := statusOfGW(t, g1); s.Role != "master" || s.Cluster.Generation != 0 {
 		t.Fatalf("refused promotions changed the cluster: %+v", s)
 	}
+}
+
+// A gateway joining after a promotion replays a history in which today's
+// master was not yet a member: it must keep its link to that master while
+// it catches up (found by review: it dropped it and never caught up).
+func TestJoinAfterAPromotionCatchesUp(t *testing.T) {
+	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: unusedAddr(t)}
+	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: unusedAddr(t)}
+	g3 := &fixedGateway{name: "gw-3", dir: t.TempDir(), peer: unusedAddr(t)}
+	g1.start(t, nil)
+	pub1, _ := v5(t, g1.d.MQTTAddr(), "pub1", nil)
+	big := bytes.Repeat([]byte("x"), 8000)
+	const n = 400
+	for i := 0; i < n; i++ {
+		publish(t, pub1, &paho.Publish{Topic: fmt.Sprintf("a/%d", i), QoS: 1, Payload: big})
+	}
+	g2.start(t, nil)
+	joinWith(t, g2.d, inviteToken(t, g1.d))
+	waitFor(t, 20*time.Second, "gw-2 caught up", func() bool { return len(logRecords(t, g2.d)) >= n })
+	g1.d.Stop()
+	g2.d.Stop()
+	g2.start(t, nil)
+	if code, msg := api(t, g2.d, "/v1/cluster/promote", promoteRequest{}, nil); code != 200 {
+		t.Fatalf("promote: %d %q", code, msg)
+	}
+	waitFor(t, 5*time.Second, "gw-2 master", func() bool { return statusOfGW(t, g2.d).Role == "master" })
+	g3.start(t, nil)
+	joinWith(t, g3.d, inviteToken(t, g2.d))
+	waitFor(t, 30*time.Second, "gw-3 caught up", func() bool { return len(logRecords(t, g3.d)) >= n })
+	waitFor(t, 10*time.Second, "gw-3 a slave of gw-2", func() bool {
+		s := statusOfGW(t, g3.d)
+		return s.Role == "slave" && s.Leader != nil && s.Leader.Name == "gw-2"
+	})
 }

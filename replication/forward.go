@@ -99,6 +99,7 @@ func (r *recentLogged) add(id recID, index uint64) {
 		r.order = make([]recID, 0, recentLoggedCap)
 	}
 	if _, ok := r.index[id]; ok {
+		r.index[id] = index // logged again: the newest place counts
 		return
 	}
 	if len(r.order) < recentLoggedCap {

@@ -89,6 +89,11 @@ type Config struct {
 	// Forwarder, if set, carries proposals made while another node is the
 	// master to that master. Without it they fail with ErrNotLeader.
 	Forwarder Forwarder
+	// CatchUpTo, if set, is the master's commit index when this node
+	// joined: until it has applied that far, the membership it applies is
+	// an old one (in which it may even have been the only voter, for a
+	// deposed master rejoining), so it never campaigns meanwhile.
+	CatchUpTo uint64
 	// AfterResolve, if set, is called after each run of proposal
 	// callbacks, so their effects (acks) can be batched: on the raft
 	// goroutine, or on Propose's caller when it refuses at once. It must
@@ -195,6 +200,7 @@ type Node struct {
 	// leaderChanges counts changes of lead, for metrics.
 	leaderChanges atomic.Uint64
 	term          atomic.Uint64 // the term last saved
+	catchUp       atomic.Uint64 // Config.CatchUpTo until applied that far, then 0
 
 	// Loop-owned state.
 	pending      map[recID]*proposal // proposed, not yet saved
@@ -251,6 +257,7 @@ func NewNode(cfg Config) (*Node, error) {
 		return nil, err
 	}
 	n.seq.Store(epoch << 32)
+	n.catchUp.Store(cfg.CatchUpTo)
 	n.confSeq = epoch << 32 // conf change ids of this run never match an earlier run's
 	rcfg := &raft.Config{
 		ID:              id,
@@ -289,7 +296,7 @@ func NewNode(cfg Config) (*Node, error) {
 			}
 		}
 	}
-	if cs := rn.Status().Config.Voters.IDs(); len(cs) == 1 {
+	if cs := rn.Status().Config.Voters.IDs(); len(cs) == 1 && !n.catchingUp() {
 		if _, ok := cs[id]; !ok {
 			goto start
 		}
@@ -442,7 +449,11 @@ func (n *Node) run() {
 		select {
 		case <-wake:
 		case <-ticker.C:
-			n.rn.Tick()
+			if !n.catchingUp() {
+				// A follower's ticks only time elections: one that is
+				// still replaying history must not start any.
+				n.rn.Tick()
+			}
 			if n.db.Pending() && !n.rn.HasReady() {
 				// Staged metadata (applied index, sessions) with no log
 				// traffic to ride on: commit it on its own.
@@ -756,6 +767,19 @@ func (n *Node) matchSaved(ents []pb.Entry) {
 	}
 }
 
+// catchingUp reports whether this node has yet to apply up to CatchUpTo.
+func (n *Node) catchingUp() bool {
+	to := n.catchUp.Load()
+	if to == 0 {
+		return false
+	}
+	if n.db.Applied() >= to {
+		n.catchUp.Store(0)
+		return false
+	}
+	return true
+}
+
 // holds reports whether the log entry at index is still the record id: an
 // entry recentLogged remembers may since have been overwritten (and moved
 // to the requeue bucket) when this node lost the mastership, and the record
@@ -893,11 +917,6 @@ func (n *Node) applyConfChange(e *pb.Entry) {
 	}
 	cs := n.rn.ApplyConfChange(cc)
 	n.db.SetConfState(*cs)
-	if len(cs.Voters) == 1 && cs.Voters[0] == n.id && n.rn.BasicStatus().RaftState != raft.StateLeader {
-		// The sole voter now (a forced promotion): lead at once rather
-		// than after an election timeout.
-		_ = n.rn.Campaign()
-	}
 	for _, ch := range cc.AsV2().Changes {
 		n.recordMember(ch, ctx)
 		n.log.Info("membership changed", "change", ch.Type.String(), "peer", IDString(ch.NodeID), "index", e.Index)

@@ -44,6 +44,11 @@ func ForcePromote(db *storage.DB, self Member, old uint64) (uint64, error) {
 	if lt, err := db.Term(last); err == nil && lt > term {
 		term = lt
 	}
+	// A term of its own, above the old master's: (index, term) must name
+	// one entry only, and the old master's appends at its old term are
+	// refused from here on.
+	term++
+	hs.Vote = 0
 	self.Voter = true
 	ctx, err := json.Marshal(self)
 	if err != nil {
