@@ -39,7 +39,7 @@ type StatusCluster struct {
 	TopicsHash string   `json:"topics_hash"`
 	PeerAddrs  []string `json:"peer_addrs"`
 	// Requeued counts the records this node re-published since it
-	// started; RequeuePending those still waiting to be (up to 10000).
+	// started; RequeuePending those still waiting to be.
 	Requeued       uint64 `json:"requeued"`
 	RequeuePending int    `json:"requeue_pending"`
 }
@@ -132,8 +132,8 @@ func (d *Daemon) status(ctx context.Context) (*Status, error) {
 		Storage: StatusStorage{Commits: d.db.Commits()},
 		Cluster: StatusCluster{ID: d.cl.clusterID(), Generation: d.cl.generation(), TopicsHash: d.topicsHash(), PeerAddrs: d.cl.myAddrs(), Requeued: n.Requeued()},
 	}
-	if rq, err := d.db.Requeued(10000); err == nil {
-		s.Cluster.RequeuePending = len(rq)
+	if n, err := d.db.RequeuePending(); err == nil {
+		s.Cluster.RequeuePending = n
 	}
 	names := map[uint64]string{d.id.ID: d.cfg.Node.Name}
 	progress := map[uint64]replication.MemberProgress{}

@@ -38,6 +38,17 @@ func (db *DB) Requeued(limit int) ([]Requeued, error) {
 	return out, err
 }
 
+// RequeuePending counts the requeued entries not yet re-published, for
+// status and metrics: without reading them, as Requeued does.
+func (db *DB) RequeuePending() (int, error) {
+	n := 0
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		n = tx.Bucket(bucketRequeue).Stats().KeyN
+		return nil
+	})
+	return n, err
+}
+
 // DropRequeued removes a requeued entry, with the next transaction.
 func (db *DB) DropRequeued(key string) { db.stage(string(bucketRequeue), key, nil) }
 

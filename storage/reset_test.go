@@ -46,6 +46,9 @@ func TestResetRaftForJoining(t *testing.T) {
 		if members != 0 || (requeue && len(rq) != 1) || (!requeue && len(rq) != 0) {
 			t.Fatalf("requeue=%v: %d members, %d requeued", requeue, members, len(rq))
 		}
+		if n, err := db.RequeuePending(); err != nil || n != len(rq) {
+			t.Fatalf("RequeuePending = %d, %v; want %d", n, err, len(rq))
+		}
 		if requeue {
 			if got, err := DecodeRecord(rq[0].Data); err != nil || got.Topic != "t" {
 				t.Fatalf("requeued record %+v %v", got, err)
