@@ -108,21 +108,38 @@ func newGW(t *testing.T, h *netns.Host, name string, cluster ...string) *gw {
 	return g
 }
 
-func (g *gw) start() {
+// eventually polls cond until it holds; past within it fails the test,
+// naming what it waited for (msg, if given, adds what was last seen).
+func eventually(t *testing.T, within time.Duration, what string, cond func() bool, msg ...func() string) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(deadline) {
+			last := ""
+			for _, m := range msg {
+				last = ": " + m()
+			}
+			t.Fatalf("not within %v: %s%s", within, what, last)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// start runs the gateway, with env added to its environment, and waits
+// until its HTTP API answers.
+func (g *gw) start(env ...string) {
 	g.t.Helper()
-	g.proc = g.h.Start(g.h.Command(tandemBin(g.t), "run", "--config", g.cfg))
+	cmd := g.h.Command(tandemBin(g.t), "run", "--config", g.cfg)
+	if len(env) > 0 {
+		cmd.Env = append(os.Environ(), env...)
+	}
+	g.proc = g.h.Start(cmd)
 	g.t.Cleanup(func() {
 		if g.t.Failed() {
 			g.t.Logf("%s output:\n%s", g.name, g.proc.Output())
 		}
 	})
-	deadline := time.Now().Add(15 * time.Second)
-	for g.status() == nil {
-		if time.Now().After(deadline) {
-			g.t.Fatalf("%s did not start", g.name)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	eventually(g.t, 15*time.Second, g.name+" serving", func() bool { return g.status() != nil })
 }
 
 // kill stops the process with SIGKILL.
@@ -157,6 +174,9 @@ type gwStatus struct {
 		Generation     uint64 `json:"generation"`
 		RequeuePending int    `json:"requeue_pending"`
 	} `json:"cluster"`
+	Pairing struct {
+		Open bool `json:"open"`
+	} `json:"pairing"`
 }
 
 // status asks the gateway's HTTP API; nil when it does not answer.
@@ -202,31 +222,24 @@ func (g *gw) join(inviter *gw) {
 // waitShape waits until master sees the others as voters/learners, caught up.
 func waitShape(t *testing.T, master *gw, voters, learners int, within time.Duration) {
 	t.Helper()
-	deadline := time.Now().Add(within)
-	for {
-		s := master.status()
-		if s != nil && s.Role == "master" {
-			v, l, ok := 0, 0, true
-			for _, m := range s.Members {
-				if m.Voter {
-					v++
-				} else {
-					l++
-				}
-				if m.MatchIndex == 0 || !m.Reachable || m.LagRecords > 64 {
-					ok = false
-				}
+	var s *gwStatus
+	eventually(t, within, fmt.Sprintf("%s seeing %d other voters and %d learners, caught up", master.name, voters, learners), func() bool {
+		if s = master.status(); s == nil || s.Role != "master" {
+			return false
+		}
+		v, l := 0, 0
+		for _, m := range s.Members {
+			if m.Voter {
+				v++
+			} else {
+				l++
 			}
-			if v == voters && l == learners && ok {
-				return
+			if m.MatchIndex == 0 || !m.Reachable || m.LagRecords > 64 {
+				return false
 			}
 		}
-		if time.Now().After(deadline) {
-			b, _ := json.Marshal(s)
-			t.Fatalf("%s: want %d other voters and %d learners, caught up; status %s", master.name, voters, learners, b)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return v == voters && l == learners
+	}, func() string { b, _ := json.Marshal(s); return "status " + string(b) })
 }
 
 // device is an MQTT 5 client connected to a gateway from inside its host.
@@ -328,13 +341,8 @@ func (l *load) stop() map[string]time.Time {
 func (l *load) waitAcks(t *testing.T, n int64, within time.Duration) {
 	t.Helper()
 	want := l.n.Load() + n
-	deadline := time.Now().Add(within)
-	for l.n.Load() < want {
-		if time.Now().After(deadline) {
-			t.Fatalf("load: %d acks, want %d within %v", l.n.Load(), want, within)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	eventually(t, within, fmt.Sprintf("%d acks", want), func() bool { return l.n.Load() >= want },
+		func() string { return fmt.Sprintf("%d acks", l.n.Load()) })
 }
 
 // converge waits, once the load has stopped, until the gateways agree: a
@@ -343,36 +351,29 @@ func (l *load) waitAcks(t *testing.T, n int64, within time.Duration) {
 // others may lag behind the last acks until then.
 func converge(t *testing.T, within time.Duration, gws ...*gw) {
 	t.Helper()
-	deadline := time.Now().Add(within)
 	names := map[string]bool{}
 	for _, g := range gws {
 		names[g.name] = true
 	}
-	for {
-		done, master := true, false
+	eventually(t, within, "the gateways converging", func() bool {
+		master := false
 		for _, g := range gws {
 			s := g.status()
 			if s == nil || s.Cluster.RequeuePending > 0 {
-				done = false
+				return false
+			}
+			if s.Role != "master" {
 				continue
 			}
-			if s.Role == "master" {
-				master = true
-				for _, m := range s.Members {
-					if names[m.Name] && (m.LagRecords > 0 || !m.Reachable) {
-						done = false
-					}
+			master = true
+			for _, m := range s.Members {
+				if names[m.Name] && (m.LagRecords > 0 || !m.Reachable) {
+					return false
 				}
 			}
 		}
-		if done && master {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the gateways did not converge within %v", within)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return master
+	})
 }
 
 // payloads reads a stopped gateway's log with tandem inspect.
@@ -570,15 +571,15 @@ func TestMasterFoundAgainAfterAddressChange(t *testing.T) {
 // waitMaster waits until one of gws is master, at the latest by deadline.
 func waitMaster(t *testing.T, deadline time.Time, gws ...*gw) *gw {
 	t.Helper()
-	for {
+	var master *gw
+	eventually(t, time.Until(deadline), "a master among the gateways", func() bool {
 		for _, g := range gws {
 			if s := g.status(); s != nil && s.Role == "master" {
-				return g
+				master = g
+				return true
 			}
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no master among %d gateways by %s", len(gws), deadline.Format("15:04:05.000"))
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return false
+	})
+	return master
 }

@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"fmt"
 	"maps"
 	"strings"
 	"testing"
@@ -12,32 +13,20 @@ import (
 // waitRole waits until g reports role (and, for a slave, leader).
 func waitRole(t *testing.T, g *gw, role, leader string, within time.Duration) {
 	t.Helper()
-	deadline := time.Now().Add(within)
-	for {
-		s := g.status()
-		if s != nil && s.Role == role && (leader == "" || s.Leader != nil && s.Leader.Name == leader) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not %s (of %q) within %v: %+v", g.name, role, leader, within, s)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	var s *gwStatus
+	eventually(t, within, fmt.Sprintf("%s %s (of %q)", g.name, role, leader), func() bool {
+		s = g.status()
+		return s != nil && s.Role == role && (leader == "" || s.Leader != nil && s.Leader.Name == leader)
+	}, func() string { return fmt.Sprintf("%+v", s) })
 }
 
 // waitRequeued waits until g has re-published everything it set aside.
 func waitRequeued(t *testing.T, g *gw, within time.Duration) {
 	t.Helper()
-	deadline := time.Now().Add(within)
-	for {
-		if s := g.status(); s != nil && s.Cluster.RequeuePending == 0 {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: requeued records not re-published within %v", g.name, within)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	eventually(t, within, g.name+" re-publishing its requeued records", func() bool {
+		s := g.status()
+		return s != nil && s.Cluster.RequeuePending == 0
+	})
 }
 
 // merge joins the acked sets of several loads.
@@ -168,16 +157,10 @@ func TestThreeGatewaysMasterCutOff(t *testing.T) {
 // waitRoleNot waits until g reports a role other than role.
 func waitRoleNot(t *testing.T, g *gw, role string, within time.Duration) {
 	t.Helper()
-	deadline := time.Now().Add(within)
-	for {
-		if s := g.status(); s != nil && s.Role != role {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: still %s after %v", g.name, role, within)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	eventually(t, within, g.name+" no longer "+role, func() bool {
+		s := g.status()
+		return s != nil && s.Role != role
+	})
 }
 
 func TestRestartsUnderLoadLoseNothing(t *testing.T) {

@@ -3,7 +3,6 @@ package e2e
 import (
 	"context"
 	"crypto/tls"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -41,38 +40,14 @@ func newPairGW(t *testing.T, h *netns.Host, name string) *gw {
 // machine whose own avahi-daemon would otherwise advertise for it.
 func (g *gw) startPair() {
 	g.t.Helper()
-	cmd := g.h.Command(tandemBin(g.t), "run", "--config", g.cfg)
-	cmd.Env = append(os.Environ(), "DBUS_SYSTEM_BUS_ADDRESS=unix:path=/nonexistent")
-	g.proc = g.h.Start(cmd)
-	g.t.Cleanup(func() {
-		if g.t.Failed() {
-			g.t.Logf("%s output:\n%s", g.name, g.proc.Output())
-		}
-	})
-	deadline := time.Now().Add(15 * time.Second)
-	for g.status() == nil {
-		if time.Now().After(deadline) {
-			g.t.Fatalf("%s did not start", g.name)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	g.start("DBUS_SYSTEM_BUS_ADDRESS=unix:path=/nonexistent")
 }
 
 // pairingOpen reads the gateway's status: whether pairing is open, and how
 // many other members it counts.
 func (g *gw) pairingOpen() (open bool, members int, ok bool) {
-	resp, err := g.http.Get("http://127.0.0.1:7880/v1/status")
-	if err != nil {
-		return false, 0, false
-	}
-	defer resp.Body.Close()
-	var s struct {
-		Pairing struct {
-			Open bool `json:"open"`
-		} `json:"pairing"`
-		Members []json.RawMessage `json:"members"`
-	}
-	if resp.StatusCode != 200 || json.NewDecoder(resp.Body).Decode(&s) != nil {
+	s := g.status()
+	if s == nil {
 		return false, 0, false
 	}
 	return s.Pairing.Open, len(s.Members), true
