@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -201,7 +202,7 @@ func (l *listener) handle(conn net.Conn, establish listeners.EstablishFn) {
 			conn.Close()
 			return
 		}
-		err := establish(l.id, conn)
+		err := establishSafely(establish, l.id, conn)
 		b.connectionEnded(conn, host, err)
 	}()
 }
@@ -456,4 +457,18 @@ func (b *Broker) refusal(key, reason string, args ...any) {
 		args = append(args, "suppressed", held)
 	}
 	b.rawLogger.Warn("client refused: "+reason, args...)
+}
+
+// establishSafely runs mochi's connection loop and turns a panic in it into
+// an error for that one connection: mochi v2.7.9's SUBSCRIBE decoder indexes
+// past a malformed packet's end (found by FuzzInboundStream), and a panic on
+// this goroutine would otherwise take the whole gateway down with it.
+func establishSafely(establish func(string, net.Conn) error, id string, conn net.Conn) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			conn.Close()
+			err = fmt.Errorf("malformed packet (decoder panic: %v)", r)
+		}
+	}()
+	return establish(id, conn)
 }
