@@ -152,7 +152,7 @@ func New(cfg Config, log Log) (*Broker, error) {
 	if err := srv.AddHook(b.persist, nil); err != nil {
 		return nil, err
 	}
-	// Last: Hooks.OnPublish stops at the ingest hook's ErrRejectPacket.
+	// Last: its OnPacketRead takes over the PUBLISHes the guard let in.
 	if err := srv.AddHook(b.ingest, nil); err != nil {
 		return nil, err
 	}

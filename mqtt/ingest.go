@@ -45,12 +45,20 @@ type ackSlot struct {
 	// repeats when that was still owed, whose outcome it shares.
 	resend   bool
 	original *ackSlot
+	// cs is the client the ack is owed to; msg is the record a publish
+	// proposed, in the slot to save an allocation per publish.
+	cs  *clientState
+	msg Message
 }
+
+// resolved is the done callback of the slot's proposal.
+func (s *ackSlot) resolved(err error) { s.cs.h.resolved(s.cs, s, err) }
 
 // clientState is the ack bookkeeping of one client id; it outlives a
 // connection so a session take-over can wait for the old one's acks.
 type clientState struct {
 	id string
+	h  *ingest
 	mu sync.Mutex // guards the fields below
 	// queue holds the unreleased acks, oldest first.
 	queue []*ackSlot
@@ -80,7 +88,7 @@ type clientState struct {
 
 // ingest is the mochi hook that turns PUBLISHes into log proposals and
 // writes the acks when the log says so (FACTS.md, "The MQTT ack path").
-// Register it last: Hooks.OnPublish stops at its ErrRejectPacket.
+// Register it last: it takes over the PUBLISHes other hooks let through.
 type ingest struct {
 	mochi.HookBase
 	b *Broker
@@ -100,7 +108,7 @@ func (h *ingest) ID() string { return "tandem-ingest" }
 
 func (h *ingest) Provides(b byte) bool {
 	switch b {
-	case mochi.OnPacketRead, mochi.OnPublish, mochi.OnSubscribed,
+	case mochi.OnPacketRead, mochi.OnSubscribed,
 		mochi.OnWill, mochi.OnSessionEstablish, mochi.OnSessionEstablished, mochi.OnDisconnect:
 		return true
 	}
@@ -112,65 +120,141 @@ func (h *ingest) state(id string) *clientState {
 	defer h.mu.Unlock()
 	cs := h.clients[id]
 	if cs == nil {
-		cs = &clientState{id: id, failedQoS2: map[uint16]bool{}}
+		cs = &clientState{id: id, h: h, failedQoS2: map[uint16]bool{}}
 		cs.released = sync.NewCond(&cs.mu)
 		h.clients[id] = cs
 	}
 	return cs
 }
 
-// dupMark tags a QoS 2 resend that OnPacketRead turned into an inert QoS 0
-// packet; ReasonCodes is unused on PUBLISH, so it carries the real id.
-const dupMark = 0xD0
+// takenTopic is the topic of the inert packet OnPacketRead hands back for a
+// PUBLISH it has taken over: it passes mochi's PublishValidate, and
+// processPublish drops it at its first check ($SYS is not for clients).
+const takenTopic = "$SYS/tandem/taken"
 
 // OnPacketRead runs on the client's read loop, the one goroutine where
 // mochi's Inflight may be changed. It drops PUBRECs whose publish failed,
-// bounds the acks a client may owe (MQTT 5: its receive maximum; 3.1.1:
-// back-pressure), and catches QoS 2 resends whose PUBREC mochi already holds:
-// mochi would answer those with 0x91 before any hook runs (FACTS.md).
+// and takes every PUBLISH over (publish).
 func (h *ingest) OnPacketRead(cl *mochi.Client, pk packets.Packet) (packets.Packet, error) {
 	cs := h.state(cl.ID)
 	h.dropFailed(cl, cs)
-	switch {
-	case pk.FixedHeader.Type == packets.Pubrel:
+	switch pk.FixedHeader.Type {
+	case packets.Pubrel:
 		if prev, ok := cl.State.Inflight.Get(pk.PacketID); ok && prev.FixedHeader.Type == packets.Pubrec {
 			cs.mu.Lock()
 			cs.awaitingRel = max(cs.awaitingRel-1, 0)
 			cs.mu.Unlock()
 		}
 		return pk, nil
-	case pk.FixedHeader.Type != packets.Publish || pk.FixedHeader.Qos == 0:
+	case packets.Publish:
+		return h.publish(cl, cs, pk)
+	}
+	return pk, nil
+}
+
+// publish proposes a PUBLISH and hands mochi an inert packet in its place,
+// so mochi neither acks nor routes it: the ack is written when the log
+// resolves it, delivery happens at commit. It does here what mochi's
+// processPublish does before its OnPublish hooks (topic alias, QoS cap),
+// which OnPublish cannot replace: a hook rejecting a publish makes mochi box
+// the whole packet for a debug log line, about 850 bytes per publish.
+//
+// It also bounds the acks a client may owe (MQTT 5: its receive maximum;
+// 3.1.1: back-pressure), and answers QoS 2 resends whose PUBREC mochi
+// already holds: mochi would answer those with 0x91 (FACTS.md).
+func (h *ingest) publish(cl *mochi.Client, cs *clientState, pk packets.Packet) (packets.Packet, error) {
+	if cl.Net.Inline || pk.PublishValidate(h.b.srv.Options.Capabilities.TopicAliasMaximum) != packets.CodeSuccess ||
+		!mochi.IsValidFilter(pk.TopicName, true) {
+		// mochi refuses these before any hook, as it should.
 		return pk, nil
 	}
-	if cl.Properties.ProtocolVersion < 5 {
-		h.backPressure(cl, cs)
-	} else {
-		cs.mu.Lock()
-		owed := len(cs.queue) + cs.awaitingRel
-		cs.mu.Unlock()
-		if owed >= h.b.cfg.MaxInflight {
-			_ = h.b.srv.DisconnectClient(cl, packets.ErrReceiveMaximum) // [MQTT-3.3.4-9]
-			return pk, packets.ErrRejectPacket
+	qos, pid := pk.FixedHeader.Qos, pk.PacketID
+	if qos > 0 {
+		if cl.Properties.ProtocolVersion < 5 {
+			h.backPressure(cl, cs)
+		} else {
+			cs.mu.Lock()
+			owed := len(cs.queue) + cs.awaitingRel
+			cs.mu.Unlock()
+			if owed >= h.b.cfg.MaxInflight {
+				_ = h.b.srv.DisconnectClient(cl, packets.ErrReceiveMaximum) // [MQTT-3.3.4-9]
+				return pk, packets.ErrRejectPacket                          // ends the read loop
+			}
 		}
 	}
-	if pk.FixedHeader.Qos != 2 {
-		return pk, nil
+	if qos == 2 {
+		if prev, ok := cl.State.Inflight.Get(pid); ok && prev.FixedHeader.Type == packets.Pubrec {
+			if pk.FixedHeader.Dup {
+				h.resend(cl, pid)
+				return inert(pk), nil
+			}
+			// Not a resend [MQTT-3.3.1-1]: a new flow reusing the id, so
+			// the entry is stale (left by a crash before its PUBREL was
+			// recorded).
+			h.forgetPubrec(cl, cs, pid)
+		}
 	}
-	prev, ok := cl.State.Inflight.Get(pk.PacketID)
-	if !ok || prev.FixedHeader.Type != packets.Pubrec {
-		return pk, nil
+	if pk.Properties.TopicAliasFlag && pk.Properties.TopicAlias > 0 { // [MQTT-3.3.2-11]
+		pk.TopicName = cl.State.TopicAliases.Inbound.Set(pk.Properties.TopicAlias, pk.TopicName)
 	}
-	if !pk.FixedHeader.Dup {
-		// Not a resend [MQTT-3.3.1-1]: a new flow reusing the id, so the
-		// entry is stale (left by a crash before its PUBREL was recorded).
-		h.forgetPubrec(cl, cs, pk.PacketID)
-		return pk, nil
+	if maxQoS := h.b.srv.Options.Capabilities.MaximumQos; qos > maxQoS {
+		qos = maxQoS // [MQTT-3.2.2-9]
+		pk.FixedHeader.Qos = qos
 	}
-	pk.ReasonCodes = []byte{dupMark, byte(pk.PacketID >> 8), byte(pk.PacketID)}
-	pk.FixedHeader.Qos = 0
-	pk.FixedHeader.Dup = false
+	if pk.TopicName == "" {
+		// An MQTT 5 topic alias the client never set, with no topic: a
+		// protocol error, and a record no subscriber could receive.
+		_ = h.b.srv.DisconnectClient(cl, packets.ErrProtocolViolationInvalidTopic)
+		return pk, packets.ErrRejectPacket // ends the read loop
+	}
+	now := time.Now()
+	rule, mode := ruleFor(h.b.topicPolicies(), pk.TopicName)
+	if !h.b.canPublish(cl, pk.TopicName) {
+		// Refused here rather than by mochi, which would write its PUBACK
+		// ahead of the acks this client is still owed.
+		h.b.logger.Debug("publish denied by ACL", "client", cl.ID, "topic", pk.TopicName)
+		if qos > 0 {
+			h.refuse(cl, pid, qos, mode, now, ErrNotAuthorized)
+		}
+		return inert(pk), nil
+	}
+	h.b.observer().Published(mode, qos, rule)
+	if qos == 0 {
+		m := &Message{}
+		m.fromPacket(cl.ID, &pk, now.UnixNano())
+		h.b.log.Reserve(m)
+		h.b.log.Propose(m, mode, h.b.logFailure)
+		return inert(pk), nil
+	}
+	slot := &ackSlot{cl: cl, pid: pid, qos: qos, mode: mode, start: now, cs: cs}
+	m := &slot.msg
+	m.fromPacket(cl.ID, &pk, now.UnixNano())
+	h.b.log.Reserve(m)
+	if qos == 2 {
+		// mochi's processPubrel needs the PUBREC in Inflight.
+		rec := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pid, Created: now.Unix()}
+		if cl.State.Inflight.Set(rec) {
+			atomic.AddInt64(&h.b.srv.Info.Inflight, 1)
+		}
+		// Staged before the record is proposed, so it is on disk no later
+		// than the record: after a crash a resend is recognised, and a
+		// marker whose record never made it is dropped at start.
+		h.b.persist.qos2Set(cl, pid, m.Origin, m.Seq)
+	}
+	cs.mu.Lock()
+	cs.queue = append(cs.queue, slot)
+	cs.mu.Unlock()
+	h.b.log.Propose(m, mode, slot.resolved)
+	return inert(pk), nil
+}
+
+// inert turns pk into the packet mochi is handed for a publish taken over.
+func inert(pk packets.Packet) packets.Packet {
+	pk.FixedHeader.Qos, pk.FixedHeader.Dup, pk.FixedHeader.Retain = 0, false, false
 	pk.PacketID = 0
-	return pk, nil
+	pk.TopicName = takenTopic
+	pk.Properties.TopicAlias, pk.Properties.TopicAliasFlag = 0, false
+	return pk
 }
 
 // forgetPubrec removes a PUBREC from mochi's Inflight and its marker; call
@@ -249,62 +333,6 @@ func (h *ingest) OnSessionEstablish(cl *mochi.Client, _ packets.Packet) {
 	if old, ok := h.b.srv.Clients.Get(cl.ID); ok && old != cl {
 		h.dropFailed(old, cs)
 	}
-}
-
-// OnPublish proposes the publish and tells mochi to neither ack nor route it:
-// the ack is written when the log resolves it, delivery happens at commit.
-func (h *ingest) OnPublish(cl *mochi.Client, pk packets.Packet) (packets.Packet, error) {
-	if cl.Net.Inline {
-		return pk, nil // our own delivery of a committed record
-	}
-	if len(pk.ReasonCodes) == 3 && pk.ReasonCodes[0] == dupMark {
-		h.resend(cl, uint16(pk.ReasonCodes[1])<<8|uint16(pk.ReasonCodes[2]))
-		return pk, packets.ErrRejectPacket
-	}
-	if pk.TopicName == "" {
-		// An MQTT 5 topic alias the client never set, with no topic: a
-		// protocol error, and a record no subscriber could receive.
-		_ = h.b.srv.DisconnectClient(cl, packets.ErrProtocolViolationInvalidTopic)
-		return pk, packets.ErrRejectPacket
-	}
-	now := time.Now()
-	rule, mode := ruleFor(h.b.topicPolicies(), pk.TopicName)
-	if !h.b.canPublish(cl, pk.TopicName) {
-		// Refused here rather than by mochi, which would write its PUBACK
-		// ahead of the acks this client is still owed.
-		h.b.logger.Debug("publish denied by ACL", "client", cl.ID, "topic", pk.TopicName)
-		if pk.FixedHeader.Qos > 0 {
-			h.refuse(cl, pk.PacketID, pk.FixedHeader.Qos, mode, now, ErrNotAuthorized)
-		}
-		return pk, packets.ErrRejectPacket
-	}
-	m := &Message{}
-	m.fromPacket(cl.ID, &pk, now.UnixNano())
-	h.b.observer().Published(mode, pk.FixedHeader.Qos, rule)
-	h.b.log.Reserve(m)
-	if pk.FixedHeader.Qos == 0 {
-		h.b.log.Propose(m, mode, h.b.logFailure)
-		return pk, packets.ErrRejectPacket
-	}
-	cs := h.state(cl.ID)
-	if pk.FixedHeader.Qos == 2 {
-		// mochi's processPubrel needs the PUBREC in Inflight; set here, on
-		// the read loop, where Inflight may be changed safely.
-		rec := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pk.PacketID, Created: time.Now().Unix()}
-		if cl.State.Inflight.Set(rec) {
-			atomic.AddInt64(&h.b.srv.Info.Inflight, 1)
-		}
-		// Staged before the record is proposed, so it is on disk no later
-		// than the record: after a crash a resend is recognised, and a
-		// marker whose record never made it is dropped at start.
-		h.b.persist.qos2Set(cl, pk.PacketID, m.Origin, m.Seq)
-	}
-	slot := &ackSlot{cl: cl, pid: pk.PacketID, qos: pk.FixedHeader.Qos, mode: mode, start: now}
-	cs.mu.Lock()
-	cs.queue = append(cs.queue, slot)
-	cs.mu.Unlock()
-	h.b.log.Propose(m, mode, func(err error) { h.resolved(cs, slot, err) })
-	return pk, packets.ErrRejectPacket
 }
 
 // refuse queues a failed ack for a publish that is not logged.
