@@ -128,6 +128,12 @@ type DB struct {
 	staged   map[string]stagedOp
 	stageGen uint64
 	takeBuf  []stagedOp // reused by commitEntries; bbolt runs one commit at a time
+
+	// zeroFile and zeroedTo belong to prefill, which runs in write
+	// transactions only: a write handle on the file, and the offset up to
+	// which it is known to be written.
+	zeroFile *os.File
+	zeroedTo int64
 }
 
 type stagedOp struct {
@@ -383,7 +389,11 @@ func (db *DB) Close() error {
 	if !db.ro {
 		ferr = db.flush()
 	}
-	if err := db.bolt.Close(); err != nil {
+	err := db.bolt.Close()
+	if db.zeroFile != nil {
+		_ = db.zeroFile.Close()
+	}
+	if err != nil {
 		return err
 	}
 	return ferr

@@ -915,7 +915,7 @@ func TestFailedSaveKeepsStagedMetadata(t *testing.T) {
 	db.Stage(BucketSessions, "client/a", []byte("session a"))
 
 	big := makeEntries(4, 1, 1)
-	big[0].Data = bytes.Repeat([]byte("x"), 1<<20) // needs the file to grow
+	big[0].Data = bytes.Repeat([]byte("x"), 2*prefillHigh) // needs the file to grow past the zeroed space
 	hs := pb.HardState{Term: 1, Vote: 1, Commit: 3}
 	fi, err := os.Stat(db.Path())
 	if err != nil {
@@ -1000,13 +1000,9 @@ func TestOpenRejectsBadFiles(t *testing.T) {
 				t.Fatal(err)
 			}
 		}, ErrCorrupt, ""},
-		{"truncated to half", truncate(func(dir string, _ int64) int64 {
-			fi, err := os.Stat(path(dir))
-			if err != nil {
-				t.Fatal(err)
-			}
-			return fi.Size() / 2
-		}), ErrCorrupt, ""},
+		// Half of what it needs: the file itself is larger, with zeroed
+		// space past bbolt's high-water mark (prefill).
+		{"truncated to half", truncate(func(_ string, need int64) int64 { return need / 2 }), ErrCorrupt, ""},
 		{"truncated by one page", truncate(func(_ string, need int64) int64 { return need - 4096 }), ErrCorrupt, ""},
 		{"truncated to 4096 bytes", truncate(func(string, int64) int64 { return 4096 }), ErrCorrupt, ""},
 		{"10 bytes of garbage", garbage(10), ErrCorrupt, ""},
