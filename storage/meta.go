@@ -95,7 +95,9 @@ func (db *DB) commitEntries(entries int, fn func(tx *bolt.Tx) error) error {
 	if db.syncDelay > 0 {
 		time.Sleep(2 * db.syncDelay) // bbolt's two fdatasyncs, on slow flash
 	}
-	db.commits.Add(1)
+	if db.commits.Add(1)%releaseEvery == 0 {
+		db.releaseMapped()
+	}
 	if db.onCommit != nil {
 		db.onCommit(time.Since(built), entries)
 	}

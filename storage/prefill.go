@@ -4,7 +4,6 @@ import (
 	"os"
 
 	bolt "go.etcd.io/bbolt"
-	"golang.org/x/sys/unix"
 )
 
 // Bounds of the zeroed space kept past bbolt's high-water mark: refilled
@@ -54,5 +53,5 @@ func (db *DB) prefill(tx *bolt.Tx) {
 		}
 		db.zeroedTo = off + min(int64(len(zeros)), to-off)
 	}
-	_ = unix.SyncFileRange(int(db.zeroFile.Fd()), from, to-from, unix.SYNC_FILE_RANGE_WRITE)
+	startWriteback(db.zeroFile, from, to-from)
 }

@@ -1,0 +1,31 @@
+package storage
+
+import bolt "go.etcd.io/bbolt"
+
+// releaseEvery is how many commits pass between two releaseMapped calls.
+// A commit maps about four pages (the new copies of the pages on the log's
+// right edge), so at most some 4 MiB of the file is mapped between two.
+const releaseEvery = 256
+
+// releaseMapped drops the process's mappings of the data file's pages.
+//
+// bbolt reads the file through a shared mmap, and every commit moves the
+// log's right edge (copy on write) to pages the next commit reads through
+// that mapping. The pages the process has mapped only grow: after a few
+// hundred thousand records, tens of megabytes of clean page cache count in
+// the gateway's RSS (48 MB of a 67 MB file after 300,000 records), as if
+// the daemon held them. Dropping the mappings leaves the pages in the page
+// cache, where the kernel accounts and reclaims them as any file's, and
+// costs a few minor faults on the pages the next commits touch again.
+//
+// A read transaction holds bbolt's mmap lock, so the mapping cannot be
+// replaced meanwhile. Readers of the mapping are unaffected: MADV_DONTNEED
+// on a shared file mapping keeps the file's contents.
+func (db *DB) releaseMapped() {
+	_ = db.bolt.View(func(tx *bolt.Tx) error {
+		if base := db.bolt.Info().Data; base != 0 {
+			unmapPages(base, uintptr(tx.Size()))
+		}
+		return nil
+	})
+}
