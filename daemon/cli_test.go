@@ -7,6 +7,9 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
 )
 
 func runMain(t *testing.T, args ...string) (int, string, string) {
@@ -87,8 +90,16 @@ func TestRunRefusesBadDataDirs(t *testing.T) {
 		d := testGateway(t, dir, nil)
 		d.Stop()
 		p := filepath.Join(dir, "tandem.db")
-		st, _ := os.Stat(p)
-		if err := os.Truncate(p, st.Size()/2); err != nil {
+		// Half of what bbolt needs: the file itself is larger, with zeroed
+		// space past bbolt's high-water mark.
+		bdb, err := bolt.Open(p, 0o600, &bolt.Options{ReadOnly: true, Timeout: time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var need int64
+		_ = bdb.View(func(tx *bolt.Tx) error { need = tx.Size(); return nil })
+		bdb.Close()
+		if err := os.Truncate(p, need/2); err != nil {
 			t.Fatal(err)
 		}
 		before := fileHash(t, p)

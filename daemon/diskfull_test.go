@@ -51,8 +51,10 @@ func TestDiskFullRefusesThenRecovers(t *testing.T) {
 	f.Close()
 
 	var refused bool
-	payload := make([]byte, 16<<10) // a few pages per commit, so the next one needs room
-	for i := 0; i < 50 && !refused; i++ {
+	// A few pages per commit, so the next one needs room; 100 of them are
+	// well past the 1-2 MiB the log keeps written ahead of its end.
+	payload := make([]byte, 64<<10)
+	for i := 0; i < 100 && !refused; i++ {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		r, err := pub.Publish(ctx, &paho.Publish{Topic: "during/full", QoS: 1, Payload: payload})
 		cancel()
@@ -68,7 +70,7 @@ func TestDiskFullRefusesThenRecovers(t *testing.T) {
 		}
 	}
 	if !refused {
-		t.Fatal("50 publishes of 16 KiB on a full disk were all acked")
+		t.Fatal("100 publishes of 64 KiB on a full disk were all acked")
 	}
 
 	if err := os.Remove(filler); err != nil {
