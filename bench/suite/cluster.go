@@ -25,28 +25,31 @@ topics:
 `
 
 // cluster workloads: the single-gateway W1 as the reference, then the same
-// load on clusters of 2 and 3 processes on loopback, all clients on the
-// master (a slave would forward each publish to it).
+// load on clusters of 2 and 3 processes on loopback, with the clients on the
+// master, and last on a slave, which forwards each publish to the master.
 type clusterWorkload struct {
 	name    string
 	members int
 	o       bench.Options
 	topic   string
 	goal    string
+	onSlave bool // the clients connect to a slave
 }
 
 var clusterWorkloads = []clusterWorkload{
-	{"C1 async, 1 gw (ref.)", 1, bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "a/%c", "reference"},
-	{"C2 async, 3 gw", 3, bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "a/%c", "≥0.7× C1"},
-	{"C3 sync, 2 gw", 2, bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "s/%c", "≥0.5× C1"},
-	{"C4 sync, 3 gw", 3, bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "s/%c", "≥0.5× C1"},
-	{"C5 sync, 3 gw, 1 conn win 1", 3, bench.Options{Clients: 1, Count: 5000, Window: 1, QoS: 1, Size: 100}, "s/%c", "p99 ≤3 ms"},
+	{"C1 async, 1 gw (ref.)", 1, bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "a/%c", "reference", false},
+	{"C2 async, 3 gw", 3, bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "a/%c", "≥0.7× C1", false},
+	{"C3 sync, 2 gw", 2, bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "s/%c", "≥0.5× C1", false},
+	{"C4 sync, 3 gw", 3, bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "s/%c", "≥0.5× C1", false},
+	{"C5 sync, 3 gw, 1 conn win 1", 3, bench.Options{Clients: 1, Count: 5000, Window: 1, QoS: 1, Size: 100}, "s/%c", "p99 ≤3 ms", false},
+	{"C6 async, 3 gw, on a slave", 3, bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "a/%c", "forwarded", true},
+	{"C7 sync, 3 gw, on a slave", 3, bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "s/%c", "forwarded", true},
 }
 
 // runClusters runs the cluster workloads, reps times each on a fresh
 // cluster per size, and prints medians and the replication lag seen.
 func runClusters(bin, dir string, reps int) {
-	fmt.Printf("\nclusters on loopback (every member fsyncs before it reports; clients on the master), %d runs each, medians\n", reps)
+	fmt.Printf("\nclusters on loopback (every member fsyncs before it reports; clients on the master unless said), %d runs each, medians\n", reps)
 	fmt.Printf("%-30s %10s %9s %9s %11s %11s  %s\n", "", "msg/s", "p50 ms", "p99 ms", "max lag rec", "max lag s", "ratio (goal)")
 	clusters := map[int][]*broker{}
 	defer func() {
@@ -69,6 +72,9 @@ func runClusters(bin, dir string, reps int) {
 		for r := 0; r < reps; r++ {
 			o := w.o
 			o.Broker = bs[0].addr
+			if w.onSlave {
+				o.Broker = bs[1].addr
+			}
 			o.Topic = w.topic
 			o.Version = 5
 			stopLag := watchLag(bs[0].http, &lagRec, &lagSec)
