@@ -12,7 +12,6 @@ import (
 	"os"
 	"os/signal"
 	"runtime"
-	"runtime/debug"
 	"strings"
 	"syscall"
 
@@ -115,12 +114,6 @@ func newCheckCmd() *cobra.Command {
 	return cmd
 }
 
-// gcPercent is the GOGC a gateway runs with unless the environment sets one.
-// Go's default (100) lets the heap grow to twice what is live; at half that,
-// 50 clients at window 1 left RSS at 36.7–40.1 MB instead of 42.5–42.8 MB,
-// with the same throughput and CPU per publish (GOGC=25 cost 30 % more CPU).
-const gcPercent = 50
-
 // runFlags are the flags of `tandem run`; set ones override the config.
 type runFlags struct {
 	config, data, mqtt, peer, http, name, pprof string
@@ -194,9 +187,6 @@ func newLogger(cfg LogConfig, w io.Writer) *slog.Logger {
 
 // runDaemon runs until SIGTERM/SIGINT (clean stop, nil) or a failure.
 func runDaemon(cfg *Config, logw io.Writer) error {
-	if os.Getenv("GOGC") == "" {
-		debug.SetGCPercent(gcPercent)
-	}
 	// Signals first: a reload or stop that arrives while the daemon starts
 	// is handled once it has, not fatal (SIGHUP's default is to exit).
 	sigc := make(chan os.Signal, 4)
