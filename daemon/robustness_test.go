@@ -231,3 +231,78 @@ func TestReceiveMaximumCountsOnlyQoS1And2(t *testing.T) {
 		t.Fatalf("a third QoS 1 with 2 owed: got %#x %v, want DISCONNECT 0x93", typ, b)
 	}
 }
+
+// Topic aliases [MQTT-3.3.2-12]: an alias one PUBLISH sets serves later ones
+// that carry no topic, and a QoS 2 resend (DUP) sets its alias too, since a
+// client that reconnects sets its aliases up again on what it resends.
+func TestTopicAliases(t *testing.T) {
+	d := testGateway(t, t.TempDir(), nil)
+	c, _ := dialVersion(t, d.MQTTAddr(), "aliases", true, 5)
+	c.pub("a/1", 1, false, 1, []byte{0x23, 0, 3}, "set")
+	c.expect(0x40, 1)
+	c.pub("", 1, false, 2, []byte{0x23, 0, 3}, "used")
+	c.expect(0x40, 2)
+
+	q, _ := dialVersion(t, d.MQTTAddr(), "resender", false, 5)
+	q.pub("q/t", 2, false, 7, nil, "once")
+	q.expect(0x50, 7)
+	q.Close() // before the PUBREL
+	q2, present := dialVersion(t, d.MQTTAddr(), "resender", false, 5)
+	if !present {
+		t.Fatal("session not present after reconnect")
+	}
+	q2.pub("q/t", 2, true, 7, []byte{0x23, 0, 4}, "once")
+	q2.pub("", 1, false, 8, []byte{0x23, 0, 4}, "by alias")
+	for acked := false; !acked; {
+		typ, b := q2.read()
+		switch {
+		case typ == 0x50 && len(b) >= 2 && b[1] == 7: // PUBREC 7: mochi's resend, or the answer to the DUP
+		case typ == 0x40 && len(b) >= 2 && b[1] == 8:
+			if len(b) > 2 && b[2] >= 0x80 {
+				t.Fatalf("PUBACK 8 carries reason %#x", b[2])
+			}
+			acked = true
+		default:
+			t.Fatalf("got packet %#x %v, want PUBACK 8 for a publish by the alias a DUP resend set", typ, b)
+		}
+	}
+	if n := countTopic(t, d, "a/1"); n != 2 {
+		t.Errorf("%d records on a/1, want 2 (one by its alias)", n)
+	}
+	if n := countTopic(t, d, "q/t"); n != 2 {
+		t.Errorf("%d records on q/t, want 2 (the resent QoS 2 publish once, one by its alias)", n)
+	}
+}
+
+// A client whose receive maximum was used up by PUBRECs still waiting for
+// their PUBREL when its connection dropped may resend those publishes (DUP)
+// after it reconnects: a resend is owed already and does not count again.
+func TestResendWithFullWindowIsAnswered(t *testing.T) {
+	d := testGateway(t, t.TempDir(), func(c *Config) { c.MQTT.MaxInflight = 2 })
+	c, _ := dialVersion(t, d.MQTTAddr(), "full", false, 5)
+	c.pub("w/1", 2, false, 1, nil, "one")
+	c.expect(0x50, 1)
+	c.pub("w/2", 2, false, 2, nil, "two")
+	c.expect(0x50, 2)
+	c.Close() // two PUBRECs owed a PUBREL: the window is full
+
+	c2, present := dialVersion(t, d.MQTTAddr(), "full", false, 5)
+	if !present {
+		t.Fatal("session not present after reconnect")
+	}
+	c2.pub("w/1", 2, true, 1, nil, "one")
+	// mochi resends both PUBRECs at the take-over, so a PUBREC 1 alone
+	// proves nothing: the connection must still answer a PINGREQ.
+	got := c2.ping()
+	for _, typ := range got[:len(got)-1] {
+		if typ != 0x50 {
+			t.Fatalf("got packet %#x for a resend with the window full, want only PUBRECs", typ)
+		}
+	}
+	if got[len(got)-1] != 0xd0 {
+		t.Fatalf("the connection ended after a resend with the window full (packets %x)", got)
+	}
+	if n := countTopic(t, d, "w/1"); n != 1 {
+		t.Errorf("%d records on w/1, want 1", n)
+	}
+}

@@ -51,6 +51,11 @@ type ackSlot struct {
 	msg Message
 }
 
+// owed counts the publishes an MQTT 5 client has outstanding against its
+// receive maximum: acks not yet written, resends of publishes already
+// counted aside, and PUBRECs whose PUBREL has not come. Call with cs.mu held.
+func (cs *clientState) owed() int { return len(cs.queue) - cs.resends + cs.awaitingRel }
+
 // resolved is the done callback of the slot's proposal.
 func (s *ackSlot) resolved(err error) { s.cs.h.resolved(s.cs, s, err) }
 
@@ -72,6 +77,8 @@ type clientState struct {
 	// awaitingRel counts PUBRECs sent whose PUBREL has not come: with
 	// queue, what an MQTT 5 client owes against its receive maximum.
 	awaitingRel int
+	// resends counts the resend slots in queue.
+	resends int
 	// listed is true while cs waits in ingest.ready for releaseReady.
 	listed bool
 	// raw is rawFor's socket, for writes that must not block. rawWrite is
@@ -168,23 +175,22 @@ func (h *ingest) publish(cl *mochi.Client, cs *clientState, pk packets.Packet) (
 		// mochi refuses these before any hook, as it should.
 		return pk, nil
 	}
-	qos, pid := pk.FixedHeader.Qos, pk.PacketID
-	if qos > 0 {
-		if cl.Properties.ProtocolVersion < 5 {
-			h.backPressure(cl, cs)
-		} else {
-			cs.mu.Lock()
-			owed := len(cs.queue) + cs.awaitingRel
-			cs.mu.Unlock()
-			if owed >= h.b.cfg.MaxInflight {
-				_ = h.b.srv.DisconnectClient(cl, packets.ErrReceiveMaximum) // [MQTT-3.3.4-9]
-				return pk, packets.ErrRejectPacket                          // ends the read loop
-			}
-		}
+	// Every PUBLISH sets or uses its topic alias, a resend's included: a
+	// client reconnecting sets its aliases up again on what it resends.
+	if pk.Properties.TopicAliasFlag && pk.Properties.TopicAlias > 0 { // [MQTT-3.3.2-11]
+		pk.TopicName = cl.State.TopicAliases.Inbound.Set(pk.Properties.TopicAlias, pk.TopicName)
 	}
+	if maxQoS := h.b.srv.Options.Capabilities.MaximumQos; pk.FixedHeader.Qos > maxQoS {
+		pk.FixedHeader.Qos = maxQoS // [MQTT-3.2.2-9]
+	}
+	qos, pid := pk.FixedHeader.Qos, pk.PacketID
 	if qos == 2 {
 		if prev, ok := cl.State.Inflight.Get(pid); ok && prev.FixedHeader.Type == packets.Pubrec {
 			if pk.FixedHeader.Dup {
+				// Answered before the bounds below: a resend is owed
+				// already, and counting it would refuse, at every
+				// reconnect, a client whose window was full when its
+				// connection dropped.
 				h.resend(cl, pid)
 				return inert(pk), nil
 			}
@@ -194,12 +200,18 @@ func (h *ingest) publish(cl *mochi.Client, cs *clientState, pk packets.Packet) (
 			h.forgetPubrec(cl, cs, pid)
 		}
 	}
-	if pk.Properties.TopicAliasFlag && pk.Properties.TopicAlias > 0 { // [MQTT-3.3.2-11]
-		pk.TopicName = cl.State.TopicAliases.Inbound.Set(pk.Properties.TopicAlias, pk.TopicName)
-	}
-	if maxQoS := h.b.srv.Options.Capabilities.MaximumQos; qos > maxQoS {
-		qos = maxQoS // [MQTT-3.2.2-9]
-		pk.FixedHeader.Qos = qos
+	if qos > 0 {
+		if cl.Properties.ProtocolVersion < 5 {
+			h.backPressure(cl, cs)
+		} else {
+			cs.mu.Lock()
+			owed := cs.owed()
+			cs.mu.Unlock()
+			if owed >= h.b.cfg.MaxInflight {
+				_ = h.b.srv.DisconnectClient(cl, packets.ErrReceiveMaximum) // [MQTT-3.3.4-9]
+				return pk, packets.ErrRejectPacket                          // ends the read loop
+			}
+		}
 	}
 	if pk.TopicName == "" {
 		// An MQTT 5 topic alias the client never set, with no topic: a
@@ -358,6 +370,7 @@ func (h *ingest) resend(cl *mochi.Client, pid uint16) {
 		}
 	}
 	cs.queue = append(cs.queue, slot)
+	cs.resends++
 	cs.mu.Unlock()
 	h.resolvedHere(cs, slot, nil)
 }
@@ -476,6 +489,9 @@ func (h *ingest) takeDone(cs *clientState) []*ackSlot {
 	batch := append([]*ackSlot(nil), cs.queue[:n]...)
 	cs.queue = append(cs.queue[:0], cs.queue[n:]...)
 	for _, s := range batch {
+		if s.resend {
+			cs.resends--
+		}
 		if s.original != nil {
 			s.err = s.original.err // released before s: the queue is in order
 		}
