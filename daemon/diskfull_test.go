@@ -52,7 +52,7 @@ func TestDiskFullRefusesThenRecovers(t *testing.T) {
 
 	var refused bool
 	// A few pages per commit, so the next one needs room; 100 of them are
-	// well past the 1-2 MiB the log keeps written ahead of its end.
+	// well past the space the log keeps written ahead of its end.
 	payload := make([]byte, 64<<10)
 	for i := 0; i < 100 && !refused; i++ {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
