@@ -403,14 +403,12 @@ func (c *cluster) setMembers(members []replication.Member) {
 	c.setPeers()
 }
 
-// setFloor sets the peers kept linked while this node catches up after a
-// join or rejoin (nil once it has).
+// setFloor links to members, the cluster a join or rejoin named, and keeps
+// them linked while this node catches up (caughtUp drops the floor).
 func (c *cluster) setFloor(members []replication.Member) {
 	c.lingerMu.Lock()
 	c.floor = peersOf(members)
-	if members != nil {
-		c.last = c.floor
-	}
+	c.last = c.floor
 	c.lingerMu.Unlock()
 	c.setPeers()
 }

@@ -265,17 +265,14 @@ func (b *Broker) goFunc(f func()) { go f() }
 
 // Deliver hands a committed record to the local subscribers and the retained
 // store, with every MQTT 5 property kept. It is called in log order from one
-// goroutine.
+// goroutine, which skips with Unrouted the records nobody would receive.
 func (b *Broker) Deliver(m *Message) error {
-	b.shadowMu.Lock()
-	defer b.shadowMu.Unlock()
-	if !m.Retain && b.unroutedLocked(m.Topic) {
-		return nil
-	}
 	pk, live := m.packet(time.Now())
 	if !live {
 		return nil // its message expiry ran out before it was delivered
 	}
+	b.shadowMu.Lock()
+	defer b.shadowMu.Unlock()
 	// The publisher's id as origin keeps NoLocal subscriptions working.
 	b.shadow.ID = m.ClientID
 	err := b.srv.InjectPacket(b.shadow, pk)
@@ -318,8 +315,8 @@ func (b *Broker) unroutedLocked(topic string) bool {
 	return none
 }
 
-// Unrouted reports whether Deliver would drop a record on topic without
-// retain for lack of subscribers, so a caller can skip building its Message.
+// Unrouted reports whether no local subscriber matches topic, so that a
+// record on it without retain needs neither a Message nor Deliver.
 func (b *Broker) Unrouted(topic string) bool {
 	b.shadowMu.Lock()
 	defer b.shadowMu.Unlock()

@@ -170,7 +170,7 @@ func (h *ingest) OnPacketRead(cl *mochi.Client, pk packets.Packet) (packets.Pack
 // 3.1.1: back-pressure), and answers QoS 2 resends whose PUBREC mochi
 // already holds: mochi would answer those with 0x91 (FACTS.md).
 func (h *ingest) publish(cl *mochi.Client, cs *clientState, pk packets.Packet) (packets.Packet, error) {
-	if cl.Net.Inline || pk.PublishValidate(h.b.srv.Options.Capabilities.TopicAliasMaximum) != packets.CodeSuccess ||
+	if pk.PublishValidate(h.b.srv.Options.Capabilities.TopicAliasMaximum) != packets.CodeSuccess ||
 		!mochi.IsValidFilter(pk.TopicName, true) {
 		// mochi refuses these before any hook, as it should.
 		return pk, nil
@@ -191,7 +191,7 @@ func (h *ingest) publish(cl *mochi.Client, cs *clientState, pk packets.Packet) (
 				// already, and counting it would refuse, at every
 				// reconnect, a client whose window was full when its
 				// connection dropped.
-				h.resend(cl, pid)
+				h.resend(cl, cs, pid)
 				return inert(pk), nil
 			}
 			// Not a resend [MQTT-3.3.1-1]: a new flow reusing the id, so
@@ -226,7 +226,7 @@ func (h *ingest) publish(cl *mochi.Client, cs *clientState, pk packets.Packet) (
 		// ahead of the acks this client is still owed.
 		h.b.logger.Debug("publish denied by ACL", "client", cl.ID, "topic", pk.TopicName)
 		if qos > 0 {
-			h.refuse(cl, pid, qos, mode, now, ErrNotAuthorized)
+			h.refuse(cl, cs, pid, qos, mode, now, ErrNotAuthorized)
 		}
 		return inert(pk), nil
 	}
@@ -348,8 +348,7 @@ func (h *ingest) OnSessionEstablish(cl *mochi.Client, _ packets.Packet) {
 }
 
 // refuse queues a failed ack for a publish that is not logged.
-func (h *ingest) refuse(cl *mochi.Client, pid uint16, qos byte, mode AckMode, start time.Time, err error) {
-	cs := h.state(cl.ID)
+func (h *ingest) refuse(cl *mochi.Client, cs *clientState, pid uint16, qos byte, mode AckMode, start time.Time, err error) {
 	slot := &ackSlot{cl: cl, pid: pid, qos: qos, mode: mode, start: start}
 	cs.mu.Lock()
 	cs.queue = append(cs.queue, slot)
@@ -360,8 +359,7 @@ func (h *ingest) refuse(cl *mochi.Client, pid uint16, qos byte, mode AckMode, st
 // resend answers a QoS 2 resend of a publish already logged: a PUBREC in
 // its turn, after the acks owed before it, with the outcome of the original
 // when that is still pending.
-func (h *ingest) resend(cl *mochi.Client, pid uint16) {
-	cs := h.state(cl.ID)
+func (h *ingest) resend(cl *mochi.Client, cs *clientState, pid uint16) {
 	slot := &ackSlot{cl: cl, pid: pid, qos: 2, done: true, resend: true}
 	cs.mu.Lock()
 	for _, s := range cs.queue {
@@ -614,19 +612,16 @@ func (h *ingest) encodeAck(s *ackSlot, buf *bytes.Buffer) {
 		_, _ = buf.Write([]byte{typ << 4, 2, byte(s.pid >> 8), byte(s.pid)})
 		return
 	}
-	pk := packets.Packet{FixedHeader: packets.FixedHeader{Type: typ}, PacketID: s.pid, ProtocolVersion: cl.Properties.ProtocolVersion}
-	if s.err != nil {
-		code := packets.ErrUnspecifiedError
-		switch {
-		case errors.Is(s.err, ErrQuota):
-			code = packets.ErrQuotaExceeded
-		case errors.Is(s.err, ErrNotAuthorized):
-			code = packets.ErrNotAuthorized
-		}
-		pk.ReasonCode = code.Code
-		if !(cl.Properties.Props.RequestProblemInfoFlag && cl.Properties.Props.RequestProblemInfo == 0) {
-			pk.Properties.ReasonString = s.err.Error()
-		}
+	code := packets.ErrUnspecifiedError
+	switch {
+	case errors.Is(s.err, ErrQuota):
+		code = packets.ErrQuotaExceeded
+	case errors.Is(s.err, ErrNotAuthorized):
+		code = packets.ErrNotAuthorized
+	}
+	pk := packets.Packet{FixedHeader: packets.FixedHeader{Type: typ}, PacketID: s.pid, ProtocolVersion: cl.Properties.ProtocolVersion, ReasonCode: code.Code}
+	if !(cl.Properties.Props.RequestProblemInfoFlag && cl.Properties.Props.RequestProblemInfo == 0) {
+		pk.Properties.ReasonString = s.err.Error()
 	}
 	if typ == packets.Puback {
 		_ = pk.PubackEncode(buf)

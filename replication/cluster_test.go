@@ -153,13 +153,25 @@ func (c *cluster) start(id uint64) *testNode {
 	tn := openTestNode(t, c.dirs[id], func(cfg *Config) {
 		cfg.Transport, cfg.Forwarder, cfg.InitialMembers = endpoint{c.net, id}, memForwarder{c.net, id}, c.peers
 	})
-	n := tn.Node
+	c.attach(id, tn)
+	return tn
+}
+
+// attach puts tn on the network as id; it is stopped when the test ends.
+func (c *cluster) attach(id uint64, tn *testNode) {
 	c.net.mu.Lock()
-	c.net.nodes[id] = n
+	c.net.nodes[id] = tn.Node
 	c.net.mu.Unlock()
 	c.nodes[id] = tn
-	t.Cleanup(func() { c.stop(id) })
-	return tn
+	c.t.Cleanup(func() { c.stop(id) })
+}
+
+// setFaults sets the probability that a message is lost or duplicated, and
+// the most it may be delayed.
+func (nw *memNet) setFaults(drop, dup float64, delay time.Duration) {
+	nw.mu.Lock()
+	nw.drop, nw.dup, nw.delay = drop, dup, delay
+	nw.mu.Unlock()
 }
 
 func (c *cluster) stop(id uint64) {
@@ -282,9 +294,7 @@ func TestIsolatedMasterStopsAckingSyncAndANewOneIsElected(t *testing.T) {
 // member, and members apply the same log.
 func TestSyncAckedRecordsSurviveAFaultyNetwork(t *testing.T) {
 	c := newCluster(t, 3)
-	c.net.mu.Lock()
-	c.net.drop, c.net.dup, c.net.delay = 0.05, 0.05, 5*time.Millisecond
-	c.net.mu.Unlock()
+	c.net.setFaults(0.05, 0.05, 5*time.Millisecond)
 	var acked []string
 	for i := 0; i < 60; i++ {
 		topic := fmt.Sprintf("f/%d", i)
@@ -295,9 +305,7 @@ func TestSyncAckedRecordsSurviveAFaultyNetwork(t *testing.T) {
 			c.stop(c.leader().ID()) // the master dies mid-run
 		}
 	}
-	c.net.mu.Lock()
-	c.net.drop, c.net.dup, c.net.delay = 0, 0, 0
-	c.net.mu.Unlock()
+	c.net.setFaults(0, 0, 0)
 	if len(acked) < 30 {
 		t.Fatalf("only %d of 60 sync proposals acked", len(acked))
 	}
@@ -328,14 +336,9 @@ func (c *cluster) startJoiner() uint64 {
 	tn := openTestNode(t, dir, func(cfg *Config) {
 		cfg.Transport, cfg.Join = endpoint{c.net, ident.ID}, true
 	})
-	n := tn.Node
 	c.ids = append(c.ids, ident.ID)
 	c.dirs[ident.ID] = dir
-	c.net.mu.Lock()
-	c.net.nodes[ident.ID] = n
-	c.net.mu.Unlock()
-	c.nodes[ident.ID] = tn
-	t.Cleanup(func() { c.stop(ident.ID) })
+	c.attach(ident.ID, tn)
 	return ident.ID
 }
 

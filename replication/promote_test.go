@@ -48,9 +48,7 @@ func forcedPromotionRound(t *testing.T) {
 	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {
 		t.Fatal(err)
 	}
-	c.net.mu.Lock()
-	c.net.drop, c.net.dup, c.net.delay = 0.05, 0.05, 2*time.Millisecond
-	c.net.mu.Unlock()
+	c.net.setFaults(0.05, 0.05, 2*time.Millisecond)
 	var acked []string
 	for i := 0; i < 20; i++ {
 		topic := fmt.Sprintf("common/%d", i)
@@ -82,11 +80,7 @@ func forcedPromotionRound(t *testing.T) {
 	nb := openTestNode(t, bdir, func(cfg *Config) {
 		cfg.Transport, cfg.Forwarder = endpoint{c.net, b}, memForwarder{c.net, b}
 	})
-	c.net.mu.Lock()
-	c.net.nodes[b] = nb.Node
-	c.net.mu.Unlock()
-	c.nodes[b] = nb
-	t.Cleanup(func() { c.stop(b) })
+	c.attach(b, nb)
 	waitFor(t, "the promoted slave leading", func() bool { return nb.Leader() == b })
 	for i := 0; i < 20; i++ {
 		topic := fmt.Sprintf("new/%d", i)
@@ -109,11 +103,7 @@ func forcedPromotionRound(t *testing.T) {
 	na := openTestNode(t, adir, func(cfg *Config) {
 		cfg.Transport, cfg.Forwarder, cfg.Join = endpoint{c.net, aid}, memForwarder{c.net, aid}, true
 	})
-	c.net.mu.Lock()
-	c.net.nodes[aid] = na.Node
-	c.net.mu.Unlock()
-	c.nodes[aid] = na
-	t.Cleanup(func() { c.stop(aid) })
+	c.attach(aid, na)
 	c.net.heal()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()

@@ -23,9 +23,7 @@ const releaseEvery = 256
 // on a shared file mapping keeps the file's contents.
 func (db *DB) releaseMapped() {
 	_ = db.bolt.View(func(tx *bolt.Tx) error {
-		if base := db.bolt.Info().Data; base != 0 {
-			unmapPages(base, uintptr(tx.Size()))
-		}
+		unmapPages(db.bolt.Info().Data, uintptr(tx.Size()))
 		return nil
 	})
 }

@@ -46,9 +46,7 @@ func (db *DB) commitEntries(entries int, fn func(tx *bolt.Tx) error) error {
 	var built time.Time // when fn is done and bbolt starts writing and syncing
 	err := db.bolt.Update(func(tx *bolt.Tx) error {
 		defer func() { built = time.Now() }()
-		if !db.ro {
-			db.prefill(tx)
-		}
+		db.prefill(tx) // a read-only file never gets here: bbolt refuses Update
 		// Copied into a slice kept from commit to commit (bbolt runs one
 		// at a time), not a cloned map: a clone is as large as the map
 		// ever grew, at every commit.
