@@ -229,7 +229,8 @@ var (
 	descDiskUsed      = desc("tandem_disk_used_bytes", "Size of the data file.")
 	descDiskFree      = desc("tandem_disk_free_bytes", "Free space on the data dir's file system, for unprivileged users.")
 	descDiskBudget    = desc("tandem_disk_budget_bytes", "storage.max_bytes, 0 when unset.")
-	descCommits       = desc("tandem_storage_commits_total", "Commits of the data file (each costs two fdatasyncs).")
+	descCommits       = desc("tandem_storage_commits_total", "Durable writes of the log: WAL appends (one fdatasync) and checkpoints into the data file (two).")
+	descFsyncs        = desc("tandem_storage_fsyncs_total", "fdatasyncs of the WAL and the data file.")
 	descClients       = desc("tandem_mqtt_clients_connected", "MQTT clients connected to this gateway.")
 	descInflight      = desc("tandem_mqtt_inflight_messages", "QoS 1/2 messages in flight between this gateway and its clients.")
 	descRetained      = desc("tandem_mqtt_retained_messages", "Retained messages this gateway holds.")
@@ -249,7 +250,7 @@ func (statusCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descNode, descTerm, descRole, descLeaderChanges, descHasLeader, descMembers,
 		descLagRecords, descLagSeconds, descMatchIndex, descReachable, descVoter,
 		descFirstIndex, descLastIndex, descCommitIndex, descAppliedIndex,
-		descDiskUsed, descDiskFree, descDiskBudget, descCommits, descClients, descInflight, descRetained, descStatusUp,
+		descDiskUsed, descDiskFree, descDiskBudget, descCommits, descFsyncs, descClients, descInflight, descRetained, descStatusUp,
 		descGeneration, descPromotions, descDeposed, descRequeued, descRequeuePend, descTopicsMatch} {
 		ch <- d
 	}
@@ -300,6 +301,7 @@ func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- gauge(descDiskFree, float64(s.Disk.FreeBytes))
 	ch <- gauge(descDiskBudget, float64(s.Disk.BudgetBytes))
 	ch <- prometheus.MustNewConstMetric(descCommits, prometheus.CounterValue, float64(s.Storage.Commits))
+	ch <- prometheus.MustNewConstMetric(descFsyncs, prometheus.CounterValue, float64(s.Storage.Fsyncs))
 	ch <- gauge(descClients, float64(s.MQTT.Clients))
 	ch <- gauge(descInflight, float64(s.MQTT.Inflight))
 	ch <- gauge(descRetained, float64(d.broker.Retained()))

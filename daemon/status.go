@@ -100,9 +100,11 @@ type StatusPairing struct {
 	Expires *time.Time `json:"expires"`
 }
 
-// StatusStorage counts the data file's commits (two fdatasyncs each).
+// StatusStorage counts the durable writes of the log (WAL appends and
+// checkpoints into the data file) and the fdatasyncs they cost.
 type StatusStorage struct {
 	Commits uint64 `json:"commits"`
+	Fsyncs  uint64 `json:"fsyncs"`
 }
 
 // status assembles the status JSON.
@@ -129,7 +131,7 @@ func (d *Daemon) status(ctx context.Context) (*Status, error) {
 		Log:     StatusLog{FirstIndex: st.FirstIndex, LastIndex: st.LastIndex, CommitIndex: rs.Commit, AppliedIndex: st.Applied},
 		Disk:    StatusDisk{UsedBytes: st.FileBytes, BudgetBytes: uint64(d.cfg.Storage.MaxBytes)},
 		MQTT:    StatusMQTT{Clients: d.broker.Clients(), Inflight: d.broker.Inflight()},
-		Storage: StatusStorage{Commits: d.db.Commits()},
+		Storage: StatusStorage{Commits: d.db.Commits(), Fsyncs: d.db.Syncs()},
 		Cluster: StatusCluster{ID: d.cl.clusterID(), Generation: d.cl.generation(), TopicsHash: d.topicsHash(), PeerAddrs: d.cl.myAddrs(), Requeued: n.Requeued()},
 	}
 	if n, err := d.db.RequeuePending(); err == nil {

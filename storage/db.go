@@ -29,8 +29,11 @@ var (
 const FileName = "tandem.db"
 
 // FormatVersion is the layout of buckets and values this build writes. A file
-// with a higher version is refused rather than misread.
-const FormatVersion = 1
+// with a higher version is refused rather than misread. Version 2 has a WAL
+// (WALName) that may hold records the file does not: a build that knows only
+// version 1 would ignore it, so it refuses the file instead. A version 1 file
+// becomes version 2 at its first read-write open.
+const FormatVersion = 2
 
 // Bucket names. Big-endian uint64 keys in the log bucket keep cursor order
 // equal to log order.
@@ -56,6 +59,7 @@ var (
 	keyNodeID    = []byte("node_id")
 	keyApplied   = []byte("applied")
 	keyEpoch     = []byte("epoch")
+	keyWAL       = []byte("wal") // the id live WAL frames carry
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -73,7 +77,8 @@ type Options struct {
 	LockTimeout time.Duration
 	// ReadOnly opens the file without writing to it, for `tandem inspect`.
 	ReadOnly bool
-	// SyncDelay is added to each fdatasync (bbolt does two per commit), to
+	// SyncDelay is added to each fdatasync (one per WAL append, two per
+	// bbolt commit), to
 	// measure what a slow flash device would give (an SD card or eMMC
 	// flushes in 1–5 ms). Benchmarks only; zero in production.
 	SyncDelay time.Duration
@@ -82,24 +87,31 @@ type Options struct {
 	// about to fetch; zero means 2 MiB (some 10,000 small records), which
 	// keeps a gateway's memory small.
 	TailBytes int
-	// OnCommit, when set, is called after each write transaction of the
-	// log (Save, Sync, Flush) is durable, with how long bbolt took to
-	// write and fdatasync it and how many log entries it held (0 for one
-	// of metadata or raft state only). It runs on the committing goroutine,
-	// the replication loop's for Save: it must be quick.
+	// OnCommit, when set, is called after each durable write of the log
+	// (a WAL append or a checkpoint into bbolt), with how long it took to
+	// write and fdatasync and how many log entries it held (0 for one of
+	// metadata or raft state only). It runs on the writing goroutine, the
+	// replication loop's for Save: it must be quick.
 	OnCommit func(sync time.Duration, entries int)
 }
 
 // DB is the node's data file: the raft log, raft state and metadata in one
-// bbolt file. It implements raft.Storage. The write methods (Save, Stage*,
-// Flush) may be called from any goroutine, but the replication loop is the
-// only caller of Save, which keeps the log's order.
+// bbolt file, with a WAL in front of it. It implements raft.Storage. The
+// write methods (Save, Stage*, Flush) may be called from any goroutine, but
+// the replication loop is the only caller of Save, which keeps the log's
+// order.
 type DB struct {
 	path    string
 	bolt    *bolt.DB
 	log     *slog.Logger
 	ro      bool
 	maxTail int
+
+	// wmu serialises the writers of the WAL and of bbolt (Save, Flush,
+	// Sync, checkpoints): a checkpoint must see no frame appear while it
+	// moves the WAL's contents into bbolt. wal is guarded by it.
+	wmu sync.Mutex
+	wal *walFile
 
 	// mu guards the in-memory view of the file below. raft reads it on the
 	// replication goroutine; status and metrics read it from others.
@@ -109,31 +121,35 @@ type DB struct {
 	snapIndex uint64
 	snapTerm  uint64
 	first     uint64 // first index in the log bucket (snapIndex+1)
-	last      uint64 // last index in the log bucket (snapIndex when empty)
+	last      uint64 // last index of the log (snapIndex when empty)
+	boltLast  uint64 // last index in the log bucket; those past it are in the WAL and the tail
+	pendBytes int    // bytes of the entries past boltLast
 	applied   uint64
 	nodeID    uint64
-	tail      []pb.Entry // newest entries; tail ends at last
+	format    uint64     // the file's format version, as loaded
+	walID     uint64     // the WAL id the file records, as loaded
+	tail      []pb.Entry // newest entries; tail ends at last and holds all past boltLast
 	tailBytes int
 	closed    bool
 
-	commits   atomic.Uint64            // write transactions committed, for fsyncs-per-message figures
+	commits   atomic.Uint64            // durable writes (WAL appends and bbolt commits)
+	syncs     atomic.Uint64            // fdatasyncs they cost, for fsyncs-per-message figures
 	syncDelay time.Duration            // Options.SyncDelay
 	onCommit  func(time.Duration, int) // Options.OnCommit
 	requeued  atomic.Bool              // entries were moved to the requeue bucket (TakeRequeueSignal)
 
-	// stageMu guards staged: metadata writes waiting for the next
-	// transaction, so they commit together with the entries proposed after
-	// them, at no extra fsync.
+	// stageMu guards staged and fresh. staged holds the metadata writes
+	// not yet in bbolt (readers see them through it), fresh those of them
+	// not yet in the WAL either, in the order they were staged: the next
+	// WAL frame carries them, so they become durable together with the
+	// entries proposed after them, at no extra fsync.
 	stageMu  sync.Mutex
 	staged   map[string]stagedOp
+	fresh    []stagedOp
 	stageGen uint64
-	takeBuf  []stagedOp // reused by commitEntries; bbolt runs one commit at a time
-
-	// zeroFile and zeroedTo belong to prefill, which runs in write
-	// transactions only: a write handle on the file, and the offset up to
-	// which it is known to be written.
-	zeroFile *os.File
-	zeroedTo int64
+	takeBuf  []stagedOp // reused by commitLocked, under wmu
+	opsBuf   []stagedOp // reused by Save, under wmu
+	entBuf   []byte     // reused by commitLocked, under wmu
 }
 
 type stagedOp struct {
@@ -193,19 +209,115 @@ func Open(dir string, opts *Options) (*DB, error) {
 		return nil, err
 	}
 	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}, syncDelay: opts.SyncDelay, onCommit: opts.OnCommit}
-	if !exists && !opts.ReadOnly {
-		if err := db.create(); err != nil {
-			bdb.Close()
-			return nil, fmt.Errorf("%s: %w", path, err)
-		}
-	}
-	// A read-only open is not verified beforehand: check every entry now.
-	if err := db.load(opts.ReadOnly); err != nil {
+	fail := func(err error) (*DB, error) {
 		bdb.Close()
+		if db.wal != nil && db.wal.f != nil {
+			db.wal.f.Close()
+		}
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	lg.Info("data file opened", "path", path, "first_index", db.first, "last_index", db.last, "applied", db.applied)
+	if exists {
+		// A read-only open is not verified beforehand: check every entry now.
+		if err := db.load(opts.ReadOnly); err != nil {
+			return fail(err)
+		}
+	}
+	// The WAL exists before the file records a format that needs it.
+	if db.wal, err = openWAL(dir, opts.ReadOnly, exists && db.format >= 2); err != nil {
+		bdb.Close()
+		return nil, err
+	}
+	if !exists && !opts.ReadOnly {
+		if err := db.create(); err != nil {
+			return fail(err)
+		}
+		if err := db.load(false); err != nil {
+			return fail(err)
+		}
+	}
+	frames, err := db.wal.readFrames(db.walID)
+	if err != nil {
+		bdb.Close()
+		db.wal.f.Close()
+		return nil, err
+	}
+	if err := db.replay(frames); err != nil {
+		bdb.Close()
+		db.wal.f.Close()
+		return nil, err
+	}
+	if !opts.ReadOnly {
+		// Move what the WAL held into the file and start a new WAL id:
+		// from here on the WAL holds only what this process appends.
+		if err := db.wal.grow(walPrealloc); err != nil {
+			return fail(err)
+		}
+		if err := db.commit(nil); err != nil {
+			return fail(err)
+		}
+	}
+	lg.Info("data file opened", "path", path, "first_index", db.first, "last_index", db.last, "applied", db.applied, "wal_frames_replayed", len(frames))
 	return db, nil
+}
+
+// replay applies the live WAL frames to the in-memory view: entries to the
+// tail, metadata to the stage (where readers see it), the hard state. A
+// read-write Open then checkpoints it all into the file.
+func (db *DB) replay(frames []walFrame) error {
+	var prevTerm uint64
+	if len(db.tail) > 0 {
+		prevTerm = db.tail[len(db.tail)-1].Term
+	}
+	for _, fr := range frames {
+		for _, op := range fr.ops {
+			db.stageGen++
+			op.gen = db.stageGen
+			db.staged[op.k] = op
+			if err := db.loadStaged(op); err != nil {
+				return fmt.Errorf("%s: frame at offset %d: %w", WALName, fr.off, err)
+			}
+		}
+		if len(fr.ents) > 0 {
+			if fr.ents[0].Index != db.last+1 {
+				return fmt.Errorf("%s: frame at offset %d starts at index %d, the log ends at %d: %w", WALName, fr.off, fr.ents[0].Index, db.last, ErrCorrupt)
+			}
+			for i := range fr.ents {
+				if fr.ents[i].Term < prevTerm {
+					return fmt.Errorf("%s: entry %d has term %d after term %d: %w", WALName, fr.ents[i].Index, fr.ents[i].Term, prevTerm, ErrCorrupt)
+				}
+				prevTerm = fr.ents[i].Term
+				db.pendBytes += entrySize(&fr.ents[i])
+			}
+			db.last = fr.ents[len(fr.ents)-1].Index
+			db.appendTailLocked(fr.ents)
+		}
+		if fr.hs != nil {
+			db.hs = *fr.hs
+		}
+	}
+	if db.hs.Commit > db.last {
+		return fmt.Errorf("%s: commit index %d is past the last entry %d: %w", WALName, db.hs.Commit, db.last, ErrCorrupt)
+	}
+	return nil
+}
+
+// loadStaged updates the in-memory state a replayed metadata write changes.
+func (db *DB) loadStaged(op stagedOp) error {
+	var err error
+	switch {
+	case op.val == nil:
+	case op.bucket == string(bucketRaftState) && op.key == string(keyHardState):
+		err = db.hs.Unmarshal(op.val)
+	case op.bucket == string(bucketRaftState) && op.key == string(keyConfState):
+		db.cs = pb.ConfState{}
+		err = db.cs.Unmarshal(op.val)
+	case op.bucket == string(bucketMeta) && op.key == string(keyApplied) && len(op.val) == 8:
+		db.applied = binary.BigEndian.Uint64(op.val)
+	}
+	if err != nil {
+		return fmt.Errorf("%s/%s: %v: %w", op.bucket, op.key, err, ErrCorrupt)
+	}
+	return nil
 }
 
 func openBolt(path string, timeout time.Duration, ro bool) (*bolt.DB, error) {
@@ -292,6 +404,11 @@ func (db *DB) load(verify bool) (err error) {
 			return fmt.Errorf("no format version: %w", ErrCorrupt)
 		} else if f := binary.BigEndian.Uint64(v); f > FormatVersion {
 			return fmt.Errorf("data format %d, this build reads up to %d: %w", f, FormatVersion, ErrUnknownVersion)
+		} else {
+			db.format = f
+		}
+		if v := m.Get(keyWAL); len(v) == 8 {
+			db.walID = binary.BigEndian.Uint64(v)
 		}
 		if v := m.Get(keyNodeID); len(v) == 8 {
 			db.nodeID = binary.BigEndian.Uint64(v)
@@ -359,6 +476,7 @@ func (db *DB) scanLocked(lb *bolt.Bucket, verify bool) error {
 	if db.hs.Commit > db.last {
 		return fmt.Errorf("commit index %d is past the last entry %d: %w", db.hs.Commit, db.last, ErrCorrupt)
 	}
+	db.boltLast = db.last
 	var rev []pb.Entry
 	size := 0
 	for k, v := c.Last(); k != nil && size < db.maxTail; k, v = c.Prev() {
@@ -376,7 +494,8 @@ func (db *DB) scanLocked(lb *bolt.Bucket, verify bool) error {
 	return nil
 }
 
-// Close flushes staged metadata and closes the file.
+// Close writes everything the WAL and the stage hold into the file and
+// closes it.
 func (db *DB) Close() error {
 	db.mu.Lock()
 	if db.closed {
@@ -387,11 +506,15 @@ func (db *DB) Close() error {
 	db.mu.Unlock()
 	var ferr error
 	if !db.ro {
-		ferr = db.flush()
+		db.wmu.Lock()
+		if err := db.commitLocked(0, nil); err != nil {
+			ferr = fmt.Errorf("storage: checkpoint at close: %w", err)
+		}
+		db.wmu.Unlock()
 	}
 	err := db.bolt.Close()
-	if db.zeroFile != nil {
-		_ = db.zeroFile.Close()
+	if db.wal.f != nil {
+		_ = db.wal.f.Close()
 	}
 	if err != nil {
 		return err
@@ -399,9 +522,13 @@ func (db *DB) Close() error {
 	return ferr
 }
 
-// Commits returns how many write transactions the file has committed since
-// Open; each costs bbolt two fdatasyncs.
+// Commits returns how many durable writes of the log (WAL appends and bbolt
+// commits) were made since Open.
 func (db *DB) Commits() uint64 { return db.commits.Load() }
+
+// Syncs returns how many fdatasyncs those writes cost: one per WAL append,
+// two per bbolt commit.
+func (db *DB) Syncs() uint64 { return db.syncs.Load() }
 
 // Path returns the data file's path.
 func (db *DB) Path() string { return db.path }

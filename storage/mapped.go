@@ -2,10 +2,20 @@ package storage
 
 import bolt "go.etcd.io/bbolt"
 
-// releaseEvery is how many commits pass between two releaseMapped calls.
-// A commit maps about four pages (the new copies of the pages on the log's
-// right edge), so at most some 4 MiB of the file is mapped between two.
+// releaseEvery is how many durable writes (WAL appends and checkpoints)
+// pass between two releaseMapped calls. A bbolt commit maps about four
+// pages (the new copies of the pages on the log's right edge) and reads
+// from the file map more, so at most a few MiB of the file is mapped
+// between two.
 const releaseEvery = 256
+
+// committed counts a durable write, and releases the mappings every
+// releaseEvery of them.
+func (db *DB) committed() {
+	if db.commits.Add(1)%releaseEvery == 0 {
+		db.releaseMapped()
+	}
+}
 
 // releaseMapped drops the process's mappings of the data file's pages.
 //

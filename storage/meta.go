@@ -1,27 +1,32 @@
 package storage
 
 import (
+	"bytes"
 	"encoding/binary"
 	"fmt"
 	"os"
+	"slices"
+	"strings"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
 	pb "go.etcd.io/raft/v3/raftpb"
 )
 
-// stage queues a metadata write for the next transaction.
+// stage queues a metadata write for the next WAL frame.
 func (db *DB) stage(bucket, key string, val []byte) {
 	db.stageMu.Lock()
 	db.stageGen++
 	k := bucket + "\x00" + key
-	db.staged[k] = stagedOp{k: k, bucket: bucket, key: key, val: val, gen: db.stageGen}
+	op := stagedOp{k: k, bucket: bucket, key: key, val: val, gen: db.stageGen}
+	db.staged[k] = op
+	db.fresh = append(db.fresh, op)
 	db.stageMu.Unlock()
 }
 
-// Stage queues key=val in bucket (BucketSessions) for the next transaction:
-// it becomes durable no later than any entry saved after Stage returns.
-// val must not be modified afterwards.
+// Stage queues key=val in bucket (BucketSessions) for the next write: it
+// becomes durable no later than any entry saved after Stage returns, and
+// ForEach sees it at once. val must not be modified afterwards.
 func (db *DB) Stage(bucket, key string, val []byte) {
 	if val == nil {
 		val = []byte{}
@@ -32,28 +37,55 @@ func (db *DB) Stage(bucket, key string, val []byte) {
 // StageDelete queues the deletion of key in bucket, like Stage.
 func (db *DB) StageDelete(bucket, key string) { db.stage(bucket, key, nil) }
 
-// commit runs fn and the staged operations in one write transaction.
-// Taking them inside the transaction (under bbolt's writer lock) keeps the
-// order: what was staged before an entry was proposed commits with it or
-// before it. They leave the stage only once the commit succeeded, so a
-// failed commit (a full disk) loses none of them.
-func (db *DB) commit(fn func(tx *bolt.Tx) error) error { return db.commitEntries(0, fn) }
+// takeFresh copies the staged writes no WAL frame holds yet into buf.
+func (db *DB) takeFresh(buf []stagedOp) []stagedOp {
+	db.stageMu.Lock()
+	defer db.stageMu.Unlock()
+	return append(buf[:0], db.fresh...)
+}
 
-// commitEntries is commit for a transaction that appends entries log
-// entries, the batch size Options.OnCommit reports.
-func (db *DB) commitEntries(entries int, fn func(tx *bolt.Tx) error) error {
+// dropFresh removes the first n fresh writes, which a frame now holds.
+func (db *DB) dropFresh(n int) {
+	db.stageMu.Lock()
+	db.fresh = append(db.fresh[:0], db.fresh[n:]...)
+	db.stageMu.Unlock()
+}
+
+// commit checkpoints (see commitLocked) with fn in the same transaction.
+func (db *DB) commit(fn func(tx *bolt.Tx) error) error {
+	db.wmu.Lock()
+	defer db.wmu.Unlock()
+	return db.commitLocked(0, fn)
+}
+
+// commitLocked is a checkpoint: one bbolt transaction that writes every
+// staged operation, the entries only the WAL and the tail hold, the hard
+// state and a new WAL id, then fn (which appends entries more, the batch
+// size Options.OnCommit reports). Once it commits, the WAL's frames are
+// dead and the next one goes at its start. Staged operations leave the
+// stage only once the commit succeeded, so a failed one (a full disk)
+// loses none of them. The caller holds wmu.
+func (db *DB) commitLocked(entries int, fn func(tx *bolt.Tx) error) error {
+	db.mu.RLock()
+	from, last, hs := db.boltLast+1, db.last, db.hs
+	var pend []pb.Entry
+	if last >= from {
+		pend = db.tail[from-db.tail[0].Index:]
+	}
+	db.mu.RUnlock()
+	id := newWALID()
 	var taken []stagedOp
+	var maxGen uint64
 	var built time.Time // when fn is done and bbolt starts writing and syncing
 	err := db.bolt.Update(func(tx *bolt.Tx) error {
 		defer func() { built = time.Now() }()
-		db.prefill(tx) // a read-only file never gets here: bbolt refuses Update
-		// Copied into a slice kept from commit to commit (bbolt runs one
-		// at a time), not a cloned map: a clone is as large as the map
-		// ever grew, at every commit.
+		// Copied into a slice kept from commit to commit, not a cloned
+		// map: a clone is as large as the map ever grew, at every commit.
 		db.stageMu.Lock()
 		taken = db.takeBuf[:0]
 		for _, op := range db.staged {
 			taken = append(taken, op)
+			maxGen = max(maxGen, op.gen)
 		}
 		db.takeBuf = taken
 		db.stageMu.Unlock()
@@ -80,9 +112,28 @@ func (db *DB) commitEntries(entries int, fn func(tx *bolt.Tx) error) error {
 				return fmt.Errorf("%s/%s: %w", op.bucket, op.key, err)
 			}
 		}
+		if err := db.putEntries(tx, pend, true); err != nil {
+			return err
+		}
+		// After the staged operations: the hard state in memory is never
+		// older than a staged commit-only one.
+		if !isEmptyHardState(hs) {
+			b, err := hs.Marshal()
+			if err != nil {
+				return err
+			}
+			if err := tx.Bucket(bucketRaftState).Put(keyHardState, b); err != nil {
+				return err
+			}
+		}
+		m := tx.Bucket(bucketMeta)
+		if err := m.Put(keyFormat, u64(FormatVersion)); err != nil {
+			return err
+		}
+		if err := m.Put(keyWAL, u64(id)); err != nil {
+			return err
+		}
 		if fn != nil {
-			// After the staged operations: a full hard state passed to Save
-			// supersedes a staged commit-only one.
 			return fn(tx)
 		}
 		return nil
@@ -93,11 +144,15 @@ func (db *DB) commitEntries(entries int, fn func(tx *bolt.Tx) error) error {
 	if db.syncDelay > 0 {
 		time.Sleep(2 * db.syncDelay) // bbolt's two fdatasyncs, on slow flash
 	}
-	if db.commits.Add(1)%releaseEvery == 0 {
-		db.releaseMapped()
-	}
+	db.wal.id, db.wal.off = id, 0
+	db.mu.Lock()
+	db.boltLast, db.pendBytes = max(db.boltLast, last), 0
+	db.format, db.walID = FormatVersion, id
+	db.mu.Unlock()
+	db.syncs.Add(2)
+	db.committed()
 	if db.onCommit != nil {
-		db.onCommit(time.Since(built), entries)
+		db.onCommit(time.Since(built), entries+len(pend))
 	}
 	db.stageMu.Lock()
 	for _, op := range taken {
@@ -105,18 +160,62 @@ func (db *DB) commitEntries(entries int, fn func(tx *bolt.Tx) error) error {
 			delete(db.staged, op.k)
 		}
 	}
+	// Fresh writes staged before the transaction took the stage are in
+	// the file now; those staged since still need a frame.
+	n := 0
+	for n < len(db.fresh) && db.fresh[n].gen <= maxGen {
+		n++
+	}
+	db.fresh = append(db.fresh[:0], db.fresh[n:]...)
 	db.stageMu.Unlock()
 	return nil
 }
 
-// Pending reports whether staged metadata waits for a transaction.
+// putEntries writes ents to the log bucket, all values in one buffer: the
+// one reused from checkpoint to checkpoint (bbolt holds the slices only
+// until the commit) when reuse, else a new one.
+func (db *DB) putEntries(tx *bolt.Tx, ents []pb.Entry, reuse bool) error {
+	if len(ents) == 0 {
+		return nil
+	}
+	size := 0
+	for i := range ents {
+		size += 8 + entrySize(&ents[i])
+	}
+	var buf []byte
+	if reuse {
+		if cap(db.entBuf) < size {
+			db.entBuf = make([]byte, size)
+		}
+		buf = db.entBuf[:size]
+	} else {
+		buf = make([]byte, size)
+	}
+	lb := tx.Bucket(bucketLog)
+	lb.FillPercent = 1.0 // appends are sequential: full pages halve growth
+	off := 0
+	for i := range ents {
+		k := buf[off : off+8]
+		binary.BigEndian.PutUint64(k, ents[i].Index)
+		n := entrySize(&ents[i])
+		v := buf[off+8 : off+8+n]
+		putEntry(v, &ents[i])
+		off += 8 + n
+		if err := lb.Put(k, v); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Pending reports whether staged metadata waits for a durable write.
 func (db *DB) Pending() bool {
 	db.stageMu.Lock()
 	defer db.stageMu.Unlock()
-	return len(db.staged) > 0
+	return len(db.fresh) > 0
 }
 
-// Flush commits staged metadata now.
+// Flush makes staged metadata durable now (a WAL frame of its own).
 func (db *DB) Flush() error {
 	db.mu.RLock()
 	closed := db.closed
@@ -124,11 +223,17 @@ func (db *DB) Flush() error {
 	if closed {
 		return ErrClosed
 	}
-	return db.flush()
+	if !db.Pending() {
+		return nil
+	}
+	if err := db.flushStaged(); err != nil {
+		return fmt.Errorf("storage: flush: %w", err)
+	}
+	return nil
 }
 
 // Sync makes everything staged so far durable before it returns, even what
-// a transaction in progress has already taken: bbolt runs this one after it.
+// a Save in progress has already taken: Sync waits for that Save.
 func (db *DB) Sync() error {
 	db.mu.RLock()
 	closed := db.closed
@@ -136,39 +241,76 @@ func (db *DB) Sync() error {
 	if closed {
 		return ErrClosed
 	}
-	if err := db.commit(nil); err != nil {
+	if err := db.flushStaged(); err != nil {
 		return fmt.Errorf("storage: sync: %w", err)
 	}
 	return nil
 }
 
-func (db *DB) flush() error {
-	if !db.Pending() {
-		return nil
-	}
-	if err := db.commit(nil); err != nil {
-		return fmt.Errorf("storage: flush: %w", err)
-	}
-	return nil
+// flushStaged writes the fresh staged operations in a WAL frame.
+func (db *DB) flushStaged() error {
+	db.wmu.Lock()
+	defer db.wmu.Unlock()
+	return db.appendLocked(nil, nil)
 }
 
 // ForEach calls fn for every key in bucket with the given prefix, in key
-// order. k and v are only valid during the call.
+// order, staged writes included. k and v are only valid during the call.
 func (db *DB) ForEach(bucket, prefix string, fn func(k, v []byte) error) error {
-	return db.bolt.View(func(tx *bolt.Tx) error {
-		b := tx.Bucket([]byte(bucket))
-		if b == nil {
+	var over []stagedOp
+	db.stageMu.Lock()
+	for _, op := range db.staged {
+		if op.bucket == bucket && strings.HasPrefix(op.key, prefix) {
+			over = append(over, op)
+		}
+	}
+	db.stageMu.Unlock()
+	slices.SortFunc(over, func(a, b stagedOp) int { return strings.Compare(a.key, b.key) })
+	emit := func(op stagedOp) error {
+		if op.val == nil {
 			return nil
 		}
-		c := b.Cursor()
-		p := []byte(prefix)
-		for k, v := c.Seek(p); k != nil && len(k) >= len(p) && string(k[:len(p)]) == prefix; k, v = c.Next() {
-			if err := fn(k, v); err != nil {
+		return fn([]byte(op.key), op.val)
+	}
+	return db.bolt.View(func(tx *bolt.Tx) error {
+		b := tx.Bucket([]byte(bucket))
+		if b != nil {
+			c := b.Cursor()
+			p := []byte(prefix)
+			for k, v := c.Seek(p); k != nil && bytes.HasPrefix(k, p); k, v = c.Next() {
+				for len(over) > 0 && over[0].key < string(k) {
+					if err := emit(over[0]); err != nil {
+						return err
+					}
+					over = over[1:]
+				}
+				if len(over) > 0 && over[0].key == string(k) {
+					if err := emit(over[0]); err != nil {
+						return err
+					}
+					over = over[1:]
+					continue
+				}
+				if err := fn(k, v); err != nil {
+					return err
+				}
+			}
+		}
+		for _, op := range over {
+			if err := emit(op); err != nil {
 				return err
 			}
 		}
 		return nil
 	})
+}
+
+// stagedValue returns the staged write of bucket/key, if there is one.
+func (db *DB) stagedValue(bucket, key string) (stagedOp, bool) {
+	db.stageMu.Lock()
+	defer db.stageMu.Unlock()
+	op, ok := db.staged[bucket+"\x00"+key]
+	return op, ok
 }
 
 // NodeID returns the node id recorded in the file, 0 if none yet.
@@ -181,7 +323,10 @@ func (db *DB) NodeID() uint64 {
 // SetNodeID records the node id the file belongs to, durably. A data dir is
 // bound to one identity: replication refuses a file of another node.
 func (db *DB) SetNodeID(id uint64) error {
-	err := db.bolt.Update(func(tx *bolt.Tx) error {
+	if db.ro {
+		return fmt.Errorf("storage: set node id on a read-only file")
+	}
+	err := db.commit(func(tx *bolt.Tx) error {
 		return tx.Bucket(bucketMeta).Put(keyNodeID, u64(id))
 	})
 	if err != nil {
@@ -197,19 +342,42 @@ func (db *DB) SetNodeID(id uint64) error {
 // returns false or the log ends. Entries are decoded and CRC-checked; fn may
 // keep them.
 func (db *DB) Scan(from uint64, fn func(e pb.Entry) bool) error {
-	return db.bolt.View(func(tx *bolt.Tx) error {
+	boltLast, pend := db.pending()
+	more := true
+	err := db.bolt.View(func(tx *bolt.Tx) error {
 		c := tx.Bucket(bucketLog).Cursor()
 		for k, v := c.Seek(u64(from)); k != nil; k, v = c.Next() {
-			e, err := decodeEntry(binary.BigEndian.Uint64(k), v)
+			i := binary.BigEndian.Uint64(k)
+			if i > boltLast {
+				break // a checkpoint since pending(): the copy has it
+			}
+			e, err := decodeEntry(i, v)
 			if err != nil {
 				return err
 			}
-			if !fn(e) {
+			if more = fn(e); !more {
 				return nil
 			}
 		}
 		return nil
 	})
+	for i := 0; err == nil && more && i < len(pend); i++ {
+		if pend[i].Index >= from {
+			more = fn(pend[i])
+		}
+	}
+	return err
+}
+
+// pending returns the last index in the log bucket and a copy of the
+// entries past it, which only the WAL and the tail hold.
+func (db *DB) pending() (uint64, []pb.Entry) {
+	db.mu.RLock()
+	defer db.mu.RUnlock()
+	if db.last <= db.boltLast {
+		return db.boltLast, nil
+	}
+	return db.boltLast, append([]pb.Entry(nil), db.tail[db.boltLast+1-db.tail[0].Index:]...)
 }
 
 // Stats is a snapshot of the file's size and the log's bounds.
@@ -234,7 +402,7 @@ func (db *DB) Stats() Stats {
 // even on a gateway whose clock starts in 1970.
 func (db *DB) NextEpoch() (uint64, error) {
 	var epoch uint64
-	err := db.bolt.Update(func(tx *bolt.Tx) error {
+	err := db.commit(func(tx *bolt.Tx) error {
 		m := tx.Bucket(bucketMeta)
 		if v := m.Get(keyEpoch); len(v) == 8 {
 			epoch = binary.BigEndian.Uint64(v)
@@ -250,6 +418,9 @@ func (db *DB) NextEpoch() (uint64, error) {
 
 // GetMeta returns a copy of the metadata value of key, nil if unset.
 func (db *DB) GetMeta(key string) ([]byte, error) {
+	if op, ok := db.stagedValue(string(bucketMeta), key); ok {
+		return append([]byte(nil), op.val...), nil
+	}
 	var out []byte
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		if v := tx.Bucket(bucketMeta).Get([]byte(key)); v != nil {
@@ -262,28 +433,33 @@ func (db *DB) GetMeta(key string) ([]byte, error) {
 
 // PutMeta sets the metadata value of key, durably, before it returns.
 func (db *DB) PutMeta(key string, val []byte) error {
-	err := db.bolt.Update(func(tx *bolt.Tx) error {
+	err := db.commit(func(tx *bolt.Tx) error {
 		return tx.Bucket(bucketMeta).Put([]byte(key), val)
 	})
 	if err != nil {
 		return fmt.Errorf("storage: %s: %w", key, err)
 	}
-	db.commits.Add(1)
 	return nil
 }
 
 // DataRecords counts the data entries (records) in the log.
 func (db *DB) DataRecords() (int, error) {
+	boltLast, pend := db.pending()
 	n := 0
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		c := tx.Bucket(bucketLog).Cursor()
-		for _, v := c.First(); v != nil; _, v = c.Next() {
+		for k, v := c.First(); k != nil && binary.BigEndian.Uint64(k) <= boltLast; k, v = c.Next() {
 			if len(v) > entryHdr && pb.EntryType(v[12]) == pb.EntryNormal {
 				n++
 			}
 		}
 		return nil
 	})
+	for i := range pend {
+		if pend[i].Type == pb.EntryNormal && len(pend[i].Data) > 0 {
+			n++
+		}
+	}
 	return n, err
 }
 
@@ -339,7 +515,7 @@ func (db *DB) ResetRaftFrom(from uint64) error {
 	db.mu.Lock()
 	db.hs, db.cs = pb.HardState{}, pb.ConfState{}
 	db.snapIndex, db.snapTerm, db.applied = 0, 0, 0
-	db.first, db.last = 1, 0
+	db.first, db.last, db.boltLast = 1, 0, 0
 	db.tail, db.tailBytes = nil, 0
 	db.mu.Unlock()
 	if requeue {

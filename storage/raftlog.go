@@ -86,7 +86,16 @@ func (db *DB) Entries(lo, hi, maxSize uint64) ([]pb.Entry, error) {
 		n := limitSize(ents, maxSize)
 		return append([]pb.Entry(nil), ents[:n]...), nil
 	}
-	return db.readEntries(lo, hi, maxSize)
+	// [lo, hi) starts before the tail, so before boltLast+1: the file has
+	// the head, the tail the rest.
+	out, err := db.readEntries(lo, min(hi, db.boltLast+1), maxSize)
+	if err != nil || hi <= db.boltLast+1 || out[len(out)-1].Index < db.boltLast {
+		return out, err
+	}
+	off := db.tail[0].Index
+	rest := db.tail[db.boltLast+1-off : hi-off]
+	all := append(out, rest...)
+	return all[:limitSize(all, maxSize)], nil
 }
 
 // readEntries reads entries [lo, hi) from the file.
@@ -164,7 +173,9 @@ func (db *DB) appendTailLocked(ents []pb.Entry) {
 	}
 	db.tail = append(db.tail, ents...)
 	drop := 0
-	for db.tailBytes > db.maxTail && drop < len(db.tail)-1 {
+	// Never an entry past boltLast: the tail is the only copy of those
+	// that readers have until the next checkpoint.
+	for db.tailBytes > db.maxTail && drop < len(db.tail)-1 && db.tail[drop].Index <= db.boltLast {
 		db.tailBytes -= entrySize(&db.tail[drop])
 		drop++
 	}
@@ -179,10 +190,13 @@ func (db *DB) appendTailLocked(ents []pb.Entry) {
 	}
 }
 
-// Save makes hs and ents durable in one bbolt transaction (one commit, so
-// one group of fsyncs for the whole batch), together with any staged
-// metadata. Entries that ents overwrite are moved to the requeue bucket,
-// never dropped: a deposed master may have acked them.
+// Save makes hs and ents durable, together with any staged metadata, in
+// one WAL frame: one write and one fdatasync for the whole batch. Once the
+// WAL passes walCheckpointAt, or the entries only it holds pass half the
+// tail's budget, Save also checkpoints them into bbolt. An append that
+// overwrites entries goes to bbolt directly, with the WAL's contents: the
+// entries it overwrites move to the requeue bucket, never dropped, since a
+// deposed master may have acked them.
 func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 	if db.ro {
 		return fmt.Errorf("storage: save on a read-only file")
@@ -193,33 +207,100 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 	if closed {
 		return ErrClosed
 	}
-	// One buffer for every value of the batch: bbolt keeps the slices until
-	// commit, and one allocation per batch beats one per entry.
-	size := 0
-	for i := range ents {
-		size += 8 + entrySize(&ents[i])
+	db.wmu.Lock()
+	defer db.wmu.Unlock()
+	if len(ents) > 0 && ents[0].Index <= last {
+		return db.saveOverwriting(hs, ents, last)
 	}
-	buf := make([]byte, size)
-	err := db.commitEntries(len(ents), func(tx *bolt.Tx) error {
-		lb := tx.Bucket(bucketLog)
-		lb.FillPercent = 1.0 // appends are sequential: full pages halve growth
-		if len(ents) > 0 && ents[0].Index <= last {
-			if err := requeueFrom(tx, lb, ents[0].Index, last); err != nil {
-				return err
-			}
-			db.requeued.Store(true)
+	var hsp *pb.HardState
+	if !isEmptyHardState(hs) {
+		hsp = &hs
+	}
+	if err := db.appendLocked(hsp, ents); err != nil {
+		return fmt.Errorf("storage: save: %w", err)
+	}
+	db.mu.RLock()
+	due := db.pendBytes > db.maxTail/2
+	db.mu.RUnlock()
+	if due || db.wal.off >= walCheckpointAt {
+		// The batch is durable in the WAL whatever happens here: a failed
+		// checkpoint (a full disk) is tried again at the next Save, and
+		// Save fails only once the WAL cannot take a frame either.
+		if err := db.commitLocked(0, nil); err != nil {
+			db.log.Warn("checkpoint of the WAL into the data file failed; will retry", "error", err)
 		}
-		off := 0
+	}
+	return nil
+}
+
+// appendLocked writes hs, the fresh staged operations and ents in one WAL
+// frame and updates the in-memory view. The caller holds wmu.
+func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry) error {
+	ops := db.takeFresh(db.opsBuf)
+	if hs == nil && len(ops) == 0 && len(ents) == 0 {
+		return nil
+	}
+	if db.wal.id == 0 || db.wal.off > 0 && db.wal.off+frameSize(ops, ents) > db.wal.size {
+		// The WAL is full (or has no id yet): checkpoint instead of
+		// growing it, and take the stage again, since the checkpoint
+		// wrote what was taken (and maybe newer values of it).
+		if err := db.commitLocked(0, nil); err == nil {
+			ops = db.takeFresh(ops)
+		} else if db.wal.id == 0 {
+			return err
+		}
+	}
+	db.opsBuf = ops
+	took, err := db.appendWAL(hs, ops, ents)
+	clear(ops) // the values belong to the stage
+	if err != nil {
+		return err
+	}
+	db.dropFresh(len(ops))
+	db.mu.Lock()
+	if hs != nil {
+		db.hs = *hs
+	}
+	if len(ents) > 0 {
+		db.last = ents[len(ents)-1].Index
 		for i := range ents {
-			k := buf[off : off+8]
-			binary.BigEndian.PutUint64(k, ents[i].Index)
-			n := entrySize(&ents[i])
-			v := buf[off+8 : off+8+n]
-			putEntry(v, &ents[i])
-			off += 8 + n
-			if err := lb.Put(k, v); err != nil {
-				return err
-			}
+			db.pendBytes += entrySize(&ents[i])
+		}
+		db.appendTailLocked(ents)
+	}
+	db.mu.Unlock()
+	db.committed()
+	if db.onCommit != nil {
+		db.onCommit(took, len(ents))
+	}
+	return nil
+}
+
+// frameSize is the size of the WAL frame of ops and ents, with no more
+// than the hard state's fixed room.
+func frameSize(ops []stagedOp, ents []pb.Entry) int64 {
+	n := walHdr + 1 + 24 + 4 + 4 + 8
+	for i := range ops {
+		n += 1 + len(ops[i].bucket) + 2 + len(ops[i].key) + 4 + len(ops[i].val)
+	}
+	for i := range ents {
+		n += 4 + entrySize(&ents[i])
+	}
+	return int64(n)
+}
+
+// saveOverwriting is Save for an append that overwrites entries from
+// ents[0].Index on: one bbolt transaction (a checkpoint) that moves them to
+// the requeue bucket and writes ents. The caller holds wmu.
+func (db *DB) saveOverwriting(hs pb.HardState, ents []pb.Entry, last uint64) error {
+	err := db.commitLocked(len(ents), func(tx *bolt.Tx) error {
+		lb := tx.Bucket(bucketLog)
+		if err := requeueFrom(tx, lb, ents[0].Index, last); err != nil {
+			return err
+		}
+		db.requeued.Store(true)
+		if err := db.putEntries(tx, ents, false); err != nil {
+			return err
 		}
 		if !isEmptyHardState(hs) {
 			b, err := hs.Marshal()
@@ -239,10 +320,9 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 	if !isEmptyHardState(hs) {
 		db.hs = hs
 	}
-	if len(ents) > 0 {
-		db.last = ents[len(ents)-1].Index
-		db.appendTailLocked(ents)
-	}
+	db.last = ents[len(ents)-1].Index
+	db.boltLast = db.last
+	db.appendTailLocked(ents)
 	db.mu.Unlock()
 	return nil
 }

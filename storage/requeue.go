@@ -19,12 +19,16 @@ type Requeued struct {
 
 // Requeued returns up to limit requeued entries, oldest index first.
 func (db *DB) Requeued(limit int) ([]Requeued, error) {
+	dropped := db.droppedRequeued()
 	var out []Requeued
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		c := tx.Bucket(bucketRequeue).Cursor()
 		for k, v := c.First(); k != nil && len(out) < limit; k, v = c.Next() {
 			if len(k) != 16 {
 				return fmt.Errorf("requeue key of %d bytes: %w", len(k), ErrCorrupt)
+			}
+			if dropped[string(k)] {
+				continue
 			}
 			idx := binary.BigEndian.Uint64(k)
 			e, err := decodeEntry(idx, v)
@@ -46,7 +50,24 @@ func (db *DB) RequeuePending() (int, error) {
 		n = tx.Bucket(bucketRequeue).Stats().KeyN
 		return nil
 	})
-	return n, err
+	return max(0, n-len(db.droppedRequeued())), err
+}
+
+// droppedRequeued returns the keys whose removal from the requeue bucket
+// is staged but not yet in the file.
+func (db *DB) droppedRequeued() map[string]bool {
+	db.stageMu.Lock()
+	defer db.stageMu.Unlock()
+	var out map[string]bool
+	for _, op := range db.staged {
+		if op.bucket == string(bucketRequeue) && op.val == nil {
+			if out == nil {
+				out = map[string]bool{}
+			}
+			out[op.key] = true
+		}
+	}
+	return out
 }
 
 // DropRequeued removes a requeued entry, with the next transaction.

@@ -119,7 +119,7 @@ func run(b *broker, w workload, dev string) sample {
 	o.Topic = "bench/" + w.name + "/%c"
 	o.Version = 5
 	cpu0 := procCPU(b.cmd.Process.Pid)
-	commits0 := tandemCommits(b)
+	fsyncs0 := tandemFsyncs(b)
 	dev0 := deviceBytes(dev)
 	res, err := bench.Run(context.Background(), o)
 	check(err)
@@ -129,7 +129,7 @@ func run(b *broker, w workload, dev string) sample {
 	cpu := procCPU(b.cmd.Process.Pid) - cpu0
 	s := sample{res: res}
 	s.cpuUsPerMsg = cpu * 1e6 / float64(res.Acked)
-	s.fsyncsPerMsg = float64(2*(tandemCommits(b)-commits0)) / float64(res.Acked)
+	s.fsyncsPerMsg = float64(tandemFsyncs(b)-fsyncs0) / float64(res.Acked)
 	s.devBytesPerMsg = float64(deviceBytes(dev)-dev0) / float64(res.Acked)
 	s.rssMB = procRSS(b.cmd.Process.Pid)
 	return s
@@ -176,7 +176,7 @@ func stop(b *broker) {
 	}
 }
 
-func tandemCommits(b *broker) uint64 {
+func tandemFsyncs(b *broker) uint64 {
 	if b.http == "" {
 		return 0
 	}
@@ -187,11 +187,11 @@ func tandemCommits(b *broker) uint64 {
 	defer resp.Body.Close()
 	var s struct {
 		Storage struct {
-			Commits uint64 `json:"commits"`
+			Fsyncs uint64 `json:"fsyncs"`
 		} `json:"storage"`
 	}
 	_ = json.NewDecoder(resp.Body).Decode(&s)
-	return s.Storage.Commits
+	return s.Storage.Fsyncs
 }
 
 func freePort() string {

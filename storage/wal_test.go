@@ -1,0 +1,256 @@
+package storage
+
+import (
+	"encoding/binary"
+	"errors"
+	"math"
+	"os"
+	"path/filepath"
+	"reflect"
+	"slices"
+	"strings"
+	"testing"
+
+	bolt "go.etcd.io/bbolt"
+	pb "go.etcd.io/raft/v3/raftpb"
+)
+
+// allEntries reads the whole log of db.
+func allEntries(t *testing.T, db *DB) []pb.Entry {
+	t.Helper()
+	first, _ := db.FirstIndex()
+	last, _ := db.LastIndex()
+	if last < first {
+		return nil
+	}
+	ents, err := db.Entries(first, last+1, math.MaxUint64)
+	if err != nil {
+		t.Fatalf("Entries(%d, %d): %v", first, last+1, err)
+	}
+	return ents
+}
+
+// boltLastIndex is the last index in the log bucket of a closed file.
+func boltLastIndex(t *testing.T, dir string) uint64 {
+	t.Helper()
+	var last uint64
+	boltView(t, filepath.Join(dir, FileName), func(tx *bolt.Tx) error {
+		if k, _ := tx.Bucket(bucketLog).Cursor().Last(); len(k) == 8 {
+			last = binary.BigEndian.Uint64(k)
+		}
+		return nil
+	})
+	return last
+}
+
+// What Save returned is durable through the WAL alone: a kill -9 before any
+// checkpoint leaves it only there, and the next Open has all of it back,
+// read-only and read-write, and writes it into the file.
+func TestWALReplaysWhatOnlyItHolds(t *testing.T) {
+	db := testOpen(t, t.TempDir(), nil)
+	want := makeEntries(1, 30, 1)
+	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, want[:10])
+	mustCheckpoint(t, db)
+	mustSave(t, db, pb.HardState{Term: 1, Vote: 1, Commit: 10}, want[10:25])
+	db.Stage(BucketSessions, "client/a", []byte("session"))
+	db.SetApplied(9)
+	mustSave(t, db, pb.HardState{}, want[25:])
+	db.SetCommit(pb.HardState{Term: 1, Vote: 1, Commit: 28})
+	if err := db.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	crashed := crashCopy(t, db)
+	if got := boltLastIndex(t, crashed); got != 10 {
+		t.Fatalf("fixture: the file holds entries up to %d, want 10 (the rest only in the WAL)", got)
+	}
+	for _, ro := range []bool{true, false} {
+		db := testOpen(t, crashed, &Options{ReadOnly: ro})
+		if d := diffEntries(allEntries(t, db), want); d != "" {
+			t.Errorf("ReadOnly=%v: entries after the crash: %s", ro, d)
+		}
+		if hs, _, _ := db.InitialState(); hs != (pb.HardState{Term: 1, Vote: 1, Commit: 28}) {
+			t.Errorf("ReadOnly=%v: hard state %+v", ro, hs)
+		}
+		if db.Applied() != 9 {
+			t.Errorf("ReadOnly=%v: applied %d, want 9", ro, db.Applied())
+		}
+		if got := sessions(t, db, ""); got["client/a"] != "session" {
+			t.Errorf("ReadOnly=%v: sessions %v", ro, got)
+		}
+		var scanned []pb.Entry
+		if err := db.Scan(1, func(e pb.Entry) bool { scanned = append(scanned, e); return true }); err != nil {
+			t.Fatal(err)
+		}
+		if d := diffEntries(scanned, want); d != "" {
+			t.Errorf("ReadOnly=%v: Scan: %s", ro, d)
+		}
+		if n, err := db.DataRecords(); err != nil || n != 30 {
+			t.Errorf("ReadOnly=%v: DataRecords = %d, %v; want 30", ro, n, err)
+		}
+		mustClose(t, db)
+	}
+	if got := boltLastIndex(t, crashed); got != 30 {
+		t.Errorf("after a read-write open the file holds entries up to %d, want 30", got)
+	}
+}
+
+// The end of the WAL may be a frame torn by the crash (never acked): it is
+// ignored. A damaged frame with a good one after it is acked data gone bad:
+// Open refuses, names the offset, and changes neither file.
+func TestWALTornEndAndDamagedMiddle(t *testing.T) {
+	fixture := func(t *testing.T) (dir string, offs []int64, want []pb.Entry) {
+		db := testOpen(t, t.TempDir(), nil)
+		want = makeEntries(1, 12, 1)
+		for i := 0; i < 12; i += 4 {
+			offs = append(offs, db.wal.off)
+			mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, want[i:i+4])
+		}
+		offs = append(offs, db.wal.off)
+		return crashCopy(t, db), offs, want
+	}
+	flip := func(t *testing.T, dir string, off int64) {
+		t.Helper()
+		f, err := os.OpenFile(filepath.Join(dir, WALName), os.O_RDWR, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		var b [1]byte
+		if _, err := f.ReadAt(b[:], off); err != nil {
+			t.Fatal(err)
+		}
+		b[0] ^= 0x55
+		if _, err := f.WriteAt(b[:], off); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	t.Run("torn end", func(t *testing.T) {
+		dir, offs, want := fixture(t)
+		flip(t, dir, offs[3]-3) // inside the last frame's last entry
+		db := testOpen(t, dir, nil)
+		if d := diffEntries(allEntries(t, db), want[:8]); d != "" {
+			t.Errorf("after a torn last frame: %s", d)
+		}
+		// New frames go where the torn one was, and survive a crash.
+		mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, makeEntries(9, 2, 2))
+		again := testOpen(t, crashCopy(t, db), &Options{ReadOnly: true})
+		if l, _ := again.LastIndex(); l != 10 {
+			t.Errorf("LastIndex after saving past a torn end and crashing = %d, want 10", l)
+		}
+	})
+
+	t.Run("damaged middle", func(t *testing.T) {
+		dir, offs, _ := fixture(t)
+		flip(t, dir, offs[1]+walHdr+30) // inside the second frame
+		hashes := []([32]byte){fileHash(t, filepath.Join(dir, FileName)), fileHash(t, filepath.Join(dir, WALName))}
+		for _, ro := range []bool{true, false} {
+			_, err := openChecked(t, dir, &Options{ReadOnly: ro})
+			if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "offset") {
+				t.Errorf("ReadOnly=%v: Open with a damaged frame before a good one: %v, want ErrCorrupt naming the offset", ro, err)
+			}
+		}
+		if fileHash(t, filepath.Join(dir, FileName)) != hashes[0] || fileHash(t, filepath.Join(dir, WALName)) != hashes[1] {
+			t.Error("a refused Open changed the data file or the WAL")
+		}
+	})
+}
+
+// After a checkpoint the WAL's frames are dead: the file holds them, and
+// the next frames overwrite them from the start. Nothing is replayed twice,
+// and an append that overwrote entries (a deposed master rejoining) is not
+// undone by frames from before it.
+func TestWALFramesBeforeACheckpointAreDead(t *testing.T) {
+	db := testOpen(t, t.TempDir(), nil)
+	old := makeEntries(1, 10, 1)
+	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, old)
+	newer := makeEntries(5, 2, 2)
+	mustSave(t, db, pb.HardState{Term: 2, Vote: 2}, newer) // overwrites 5..10
+	if db.wal.off != 0 {
+		t.Fatalf("WAL offset %d after an overwriting append, want 0 (it checkpoints)", db.wal.off)
+	}
+	mustSave(t, db, pb.HardState{Term: 2, Vote: 2}, makeEntries(7, 1, 2))
+	want := append(append(slices.Clone(old[:4]), newer...), makeEntry(7, 2))
+	for _, ro := range []bool{true, false} {
+		crashed := testOpen(t, crashCopy(t, db), &Options{ReadOnly: ro})
+		if d := diffEntries(allEntries(t, crashed), want); d != "" {
+			t.Errorf("ReadOnly=%v: after the crash: %s", ro, d)
+		}
+		rq, err := crashed.Requeued(100)
+		if err != nil || len(rq) != 6 {
+			t.Errorf("ReadOnly=%v: %d requeued (%v), want the 6 overwritten", ro, len(rq), err)
+		}
+	}
+
+	// Many frames, several checkpoints: the log ends up whole, once.
+	db2 := testOpen(t, t.TempDir(), &Options{TailBytes: 64 << 10})
+	var all []pb.Entry
+	for i := uint64(0); i < 300; i++ {
+		ents := makeEntries(1+i*10, 10, 1)
+		all = append(all, ents...)
+		mustSave(t, db2, pb.HardState{Term: 1, Vote: 1}, ents)
+	}
+	if db2.Syncs() >= 2*db2.Commits() || db2.Syncs() <= db2.Commits() {
+		t.Errorf("%d fdatasyncs for %d durable writes: want WAL appends (1) and some checkpoints (2)", db2.Syncs(), db2.Commits())
+	}
+	crashed := testOpen(t, crashCopy(t, db2), nil)
+	if d := diffEntries(allEntries(t, crashed), all); d != "" {
+		t.Errorf("after checkpoints and a crash: %s", d)
+	}
+}
+
+// The WAL is part of the data: a file of format 2 without it is refused
+// (it may have held acked records), unless an empty one is put there on
+// purpose. A format 1 file, from before the WAL, opens and is upgraded.
+func TestWALMissingAndUpgrade(t *testing.T) {
+	dir := t.TempDir()
+	want := writeLog(t, dir, 60)
+	wal := filepath.Join(dir, WALName)
+	if err := os.Remove(wal); err != nil {
+		t.Fatal(err)
+	}
+	for _, ro := range []bool{true, false} {
+		_, err := openChecked(t, dir, &Options{ReadOnly: ro})
+		if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), WALName) {
+			t.Errorf("ReadOnly=%v: Open without the WAL: %v, want ErrCorrupt naming %s", ro, err, WALName)
+		}
+	}
+	if names := dirNames(t, dir); !reflect.DeepEqual(names, []string{FileName}) {
+		t.Errorf("a refused Open left %v in the data dir", names)
+	}
+	if err := os.WriteFile(wal, nil, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	db := testOpen(t, dir, nil)
+	if d := diffEntries(allEntries(t, db), want); d != "" {
+		t.Errorf("with an empty WAL put back: %s", d)
+	}
+	mustClose(t, db)
+
+	// Format 1: no WAL, no WAL id.
+	boltUpdate(t, filepath.Join(dir, FileName), func(tx *bolt.Tx) error {
+		m := tx.Bucket(bucketMeta)
+		if err := m.Put(keyFormat, u64(1)); err != nil {
+			return err
+		}
+		return m.Delete(keyWAL)
+	})
+	if err := os.Remove(wal); err != nil {
+		t.Fatal(err)
+	}
+	db = testOpen(t, dir, nil)
+	if d := diffEntries(allEntries(t, db), want); d != "" {
+		t.Errorf("format 1 file: %s", d)
+	}
+	mustSave(t, db, pb.HardState{Term: 1, Vote: 1, Commit: 61}, makeEntries(61, 1, 1))
+	mustClose(t, db)
+	boltView(t, filepath.Join(dir, FileName), func(tx *bolt.Tx) error {
+		if f := binary.BigEndian.Uint64(tx.Bucket(bucketMeta).Get(keyFormat)); f != FormatVersion {
+			t.Errorf("format %d after a read-write open, want %d", f, FormatVersion)
+		}
+		return nil
+	})
+	if _, err := os.Stat(wal); err != nil {
+		t.Errorf("no WAL after the upgrade: %v", err)
+	}
+}
