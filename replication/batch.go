@@ -6,9 +6,9 @@ import (
 )
 
 // groupCommit decides when the raft goroutine takes the queued proposals
-// into a commit. Every commit costs bbolt two fdatasyncs, which on small
-// gateways cost more CPU than the records they carry, so records per commit
-// decide the CPU per publish.
+// into a commit. Every commit costs a WAL write and its fdatasync, which on
+// small gateways cost more CPU than the records they carry, so records per
+// commit decide the CPU per publish.
 //
 // Publishers are mostly closed loops: a client with a window of w sends its
 // next publish when an ack comes back. Taking the queue the moment the last

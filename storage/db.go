@@ -111,7 +111,15 @@ type DB struct {
 	// Sync, checkpoints): a checkpoint must see no frame appear while it
 	// moves the WAL's contents into bbolt. wal is guarded by it.
 	wmu sync.Mutex
-	wal *walFile
+	wal *walLog
+
+	// ckMu serialises checkpoints (checkpoint.go) and guards pendingCut: a
+	// cut whose checkpoint failed, to be committed before any new cut.
+	ckMu       sync.Mutex
+	pendingCut *cut
+	ckSig      chan struct{} // wakes the checkpointer
+	ckStop     chan struct{} // closed by Close
+	ckDone     chan struct{} // closed when the checkpointer ends
 
 	// mu guards the in-memory view of the file below. raft reads it on the
 	// replication goroutine; status and metrics read it from others.
@@ -128,6 +136,7 @@ type DB struct {
 	nodeID    uint64
 	format    uint64     // the file's format version, as loaded
 	walID     uint64     // the WAL id the file records, as loaded
+	walSeg    int        // and the WAL file it names
 	tail      []pb.Entry // newest entries; tail ends at last and holds all past boltLast
 	tailBytes int
 	closed    bool
@@ -211,8 +220,8 @@ func Open(dir string, opts *Options) (*DB, error) {
 	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}, syncDelay: opts.SyncDelay, onCommit: opts.OnCommit}
 	fail := func(err error) (*DB, error) {
 		bdb.Close()
-		if db.wal != nil && db.wal.f != nil {
-			db.wal.f.Close()
+		if db.wal != nil {
+			db.wal.close()
 		}
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
@@ -223,7 +232,7 @@ func Open(dir string, opts *Options) (*DB, error) {
 		}
 	}
 	// The WAL exists before the file records a format that needs it.
-	if db.wal, err = openWAL(dir, opts.ReadOnly, exists && db.format >= 2); err != nil {
+	if db.wal, err = openWALs(dir, opts.ReadOnly, exists && db.format >= 2); err != nil {
 		bdb.Close()
 		return nil, err
 	}
@@ -235,26 +244,28 @@ func Open(dir string, opts *Options) (*DB, error) {
 			return fail(err)
 		}
 	}
-	frames, err := db.wal.readFrames(db.walID)
+	frames, err := db.wal.readAll(db.walSeg, db.walID)
+	if err == nil {
+		err = db.replay(frames)
+	}
 	if err != nil {
 		bdb.Close()
-		db.wal.f.Close()
-		return nil, err
-	}
-	if err := db.replay(frames); err != nil {
-		bdb.Close()
-		db.wal.f.Close()
+		db.wal.close()
 		return nil, err
 	}
 	if !opts.ReadOnly {
 		// Move what the WAL held into the file and start a new WAL id:
 		// from here on the WAL holds only what this process appends.
-		if err := db.wal.grow(walPrealloc); err != nil {
-			return fail(err)
+		for i := range db.wal.segs {
+			if err := db.wal.segs[i].grow(walPrealloc); err != nil {
+				return fail(err)
+			}
 		}
 		if err := db.commit(nil); err != nil {
 			return fail(err)
 		}
+		db.ckSig, db.ckStop, db.ckDone = make(chan struct{}, 1), make(chan struct{}), make(chan struct{})
+		go db.checkpointer()
 	}
 	lg.Info("data file opened", "path", path, "first_index", db.first, "last_index", db.last, "applied", db.applied, "wal_frames_replayed", len(frames))
 	return db, nil
@@ -269,17 +280,20 @@ func (db *DB) replay(frames []walFrame) error {
 		prevTerm = db.tail[len(db.tail)-1].Term
 	}
 	for _, fr := range frames {
+		if fr.next != 0 {
+			continue // a cut carries nothing else
+		}
 		for _, op := range fr.ops {
 			db.stageGen++
 			op.gen = db.stageGen
 			db.staged[op.k] = op
 			if err := db.loadStaged(op); err != nil {
-				return fmt.Errorf("%s: frame at offset %d: %w", WALName, fr.off, err)
+				return fmt.Errorf("%s: frame at offset %d: %w", walPath(filepath.Dir(db.path), fr.seg), fr.off, err)
 			}
 		}
 		if len(fr.ents) > 0 {
 			if fr.ents[0].Index != db.last+1 {
-				return fmt.Errorf("%s: frame at offset %d starts at index %d, the log ends at %d: %w", WALName, fr.off, fr.ents[0].Index, db.last, ErrCorrupt)
+				return fmt.Errorf("%s: frame at offset %d starts at index %d, the log ends at %d: %w", walPath(filepath.Dir(db.path), fr.seg), fr.off, fr.ents[0].Index, db.last, ErrCorrupt)
 			}
 			for i := range fr.ents {
 				if fr.ents[i].Term < prevTerm {
@@ -407,8 +421,9 @@ func (db *DB) load(verify bool) (err error) {
 		} else {
 			db.format = f
 		}
-		if v := m.Get(keyWAL); len(v) == 8 {
+		if v := m.Get(keyWAL); len(v) == 16 {
 			db.walID = binary.BigEndian.Uint64(v)
+			db.walSeg = int(binary.BigEndian.Uint64(v[8:]) & 1)
 		}
 		if v := m.Get(keyNodeID); len(v) == 8 {
 			db.nodeID = binary.BigEndian.Uint64(v)
@@ -506,16 +521,14 @@ func (db *DB) Close() error {
 	db.mu.Unlock()
 	var ferr error
 	if !db.ro {
-		db.wmu.Lock()
-		if err := db.commitLocked(0, nil); err != nil {
+		close(db.ckStop)
+		<-db.ckDone
+		if err := db.commit(nil); err != nil {
 			ferr = fmt.Errorf("storage: checkpoint at close: %w", err)
 		}
-		db.wmu.Unlock()
 	}
 	err := db.bolt.Close()
-	if db.wal.f != nil {
-		_ = db.wal.f.Close()
-	}
+	db.wal.close()
 	if err != nil {
 		return err
 	}

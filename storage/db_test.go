@@ -139,7 +139,7 @@ func dirNames(t *testing.T, dir string) []string {
 func crashCopy(t *testing.T, db *DB) string {
 	t.Helper()
 	dir := t.TempDir()
-	for _, name := range []string{FileName, WALName} {
+	for _, name := range []string{FileName, WALName + ".0", WALName + ".1"} {
 		b, err := os.ReadFile(filepath.Join(filepath.Dir(db.Path()), name))
 		if err != nil {
 			t.Fatal(err)
@@ -929,7 +929,7 @@ func TestFailedSaveKeepsStagedMetadata(t *testing.T) {
 	big[0].Data = bytes.Repeat([]byte("x"), 2*walPrealloc) // needs the WAL (or the file) to grow
 	hs := pb.HardState{Term: 1, Vote: 1, Commit: 3}
 	var limit int64
-	for _, name := range []string{FileName, WALName} {
+	for _, name := range []string{FileName, WALName + ".0", WALName + ".1"} {
 		fi, err := os.Stat(filepath.Join(dir, name))
 		if err != nil {
 			t.Fatal(err)

@@ -1,19 +1,25 @@
 // Package storage owns the node's data file: one bbolt file holding the raft
 // log (entries by index), the raft hard state and conf state, and small
 // metadata buckets (format version, node id, applied index, requeued entries,
-// the broker's persistent sessions and retained messages).
+// the broker's persistent sessions and retained messages), with a
+// write-ahead log in front of it (wal.go, checkpoint.go).
 //
 // DB implements raft.Storage over that file; no MemoryStorage holds the log.
-// Save appends a whole Ready batch in one transaction, so many publishes share
-// one group of fsyncs. Metadata written through Stage rides along with the
-// next Save, so it costs no fsync of its own and is never newer on disk than
-// the entries proposed after it.
+// Save appends a whole Ready batch to the WAL in one frame, so many
+// publishes share one fdatasync; a background checkpoint writes the WAL's
+// entries into bbolt in one transaction a megabyte at a time, and until
+// then the tail cache serves them. Metadata written through Stage rides
+// along with the next frame, so it costs no fsync of its own and is never
+// newer on disk than the entries proposed after it.
 //
 // Durability: every entry carries a CRC-32C, checked on every read and for
-// the whole log at Open. A file that is empty, truncated, locked by another
-// process or fails a check is reported with ErrCorrupt or ErrInUse and left
-// exactly as it is; nothing here ever resets a file. bbolt itself falls back
-// to the last complete commit after a torn one.
+// the whole log at Open; every WAL frame carries one too. A file that is
+// empty, truncated, locked by another process or fails a check, or a WAL
+// frame damaged with good ones after it, is reported with ErrCorrupt or
+// ErrInUse and left exactly as it is; nothing here ever resets a file. bbolt
+// itself falls back to the last complete commit after a torn one, and the
+// WAL ends at its first frame torn by a crash (never acked, since its
+// fdatasync had not returned).
 //
 // Threading: the raft.Storage methods may be called from any goroutine; Save
 // is called only by the replication loop, which keeps the log's order.

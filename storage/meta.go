@@ -7,7 +7,6 @@ import (
 	"os"
 	"slices"
 	"strings"
-	"time"
 
 	bolt "go.etcd.io/bbolt"
 	pb "go.etcd.io/raft/v3/raftpb"
@@ -36,177 +35,6 @@ func (db *DB) Stage(bucket, key string, val []byte) {
 
 // StageDelete queues the deletion of key in bucket, like Stage.
 func (db *DB) StageDelete(bucket, key string) { db.stage(bucket, key, nil) }
-
-// takeFresh copies the staged writes no WAL frame holds yet into buf.
-func (db *DB) takeFresh(buf []stagedOp) []stagedOp {
-	db.stageMu.Lock()
-	defer db.stageMu.Unlock()
-	return append(buf[:0], db.fresh...)
-}
-
-// dropFresh removes the first n fresh writes, which a frame now holds.
-func (db *DB) dropFresh(n int) {
-	db.stageMu.Lock()
-	db.fresh = append(db.fresh[:0], db.fresh[n:]...)
-	db.stageMu.Unlock()
-}
-
-// commit checkpoints (see commitLocked) with fn in the same transaction.
-func (db *DB) commit(fn func(tx *bolt.Tx) error) error {
-	db.wmu.Lock()
-	defer db.wmu.Unlock()
-	return db.commitLocked(0, fn)
-}
-
-// commitLocked is a checkpoint: one bbolt transaction that writes every
-// staged operation, the entries only the WAL and the tail hold, the hard
-// state and a new WAL id, then fn (which appends entries more, the batch
-// size Options.OnCommit reports). Once it commits, the WAL's frames are
-// dead and the next one goes at its start. Staged operations leave the
-// stage only once the commit succeeded, so a failed one (a full disk)
-// loses none of them. The caller holds wmu.
-func (db *DB) commitLocked(entries int, fn func(tx *bolt.Tx) error) error {
-	db.mu.RLock()
-	from, last, hs := db.boltLast+1, db.last, db.hs
-	var pend []pb.Entry
-	if last >= from {
-		pend = db.tail[from-db.tail[0].Index:]
-	}
-	db.mu.RUnlock()
-	id := newWALID()
-	var taken []stagedOp
-	var maxGen uint64
-	var built time.Time // when fn is done and bbolt starts writing and syncing
-	err := db.bolt.Update(func(tx *bolt.Tx) error {
-		defer func() { built = time.Now() }()
-		// Copied into a slice kept from commit to commit, not a cloned
-		// map: a clone is as large as the map ever grew, at every commit.
-		db.stageMu.Lock()
-		taken = db.takeBuf[:0]
-		for _, op := range db.staged {
-			taken = append(taken, op)
-			maxGen = max(maxGen, op.gen)
-		}
-		db.takeBuf = taken
-		db.stageMu.Unlock()
-		var buckets map[string]*bolt.Bucket
-		for _, op := range taken {
-			b := buckets[op.bucket]
-			if b == nil {
-				var err error
-				if b, err = tx.CreateBucketIfNotExists([]byte(op.bucket)); err != nil {
-					return err
-				}
-				if buckets == nil {
-					buckets = make(map[string]*bolt.Bucket, 4)
-				}
-				buckets[op.bucket] = b
-			}
-			var err error
-			if op.val == nil {
-				err = b.Delete([]byte(op.key))
-			} else {
-				err = b.Put([]byte(op.key), op.val)
-			}
-			if err != nil {
-				return fmt.Errorf("%s/%s: %w", op.bucket, op.key, err)
-			}
-		}
-		if err := db.putEntries(tx, pend, true); err != nil {
-			return err
-		}
-		// After the staged operations: the hard state in memory is never
-		// older than a staged commit-only one.
-		if !isEmptyHardState(hs) {
-			b, err := hs.Marshal()
-			if err != nil {
-				return err
-			}
-			if err := tx.Bucket(bucketRaftState).Put(keyHardState, b); err != nil {
-				return err
-			}
-		}
-		m := tx.Bucket(bucketMeta)
-		if err := m.Put(keyFormat, u64(FormatVersion)); err != nil {
-			return err
-		}
-		if err := m.Put(keyWAL, u64(id)); err != nil {
-			return err
-		}
-		if fn != nil {
-			return fn(tx)
-		}
-		return nil
-	})
-	if err != nil {
-		return err
-	}
-	if db.syncDelay > 0 {
-		time.Sleep(2 * db.syncDelay) // bbolt's two fdatasyncs, on slow flash
-	}
-	db.wal.id, db.wal.off = id, 0
-	db.mu.Lock()
-	db.boltLast, db.pendBytes = max(db.boltLast, last), 0
-	db.format, db.walID = FormatVersion, id
-	db.mu.Unlock()
-	db.syncs.Add(2)
-	db.committed()
-	if db.onCommit != nil {
-		db.onCommit(time.Since(built), entries+len(pend))
-	}
-	db.stageMu.Lock()
-	for _, op := range taken {
-		if cur, ok := db.staged[op.k]; ok && cur.gen == op.gen {
-			delete(db.staged, op.k)
-		}
-	}
-	// Fresh writes staged before the transaction took the stage are in
-	// the file now; those staged since still need a frame.
-	n := 0
-	for n < len(db.fresh) && db.fresh[n].gen <= maxGen {
-		n++
-	}
-	db.fresh = append(db.fresh[:0], db.fresh[n:]...)
-	db.stageMu.Unlock()
-	return nil
-}
-
-// putEntries writes ents to the log bucket, all values in one buffer: the
-// one reused from checkpoint to checkpoint (bbolt holds the slices only
-// until the commit) when reuse, else a new one.
-func (db *DB) putEntries(tx *bolt.Tx, ents []pb.Entry, reuse bool) error {
-	if len(ents) == 0 {
-		return nil
-	}
-	size := 0
-	for i := range ents {
-		size += 8 + entrySize(&ents[i])
-	}
-	var buf []byte
-	if reuse {
-		if cap(db.entBuf) < size {
-			db.entBuf = make([]byte, size)
-		}
-		buf = db.entBuf[:size]
-	} else {
-		buf = make([]byte, size)
-	}
-	lb := tx.Bucket(bucketLog)
-	lb.FillPercent = 1.0 // appends are sequential: full pages halve growth
-	off := 0
-	for i := range ents {
-		k := buf[off : off+8]
-		binary.BigEndian.PutUint64(k, ents[i].Index)
-		n := entrySize(&ents[i])
-		v := buf[off+8 : off+8+n]
-		putEntry(v, &ents[i])
-		off += 8 + n
-		if err := lb.Put(k, v); err != nil {
-			return err
-		}
-	}
-	return nil
-}
 
 // Pending reports whether staged metadata waits for a durable write.
 func (db *DB) Pending() bool {
@@ -480,7 +308,7 @@ func (db *DB) ResetRaft(requeue bool) error {
 // after the point where the promoted slave's log forked from its own.
 func (db *DB) ResetRaftFrom(from uint64) error {
 	requeue := from > 0
-	err := db.commit(func(tx *bolt.Tx) error {
+	err := db.commitSync(0, func(tx *bolt.Tx) error {
 		lb := tx.Bucket(bucketLog)
 		var last uint64
 		if k, _ := lb.Cursor().Last(); len(k) == 8 {
@@ -508,16 +336,17 @@ func (db *DB) ResetRaftFrom(from uint64) error {
 			}
 		}
 		return tx.Bucket(bucketMeta).Delete(keyApplied)
+	}, func() {
+		db.mu.Lock()
+		db.hs, db.cs = pb.HardState{}, pb.ConfState{}
+		db.snapIndex, db.snapTerm, db.applied = 0, 0, 0
+		db.first, db.last, db.boltLast = 1, 0, 0
+		db.tail, db.tailBytes = nil, 0
+		db.mu.Unlock()
 	})
 	if err != nil {
 		return fmt.Errorf("storage: reset: %w", err)
 	}
-	db.mu.Lock()
-	db.hs, db.cs = pb.HardState{}, pb.ConfState{}
-	db.snapIndex, db.snapTerm, db.applied = 0, 0, 0
-	db.first, db.last, db.boltLast = 1, 0, 0
-	db.tail, db.tailBytes = nil, 0
-	db.mu.Unlock()
 	if requeue {
 		db.requeued.Store(true)
 	}

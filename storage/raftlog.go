@@ -192,44 +192,43 @@ func (db *DB) appendTailLocked(ents []pb.Entry) {
 
 // Save makes hs and ents durable, together with any staged metadata, in
 // one WAL frame: one write and one fdatasync for the whole batch. Once the
-// WAL passes walCheckpointAt, or the entries only it holds pass half the
-// tail's budget, Save also checkpoints them into bbolt. An append that
-// overwrites entries goes to bbolt directly, with the WAL's contents: the
-// entries it overwrites move to the requeue bucket, never dropped, since a
-// deposed master may have acked them.
+// entries only the WAL holds pass half the tail's budget, or the WAL file
+// walCheckpointAt, the checkpointer writes them into bbolt in the
+// background; past the whole budget, Save checkpoints first itself, which
+// bounds the memory they take. An append that overwrites entries goes to
+// bbolt directly, with the WAL's contents: the entries it overwrites move to
+// the requeue bucket, never dropped, since a deposed master may have acked
+// them.
 func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 	if db.ro {
 		return fmt.Errorf("storage: save on a read-only file")
 	}
 	db.mu.RLock()
-	closed, last := db.closed, db.last
+	closed, last, behind := db.closed, db.last, db.pendBytes > db.maxTail
 	db.mu.RUnlock()
 	if closed {
 		return ErrClosed
 	}
-	db.wmu.Lock()
-	defer db.wmu.Unlock()
 	if len(ents) > 0 && ents[0].Index <= last {
 		return db.saveOverwriting(hs, ents, last)
+	}
+	if behind {
+		// Before the frame, not after: a Save that fails must have
+		// written nothing, since raft hands the same batch again.
+		if err := db.commit(nil); err != nil {
+			return fmt.Errorf("storage: save: the WAL is full and cannot be checkpointed: %w", err)
+		}
 	}
 	var hsp *pb.HardState
 	if !isEmptyHardState(hs) {
 		hsp = &hs
 	}
+	db.wmu.Lock()
+	defer db.wmu.Unlock()
 	if err := db.appendLocked(hsp, ents); err != nil {
 		return fmt.Errorf("storage: save: %w", err)
 	}
-	db.mu.RLock()
-	due := db.pendBytes > db.maxTail/2
-	db.mu.RUnlock()
-	if due || db.wal.off >= walCheckpointAt {
-		// The batch is durable in the WAL whatever happens here: a failed
-		// checkpoint (a full disk) is tried again at the next Save, and
-		// Save fails only once the WAL cannot take a frame either.
-		if err := db.commitLocked(0, nil); err != nil {
-			db.log.Warn("checkpoint of the WAL into the data file failed; will retry", "error", err)
-		}
-	}
+	db.kickCheckpoint()
 	return nil
 }
 
@@ -237,26 +236,20 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 // frame and updates the in-memory view. The caller holds wmu.
 func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry) error {
 	ops := db.takeFresh(db.opsBuf)
+	db.opsBuf = ops
 	if hs == nil && len(ops) == 0 && len(ents) == 0 {
 		return nil
 	}
-	if db.wal.id == 0 || db.wal.off > 0 && db.wal.off+frameSize(ops, ents) > db.wal.size {
-		// The WAL is full (or has no id yet): checkpoint instead of
-		// growing it, and take the stage again, since the checkpoint
-		// wrote what was taken (and maybe newer values of it).
-		if err := db.commitLocked(0, nil); err == nil {
-			ops = db.takeFresh(ops)
-		} else if db.wal.id == 0 {
-			return err
-		}
+	var gen uint64
+	if len(ops) > 0 {
+		gen = ops[len(ops)-1].gen
 	}
-	db.opsBuf = ops
-	took, err := db.appendWAL(hs, ops, ents)
+	took, err := db.appendWAL(hs, 0, ops, ents)
 	clear(ops) // the values belong to the stage
 	if err != nil {
 		return err
 	}
-	db.dropFresh(len(ops))
+	db.dropFresh(gen)
 	db.mu.Lock()
 	if hs != nil {
 		db.hs = *hs
@@ -276,24 +269,11 @@ func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry) error {
 	return nil
 }
 
-// frameSize is the size of the WAL frame of ops and ents, with no more
-// than the hard state's fixed room.
-func frameSize(ops []stagedOp, ents []pb.Entry) int64 {
-	n := walHdr + 1 + 24 + 4 + 4 + 8
-	for i := range ops {
-		n += 1 + len(ops[i].bucket) + 2 + len(ops[i].key) + 4 + len(ops[i].val)
-	}
-	for i := range ents {
-		n += 4 + entrySize(&ents[i])
-	}
-	return int64(n)
-}
-
 // saveOverwriting is Save for an append that overwrites entries from
-// ents[0].Index on: one bbolt transaction (a checkpoint) that moves them to
-// the requeue bucket and writes ents. The caller holds wmu.
+// ents[0].Index on: a synchronous checkpoint whose transaction also moves
+// them to the requeue bucket and writes ents.
 func (db *DB) saveOverwriting(hs pb.HardState, ents []pb.Entry, last uint64) error {
-	err := db.commitLocked(len(ents), func(tx *bolt.Tx) error {
+	err := db.commitSync(len(ents), func(tx *bolt.Tx) error {
 		lb := tx.Bucket(bucketLog)
 		if err := requeueFrom(tx, lb, ents[0].Index, last); err != nil {
 			return err
@@ -312,18 +292,19 @@ func (db *DB) saveOverwriting(hs pb.HardState, ents []pb.Entry, last uint64) err
 			}
 		}
 		return nil
+	}, func() {
+		db.mu.Lock()
+		if !isEmptyHardState(hs) {
+			db.hs = hs
+		}
+		db.last = ents[len(ents)-1].Index
+		db.boltLast = db.last
+		db.appendTailLocked(ents)
+		db.mu.Unlock()
 	})
 	if err != nil {
 		return fmt.Errorf("storage: save: %w", err)
 	}
-	db.mu.Lock()
-	if !isEmptyHardState(hs) {
-		db.hs = hs
-	}
-	db.last = ents[len(ents)-1].Index
-	db.boltLast = db.last
-	db.appendTailLocked(ents)
-	db.mu.Unlock()
 	return nil
 }
 

@@ -13,7 +13,8 @@ import (
 	pb "go.etcd.io/raft/v3/raftpb"
 )
 
-// WALName is the name of the write-ahead log inside the data dir.
+// WALName is the name of the write-ahead log inside the data dir: two
+// files, WALName+".0" and WALName+".1", used in turn.
 //
 // Why a log in front of bbolt: a bbolt commit costs two fdatasyncs (its
 // pages, then its meta page) and the work of copying the tree's right edge,
@@ -23,9 +24,10 @@ import (
 // one flush instead of two on an SD card or eMMC, where each takes 1–5 ms.
 // So Save appends each batch to the WAL and the acks wait for that, and the
 // entries reach bbolt later, a megabyte at a time, in one transaction (a
-// checkpoint). bbolt stays the store every reader and every other write
-// goes through; the WAL only holds what the last checkpoint has not written
-// yet, and is replayed into the file at the next Open.
+// checkpoint), on a goroutine of their own while the next frames go to the
+// other file. bbolt stays the store every reader and every other write goes
+// through; the WAL only holds what the last checkpoint has not written yet,
+// and is replayed into the file at the next Open.
 const WALName = "tandem.wal"
 
 const (
@@ -36,6 +38,8 @@ const (
 	walPrealloc = 2 << 20
 	// walCheckpointAt is the WAL offset past which Save checkpoints.
 	walCheckpointAt = 1 << 20
+	// walFixed is the fixed part of a frame's payload.
+	walFixed = 1 + 24 + 8 + 4 + 4 + 8
 	// walHdr is a frame's header: payload length (4), CRC-32C of the id
 	// and the payload (4), the WAL id (8).
 	walHdr = 16
@@ -44,44 +48,79 @@ const (
 	walMaxFrame = 1 << 30
 )
 
-// Frame payload: flags (1; bit 0: a hard state follows) | hard state
-// (term, vote, commit: 24) | op count (4) | ops | entry count (4) | first
-// index (8) | entries. An op: bucket length (1) | bucket | key length (2) |
-// key | value length + 1 (4; 0 is a delete) | value. An entry: value length
-// (4) | the value as the log bucket stores it (CRC, term, type, data).
+// Frame payload: flags (1; bit 0: a hard state follows; bit 1: the next
+// frames go to the other file) | hard state (term, vote, commit: 24) | the
+// other file's id (8) | op count (4) | ops | entry count (4) | first index
+// (8) | entries. An op: bucket length (1) | bucket | key length (2) | key |
+// value length + 1 (4; 0 is a delete) | value. An entry: value length (4) |
+// the value as the log bucket stores it (CRC, term, type, data).
 //
-// Each checkpoint draws a new random WAL id and records it in bbolt in the
-// same transaction; a frame counts only if it carries the id the file
-// records. So frames written before the last checkpoint are dead without
+// Each checkpoint starts with a cut: a last frame in the current file says
+// that the next ones go to the other file, under a new random id. The
+// checkpoint's bbolt transaction records that file and id. A frame counts
+// only if it carries the id the file records (or the one a cut frame passed
+// on), so frames written before the last checkpoint are dead without
 // anything being erased, and a frame is never mistaken for one inside an
-// older frame's payload (an attacker cannot guess the id).
+// older frame's payload (nobody can guess the id).
 
 // zeros is the source of grow's writes.
 var zeros = make([]byte, 64<<10)
 
-// walFile is the WAL's open file and where the next frame goes. Guarded by
-// DB.wmu, like every write.
-type walFile struct {
+// walSeg is one of the two WAL files.
+type walSeg struct {
 	f    *os.File
-	size int64  // bytes the file holds (frames and zeros)
-	off  int64  // end of the live frames: the next frame's offset
-	id   uint64 // the id live frames carry; 0 until the first checkpoint
+	size int64 // bytes the file holds (frames and zeros)
+}
+
+// walLog is the WAL and where the next frame goes. Guarded by DB.wmu.
+type walLog struct {
+	segs [2]walSeg
+	cur  int    // the file frames go to
+	off  int64  // the next frame's offset in it
+	id   uint64 // the id its frames carry; 0 until the first checkpoint
 	buf  []byte // frame being built, reused
 }
 
 // walFrame is one decoded frame, at Open.
 type walFrame struct {
+	seg  int
 	off  int64
 	hs   *pb.HardState
+	next uint64 // a cut: the id of the frames in the other file
 	ops  []stagedOp
 	ents []pb.Entry
 }
 
-// openWAL opens (read-write: creating) the WAL of dir. want says a WAL is
-// expected to exist: a file of format 2 or later, whose WAL may hold acked
-// records that are nowhere else.
-func openWAL(dir string, ro, want bool) (*walFile, error) {
-	path := filepath.Join(dir, WALName)
+// walPath is the path of WAL file i in dir.
+func walPath(dir string, i int) string { return filepath.Join(dir, fmt.Sprintf("%s.%d", WALName, i)) }
+
+// openWALs opens both WAL files; see openWAL.
+func openWALs(dir string, ro, want bool) (*walLog, error) {
+	w := &walLog{}
+	for i := range w.segs {
+		seg, err := openWAL(walPath(dir, i), ro, want)
+		if err != nil {
+			w.close()
+			return nil, err
+		}
+		w.segs[i] = seg
+	}
+	return w, nil
+}
+
+func (w *walLog) close() {
+	for i := range w.segs {
+		if w.segs[i].f != nil {
+			_ = w.segs[i].f.Close()
+			w.segs[i].f = nil
+		}
+	}
+}
+
+// openWAL opens (read-write: creating) a WAL file. want says it is
+// expected to exist: the data file is of format 2 or later, so the WAL may
+// hold acked records that are nowhere else.
+func openWAL(path string, ro, want bool) (walSeg, error) {
 	flag := os.O_RDWR
 	if ro {
 		flag = os.O_RDONLY
@@ -89,26 +128,26 @@ func openWAL(dir string, ro, want bool) (*walFile, error) {
 	f, err := os.OpenFile(path, flag, 0)
 	switch {
 	case os.IsNotExist(err) && want:
-		return nil, fmt.Errorf("%s is missing: it may hold acknowledged records that %s does not have yet; restore it, or create it empty to start without them: %w", path, FileName, ErrCorrupt)
+		return walSeg{}, fmt.Errorf("%s is missing: it may hold acknowledged records that %s does not have yet; restore it, or create it empty to start without them: %w", path, FileName, ErrCorrupt)
 	case os.IsNotExist(err) && ro:
-		return &walFile{}, nil
+		return walSeg{}, nil
 	case os.IsNotExist(err):
 		if f, err = os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o640); err != nil {
-			return nil, fmt.Errorf("storage: create %s: %w", path, err)
+			return walSeg{}, fmt.Errorf("storage: create %s: %w", path, err)
 		}
-		if err := syncDir(dir); err != nil {
+		if err := syncDir(filepath.Dir(path)); err != nil {
 			f.Close()
-			return nil, err
+			return walSeg{}, err
 		}
 	case err != nil:
-		return nil, fmt.Errorf("storage: open %s: %w", path, err)
+		return walSeg{}, fmt.Errorf("storage: open %s: %w", path, err)
 	}
 	st, err := f.Stat()
 	if err != nil {
 		f.Close()
-		return nil, fmt.Errorf("storage: stat %s: %w", path, err)
+		return walSeg{}, fmt.Errorf("storage: stat %s: %w", path, err)
 	}
-	return &walFile{f: f, size: st.Size()}, nil
+	return walSeg{f: f, size: st.Size()}, nil
 }
 
 // syncDir makes a new directory entry durable.
@@ -127,17 +166,17 @@ func syncDir(dir string) error {
 // grow writes zeros from the end of the file up to at least n bytes and
 // makes the new size durable. It never writes below the current end, where
 // live frames may be.
-func (w *walFile) grow(n int64) error {
+func (w *walSeg) grow(n int64) error {
 	if w.size >= n {
 		return nil
 	}
 	for off := w.size; off < n; off += int64(len(zeros)) {
 		if _, err := w.f.WriteAt(zeros[:min(int64(len(zeros)), n-off)], off); err != nil {
-			return fmt.Errorf("storage: grow %s: %w", WALName, err)
+			return fmt.Errorf("storage: grow %s: %w", w.f.Name(), err)
 		}
 	}
 	if err := w.f.Sync(); err != nil {
-		return fmt.Errorf("storage: grow %s: %w", WALName, err)
+		return fmt.Errorf("storage: grow %s: %w", w.f.Name(), err)
 	}
 	w.size = n
 	return nil
@@ -156,19 +195,44 @@ func newWALID() uint64 {
 	}
 }
 
-// readFrames returns the live frames of the WAL: those carrying id, from
-// offset 0 on, up to the first that does not check out. That one is the end
-// of the log, torn or never written, unless a live frame follows it
-// somewhere: frames are written one after the other and each is synced
-// before the next, so a good one past a bad one means the bad one was
-// damaged after it was acked, which is corruption, not a torn write.
-func (w *walFile) readFrames(id uint64) ([]walFrame, error) {
-	if w.f == nil || id == 0 || w.size == 0 {
-		return nil, nil
+// readAll returns the live frames: those of file seg carrying id, from its
+// start, and if they end with a cut, those of the other file that carry
+// the id the cut names.
+func (w *walLog) readAll(seg int, id uint64) ([]walFrame, error) {
+	var all []walFrame
+	for hop := 0; hop < 2 && id != 0; hop++ {
+		frames, end, err := w.segs[seg].readFrames(id)
+		if err != nil {
+			return nil, err
+		}
+		for i := range frames {
+			frames[i].seg = seg
+		}
+		all = append(all, frames...)
+		w.cur, w.off, w.id = seg, end, id
+		if len(frames) == 0 || frames[len(frames)-1].next == 0 {
+			break
+		}
+		seg, id = 1-seg, frames[len(frames)-1].next
+		w.cur, w.off, w.id = seg, 0, id
+	}
+	return all, nil
+}
+
+// readFrames returns the frames of the file carrying id, from offset 0 on,
+// up to a cut or the first that does not check out, and the offset where
+// they end. A frame that does not check out is the end of the log, torn or
+// never written, unless a live frame follows it somewhere: frames are
+// written one after the other and each is synced before the next, so a good
+// one past a bad one means the bad one was damaged after it was acked, which
+// is corruption, not a torn write.
+func (w *walSeg) readFrames(id uint64) ([]walFrame, int64, error) {
+	if w.f == nil || w.size == 0 {
+		return nil, 0, nil
 	}
 	b := make([]byte, w.size)
 	if _, err := w.f.ReadAt(b, 0); err != nil && err != io.EOF {
-		return nil, fmt.Errorf("storage: read %s: %w", WALName, err)
+		return nil, 0, fmt.Errorf("storage: read %s: %w", w.f.Name(), err)
 	}
 	var frames []walFrame
 	off := int64(0)
@@ -179,22 +243,24 @@ func (w *walFile) readFrames(id uint64) ([]walFrame, error) {
 		}
 		fr, err := decodeFrame(payload)
 		if err != nil {
-			return nil, fmt.Errorf("%s: frame at offset %d: %v: %w", WALName, off, err, ErrCorrupt)
+			return nil, 0, fmt.Errorf("%s: frame at offset %d: %v: %w", w.f.Name(), off, err, ErrCorrupt)
 		}
 		fr.off = off
 		frames = append(frames, fr)
 		off += walHdr + int64(len(payload))
+		if fr.next != 0 {
+			break
+		}
 	}
 	for p := off + 1; p+walHdr <= int64(len(b)); p++ {
 		if binary.LittleEndian.Uint64(b[p+8:]) != id {
 			continue
 		}
 		if _, ok := frameAt(b, p, id); ok {
-			return nil, fmt.Errorf("%s: the frame at offset %d is damaged, and a good one follows at %d: acknowledged records would be lost: %w", WALName, off, p, ErrCorrupt)
+			return nil, 0, fmt.Errorf("%s: the frame at offset %d is damaged or missing, and a good one follows at %d: acknowledged records would be lost: %w", w.f.Name(), off, p, ErrCorrupt)
 		}
 	}
-	w.off = off
-	return frames, nil
+	return frames, off, nil
 }
 
 // frameAt returns the payload of the live frame at off in b, if there is one.
@@ -213,15 +279,22 @@ func frameAt(b []byte, off int64, id uint64) ([]byte, bool) {
 	return b[off+walHdr : off+walHdr+n], true
 }
 
-// encodeFrame builds the frame of a batch in w.buf.
-func (w *walFile) encodeFrame(hs *pb.HardState, ops []stagedOp, ents []pb.Entry) []byte {
-	n := walHdr + 1 + 24 + 4 + 4 + 8
+// frameSize is the size of the WAL frame of ops and ents.
+func frameSize(ops []stagedOp, ents []pb.Entry) int {
+	n := walHdr + walFixed
 	for i := range ops {
 		n += 1 + len(ops[i].bucket) + 2 + len(ops[i].key) + 4 + len(ops[i].val)
 	}
 	for i := range ents {
 		n += 4 + entrySize(&ents[i])
 	}
+	return n
+}
+
+// encodeFrame builds the frame of a batch in w.buf; next, when not 0,
+// makes it a cut.
+func (w *walLog) encodeFrame(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb.Entry) []byte {
+	n := frameSize(ops, ents)
 	if cap(w.buf) < n {
 		w.buf = make([]byte, n, n+n/4)
 	}
@@ -237,7 +310,11 @@ func (w *walFile) encodeFrame(hs *pb.HardState, ops []stagedOp, ents []pb.Entry)
 	} else {
 		clear(p[1:25])
 	}
-	p = p[25:]
+	if next != 0 {
+		p[0] |= 2
+	}
+	le.PutUint64(p[25:], next)
+	p = p[33:]
 	le.PutUint32(p, uint32(len(ops)))
 	p = p[4:]
 	for i := range ops {
@@ -279,13 +356,18 @@ func decodeFrame(p []byte) (walFrame, error) {
 	var fr walFrame
 	le := binary.LittleEndian
 	short := fmt.Errorf("payload of %d bytes ends early", len(p))
-	if len(p) < 25+4 {
+	if len(p) < 33+4 {
 		return fr, short
 	}
 	if p[0]&1 != 0 {
 		fr.hs = &pb.HardState{Term: le.Uint64(p[1:]), Vote: le.Uint64(p[9:]), Commit: le.Uint64(p[17:])}
 	}
-	p = p[25:]
+	if p[0]&2 != 0 {
+		if fr.next = le.Uint64(p[25:]); fr.next == 0 {
+			return fr, fmt.Errorf("a cut to id 0")
+		}
+	}
+	p = p[33:]
 	nops := le.Uint32(p)
 	p = p[4:]
 	for range nops {
@@ -337,21 +419,22 @@ func decodeFrame(p []byte) (walFrame, error) {
 	return fr, nil
 }
 
-// appendWAL writes one frame and makes it durable. The caller holds wmu.
-// On an error nothing moves: the next frame overwrites whatever part of
-// this one reached the file.
-func (db *DB) appendWAL(hs *pb.HardState, ops []stagedOp, ents []pb.Entry) (time.Duration, error) {
+// appendWAL writes one frame (a cut when next is not 0) and makes it
+// durable. The caller holds wmu. On an error nothing moves: the next frame
+// overwrites whatever part of this one reached the file.
+func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb.Entry) (time.Duration, error) {
 	w := db.wal
-	fr := w.encodeFrame(hs, ops, ents)
-	if err := w.grow(w.off + int64(len(fr))); err != nil {
+	seg := &w.segs[w.cur]
+	fr := w.encodeFrame(hs, next, ops, ents)
+	if err := seg.grow(w.off + int64(len(fr))); err != nil {
 		return 0, err
 	}
 	start := time.Now()
-	if _, err := w.f.WriteAt(fr, w.off); err != nil {
-		return 0, fmt.Errorf("storage: write %s: %w", WALName, err)
+	if _, err := seg.f.WriteAt(fr, w.off); err != nil {
+		return 0, fmt.Errorf("storage: write %s: %w", seg.f.Name(), err)
 	}
-	if err := fdatasync(w.f); err != nil {
-		return 0, fmt.Errorf("storage: sync %s: %w", WALName, err)
+	if err := fdatasync(seg.f); err != nil {
+		return 0, fmt.Errorf("storage: sync %s: %w", seg.f.Name(), err)
 	}
 	if db.syncDelay > 0 {
 		time.Sleep(db.syncDelay)

@@ -98,8 +98,10 @@ func TestWALReplaysWhatOnlyItHolds(t *testing.T) {
 // ignored. A damaged frame with a good one after it is acked data gone bad:
 // Open refuses, names the offset, and changes neither file.
 func TestWALTornEndAndDamagedMiddle(t *testing.T) {
+	var wal string // the WAL file the fixture's frames are in
 	fixture := func(t *testing.T) (dir string, offs []int64, want []pb.Entry) {
 		db := testOpen(t, t.TempDir(), nil)
+		wal = WALName + []string{".0", ".1"}[db.wal.cur]
 		want = makeEntries(1, 12, 1)
 		for i := 0; i < 12; i += 4 {
 			offs = append(offs, db.wal.off)
@@ -110,7 +112,7 @@ func TestWALTornEndAndDamagedMiddle(t *testing.T) {
 	}
 	flip := func(t *testing.T, dir string, off int64) {
 		t.Helper()
-		f, err := os.OpenFile(filepath.Join(dir, WALName), os.O_RDWR, 0)
+		f, err := os.OpenFile(filepath.Join(dir, wal), os.O_RDWR, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -143,14 +145,14 @@ func TestWALTornEndAndDamagedMiddle(t *testing.T) {
 	t.Run("damaged middle", func(t *testing.T) {
 		dir, offs, _ := fixture(t)
 		flip(t, dir, offs[1]+walHdr+30) // inside the second frame
-		hashes := []([32]byte){fileHash(t, filepath.Join(dir, FileName)), fileHash(t, filepath.Join(dir, WALName))}
+		hashes := []([32]byte){fileHash(t, filepath.Join(dir, FileName)), fileHash(t, filepath.Join(dir, wal))}
 		for _, ro := range []bool{true, false} {
 			_, err := openChecked(t, dir, &Options{ReadOnly: ro})
 			if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "offset") {
 				t.Errorf("ReadOnly=%v: Open with a damaged frame before a good one: %v, want ErrCorrupt naming the offset", ro, err)
 			}
 		}
-		if fileHash(t, filepath.Join(dir, FileName)) != hashes[0] || fileHash(t, filepath.Join(dir, WALName)) != hashes[1] {
+		if fileHash(t, filepath.Join(dir, FileName)) != hashes[0] || fileHash(t, filepath.Join(dir, wal)) != hashes[1] {
 			t.Error("a refused Open changed the data file or the WAL")
 		}
 	})
@@ -205,7 +207,7 @@ func TestWALFramesBeforeACheckpointAreDead(t *testing.T) {
 func TestWALMissingAndUpgrade(t *testing.T) {
 	dir := t.TempDir()
 	want := writeLog(t, dir, 60)
-	wal := filepath.Join(dir, WALName)
+	wal := filepath.Join(dir, WALName+".1")
 	if err := os.Remove(wal); err != nil {
 		t.Fatal(err)
 	}
@@ -215,7 +217,7 @@ func TestWALMissingAndUpgrade(t *testing.T) {
 			t.Errorf("ReadOnly=%v: Open without the WAL: %v, want ErrCorrupt naming %s", ro, err, WALName)
 		}
 	}
-	if names := dirNames(t, dir); !reflect.DeepEqual(names, []string{FileName}) {
+	if names := dirNames(t, dir); !reflect.DeepEqual(names, []string{FileName, WALName + ".0"}) {
 		t.Errorf("a refused Open left %v in the data dir", names)
 	}
 	if err := os.WriteFile(wal, nil, 0o640); err != nil {
@@ -235,8 +237,10 @@ func TestWALMissingAndUpgrade(t *testing.T) {
 		}
 		return m.Delete(keyWAL)
 	})
-	if err := os.Remove(wal); err != nil {
-		t.Fatal(err)
+	for _, name := range []string{WALName + ".0", WALName + ".1"} {
+		if err := os.Remove(filepath.Join(dir, name)); err != nil {
+			t.Fatal(err)
+		}
 	}
 	db = testOpen(t, dir, nil)
 	if d := diffEntries(allEntries(t, db), want); d != "" {
@@ -252,5 +256,51 @@ func TestWALMissingAndUpgrade(t *testing.T) {
 	})
 	if _, err := os.Stat(wal); err != nil {
 		t.Errorf("no WAL after the upgrade: %v", err)
+	}
+}
+
+// A crash between a checkpoint's cut and its commit leaves live frames in
+// both WAL files: those before the cut in one, those after in the other.
+// Open replays both, in order; a commit failing there keeps both live.
+func TestWALReplaysAcrossACut(t *testing.T) {
+	db := testOpen(t, t.TempDir(), nil)
+	want := makeEntries(1, 20, 1)
+	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, want[:8])
+	db.ckMu.Lock() // the background checkpoint, stopped after its cut
+	db.wmu.Lock()
+	c, err := db.cutLocked()
+	db.wmu.Unlock()
+	if err != nil {
+		db.ckMu.Unlock()
+		t.Fatal(err)
+	}
+	db.pendingCut = c
+	mustSave(t, db, pb.HardState{Term: 1, Vote: 1, Commit: 8}, want[8:15])
+	db.Stage(BucketSessions, "after/cut", []byte("yes"))
+	mustSave(t, db, pb.HardState{}, want[15:])
+	crashed := crashCopy(t, db)
+	db.ckMu.Unlock()
+	if got := boltLastIndex(t, crashed); got != 0 {
+		t.Fatalf("fixture: the file holds entries up to %d, want none", got)
+	}
+	for _, ro := range []bool{true, false} {
+		db := testOpen(t, crashed, &Options{ReadOnly: ro})
+		if d := diffEntries(allEntries(t, db), want); d != "" {
+			t.Errorf("ReadOnly=%v: after a crash within a checkpoint: %s", ro, d)
+		}
+		if hs, _, _ := db.InitialState(); hs.Commit != 8 {
+			t.Errorf("ReadOnly=%v: commit index %d, want 8", ro, hs.Commit)
+		}
+		if got := sessions(t, db, ""); got["after/cut"] != "yes" {
+			t.Errorf("ReadOnly=%v: sessions %v", ro, got)
+		}
+		mustClose(t, db)
+	}
+	// The pending cut commits with the next checkpoint; nothing is lost.
+	mustCheckpoint(t, db)
+	mustSave(t, db, pb.HardState{Term: 1, Vote: 1, Commit: 20}, makeEntries(21, 1, 1))
+	again := testOpen(t, crashCopy(t, db), nil)
+	if l, _ := again.LastIndex(); l != 21 {
+		t.Errorf("LastIndex after the pending cut committed and a crash = %d, want 21", l)
 	}
 }

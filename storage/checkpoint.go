@@ -1,0 +1,314 @@
+package storage
+
+import (
+	"encoding/binary"
+	"fmt"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+	pb "go.etcd.io/raft/v3/raftpb"
+)
+
+// A checkpoint moves what the WAL holds into bbolt: a cut (a frame that
+// sends the next frames to the other WAL file, under a new id), then one
+// bbolt transaction with the entries up to the cut, the staged operations,
+// the hard state, and the new file and id. The background ones run on a
+// goroutine of their own, so Save goes on appending to the other file
+// meanwhile; Open, Close and the writes that go to bbolt directly run one
+// synchronously (commit).
+//
+// Locks: ckMu, then wmu. ckMu is held for a whole checkpoint, wmu only for
+// the cut by a background one, so Save waits for an fdatasync at most.
+
+// cut is the part of the log a checkpoint writes: everything up to the
+// cut frame.
+type cut struct {
+	seg   int    // the file the frames after the cut go to
+	id    uint64 // and the id they carry
+	last  uint64 // the last entry before the cut
+	bytes int    // the size of the entries past boltLast up to last
+	hs    pb.HardState
+	ents  []pb.Entry // the entries past boltLast up to last
+}
+
+// takeFresh copies the staged writes no WAL frame holds yet into buf.
+func (db *DB) takeFresh(buf []stagedOp) []stagedOp {
+	db.stageMu.Lock()
+	defer db.stageMu.Unlock()
+	return append(buf[:0], db.fresh...)
+}
+
+// dropFresh removes the fresh writes staged no later than gen: a frame or
+// the file holds them now. Both remove from the front, in stage order, so
+// a Save and a checkpoint may do it in either order.
+func (db *DB) dropFresh(gen uint64) {
+	db.stageMu.Lock()
+	n := 0
+	for n < len(db.fresh) && db.fresh[n].gen <= gen {
+		n++
+	}
+	db.fresh = append(db.fresh[:0], db.fresh[n:]...)
+	db.stageMu.Unlock()
+}
+
+// cutLocked writes a cut frame and switches the WAL to the other file. The
+// caller holds ckMu (no checkpoint of an earlier cut is pending, so the
+// other file's frames are dead) and wmu.
+func (db *DB) cutLocked() (*cut, error) {
+	id := newWALID()
+	if _, err := db.appendWAL(nil, id, nil, nil); err != nil {
+		return nil, err
+	}
+	w := db.wal
+	w.cur, w.off, w.id = 1-w.cur, 0, id
+	c := &cut{seg: w.cur, id: id}
+	db.mu.RLock()
+	c.last, c.bytes, c.hs = db.last, db.pendBytes, db.hs
+	if c.last > db.boltLast {
+		// The tail's entries are never changed in place while a
+		// checkpoint is pending (an overwriting append takes ckMu), so
+		// the slice stays valid without a copy.
+		c.ents = db.tail[db.boltLast+1-db.tail[0].Index:]
+	}
+	db.mu.RUnlock()
+	return c, nil
+}
+
+// commitCut writes c into bbolt, then fn in the same transaction (fn
+// appends entries more, the batch size Options.OnCommit reports). Staged
+// operations leave the stage only once the commit succeeded, so a failed
+// one (a full disk) loses none of them. The caller holds ckMu.
+func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
+	var taken []stagedOp
+	var maxGen uint64
+	var built time.Time // when fn is done and bbolt starts writing and syncing
+	err := db.bolt.Update(func(tx *bolt.Tx) error {
+		defer func() { built = time.Now() }()
+		// Copied into a slice kept from commit to commit, not a cloned
+		// map: a clone is as large as the map ever grew, at every commit.
+		// All of the stage, not only what the cut covers: a value staged
+		// since is at worst written early, and frames after the cut that
+		// replay over it are newer still.
+		db.stageMu.Lock()
+		taken = db.takeBuf[:0]
+		for _, op := range db.staged {
+			taken = append(taken, op)
+			maxGen = max(maxGen, op.gen)
+		}
+		db.takeBuf = taken
+		db.stageMu.Unlock()
+		var buckets map[string]*bolt.Bucket
+		for _, op := range taken {
+			b := buckets[op.bucket]
+			if b == nil {
+				var err error
+				if b, err = tx.CreateBucketIfNotExists([]byte(op.bucket)); err != nil {
+					return err
+				}
+				if buckets == nil {
+					buckets = make(map[string]*bolt.Bucket, 4)
+				}
+				buckets[op.bucket] = b
+			}
+			var err error
+			if op.val == nil {
+				err = b.Delete([]byte(op.key))
+			} else {
+				err = b.Put([]byte(op.key), op.val)
+			}
+			if err != nil {
+				return fmt.Errorf("%s/%s: %w", op.bucket, op.key, err)
+			}
+		}
+		if err := db.putEntries(tx, c.ents, true); err != nil {
+			return err
+		}
+		// After the staged operations: a staged commit-only hard state
+		// may be ahead of the entries the cut covers.
+		if !isEmptyHardState(c.hs) {
+			b, err := c.hs.Marshal()
+			if err != nil {
+				return err
+			}
+			if err := tx.Bucket(bucketRaftState).Put(keyHardState, b); err != nil {
+				return err
+			}
+		}
+		m := tx.Bucket(bucketMeta)
+		if err := m.Put(keyFormat, u64(FormatVersion)); err != nil {
+			return err
+		}
+		v := make([]byte, 16)
+		binary.BigEndian.PutUint64(v, c.id)
+		binary.BigEndian.PutUint64(v[8:], uint64(c.seg))
+		if err := m.Put(keyWAL, v); err != nil {
+			return err
+		}
+		if fn != nil {
+			return fn(tx)
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	if db.syncDelay > 0 {
+		time.Sleep(2 * db.syncDelay) // bbolt's two fdatasyncs, on slow flash
+	}
+	db.mu.Lock()
+	db.boltLast = max(db.boltLast, c.last)
+	db.pendBytes -= c.bytes
+	db.format, db.walID, db.walSeg = FormatVersion, c.id, c.seg
+	db.mu.Unlock()
+	db.syncs.Add(2)
+	db.committed()
+	if db.onCommit != nil {
+		db.onCommit(time.Since(built), entries+len(c.ents))
+	}
+	db.stageMu.Lock()
+	for _, op := range taken {
+		if cur, ok := db.staged[op.k]; ok && cur.gen == op.gen {
+			delete(db.staged, op.k)
+		}
+	}
+	db.stageMu.Unlock()
+	db.dropFresh(maxGen)
+	return nil
+}
+
+// putEntries writes ents to the log bucket, all values in one buffer: the
+// one reused from checkpoint to checkpoint (bbolt holds the slices only
+// until the commit) when reuse, else a new one.
+func (db *DB) putEntries(tx *bolt.Tx, ents []pb.Entry, reuse bool) error {
+	if len(ents) == 0 {
+		return nil
+	}
+	size := 0
+	for i := range ents {
+		size += 8 + entrySize(&ents[i])
+	}
+	var buf []byte
+	if reuse {
+		if cap(db.entBuf) < size {
+			db.entBuf = make([]byte, size)
+		}
+		buf = db.entBuf[:size]
+	} else {
+		buf = make([]byte, size)
+	}
+	lb := tx.Bucket(bucketLog)
+	lb.FillPercent = 1.0 // appends are sequential: full pages halve growth
+	off := 0
+	for i := range ents {
+		k := buf[off : off+8]
+		binary.BigEndian.PutUint64(k, ents[i].Index)
+		n := entrySize(&ents[i])
+		v := buf[off+8 : off+8+n]
+		putEntry(v, &ents[i])
+		off += 8 + n
+		if err := lb.Put(k, v); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// commit checkpoints synchronously, with fn in the same transaction.
+func (db *DB) commit(fn func(tx *bolt.Tx) error) error { return db.commitSync(0, fn, nil) }
+
+// commitSync is a synchronous checkpoint of everything, with fn (which
+// appends entries more) in its transaction, and after run once it
+// committed. It holds wmu throughout, so no frame and no other checkpoint
+// comes between the cut, fn and after.
+func (db *DB) commitSync(entries int, fn func(tx *bolt.Tx) error, after func()) error {
+	db.ckMu.Lock()
+	defer db.ckMu.Unlock()
+	db.wmu.Lock()
+	defer db.wmu.Unlock()
+	if err := db.finishPending(); err != nil {
+		return err
+	}
+	c, err := db.cutLocked()
+	if err != nil {
+		return err
+	}
+	if err := db.commitCut(c, entries, fn); err != nil {
+		db.pendingCut = c // its frames are live: no new cut until it commits
+		return err
+	}
+	if after != nil {
+		after()
+	}
+	return nil
+}
+
+// finishPending commits a cut whose checkpoint failed before. The caller
+// holds ckMu.
+func (db *DB) finishPending() error {
+	if db.pendingCut == nil {
+		return nil
+	}
+	if err := db.commitCut(db.pendingCut, 0, nil); err != nil {
+		return err
+	}
+	db.pendingCut = nil
+	return nil
+}
+
+// checkpointDue says whether the WAL holds enough for a checkpoint.
+func (db *DB) checkpointDue() bool {
+	db.mu.RLock()
+	due := db.pendBytes > db.maxTail/2
+	db.mu.RUnlock()
+	return due
+}
+
+// checkpointer runs the background checkpoints until Close.
+func (db *DB) checkpointer() {
+	defer close(db.ckDone)
+	for {
+		select {
+		case <-db.ckStop:
+			return
+		case <-db.ckSig:
+		}
+		if err := db.checkpoint(); err != nil {
+			// Save checkpoints itself once the WAL holds too much, and
+			// fails if it cannot: that is where the error surfaces.
+			db.log.Warn("checkpoint of the WAL into the data file failed; will retry", "error", err)
+		}
+	}
+}
+
+// checkpoint is one background checkpoint: the cut under wmu, the commit
+// without it.
+func (db *DB) checkpoint() error {
+	db.ckMu.Lock()
+	defer db.ckMu.Unlock()
+	if db.pendingCut == nil {
+		db.wmu.Lock()
+		if db.wal.off < walCheckpointAt && !db.checkpointDue() {
+			db.wmu.Unlock()
+			return nil // a checkpoint since the signal did it
+		}
+		c, err := db.cutLocked()
+		db.wmu.Unlock()
+		if err != nil {
+			return err
+		}
+		db.pendingCut = c
+	}
+	return db.finishPending()
+}
+
+// kickCheckpoint wakes the checkpointer if the WAL holds enough. The
+// caller holds wmu.
+func (db *DB) kickCheckpoint() {
+	if db.wal.off < walCheckpointAt && !db.checkpointDue() {
+		return
+	}
+	select {
+	case db.ckSig <- struct{}{}:
+	default:
+	}
+}
