@@ -43,6 +43,7 @@ test: vet build
 	$(GO) test -count=1 -timeout 8m ./...
 	$(GO) test -count=1 -race -timeout 8m $(RACE_PKGS)
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeRecord$$' -fuzztime 8s ./storage/
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeFrame$$' -fuzztime 8s ./storage/
 	$(GO) test -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime 8s ./daemon/
 	$(GO) test -run '^$$' -fuzz '^FuzzInboundStream$$' -fuzztime 8s ./daemon/
 	$(MAKE) test-arm

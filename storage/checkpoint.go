@@ -27,6 +27,7 @@ type cut struct {
 	id    uint64 // and the id they carry
 	last  uint64 // the last entry before the cut
 	bytes int    // the size of the entries past boltLast up to last
+	gen   uint64 // the stage generation at the cut
 	hs    pb.HardState
 	ents  []pb.Entry // the entries past boltLast up to last
 }
@@ -61,7 +62,16 @@ func (db *DB) cutLocked() (*cut, error) {
 	}
 	w := db.wal
 	w.cur, w.off, w.id = 1-w.cur, 0, id
-	c := &cut{seg: w.cur, id: id}
+	return db.snapshot(w.cur, id), nil
+}
+
+// snapshot returns the cut of everything so far, whose frames go on in
+// file seg under id.
+func (db *DB) snapshot(seg int, id uint64) *cut {
+	c := &cut{seg: seg, id: id}
+	db.stageMu.Lock()
+	c.gen = db.stageGen
+	db.stageMu.Unlock()
 	db.mu.RLock()
 	c.last, c.bytes, c.hs = db.last, db.pendBytes, db.hs
 	if c.last > db.boltLast {
@@ -71,7 +81,27 @@ func (db *DB) cutLocked() (*cut, error) {
 		c.ents = db.tail[db.boltLast+1-db.tail[0].Index:]
 	}
 	db.mu.RUnlock()
-	return c, nil
+	return c
+}
+
+// checkpointReplayed is Open's checkpoint of what it replayed. It writes
+// no cut: the frames replayed may already end with one that no commit has
+// recorded (a checkpoint that failed before the crash), and a second cut
+// would send the next frames over the live ones of the file that cut
+// left. Nothing is appended before this returns, so it can start the
+// current file afresh under a new id instead.
+func (db *DB) checkpointReplayed() error {
+	db.ckMu.Lock()
+	defer db.ckMu.Unlock()
+	db.wmu.Lock()
+	defer db.wmu.Unlock()
+	w := db.wal
+	c := db.snapshot(w.cur, newWALID())
+	if err := db.commitCut(c, 0, nil); err != nil {
+		return err
+	}
+	w.off, w.id = 0, c.id
+	return nil
 }
 
 // commitCut writes c into bbolt, then fn in the same transaction (fn
@@ -80,7 +110,6 @@ func (db *DB) cutLocked() (*cut, error) {
 // one (a full disk) loses none of them. The caller holds ckMu.
 func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 	var taken []stagedOp
-	var maxGen uint64
 	var built time.Time // when fn is done and bbolt starts writing and syncing
 	err := db.bolt.Update(func(tx *bolt.Tx) error {
 		defer func() { built = time.Now() }()
@@ -93,7 +122,6 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 		taken = db.takeBuf[:0]
 		for _, op := range db.staged {
 			taken = append(taken, op)
-			maxGen = max(maxGen, op.gen)
 		}
 		db.takeBuf = taken
 		db.stageMu.Unlock()
@@ -145,7 +173,12 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 			return err
 		}
 		if fn != nil {
-			return fn(tx)
+			if err := fn(tx); err != nil {
+				return err
+			}
+		}
+		if commitFault != nil {
+			return commitFault()
 		}
 		return nil
 	})
@@ -171,10 +204,25 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 			delete(db.staged, op.k)
 		}
 	}
+	clear(taken) // the values belong to the stage, or to nobody now
 	db.stageMu.Unlock()
-	db.dropFresh(maxGen)
+	if cap(db.entBuf) > maxKeptBuf {
+		db.entBuf = nil
+	}
+	// Only what was staged before the cut leaves fresh: a write staged
+	// since must still get a frame after the cut, or an older value of
+	// its key framed there would replay over the file's newer one.
+	db.dropFresh(c.gen)
 	return nil
 }
+
+// commitFault, set by tests only, fails every checkpoint's transaction with
+// its error, as a full disk would.
+var commitFault func() error
+
+// maxKeptBuf bounds the buffers kept from one write to the next: a larger
+// one, grown for an unusual batch, goes back to the garbage collector.
+const maxKeptBuf = 2 << 20
 
 // putEntries writes ents to the log bucket, all values in one buffer: the
 // one reused from checkpoint to checkpoint (bbolt holds the slices only
@@ -263,19 +311,34 @@ func (db *DB) checkpointDue() bool {
 	return due
 }
 
-// checkpointer runs the background checkpoints until Close.
+// checkpointer runs the background checkpoints until Close. After a
+// failure (a full disk) it waits a second before the next try, and it logs
+// only when checkpoints start and stop failing: Save checkpoints itself once
+// the WAL holds too much and fails if it cannot, which is where a lasting
+// failure surfaces.
 func (db *DB) checkpointer() {
 	defer close(db.ckDone)
+	failing := false
 	for {
 		select {
 		case <-db.ckStop:
 			return
 		case <-db.ckSig:
 		}
-		if err := db.checkpoint(); err != nil {
-			// Save checkpoints itself once the WAL holds too much, and
-			// fails if it cannot: that is where the error surfaces.
-			db.log.Warn("checkpoint of the WAL into the data file failed; will retry", "error", err)
+		err := db.checkpoint()
+		switch {
+		case err != nil && !failing:
+			db.log.Warn("checkpoint of the WAL into the data file failed; retrying", "error", err)
+		case err == nil && failing:
+			db.log.Info("checkpoints of the WAL into the data file work again")
+		}
+		failing = err != nil
+		if failing {
+			select {
+			case <-db.ckStop:
+				return
+			case <-time.After(time.Second):
+			}
 		}
 	}
 }

@@ -261,7 +261,7 @@ func Open(dir string, opts *Options) (*DB, error) {
 				return fail(err)
 			}
 		}
-		if err := db.commit(nil); err != nil {
+		if err := db.checkpointReplayed(); err != nil {
 			return fail(err)
 		}
 		db.ckSig, db.ckStop, db.ckDone = make(chan struct{}, 1), make(chan struct{}), make(chan struct{})
@@ -527,8 +527,14 @@ func (db *DB) Close() error {
 			ferr = fmt.Errorf("storage: checkpoint at close: %w", err)
 		}
 	}
-	err := db.bolt.Close()
+	// Under the writers' locks: a Flush or Sync that passed its closed
+	// check before Close began gets ErrClosed, not a closed file.
+	db.ckMu.Lock()
+	db.wmu.Lock()
 	db.wal.close()
+	db.wmu.Unlock()
+	db.ckMu.Unlock()
+	err := db.bolt.Close()
 	if err != nil {
 		return err
 	}

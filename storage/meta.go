@@ -12,8 +12,14 @@ import (
 	pb "go.etcd.io/raft/v3/raftpb"
 )
 
-// stage queues a metadata write for the next WAL frame.
+// stage queues a metadata write for the next WAL frame. A key bbolt cannot
+// store (an MQTT client id or topic may be 64 KiB long) is refused here, with
+// an error in the log: written, it would make every checkpoint fail.
 func (db *DB) stage(bucket, key string, val []byte) {
+	if len(bucket) > 255 || len(key) == 0 || len(key) > bolt.MaxKeySize {
+		db.log.Error("metadata not persisted: key too long for the data file", "bucket", bucket, "key_bytes", len(key))
+		return
+	}
 	db.stageMu.Lock()
 	db.stageGen++
 	k := bucket + "\x00" + key
@@ -77,9 +83,16 @@ func (db *DB) Sync() error {
 
 // flushStaged writes the fresh staged operations in a WAL frame.
 func (db *DB) flushStaged() error {
+	if db.ro {
+		return fmt.Errorf("storage: write to a read-only file")
+	}
 	db.wmu.Lock()
 	defer db.wmu.Unlock()
-	return db.appendLocked(nil, nil)
+	if err := db.appendLocked(nil, nil); err != nil {
+		return err
+	}
+	db.kickCheckpoint()
+	return nil
 }
 
 // ForEach calls fn for every key in bucket with the given prefix, in key

@@ -1,6 +1,7 @@
 package storage
 
 import (
+	"bytes"
 	crand "crypto/rand"
 	"encoding/binary"
 	"fmt"
@@ -252,13 +253,19 @@ func (w *walSeg) readFrames(id uint64) ([]walFrame, int64, error) {
 			break
 		}
 	}
-	for p := off + 1; p+walHdr <= int64(len(b)); p++ {
-		if binary.LittleEndian.Uint64(b[p+8:]) != id {
-			continue
+	// Look for the id (at offset 8 of a header) past the end: a search
+	// for 8 bytes, fast enough to do over the whole file at every Open.
+	var pat [8]byte
+	binary.LittleEndian.PutUint64(pat[:], id)
+	for p := off + 1 + 8; p < int64(len(b)); {
+		i := bytes.Index(b[p:], pat[:])
+		if i < 0 {
+			break
 		}
-		if _, ok := frameAt(b, p, id); ok {
-			return nil, 0, fmt.Errorf("%s: the frame at offset %d is damaged or missing, and a good one follows at %d: acknowledged records would be lost: %w", w.f.Name(), off, p, ErrCorrupt)
+		if _, ok := frameAt(b, p+int64(i)-8, id); ok {
+			return nil, 0, fmt.Errorf("%s: the frame at offset %d is damaged or missing, and a good one follows at %d: acknowledged records would be lost: %w", w.f.Name(), off, p+int64(i)-8, ErrCorrupt)
 		}
+		p += int64(i) + 1
 	}
 	return frames, off, nil
 }
@@ -375,7 +382,7 @@ func decodeFrame(p []byte) (walFrame, error) {
 			return fr, short
 		}
 		var op stagedOp
-		op.bucket = string(p[1 : 1+p[0]])
+		op.bucket = string(p[1 : 1+int(p[0])])
 		p = p[1+int(p[0]):]
 		kl := int(le.Uint16(p))
 		if len(p) < 2+kl+4 {
@@ -425,9 +432,16 @@ func decodeFrame(p []byte) (walFrame, error) {
 func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb.Entry) (time.Duration, error) {
 	w := db.wal
 	seg := &w.segs[w.cur]
+	if seg.f == nil {
+		return 0, ErrClosed
+	}
 	fr := w.encodeFrame(hs, next, ops, ents)
-	if err := seg.grow(w.off + int64(len(fr))); err != nil {
-		return 0, err
+	if end := w.off + int64(len(fr)); end > seg.size {
+		// Rarely: checkpoints are failing, or a batch is huge. Grow by
+		// whole steps, each with its fsync, not by every frame.
+		if err := seg.grow((end + walPrealloc - 1) / walPrealloc * walPrealloc); err != nil {
+			return 0, err
+		}
 	}
 	start := time.Now()
 	if _, err := seg.f.WriteAt(fr, w.off); err != nil {
@@ -441,5 +455,8 @@ func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb
 	}
 	w.off += int64(len(fr))
 	db.syncs.Add(1)
+	if cap(w.buf) > maxKeptBuf {
+		w.buf = nil
+	}
 	return time.Since(start), nil
 }
