@@ -148,7 +148,7 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 				return fmt.Errorf("%s/%s: %w", op.bucket, op.key, err)
 			}
 		}
-		if err := db.putEntries(tx, c.ents, true); err != nil {
+		if err := db.putEntries(tx, c.ents); err != nil {
 			return err
 		}
 		// After the staged operations: a staged commit-only hard state
@@ -206,9 +206,6 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 	}
 	clear(taken) // the values belong to the stage, or to nobody now
 	db.stageMu.Unlock()
-	if cap(db.entBuf) > maxKeptBuf {
-		db.entBuf = nil
-	}
 	// Only what was staged before the cut leaves fresh: a write staged
 	// since must still get a frame after the cut, or an older value of
 	// its key framed there would replay over the file's newer one.
@@ -224,10 +221,11 @@ var commitFault func() error
 // one, grown for an unusual batch, goes back to the garbage collector.
 const maxKeptBuf = 2 << 20
 
-// putEntries writes ents to the log bucket, all values in one buffer: the
-// one reused from checkpoint to checkpoint (bbolt holds the slices only
-// until the commit) when reuse, else a new one.
-func (db *DB) putEntries(tx *bolt.Tx, ents []pb.Entry, reuse bool) error {
+// putEntries writes ents to the log bucket, all values in one buffer
+// (bbolt holds the slices until the commit): one allocation per batch, not
+// one per entry. It is not kept for the next checkpoint, where it
+// would sit in the daemon's memory in between.
+func (db *DB) putEntries(tx *bolt.Tx, ents []pb.Entry) error {
 	if len(ents) == 0 {
 		return nil
 	}
@@ -235,15 +233,7 @@ func (db *DB) putEntries(tx *bolt.Tx, ents []pb.Entry, reuse bool) error {
 	for i := range ents {
 		size += 8 + entrySize(&ents[i])
 	}
-	var buf []byte
-	if reuse {
-		if cap(db.entBuf) < size {
-			db.entBuf = make([]byte, size)
-		}
-		buf = db.entBuf[:size]
-	} else {
-		buf = make([]byte, size)
-	}
+	buf := make([]byte, size)
 	lb := tx.Bucket(bucketLog)
 	lb.FillPercent = 1.0 // appends are sequential: full pages halve growth
 	off := 0
@@ -306,7 +296,7 @@ func (db *DB) finishPending() error {
 // checkpointDue says whether the WAL holds enough for a checkpoint.
 func (db *DB) checkpointDue() bool {
 	db.mu.RLock()
-	due := db.pendBytes > db.maxTail/2
+	due := db.pendBytes > db.maxTail/4
 	db.mu.RUnlock()
 	return due
 }

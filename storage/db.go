@@ -156,9 +156,8 @@ type DB struct {
 	staged   map[string]stagedOp
 	fresh    []stagedOp
 	stageGen uint64
-	takeBuf  []stagedOp // reused by commitLocked, under wmu
+	takeBuf  []stagedOp // reused by commitCut, under ckMu
 	opsBuf   []stagedOp // reused by Save, under wmu
-	entBuf   []byte     // reused by commitLocked, under wmu
 }
 
 type stagedOp struct {

@@ -192,7 +192,7 @@ func (db *DB) appendTailLocked(ents []pb.Entry) {
 
 // Save makes hs and ents durable, together with any staged metadata, in
 // one WAL frame: one write and one fdatasync for the whole batch. Once the
-// entries only the WAL holds pass half the tail's budget, or the WAL file
+// entries only the WAL holds pass a quarter of the tail's budget, or the WAL file
 // walCheckpointAt, the checkpointer writes them into bbolt in the
 // background; past the whole budget, Save checkpoints first itself, which
 // bounds the memory they take. An append that overwrites entries goes to
@@ -279,7 +279,7 @@ func (db *DB) saveOverwriting(hs pb.HardState, ents []pb.Entry, last uint64) err
 			return err
 		}
 		db.requeued.Store(true)
-		if err := db.putEntries(tx, ents, false); err != nil {
+		if err := db.putEntries(tx, ents); err != nil {
 			return err
 		}
 		if !isEmptyHardState(hs) {

@@ -24,8 +24,8 @@ import (
 // 177–199 µs against 380–608 µs for a commit of 43 records on this VM, and
 // one flush instead of two on an SD card or eMMC, where each takes 1–5 ms.
 // So Save appends each batch to the WAL and the acks wait for that, and the
-// entries reach bbolt later, a megabyte at a time, in one transaction (a
-// checkpoint), on a goroutine of their own while the next frames go to the
+// entries reach bbolt later, half a megabyte at a time, in one transaction
+// (a checkpoint), on a goroutine of their own while the next frames go to the
 // other file. bbolt stays the store every reader and every other write goes
 // through; the WAL only holds what the last checkpoint has not written yet,
 // and is replayed into the file at the next Open.
@@ -37,8 +37,9 @@ const (
 	// only, no allocation and no inode. It is grown (rarely) only when a
 	// checkpoint cannot be written and frames keep coming.
 	walPrealloc = 2 << 20
-	// walCheckpointAt is the WAL offset past which Save checkpoints.
-	walCheckpointAt = 1 << 20
+	// walCheckpointAt is the WAL offset past which a checkpoint is due,
+	// whatever the entries' size (frames of metadata only, large ones).
+	walCheckpointAt = 512 << 10
 	// walFixed is the fixed part of a frame's payload.
 	walFixed = 1 + 24 + 8 + 4 + 4 + 8
 	// walHdr is a frame's header: payload length (4), CRC-32C of the id
