@@ -259,14 +259,13 @@ func TestWALMissingAndUpgrade(t *testing.T) {
 	}
 }
 
-// A crash between a checkpoint's cut and its commit leaves live frames in
-// both WAL files: those before the cut in one, those after in the other.
-// Open replays both, in order; a commit failing there keeps both live.
-func TestWALReplaysAcrossACut(t *testing.T) {
-	db := testOpen(t, t.TempDir(), nil)
-	want := makeEntries(1, 20, 1)
-	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, want[:8])
-	db.ckMu.Lock() // the background checkpoint, stopped after its cut
+// stopAfterCut makes a background checkpoint's cut and stops it there, as
+// if its commit had not run yet or had failed: frames go on in the other
+// file, and those before the cut stay live. It returns with ckMu held, so
+// no checkpoint runs until the test unlocks it.
+func stopAfterCut(t *testing.T, db *DB) {
+	t.Helper()
+	db.ckMu.Lock()
 	db.wmu.Lock()
 	c, err := db.cutLocked()
 	db.wmu.Unlock()
@@ -275,6 +274,16 @@ func TestWALReplaysAcrossACut(t *testing.T) {
 		t.Fatal(err)
 	}
 	db.pendingCut = c
+}
+
+// A crash between a checkpoint's cut and its commit leaves live frames in
+// both WAL files: those before the cut in one, those after in the other.
+// Open replays both, in order.
+func TestWALReplaysAcrossACut(t *testing.T) {
+	db := testOpen(t, t.TempDir(), nil)
+	want := makeEntries(1, 20, 1)
+	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, want[:8])
+	stopAfterCut(t, db) // the background checkpoint, stopped after its cut
 	mustSave(t, db, pb.HardState{Term: 1, Vote: 1, Commit: 8}, want[8:15])
 	db.Stage(BucketSessions, "after/cut", []byte("yes"))
 	mustSave(t, db, pb.HardState{}, want[15:])
@@ -311,19 +320,11 @@ func TestWALReplaysAcrossACut(t *testing.T) {
 func TestStagedAfterCutIsFramed(t *testing.T) {
 	db := testOpen(t, t.TempDir(), nil)
 	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, makeEntries(1, 2, 1))
-	db.ckMu.Lock()
-	db.wmu.Lock()
-	c, err := db.cutLocked()
-	db.wmu.Unlock()
-	if err != nil {
-		db.ckMu.Unlock()
-		t.Fatal(err)
-	}
-	db.pendingCut = c
+	stopAfterCut(t, db)
 	db.Stage(BucketSessions, "k", []byte("v1"))
 	mustSave(t, db, pb.HardState{}, makeEntries(3, 1, 1)) // frames v1 after the cut
 	db.Stage(BucketSessions, "k", []byte("v2"))
-	err = db.finishPending() // the checkpoint commits, with v2 from the stage
+	err := db.finishPending() // the checkpoint commits, with v2 from the stage
 	db.ckMu.Unlock()
 	if err != nil {
 		t.Fatal(err)
@@ -351,15 +352,7 @@ func TestOpenWhoseCheckpointFailsKeepsTheWAL(t *testing.T) {
 		mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, ents)
 	}
 	save(300)
-	db.ckMu.Lock() // a background checkpoint cut, then its commit failed
-	db.wmu.Lock()
-	c, err := db.cutLocked()
-	db.wmu.Unlock()
-	if err != nil {
-		db.ckMu.Unlock()
-		t.Fatal(err)
-	}
-	db.pendingCut = c
+	stopAfterCut(t, db) // a background checkpoint cut, then its commit failed
 	save(300)
 	dir := crashCopy(t, db)
 	db.ckMu.Unlock()
