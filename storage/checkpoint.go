@@ -3,6 +3,7 @@ package storage
 import (
 	"encoding/binary"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
@@ -48,7 +49,9 @@ func (db *DB) dropFresh(gen uint64) {
 	for n < len(db.fresh) && db.fresh[n].gen <= gen {
 		n++
 	}
-	db.fresh = append(db.fresh[:0], db.fresh[n:]...)
+	m := copy(db.fresh, db.fresh[n:])
+	clear(db.fresh[m:]) // the values belong to the stage, or to nobody now
+	db.fresh = db.fresh[:m]
 	db.stageMu.Unlock()
 }
 
@@ -62,6 +65,7 @@ func (db *DB) cutLocked() (*cut, error) {
 	}
 	w := db.wal
 	w.cur, w.off, w.id = 1-w.cur, 0, id
+	w.synced.Store(0)
 	return db.snapshot(w.cur, id), nil
 }
 
@@ -101,6 +105,7 @@ func (db *DB) checkpointReplayed() error {
 		return err
 	}
 	w.off, w.id = 0, c.id
+	w.synced.Store(0)
 	return nil
 }
 
@@ -177,8 +182,8 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 				return err
 			}
 		}
-		if commitFault != nil {
-			return commitFault()
+		if err := commitFault.Load(); err != nil {
+			return *err
 		}
 		return nil
 	})
@@ -205,6 +210,9 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 		}
 	}
 	clear(taken) // the values belong to the stage, or to nobody now
+	if cap(taken) > maxKeptOps {
+		db.takeBuf = nil
+	}
 	db.stageMu.Unlock()
 	// Only what was staged before the cut leaves fresh: a write staged
 	// since must still get a frame after the cut, or an older value of
@@ -215,11 +223,45 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 
 // commitFault, set by tests only, fails every checkpoint's transaction with
 // its error, as a full disk would.
-var commitFault func() error
+var commitFault atomic.Pointer[error]
 
-// maxKeptBuf bounds the buffers kept from one write to the next: a larger
-// one, grown for an unusual batch, goes back to the garbage collector.
-const maxKeptBuf = 2 << 20
+// maxKeptBuf and maxKeptOps bound the buffers kept from one write to the
+// next: a larger one, grown for an unusual batch, goes back to the garbage
+// collector.
+const (
+	maxKeptBuf = 2 << 20
+	maxKeptOps = 4096
+)
+
+// walBehindAt is how far the WAL may grow while checkpoints fail before a
+// write checkpoints itself, and fails if it cannot: frames of metadata
+// alone never make the entries' budget run over.
+const walBehindAt = 4 * walPrealloc
+
+// behind says whether a write must checkpoint before its frame: the
+// entries only the WAL holds pass the tail's budget, or the WAL is far
+// past its preallocated size.
+func (db *DB) behind() bool {
+	db.mu.RLock()
+	pend := db.pendBytes > db.maxTail
+	db.mu.RUnlock()
+	db.wmu.Lock()
+	off := db.wal.off
+	db.wmu.Unlock()
+	return pend || off > walBehindAt
+}
+
+// catchUp checkpoints when the WAL is behind (see behind), before a write
+// adds a frame: a write that fails must have written nothing.
+func (db *DB) catchUp() error {
+	if !db.behind() {
+		return nil
+	}
+	if err := db.commit(nil); err != nil {
+		return fmt.Errorf("the WAL is full and cannot be checkpointed: %w", err)
+	}
+	return nil
+}
 
 // putEntries writes ents to the log bucket, all values in one buffer
 // (bbolt holds the slices until the commit): one allocation per batch, not

@@ -16,8 +16,8 @@ import (
 // store (an MQTT client id or topic may be 64 KiB long) is refused here, with
 // an error in the log: written, it would make every checkpoint fail.
 func (db *DB) stage(bucket, key string, val []byte) {
-	if len(bucket) > 255 || len(key) == 0 || len(key) > bolt.MaxKeySize {
-		db.log.Error("metadata not persisted: key too long for the data file", "bucket", bucket, "key_bytes", len(key))
+	if len(bucket) == 0 || len(bucket) > 255 || len(key) == 0 || len(key) > bolt.MaxKeySize {
+		db.log.Error("metadata not persisted: its key or bucket is empty or too long for the data file", "bucket", bucket, "key_bytes", len(key))
 		return
 	}
 	db.stageMu.Lock()
@@ -85,6 +85,9 @@ func (db *DB) Sync() error {
 func (db *DB) flushStaged() error {
 	if db.ro {
 		return fmt.Errorf("storage: write to a read-only file")
+	}
+	if err := db.catchUp(); err != nil {
+		return err
 	}
 	db.wmu.Lock()
 	defer db.wmu.Unlock()

@@ -194,8 +194,9 @@ func (db *DB) appendTailLocked(ents []pb.Entry) {
 // one WAL frame: one write and one fdatasync for the whole batch. Once the
 // entries only the WAL holds pass a quarter of the tail's budget, or the WAL file
 // walCheckpointAt, the checkpointer writes them into bbolt in the
-// background; past the whole budget, Save checkpoints first itself, which
-// bounds the memory they take. An append that overwrites entries goes to
+// background; past the whole budget (or with the WAL far past its size),
+// Save checkpoints first itself, which bounds the memory and the disk they
+// take. An append that overwrites entries goes to
 // bbolt directly, with the WAL's contents: the entries it overwrites move to
 // the requeue bucket, never dropped, since a deposed master may have acked
 // them.
@@ -204,7 +205,7 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 		return fmt.Errorf("storage: save on a read-only file")
 	}
 	db.mu.RLock()
-	closed, last, behind := db.closed, db.last, db.pendBytes > db.maxTail
+	closed, last := db.closed, db.last
 	db.mu.RUnlock()
 	if closed {
 		return ErrClosed
@@ -212,12 +213,10 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 	if len(ents) > 0 && ents[0].Index <= last {
 		return db.saveOverwriting(hs, ents, last)
 	}
-	if behind {
-		// Before the frame, not after: a Save that fails must have
-		// written nothing, since raft hands the same batch again.
-		if err := db.commit(nil); err != nil {
-			return fmt.Errorf("storage: save: the WAL is full and cannot be checkpointed: %w", err)
-		}
+	// Raft hands a failed batch again: nothing may be written before the
+	// frame that could fail.
+	if err := db.catchUp(); err != nil {
+		return fmt.Errorf("storage: save: %w", err)
 	}
 	var hsp *pb.HardState
 	if !isEmptyHardState(hs) {
@@ -246,6 +245,9 @@ func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry) error {
 	}
 	took, err := db.appendWAL(hs, 0, ops, ents)
 	clear(ops) // the values belong to the stage
+	if cap(ops) > maxKeptOps {
+		db.opsBuf = nil
+	}
 	if err != nil {
 		return err
 	}

@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"time"
 
 	pb "go.etcd.io/raft/v3/raftpb"
@@ -81,6 +82,10 @@ type walLog struct {
 	off  int64  // the next frame's offset in it
 	id   uint64 // the id its frames carry; 0 until the first checkpoint
 	buf  []byte // frame being built, reused
+
+	// synced is off once the frames before it are on disk: what a crash at
+	// this instant keeps. Read without wmu (tests' crash copies).
+	synced atomic.Int64
 }
 
 // walFrame is one decoded frame, at Open.
@@ -212,11 +217,13 @@ func (w *walLog) readAll(seg int, id uint64) ([]walFrame, error) {
 		}
 		all = append(all, frames...)
 		w.cur, w.off, w.id = seg, end, id
+		w.synced.Store(end)
 		if len(frames) == 0 || frames[len(frames)-1].next == 0 {
 			break
 		}
 		seg, id = 1-seg, frames[len(frames)-1].next
 		w.cur, w.off, w.id = seg, 0, id
+		w.synced.Store(0)
 	}
 	return all, nil
 }
@@ -437,12 +444,16 @@ func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb
 		return 0, ErrClosed
 	}
 	fr := w.encodeFrame(hs, next, ops, ents)
+	if cap(w.buf) > maxKeptBuf {
+		w.buf = nil // fr stays valid for this call
+	}
 	if end := w.off + int64(len(fr)); end > seg.size {
 		// Rarely: checkpoints are failing, or a batch is huge. Grow by
 		// whole steps, each with its fsync, not by every frame.
 		if err := seg.grow((end + walPrealloc - 1) / walPrealloc * walPrealloc); err != nil {
 			return 0, err
 		}
+		db.syncs.Add(1)
 	}
 	start := time.Now()
 	if _, err := seg.f.WriteAt(fr, w.off); err != nil {
@@ -455,9 +466,7 @@ func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb
 		time.Sleep(db.syncDelay)
 	}
 	w.off += int64(len(fr))
+	w.synced.Store(w.off)
 	db.syncs.Add(1)
-	if cap(w.buf) > maxKeptBuf {
-		w.buf = nil
-	}
 	return time.Since(start), nil
 }

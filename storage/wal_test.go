@@ -3,13 +3,18 @@ package storage
 import (
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
 	"reflect"
+	"runtime"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	bolt "go.etcd.io/bbolt"
 	pb "go.etcd.io/raft/v3/raftpb"
@@ -259,6 +264,15 @@ func TestWALMissingAndUpgrade(t *testing.T) {
 	}
 }
 
+// failCommits makes every checkpoint fail, as a full disk would, until
+// the test ends or stores nil in commitFault, and returns the error.
+func failCommits(t *testing.T) error {
+	full := errors.New("no space left on device (simulated)")
+	commitFault.Store(&full)
+	t.Cleanup(func() { commitFault.Store(nil) })
+	return full
+}
+
 // stopAfterCut makes a background checkpoint's cut and stops it there, as
 // if its commit had not run yet or had failed: frames go on in the other
 // file, and those before the cut stay live. It returns with ckMu held, so
@@ -287,7 +301,7 @@ func TestWALReplaysAcrossACut(t *testing.T) {
 	mustSave(t, db, pb.HardState{Term: 1, Vote: 1, Commit: 8}, want[8:15])
 	db.Stage(BucketSessions, "after/cut", []byte("yes"))
 	mustSave(t, db, pb.HardState{}, want[15:])
-	crashed := crashCopy(t, db)
+	crashed := crashCopyHeld(t, db)
 	db.ckMu.Unlock()
 	if got := boltLastIndex(t, crashed); got != 0 {
 		t.Fatalf("fixture: the file holds entries up to %d, want none", got)
@@ -354,22 +368,20 @@ func TestOpenWhoseCheckpointFailsKeepsTheWAL(t *testing.T) {
 	save(300)
 	stopAfterCut(t, db) // a background checkpoint cut, then its commit failed
 	save(300)
-	dir := crashCopy(t, db)
+	dir := crashCopyHeld(t, db)
 	db.ckMu.Unlock()
 	mustClose(t, db)
 
-	full := errors.New("no space left on device (simulated)")
-	commitFault = func() error { return full }
+	full := failCommits(t)
 	for i := range 2 {
 		if db, err := openChecked(t, dir, nil); !errors.Is(err, full) {
 			if err == nil {
 				db.Close()
 			}
-			commitFault = nil
 			t.Fatalf("Open %d with failing commits: %v, want the commit's error", i, err)
 		}
 	}
-	commitFault = nil
+	commitFault.Store(nil)
 	db = testOpen(t, dir, nil)
 	if d := diffEntries(allEntries(t, db), want); d != "" {
 		t.Errorf("after two Opens whose checkpoint failed: %s", d)
@@ -403,4 +415,183 @@ func FuzzDecodeFrame(f *testing.F) {
 			t.Errorf("decode, encode, decode changed the frame:\n%+v\n%+v", fr, again)
 		}
 	})
+}
+
+// pollUntil fails the test unless cond holds within 10 s.
+func pollUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("not within 10 s: %s", what)
+		}
+		time.Sleep(5 * time.Millisecond) // polling, not synchronisation
+	}
+}
+
+// The entries and the metadata the WAL holds reach the file in the
+// background, without another write to wait for: Saves of entries, and
+// Flushes of metadata alone.
+func TestCheckpointsRunInTheBackground(t *testing.T) {
+	db := testOpen(t, t.TempDir(), &Options{TailBytes: 64 << 10})
+	inFile := func() uint64 {
+		db.mu.RLock()
+		defer db.mu.RUnlock()
+		return db.boltLast
+	}
+	ents := makeEntries(1, 200, 1)
+	for i := range ents {
+		ents[i].Data = append(ents[i].Data, make([]byte, 200)...) // 200 entries, some 45 KiB
+	}
+	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, ents)
+	pollUntil(t, "the saved entries are in the file", func() bool { return inFile() == 200 })
+
+	big := make([]byte, 64<<10)
+	for i := range walCheckpointAt/len(big) + 1 {
+		db.Stage(BucketSessions, fmt.Sprintf("s/%02d", i), big)
+		if err := db.Flush(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pollUntil(t, "the flushed metadata is in the file", func() bool {
+		db.stageMu.Lock()
+		defer db.stageMu.Unlock()
+		return len(db.staged) == 0
+	})
+}
+
+// When checkpoints keep failing (a full disk), the WAL does not grow
+// without end: past its bound, a write checkpoints itself and fails with
+// the checkpoint's error, having written nothing, and works again once
+// checkpoints do.
+func TestWALStopsGrowingWhileCheckpointsFail(t *testing.T) {
+	dir := t.TempDir()
+	db := testOpen(t, dir, nil)
+	full := failCommits(t)
+	big := make([]byte, 256<<10)
+	var err error
+	staged := 0
+	for staged < 100 && err == nil {
+		db.Stage(BucketSessions, fmt.Sprintf("s/%03d", staged), big)
+		err = db.Flush()
+		staged++
+	}
+	if !errors.Is(err, full) {
+		t.Fatalf("%d Flushes of 256 KiB with failing checkpoints: %v, want the checkpoint's error", staged, err)
+	}
+	db.wmu.Lock()
+	size := db.wal.segs[db.wal.cur].size
+	db.wmu.Unlock()
+	if size > walBehindAt+walPrealloc {
+		t.Errorf("the WAL file grew to %d bytes, want at most %d", size, walBehindAt+walPrealloc)
+	}
+	if size%walPrealloc != 0 {
+		t.Errorf("the WAL file is %d bytes: it grows by whole steps of %d", size, walPrealloc)
+	}
+	if err := db.Save(pb.HardState{Term: 1, Vote: 1}, makeEntries(1, 1, 1)); !errors.Is(err, full) {
+		t.Errorf("Save with the WAL full and failing checkpoints: %v, want the checkpoint's error", err)
+	}
+	commitFault.Store(nil)
+	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, makeEntries(1, 1, 1))
+	if err := db.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	again := testOpen(t, crashCopy(t, db), &Options{ReadOnly: true})
+	if got := sessions(t, again, "s/"); len(got) != staged {
+		t.Errorf("%d sessions durable, want all %d staged", len(got), staged)
+	}
+}
+
+// Stage refuses what bbolt cannot store (an MQTT client id or topic may be
+// 64 KiB long, bbolt's keys 32 KiB): written, it would fail every
+// checkpoint, and the daemon at every start.
+func TestStageRefusesKeysTheFileCannotHold(t *testing.T) {
+	dir := t.TempDir()
+	db := testOpen(t, dir, nil)
+	db.Stage(BucketSessions, strings.Repeat("k", bolt.MaxKeySize+1), []byte("v"))
+	db.Stage("", "k", []byte("v"))
+	db.Stage(BucketSessions, "", []byte("v"))
+	db.Stage(BucketSessions, "ok", []byte("v"))
+	if got := sessions(t, db, ""); len(got) != 1 || got["ok"] != "v" {
+		t.Errorf("sessions %v, want only ok=v", got)
+	}
+	mustCheckpoint(t, db)
+	mustClose(t, db)
+	db = testOpen(t, dir, nil)
+	if got := sessions(t, db, ""); len(got) != 1 {
+		t.Errorf("sessions after reopen %v, want only ok", got)
+	}
+}
+
+// Writes that race Close either land or get ErrClosed, never another
+// error; what landed is there at the next Open.
+func TestWritesRacingClose(t *testing.T) {
+	for round := range 20 {
+		dir := t.TempDir()
+		db, err := Open(dir, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		var saved atomic.Uint64
+		synced := make([]atomic.Bool, 50)
+		wg.Add(2)
+		go func() { // the replication loop
+			defer wg.Done()
+			for i := uint64(1); ; i++ {
+				err := db.Save(pb.HardState{Term: 1, Vote: 1}, makeEntries(i, 1, 1))
+				if err != nil {
+					if !errors.Is(err, ErrClosed) {
+						t.Errorf("round %d: Save racing Close: %v, want ErrClosed", round, err)
+					}
+					return
+				}
+				saved.Store(i)
+			}
+		}()
+		go func() { // the broker
+			defer wg.Done()
+			for i := range synced {
+				db.Stage(BucketSessions, fmt.Sprintf("s/%02d", i), []byte("v"))
+				err := db.Sync()
+				if err != nil {
+					if !errors.Is(err, ErrClosed) {
+						t.Errorf("round %d: Sync racing Close: %v, want ErrClosed", round, err)
+					}
+					return
+				}
+				synced[i].Store(true)
+			}
+		}()
+		for saved.Load() < uint64(round) {
+			runtime.Gosched()
+		}
+		if err := db.Close(); err != nil {
+			t.Fatalf("Close: %v", err)
+		}
+		wg.Wait()
+		db = testOpen(t, dir, nil)
+		if l, _ := db.LastIndex(); l < saved.Load() {
+			t.Errorf("round %d: LastIndex %d after reopen, but Save returned for %d", round, l, saved.Load())
+		}
+		got := sessions(t, db, "s/")
+		for i := range synced {
+			if k := fmt.Sprintf("s/%02d", i); synced[i].Load() && got[k] == "" {
+				t.Errorf("round %d: %s was synced, missing after reopen", round, k)
+			}
+		}
+		mustClose(t, db)
+	}
+
+	// A writer that passed its closed check just before Close began gets
+	// the WAL lock only after Close let it go: it must get ErrClosed, not
+	// a write to a closed file.
+	db := testOpen(t, t.TempDir(), nil)
+	mustClose(t, db)
+	db.wmu.Lock()
+	_, err := db.appendWAL(nil, 0, nil, makeEntries(1, 1, 1))
+	db.wmu.Unlock()
+	if !errors.Is(err, ErrClosed) {
+		t.Errorf("a WAL write after Close: %v, want ErrClosed", err)
+	}
 }
