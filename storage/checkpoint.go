@@ -239,11 +239,19 @@ const (
 const walBehindAt = 4 * walPrealloc
 
 // behind says whether a write must checkpoint before its frame: the
-// entries only the WAL holds pass the tail's budget, or the WAL is far
-// past its preallocated size.
+// entries only the WAL holds pass the tail's budget (a quarter of it, what
+// a checkpoint takes, once one has failed), or the WAL is far past its
+// preallocated size.
 func (db *DB) behind() bool {
+	limit := db.maxTail
+	if db.ckFailed.Load() {
+		// A full disk: a WAL that ran far ahead would need bbolt to grow
+		// by as much (more: its file grows by doubling) before anything
+		// could be checkpointed once space returns.
+		limit = db.maxTail / 4
+	}
 	db.mu.RLock()
-	pend := db.pendBytes > db.maxTail
+	pend := db.pendBytes > limit
 	db.mu.RUnlock()
 	db.wmu.Lock()
 	off := db.wal.off
@@ -314,8 +322,10 @@ func (db *DB) commitSync(entries int, fn func(tx *bolt.Tx) error, after func()) 
 	}
 	if err := db.commitCut(c, entries, fn); err != nil {
 		db.pendingCut = c // its frames are live: no new cut until it commits
+		db.ckFailed.Store(true)
 		return err
 	}
+	db.ckFailed.Store(false)
 	if after != nil {
 		after()
 	}
@@ -329,9 +339,11 @@ func (db *DB) finishPending() error {
 		return nil
 	}
 	if err := db.commitCut(db.pendingCut, 0, nil); err != nil {
+		db.ckFailed.Store(true)
 		return err
 	}
 	db.pendingCut = nil
+	db.ckFailed.Store(false)
 	return nil
 }
 

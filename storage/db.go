@@ -120,6 +120,7 @@ type DB struct {
 	ckSig      chan struct{} // wakes the checkpointer
 	ckStop     chan struct{} // closed by Close
 	ckDone     chan struct{} // closed when the checkpointer ends
+	ckFailed   atomic.Bool   // the last checkpoint failed (see behind)
 
 	// mu guards the in-memory view of the file below. raft reads it on the
 	// replication goroutine; status and metrics read it from others.

@@ -37,7 +37,7 @@ const (
 	// a frame then lands on allocated blocks, so its fdatasync writes data
 	// only, no allocation and no inode. It is grown (rarely) only when a
 	// checkpoint cannot be written and frames keep coming.
-	walPrealloc = 2 << 20
+	walPrealloc = 1 << 20
 	// walCheckpointAt is the WAL offset past which a checkpoint is due,
 	// whatever the entries' size (frames of metadata only, large ones).
 	walCheckpointAt = 512 << 10

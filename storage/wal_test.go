@@ -595,3 +595,31 @@ func TestWritesRacingClose(t *testing.T) {
 		t.Errorf("a WAL write after Close: %v, want ErrClosed", err)
 	}
 }
+
+// Once a checkpoint has failed (a full disk), the WAL runs ahead of the
+// file by no more than a checkpoint's worth: whatever it holds must fit in
+// the file, which grows by doubling, once space returns.
+func TestWALRunsAheadLittleOnceACheckpointFailed(t *testing.T) {
+	db := testOpen(t, t.TempDir(), &Options{TailBytes: 64 << 10})
+	full := failCommits(t)
+	batch := func(i uint64) []pb.Entry {
+		ents := makeEntries(1+i*4, 4, 1)
+		for j := range ents {
+			ents[j].Data = append(ents[j].Data, make([]byte, 1200)...) // ~5 KiB a batch
+		}
+		return ents
+	}
+	i := uint64(0)
+	for ; i < 4; i++ { // 20 KiB: past a quarter of the budget, a checkpoint is due
+		mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, batch(i))
+	}
+	pollUntil(t, "the background checkpoint has failed", db.ckFailed.Load)
+	if err := db.Save(pb.HardState{Term: 1, Vote: 1}, batch(i)); !errors.Is(err, full) {
+		t.Fatalf("Save with 20 KiB waiting and checkpoints failing: %v, want the checkpoint's error (the WAL would run 64 KiB ahead)", err)
+	}
+	commitFault.Store(nil)
+	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, batch(i))
+	if db.ckFailed.Load() {
+		t.Error("checkpoints still marked failing after one succeeded")
+	}
+}
