@@ -7,7 +7,7 @@
 // DB implements raft.Storage over that file; no MemoryStorage holds the log.
 // Save appends a whole Ready batch to the WAL in one frame, so many
 // publishes share one fdatasync; a background checkpoint writes the WAL's
-// entries into bbolt in one transaction, half a megabyte at a time; until
+// entries into bbolt in one transaction, 256 KiB of them at a time; until
 // then the tail cache serves them. Metadata written through Stage rides
 // along with the next frame, so it costs no fsync of its own and is never
 // newer on disk than the entries proposed after it.

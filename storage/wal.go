@@ -25,7 +25,7 @@ import (
 // 177–199 µs against 380–608 µs for a commit of 43 records on this VM, and
 // one flush instead of two on an SD card or eMMC, where each takes 1–5 ms.
 // So Save appends each batch to the WAL and the acks wait for that, and the
-// entries reach bbolt later, half a megabyte at a time, in one transaction
+// entries reach bbolt later, 256 KiB of them at a time, in one transaction
 // (a checkpoint), on a goroutine of their own while the next frames go to the
 // other file. bbolt stays the store every reader and every other write goes
 // through; the WAL only holds what the last checkpoint has not written yet,
