@@ -158,14 +158,8 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 		}
 		// After the staged operations: a staged commit-only hard state
 		// may be ahead of the entries the cut covers.
-		if !isEmptyHardState(c.hs) {
-			b, err := c.hs.Marshal()
-			if err != nil {
-				return err
-			}
-			if err := tx.Bucket(bucketRaftState).Put(keyHardState, b); err != nil {
-				return err
-			}
+		if err := putHardState(tx, c.hs); err != nil {
+			return err
 		}
 		m := tx.Bucket(bucketMeta)
 		if err := m.Put(keyFormat, u64(FormatVersion)); err != nil {
@@ -253,10 +247,7 @@ func (db *DB) behind() bool {
 	db.mu.RLock()
 	pend := db.pendBytes > limit
 	db.mu.RUnlock()
-	db.wmu.Lock()
-	off := db.wal.off
-	db.wmu.Unlock()
-	return pend || off > walBehindAt
+	return pend || db.wal.synced.Load() > walBehindAt
 }
 
 // catchUp checkpoints when the WAL is behind (see behind), before a write
@@ -299,6 +290,18 @@ func (db *DB) putEntries(tx *bolt.Tx, ents []pb.Entry) error {
 		}
 	}
 	return nil
+}
+
+// putHardState writes hs to the file, unless it is empty (raft had none).
+func putHardState(tx *bolt.Tx, hs pb.HardState) error {
+	if isEmptyHardState(hs) {
+		return nil
+	}
+	b, err := hs.Marshal()
+	if err != nil {
+		return err
+	}
+	return tx.Bucket(bucketRaftState).Put(keyHardState, b)
 }
 
 // commit checkpoints synchronously, with fn in the same transaction.
@@ -347,12 +350,16 @@ func (db *DB) finishPending() error {
 	return nil
 }
 
-// checkpointDue says whether the WAL holds enough for a checkpoint.
-func (db *DB) checkpointDue() bool {
+// dueLocked says whether the WAL holds enough for a checkpoint: a quarter
+// of the tail's budget in entries, or walCheckpointAt in frames of any kind.
+// The caller holds wmu.
+func (db *DB) dueLocked() bool {
+	if db.wal.off >= walCheckpointAt {
+		return true
+	}
 	db.mu.RLock()
-	due := db.pendBytes > db.maxTail/4
-	db.mu.RUnlock()
-	return due
+	defer db.mu.RUnlock()
+	return db.pendBytes > db.maxTail/4
 }
 
 // checkpointer runs the background checkpoints until Close. After a
@@ -394,7 +401,7 @@ func (db *DB) checkpoint() error {
 	defer db.ckMu.Unlock()
 	if db.pendingCut == nil {
 		db.wmu.Lock()
-		if db.wal.off < walCheckpointAt && !db.checkpointDue() {
+		if !db.dueLocked() {
 			db.wmu.Unlock()
 			return nil // a checkpoint since the signal did it
 		}
@@ -411,7 +418,7 @@ func (db *DB) checkpoint() error {
 // kickCheckpoint wakes the checkpointer if the WAL holds enough. The
 // caller holds wmu.
 func (db *DB) kickCheckpoint() {
-	if db.wal.off < walCheckpointAt && !db.checkpointDue() {
+	if !db.dueLocked() {
 		return
 	}
 	select {

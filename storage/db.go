@@ -285,21 +285,22 @@ func (db *DB) replay(frames []walFrame) error {
 		if fr.next != 0 {
 			continue // a cut carries nothing else
 		}
+		where := fmt.Sprintf("%s: frame at offset %d", walPath(filepath.Dir(db.path), fr.seg), fr.off)
 		for _, op := range fr.ops {
 			db.stageGen++
 			op.gen = db.stageGen
 			db.staged[op.k] = op
 			if err := db.loadStaged(op); err != nil {
-				return fmt.Errorf("%s: frame at offset %d: %w", walPath(filepath.Dir(db.path), fr.seg), fr.off, err)
+				return fmt.Errorf("%s: %w", where, err)
 			}
 		}
 		if len(fr.ents) > 0 {
 			if fr.ents[0].Index != db.last+1 {
-				return fmt.Errorf("%s: frame at offset %d starts at index %d, the log ends at %d: %w", walPath(filepath.Dir(db.path), fr.seg), fr.off, fr.ents[0].Index, db.last, ErrCorrupt)
+				return fmt.Errorf("%s starts at index %d, the log ends at %d: %w", where, fr.ents[0].Index, db.last, ErrCorrupt)
 			}
 			for i := range fr.ents {
 				if fr.ents[i].Term < prevTerm {
-					return fmt.Errorf("%s: entry %d has term %d after term %d: %w", WALName, fr.ents[i].Index, fr.ents[i].Term, prevTerm, ErrCorrupt)
+					return fmt.Errorf("%s: entry %d has term %d after term %d: %w", where, fr.ents[i].Index, fr.ents[i].Term, prevTerm, ErrCorrupt)
 				}
 				prevTerm = fr.ents[i].Term
 				db.pendBytes += entrySize(&fr.ents[i])

@@ -167,6 +167,25 @@ func crashCopyHeld(t *testing.T, db *DB) string {
 	return dir
 }
 
+// xorByte damages the byte at off in the file at path, as a bad medium
+// would: it is xored with mask.
+func xorByte(t *testing.T, path string, off int64, mask byte) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var b [1]byte
+	if _, err := f.ReadAt(b[:], off); err != nil {
+		t.Fatal(err)
+	}
+	b[0] ^= mask
+	if _, err := f.WriteAt(b[:], off); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // crashCopyRO opens a crash copy of db read-only, closing it right away
 // when the test ends.
 func crashCopyRO(t *testing.T, db *DB) *DB {
@@ -1165,20 +1184,7 @@ func TestOpenFallsBackPastTornMetaPage(t *testing.T) {
 					}
 					return nil
 				})
-				f, err := os.OpenFile(path, os.O_RDWR, 0)
-				if err != nil {
-					t.Fatal(err)
-				}
-				off := int64(torn*pageSize) + 16 + 56 // the meta page's checksum
-				var b [1]byte
-				if _, err := f.ReadAt(b[:], off); err != nil {
-					t.Fatal(err)
-				}
-				b[0] ^= 0xff
-				if _, err := f.WriteAt(b[:], off); err != nil {
-					t.Fatal(err)
-				}
-				f.Close()
+				xorByte(t, path, int64(torn*pageSize)+16+56, 0xff) // the meta page's checksum
 				// bbolt itself falls back to the previous commit.
 				boltView(t, path, func(tx *bolt.Tx) error {
 					if k, _ := tx.Bucket(bucketLog).Cursor().Last(); binary.BigEndian.Uint64(k) != 5 {

@@ -50,49 +50,35 @@ func (db *DB) Pending() bool {
 }
 
 // Flush makes staged metadata durable now (a WAL frame of its own).
-func (db *DB) Flush() error {
+func (db *DB) Flush() error { return db.flushStaged("flush") }
+
+// Sync makes everything staged so far durable before it returns. It is
+// Flush: a staged write leaves the fresh list only once a synced frame or a
+// committed checkpoint holds it, so what a Save in progress has taken is
+// still fresh, and Sync waits for that Save's frame.
+func (db *DB) Sync() error { return db.flushStaged("sync") }
+
+// flushStaged writes the fresh staged operations in a WAL frame; op names
+// the caller in errors.
+func (db *DB) flushStaged(op string) error {
 	db.mu.RLock()
 	closed := db.closed
 	db.mu.RUnlock()
-	if closed {
+	switch {
+	case closed:
 		return ErrClosed
-	}
-	if !db.Pending() {
+	case !db.Pending():
 		return nil
-	}
-	if err := db.flushStaged(); err != nil {
-		return fmt.Errorf("storage: flush: %w", err)
-	}
-	return nil
-}
-
-// Sync makes everything staged so far durable before it returns, even what
-// a Save in progress has already taken: Sync waits for that Save.
-func (db *DB) Sync() error {
-	db.mu.RLock()
-	closed := db.closed
-	db.mu.RUnlock()
-	if closed {
-		return ErrClosed
-	}
-	if err := db.flushStaged(); err != nil {
-		return fmt.Errorf("storage: sync: %w", err)
-	}
-	return nil
-}
-
-// flushStaged writes the fresh staged operations in a WAL frame.
-func (db *DB) flushStaged() error {
-	if db.ro {
-		return fmt.Errorf("storage: write to a read-only file")
+	case db.ro:
+		return fmt.Errorf("storage: %s: write to a read-only file", op)
 	}
 	if err := db.catchUp(); err != nil {
-		return err
+		return fmt.Errorf("storage: %s: %w", op, err)
 	}
 	db.wmu.Lock()
 	defer db.wmu.Unlock()
 	if err := db.appendLocked(nil, nil); err != nil {
-		return err
+		return fmt.Errorf("storage: %s: %w", op, err)
 	}
 	db.kickCheckpoint()
 	return nil
@@ -122,21 +108,18 @@ func (db *DB) ForEach(bucket, prefix string, fn func(k, v []byte) error) error {
 			c := b.Cursor()
 			p := []byte(prefix)
 			for k, v := c.Seek(p); k != nil && bytes.HasPrefix(k, p); k, v = c.Next() {
-				for len(over) > 0 && over[0].key < string(k) {
+				staged := false // a staged write of k replaces the file's
+				for len(over) > 0 && over[0].key <= string(k) {
+					staged = over[0].key == string(k)
 					if err := emit(over[0]); err != nil {
 						return err
 					}
 					over = over[1:]
 				}
-				if len(over) > 0 && over[0].key == string(k) {
-					if err := emit(over[0]); err != nil {
+				if !staged {
+					if err := fn(k, v); err != nil {
 						return err
 					}
-					over = over[1:]
-					continue
-				}
-				if err := fn(k, v); err != nil {
-					return err
 				}
 			}
 		}

@@ -191,15 +191,13 @@ func (db *DB) appendTailLocked(ents []pb.Entry) {
 }
 
 // Save makes hs and ents durable, together with any staged metadata, in
-// one WAL frame: one write and one fdatasync for the whole batch. Once the
-// entries only the WAL holds pass a quarter of the tail's budget, or the WAL file
-// walCheckpointAt, the checkpointer writes them into bbolt in the
-// background; past the whole budget (or with the WAL far past its size),
-// Save checkpoints first itself, which bounds the memory and the disk they
-// take. An append that overwrites entries goes to
-// bbolt directly, with the WAL's contents: the entries it overwrites move to
-// the requeue bucket, never dropped, since a deposed master may have acked
-// them.
+// one WAL frame: one write and one fdatasync for the whole batch. Once a
+// checkpoint is due (dueLocked), the checkpointer writes the WAL's entries
+// into bbolt in the background; once the WAL is behind (behind), Save
+// checkpoints first itself, which bounds the memory and the disk they take.
+// An append that overwrites entries goes to bbolt directly, with the WAL's
+// contents: the entries it overwrites move to the requeue bucket, never
+// dropped, since a deposed master may have acked them.
 func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 	if db.ro {
 		return fmt.Errorf("storage: save on a read-only file")
@@ -284,16 +282,7 @@ func (db *DB) saveOverwriting(hs pb.HardState, ents []pb.Entry, last uint64) err
 		if err := db.putEntries(tx, ents); err != nil {
 			return err
 		}
-		if !isEmptyHardState(hs) {
-			b, err := hs.Marshal()
-			if err != nil {
-				return err
-			}
-			if err := tx.Bucket(bucketRaftState).Put(keyHardState, b); err != nil {
-				return err
-			}
-		}
-		return nil
+		return putHardState(tx, hs)
 	}, func() {
 		db.mu.Lock()
 		if !isEmptyHardState(hs) {

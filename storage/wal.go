@@ -84,7 +84,8 @@ type walLog struct {
 	buf  []byte // frame being built, reused
 
 	// synced is off once the frames before it are on disk: what a crash at
-	// this instant keeps. Read without wmu (tests' crash copies).
+	// this instant keeps. Read without wmu: by behind, on every write, and
+	// by the tests' crash copies.
 	synced atomic.Int64
 }
 

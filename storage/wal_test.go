@@ -117,19 +117,7 @@ func TestWALTornEndAndDamagedMiddle(t *testing.T) {
 	}
 	flip := func(t *testing.T, dir string, off int64) {
 		t.Helper()
-		f, err := os.OpenFile(filepath.Join(dir, wal), os.O_RDWR, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
-		var b [1]byte
-		if _, err := f.ReadAt(b[:], off); err != nil {
-			t.Fatal(err)
-		}
-		b[0] ^= 0x55
-		if _, err := f.WriteAt(b[:], off); err != nil {
-			t.Fatal(err)
-		}
+		xorByte(t, filepath.Join(dir, wal), off, 0x55)
 	}
 
 	t.Run("torn end", func(t *testing.T) {
