@@ -100,16 +100,27 @@ type applier struct {
 	quietUntil atomic.Uint64
 }
 
-func (a *applier) Apply(index uint64, rec *storage.Record) error {
+// Apply decodes a record in full only when it is retained or has a local
+// subscriber: on a gateway most records have neither.
+func (a *applier) Apply(index uint64, data []byte) error {
 	<-a.ready
-	if index <= a.quietUntil.Load() {
-		a.broker.Retain(messageOf(rec))
-		return nil
+	topic, retain, err := storage.RecordTopic(data)
+	if err != nil {
+		return err
 	}
-	if !rec.Retain && a.broker.Unrouted(rec.Topic) {
+	quiet := index <= a.quietUntil.Load()
+	if !retain && (quiet || a.broker.Unrouted(topic)) {
 		return nil // nobody subscribes: no Message to build
 	}
-	return a.broker.Deliver(messageOf(rec))
+	rec, err := storage.DecodeRecord(data)
+	if err != nil {
+		return err
+	}
+	if quiet {
+		a.broker.Retain(messageOf(&rec))
+		return nil
+	}
+	return a.broker.Deliver(messageOf(&rec))
 }
 
 // sessionStore keeps the broker's sessions in the data file, staged so they

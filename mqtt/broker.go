@@ -299,28 +299,30 @@ type route struct {
 // maxRoutes bounds the topics remembered; past it they are forgotten.
 const maxRoutes = 4096
 
-// unroutedLocked reports whether no subscriber matches topic, from the
-// cache when it can. Called with shadowMu held.
-func (b *Broker) unroutedLocked(topic string) bool {
+// Unrouted reports whether no local subscriber matches topic, so that a
+// record on it without retain needs neither a Message nor Deliver. The topic
+// is still in its record's bytes: a topic seen before costs no allocation.
+func (b *Broker) Unrouted(topic []byte) bool {
+	b.shadowMu.Lock()
+	defer b.shadowMu.Unlock()
+	return b.unroutedLocked(topic)
+}
+
+// unroutedLocked is Unrouted from the cache when it can. Called with
+// shadowMu held.
+func (b *Broker) unroutedLocked(topic []byte) bool {
 	gen := b.subsGen.Load() // before the scan: a subscription made meanwhile moves it
-	if r, ok := b.routes[topic]; ok && (!r.none || r.gen == gen) {
+	if r, ok := b.routes[string(topic)]; ok && (!r.none || r.gen == gen) {
 		return r.none
 	}
-	subs := b.srv.Topics.Subscribers(topic)
+	t := string(topic)
+	subs := b.srv.Topics.Subscribers(t)
 	none := len(subs.Subscriptions) == 0 && len(subs.Shared) == 0 && len(subs.InlineSubscriptions) == 0
 	if b.routes == nil || len(b.routes) >= maxRoutes {
 		b.routes = make(map[string]route)
 	}
-	b.routes[topic] = route{none: none, gen: gen}
+	b.routes[t] = route{none: none, gen: gen}
 	return none
-}
-
-// Unrouted reports whether no local subscriber matches topic, so that a
-// record on it without retain needs neither a Message nor Deliver.
-func (b *Broker) Unrouted(topic string) bool {
-	b.shadowMu.Lock()
-	defer b.shadowMu.Unlock()
-	return b.unroutedLocked(topic)
 }
 
 // subscribed is told of every subscription made: topics remembered

@@ -25,7 +25,7 @@ func TestRouteCacheSeesNewSubscriptions(t *testing.T) {
 	unrouted := func(topic string) bool {
 		b.shadowMu.Lock()
 		defer b.shadowMu.Unlock()
-		return b.unroutedLocked(topic)
+		return b.unroutedLocked([]byte(topic))
 	}
 	if !unrouted("plant/a") || !unrouted("plant/a") {
 		t.Fatal("no subscriber, yet routed")

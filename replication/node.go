@@ -41,7 +41,11 @@ func (m AckMode) String() string {
 // own (never the raft loop). An error stops the node: the log can no longer
 // be applied in order.
 type Applier interface {
-	Apply(index uint64, rec *storage.Record) error
+	// Apply is given a record as storage.AppendRecord encoded it; data is
+	// only valid during the call. The applier decodes what it needs
+	// (storage.RecordTopic, storage.DecodeRecord): most records on a
+	// gateway have no local subscriber, and need no full decode.
+	Apply(index uint64, data []byte) error
 }
 
 // Transport carries raft messages to peers. Send must not block on a slow
@@ -939,12 +943,7 @@ func (n *Node) applyLoop() {
 			if e.Type != pb.EntryNormal || len(e.Data) == 0 {
 				continue
 			}
-			rec, err := storage.DecodeRecord(e.Data)
-			if err != nil {
-				n.fail(fmt.Errorf("replication: committed entry %d: %w", e.Index, err))
-				break
-			}
-			if err := n.cfg.Applier.Apply(e.Index, &rec); err != nil {
+			if err := n.cfg.Applier.Apply(e.Index, e.Data); err != nil {
 				n.fail(fmt.Errorf("replication: apply %d: %w", e.Index, err))
 				break
 			}

@@ -18,11 +18,15 @@ type recorder struct {
 	recs []storage.Record
 }
 
-func (r *recorder) Apply(i uint64, rec *storage.Record) error {
+func (r *recorder) Apply(i uint64, data []byte) error {
+	rec, err := storage.DecodeRecord(data)
+	if err != nil {
+		return err
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.idx = append(r.idx, i)
-	r.recs = append(r.recs, *rec)
+	r.recs = append(r.recs, rec)
 	return nil
 }
 

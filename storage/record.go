@@ -264,6 +264,30 @@ func DecodeRecord(b []byte) (Record, error) {
 	return r, nil
 }
 
+// RecordTopic returns the topic and retain flag of an encoded record, with
+// the header and CRC checked as DecodeRecord checks them, without decoding
+// the rest or allocating: the apply path uses it to skip the records no
+// subscriber would receive. topic aliases b.
+func RecordTopic(b []byte) (topic []byte, retain bool, err error) {
+	if err := checkHeader(b); err != nil {
+		return nil, false, err
+	}
+	end := len(b) - crcLen
+	if stored, computed := binary.BigEndian.Uint32(b[end:]), crc32.Checksum(b[:end], crcTable); computed != stored {
+		return nil, false, fmt.Errorf("record: crc mismatch (stored %08x, computed %08x): %w", stored, computed, ErrCorrupt)
+	}
+	if flags := b[offFlags]; flags&^flagsKnown != 0 {
+		return nil, false, fmt.Errorf("record: unknown flag bits %#02x: %w", flags&^flagsKnown, ErrCorrupt)
+	}
+	d := decoder{b: b[headerLen:end]}
+	d.field("client id")
+	topic = d.field("topic")
+	if d.err != nil {
+		return nil, false, d.err
+	}
+	return topic, b[offFlags]&flagRetain != 0, nil
+}
+
 // RecordID returns the record id from the fixed header. It neither parses the
 // rest nor checks the CRC: the persist path uses it to match entries to
 // pending proposals, and the full check happens when the entry is decoded.

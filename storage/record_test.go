@@ -351,7 +351,8 @@ func FuzzDecodeRecord(f *testing.F) {
 }
 
 // checkDecode holds the properties of DecodeRecord on any input: no panic, no
-// change to the input, agreement with RecordID, and a canonical encoding.
+// change to the input, agreement with RecordTopic and RecordID, and a
+// canonical encoding.
 func checkDecode(t *testing.T, b []byte) {
 	t.Helper()
 	in := bytes.Clone(b)
@@ -364,6 +365,10 @@ func checkDecode(t *testing.T, b []byte) {
 			t.Fatalf("failed decode returned a non-zero record: %+v", r)
 		}
 		return
+	}
+	topic, retain, topicErr := RecordTopic(b)
+	if topicErr != nil || string(topic) != r.Topic || retain != r.Retain {
+		t.Fatalf("RecordTopic = %q, %v, %v; DecodeRecord says %q, %v", topic, retain, topicErr, r.Topic, r.Retain)
 	}
 	origin, seq, idErr := RecordID(b)
 	if idErr != nil || origin != r.Origin || seq != r.Seq {
@@ -453,6 +458,29 @@ func BenchmarkDecodeRecord(b *testing.B) {
 	for b.Loop() {
 		if _, err := DecodeRecord(enc); err != nil {
 			b.Fatal(err)
+		}
+	}
+}
+
+// TestRecordTopicRefusesWhatDecodeRefuses: the apply path skips unrouted
+// records on RecordTopic alone, so a damaged record must stop it there just
+// as DecodeRecord would, and reading the topic must not allocate.
+func TestRecordTopicRefusesWhatDecodeRefuses(t *testing.T) {
+	r := Record{Origin: 1, Seq: 2, ClientID: "dev-1", Topic: "plant/line1/temp", QoS: 1, Retain: true, Payload: []byte("21.5")}
+	enc := AppendRecord(nil, &r)
+	if n := testing.AllocsPerRun(100, func() { _, _, _ = RecordTopic(enc) }); n != 0 {
+		t.Errorf("RecordTopic allocates %.0f times", n)
+	}
+	for i := range enc {
+		bad := bytes.Clone(enc)
+		bad[i] ^= 0x40
+		_, decErr := DecodeRecord(bad)
+		_, _, topicErr := RecordTopic(bad)
+		if decErr == nil || topicErr == nil {
+			t.Fatalf("byte %d damaged: DecodeRecord %v, RecordTopic %v; want both to fail", i, decErr, topicErr)
+		}
+		if !errors.Is(topicErr, ErrCorrupt) && !errors.Is(topicErr, ErrUnknownVersion) {
+			t.Fatalf("byte %d damaged: RecordTopic error %v is neither ErrCorrupt nor ErrUnknownVersion", i, topicErr)
 		}
 	}
 }
