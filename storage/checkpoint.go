@@ -262,36 +262,6 @@ func (db *DB) catchUp() error {
 	return nil
 }
 
-// putEntries writes ents to the log bucket, all values in one buffer
-// (bbolt holds the slices until the commit): one allocation per batch, not
-// one per entry. It is not kept for the next checkpoint, where it
-// would sit in the daemon's memory in between.
-func (db *DB) putEntries(tx *bolt.Tx, ents []pb.Entry) error {
-	if len(ents) == 0 {
-		return nil
-	}
-	size := 0
-	for i := range ents {
-		size += 8 + entrySize(&ents[i])
-	}
-	buf := make([]byte, size)
-	lb := tx.Bucket(bucketLog)
-	lb.FillPercent = 1.0 // appends are sequential: full pages halve growth
-	off := 0
-	for i := range ents {
-		k := buf[off : off+8]
-		binary.BigEndian.PutUint64(k, ents[i].Index)
-		n := entrySize(&ents[i])
-		v := buf[off+8 : off+8+n]
-		putEntry(v, &ents[i])
-		off += 8 + n
-		if err := lb.Put(k, v); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
 // putHardState writes hs to the file, unless it is empty (raft had none).
 func putHardState(tx *bolt.Tx, hs pb.HardState) error {
 	if isEmptyHardState(hs) {

@@ -31,14 +31,16 @@ const FileName = "tandem.db"
 // FormatVersion is the layout of buckets and values this build writes. A file
 // with a higher version is refused rather than misread. Version 2 has a WAL
 // (WALName) that may hold records the file does not: a build that knows only
-// version 1 would ignore it, so it refuses the file instead. A version 1 file
-// becomes version 2 at its first read-write open.
-const FormatVersion = 2
+// version 1 would ignore it, so it refuses the file instead. Version 3 stores
+// the log in runs of entries (logrun.go), which version 2 cannot read. Older
+// files become version 3 at their first checkpoint, which is part of the
+// first read-write open; their entries stay as they are, readable alike.
+const FormatVersion = 3
 
 // Bucket names. Big-endian uint64 keys in the log bucket keep cursor order
 // equal to log order.
 var (
-	bucketLog       = []byte("log")       // index → entry
+	bucketLog       = []byte("log")       // runs of entries by first index (logrun.go)
 	bucketRaftState = []byte("raftstate") // hard state, conf state, snapshot metadata
 	bucketMeta      = []byte("meta")      // format version, node id, applied index
 	bucketRequeue   = []byte("requeue")   // data entries a conflicting append overwrote
@@ -464,51 +466,94 @@ func (db *DB) load(verify bool) (err error) {
 // scanLocked checks every entry of the log bucket (CRC, contiguous indexes,
 // non-decreasing terms), then fills the tail cache from the newest end.
 func (db *DB) scanLocked(lb *bolt.Bucket, verify bool) error {
-	c := lb.Cursor()
-	var prevTerm uint64
-	next := db.snapIndex + 1
-	if !verify {
-		if k, _ := c.Last(); len(k) == 8 {
-			db.last = binary.BigEndian.Uint64(k)
+	if verify {
+		lc := newLogCursor(lb)
+		if err := lc.first(); err != nil {
+			return err
 		}
-	}
-	for k, v := c.First(); verify && k != nil; k, v = c.Next() {
-		if len(k) != 8 {
-			return fmt.Errorf("log key of %d bytes: %w", len(k), ErrCorrupt)
+		var prevTerm uint64
+		next := db.snapIndex + 1
+		for {
+			idx, v, err := lc.entry()
+			if err != nil {
+				return err
+			}
+			if v == nil {
+				break
+			}
+			if idx != next {
+				return fmt.Errorf("log index %d where %d was expected (gap or lost head): %w", idx, next, ErrCorrupt)
+			}
+			term, err := checkEntry(idx, v)
+			if err != nil {
+				return err
+			}
+			if term < prevTerm {
+				return fmt.Errorf("entry %d has term %d after term %d: %w", idx, term, prevTerm, ErrCorrupt)
+			}
+			prevTerm = term
+			db.last = idx
+			next++
 		}
-		idx := binary.BigEndian.Uint64(k)
-		if idx != next {
-			return fmt.Errorf("log index %d where %d was expected (gap or lost head): %w", idx, next, ErrCorrupt)
-		}
-		term, err := checkEntry(idx, v)
+	} else {
+		last, err := lastLogIndex(lb)
 		if err != nil {
 			return err
 		}
-		if term < prevTerm {
-			return fmt.Errorf("entry %d has term %d after term %d: %w", idx, term, prevTerm, ErrCorrupt)
-		}
-		prevTerm = term
-		db.last = idx
-		next++
+		db.last = max(db.last, last)
 	}
 	if db.hs.Commit > db.last {
 		return fmt.Errorf("commit index %d is past the last entry %d: %w", db.hs.Commit, db.last, ErrCorrupt)
 	}
 	db.boltLast = db.last
-	var rev []pb.Entry
+	return db.fillTailLocked(lb)
+}
+
+// fillTailLocked reads the newest maxTail bytes of entries (at least one)
+// into the tail cache.
+func (db *DB) fillTailLocked(lb *bolt.Bucket) error {
+	c := lb.Cursor()
+	var start uint64
 	size := 0
 	for k, v := c.Last(); k != nil && size < db.maxTail; k, v = c.Prev() {
-		e, err := decodeEntry(binary.BigEndian.Uint64(k), v)
+		first, _, err := keyFirst(k)
+		if err != nil {
+			return err
+		}
+		start, size = first, size+len(v)
+	}
+	if size == 0 {
+		return nil
+	}
+	lc := newLogCursor(lb)
+	if err := lc.seek(start); err != nil {
+		return err
+	}
+	var tail []pb.Entry
+	size = 0
+	for {
+		idx, v, err := lc.entry()
+		if err != nil {
+			return err
+		}
+		if v == nil {
+			break
+		}
+		e, err := decodeEntry(idx, v)
 		if err != nil {
 			return err
 		}
 		size += entrySize(&e)
-		rev = append(rev, e)
+		tail = append(tail, e)
 	}
-	for i := len(rev) - 1; i >= 0; i-- {
-		db.tail = append(db.tail, rev[i])
+	// As many of the newest as the budget holds, and the one that crosses
+	// it, as appendTailLocked keeps.
+	drop := 0
+	for drop < len(tail)-1 && size-entrySize(&tail[drop]) >= db.maxTail {
+		size -= entrySize(&tail[drop])
+		drop++
 	}
-	db.tailBytes = size
+	db.tail, db.tailBytes = tail[drop:], size
 	return nil
 }
 

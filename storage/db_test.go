@@ -256,13 +256,66 @@ func corruptLive(t *testing.T, db *DB, idx uint64) {
 
 func flipLastByte(tx *bolt.Tx, idx uint64) error {
 	b := tx.Bucket(bucketLog)
-	v := b.Get(u64(idx))
-	if v == nil {
-		return fmt.Errorf("no entry %d", idx)
+	k, v, _, end, err := entryAt(b, idx)
+	if err != nil {
+		return err
 	}
 	c := bytes.Clone(v)
-	c[len(c)-1] ^= 0x01
-	return b.Put(u64(idx), c)
+	c[end-1] ^= 0x01
+	return b.Put(bytes.Clone(k), c)
+}
+
+// entryAt finds entry idx in the log bucket: the key holding it, that key's
+// value, and where the entry is in it, its length field included.
+func entryAt(lb *bolt.Bucket, idx uint64) (k, v []byte, start, end int, err error) {
+	k, v = seekKey(lb.Cursor(), idx)
+	if k == nil {
+		return nil, nil, 0, 0, fmt.Errorf("no entry %d", idx)
+	}
+	first, run, err := keyFirst(k)
+	if err != nil {
+		return nil, nil, 0, 0, err
+	}
+	if !run {
+		if first != idx {
+			return nil, nil, 0, 0, fmt.Errorf("no entry %d", idx)
+		}
+		return k, v, 0, len(v), nil
+	}
+	for i, rest := first, v; len(rest) > 0; i++ {
+		_, after, err := nextInRun(i, rest)
+		if err != nil {
+			return nil, nil, 0, 0, err
+		}
+		if i == idx {
+			return k, v, len(v) - len(rest), len(v) - len(after), nil
+		}
+		rest = after
+	}
+	return nil, nil, 0, 0, fmt.Errorf("no entry %d", idx)
+}
+
+// splitRunAround rewrites the run holding idx as two runs, before and
+// after it: the entry is gone and the log has a gap there.
+func splitRunAround(tx *bolt.Tx, idx uint64) error {
+	b := tx.Bucket(bucketLog)
+	k, v, start, end, err := entryAt(b, idx)
+	if err != nil {
+		return err
+	}
+	k, v = bytes.Clone(k), bytes.Clone(v)
+	if err := b.Delete(k); err != nil {
+		return err
+	}
+	if start > 0 {
+		if err := b.Put(k, v[:start]); err != nil {
+			return err
+		}
+	}
+	if end < len(v) {
+		return b.Put(runKey(idx+1), v[end:])
+	}
+	return nil
 }
 
 // checkLog compares db with the MemoryStorage oracle through the whole
@@ -1039,7 +1092,7 @@ func TestOpenRejectsBadFiles(t *testing.T) {
 		}, ErrCorrupt, "37"},
 		{"entry missing from the log", func(t *testing.T, dir string) {
 			writeLog(t, dir, 50)
-			boltUpdate(t, path(dir), func(tx *bolt.Tx) error { return tx.Bucket(bucketLog).Delete(u64(23)) })
+			boltUpdate(t, path(dir), func(tx *bolt.Tx) error { return splitRunAround(tx, 23) })
 		}, ErrCorrupt, "23"},
 		{"commit index past the last entry", func(t *testing.T, dir string) {
 			writeLog(t, dir, 50)
@@ -1187,7 +1240,7 @@ func TestOpenFallsBackPastTornMetaPage(t *testing.T) {
 				xorByte(t, path, int64(torn*pageSize)+16+56, 0xff) // the meta page's checksum
 				// bbolt itself falls back to the previous commit.
 				boltView(t, path, func(tx *bolt.Tx) error {
-					if k, _ := tx.Bucket(bucketLog).Cursor().Last(); binary.BigEndian.Uint64(k) != 5 {
+					if last, err := lastLogIndex(tx.Bucket(bucketLog)); err != nil || last != 5 {
 						t.Fatalf("fixture: bbolt does not fall back to the commit holding entries 1..5")
 					}
 					return nil
@@ -1233,7 +1286,7 @@ func TestOpenDamagedPage(t *testing.T) {
 		t.Run(fmt.Sprintf("ReadOnly=%v", ro), func(t *testing.T) {
 			dir := t.TempDir()
 			path := filepath.Join(dir, FileName)
-			writeLog(t, dir, 400)
+			writeLog(t, dir, 4000) // enough runs of entries for a branch page above them
 			// Give the first leaf page under the log bucket's root an
 			// impossible page type.
 			var leaf uint64
@@ -1336,7 +1389,9 @@ func TestReadOnlyOpenReadsWithoutWriting(t *testing.T) {
 func TestScan(t *testing.T) {
 	db := testOpen(t, t.TempDir(), &Options{TailBytes: 1})
 	ents := makeEntries(1, 30, 1)
-	mustSave(t, db, pb.HardState{Term: 1, Commit: 30}, ents)
+	mustSave(t, db, pb.HardState{Term: 1, Commit: 30}, ents[:20])
+	mustCheckpoint(t, db)                                         // 1..20 from the file,
+	mustSave(t, db, pb.HardState{Term: 1, Commit: 30}, ents[20:]) // 21..30 from the WAL
 	for _, tc := range []struct {
 		name      string
 		from      uint64
@@ -1394,5 +1449,15 @@ func TestScan(t *testing.T) {
 	}
 	if _, err := db.Term(17); !errors.Is(err, ErrCorrupt) {
 		t.Errorf("Term of a damaged entry (read from the file): %v, want ErrCorrupt", err)
+	}
+	// An entry gone from the file is a gap every reader reports.
+	if err := db.bolt.Update(func(tx *bolt.Tx) error { return splitRunAround(tx, 5) }); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Scan(1, func(pb.Entry) bool { return true }); !errors.Is(err, ErrCorrupt) || !regexp.MustCompile(`\b5\b`).MatchString(err.Error()) {
+		t.Errorf("Scan over a missing entry 5: %v, want ErrCorrupt naming 5", err)
+	}
+	if _, err := db.DataRecords(); !errors.Is(err, ErrCorrupt) {
+		t.Errorf("DataRecords over a missing entry: %v, want ErrCorrupt", err)
 	}
 }

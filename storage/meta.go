@@ -172,10 +172,16 @@ func (db *DB) Scan(from uint64, fn func(e pb.Entry) bool) error {
 	boltLast, pend := db.pending()
 	more := true
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		c := tx.Bucket(bucketLog).Cursor()
-		for k, v := c.Seek(u64(from)); k != nil; k, v = c.Next() {
-			i := binary.BigEndian.Uint64(k)
-			if i > boltLast {
+		lc := newLogCursor(tx.Bucket(bucketLog))
+		if err := lc.seek(from); err != nil {
+			return err
+		}
+		for {
+			i, v, err := lc.entry()
+			if err != nil {
+				return err
+			}
+			if v == nil || i > boltLast {
 				break // a checkpoint since pending(): the copy has it
 			}
 			e, err := decodeEntry(i, v)
@@ -274,13 +280,19 @@ func (db *DB) DataRecords() (int, error) {
 	boltLast, pend := db.pending()
 	n := 0
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		c := tx.Bucket(bucketLog).Cursor()
-		for k, v := c.First(); k != nil && binary.BigEndian.Uint64(k) <= boltLast; k, v = c.Next() {
+		lc := newLogCursor(tx.Bucket(bucketLog))
+		if err := lc.first(); err != nil {
+			return err
+		}
+		for {
+			i, v, err := lc.entry()
+			if err != nil || v == nil || i > boltLast {
+				return err
+			}
 			if len(v) > entryHdr && pb.EntryType(v[12]) == pb.EntryNormal {
 				n++
 			}
 		}
-		return nil
 	})
 	for i := range pend {
 		if pend[i].Type == pb.EntryNormal && len(pend[i].Data) > 0 {
@@ -309,12 +321,12 @@ func (db *DB) ResetRaftFrom(from uint64) error {
 	requeue := from > 0
 	err := db.commitSync(0, func(tx *bolt.Tx) error {
 		lb := tx.Bucket(bucketLog)
-		var last uint64
-		if k, _ := lb.Cursor().Last(); len(k) == 8 {
-			last = binary.BigEndian.Uint64(k)
+		last, err := lastLogIndex(lb)
+		if err != nil {
+			return err
 		}
 		if requeue && last >= from {
-			if err := requeueFrom(tx, lb, from, last); err != nil {
+			if err := requeueFrom(tx, lb, from); err != nil {
 				return err
 			}
 		}

@@ -1,7 +1,6 @@
 package storage
 
 import (
-	"encoding/binary"
 	"fmt"
 
 	bolt "go.etcd.io/bbolt"
@@ -55,11 +54,17 @@ func (db *DB) Term(i uint64) (uint64, error) {
 	}
 	var term uint64
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		v := tx.Bucket(bucketLog).Get(u64(i))
-		if v == nil {
+		lc := newLogCursor(tx.Bucket(bucketLog))
+		if err := lc.seek(i); err != nil {
+			return err
+		}
+		idx, v, err := lc.entry()
+		if err != nil {
+			return err
+		}
+		if v == nil || idx != i {
 			return fmt.Errorf("entry %d missing: %w", i, ErrCorrupt)
 		}
-		var err error
 		term, err = checkEntry(i, v)
 		return err
 	})
@@ -102,11 +107,17 @@ func (db *DB) Entries(lo, hi, maxSize uint64) ([]pb.Entry, error) {
 func (db *DB) readEntries(lo, hi, maxSize uint64) ([]pb.Entry, error) {
 	var out []pb.Entry
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		c := tx.Bucket(bucketLog).Cursor()
+		lc := newLogCursor(tx.Bucket(bucketLog))
+		if err := lc.seek(lo); err != nil {
+			return err
+		}
 		var size uint64
-		i := lo
-		for k, v := c.Seek(u64(lo)); k != nil && i < hi; k, v = c.Next() {
-			if binary.BigEndian.Uint64(k) != i {
+		for i := lo; i < hi; i++ {
+			idx, v, err := lc.entry()
+			if err != nil {
+				return err
+			}
+			if v == nil || idx != i {
 				return fmt.Errorf("entry %d missing: %w", i, ErrCorrupt)
 			}
 			e, err := decodeEntry(i, v)
@@ -118,7 +129,6 @@ func (db *DB) readEntries(lo, hi, maxSize uint64) ([]pb.Entry, error) {
 				break
 			}
 			out = append(out, e)
-			i++
 		}
 		if len(out) == 0 {
 			return fmt.Errorf("entry %d missing: %w", lo, ErrCorrupt)
@@ -275,7 +285,7 @@ func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry) error {
 func (db *DB) saveOverwriting(hs pb.HardState, ents []pb.Entry, last uint64) error {
 	err := db.commitSync(len(ents), func(tx *bolt.Tx) error {
 		lb := tx.Bucket(bucketLog)
-		if err := requeueFrom(tx, lb, ents[0].Index, last); err != nil {
+		if err := requeueFrom(tx, lb, ents[0].Index); err != nil {
 			return err
 		}
 		db.requeued.Store(true)
@@ -315,30 +325,6 @@ func (db *DB) SetCommit(hs pb.HardState) {
 	db.hs = hs
 	db.mu.Unlock()
 	db.stage(string(bucketRaftState), string(keyHardState), b)
-}
-
-// requeueFrom moves the data entries [from, last] out of the log into the
-// requeue bucket, keyed by their old index and term: a node overwritten
-// twice at the same indexes keeps both generations.
-func requeueFrom(tx *bolt.Tx, lb *bolt.Bucket, from, last uint64) error {
-	rq := tx.Bucket(bucketRequeue)
-	for i := from; i <= last; i++ {
-		k := u64(i)
-		v := lb.Get(k)
-		if v == nil {
-			continue
-		}
-		if len(v) > entryHdr && pb.EntryType(v[12]) == pb.EntryNormal {
-			rk := append(append([]byte(nil), k...), v[4:12]...)
-			if err := rq.Put(rk, append([]byte(nil), v...)); err != nil {
-				return err
-			}
-		}
-		if err := lb.Delete(k); err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
 // SetConfState records the membership raft applied; it is written with the

@@ -1,6 +1,7 @@
 package storage
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -17,6 +18,7 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
+	"go.etcd.io/raft/v3"
 	pb "go.etcd.io/raft/v3/raftpb"
 )
 
@@ -40,10 +42,9 @@ func boltLastIndex(t *testing.T, dir string) uint64 {
 	t.Helper()
 	var last uint64
 	boltView(t, filepath.Join(dir, FileName), func(tx *bolt.Tx) error {
-		if k, _ := tx.Bucket(bucketLog).Cursor().Last(); len(k) == 8 {
-			last = binary.BigEndian.Uint64(k)
-		}
-		return nil
+		var err error
+		last, err = lastLogIndex(tx.Bucket(bucketLog))
+		return err
 	})
 	return last
 }
@@ -222,8 +223,11 @@ func TestWALMissingAndUpgrade(t *testing.T) {
 	}
 	mustClose(t, db)
 
-	// Format 1: no WAL, no WAL id.
+	// Format 1: no WAL, no WAL id, an entry per key.
 	boltUpdate(t, filepath.Join(dir, FileName), func(tx *bolt.Tx) error {
+		if err := singleEntryKeys(tx); err != nil {
+			return err
+		}
 		m := tx.Bucket(bucketMeta)
 		if err := m.Put(keyFormat, u64(1)); err != nil {
 			return err
@@ -609,5 +613,128 @@ func TestWALRunsAheadLittleOnceACheckpointFailed(t *testing.T) {
 	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, batch(i))
 	if db.ckFailed.Load() {
 		t.Error("checkpoints still marked failing after one succeeded")
+	}
+}
+
+// singleEntryKeys rewrites the log bucket as files before format 3 hold it:
+// one entry per 8-byte key.
+func singleEntryKeys(tx *bolt.Tx) error {
+	lb := tx.Bucket(bucketLog)
+	type kv struct{ k, v []byte }
+	var singles []kv
+	var runs [][]byte
+	lc := newLogCursor(lb)
+	if err := lc.first(); err != nil {
+		return err
+	}
+	for {
+		idx, v, err := lc.entry()
+		if err != nil {
+			return err
+		}
+		if v == nil {
+			break
+		}
+		singles = append(singles, kv{u64(idx), bytes.Clone(v)})
+	}
+	c := lb.Cursor()
+	for k, _ := c.First(); k != nil; k, _ = c.Next() {
+		runs = append(runs, bytes.Clone(k))
+	}
+	for _, k := range runs {
+		if err := lb.Delete(k); err != nil {
+			return err
+		}
+	}
+	for _, s := range singles {
+		if err := lb.Put(s.k, s.v); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// A format 2 file keeps its entries one per key; new entries go in runs
+// after them. Every read, an overwrite that cuts into the old entries, and
+// a reopen see one log, and the file says format 3 after the first
+// read-write open, which format 2 builds refuse.
+func TestFormat2EntriesReadAlongsideRuns(t *testing.T) {
+	for _, tail := range []int{0, 1} {
+		t.Run(fmt.Sprintf("tail=%d", tail), func(t *testing.T) {
+			dir := t.TempDir()
+			opts := &Options{TailBytes: tail}
+			ms := raft.NewMemoryStorage()
+			old := makeEntries(1, 30, 1)
+			db := testOpen(t, dir, opts)
+			mustSave(t, db, pb.HardState{Term: 1, Vote: 1, Commit: 10}, old)
+			mustClose(t, db)
+			if err := ms.Append(old); err != nil {
+				t.Fatal(err)
+			}
+			boltUpdate(t, filepath.Join(dir, FileName), func(tx *bolt.Tx) error {
+				if err := singleEntryKeys(tx); err != nil {
+					return err
+				}
+				return tx.Bucket(bucketMeta).Put(keyFormat, u64(2))
+			})
+			keys := func() (singles, runs int) {
+				boltView(t, filepath.Join(dir, FileName), func(tx *bolt.Tx) error {
+					c := tx.Bucket(bucketLog).Cursor()
+					for k, _ := c.First(); k != nil; k, _ = c.Next() {
+						if len(k) == 8 {
+							singles++
+						} else {
+							runs++
+						}
+					}
+					return nil
+				})
+				return singles, runs
+			}
+			if s, r := keys(); s != 30 || r != 0 {
+				t.Fatalf("fixture: %d single entries and %d runs, want 30 and 0", s, r)
+			}
+
+			db = testOpen(t, dir, opts)
+			checkLog(t, db, ms)
+			for _, step := range []struct {
+				hs   pb.HardState
+				ents []pb.Entry
+			}{
+				{pb.HardState{Term: 1, Vote: 1, Commit: 20}, makeEntries(31, 20, 1)},
+				// A new leader overwrites from 26 on: old entries and runs.
+				{pb.HardState{Term: 2, Vote: 2, Commit: 25}, makeEntries(26, 10, 2)},
+			} {
+				mustSave(t, db, step.hs, step.ents)
+				mustCheckpoint(t, db)
+				if err := ms.Append(step.ents); err != nil {
+					t.Fatal(err)
+				}
+				checkLog(t, db, ms)
+			}
+			got := requeued(t, db)
+			sortEntries(got)
+			if d := diffEntries(got, makeEntries(26, 25, 1)); d != "" {
+				t.Errorf("requeued after the overwrite: %s", d)
+			}
+			if n, err := db.DataRecords(); err != nil || n != 35 {
+				t.Errorf("DataRecords = %d, %v; want 35", n, err)
+			}
+			mustClose(t, db)
+			if s, r := keys(); s != 25 || r == 0 {
+				t.Errorf("after the overwrite: %d single entries and %d runs, want 25 and some", s, r)
+			}
+			boltView(t, filepath.Join(dir, FileName), func(tx *bolt.Tx) error {
+				if f := binary.BigEndian.Uint64(tx.Bucket(bucketMeta).Get(keyFormat)); f != FormatVersion {
+					t.Errorf("format %d after a read-write open, want %d", f, FormatVersion)
+				}
+				return nil
+			})
+			for _, ro := range []bool{true, false} {
+				db := testOpen(t, dir, &Options{ReadOnly: ro, TailBytes: tail})
+				checkLog(t, db, ms)
+				mustClose(t, db)
+			}
+		})
 	}
 }
