@@ -1286,7 +1286,7 @@ func TestOpenDamagedPage(t *testing.T) {
 		t.Run(fmt.Sprintf("ReadOnly=%v", ro), func(t *testing.T) {
 			dir := t.TempDir()
 			path := filepath.Join(dir, FileName)
-			writeLog(t, dir, 4000) // enough runs of entries for a branch page above them
+			writeLog(t, dir, 400)
 			// Give the first leaf page under the log bucket's root an
 			// impossible page type.
 			var leaf uint64

@@ -9,10 +9,17 @@ import (
 )
 
 // The log bucket holds runs of entries. A checkpoint writes the entries it
-// takes as runs of up to maxRunBytes, each one bbolt value under the key
-// runKey(first index): one Put per run instead of one per entry, which was
-// most of a checkpoint's CPU and of its allocations (bbolt searches the tree
-// from the root and builds a cursor on every Put).
+// takes as runs, each one bbolt value under the key runKey(first index): one
+// Put per run instead of one per entry, which was most of a checkpoint's CPU
+// and of its allocations (bbolt searches the tree from the root and builds a
+// cursor on every Put).
+//
+// A run fills at most half a page less the headers (runBytes), so that two
+// fit in a leaf page, the least bbolt puts in one when it splits a node:
+// bigger values would make every leaf spill into overflow pages, which
+// bbolt allocates afresh on every commit and rewrites whole with the last
+// leaf. An entry bigger than that is a run of its own, as it was a key of
+// its own.
 //
 // A run's value is a sequence of uvarint(length) | entry value, with entry
 // values as before (CRC, term, type, data: putEntry). Files written before
@@ -20,10 +27,12 @@ import (
 // together, since runKey appends a byte to the index, and logCursor reads
 // them alike. Old entries are never rewritten: they stay single until the
 // log is reset.
-const (
-	runTag      = 1 // the ninth byte of a run's key
-	maxRunBytes = 64 << 10
-)
+const runTag = 1 // the ninth byte of a run's key
+
+// runBytes is the most a run holds with pages of pageSize: two runs and
+// their element headers (16 bytes, and a 9-byte key) in a page after its
+// 16-byte header.
+func runBytes(pageSize int) int { return (pageSize-16)/2 - 16 - 9 }
 
 // runKey is the key of the run whose first entry is first.
 func runKey(first uint64) []byte {
@@ -198,26 +207,21 @@ func (db *DB) putEntries(tx *bolt.Tx, ents []pb.Entry) error {
 	buf := make([]byte, 0, size)
 	lb := tx.Bucket(bucketLog)
 	lb.FillPercent = 1.0 // appends are sequential: full pages halve growth
-	put := func(first uint64, v []byte) error {
-		if len(v) == 0 {
-			return nil
-		}
-		return lb.Put(runKey(first), v)
-	}
+	limit := runBytes(tx.DB().Info().PageSize)
 	start, first := 0, ents[0].Index
 	for i := range ents {
-		if len(buf)-start >= maxRunBytes {
-			if err := put(first, buf[start:len(buf):len(buf)]); err != nil {
+		n := entrySize(&ents[i])
+		if len(buf) > start && len(buf)-start+uvarintLen(uint64(n))+n > limit {
+			if err := lb.Put(runKey(first), buf[start:len(buf):len(buf)]); err != nil {
 				return err
 			}
 			start, first = len(buf), ents[i].Index
 		}
-		n := entrySize(&ents[i])
 		buf = binary.AppendUvarint(buf, uint64(n))
 		buf = buf[:len(buf)+n]
 		putEntry(buf[len(buf)-n:], &ents[i])
 	}
-	return put(first, buf[start:])
+	return lb.Put(runKey(first), buf[start:])
 }
 
 // requeueFrom moves the data entries from index from on out of the log into

@@ -738,3 +738,22 @@ func TestFormat2EntriesReadAlongsideRuns(t *testing.T) {
 		})
 	}
 }
+
+// Checkpoints write entries as runs that fit a leaf two by two: far fewer
+// keys than entries, and no overflow pages, which bbolt would allocate anew
+// and rewrite on every commit. (The last leaf may run over into one: bbolt
+// splits no node of four keys or fewer, and the next commit splits it.)
+func TestRunsFitInPages(t *testing.T) {
+	dir := t.TempDir()
+	ents := writeLog(t, dir, 2000)
+	boltView(t, filepath.Join(dir, FileName), func(tx *bolt.Tx) error {
+		st := tx.Bucket(bucketLog).Stats()
+		if st.LeafOverflowN > 1 {
+			t.Errorf("the log bucket has %d overflow pages, want one at most", st.LeafOverflowN)
+		}
+		if st.KeyN > len(ents)/5 {
+			t.Errorf("%d keys for %d entries of %d bytes: runs hold too few", st.KeyN, len(ents), entrySize(&ents[0]))
+		}
+		return nil
+	})
+}
