@@ -516,7 +516,7 @@ func (db *DB) fillTailLocked(lb *bolt.Bucket) error {
 	var start uint64
 	size := 0
 	for k, v := c.Last(); k != nil && size < db.maxTail; k, v = c.Prev() {
-		first, _, err := keyFirst(k)
+		first, _, err := keyFirst(k, v)
 		if err != nil {
 			return err
 		}

@@ -272,7 +272,7 @@ func entryAt(lb *bolt.Bucket, idx uint64) (k, v []byte, start, end int, err erro
 	if k == nil {
 		return nil, nil, 0, 0, fmt.Errorf("no entry %d", idx)
 	}
-	first, run, err := keyFirst(k)
+	first, run, err := keyFirst(k, v)
 	if err != nil {
 		return nil, nil, 0, 0, err
 	}
@@ -293,6 +293,29 @@ func entryAt(lb *bolt.Bucket, idx uint64) (k, v []byte, start, end int, err erro
 		rest = after
 	}
 	return nil, nil, 0, 0, fmt.Errorf("no entry %d", idx)
+}
+
+// putCommit records a hard state of term 1 with the given commit index.
+func putCommit(tx *bolt.Tx, commit uint64) error {
+	b, err := (&pb.HardState{Term: 1, Vote: 1, Commit: commit}).Marshal()
+	if err != nil {
+		return err
+	}
+	return tx.Bucket(bucketRaftState).Put(keyHardState, b)
+}
+
+// rekeyRun moves the run holding idx to the key rekey makes of its own.
+func rekeyRun(tx *bolt.Tx, idx uint64, rekey func(k []byte) []byte) error {
+	b := tx.Bucket(bucketLog)
+	k, v, _, _, err := entryAt(b, idx)
+	if err != nil {
+		return err
+	}
+	k, v = bytes.Clone(k), bytes.Clone(v)
+	if err := b.Delete(k); err != nil {
+		return err
+	}
+	return b.Put(rekey(k), v)
 }
 
 // splitRunAround rewrites the run holding idx as two runs, before and
@@ -1094,6 +1117,60 @@ func TestOpenRejectsBadFiles(t *testing.T) {
 			writeLog(t, dir, 50)
 			boltUpdate(t, path(dir), func(tx *bolt.Tx) error { return splitRunAround(tx, 23) })
 		}, ErrCorrupt, "23"},
+		{"run key with an unknown tag", func(t *testing.T, dir string) {
+			writeLog(t, dir, 50)
+			boltUpdate(t, path(dir), func(tx *bolt.Tx) error {
+				return rekeyRun(tx, 30, func(k []byte) []byte { k[8] = 7; return k })
+			})
+		}, ErrCorrupt, ""},
+		{"log key of 10 bytes", func(t *testing.T, dir string) {
+			writeLog(t, dir, 50)
+			boltUpdate(t, path(dir), func(tx *bolt.Tx) error {
+				return rekeyRun(tx, 30, func(k []byte) []byte { return append(k, 0) })
+			})
+		}, ErrCorrupt, ""},
+		{"entry length inside a run past its end", func(t *testing.T, dir string) {
+			writeLog(t, dir, 50)
+			boltUpdate(t, path(dir), func(tx *bolt.Tx) error {
+				b := tx.Bucket(bucketLog)
+				k, v, start, _, err := entryAt(b, 37)
+				if err != nil {
+					return err
+				}
+				v = bytes.Clone(v)
+				binary.PutUvarint(v[start:], uint64(len(v))) // same width: entries are 213 bytes
+				return b.Put(bytes.Clone(k), v)
+			})
+		}, ErrCorrupt, "37"},
+		{"empty value under the last entry's key (format 2)", func(t *testing.T, dir string) {
+			writeLog(t, dir, 50)
+			boltUpdate(t, path(dir), func(tx *bolt.Tx) error {
+				if err := singleEntryKeys(tx); err != nil {
+					return err
+				}
+				if err := putCommit(tx, 10); err != nil { // no "commit past the last entry" to help
+					return err
+				}
+				return tx.Bucket(bucketLog).Put(u64(50), []byte{})
+			})
+		}, ErrCorrupt, "50"},
+		{"bucket under an entry's key (format 2)", func(t *testing.T, dir string) {
+			writeLog(t, dir, 50)
+			boltUpdate(t, path(dir), func(tx *bolt.Tx) error {
+				if err := singleEntryKeys(tx); err != nil {
+					return err
+				}
+				if err := putCommit(tx, 10); err != nil {
+					return err
+				}
+				b := tx.Bucket(bucketLog)
+				if err := b.Delete(u64(50)); err != nil {
+					return err
+				}
+				_, err := b.CreateBucket(u64(50))
+				return err
+			})
+		}, ErrCorrupt, "50"},
 		{"commit index past the last entry", func(t *testing.T, dir string) {
 			writeLog(t, dir, 50)
 			boltUpdate(t, path(dir), func(tx *bolt.Tx) error {
@@ -1459,5 +1536,29 @@ func TestScan(t *testing.T) {
 	}
 	if _, err := db.DataRecords(); !errors.Is(err, ErrCorrupt) {
 		t.Errorf("DataRecords over a missing entry: %v, want ErrCorrupt", err)
+	}
+
+	// A length field damaged inside a run: an error from every reader,
+	// never a panic (the daemon reads the file long after Open checked it).
+	if err := db.bolt.Update(func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucketLog)
+		k, v, start, _, err := entryAt(b, 12)
+		if err != nil {
+			return err
+		}
+		v = bytes.Clone(v)
+		binary.PutUvarint(v[start:], uint64(len(v)))
+		return b.Put(bytes.Clone(k), v)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Scan(6, func(pb.Entry) bool { return true }); !errors.Is(err, ErrCorrupt) {
+		t.Errorf("Scan over a damaged run: %v, want ErrCorrupt", err)
+	}
+	if _, err := db.Entries(8, 15, math.MaxUint64); !errors.Is(err, ErrCorrupt) {
+		t.Errorf("Entries over a damaged run: %v, want ErrCorrupt", err)
+	}
+	if _, err := db.Term(13); !errors.Is(err, ErrCorrupt) {
+		t.Errorf("Term past a damaged length in its run: %v, want ErrCorrupt", err)
 	}
 }

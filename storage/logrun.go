@@ -42,16 +42,23 @@ func runKey(first uint64) []byte {
 	return k
 }
 
-// keyFirst returns the index of the first entry under log key k, and
-// whether k is a run (else a single entry of format 2).
-func keyFirst(k []byte) (first uint64, run bool, err error) {
+// keyFirst returns the index of the first entry under log key k, whose
+// value is v, and whether k is a run (else a single entry of format 2). An
+// empty value (or a nested bucket, whose value bbolt gives as nil) holds no
+// entry at all: damage, never a key to skip.
+func keyFirst(k, v []byte) (first uint64, run bool, err error) {
 	switch {
 	case len(k) == 8:
-		return binary.BigEndian.Uint64(k), false, nil
+		first = binary.BigEndian.Uint64(k)
 	case len(k) == 9 && k[8] == runTag:
-		return binary.BigEndian.Uint64(k), true, nil
+		first, run = binary.BigEndian.Uint64(k), true
+	default:
+		return 0, false, fmt.Errorf("log key %x is not an index or a run: %w", k, ErrCorrupt)
 	}
-	return 0, false, fmt.Errorf("log key %x is not an index or a run: %w", k, ErrCorrupt)
+	if len(v) == 0 {
+		return 0, false, fmt.Errorf("entry %d: empty value under its key: %w", first, ErrCorrupt)
+	}
+	return first, run, nil
 }
 
 // nextInRun splits the first entry value off a run's remaining bytes.
@@ -81,15 +88,12 @@ func newLogCursor(lb *bolt.Bucket) *logCursor { return &logCursor{c: lb.Cursor()
 // load makes k, v the current key. Past the first key, its first index must
 // follow the previous key's last entry: a gap is damage.
 func (lc *logCursor) load(k, v []byte) error {
-	first, run, err := keyFirst(k)
+	first, run, err := keyFirst(k, v)
 	if err != nil {
 		return err
 	}
 	if lc.started && first != lc.next {
 		return fmt.Errorf("log index %d where %d was expected (gap or overlap): %w", first, lc.next, ErrCorrupt)
-	}
-	if run && len(v) == 0 {
-		return fmt.Errorf("entry %d: empty run: %w", first, ErrCorrupt)
 	}
 	lc.next, lc.rest, lc.run, lc.started = first, v, run, true
 	return nil
@@ -178,7 +182,7 @@ func lastLogIndex(lb *bolt.Bucket) (uint64, error) {
 	if k == nil {
 		return 0, nil
 	}
-	first, run, err := keyFirst(k)
+	first, run, err := keyFirst(k, v)
 	if err != nil || !run {
 		return first, err
 	}
@@ -236,7 +240,7 @@ func requeueFrom(tx *bolt.Tx, lb *bolt.Bucket, from uint64) error {
 	c := lb.Cursor()
 	k, v := seekKey(c, from)
 	for ; k != nil; k, v = c.Next() {
-		first, run, err := keyFirst(k)
+		first, run, err := keyFirst(k, v)
 		if err != nil {
 			return err
 		}
