@@ -467,33 +467,26 @@ func (db *DB) load(verify bool) (err error) {
 // non-decreasing terms), then fills the tail cache from the newest end.
 func (db *DB) scanLocked(lb *bolt.Bucket, verify bool) error {
 	if verify {
-		lc := newLogCursor(lb)
-		if err := lc.first(); err != nil {
-			return err
-		}
 		var prevTerm uint64
 		next := db.snapIndex + 1
-		for {
-			idx, v, err := lc.entry()
-			if err != nil {
-				return err
-			}
-			if v == nil {
-				break
-			}
+		err := eachEntry(lb, 0, func(idx uint64, v []byte) (bool, error) {
 			if idx != next {
-				return fmt.Errorf("log index %d where %d was expected (gap or lost head): %w", idx, next, ErrCorrupt)
+				return false, fmt.Errorf("log index %d where %d was expected (gap or lost head): %w", idx, next, ErrCorrupt)
 			}
 			term, err := checkEntry(idx, v)
 			if err != nil {
-				return err
+				return false, err
 			}
 			if term < prevTerm {
-				return fmt.Errorf("entry %d has term %d after term %d: %w", idx, term, prevTerm, ErrCorrupt)
+				return false, fmt.Errorf("entry %d has term %d after term %d: %w", idx, term, prevTerm, ErrCorrupt)
 			}
 			prevTerm = term
 			db.last = idx
 			next++
+			return true, nil
+		})
+		if err != nil {
+			return err
 		}
 	} else {
 		last, err := lastLogIndex(lb)
@@ -525,26 +518,19 @@ func (db *DB) fillTailLocked(lb *bolt.Bucket) error {
 	if size == 0 {
 		return nil
 	}
-	lc := newLogCursor(lb)
-	if err := lc.seek(start); err != nil {
-		return err
-	}
 	var tail []pb.Entry
 	size = 0
-	for {
-		idx, v, err := lc.entry()
-		if err != nil {
-			return err
-		}
-		if v == nil {
-			break
-		}
+	err := eachEntry(lb, start, func(idx uint64, v []byte) (bool, error) {
 		e, err := decodeEntry(idx, v)
 		if err != nil {
-			return err
+			return false, err
 		}
 		size += entrySize(&e)
 		tail = append(tail, e)
+		return true, nil
+	})
+	if err != nil {
+		return err
 	}
 	// As many of the newest as the budget holds, and the one that crosses
 	// it, as appendTailLocked keeps.

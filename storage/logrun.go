@@ -137,15 +137,6 @@ func (lc *logCursor) seek(i uint64) error {
 	return nil
 }
 
-// first positions lc at the log's first entry.
-func (lc *logCursor) first() error {
-	lc.rest, lc.started = nil, false
-	if k, v := lc.c.First(); k != nil {
-		return lc.load(k, v)
-	}
-	return nil
-}
-
 // entry returns the next entry's index and value (nil at the end of the
 // log) and moves past it.
 func (lc *logCursor) entry() (uint64, []byte, error) {
@@ -173,6 +164,25 @@ func (lc *logCursor) entry() (uint64, []byte, error) {
 	}
 	lc.next++
 	return idx, v, nil
+}
+
+// eachEntry calls fn with the index and value (aliasing bbolt's page) of
+// every entry of the log bucket from index from on, in order, until the log
+// ends, fn returns false, or an error.
+func eachEntry(lb *bolt.Bucket, from uint64, fn func(idx uint64, v []byte) (more bool, err error)) error {
+	lc := newLogCursor(lb)
+	if err := lc.seek(from); err != nil {
+		return err
+	}
+	for {
+		idx, v, err := lc.entry()
+		if err != nil || v == nil {
+			return err
+		}
+		if more, err := fn(idx, v); err != nil || !more {
+			return err
+		}
+	}
 }
 
 // lastLogIndex returns the index of the log bucket's last entry, 0 when it

@@ -172,27 +172,17 @@ func (db *DB) Scan(from uint64, fn func(e pb.Entry) bool) error {
 	boltLast, pend := db.pending()
 	more := true
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		lc := newLogCursor(tx.Bucket(bucketLog))
-		if err := lc.seek(from); err != nil {
-			return err
-		}
-		for {
-			i, v, err := lc.entry()
-			if err != nil {
-				return err
-			}
-			if v == nil || i > boltLast {
-				break // a checkpoint since pending(): the copy has it
+		return eachEntry(tx.Bucket(bucketLog), from, func(i uint64, v []byte) (bool, error) {
+			if i > boltLast {
+				return false, nil // a checkpoint since pending(): the copy has it
 			}
 			e, err := decodeEntry(i, v)
 			if err != nil {
-				return err
+				return false, err
 			}
-			if more = fn(e); !more {
-				return nil
-			}
-		}
-		return nil
+			more = fn(e)
+			return more, nil
+		})
 	})
 	for i := 0; err == nil && more && i < len(pend); i++ {
 		if pend[i].Index >= from {
@@ -280,19 +270,15 @@ func (db *DB) DataRecords() (int, error) {
 	boltLast, pend := db.pending()
 	n := 0
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		lc := newLogCursor(tx.Bucket(bucketLog))
-		if err := lc.first(); err != nil {
-			return err
-		}
-		for {
-			i, v, err := lc.entry()
-			if err != nil || v == nil || i > boltLast {
-				return err
+		return eachEntry(tx.Bucket(bucketLog), 0, func(i uint64, v []byte) (bool, error) {
+			if i > boltLast {
+				return false, nil
 			}
 			if len(v) > entryHdr && pb.EntryType(v[12]) == pb.EntryNormal {
 				n++
 			}
-		}
+			return true, nil
+		})
 	})
 	for i := range pend {
 		if pend[i].Type == pb.EntryNormal && len(pend[i].Data) > 0 {

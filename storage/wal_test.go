@@ -633,19 +633,12 @@ func singleEntryKeys(tx *bolt.Tx) error {
 	type kv struct{ k, v []byte }
 	var singles []kv
 	var runs [][]byte
-	lc := newLogCursor(lb)
-	if err := lc.first(); err != nil {
-		return err
-	}
-	for {
-		idx, v, err := lc.entry()
-		if err != nil {
-			return err
-		}
-		if v == nil {
-			break
-		}
+	err := eachEntry(lb, 0, func(idx uint64, v []byte) (bool, error) {
 		singles = append(singles, kv{u64(idx), bytes.Clone(v)})
+		return true, nil
+	})
+	if err != nil {
+		return err
 	}
 	c := lb.Cursor()
 	for k, _ := c.First(); k != nil; k, _ = c.Next() {
