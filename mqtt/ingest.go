@@ -79,6 +79,9 @@ type clientState struct {
 	awaitingRel int
 	// resends counts the resend slots in queue.
 	resends int
+	// batch is the slice takeDone hands out, reused from one batch to the
+	// next: it belongs to whoever holds writing, as the batch it holds does.
+	batch []*ackSlot
 	// listed is true while cs waits in ingest.ready for releaseReady.
 	listed bool
 	// raw is rawFor's socket, for writes that must not block. rawWrite is
@@ -473,7 +476,8 @@ func (h *ingest) releaseBatch(cs *clientState, batch []*ackSlot) {
 }
 
 // takeDone removes the done acks at the head of cs's queue and returns
-// them. Called with cs.mu held. Off the queue before the write: the client
+// them, in cs.batch: the caller holds writing, or sets it before it lets
+// cs.mu go, and is done with the previous batch. Called with cs.mu held. Off the queue before the write: the client
 // may send its next publish the moment it reads these acks, and must not
 // find them still counted against its receive maximum (FACTS.md).
 func (h *ingest) takeDone(cs *clientState) []*ackSlot {
@@ -484,7 +488,9 @@ func (h *ingest) takeDone(cs *clientState) []*ackSlot {
 	if n == 0 {
 		return nil
 	}
-	batch := append([]*ackSlot(nil), cs.queue[:n]...)
+	clear(cs.batch) // the last batch is written: its slots may go
+	batch := append(cs.batch[:0], cs.queue[:n]...)
+	cs.batch = batch
 	cs.queue = append(cs.queue[:0], cs.queue[n:]...)
 	for _, s := range batch {
 		if s.resend {
