@@ -477,9 +477,10 @@ func (h *ingest) releaseBatch(cs *clientState, batch []*ackSlot) {
 
 // takeDone removes the done acks at the head of cs's queue and returns
 // them, in cs.batch: the caller holds writing, or sets it before it lets
-// cs.mu go, and is done with the previous batch. Called with cs.mu held. Off the queue before the write: the client
-// may send its next publish the moment it reads these acks, and must not
-// find them still counted against its receive maximum (FACTS.md).
+// cs.mu go, and is done with the previous batch. Called with cs.mu held.
+// Off the queue before the write: the client may send its next publish the
+// moment it reads these acks, and must not find them still counted against
+// its receive maximum (FACTS.md).
 func (h *ingest) takeDone(cs *clientState) []*ackSlot {
 	n := 0
 	for n < len(cs.queue) && cs.queue[n].done {

@@ -190,7 +190,6 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 	db.mu.Lock()
 	db.boltLast = max(db.boltLast, c.last)
 	db.pendBytes -= c.bytes
-	db.format, db.walID, db.walSeg = FormatVersion, c.id, c.seg
 	db.mu.Unlock()
 	db.syncs.Add(2)
 	db.committed()

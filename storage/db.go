@@ -80,9 +80,8 @@ type Options struct {
 	// ReadOnly opens the file without writing to it, for `tandem inspect`.
 	ReadOnly bool
 	// SyncDelay is added to each fdatasync (one per WAL append, two per
-	// bbolt commit), to
-	// measure what a slow flash device would give (an SD card or eMMC
-	// flushes in 1–5 ms). Benchmarks only; zero in production.
+	// bbolt commit), to measure what a slow flash device would give (an SD
+	// card or eMMC flushes in 1–5 ms). Benchmarks only; zero in production.
 	SyncDelay time.Duration
 	// TailBytes bounds the in-memory copy of the newest entries, which
 	// serves raft's reads of what was just appended and of what slaves are
@@ -139,8 +138,8 @@ type DB struct {
 	pendBytes int    // bytes of the entries past boltLast
 	applied   uint64
 	nodeID    uint64
-	format    uint64     // the file's format version, as loaded
-	walID     uint64     // the WAL id the file records, as loaded
+	format    uint64     // the file's format version, as Open loaded it
+	walID     uint64     // the WAL id the file records, as Open loaded it
 	walSeg    int        // and the WAL file it names
 	tail      []pb.Entry // newest entries; tail ends at last and holds all past boltLast
 	tailBytes int

@@ -1,5 +1,5 @@
 // Package storage owns the node's data file: one bbolt file holding the raft
-// log (entries by index), the raft hard state and conf state, and small
+// log (runs of entries by first index, logrun.go), the raft hard state and conf state, and small
 // metadata buckets (format version, node id, applied index, requeued entries,
 // the broker's persistent sessions and retained messages), with a
 // write-ahead log in front of it (wal.go, checkpoint.go).
@@ -7,7 +7,7 @@
 // DB implements raft.Storage over that file; no MemoryStorage holds the log.
 // Save appends a whole Ready batch to the WAL in one frame, so many
 // publishes share one fdatasync; a background checkpoint writes the WAL's
-// entries into bbolt in one transaction, 256 KiB of them at a time; until
+// entries into bbolt in one transaction, 256 KiB of them at a time, as runs; until
 // then the tail cache serves them. Metadata written through Stage rides
 // along with the next frame, so it costs no fsync of its own and is never
 // newer on disk than the entries proposed after it.

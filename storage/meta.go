@@ -307,11 +307,7 @@ func (db *DB) ResetRaftFrom(from uint64) error {
 	requeue := from > 0
 	err := db.commitSync(0, func(tx *bolt.Tx) error {
 		lb := tx.Bucket(bucketLog)
-		last, err := lastLogIndex(lb)
-		if err != nil {
-			return err
-		}
-		if requeue && last >= from {
+		if requeue {
 			if err := requeueFrom(tx, lb, from); err != nil {
 				return err
 			}

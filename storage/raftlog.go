@@ -247,11 +247,10 @@ func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry) error {
 	if hs == nil && len(ops) == 0 && len(ents) == 0 {
 		return nil
 	}
-	var gen uint64
-	if len(ops) > 0 {
-		gen = ops[len(ops)-1].gen
-	}
 	took, err := db.appendWAL(hs, 0, ops, ents)
+	if err == nil && len(ops) > 0 {
+		db.dropFresh(ops[len(ops)-1].gen)
+	}
 	clear(ops) // the values belong to the stage
 	if cap(ops) > maxKeptOps {
 		db.opsBuf = nil
@@ -259,7 +258,6 @@ func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry) error {
 	if err != nil {
 		return err
 	}
-	db.dropFresh(gen)
 	db.mu.Lock()
 	if hs != nil {
 		db.hs = *hs

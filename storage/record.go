@@ -195,23 +195,11 @@ func appendBytes(dst, b []byte) []byte {
 // ErrUnknownVersion a version byte other than RecordVersion (a newer writer,
 // or a damaged first byte: the two cannot be told apart).
 func DecodeRecord(b []byte) (Record, error) {
-	if err := checkHeader(b); err != nil {
+	if err := checkRecord(b); err != nil {
 		return Record{}, err
 	}
 	end := len(b) - crcLen
-	stored := binary.BigEndian.Uint32(b[end:])
-	if computed := crc32.Checksum(b[:end], crcTable); computed != stored {
-		return Record{}, fmt.Errorf("record: crc mismatch (stored %08x, computed %08x): %w", stored, computed, ErrCorrupt)
-	}
-
-	flags := b[offFlags]
-	if flags&^flagsKnown != 0 {
-		return Record{}, fmt.Errorf("record: unknown flag bits %#02x: %w", flags&^flagsKnown, ErrCorrupt)
-	}
-	qos := b[offQoS]
-	if qos > 2 {
-		return Record{}, fmt.Errorf("record: qos %d: %w", qos, ErrCorrupt)
-	}
+	flags, qos := b[offFlags], b[offQoS]
 	r := Record{
 		Origin:      binary.BigEndian.Uint64(b[offOrigin:]),
 		Seq:         binary.BigEndian.Uint64(b[offSeq:]),
@@ -269,17 +257,10 @@ func DecodeRecord(b []byte) (Record, error) {
 // the rest or allocating: the apply path uses it to skip the records no
 // subscriber would receive. topic aliases b.
 func RecordTopic(b []byte) (topic []byte, retain bool, err error) {
-	if err := checkHeader(b); err != nil {
+	if err := checkRecord(b); err != nil {
 		return nil, false, err
 	}
-	end := len(b) - crcLen
-	if stored, computed := binary.BigEndian.Uint32(b[end:]), crc32.Checksum(b[:end], crcTable); computed != stored {
-		return nil, false, fmt.Errorf("record: crc mismatch (stored %08x, computed %08x): %w", stored, computed, ErrCorrupt)
-	}
-	if flags := b[offFlags]; flags&^flagsKnown != 0 {
-		return nil, false, fmt.Errorf("record: unknown flag bits %#02x: %w", flags&^flagsKnown, ErrCorrupt)
-	}
-	d := decoder{b: b[headerLen:end]}
+	d := decoder{b: b[headerLen : len(b)-crcLen]}
 	d.field("client id")
 	topic = d.field("topic")
 	if d.err != nil {
@@ -296,6 +277,25 @@ func RecordID(b []byte) (origin, seq uint64, err error) {
 		return 0, 0, err
 	}
 	return binary.BigEndian.Uint64(b[offOrigin:]), binary.BigEndian.Uint64(b[offSeq:]), nil
+}
+
+// checkRecord checks what DecodeRecord and RecordTopic both rely on: the
+// header, the CRC, and the flag and QoS bytes.
+func checkRecord(b []byte) error {
+	if err := checkHeader(b); err != nil {
+		return err
+	}
+	end := len(b) - crcLen
+	if stored, computed := binary.BigEndian.Uint32(b[end:]), crc32.Checksum(b[:end], crcTable); computed != stored {
+		return fmt.Errorf("record: crc mismatch (stored %08x, computed %08x): %w", stored, computed, ErrCorrupt)
+	}
+	if flags := b[offFlags]; flags&^flagsKnown != 0 {
+		return fmt.Errorf("record: unknown flag bits %#02x: %w", flags&^flagsKnown, ErrCorrupt)
+	}
+	if qos := b[offQoS]; qos > 2 {
+		return fmt.Errorf("record: qos %d: %w", qos, ErrCorrupt)
+	}
+	return nil
 }
 
 // checkHeader looks at the version before the length, so that a record from a
