@@ -2,6 +2,8 @@ package daemon
 
 import (
 	"errors"
+	"fmt"
+	"os"
 	"sync/atomic"
 
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -94,7 +96,7 @@ func messageOf(r *storage.Record) *mqtt.Message {
 // lose the newer retained messages.
 type applier struct {
 	ready  chan struct{}
-	broker *mqtt.Broker
+	broker broker
 	// quietUntil: records up to this index are a joined cluster's
 	// history; they only update the retained store.
 	quietUntil atomic.Uint64
@@ -110,6 +112,7 @@ func (a *applier) Apply(index uint64, data []byte) error {
 	}
 	quiet := index <= a.quietUntil.Load()
 	if !retain && (quiet || a.broker.Unrouted(topic)) {
+		a.broker.Applied(index)
 		return nil // nobody subscribes: no Message to build
 	}
 	rec, err := storage.DecodeRecord(data)
@@ -118,9 +121,70 @@ func (a *applier) Apply(index uint64, data []byte) error {
 	}
 	if quiet {
 		a.broker.Retain(messageOf(&rec))
+		a.broker.Applied(index)
 		return nil
 	}
-	return a.broker.Deliver(messageOf(&rec))
+	return a.broker.Deliver(index, messageOf(&rec))
+}
+
+// Committed reads the committed records from..to (at most the applied
+// index) for sessions that replay from their cursor.
+func (a *logAdapter) Committed(from, to uint64, fn func(index uint64, m *mqtt.Message) bool) error {
+	if applied := a.d.db.Applied(); to > applied {
+		to = applied
+	}
+	if from > to {
+		return nil
+	}
+	var derr error
+	err := a.d.db.Scan(from, func(e raftpb.Entry) bool {
+		if e.Index > to {
+			return false
+		}
+		if e.Type != raftpb.EntryNormal || len(e.Data) == 0 {
+			return true
+		}
+		rec, err := storage.DecodeRecord(e.Data)
+		if err != nil {
+			derr = fmt.Errorf("record %d: %w", e.Index, err)
+			return false
+		}
+		return fn(e.Index, messageOf(&rec))
+	})
+	if err != nil {
+		return err
+	}
+	return derr
+}
+
+// broker is what the daemon needs of the MQTT layer: tandem's own Server,
+// or, while it replaces it, the Broker bent from mochi's
+// (TANDEM_MQTT_LAYER=mochi).
+type broker interface {
+	Start() error
+	Stop() error
+	Addr() string
+	TLSAddr() string
+	SetAccess(mqtt.Access)
+	SetTopics([]mqtt.TopicPolicy)
+	ReloadTLS() error
+	ReleaseAcks()
+	Clients() int64
+	Inflight() int64
+	Retained() int64
+	Unrouted(topic []byte) bool
+	Retain(m *mqtt.Message)
+	Deliver(index uint64, m *mqtt.Message) error
+	Applied(index uint64)
+	Rewind(applied, skip uint64)
+}
+
+// newBroker builds the MQTT layer TANDEM_MQTT_LAYER chooses.
+func newBroker(cfg mqtt.Config, log *logAdapter) (broker, error) {
+	if os.Getenv("TANDEM_MQTT_LAYER") == "mochi" {
+		return mqtt.New(cfg, log)
+	}
+	return mqtt.NewServer(cfg, log)
 }
 
 // sessionStore keeps the broker's sessions in the data file, staged so they

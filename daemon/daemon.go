@@ -27,7 +27,7 @@ type Daemon struct {
 	id     *replication.Identity
 	db     *storage.DB
 	nodeP  atomic.Pointer[replication.Node]
-	broker *mqtt.Broker
+	broker broker
 	apply  *applier
 	cl     *cluster
 
@@ -111,7 +111,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return fmt.Errorf("peer port: %w", err)
 	}
 	la := &logAdapter{d: d}
-	d.broker, err = mqtt.New(mqtt.Config{
+	d.broker, err = newBroker(mqtt.Config{
 		Listen:         c.MQTT.Listen,
 		TLS:            tlsCfg,
 		AllowAnonymous: access.AllowAnonymous,
@@ -154,6 +154,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	}
 	d.cl.wg.Add(1)
 	go d.cl.keeper()
+	d.broker.Applied(d.db.Applied())
 	if err = d.broker.Start(); err != nil {
 		return err
 	}
@@ -246,6 +247,7 @@ func (d *Daemon) restartNode(prep func() error, join bool, quietUntil uint64) er
 		return err
 	}
 	d.apply.quietUntil.Store(quietUntil)
+	d.broker.Rewind(d.db.Applied(), quietUntil)
 	d.cl.failover.heard.Store(time.Now().UnixNano()) // a new membership: silence counts from now
 	if err := d.startNode(join); err != nil {
 		err = fmt.Errorf("restarting replication: %w", err)

@@ -117,7 +117,10 @@ func TestUndeliverablePublishesDoNotStopTheLog(t *testing.T) {
 	will := dialRawNoConnect(t, d.MQTTAddr())
 	body := []byte{0, 4, 'M', 'Q', 'T', 'T', 4, 0x02 | 0x04, 0, 60, 0, 5, 'w', 'i', 'l', 'l', 'c', 0, 3, 'w', '/', '#', 0, 3, 'b', 'y', 'e'}
 	will.send(0x10, body)
-	if typ, _ := will.read(); typ != 0x20 {
+	// A will topic with wildcards breaks [MQTT-3.1.3-11]: the CONNECT is
+	// refused by closing the connection (3.1.1 has no CONNACK code for
+	// it), or, by a lenient server, accepted with the will dropped.
+	if typ, _ := will.read(); typ != 0x20 && typ != 0 {
 		t.Fatalf("connack %#x", typ)
 	}
 	will.Close() // no DISCONNECT: the (invalid) will would fire

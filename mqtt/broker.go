@@ -36,6 +36,15 @@ type Config struct {
 	// MaxPacketSize bounds one packet, in bytes; 0 means 1 MiB... the MQTT
 	// maximum of 256 MiB is too much for a gateway.
 	MaxPacketSize uint32
+	// TopicAliasMaximum is how many topic aliases an MQTT 5 client may
+	// set; 0 means 100.
+	TopicAliasMaximum uint16
+	// MaxSubscriptions caps one client's subscriptions; over it a filter
+	// gets SUBACK 0x97 (3.1.1: 0x80). 0 means 1,000.
+	MaxSubscriptions int
+	// MaxQueued is how many messages a connected session holds ready in
+	// memory; past it the session reads the log instead. 0 means 1,000.
+	MaxQueued int
 	// Topics chooses each topic's ack mode; first match wins, default async.
 	// SetTopics replaces them while the broker runs.
 	Topics []TopicPolicy
@@ -263,10 +272,16 @@ func (b *Broker) Stop() error {
 // end with their client's connection, so Stop does not wait for them.
 func (b *Broker) goFunc(f func()) { go f() }
 
+// Applied does nothing: mochi's sessions hold copies, not cursors.
+func (b *Broker) Applied(uint64) {}
+
+// Rewind does nothing: mochi's sessions hold copies, not cursors.
+func (b *Broker) Rewind(uint64, uint64) {}
+
 // Deliver hands a committed record to the local subscribers and the retained
 // store, with every MQTT 5 property kept. It is called in log order from one
 // goroutine, which skips with Unrouted the records nobody would receive.
-func (b *Broker) Deliver(m *Message) error {
+func (b *Broker) Deliver(_ uint64, m *Message) error {
 	pk, live := m.packet(time.Now())
 	if !live {
 		return nil // its message expiry ran out before it was delivered

@@ -120,6 +120,19 @@ func (m *Message) fromPacket(clientID string, pk *packets.Packet, now int64) {
 	m.User = p.User
 }
 
+// expiryLeft returns the message expiry that is left of m at now, in
+// seconds, and false once it has run out [MQTT-3.3.2-5] [MQTT-3.3.2-6].
+func (m *Message) expiryLeft(now time.Time) (uint32, bool) {
+	if !m.MessageExpirySet {
+		return 0, true
+	}
+	age := now.Sub(time.Unix(0, m.Time))
+	if age >= time.Duration(m.MessageExpiry)*time.Second {
+		return 0, false
+	}
+	return m.MessageExpiry - uint32(age/time.Second), true
+}
+
 // packet builds the PUBLISH that delivers m to subscribers, its message
 // expiry reduced by the time since it was published; live is false once
 // that expiry has passed.

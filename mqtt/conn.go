@@ -1,0 +1,517 @@
+package mqtt
+
+import (
+	"bufio"
+	"bytes"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/mochi-mqtt/server/v2/packets"
+)
+
+// codes the server ends connections with.
+var (
+	codeShutdown  = packets.ErrServerShuttingDown
+	codeTakenOver = packets.ErrSessionTakenOver
+)
+
+// conn is one client connection: a read loop (run) and one writer at a
+// time (writer), which alone writes the socket. Everything the client is
+// sent goes through the writer: control packets encoded into ctrl, acks
+// from the ack queue in the order their publishes came, deliveries from
+// the session. A client that stops reading blocks only its own writer.
+type conn struct {
+	srv      *Server
+	nc       net.Conn
+	br       *bufio.Reader
+	listener string
+	host     string // source key, for refusals
+
+	// Set by CONNECT, then read-only.
+	v         byte // protocol version: 3, 4 (3.1.1) or 5
+	id        string
+	user      string
+	sess      *session
+	keepalive uint16
+	authed    bool
+	window    int    // the client's receive maximum: outbound QoS 1/2 in flight
+	maxPacket uint32 // the client's maximum packet size, 0 for none
+	aliasMax  uint16 // the client's topic alias maximum
+	noProblem bool   // the client asked for no reason strings [MQTT-3.1.2-29]
+	will      *Message
+	willDelay uint32
+
+	aliasIn map[uint16]string // read loop only
+
+	amu         sync.Mutex // guards acks, resends, closedAcks
+	acks        []*inAck   // acks owed, in the order the publishes came
+	resends     int        // resend slots in acks (not counted against the receive maximum)
+	acond       *sync.Cond // signalled when acks are taken (3.1.1 back-pressure)
+	closedAcks  bool
+	pendingRecs int // v5: QoS 2 PUBRECs sent whose PUBREL has not come (receive maximum)
+
+	wmu        sync.Mutex // guards ctrl, writing, again, closeAfter, resume, ended
+	ctrl       []byte     // encoded control packets not yet written
+	writing    bool       // a writer goroutine runs
+	again      bool       // work arrived while the writer ran
+	closeAfter bool       // close the socket once ctrl is written
+	resume     bool       // the session's inflight messages are owed a resend
+	ended      bool
+
+	// The writer's own (whoever holds writing).
+	wbuf     []byte
+	aliasOut map[string]uint16
+
+	done      chan struct{} // closed when the connection has ended
+	endOnce   sync.Once
+	endCode   packets.Code // why the server ended it (zero: the client or the network)
+	graceful  bool         // the client sent DISCONNECT without will
+	writerEnd chan struct{}
+}
+
+// inAck is one PUBACK/PUBREC owed to the client.
+type inAck struct {
+	c      *conn
+	pid    uint16
+	qos    byte
+	done   bool
+	err    error
+	mode   AckMode
+	start  time.Time
+	resend bool // a QoS 2 resend answered without a new record
+	msg    Message
+	in2    *inbound2 // QoS 2: the inbound entry this publish made
+}
+
+func newConn(s *Server, nc net.Conn, listener, host string) *conn {
+	c := &conn{srv: s, nc: nc, listener: listener, host: host, br: bufio.NewReaderSize(nc, 4096),
+		done: make(chan struct{}), writerEnd: make(chan struct{})}
+	c.acond = sync.NewCond(&c.amu)
+	return c
+}
+
+// errProtocol wraps the reason a connection broke the protocol.
+type errProtocol struct{ code packets.Code }
+
+func (e errProtocol) Error() string { return "protocol error: " + e.code.Reason }
+
+// run is the read loop: CONNECT, then packets until the connection ends.
+func (c *conn) run() {
+	defer c.finish()
+	_ = c.nc.SetReadDeadline(time.Now().Add(c.srv.cfg.Limits.ConnectTimeout))
+	if tc, ok := c.nc.(*tls.Conn); ok {
+		if err := tc.Handshake(); err != nil {
+			if !quietEnd(err) {
+				c.srv.refusal(c.host, "TLS handshake failed", "remote", c.remote(), "error", err)
+			}
+			return
+		}
+	}
+	if !c.connect() {
+		return
+	}
+	for {
+		if c.keepalive > 0 {
+			// [MQTT-3.1.2-24]: one and a half times the keep alive.
+			_ = c.nc.SetReadDeadline(time.Now().Add(time.Duration(c.keepalive) * 1500 * time.Millisecond))
+		} else {
+			_ = c.nc.SetReadDeadline(time.Time{})
+		}
+		pk, err := c.read()
+		if err != nil {
+			c.readFailed(err)
+			return
+		}
+		if !c.handle(&pk) {
+			return
+		}
+	}
+}
+
+// read reads one packet. Before CONNECT is authenticated a packet may
+// take at most preAuthMaxPacket bytes, out of a budget shared by every
+// such connection.
+func (c *conn) read() (pk packets.Packet, err error) {
+	hb, err := c.br.ReadByte()
+	if err != nil {
+		return pk, err
+	}
+	if err := pk.FixedHeader.Decode(hb); err != nil {
+		return pk, errProtocol{packets.ErrMalformedPacket}
+	}
+	rem, lenBytes, err := packets.DecodeLength(c.br)
+	if err != nil {
+		if errors.Is(err, packets.ErrMalformedVariableByteInteger) {
+			return pk, errProtocol{packets.ErrMalformedPacket}
+		}
+		return pk, err
+	}
+	limit := int(c.srv.cfg.MaxPacketSize)
+	if !c.authed {
+		limit = min(limit, preAuthMaxPacket)
+	}
+	if 1+lenBytes+rem > limit {
+		return pk, errProtocol{packets.ErrPacketTooLarge} // [MQTT-3.2.2-15]
+	}
+	if !c.authed {
+		if !c.srv.preAuth.take(rem) {
+			return pk, errors.New("pre-connect buffer budget exhausted")
+		}
+		defer c.srv.preAuth.give(rem)
+	}
+	pk.FixedHeader.Remaining = rem
+	pk.ProtocolVersion = c.v
+	buf := make([]byte, rem)
+	if _, err := io.ReadFull(c.br, buf); err != nil {
+		return pk, err
+	}
+	if err := decode(&pk, buf); err != nil {
+		return pk, errProtocol{packets.ErrMalformedPacket}
+	}
+	return pk, nil
+}
+
+// decode decodes buf into pk by its type. A panic in the codec (mochi
+// v2.7.9's SUBSCRIBE decoder indexes past a malformed packet's end) is a
+// malformed packet of this connection, not a crash of the gateway.
+func decode(pk *packets.Packet, buf []byte) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("decoder panic: %v", r)
+		}
+	}()
+	switch pk.FixedHeader.Type {
+	case packets.Connect:
+		return pk.ConnectDecode(buf)
+	case packets.Publish:
+		return pk.PublishDecode(buf)
+	case packets.Puback:
+		return pk.PubackDecode(buf)
+	case packets.Pubrec:
+		return pk.PubrecDecode(buf)
+	case packets.Pubrel:
+		return pk.PubrelDecode(buf)
+	case packets.Pubcomp:
+		return pk.PubcompDecode(buf)
+	case packets.Subscribe:
+		return pk.SubscribeDecode(buf)
+	case packets.Unsubscribe:
+		return pk.UnsubscribeDecode(buf)
+	case packets.Pingreq:
+		return nil
+	case packets.Disconnect:
+		return pk.DisconnectDecode(buf)
+	case packets.Auth:
+		return pk.AuthDecode(buf)
+	}
+	return fmt.Errorf("packet type %d not for a server", pk.FixedHeader.Type)
+}
+
+// readFailed ends the connection after a read error: a protocol error
+// gets its DISCONNECT (MQTT 5) and a log line; the peer going away does
+// not.
+func (c *conn) readFailed(err error) {
+	var pe errProtocol
+	switch {
+	case errors.As(err, &pe):
+		if pe.code == packets.ErrPacketTooLarge {
+			c.srv.refusal(c.host, "packet larger than max_packet_size: disconnected", "remote", c.remote(), "client", c.id)
+		} else {
+			c.srv.refusal(c.host, "protocol error: disconnected", "remote", c.remote(), "client", c.id, "error", pe.code.Reason)
+		}
+		c.end(pe.code)
+	case errors.Is(err, os.ErrDeadlineExceeded) && !c.authed:
+		c.srv.refusal(c.host, "no CONNECT within the connect timeout", "remote", c.remote())
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		c.srv.logger.Debug("keep alive timeout", "client", c.id)
+		c.end(packets.ErrKeepAliveTimeout)
+	case quietEnd(err):
+		c.srv.logger.Debug("client connection ended", "client", c.id, "remote", c.remote(), "error", err)
+	default:
+		c.srv.refusal(c.host, "connection failed", "remote", c.remote(), "client", c.id, "error", err)
+	}
+}
+
+func (c *conn) remote() string { return c.nc.RemoteAddr().String() }
+
+// handle acts on one packet of a connected client; false ends the loop.
+func (c *conn) handle(pk *packets.Packet) bool {
+	switch pk.FixedHeader.Type {
+	case packets.Publish:
+		return c.publish(pk)
+	case packets.Puback:
+		if c.sess.acked(pk.PacketID, 1) {
+			c.kick() // the window has room
+		}
+	case packets.Pubrec:
+		if c.sess.received(pk.PacketID, pk.ReasonCode >= 0x80) {
+			if pk.ReasonCode < 0x80 {
+				c.send(&packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: pk.PacketID})
+			} else {
+				c.kick()
+			}
+		} else {
+			rel := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: pk.PacketID}
+			if c.v == 5 {
+				rel.ReasonCode = packets.ErrPacketIdentifierNotFound.Code // [MQTT-4.3.3-?]: no such flow
+			}
+			c.send(rel)
+		}
+	case packets.Pubcomp:
+		if c.sess.acked(pk.PacketID, 2) {
+			c.kick()
+		}
+	case packets.Pubrel:
+		c.pubrel(pk.PacketID)
+	case packets.Subscribe:
+		return c.subscribe(pk)
+	case packets.Unsubscribe:
+		return c.unsubscribe(pk)
+	case packets.Pingreq:
+		c.send(&packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingresp}})
+	case packets.Disconnect:
+		return c.disconnect(pk)
+	case packets.Connect:
+		c.protocolError(packets.ErrProtocolViolationSecondConnect, "second CONNECT") // [MQTT-3.1.0-2]
+		return false
+	case packets.Auth:
+		c.protocolError(packets.ErrBadAuthenticationMethod, "AUTH without an authentication method")
+		return false
+	}
+	return true
+}
+
+// protocolError ends the connection for a violation: MQTT 5 with a
+// DISCONNECT carrying code, 3.1.1 by closing, its only way.
+func (c *conn) protocolError(code packets.Code, why string) {
+	c.srv.refusal(c.host, why+": disconnected", "client", c.id, "remote", c.remote())
+	c.end(code)
+}
+
+// disconnect handles the client's DISCONNECT.
+func (c *conn) disconnect(pk *packets.Packet) bool {
+	if c.v == 5 && pk.Properties.SessionExpiryIntervalFlag {
+		s := c.sess
+		s.mu.Lock()
+		was := s.expiry
+		if was == 0 && pk.Properties.SessionExpiryInterval > 0 {
+			s.mu.Unlock()
+			c.protocolError(packets.ErrProtocolViolation, "session expiry set at DISCONNECT after 0 at CONNECT") // [MQTT-3.14.2-2]
+			return false
+		}
+		s.expiry = pk.Properties.SessionExpiryInterval
+		s.mu.Unlock()
+		if was != s.expiry {
+			c.srv.saveSession(s)
+		}
+	}
+	// 0x04 asks for the will; anything else sent by the client drops it
+	// [MQTT-3.1.2-10].
+	c.graceful = pk.ReasonCode != packets.CodeDisconnectWillMessage.Code
+	c.end(packets.Code{})
+	return false
+}
+
+// send queues a control packet to the writer.
+func (c *conn) send(pk *packets.Packet) {
+	var buf bytes.Buffer
+	c.encode(pk, &buf)
+	c.wmu.Lock()
+	c.ctrl = append(c.ctrl, buf.Bytes()...)
+	c.wmu.Unlock()
+	c.kick()
+}
+
+// encode appends pk's encoding for this client to buf, with the client's
+// limits applied.
+func (c *conn) encode(pk *packets.Packet, buf *bytes.Buffer) {
+	pk.ProtocolVersion = c.v
+	pk.Mods.MaxSize = c.maxPacket
+	pk.Mods.DisallowProblemInfo = c.noProblem
+	pk.Mods.AllowResponseInfo = true
+	var err error
+	switch pk.FixedHeader.Type {
+	case packets.Connack:
+		err = pk.ConnackEncode(buf)
+	case packets.Puback:
+		err = pk.PubackEncode(buf)
+	case packets.Pubrec:
+		err = pk.PubrecEncode(buf)
+	case packets.Pubrel:
+		err = pk.PubrelEncode(buf)
+	case packets.Pubcomp:
+		err = pk.PubcompEncode(buf)
+	case packets.Suback:
+		err = pk.SubackEncode(buf)
+	case packets.Unsuback:
+		err = pk.UnsubackEncode(buf)
+	case packets.Pingresp:
+		err = pk.PingrespEncode(buf)
+	case packets.Disconnect:
+		err = pk.DisconnectEncode(buf)
+	default:
+		err = fmt.Errorf("no encoder for packet type %d", pk.FixedHeader.Type)
+	}
+	if err != nil {
+		c.srv.logger.Error("encoding a packet failed", "client", c.id, "type", pk.FixedHeader.Type, "error", err)
+	}
+}
+
+// end ends the connection: an MQTT 5 client is sent DISCONNECT with code
+// when it is a server's reason (not for a zero code), then the socket
+// closes once the writer has written what it holds.
+func (c *conn) end(code packets.Code) {
+	c.endOnce.Do(func() {
+		c.endCode = code
+		c.wmu.Lock()
+		c.ended = true
+		if code.Code >= 0x80 && c.v == 5 && c.authed {
+			var buf bytes.Buffer
+			c.encode(&packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Disconnect}, ReasonCode: code.Code}, &buf)
+			c.ctrl = append(c.ctrl, buf.Bytes()...)
+		}
+		c.closeAfter = true
+		c.wmu.Unlock()
+		c.amu.Lock()
+		c.closedAcks = true
+		c.acond.Broadcast()
+		c.amu.Unlock()
+		// A writer stuck on a client that stopped reading is cut loose
+		// by a deadline.
+		_ = c.nc.SetWriteDeadline(time.Now().Add(time.Second))
+		c.kick()
+	})
+}
+
+// finish runs when the read loop ends: the socket closes, the session goes
+// offline (or ends), the will is due.
+func (c *conn) finish() {
+	c.end(packets.Code{})
+	<-c.writerDone()
+	c.nc.Close()
+	close(c.done)
+	if c.sess != nil {
+		c.srv.detach(c)
+	}
+}
+
+// writerDone returns a channel closed once no writer runs and none will.
+func (c *conn) writerDone() <-chan struct{} { return c.writerEnd }
+
+// kick has the writer run: started if none runs, told to go round again
+// if one does.
+func (c *conn) kick() {
+	c.wmu.Lock()
+	if c.writing {
+		c.again = true
+		c.wmu.Unlock()
+		return
+	}
+	if c.writerClosed() {
+		c.wmu.Unlock()
+		return // the connection has ended
+	}
+	c.writing = true
+	c.wmu.Unlock()
+	c.srv.goFunc(c.writer)
+}
+
+// writerClosed reports whether the writer has closed writerEnd. Called
+// with wmu held.
+func (c *conn) writerClosed() bool {
+	select {
+	case <-c.writerEnd:
+		return true
+	default:
+		return false
+	}
+}
+
+// writer writes whatever is owed until nothing is, then ends; a kick
+// starts the next one. Each round goes out in one write. Once the
+// connection is ending it writes only the control packets (the
+// DISCONNECT last), then lets the read loop finish.
+func (c *conn) writer() {
+	for {
+		c.wmu.Lock()
+		c.again = false
+		buf := append(c.wbuf[:0], c.ctrl...)
+		c.ctrl = c.ctrl[:0]
+		resume, closing := c.resume, c.closeAfter
+		c.resume = false
+		c.wmu.Unlock()
+		failed := false
+		if !closing {
+			if resume {
+				buf = c.resend(buf)
+			}
+			buf, failed = c.takeAcks(buf)
+			if !failed {
+				buf = c.takeDeliveries(buf)
+			}
+		}
+		if len(buf) > 0 {
+			_ = c.nc.SetWriteDeadline(time.Now().Add(c.writeTimeout()))
+			if _, err := c.nc.Write(buf); err != nil {
+				failed = true
+				c.srv.logger.Debug("writing to a client failed", "client", c.id, "error", err)
+			}
+		}
+		if cap(buf) > 64<<10 {
+			buf = nil // do not keep a burst's buffer on an idle connection
+		}
+		c.wbuf = buf[:0]
+		more := false
+		if failed {
+			c.end(packets.Code{})
+		} else if !closing && c.sess != nil {
+			more = c.sess.replay(c)
+		}
+		c.wmu.Lock()
+		if more || c.again || len(c.ctrl) > 0 || (c.closeAfter && !closing) {
+			c.wmu.Unlock()
+			continue
+		}
+		c.writing = false
+		if c.closeAfter && !c.writerClosed() {
+			close(c.writerEnd)
+			c.wmu.Unlock()
+			_ = c.nc.SetReadDeadline(time.Now()) // the read loop finishes
+			return
+		}
+		c.wmu.Unlock()
+		return
+	}
+}
+
+// writeTimeout is how long one write may wait for a client that does not
+// read before the connection is given up.
+func (c *conn) writeTimeout() time.Duration {
+	return max(30*time.Second, time.Duration(c.keepalive)*1500*time.Millisecond)
+}
+
+// peerCertificate returns the verified client certificate of a TLS
+// connection, or nil.
+func (c *conn) peerCertificate() *x509.Certificate {
+	tc, ok := c.nc.(*tls.Conn)
+	if !ok {
+		return nil
+	}
+	st := tc.ConnectionState()
+	if len(st.VerifiedChains) == 0 || len(st.PeerCertificates) == 0 {
+		return nil
+	}
+	return st.PeerCertificates[0]
+}
+
+// hasDollar reports whether a topic is one of the server's ($SYS and the
+// like), which clients may not publish to [MQTT-4.7.2-1].
+func hasDollar(topic string) bool { return strings.HasPrefix(topic, "$") }

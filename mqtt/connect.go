@@ -1,0 +1,403 @@
+package mqtt
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"time"
+
+	"github.com/mochi-mqtt/server/v2/packets"
+)
+
+// connect reads and answers the CONNECT; false ends the connection.
+func (c *conn) connect() bool {
+	pk, err := c.read()
+	if err != nil {
+		c.readFailed(err)
+		return false
+	}
+	if pk.FixedHeader.Type != packets.Connect {
+		c.srv.refusal(c.host, "first packet not CONNECT: closed", "remote", c.remote()) // [MQTT-3.1.0-1]
+		return false
+	}
+	c.v = pk.ProtocolVersion
+	if code := pk.ConnectValidate(); code != packets.CodeSuccess {
+		switch {
+		case code == packets.ErrProtocolViolationProtocolVersion || (c.v != 3 && c.v != 4 && c.v != 5):
+			// [MQTT-3.1.2-2]: 0x01 to 3.1.1 clients, 0x84 to 5.
+			c.v = min(max(c.v, 4), 5)
+			if c.v == 5 {
+				return c.refuse(&pk, packets.ErrUnsupportedProtocolVersion, 0, "unsupported protocol version")
+			}
+			return c.refuse(&pk, packets.Code{}, 0x01, "unsupported protocol version")
+		}
+		return c.refuse(&pk, packets.ErrMalformedPacket, 0, "malformed CONNECT: "+code.Reason)
+	}
+	cp := &pk.Connect
+	v5 := c.v == 5
+	if v5 && pk.Properties.AuthenticationMethod != "" {
+		return c.refuse(&pk, packets.ErrBadAuthenticationMethod, 0, "enhanced authentication not supported")
+	}
+	c.keepalive = cp.Keepalive
+	ka, kept := c.srv.cfg.Limits.keepAlive(cp.Keepalive)
+	if !kept {
+		if !v5 {
+			return c.refuse(&pk, packets.Code{}, 0x02, "keep-alive out of bounds", "keepalive", cp.Keepalive)
+		}
+		c.keepalive = ka // told in the CONNACK's server keep alive [MQTT-3.2.2-21]
+	}
+	c.id = cp.ClientIdentifier
+	assigned := false
+	if c.id == "" {
+		if !v5 && !cp.Clean {
+			return c.refuse(&pk, packets.Code{}, 0x02, "empty client id with a persistent session") // [MQTT-3.1.3-8]
+		}
+		c.id, assigned = newClientID(), true // [MQTT-3.1.3-6]
+	}
+	user, ok := c.authenticate(&pk)
+	if !ok {
+		return false
+	}
+	c.user = user
+	if cp.WillFlag {
+		if !c.checkWill(&pk) {
+			return false
+		}
+	}
+	if c.srv.clients.Load() >= int64(c.srv.cfg.Limits.MaxClients) {
+		return c.refuse(&pk, packets.ErrServerBusy, 0x03, "max_clients reached: CONNECT refused")
+	}
+	// The client's own limits, for what the server sends it.
+	c.window = c.srv.cfg.MaxInflight
+	if v5 {
+		p := &pk.Properties
+		if p.ReceiveMaximum > 0 {
+			c.window = int(p.ReceiveMaximum)
+		} else {
+			c.window = 65535
+		}
+		c.maxPacket = p.MaximumPacketSize
+		c.aliasMax = p.TopicAliasMaximum
+		c.noProblem = p.RequestProblemInfoFlag && p.RequestProblemInfo == 0
+	}
+	expiry := uint32(0)
+	if v5 {
+		expiry = pk.Properties.SessionExpiryInterval
+	} else if !cp.Clean {
+		expiry = 0xFFFFFFFF // a 3.1.1 persistent session never expires
+	}
+	s, present, why := c.srv.attach(c, cp.Clean, expiry)
+	if s == nil {
+		return c.refuse(&pk, packets.ErrClientIdentifierNotValid, 0x02, why)
+	}
+	c.sess = s
+	c.authed = true
+	c.srv.clients.Add(1)
+	ack := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connack}, SessionPresent: present}
+	if v5 {
+		p := &ack.Properties
+		p.ReceiveMaximum = uint16(c.srv.cfg.MaxInflight)
+		p.MaximumPacketSize = c.srv.cfg.MaxPacketSize
+		p.TopicAliasMaximum = c.srv.cfg.TopicAliasMaximum
+		p.RetainAvailable, p.RetainAvailableFlag = 1, true
+		p.WildcardSubAvailable, p.WildcardSubAvailableFlag = 1, true
+		p.SubIDAvailable, p.SubIDAvailableFlag = 1, true
+		p.SharedSubAvailable, p.SharedSubAvailableFlag = 1, true
+		if assigned {
+			p.AssignedClientID = c.id
+		}
+		if !kept {
+			p.ServerKeepAlive, p.ServerKeepAliveFlag = ka, true
+		}
+	}
+	c.wmu.Lock()
+	c.resume = present
+	c.wmu.Unlock()
+	c.send(ack)
+	return true
+}
+
+// newClientID makes an id for a client that sent none.
+func newClientID() string {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	return "tandem-" + hex.EncodeToString(b[:])
+}
+
+// authenticate checks the client's credentials; it answers a refusal
+// itself.
+func (c *conn) authenticate(pk *packets.Packet) (user string, ok bool) {
+	acc := c.srv.access.Load()
+	cp := &pk.Connect
+	switch cert := c.peerCertificate(); {
+	case cert != nil && c.listener == tlsListenerID && c.srv.cfg.TLS.IdentityAsUsername:
+		user = cert.Subject.CommonName
+		if user == "" {
+			return "", c.refuse(pk, packets.ErrNotAuthorized, 0x05, "client certificate without a common name")
+		}
+	case cp.UsernameFlag && acc.Users != nil:
+		name := string(cp.Username)
+		if !c.srv.checkPassword(acc.Users, name, cp.Password) {
+			return "", c.refuse(pk, packets.ErrBadUsernameOrPassword, 0x04, "bad user name or password", "user", name)
+		}
+		user = name
+	}
+	if user == "" && !acc.AllowAnonymous {
+		return "", c.refuse(pk, packets.ErrNotAuthorized, 0x05, "anonymous client not allowed")
+	}
+	return user, true
+}
+
+// checkWill validates the will and keeps it; it answers a refusal itself.
+func (c *conn) checkWill(pk *packets.Packet) bool {
+	cp := &pk.Connect
+	topic := cp.WillTopic
+	if why := c.srv.cfg.Limits.topicProblem(topic); why != "" || !validTopic(topic) {
+		if why == "" {
+			why = "topic invalid"
+		}
+		if c.v != 5 {
+			return c.refuse(pk, packets.Code{}, 0, "will "+why) // 3.1.1 has no CONNACK code for it [MQTT-3.2.2-6]
+		}
+		return c.refuse(pk, packets.ErrTopicNameInvalid, 0, "will "+why)
+	}
+	if !c.srv.access.Load().ACL.Allowed(c.user, c.id, topic, true) {
+		return c.refuse(pk, packets.ErrNotAuthorized, 0x05, "will topic denied by ACL", "topic", topic)
+	}
+	w := &Message{ClientID: c.id, Topic: topic, QoS: cp.WillQos, Retain: cp.WillRetain, Will: true, Payload: cp.WillPayload}
+	if c.v == 5 {
+		wp := &cp.WillProperties
+		w.PayloadFormat, w.PayloadFormatSet = wp.PayloadFormat, wp.PayloadFormatFlag
+		w.MessageExpiry, w.MessageExpirySet = wp.MessageExpiryInterval, wp.MessageExpiryInterval > 0
+		w.ContentType, w.ResponseTopic, w.CorrelationData, w.User = wp.ContentType, wp.ResponseTopic, wp.CorrelationData, wp.User
+		c.willDelay = wp.WillDelayInterval
+	}
+	c.will = w
+	return true
+}
+
+// refuse answers a CONNECT with a refusing CONNACK (code5 to MQTT 5
+// clients, code3 to older ones; none when that code is zero) and logs the
+// refusal once a minute per reason and address. It returns false.
+func (c *conn) refuse(pk *packets.Packet, code5 packets.Code, code3 byte, reason string, args ...any) bool {
+	ack := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connack}}
+	if c.v == 5 {
+		ack.ReasonCode = code5.Code
+		ack.Properties.ReasonString = code5.Reason
+	} else {
+		ack.ReasonCode = code3
+	}
+	if ack.ReasonCode != 0 {
+		c.send(ack)
+	}
+	c.srv.refusal(c.host, reason, append(args, "client", pk.Connect.ClientIdentifier, "remote", c.remote())...)
+	return false
+}
+
+// attach gives c its session: a new one, or the existing one resumed
+// (present), whose connection, if any, is taken over: ended with 0x8E and
+// waited for. It refuses (nil, why) a client id whose session belongs to
+// another user.
+func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, present bool, why string) {
+	for tries := 0; ; tries++ {
+		if s.closing.Load() {
+			return nil, false, "server stopping"
+		}
+		s.mu.Lock()
+		se = s.sessions[c.id]
+		if se != nil {
+			se.mu.Lock()
+			if se.user != c.user {
+				se.mu.Unlock()
+				s.mu.Unlock()
+				return nil, false, "client id held by another user's session"
+			}
+			old := se.conn
+			if old != nil {
+				se.mu.Unlock()
+				s.mu.Unlock()
+				old.end(codeTakenOver) // [MQTT-3.1.4-3]
+				select {
+				case <-old.done:
+				case <-time.After(5 * time.Second):
+					return nil, false, "previous connection of the client id did not end"
+				}
+				continue
+			}
+			se.mu.Unlock()
+		}
+		if t := s.wills[c.id]; t != nil {
+			t.Stop() // [MQTT-3.1.3-9]: back before its will's delay ran out
+			delete(s.wills, c.id)
+		}
+		if se != nil && clean {
+			s.endSessionLocked(se)
+			se = nil
+		}
+		if se == nil {
+			se = newSession(s, c.id)
+			se.user = c.user
+			// Nothing already in the log is for a new session.
+			se.cursor = s.applied.Load()
+			se.scanned, se.savedCursor = se.cursor, se.cursor
+			s.sessions[c.id] = se
+		} else {
+			present = true
+		}
+		se.mu.Lock()
+		se.conn = c
+		se.on.Store(true)
+		se.expiry = expiry
+		se.expireAt = time.Time{}
+		// Whatever the log holds past the cursor is read from it: the
+		// client was away.
+		se.behind, se.more = true, false
+		se.scanned = se.cursor
+		se.queue = nil
+		se.mu.Unlock()
+		s.mu.Unlock()
+		if se.persistent() {
+			s.saveSession(se)
+			if s.store != nil {
+				// Connects are rare: the session is durable before the
+				// client is told it exists.
+				if err := s.store.Sync(); err != nil {
+					s.logger.Error("saving the session failed", "client", c.id, "error", err)
+				}
+			}
+		}
+		return se, present, ""
+	}
+}
+
+// detach runs when c's read loop has ended: its session goes offline or
+// ends, and its will is proposed or scheduled.
+func (s *Server) detach(c *conn) {
+	se := c.sess
+	s.clients.Add(-1)
+	s.mu.Lock()
+	se.mu.Lock()
+	if se.conn != c {
+		se.mu.Unlock()
+		s.mu.Unlock()
+		return
+	}
+	se.conn = nil
+	se.on.Store(false)
+	if !se.behind && len(se.queue) == 0 {
+		// Everything applied so far was offered, and handed out.
+		se.cursor = max(se.cursor, s.applied.Load())
+	}
+	se.scanned, se.queue = se.cursor, nil
+	expiry := se.expiry
+	if expiry > 0 && expiry != 0xFFFFFFFF {
+		se.expireAt = time.Now().Add(time.Duration(expiry) * time.Second)
+	}
+	se.mu.Unlock()
+	if expiry == 0 {
+		s.endSessionLocked(se)
+	}
+	will := c.will
+	sendWill := will != nil && !c.graceful
+	delay := c.willDelay
+	if sendWill && delay > 0 && expiry > 0 && !s.closing.Load() {
+		// [MQTT-3.1.3-9]: the will waits for its delay or the session's
+		// end, whichever comes first; a reconnect cancels it.
+		d := time.Duration(min(delay, expiry)) * time.Second
+		s.wills[c.id] = time.AfterFunc(d, func() {
+			s.mu.Lock()
+			if s.wills[c.id] == nil {
+				s.mu.Unlock()
+				return
+			}
+			delete(s.wills, c.id)
+			s.mu.Unlock()
+			s.proposeWill(will)
+		})
+		sendWill = false
+	}
+	s.mu.Unlock()
+	if expiry > 0 {
+		s.saveCursor(se)
+	}
+	if sendWill {
+		s.proposeWill(will)
+	}
+}
+
+// endSessionLocked removes se: its subscriptions, its state on disk.
+// Called with s.mu held, not se.mu.
+func (s *Server) endSessionLocked(se *session) {
+	se.mu.Lock()
+	if se.ended {
+		se.mu.Unlock()
+		return
+	}
+	se.ended = true
+	subs := se.subs
+	se.subs = map[string]*subscription{}
+	s.inflight.Add(-int64(len(se.inflight) + len(se.inbound)))
+	se.inflight, se.inbound = map[uint16]*outItem{}, map[uint16]*inbound2{}
+	se.mu.Unlock()
+	for _, sub := range subs {
+		s.index.remove(se, sub)
+	}
+	if s.sessions[se.id] == se {
+		delete(s.sessions, se.id)
+	}
+	s.deleteSessionState(se.id)
+}
+
+// proposeWill logs a will as a record.
+func (s *Server) proposeWill(m *Message) {
+	if !s.access.Load().ACL.Allowed(s.userOf(m.ClientID), m.ClientID, m.Topic, true) {
+		s.refusal(m.ClientID, "will denied by ACL: dropped", "client", m.ClientID, "topic", m.Topic)
+		return
+	}
+	m.Time = time.Now().UnixNano()
+	s.log.Reserve(m)
+	s.log.Propose(m, AckFor(s.topicPolicies(), m.Topic), s.logFailure)
+}
+
+// userOf returns the user of client id's session, "" when none.
+func (s *Server) userOf(id string) string {
+	s.mu.Lock()
+	se := s.sessions[id]
+	s.mu.Unlock()
+	if se == nil {
+		return ""
+	}
+	se.mu.Lock()
+	defer se.mu.Unlock()
+	return se.user
+}
+
+// logFailure is the done callback of publishes nobody acks (QoS 0, wills).
+func (s *Server) logFailure(err error) {
+	if err != nil {
+		s.logger.Warn("unacknowledged publish not logged", "error", err)
+	}
+}
+
+// sweeper ends offline sessions whose expiry has passed.
+func (s *Server) sweeper() {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.stopc:
+			return
+		case now := <-t.C:
+			s.mu.Lock()
+			for _, se := range s.sessions {
+				se.mu.Lock()
+				due := se.conn == nil && !se.expireAt.IsZero() && now.After(se.expireAt)
+				se.mu.Unlock()
+				if due {
+					s.endSessionLocked(se)
+				}
+			}
+			s.mu.Unlock()
+			s.saveCursors()
+		}
+	}
+}

@@ -1,0 +1,333 @@
+package mqtt
+
+import (
+	"bytes"
+	"errors"
+	"time"
+
+	"github.com/mochi-mqtt/server/v2/packets"
+)
+
+// publish takes a PUBLISH: checked, proposed to the log, its PUBACK or
+// PUBREC owed in arrival order once the log resolves it. The read loop
+// never waits for the log, except that a 3.1.1 client with max_inflight
+// acks owed is not read from until some are written (back-pressure; MQTT
+// 5 clients are held to the receive maximum instead). False ends the
+// loop.
+func (c *conn) publish(pk *packets.Packet) bool {
+	srv := c.srv
+	v5 := c.v == 5
+	if code := pk.PublishValidate(srv.cfg.TopicAliasMaximum); code != packets.CodeSuccess {
+		c.protocolError(code, "invalid PUBLISH: "+code.Reason)
+		return false
+	}
+	if v5 && pk.Properties.TopicAliasFlag {
+		alias := pk.Properties.TopicAlias
+		if c.aliasIn == nil {
+			c.aliasIn = map[uint16]string{}
+		}
+		if pk.TopicName != "" {
+			c.aliasIn[alias] = pk.TopicName // [MQTT-3.3.2-11]
+		} else if t, ok := c.aliasIn[alias]; ok {
+			pk.TopicName = t
+		} else {
+			c.protocolError(packets.ErrProtocolViolation, "topic alias never set") // [MQTT-3.3.4-?]
+			return false
+		}
+	}
+	if !validTopic(pk.TopicName) {
+		c.protocolError(packets.ErrTopicNameInvalid, "invalid topic name")
+		return false
+	}
+	if why := srv.cfg.Limits.topicProblem(pk.TopicName); why != "" {
+		srv.refusal(c.host, why+": disconnected", "client", c.id, "topic", truncate(pk.TopicName))
+		c.end(packets.ErrTopicNameInvalid)
+		return false
+	}
+	qos, pid := pk.FixedHeader.Qos, pk.PacketID
+	now := time.Now()
+	if qos == 2 {
+		if done, stale := c.qos2Resend(pid, pk.FixedHeader.Dup, now); done {
+			return true
+		} else if stale {
+			c.forgetInbound(pid)
+		}
+	}
+	if qos > 0 && !c.room() {
+		return false
+	}
+	rule, mode := ruleFor(srv.topicPolicies(), pk.TopicName)
+	if hasDollar(pk.TopicName) || !srv.access.Load().ACL.Allowed(c.user, c.id, pk.TopicName, true) {
+		srv.refusal(c.id, "publish denied by ACL", "client", c.id, "topic", truncate(pk.TopicName))
+		if qos > 0 {
+			a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now}
+			c.queueAck(a)
+			c.resolve(a, ErrNotAuthorized)
+		}
+		return true
+	}
+	srv.observer().Published(mode, qos, rule)
+	if qos == 0 {
+		m := &Message{}
+		m.fromPacket(c.id, pk, now.UnixNano())
+		srv.log.Reserve(m)
+		srv.log.Propose(m, mode, srv.logFailure)
+		return true
+	}
+	a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now}
+	m := &a.msg
+	m.fromPacket(c.id, pk, now.UnixNano())
+	srv.log.Reserve(m)
+	if qos == 2 {
+		in := &inbound2{origin: m.Origin, seq: m.Seq}
+		a.in2 = in
+		s := c.sess
+		s.mu.Lock()
+		s.inbound[pid] = in
+		persist := s.persistent()
+		s.mu.Unlock()
+		srv.inflight.Add(1)
+		if persist {
+			// Staged before the record is proposed, so it is on disk
+			// no later than the record: after a crash a resend is
+			// recognised, and a marker whose record never made it is
+			// dropped at start.
+			srv.stagePut(qos2Key(c.id, pid), encodeQoS2(m.Origin, m.Seq, now))
+		}
+	}
+	c.queueAck(a)
+	srv.log.Propose(m, mode, a.resolved)
+	return true
+}
+
+// qos2Resend answers a QoS 2 PUBLISH whose id is still in the inbound
+// table: a resend (DUP) gets the PUBREC of the publish it repeats, in its
+// turn, with that publish's outcome [MQTT-4.3.3-9]; done is true then. A
+// publish that is not a resend but reuses the id starts a new flow: the
+// entry is stale (left by a crash before its PUBREL was recorded).
+func (c *conn) qos2Resend(pid uint16, dup bool, now time.Time) (done, stale bool) {
+	s := c.sess
+	s.mu.Lock()
+	in := s.inbound[pid]
+	if in == nil {
+		s.mu.Unlock()
+		return false, false
+	}
+	if !dup {
+		s.mu.Unlock()
+		return false, true
+	}
+	// Answered before the receive maximum is checked: a resend is owed
+	// already, and counting it would refuse, at every reconnect, a
+	// client whose window was full when its connection dropped.
+	a := &inAck{c: c, pid: pid, qos: 2, start: now, resend: true}
+	if !in.done {
+		in.waiting = append(in.waiting, a)
+		s.mu.Unlock()
+		c.queueAck(a)
+		return true, false
+	}
+	err := in.err
+	s.mu.Unlock()
+	c.queueAck(a)
+	c.resolve(a, err)
+	return true, false
+}
+
+// forgetInbound drops a stale QoS 2 entry and its marker.
+func (c *conn) forgetInbound(pid uint16) {
+	s := c.sess
+	s.mu.Lock()
+	_, had := s.inbound[pid]
+	delete(s.inbound, pid)
+	s.mu.Unlock()
+	if had {
+		c.srv.inflight.Add(-1)
+	}
+	c.srv.stageDelete(qos2Key(c.id, pid))
+}
+
+// room bounds what a client may have owed: an MQTT 5 client past the
+// server's receive maximum is disconnected with 0x93 [MQTT-3.3.4-9]; a
+// 3.1.1 client, which has no receive maximum, is not read from until its
+// acks are under max_inflight. False ends the loop.
+func (c *conn) room() bool {
+	max := c.srv.cfg.MaxInflight
+	c.amu.Lock()
+	defer c.amu.Unlock()
+	if c.v == 5 {
+		if len(c.acks)-c.resends+c.pendingRecsLocked() >= max {
+			c.amu.Unlock()
+			c.protocolError(packets.ErrReceiveMaximum, "receive maximum exceeded")
+			c.amu.Lock()
+			return false
+		}
+		return true
+	}
+	for len(c.acks)-c.resends >= max && !c.closedAcks {
+		c.acond.Wait()
+	}
+	return !c.closedAcks
+}
+
+// pendingRecsLocked counts the QoS 2 publishes whose PUBREC was sent and
+// whose PUBREL has not come: they count against the receive maximum until
+// the PUBCOMP [MQTT-4.9.0-?]. Called with amu held.
+func (c *conn) pendingRecsLocked() int {
+	s := c.sess
+	s.mu.Lock()
+	n := 0
+	for _, in := range s.inbound {
+		if in.done && in.err == nil {
+			n++
+		}
+	}
+	s.mu.Unlock()
+	return n
+}
+
+func (c *conn) queueAck(a *inAck) {
+	c.amu.Lock()
+	c.acks = append(c.acks, a)
+	if a.resend {
+		c.resends++
+	}
+	c.amu.Unlock()
+}
+
+// resolved is the done callback of a publish's proposal; it runs on the
+// log's goroutine and must not block.
+func (a *inAck) resolved(err error) {
+	if in := a.in2; in != nil {
+		s := a.c.sess
+		s.mu.Lock()
+		in.done, in.err = true, err
+		waiting := in.waiting
+		in.waiting = nil
+		if err != nil && s.inbound[a.pid] == in {
+			// The client may retry this id: the flow is over.
+			delete(s.inbound, a.pid)
+			a.c.srv.inflight.Add(-1)
+		}
+		persist := s.persistent()
+		s.mu.Unlock()
+		if err != nil && persist {
+			a.c.srv.stageDelete(qos2Key(a.c.id, a.pid))
+		}
+		for _, w := range waiting {
+			w.c.resolve(w, err)
+		}
+	}
+	a.c.resolve(a, err)
+}
+
+// resolve marks a done and wakes the writer when a is at the head.
+func (c *conn) resolve(a *inAck, err error) {
+	c.amu.Lock()
+	a.done, a.err = true, err
+	head := len(c.acks) > 0 && c.acks[0].done
+	c.amu.Unlock()
+	if head {
+		c.kick()
+	}
+}
+
+// takeAcks appends the acks at the head of the queue that are done, in
+// order. They leave the queue before the write: the client may send its
+// next publish the moment it reads them, and must not find them still
+// counted (FACTS.md). failed is true when a refused publish of a 3.1.1
+// client, which has no negative ack, ends the connection after the acks
+// before it.
+func (c *conn) takeAcks(buf []byte) (_ []byte, failed bool) {
+	c.amu.Lock()
+	n := 0
+	for n < len(c.acks) && c.acks[n].done {
+		n++
+	}
+	if n == 0 {
+		c.amu.Unlock()
+		return buf, false
+	}
+	batch := make([]*inAck, n)
+	copy(batch, c.acks)
+	clear(c.acks[:n])
+	c.acks = c.acks[n:]
+	for _, a := range batch {
+		if a.resend {
+			c.resends--
+		}
+	}
+	c.acond.Broadcast()
+	c.amu.Unlock()
+	obs := c.srv.observer()
+	for i, a := range batch {
+		if !a.resend {
+			obs.Acked(a.mode, a.err, time.Since(a.start))
+		}
+		if a.err != nil {
+			c.srv.logger.Warn("publish not acked", "client", c.id, "packet_id", a.pid, "qos", a.qos, "error", a.err)
+			if c.v != 5 {
+				// 3.1.1 has no negative ack: disconnect; the client
+				// resends. The acks after it are not written.
+				for _, rest := range batch[i+1:] {
+					if !rest.resend {
+						obs.Acked(rest.mode, errors.New("connection closed"), time.Since(rest.start))
+					}
+				}
+				return buf, true
+			}
+		}
+		buf = c.appendAck(buf, a)
+	}
+	return buf, false
+}
+
+// appendAck encodes a's PUBACK or PUBREC.
+func (c *conn) appendAck(buf []byte, a *inAck) []byte {
+	typ := byte(packets.Puback)
+	if a.qos == 2 {
+		typ = packets.Pubrec
+	}
+	if a.err == nil {
+		// A success has no reason code or properties: 4 bytes.
+		return append(buf, typ<<4, 2, byte(a.pid>>8), byte(a.pid))
+	}
+	code := packets.ErrUnspecifiedError
+	switch {
+	case errors.Is(a.err, ErrQuota):
+		code = packets.ErrQuotaExceeded
+	case errors.Is(a.err, ErrNotAuthorized):
+		code = packets.ErrNotAuthorized
+	}
+	pk := packets.Packet{FixedHeader: packets.FixedHeader{Type: typ}, PacketID: a.pid, ReasonCode: code.Code}
+	if !c.noProblem {
+		pk.Properties.ReasonString = a.err.Error()
+	}
+	var b bytes.Buffer
+	c.encode(&pk, &b)
+	return append(buf, b.Bytes()...)
+}
+
+// pubrel answers a PUBREL: the inbound QoS 2 flow ends with PUBCOMP; an
+// id not in flight gets PUBCOMP 0x92 on MQTT 5 [MQTT-4.3.3-11].
+func (c *conn) pubrel(pid uint16) {
+	s := c.sess
+	s.mu.Lock()
+	in := s.inbound[pid]
+	ok := in != nil && in.done && in.err == nil
+	if ok {
+		delete(s.inbound, pid)
+	}
+	persist := s.persistent()
+	s.mu.Unlock()
+	comp := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pid}
+	if ok {
+		c.srv.inflight.Add(-1)
+		if persist {
+			c.srv.stageDelete(qos2Key(c.id, pid))
+		}
+	} else if c.v == 5 {
+		comp.ReasonCode = packets.ErrPacketIdentifierNotFound.Code
+	}
+	c.send(comp)
+}

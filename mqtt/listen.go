@@ -1,0 +1,127 @@
+package mqtt
+
+import (
+	"crypto/tls"
+	"errors"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// srvListener is one TCP or TLS listener of a Server: it refuses
+// connections over the per-address rate and the socket cap before reading
+// a byte, survives accept errors such as running out of file descriptors,
+// and hands each admitted connection to its own read loop.
+type srvListener struct {
+	id, addr string
+	tls      *tls.Config // nil: plain TCP
+	srv      *Server
+	ln       net.Listener
+	closed   atomic.Bool
+
+	mu    sync.Mutex            // guards conns
+	conns map[net.Conn]struct{} // accepted and not yet ended
+}
+
+func (l *srvListener) listen() error {
+	ln, err := net.Listen("tcp", l.addr)
+	if err != nil {
+		return err
+	}
+	if l.tls != nil {
+		ln = tls.NewListener(ln, l.tls)
+	}
+	l.ln = ln
+	return nil
+}
+
+func (l *srvListener) address() string {
+	if l.ln != nil {
+		return l.ln.Addr().String()
+	}
+	return l.addr
+}
+
+// serve accepts connections until close.
+func (l *srvListener) serve() {
+	var delay time.Duration
+	for {
+		nc, err := l.ln.Accept()
+		if err != nil {
+			if l.closed.Load() || errors.Is(err, net.ErrClosed) {
+				return
+			}
+			// Out of file descriptors and the like: back off and go
+			// on, as net/http does.
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			l.srv.refusal("", "accept failed", "listener", l.id, "error", err)
+			select {
+			case <-time.After(delay):
+			case <-l.srv.stopc:
+				return
+			}
+			continue
+		}
+		delay = 0
+		l.admit(nc)
+	}
+}
+
+// admit refuses nc or starts its connection.
+func (l *srvListener) admit(nc net.Conn) {
+	s := l.srv
+	host := sourceKey(nc.RemoteAddr())
+	if !s.connRate.allow(host, time.Now()) {
+		nc.Close()
+		s.refusal(host, "connection rate exceeded: closed before CONNECT", "listener", l.id, "source", host)
+		return
+	}
+	if n := s.openConns.Add(1); n > s.maxOpenConns {
+		s.openConns.Add(-1)
+		nc.Close()
+		s.refusal("", "too many open connections: closed before CONNECT", "listener", l.id, "open", n-1)
+		return
+	}
+	l.mu.Lock()
+	if l.closed.Load() {
+		l.mu.Unlock()
+		s.openConns.Add(-1)
+		nc.Close()
+		return
+	}
+	if l.conns == nil {
+		l.conns = map[net.Conn]struct{}{}
+	}
+	l.conns[nc] = struct{}{}
+	l.mu.Unlock()
+	s.goFunc(func() {
+		defer func() {
+			l.mu.Lock()
+			delete(l.conns, nc)
+			l.mu.Unlock()
+			s.openConns.Add(-1)
+		}()
+		newConn(s, nc, l.id, host).run()
+	})
+}
+
+// stopAccepting closes the listening socket.
+func (l *srvListener) stopAccepting() {
+	if !l.closed.Swap(true) && l.ln != nil {
+		l.ln.Close()
+	}
+}
+
+// close stops accepting and ends the connections still open: Server.Stop
+// first ends those with a session, in order, with a DISCONNECT.
+func (l *srvListener) close() {
+	l.stopAccepting()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for nc := range l.conns {
+		// Sessions' connections are ended in order by Stop; a deadline
+		// in the past unblocks the rest.
+		_ = nc.SetReadDeadline(time.Now())
+	}
+}

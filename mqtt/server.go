@@ -1,0 +1,460 @@
+package mqtt
+
+import (
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// LogReader is the read side of the log a Server needs: committed records,
+// for sessions that replay from their cursor (a client back from offline,
+// or one that fell further behind than its queue holds).
+type LogReader interface {
+	// Committed calls fn for each committed record with from <= index <=
+	// to, in log order, until fn returns false. m is fn's to keep.
+	Committed(from, to uint64, fn func(index uint64, m *Message) bool) error
+}
+
+// Server is tandem's own MQTT broker on mochi's packets codec: listeners,
+// connections (a read loop and one writer each), sessions as cursors into
+// the log, the subscription index and the retained store. See doc.go.
+type Server struct {
+	cfg       Config
+	log       Log
+	reader    LogReader    // nil: replays find nothing
+	logger    *slog.Logger // rate-limited: info and warnings once a minute per message and client
+	rawLogger *slog.Logger // cfg.Logger, for lines limited by refusals
+	refusals  *logLimiter  // refused clients and packets: once a minute per reason and source
+	store     SessionStore // nil: sessions and retained messages live in memory only
+
+	access  atomic.Pointer[Access]
+	topics  atomic.Pointer[[]TopicPolicy]
+	tlsConf atomic.Pointer[tls.Config]
+
+	connRate     *connRate     // nil: no connect rate limit
+	openConns    atomic.Int64  // sockets accepted and not yet closed, all listeners
+	maxOpenConns int64         // sockets beyond it are closed at once
+	bcryptSem    chan struct{} // bounds concurrent password checks
+	preAuth      *byteBudget   // bytes buffered for connections not yet authenticated
+
+	tcp, tlsLn *srvListener
+
+	mu       sync.Mutex          // guards sessions and wills
+	sessions map[string]*session // by client id, online and offline
+	wills    map[string]*time.Timer
+
+	index    *topicIndex
+	retained *retainStore
+	routes   routeCache
+
+	applied  atomic.Uint64 // the last log index handed to Deliver or Applied
+	clients  atomic.Int64  // connected clients
+	inflight atomic.Int64  // QoS 1/2 messages in flight, both directions
+
+	wg      sync.WaitGroup // every goroutine the server starts
+	stopc   chan struct{}
+	closing atomic.Bool
+
+	// scratch is Deliver's per-record list of matching sessions; Deliver
+	// runs on one goroutine.
+	scratch []target
+}
+
+// target is one session a record goes to, its matching subscriptions
+// merged: the highest QoS, every subscription identifier [MQTT-3.3.4-3]
+// [MQTT-3.3.4-4].
+type target struct {
+	s   *session
+	qos byte
+	rap bool
+	ids []int
+}
+
+// preAuthBudget bounds the bytes buffered across every connection whose
+// CONNECT is not yet authenticated, and preAuthMaxPacket one such packet:
+// strangers cannot make the gateway allocate before they log in.
+const (
+	preAuthBudget    = 8 << 20
+	preAuthMaxPacket = 64 << 10
+)
+
+// NewServer builds a Server that logs publishes through log; if log also
+// implements LogReader, sessions replay from it.
+func NewServer(cfg Config, log Log) (*Server, error) {
+	if err := cfg.fill(); err != nil {
+		return nil, err
+	}
+	s := &Server{cfg: cfg, log: log,
+		logger:       slog.New(limitedHandler{cfg.Logger.Handler(), newLogLimiter(time.Minute)}),
+		rawLogger:    cfg.Logger,
+		refusals:     newLogLimiter(time.Minute),
+		store:        cfg.Sessions,
+		connRate:     newConnRate(cfg.Limits.ConnectRate, cfg.Limits.ConnectBurst),
+		maxOpenConns: int64(2*cfg.Limits.MaxClients + 16),
+		bcryptSem:    make(chan struct{}, max(1, runtime.GOMAXPROCS(0)/2)),
+		preAuth:      &byteBudget{max: preAuthBudget},
+		sessions:     map[string]*session{},
+		wills:        map[string]*time.Timer{},
+		index:        newTopicIndex(),
+		retained:     &retainStore{m: map[string]*retained{}},
+		stopc:        make(chan struct{}),
+	}
+	s.reader, _ = log.(LogReader)
+	s.access.Store(&Access{AllowAnonymous: cfg.AllowAnonymous, Users: cfg.Users, ACL: cfg.ACL})
+	s.SetTopics(cfg.Topics)
+	s.tcp = &srvListener{id: listenerID, addr: cfg.Listen, srv: s}
+	if err := s.tcp.listen(); err != nil {
+		return nil, fmt.Errorf("mqtt: listen %s: %w", cfg.Listen, err)
+	}
+	if cfg.TLS != nil {
+		conf, err := loadTLS(cfg.TLS)
+		if err != nil {
+			s.tcp.stopAccepting()
+			return nil, err
+		}
+		s.tlsConf.Store(conf)
+		// Every handshake takes the configuration of the moment, so
+		// ReloadTLS can change certificates under a running listener.
+		outer := &tls.Config{GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) { return s.tlsConf.Load(), nil }}
+		s.tlsLn = &srvListener{id: tlsListenerID, addr: cfg.TLS.Listen, tls: outer, srv: s}
+		if err := s.tlsLn.listen(); err != nil {
+			s.tcp.stopAccepting()
+			return nil, fmt.Errorf("mqtt: tls listen %s: %w", cfg.TLS.Listen, err)
+		}
+	}
+	return s, nil
+}
+
+// fill checks c and fills in its defaults.
+func (c *Config) fill() error {
+	if c.MaxInflight <= 0 {
+		c.MaxInflight = 1024
+	}
+	if c.MaxInflight > 65535 {
+		return fmt.Errorf("mqtt: max_inflight %d exceeds 65535", c.MaxInflight)
+	}
+	if c.MaxPacketSize == 0 {
+		c.MaxPacketSize = 1 << 20
+	}
+	if c.SyncTimeout == 0 {
+		c.SyncTimeout = 5 * time.Second
+	}
+	if c.TopicAliasMaximum == 0 {
+		c.TopicAliasMaximum = 100
+	}
+	if c.MaxSubscriptions <= 0 {
+		c.MaxSubscriptions = 1000
+	}
+	if c.MaxQueued <= 0 {
+		c.MaxQueued = 1000
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	c.Limits.setDefaults()
+	return nil
+}
+
+// go runs f on a goroutine that Stop waits for.
+func (s *Server) goFunc(f func()) {
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		f()
+	}()
+}
+
+// SetAccess replaces the users, ACLs and anonymous rule. Connected clients
+// stay connected; their next subscribe, publish or delivery is checked
+// against the new rules.
+func (s *Server) SetAccess(a Access) { s.access.Store(&a) }
+
+// SetTopics replaces the topic ack rules; publishes taken after it returns
+// are acked by the new rules.
+func (s *Server) SetTopics(p []TopicPolicy) {
+	p = slices.Clone(p)
+	s.topics.Store(&p)
+}
+
+func (s *Server) topicPolicies() []TopicPolicy { return *s.topics.Load() }
+
+// ReloadTLS reads the TLS listener's certificate, key and client CAs
+// again; new handshakes use them. On error the previous ones stay.
+func (s *Server) ReloadTLS() error {
+	if s.tlsLn == nil {
+		return nil
+	}
+	conf, err := loadTLS(s.cfg.TLS)
+	if err != nil {
+		return err
+	}
+	s.tlsConf.Store(conf)
+	return nil
+}
+
+// Addr returns the TCP listener's address (useful with port 0).
+func (s *Server) Addr() string { return s.tcp.address() }
+
+// TLSAddr returns the TLS listener's address, or "" without one.
+func (s *Server) TLSAddr() string {
+	if s.tlsLn == nil {
+		return ""
+	}
+	return s.tlsLn.address()
+}
+
+// Start loads the persisted sessions and retained messages and starts
+// serving.
+func (s *Server) Start() error {
+	if err := s.load(); err != nil {
+		return fmt.Errorf("mqtt: loading sessions: %w", err)
+	}
+	s.goFunc(s.tcp.serve)
+	s.logger.Info("mqtt listening", "addr", s.Addr())
+	if s.tlsLn != nil {
+		s.goFunc(s.tlsLn.serve)
+		s.logger.Info("mqtt tls listening", "addr", s.TLSAddr(), "client_certs", s.cfg.TLS.RequireClientCert)
+	}
+	s.goFunc(s.sweeper)
+	return nil
+}
+
+// Stop closes the listeners and every connection (MQTT 5 clients get
+// DISCONNECT 0x8B); the wills of the clients it disconnects are proposed
+// as records, delayed ones are dropped (they are not due). It returns once
+// every goroutine of the server has ended.
+func (s *Server) Stop() error {
+	if s.closing.Swap(true) {
+		return nil
+	}
+	close(s.stopc)
+	lns := []*srvListener{s.tcp}
+	if s.tlsLn != nil {
+		lns = append(lns, s.tlsLn)
+	}
+	for _, l := range lns {
+		l.stopAccepting()
+	}
+	for _, c := range s.onlineConns() {
+		c.end(codeShutdown)
+	}
+	for _, l := range lns {
+		l.close()
+	}
+	s.wg.Wait()
+	s.mu.Lock()
+	for id, t := range s.wills {
+		t.Stop()
+		delete(s.wills, id)
+	}
+	s.mu.Unlock()
+	if s.store != nil {
+		s.saveCursors()
+		return s.store.Sync()
+	}
+	return nil
+}
+
+// onlineConns returns the connections of the sessions now online.
+func (s *Server) onlineConns() []*conn {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []*conn
+	for _, se := range s.sessions {
+		if c := se.current(); c != nil {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+// ReleaseAcks is a no-op: each connection's writer is woken as its acks
+// resolve. It stays for the Log's AfterResolve hook.
+func (s *Server) ReleaseAcks() {}
+
+// Clients returns the number of connected clients.
+func (s *Server) Clients() int64 { return s.clients.Load() }
+
+// Inflight returns the QoS 1/2 messages in flight, both directions.
+func (s *Server) Inflight() int64 { return s.inflight.Load() }
+
+// Retained returns how many retained messages the server holds.
+func (s *Server) Retained() int64 { return int64(s.retained.len()) }
+
+// Applied tells the server that the log has been applied up to index, for
+// records that Deliver was not given (nobody subscribed): a session that
+// replays reads up to there.
+func (s *Server) Applied(index uint64) {
+	if index > s.applied.Load() {
+		s.applied.Store(index)
+	}
+}
+
+// Rewind follows a replaced log (a join, a deposed master's rejoin):
+// applied is the new log's applied index, and every session's cursor is
+// set to at most applied and at least skip, the end of a joined cluster's
+// history, which no session is to be handed.
+func (s *Server) Rewind(applied, skip uint64) {
+	s.applied.Store(applied)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, se := range s.sessions {
+		se.mu.Lock()
+		se.cursor = max(min(se.cursor, applied), skip)
+		se.scanned = se.cursor
+		se.mu.Unlock()
+	}
+}
+
+// Deliver hands the committed record at index to the retained store and
+// to every session it matches. It is called in log order from one
+// goroutine and never blocks on a session: each session takes the record
+// into its bounded queue or, when that is full or its client offline,
+// reads it from the log later.
+func (s *Server) Deliver(index uint64, m *Message) error {
+	defer s.Applied(index)
+	if _, live := m.expiryLeft(time.Now()); !live {
+		return nil // its message expiry ran out before it was delivered
+	}
+	if m.Retain {
+		s.retain(index, m)
+	}
+	ts := s.scratch[:0]
+	s.index.match(m.Topic, func(se *session, sub *subscription) {
+		if sub.noLocal && se.id == m.ClientID {
+			return // [MQTT-3.8.3-3]
+		}
+		for i := range ts {
+			if ts[i].s == se {
+				t := &ts[i]
+				t.qos = max(t.qos, sub.qos)
+				t.rap = t.rap || sub.rap
+				if sub.id > 0 {
+					t.ids = append(t.ids, sub.id)
+				}
+				return
+			}
+		}
+		t := target{s: se, qos: sub.qos, rap: sub.rap}
+		if sub.id > 0 {
+			t.ids = []int{sub.id}
+		}
+		ts = append(ts, t)
+	})
+	for i := range ts {
+		t := &ts[i]
+		t.s.offer(&outItem{idx: index, m: m, qos: min(m.QoS, t.qos), retain: m.Retain && t.rap, ids: t.ids})
+		ts[i] = target{}
+	}
+	s.scratch = ts[:0]
+	return nil
+}
+
+// Unrouted reports whether no subscriber matches topic, so that a record
+// on it without retain needs neither a Message nor Deliver. The topic is
+// still in its record's bytes: a topic seen before costs no allocation.
+func (s *Server) Unrouted(topic []byte) bool { return s.routes.unrouted(s.index, topic) }
+
+// Retain applies a committed record to the retained store only, without
+// delivering it: how a gateway that joins a cluster takes in the cluster's
+// history.
+func (s *Server) Retain(m *Message) {
+	if _, live := m.expiryLeft(time.Now()); live && m.Retain {
+		s.retain(0, m)
+	}
+}
+
+// routeCache remembers, per topic delivered, whether it had subscribers,
+// so a record nobody subscribes to skips the tree. A topic without
+// subscribers is only trusted while the index's generation has not moved.
+type routeCache struct {
+	mu     sync.Mutex // guards routes
+	routes map[string]route
+}
+
+func (rc *routeCache) unrouted(ti *topicIndex, topic []byte) bool {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	gen := ti.gen.Load() // before the match: a subscription made meanwhile moves it
+	if r, ok := rc.routes[string(topic)]; ok && (!r.none || r.gen == gen) {
+		return r.none
+	}
+	t := string(topic)
+	none := !ti.any(t)
+	if rc.routes == nil || len(rc.routes) >= maxRoutes {
+		rc.routes = make(map[string]route)
+	}
+	rc.routes[t] = route{none: none, gen: gen}
+	return none
+}
+
+// byteBudget is a count of bytes shared by many holders, bounded.
+type byteBudget struct {
+	mu   sync.Mutex // guards used
+	used int
+	max  int
+}
+
+// take reserves n bytes, or reports false when they would pass the bound.
+func (b *byteBudget) take(n int) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.used+n > b.max {
+		return false
+	}
+	b.used += n
+	return true
+}
+
+func (b *byteBudget) give(n int) {
+	b.mu.Lock()
+	b.used -= n
+	b.mu.Unlock()
+}
+
+// errServerClosed ends connections accepted while the server stops.
+var errServerClosed = errors.New("mqtt: server closed")
+
+// observer returns cfg.Observer, or one that does nothing.
+func (s *Server) observer() Observer {
+	if s.cfg.Observer == nil {
+		return nopObserver{}
+	}
+	return s.cfg.Observer
+}
+
+// refusal logs a refused client or packet at warning level, once a minute
+// per reason and key: the source address, or the client id for refusals of
+// a connected client ("" for those tied to neither).
+func (s *Server) refusal(key, reason string, args ...any) {
+	ok, held := s.refusals.allow(reason+"\x00"+key, time.Now())
+	if !ok {
+		return
+	}
+	if held > 0 {
+		args = append(args, "suppressed", held)
+	}
+	s.rawLogger.Warn("client refused: "+reason, args...)
+}
+
+// checkPassword runs the bcrypt comparison, at most a few at a time: each
+// one is tens of milliseconds of CPU (more on ARM), and a flood of CONNECTs
+// must not take the CPU the log needs. A client that waits longer than the
+// connect deadline for its turn is refused.
+func (s *Server) checkPassword(u *Users, user string, password []byte) bool {
+	t := time.NewTimer(s.cfg.Limits.ConnectTimeout)
+	defer t.Stop()
+	select {
+	case s.bcryptSem <- struct{}{}:
+	case <-t.C:
+		return false
+	}
+	defer func() { <-s.bcryptSem }()
+	return u.Check(user, password)
+}

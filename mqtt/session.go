@@ -1,0 +1,294 @@
+package mqtt
+
+import (
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// session is the state MQTT keeps for a client id across connections:
+// its subscriptions, its cursor into the log, the messages handed to it
+// and not yet acknowledged (by packet id, from its own id space), and the
+// QoS 2 publishes it sent whose PUBREL has not come (a separate space: the
+// two directions' ids are independent). It lives while its client is
+// connected and, when the client asked for it, for its expiry after.
+//
+// The applier offers it records under mu and never waits for it; the
+// connection's writer takes them out under mu and writes them. Nothing
+// under mu blocks.
+type session struct {
+	srv *Server
+	id  string
+	on  atomic.Bool // a connection is attached: share groups pick among these
+
+	mu   sync.Mutex // guards everything below
+	conn *conn      // nil while offline
+	user string     // the user who made it: nobody else may take it over
+	// expiry is how long the session outlives its connection, in seconds
+	// (0: it ends with it; 0xFFFFFFFF: never); expireAt, while offline,
+	// is when it ends.
+	expiry   uint32
+	expireAt time.Time
+	ended    bool // removed from the server
+
+	subs map[string]*subscription // by filter as subscribed
+
+	// cursor is the log index up to which every matching record has been
+	// handed out; scanned is how far a replay has read the log (records
+	// between cursor and scanned are in queue).
+	cursor, scanned uint64
+	savedCursor     uint64 // the cursor last written to the store
+	// queue holds what was offered and not yet handed out, oldest first.
+	queue []*outItem
+	// behind means the queue overflowed or the client was offline:
+	// records past cursor are read from the log, not offered; more says a
+	// record was offered meanwhile, so a replay that reached the end must
+	// look again.
+	behind, more bool
+
+	inflight map[uint16]*outItem // handed out, awaiting PUBACK / PUBREC / PUBCOMP
+	nextPID  uint16
+	sendSeq  uint64 // orders inflight for a resend
+
+	inbound map[uint16]*inbound2 // QoS 2 publishes received, awaiting PUBREL
+}
+
+// outItem is one message for a session: a committed record (idx > 0) or a
+// retained message sent on subscribe (idx 0).
+type outItem struct {
+	idx    uint64
+	m      *Message
+	qos    byte
+	retain bool
+	ids    []int // subscription identifiers
+	pid    uint16
+	rel    bool   // QoS 2: PUBREC received, PUBREL sent, PUBCOMP awaited
+	seq    uint64 // send order
+}
+
+// inbound2 is a QoS 2 publish received and proposed: its PUBREC goes out
+// once the record meets its ack rule, and the id stays taken until PUBREL.
+type inbound2 struct {
+	origin, seq uint64 // the record's id
+	done        bool
+	err         error
+	waiting     []*inAck // resends answered with this publish's outcome
+}
+
+func newSession(srv *Server, id string) *session {
+	return &session{srv: srv, id: id, subs: map[string]*subscription{},
+		inflight: map[uint16]*outItem{}, inbound: map[uint16]*inbound2{}}
+}
+
+func (s *session) online() bool { return s.on.Load() }
+
+func (s *session) current() *conn {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.conn
+}
+
+func (s *session) persistent() bool { return s.expiry > 0 }
+
+// offer hands the session a record the applier matched to it. A session
+// offline, behind, or whose queue is full reads it from the log later.
+func (s *session) offer(it *outItem) {
+	s.mu.Lock()
+	c := s.conn
+	switch {
+	case c == nil || it.idx <= s.scanned:
+		// Offline: the log has it for the replay at reconnect. At or
+		// below scanned: a replay has it already.
+		s.mu.Unlock()
+		return
+	case s.behind:
+		s.more = true
+		s.mu.Unlock()
+		return
+	case len(s.queue) >= s.srv.cfg.MaxQueued:
+		s.behind, s.more = true, true
+		s.mu.Unlock()
+		c.kick()
+		return
+	}
+	s.queue = append(s.queue, it)
+	s.scanned = it.idx
+	s.mu.Unlock()
+	c.kick()
+}
+
+// enqueueRetained queues retained messages for a new subscription; they
+// bypass the cursor and the queue bound (a subscription's retained set is
+// bounded by the store).
+func (s *session) enqueueRetained(items []*outItem) {
+	if len(items) == 0 {
+		return
+	}
+	s.mu.Lock()
+	s.queue = append(s.queue, items...)
+	c := s.conn
+	s.mu.Unlock()
+	if c != nil {
+		c.kick()
+	}
+}
+
+// newPIDLocked returns a packet id free in the outbound space.
+func (s *session) newPIDLocked() uint16 {
+	for {
+		s.nextPID++
+		if s.nextPID == 0 {
+			s.nextPID = 1
+		}
+		if _, used := s.inflight[s.nextPID]; !used {
+			return s.nextPID
+		}
+	}
+}
+
+// resendOrderLocked returns the inflight messages in the order they were
+// first sent, for the resend a resumed session owes [MQTT-4.4.0-1].
+func (s *session) resendOrderLocked() []*outItem {
+	out := make([]*outItem, 0, len(s.inflight))
+	for _, it := range s.inflight {
+		out = append(out, it)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].seq < out[j].seq })
+	return out
+}
+
+// acked ends the outbound flow of pid on a PUBACK (qos 1) or PUBCOMP
+// (qos 2); it reports whether the flow existed.
+func (s *session) acked(pid uint16, qos byte) bool {
+	s.mu.Lock()
+	it := s.inflight[pid]
+	if it == nil || it.qos != qos || (qos == 2 && !it.rel) {
+		s.mu.Unlock()
+		return false
+	}
+	delete(s.inflight, pid)
+	s.srv.inflight.Add(-1)
+	persist := s.persistent()
+	s.mu.Unlock()
+	if persist {
+		s.srv.stageDelete(outKey(s.id, pid))
+	}
+	return true
+}
+
+// received marks a QoS 2 flow as PUBREC'd; ok is false for an id not in
+// flight (PUBREL 0x92 then), and ended for a PUBREC with an error code,
+// which ends the flow [MQTT-4.3.3-4].
+func (s *session) received(pid uint16, failed bool) (ok bool) {
+	s.mu.Lock()
+	it := s.inflight[pid]
+	if it == nil || it.qos != 2 {
+		s.mu.Unlock()
+		return false
+	}
+	persist := s.persistent()
+	if failed {
+		delete(s.inflight, pid)
+		s.srv.inflight.Add(-1)
+		s.mu.Unlock()
+		if persist {
+			s.srv.stageDelete(outKey(s.id, pid))
+		}
+		return true
+	}
+	it.rel = true
+	s.mu.Unlock()
+	if persist {
+		s.srv.stagePut(outKey(s.id, pid), encodeOut(it))
+	}
+	return true
+}
+
+// replay reads the log past scanned for a session that is behind, and
+// queues what matches its subscriptions, up to a batch; it clears behind
+// once it reaches the end of the applied log with nothing offered
+// meanwhile. It runs on the connection's writer, and reports whether it
+// queued anything (the writer then goes round again).
+func (s *session) replay(c *conn) bool {
+	const batch = 256
+	s.mu.Lock()
+	if s.conn != c || !s.behind || len(s.queue) > 0 {
+		s.mu.Unlock()
+		return false
+	}
+	from := s.scanned + 1
+	s.more = false
+	subs := make([]*subscription, 0, len(s.subs))
+	for _, sub := range s.subs {
+		if sub.group == "" { // a share group's messages go to one live member
+			subs = append(subs, sub)
+		}
+	}
+	s.mu.Unlock()
+	to := s.srv.applied.Load()
+	var items []*outItem
+	last := from - 1
+	full := false
+	if s.srv.reader != nil && from <= to && len(subs) > 0 {
+		err := s.srv.reader.Committed(from, to, func(idx uint64, m *Message) bool {
+			last = idx
+			if it := matchReplay(subs, s.id, idx, m); it != nil {
+				items = append(items, it)
+			}
+			full = len(items) >= batch
+			return !full
+		})
+		if err != nil {
+			s.srv.logger.Error("reading the log for a session failed", "client", s.id, "error", err)
+			return false // behind stays: the next wake tries again
+		}
+	}
+	if !full {
+		last = max(last, to)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.conn != c {
+		return false
+	}
+	s.queue = append(s.queue, items...)
+	if last > s.scanned {
+		s.scanned = last
+	}
+	if len(items) == 0 && s.scanned > s.cursor {
+		s.cursor = s.scanned // nothing matched in between
+	}
+	if !full && !s.more {
+		s.behind = false
+	}
+	return len(items) > 0 || full
+}
+
+// matchReplay is Deliver's matching for one session reading the log: the
+// record's outItem, or nil when none of subs takes it. QoS 0 records are
+// not replayed: at most once, and a client back from a day offline is not
+// to be flooded with them.
+func matchReplay(subs []*subscription, client string, idx uint64, m *Message) *outItem {
+	if _, live := m.expiryLeft(time.Now()); !live {
+		return nil
+	}
+	var it *outItem
+	for _, sub := range subs {
+		if idx <= sub.since || (sub.noLocal && m.ClientID == client) || !MatchTopic(sub.match, m.Topic) {
+			continue
+		}
+		if it == nil {
+			it = &outItem{idx: idx, m: m}
+		}
+		it.qos = max(it.qos, min(m.QoS, sub.qos))
+		it.retain = it.retain || (m.Retain && sub.rap)
+		if sub.id > 0 {
+			it.ids = append(it.ids, sub.id)
+		}
+	}
+	if it == nil || it.qos == 0 {
+		return nil
+	}
+	return it
+}

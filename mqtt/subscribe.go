@@ -1,0 +1,123 @@
+package mqtt
+
+import (
+	"github.com/mochi-mqtt/server/v2/packets"
+)
+
+// subscribe answers a SUBSCRIBE: each filter is granted or refused on its
+// own; granted ones are durable before the SUBACK (a device told it is
+// subscribed stays subscribed across a crash), and the retained messages
+// they match follow it. False ends the loop.
+func (c *conn) subscribe(pk *packets.Packet) bool {
+	if code := pk.SubscribeValidate(); code != packets.CodeSuccess {
+		c.protocolError(code, "invalid SUBSCRIBE: "+code.Reason) // [MQTT-3.8.3-3] [MQTT-3.8.1-1]
+		return false
+	}
+	srv := c.srv
+	s := c.sess
+	acl := srv.access.Load().ACL
+	codes := make([]byte, len(pk.Filters))
+	var retainedOut []*outItem
+	granted := false
+	for i, f := range pk.Filters {
+		refuse := func(code5 packets.Code, why string) {
+			srv.refusal(c.id, why+": subscription refused", "client", c.id, "filter", truncate(f.Filter))
+			codes[i] = code5.Code
+			if c.v != 5 {
+				codes[i] = 0x80 // 3.1.1 has one failure code [MQTT-3.9.3-2]
+			}
+		}
+		group, match, shared, ok := parseShare(f.Filter)
+		switch {
+		case !ok || !validFilter(match):
+			refuse(packets.ErrTopicFilterInvalid, "topic filter invalid")
+			continue
+		case srv.cfg.Limits.topicProblem(f.Filter) != "":
+			refuse(packets.ErrTopicFilterInvalid, srv.cfg.Limits.topicProblem(f.Filter))
+			continue
+		case shared && f.NoLocal:
+			c.protocolError(packets.ErrProtocolViolation, "no local on a shared subscription") // [MQTT-3.8.3-4]
+			return false
+		case !acl.Allowed(c.user, c.id, match, false):
+			refuse(packets.ErrNotAuthorized, "read denied by ACL")
+			continue
+		}
+		sub := &subscription{filter: f.Filter, match: match, group: group, qos: min(f.Qos, 2),
+			noLocal: f.NoLocal, rap: f.RetainAsPublished, rh: f.RetainHandling, id: f.Identifier,
+			since: srv.applied.Load()}
+		if c.v != 5 {
+			sub.noLocal, sub.rap, sub.rh, sub.id = false, false, 0, 0
+		}
+		s.mu.Lock()
+		prev := s.subs[f.Filter]
+		if prev == nil && len(s.subs) >= srv.cfg.MaxSubscriptions {
+			s.mu.Unlock()
+			refuse(packets.ErrQuotaExceeded, "max_subscriptions reached")
+			continue
+		}
+		s.subs[f.Filter] = sub // [MQTT-3.8.4-3]: replaces one with the same filter
+		persist := s.persistent()
+		s.mu.Unlock()
+		srv.index.add(s, sub)
+		if persist {
+			srv.saveSub(c.id, sub)
+		}
+		codes[i] = sub.qos
+		granted = true
+		// Retained messages: always (0), only for a new subscription
+		// (1), never (2) [MQTT-3.3.1-9] [MQTT-3.3.1-10] [MQTT-3.3.1-11];
+		// none for a shared subscription [MQTT-4.8.2-?].
+		if shared || sub.rh == 2 || (sub.rh == 1 && prev != nil) {
+			continue
+		}
+		for _, r := range srv.retained.matching(match) {
+			if sub.noLocal && r.m.ClientID == c.id {
+				continue
+			}
+			it := &outItem{m: r.m, qos: min(r.m.QoS, sub.qos), retain: true}
+			if sub.id > 0 {
+				it.ids = []int{sub.id}
+			}
+			retainedOut = append(retainedOut, it)
+		}
+	}
+	if granted && s.persistent() && srv.store != nil {
+		if err := srv.store.Sync(); err != nil {
+			srv.logger.Error("saving subscriptions failed", "client", c.id, "error", err)
+		}
+	}
+	c.send(&packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Suback}, PacketID: pk.PacketID, ReasonCodes: codes})
+	s.enqueueRetained(retainedOut)
+	return true
+}
+
+// unsubscribe answers an UNSUBSCRIBE. False ends the loop.
+func (c *conn) unsubscribe(pk *packets.Packet) bool {
+	if code := pk.UnsubscribeValidate(); code != packets.CodeSuccess {
+		c.protocolError(code, "invalid UNSUBSCRIBE: "+code.Reason)
+		return false
+	}
+	s := c.sess
+	codes := make([]byte, len(pk.Filters))
+	for i, f := range pk.Filters {
+		s.mu.Lock()
+		sub := s.subs[f.Filter]
+		delete(s.subs, f.Filter)
+		persist := s.persistent()
+		s.mu.Unlock()
+		if sub == nil {
+			codes[i] = packets.CodeNoSubscriptionExisted.Code
+			continue
+		}
+		c.srv.index.remove(s, sub)
+		if persist {
+			c.srv.stageDelete(subKey(c.id, f.Filter))
+		}
+	}
+	ack := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Unsuback}, PacketID: pk.PacketID}
+	if c.v == 5 {
+		ack.ReasonCodes = codes
+	}
+	c.send(ack)
+	return true
+}
