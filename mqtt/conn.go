@@ -125,6 +125,11 @@ func (c *conn) run() {
 		} else {
 			_ = c.nc.SetReadDeadline(time.Time{})
 		}
+		// After the deadline is set: an end that came meanwhile set its
+		// own deadline before or after this one, and ended before it.
+		if c.isEnded() {
+			return
+		}
 		pk, err := c.read()
 		if err != nil {
 			c.readFailed(err)
@@ -221,6 +226,9 @@ func decode(pk *packets.Packet, buf []byte) (err error) {
 func (c *conn) readFailed(err error) {
 	var pe errProtocol
 	switch {
+	case c.isEnded():
+		// The server ended it (a take-over, a refusal, Stop): the read
+		// was cut on purpose.
 	case errors.As(err, &pe):
 		if pe.code == packets.ErrPacketTooLarge {
 			c.srv.refusal(c.host, "packet larger than max_packet_size: disconnected", "remote", c.remote(), "client", c.id)
@@ -389,6 +397,13 @@ func (c *conn) end(code packets.Code) {
 		_ = c.nc.SetWriteDeadline(time.Now().Add(time.Second))
 		c.kick()
 	})
+}
+
+// isEnded reports whether end has run.
+func (c *conn) isEnded() bool {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	return c.ended
 }
 
 // finish runs when the read loop ends: the socket closes, the session goes

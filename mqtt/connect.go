@@ -85,13 +85,13 @@ func (c *conn) connect() bool {
 	} else if !cp.Clean {
 		expiry = 0xFFFFFFFF // a 3.1.1 persistent session never expires
 	}
+	// Set before attach makes the connection visible: a take-over may end
+	// it from another goroutine at once.
+	c.authed = true
 	s, present, why := c.srv.attach(c, cp.Clean, expiry)
 	if s == nil {
 		return c.refuse(&pk, packets.ErrClientIdentifierNotValid, 0x02, why)
 	}
-	c.sess = s
-	c.authed = true
-	c.srv.clients.Add(1)
 	ack := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connack}, SessionPresent: present}
 	if v5 {
 		p := &ack.Properties
@@ -243,6 +243,8 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 		} else {
 			present = true
 		}
+		s.clients.Add(1)
+		c.sess = se
 		se.mu.Lock()
 		se.conn = c
 		se.on.Store(true)

@@ -1,0 +1,560 @@
+package mqtt
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/eclipse/paho.golang/paho"
+	"github.com/mochi-mqtt/server/v2/packets"
+)
+
+// Conformance tests, named after the normative statements of MQTT 3.1.1
+// and 5.0 they check, driven by raw frames and by paho.golang.
+
+func u32(v uint32) *uint32 { return &v }
+func u16(v uint16) *uint16 { return &v }
+
+// [MQTT-3.1.4-3]: a second CONNECT with the same client id ends the first
+// connection, with DISCONNECT 0x8E for MQTT 5; the new one works.
+func TestMQTT_3_1_4_3_TakeOverEndsTheFirstWith0x8E(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	first := dialRaw(t, s.Addr(), 5)
+	first.connect("dev", true, nil)
+	second := dialRaw(t, s.Addr(), 5)
+	second.connect("dev", false, nil)
+	if code, ok := first.closed(); !ok || code != packets.ErrSessionTakenOver.Code {
+		t.Fatalf("first connection ended with DISCONNECT %v %#x, want 0x8E", ok, code)
+	}
+	second.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	second.expect(packets.Pingresp)
+}
+
+// [MQTT-3.3.4-9]: a client that sends more QoS 1/2 publishes than the
+// server's Receive Maximum is disconnected with 0x93 — that connection
+// only — and the same client id then connects and works (the mochi-based
+// layer refused it until a restart).
+func TestMQTT_3_3_4_9_ReceiveMaximumExceededEndsOnlyThatConnection(t *testing.T) {
+	log := newMemLog()
+	hold := make(chan struct{})
+	log.hold = hold // proposals resolve once released: the acks stay owed
+	s, _ := testServer(t, log, func(c *Config) { c.MaxInflight = 4 })
+	other := dialRaw(t, s.Addr(), 5)
+	other.connect("bystander", true, nil)
+	c := dialRaw(t, s.Addr(), 5)
+	ack := c.connect("burst", true, nil)
+	if ack.Properties.ReceiveMaximum != 4 {
+		t.Fatalf("CONNACK receive maximum %d, want 4", ack.Properties.ReceiveMaximum)
+	}
+	for i := 1; i <= 5; i++ {
+		c.publish("burst/x", 2, uint16(i), "p")
+	}
+	if code, ok := c.closed(); !ok || code != packets.ErrReceiveMaximum.Code {
+		t.Fatalf("over the receive maximum: DISCONNECT %v %#x, want 0x93", ok, code)
+	}
+	close(hold)
+	other.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	other.expect(packets.Pingresp)
+	again := dialRaw(t, s.Addr(), 5)
+	if ack := again.connect("burst", true, nil); ack.ReasonCode != 0 {
+		t.Fatalf("the same client id after 0x93: CONNACK %#x", ack.ReasonCode)
+	}
+	again.publish("burst/y", 1, 1, "ok")
+	if ack := again.expect(packets.Puback); ack.PacketID != 1 || ack.ReasonCode != 0 {
+		t.Fatalf("PUBACK %+v", ack)
+	}
+}
+
+// [MQTT-2.2.1-2]/[MQTT-4.3.3-?]: the server's outbound packet ids and the
+// client's are independent spaces. A 3.1.1 persistent session that comes
+// back while a delivery of packet id 1 is in flight subscribes with its
+// own packet id 1 and is granted (the mochi-based layer answered 0x91).
+func TestMQTT_2_2_1_PacketIDSpacesAreIndependent(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	sub := dialRaw(t, s.Addr(), 4)
+	sub.connect("pz1", false, nil)
+	sub.subscribe(1, packets.Subscription{Filter: "pz/#", Qos: 1})
+	sub.c.Close()
+	pub := dialRaw(t, s.Addr(), 4)
+	pub.connect("pub", true, nil)
+	pub.publish("pz/a", 1, 1, "queued")
+	pub.expect(packets.Puback)
+	back := dialRaw(t, s.Addr(), 4)
+	if ack := back.connect("pz1", false, nil); !ack.SessionPresent {
+		t.Fatal("session not present")
+	}
+	got := back.expect(packets.Publish)
+	if string(got.Payload) != "queued" || got.PacketID != 1 {
+		t.Fatalf("replayed %+v", got)
+	}
+	// The delivery is unacked: its id 1 is taken in the server's space.
+	back.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Subscribe, Qos: 1}, PacketID: 1,
+		Filters: packets.Subscriptions{{Filter: "other/#", Qos: 1}}})
+	sa := back.expect(packets.Suback)
+	if sa.PacketID != 1 || len(sa.ReasonCodes) != 1 || sa.ReasonCodes[0] != 1 {
+		t.Fatalf("SUBACK %+v, want packet id 1 granted QoS 1", sa)
+	}
+	pub.publish("other/x", 1, 2, "new filter")
+	pub.expect(packets.Puback)
+	if p := back.expect(packets.Publish); string(p.Payload) != "new filter" {
+		t.Fatalf("the new filter does not deliver: %q", p.Payload)
+	}
+}
+
+// [MQTT-3.2.2-21]: a client asking for a keep alive over keepalive_max is
+// told the server's in the CONNACK's Server Keep Alive, and held to it.
+func TestMQTT_3_2_2_21_ServerKeepAlive(t *testing.T) {
+	s, _ := testServer(t, nil, func(c *Config) { c.Limits.KeepAliveMax = 1 })
+	c := dialRaw(t, s.Addr(), 5)
+	ack := c.connect("ka", true, nil) // asks for 30 s
+	if !ack.Properties.ServerKeepAliveFlag || ack.Properties.ServerKeepAlive != 1 {
+		t.Fatalf("CONNACK server keep alive %v %d, want 1", ack.Properties.ServerKeepAliveFlag, ack.Properties.ServerKeepAlive)
+	}
+	start := time.Now()
+	if code, ok := c.closed(); !ok || code != packets.ErrKeepAliveTimeout.Code {
+		t.Fatalf("silent client: DISCONNECT %v %#x, want 0x8D", ok, code)
+	}
+	if d := time.Since(start); d > 4*time.Second {
+		t.Fatalf("closed after %v, want about 1.5 s", d)
+	}
+}
+
+// [MQTT-3.3.2-12]/[MQTT-3.3.2-11]: an inbound topic alias set by one
+// PUBLISH stands for its topic in the next; [MQTT-3.2.2-17]: the CONNACK
+// says how many the server takes; an alias over it is a protocol error
+// (0x94).
+func TestMQTT_3_3_2_12_InboundTopicAliases(t *testing.T) {
+	s, log := testServer(t, nil, nil)
+	c := dialRaw(t, s.Addr(), 5)
+	if ack := c.connect("alias", true, nil); ack.Properties.TopicAliasMaximum != 100 {
+		t.Fatalf("CONNACK topic alias maximum %d, want 100", ack.Properties.TopicAliasMaximum)
+	}
+	set := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 1}, TopicName: "alias/long/topic", PacketID: 1, Payload: []byte("a")}
+	set.Properties.TopicAlias, set.Properties.TopicAliasFlag = 7, true
+	c.write(set)
+	c.expect(packets.Puback)
+	use := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 1}, PacketID: 2, Payload: []byte("b")}
+	use.Properties.TopicAlias, use.Properties.TopicAliasFlag = 7, true
+	c.write(use)
+	c.expect(packets.Puback)
+	if got := log.topics(); len(got) != 2 || got[1] != "alias/long/topic" {
+		t.Fatalf("logged topics %v", got)
+	}
+	over := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 1}, TopicName: "x", PacketID: 3}
+	over.Properties.TopicAlias, over.Properties.TopicAliasFlag = 101, true
+	c.write(over)
+	if code, ok := c.closed(); !ok || code != packets.ErrTopicAliasInvalid.Code {
+		t.Fatalf("alias over the maximum: DISCONNECT %v %#x, want 0x94", ok, code)
+	}
+}
+
+// [MQTT-3.1.2-26]/[MQTT-3.3.2-?]: the server sends topic aliases only to a
+// client that takes them, no more than its Topic Alias Maximum, and a
+// later PUBLISH on the same topic carries the alias with an empty topic.
+func TestMQTT_3_1_2_26_OutboundTopicAliases(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	c := dialRaw(t, s.Addr(), 5)
+	c.connect("takes-aliases", true, &packets.Properties{TopicAliasMaximum: 1})
+	c.subscribe(1, packets.Subscription{Filter: "ta/#", Qos: 0})
+	none := dialRaw(t, s.Addr(), 5)
+	none.connect("no-aliases", true, nil)
+	none.subscribe(1, packets.Subscription{Filter: "ta/#", Qos: 0})
+	pub := dialRaw(t, s.Addr(), 5)
+	pub.connect("pub", true, nil)
+	for i, topic := range []string{"ta/one", "ta/one", "ta/two"} {
+		pub.publish(topic, 1, uint16(i+1), "x")
+		pub.expect(packets.Puback)
+	}
+	p1, p2, p3 := c.expect(packets.Publish), c.expect(packets.Publish), c.expect(packets.Publish)
+	if p1.TopicName != "ta/one" || p1.Properties.TopicAlias != 1 {
+		t.Fatalf("first: topic %q alias %d, want ta/one with alias 1", p1.TopicName, p1.Properties.TopicAlias)
+	}
+	if p2.TopicName != "" || p2.Properties.TopicAlias != 1 {
+		t.Fatalf("second: topic %q alias %d, want the alias alone", p2.TopicName, p2.Properties.TopicAlias)
+	}
+	if p3.TopicName != "ta/two" || p3.Properties.TopicAlias != 0 {
+		t.Fatalf("third: topic %q alias %d, want no alias past the maximum of 1", p3.TopicName, p3.Properties.TopicAlias)
+	}
+	for i := 0; i < 3; i++ {
+		if p := none.expect(packets.Publish); p.Properties.TopicAlias != 0 || p.TopicName == "" {
+			t.Fatalf("a client without aliases got %+v", p)
+		}
+	}
+}
+
+// [MQTT-3.3.4-2]..[MQTT-3.3.4-5]: overlapping subscriptions give one copy,
+// at the highest QoS granted, carrying every matching subscription
+// identifier.
+func TestMQTT_3_3_4_3_OverlappingSubscriptionsOneCopyWithEveryIdentifier(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	c := dialRaw(t, s.Addr(), 5)
+	c.connect("overlap", true, nil)
+	for i, f := range []packets.Subscription{{Filter: "ov/#", Qos: 0}, {Filter: "ov/+/x", Qos: 1}} {
+		sub := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Subscribe, Qos: 1}, PacketID: uint16(i + 1), Filters: packets.Subscriptions{f}}
+		sub.Properties.SubscriptionIdentifier = []int{i + 1}
+		c.write(sub)
+		c.expect(packets.Suback)
+	}
+	pub := dialRaw(t, s.Addr(), 5)
+	pub.connect("ov-pub", true, nil)
+	pub.publish("ov/a/x", 1, 1, "once")
+	pub.expect(packets.Puback)
+	pub.publish("ov/end", 1, 2, "end")
+	pub.expect(packets.Puback)
+	p := c.expect(packets.Publish)
+	if string(p.Payload) != "once" || p.FixedHeader.Qos != 1 {
+		t.Fatalf("got %q at QoS %d, want once at 1", p.Payload, p.FixedHeader.Qos)
+	}
+	ids := fmt.Sprint(p.Properties.SubscriptionIdentifier)
+	if ids != "[1 2]" && ids != "[2 1]" {
+		t.Fatalf("subscription identifiers %s, want 1 and 2", ids)
+	}
+	c.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+	if e := c.expect(packets.Publish); string(e.Payload) != "end" {
+		t.Fatalf("a second copy came: %q", e.Payload)
+	}
+}
+
+// [MQTT-4.8.2-?] shared subscriptions: each message goes to one session of
+// the group, round robin among the connected ones; a plain subscription
+// beside the group still gets every one.
+func TestMQTT_4_8_2_SharedSubscriptionsDeliverToOneMember(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	var chans []chan *paho.Publish
+	for i := 0; i < 2; i++ {
+		c, got := pahoClient(t, s.Addr(), fmt.Sprintf("member-%d", i), nil)
+		if _, err := c.Subscribe(context.Background(), &paho.Subscribe{Subscriptions: []paho.SubscribeOptions{{Topic: "$share/g/sh/#", QoS: 1}}}); err != nil {
+			t.Fatal(err)
+		}
+		chans = append(chans, got)
+	}
+	plain, all := pahoClient(t, s.Addr(), "plain", nil)
+	if _, err := plain.Subscribe(context.Background(), &paho.Subscribe{Subscriptions: []paho.SubscribeOptions{{Topic: "sh/#", QoS: 1}}}); err != nil {
+		t.Fatal(err)
+	}
+	pub, _ := pahoClient(t, s.Addr(), "sh-pub", nil)
+	const n = 10
+	for i := 0; i < n; i++ {
+		if _, err := pub.Publish(context.Background(), &paho.Publish{Topic: "sh/t", QoS: 1, Payload: []byte{byte(i)}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := 0; i < n; i++ {
+		<-all
+	}
+	seen := map[byte]int{}
+	counts := make([]int, 2)
+	waitUntil(t, 5*time.Second, "every shared message", func() bool {
+		for i, ch := range chans {
+			for len(ch) > 0 {
+				seen[(<-ch).Payload[0]]++
+				counts[i]++
+			}
+		}
+		return len(seen) == n
+	})
+	for k, v := range seen {
+		if v != 1 {
+			t.Fatalf("message %d went to %d members", k, v)
+		}
+	}
+	if counts[0] != n/2 || counts[1] != n/2 {
+		t.Fatalf("round robin gave %v, want 5 each", counts)
+	}
+}
+
+// [MQTT-3.1.3-9]: a will with a delay is not sent when the client comes
+// back within it; [MQTT-3.1.2-8]: it is sent when the client does not.
+func TestMQTT_3_1_3_9_WillDelay(t *testing.T) {
+	s, log := testServer(t, nil, nil)
+	connectWithWill := func() *raw {
+		c := dialRaw(t, s.Addr(), 5)
+		pk := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connect},
+			Connect: packets.ConnectParams{ProtocolName: []byte("MQTT"), ClientIdentifier: "willy", Keepalive: 30,
+				WillFlag: true, WillTopic: "wills/willy", WillPayload: []byte("gone"), WillQos: 1}}
+		pk.Properties.SessionExpiryInterval, pk.Properties.SessionExpiryIntervalFlag = 60, true
+		pk.Connect.WillProperties.WillDelayInterval = 1
+		c.write(pk)
+		c.expect(packets.Connack)
+		return c
+	}
+	c := connectWithWill()
+	c.c.Close() // no DISCONNECT: the will is due after its delay
+	connectWithWill()
+	time.Sleep(1500 * time.Millisecond) // the will's delay has to pass to show it was cancelled
+	for _, topic := range log.topics() {
+		if topic == "wills/willy" {
+			t.Fatal("the will was sent although the client came back within its delay")
+		}
+	}
+	c2 := connectWithWill()
+	c2.c.Close()
+	waitUntil(t, 5*time.Second, "the will", func() bool {
+		for _, topic := range log.topics() {
+			if topic == "wills/willy" {
+				return true
+			}
+		}
+		return false
+	})
+}
+
+// [MQTT-3.1.2-24]: the server does not send a packet larger than the
+// client's Maximum Packet Size: that message is dropped, the next small
+// one arrives.
+func TestMQTT_3_1_2_24_ClientMaximumPacketSize(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	c := dialRaw(t, s.Addr(), 5)
+	c.connect("small", true, &packets.Properties{MaximumPacketSize: 200})
+	c.subscribe(1, packets.Subscription{Filter: "mp/#", Qos: 1})
+	pub := dialRaw(t, s.Addr(), 5)
+	pub.connect("pub", true, nil)
+	pub.publish("mp/big", 1, 1, strings.Repeat("x", 500))
+	pub.expect(packets.Puback)
+	pub.publish("mp/small", 1, 2, "fits")
+	pub.expect(packets.Puback)
+	if p := c.expect(packets.Publish); p.TopicName != "mp/small" {
+		t.Fatalf("got %s, want only the message that fits", p.TopicName)
+	}
+}
+
+// [MQTT-3.2.2-15]/[MQTT-3.1.2-?]: a packet over the server's maximum
+// packet size ends that connection with 0x95; before CONNECT is
+// authenticated the bound is 64 KiB whatever max_packet_size says.
+func TestMQTT_3_2_2_15_ServerMaximumPacketSize(t *testing.T) {
+	s, _ := testServer(t, nil, func(c *Config) { c.MaxPacketSize = 1 << 20 })
+	c := dialRaw(t, s.Addr(), 5)
+	c.connect("big", true, nil)
+	c.publish("mps/x", 0, 0, strings.Repeat("y", 1<<20))
+	if code, ok := c.closed(); !ok || code != packets.ErrPacketTooLarge.Code {
+		t.Fatalf("oversize PUBLISH: DISCONNECT %v %#x, want 0x95", ok, code)
+	}
+	pre := dialRaw(t, s.Addr(), 5)
+	// A CONNECT claiming 100 KiB: closed before the server reads it.
+	pre.send([]byte{0x10, 0x80, 0x80, 0x06})
+	pre.closed()
+}
+
+// [MQTT-4.7.2-1]: clients may not publish to $ topics: $SYS is the
+// server's (0x87 for MQTT 5; a 3.1.1 client, with no negative ack, is
+// disconnected).
+func TestMQTT_4_7_2_1_NoPublishesToDollarTopics(t *testing.T) {
+	s, log := testServer(t, nil, nil)
+	c := dialRaw(t, s.Addr(), 5)
+	c.connect("sys5", true, nil)
+	c.publish("$SYS/broker/x", 1, 1, "no")
+	if ack := c.expect(packets.Puback); ack.ReasonCode != packets.ErrNotAuthorized.Code {
+		t.Fatalf("PUBACK %#x, want 0x87", ack.ReasonCode)
+	}
+	c3 := dialRaw(t, s.Addr(), 4)
+	c3.connect("sys3", true, nil)
+	c3.publish("$SYS/broker/x", 1, 1, "no")
+	c3.closed()
+	if got := log.topics(); len(got) != 0 {
+		t.Fatalf("logged %v", got)
+	}
+}
+
+// [MQTT-3.8.3-3]: No Local: a client's own publishes do not come back on
+// a subscription with it set; [MQTT-3.3.1-12]/[MQTT-3.3.1-13]: Retain As
+// Published keeps the retain flag on forwarded messages, without it the
+// flag is cleared.
+func TestMQTT_3_8_3_3_NoLocalAndRetainAsPublished(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	c := dialRaw(t, s.Addr(), 5)
+	c.connect("nl", true, nil)
+	c.subscribe(1, packets.Subscription{Filter: "nl/own", Qos: 1, NoLocal: true},
+		packets.Subscription{Filter: "nl/rap", Qos: 1, RetainAsPublished: true},
+		packets.Subscription{Filter: "nl/plain", Qos: 1})
+	c.publish("nl/own", 1, 1, "mine")
+	c.expect(packets.Puback)
+	other := dialRaw(t, s.Addr(), 5)
+	other.connect("other", true, nil)
+	write := func(topic string, pid uint16) {
+		other.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 1, Retain: true}, TopicName: topic, PacketID: pid, Payload: []byte("r")})
+		other.expect(packets.Puback)
+	}
+	write("nl/rap", 1)
+	write("nl/plain", 2)
+	p1, p2 := c.expect(packets.Publish), c.expect(packets.Publish)
+	if p1.TopicName != "nl/rap" || !p1.FixedHeader.Retain {
+		t.Fatalf("retain as published: %s retain=%v", p1.TopicName, p1.FixedHeader.Retain)
+	}
+	if p2.TopicName != "nl/plain" || p2.FixedHeader.Retain {
+		t.Fatalf("plain: %s retain=%v, want the flag cleared", p2.TopicName, p2.FixedHeader.Retain)
+	}
+}
+
+// [MQTT-3.3.1-9]..[MQTT-3.3.1-11]: retained messages on subscribe, by
+// Retain Handling: 0 always, 1 only for a new subscription, 2 never;
+// [MQTT-3.3.1-10]: an empty retained payload clears the topic.
+func TestMQTT_3_3_1_9_RetainHandling(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	pub := dialRaw(t, s.Addr(), 5)
+	pub.connect("rp", true, nil)
+	pub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 1, Retain: true}, TopicName: "rh/a", PacketID: 1, Payload: []byte("kept")})
+	pub.expect(packets.Puback)
+	waitUntil(t, 5*time.Second, "the retained message", func() bool { return s.Retained() == 1 })
+	c := dialRaw(t, s.Addr(), 5)
+	c.connect("rh", true, nil)
+	for _, tc := range []struct {
+		rh   byte
+		want bool
+	}{{0, true}, {0, true}, {1, false}, {2, false}} {
+		c.subscribe(1, packets.Subscription{Filter: "rh/#", Qos: 1, RetainHandling: tc.rh})
+		pk, err := c.read(300 * time.Millisecond) // bounded wait for a message that must not come
+		got := err == nil && pk.FixedHeader.Type == packets.Publish
+		if got != tc.want {
+			t.Fatalf("retain handling %d: retained message sent %v, want %v", tc.rh, got, tc.want)
+		}
+		if got {
+			if !pk.FixedHeader.Retain || string(pk.Payload) != "kept" {
+				t.Fatalf("retained message %+v", pk)
+			}
+			c.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: pk.PacketID})
+		}
+	}
+	fresh := dialRaw(t, s.Addr(), 5)
+	fresh.connect("rh-new", true, nil)
+	fresh.subscribe(1, packets.Subscription{Filter: "rh/#", Qos: 1, RetainHandling: 1})
+	if p := fresh.expect(packets.Publish); string(p.Payload) != "kept" {
+		t.Fatalf("retain handling 1 on a new subscription: %q", p.Payload)
+	}
+	pub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 1, Retain: true}, TopicName: "rh/a", PacketID: 2})
+	pub.expect(packets.Puback)
+	waitUntil(t, 5*time.Second, "the retained message cleared", func() bool { return s.Retained() == 0 })
+}
+
+// [MQTT-3.3.2-4]..[MQTT-3.3.2-20]: the properties of a PUBLISH reach the
+// subscriber unchanged (payload format, content type, response topic,
+// correlation data, user properties in order), and [MQTT-3.3.2-6] the
+// message expiry it gets is what is left of the publisher's.
+func TestMQTT_3_3_2_4_PropertiesPassThrough(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	sub, got := pahoClient(t, s.Addr(), "props-sub", nil)
+	if _, err := sub.Subscribe(context.Background(), &paho.Subscribe{Subscriptions: []paho.SubscribeOptions{{Topic: "req/#", QoS: 1}}}); err != nil {
+		t.Fatal(err)
+	}
+	pub, _ := pahoClient(t, s.Addr(), "props-pub", nil)
+	pf := byte(1)
+	props := &paho.PublishProperties{PayloadFormat: &pf, MessageExpiry: u32(60), ContentType: "application/json",
+		ResponseTopic: "resp/1", CorrelationData: []byte{1, 2, 3},
+		User: paho.UserProperties{{Key: "a", Value: "1"}, {Key: "b", Value: "2"}, {Key: "a", Value: "3"}}}
+	if _, err := pub.Publish(context.Background(), &paho.Publish{Topic: "req/x", QoS: 1, Payload: []byte(`{}`), Properties: props}); err != nil {
+		t.Fatal(err)
+	}
+	p := <-got
+	gp := p.Properties
+	if gp == nil || gp.PayloadFormat == nil || *gp.PayloadFormat != 1 || gp.ContentType != "application/json" ||
+		gp.ResponseTopic != "resp/1" || string(gp.CorrelationData) != "\x01\x02\x03" || gp.MessageExpiry == nil || *gp.MessageExpiry > 60 || *gp.MessageExpiry < 58 {
+		t.Fatalf("properties %+v", gp)
+	}
+	if fmt.Sprint(gp.User) != fmt.Sprint(props.User) {
+		t.Fatalf("user properties %v, want %v in order", gp.User, props.User)
+	}
+}
+
+// Sessions are cursors into the log: a persistent session whose client is
+// offline is handed, on reconnect, every QoS 1 message published meanwhile,
+// in log order, read from the log [MQTT-3.1.2-4]/[MQTT-4.6.0-?]. And a
+// subscriber slower than its queue reads the log from its cursor: nothing
+// is lost and order holds.
+func TestMQTT_3_1_2_4_SessionsReplayFromTheirCursor(t *testing.T) {
+	s, _ := testServer(t, nil, func(c *Config) { c.MaxQueued = 8 })
+	c := dialRaw(t, s.Addr(), 4)
+	c.connect("cursor", false, nil)
+	c.subscribe(1, packets.Subscription{Filter: "cur/#", Qos: 1})
+	c.c.Close()
+	pub := dialRaw(t, s.Addr(), 4)
+	pub.connect("pub", true, nil)
+	const n = 100
+	for i := 0; i < n; i++ {
+		pub.publish("cur/x", 1, uint16(i+1), fmt.Sprint(i))
+		pub.expect(packets.Puback)
+	}
+	back := dialRaw(t, s.Addr(), 4)
+	back.connect("cursor", false, nil)
+	for i := 0; i < n; i++ {
+		p := back.expect(packets.Publish)
+		if string(p.Payload) != fmt.Sprint(i) {
+			t.Fatalf("message %d: got %q", i, p.Payload)
+		}
+		back.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+	}
+	// Online now, with a queue of 8 and a window of 1: the rest comes
+	// from the log.
+	slow := dialRaw(t, s.Addr(), 5)
+	slow.connect("slow", true, &packets.Properties{ReceiveMaximum: 1})
+	slow.subscribe(1, packets.Subscription{Filter: "cur/#", Qos: 1})
+	for i := 0; i < n; i++ {
+		pub.publish("cur/y", 1, uint16(i+1), fmt.Sprint(i))
+		pub.expect(packets.Puback)
+	}
+	for i := 0; i < n; i++ {
+		p := slow.expect(packets.Publish)
+		if string(p.Payload) != fmt.Sprint(i) {
+			t.Fatalf("slow subscriber, message %d: got %q", i, p.Payload)
+		}
+		slow.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+	}
+}
+
+// A persistent session survives the server: subscriptions, cursor and the
+// unacked QoS 1 message come back from the session store, and the message
+// is resent with DUP [MQTT-4.4.0-1].
+func TestMQTT_4_4_0_1_SessionSurvivesRestart(t *testing.T) {
+	log := newMemLog()
+	s, _ := testServer(t, log, nil)
+	c := dialRaw(t, s.Addr(), 5)
+	c.connect("durable", false, &packets.Properties{SessionExpiryInterval: 3600, SessionExpiryIntervalFlag: true})
+	c.subscribe(1, packets.Subscription{Filter: "dur/#", Qos: 1})
+	pub := dialRaw(t, s.Addr(), 5)
+	pub.connect("pub", true, nil)
+	pub.publish("dur/a", 1, 1, "unacked")
+	pub.expect(packets.Puback)
+	first := c.expect(packets.Publish) // not acked
+	log.halt()
+	s2, _ := testServer(t, log, nil)
+	back := dialRaw(t, s2.Addr(), 5)
+	if ack := back.connect("durable", false, &packets.Properties{SessionExpiryInterval: 3600, SessionExpiryIntervalFlag: true}); !ack.SessionPresent {
+		t.Fatal("session not present after the restart")
+	}
+	p := back.expect(packets.Publish)
+	if string(p.Payload) != "unacked" || !p.FixedHeader.Dup || p.PacketID != first.PacketID {
+		t.Fatalf("resend %+v (dup %v), want the unacked message with DUP and id %d", p, p.FixedHeader.Dup, first.PacketID)
+	}
+	back.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+	pub2 := dialRaw(t, s2.Addr(), 5)
+	pub2.connect("pub", true, nil)
+	pub2.publish("dur/b", 1, 1, "after")
+	pub2.expect(packets.Puback)
+	if p := back.expect(packets.Publish); string(p.Payload) != "after" {
+		t.Fatalf("after the restart: %q", p.Payload)
+	}
+}
+
+// [MQTT-4.3.3-?] QoS 2 inbound: a resent PUBLISH (DUP) of a flow whose
+// PUBREL has not come is answered PUBREC and not logged twice; PUBREL for
+// an unknown id gets PUBCOMP 0x92.
+func TestMQTT_4_3_3_QoS2InboundExactlyOnce(t *testing.T) {
+	s, log := testServer(t, nil, nil)
+	c := dialRaw(t, s.Addr(), 5)
+	c.connect("q2", true, nil)
+	c.publish("q2/a", 2, 9, "once")
+	c.expect(packets.Pubrec)
+	c.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2, Dup: true}, TopicName: "q2/a", PacketID: 9, Payload: []byte("once")})
+	c.expect(packets.Pubrec)
+	c.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: 9})
+	if comp := c.expect(packets.Pubcomp); comp.ReasonCode != 0 {
+		t.Fatalf("PUBCOMP %#x", comp.ReasonCode)
+	}
+	c.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: 10})
+	if comp := c.expect(packets.Pubcomp); comp.ReasonCode != packets.ErrPacketIdentifierNotFound.Code {
+		t.Fatalf("PUBCOMP for an unknown id %#x, want 0x92", comp.ReasonCode)
+	}
+	if got := log.topics(); len(got) != 1 {
+		t.Fatalf("logged %v, want once", got)
+	}
+}
