@@ -126,6 +126,32 @@ type MQTTConfig struct {
 	KeepAliveMin Duration `yaml:"keepalive_min"`
 	// KeepAliveMax: see KeepAliveMin.
 	KeepAliveMax Duration `yaml:"keepalive_max"`
+	// MaxSubscriptions caps the subscriptions of one client; a filter over
+	// it gets SUBACK 0x97 quota exceeded (3.1.1: 0x80). Default 1000.
+	MaxSubscriptions int `yaml:"max_subscriptions"`
+	// TopicAliasMaximum is how many topic aliases an MQTT 5 client may set
+	// (told in the CONNACK); an alias over it ends the connection (0x94).
+	// Default 100, at most 65535.
+	TopicAliasMaximum int `yaml:"topic_alias_maximum"`
+	// WebSocket is an optional MQTT-over-WebSocket listener for browser
+	// dashboards, with the same users, ACLs and limits: on when
+	// WebSocket.Listen is set.
+	WebSocket WebSocketConfig `yaml:"websocket"`
+}
+
+// WebSocketConfig holds the settings of the MQTT-over-WebSocket listener
+// (subprotocol "mqtt", any path).
+type WebSocketConfig struct {
+	// Listen is the listener's host:port; "" (the default) means none.
+	Listen string `yaml:"listen"`
+	// TLS serves wss:// with mqtt.tls's certificate and key.
+	TLS bool `yaml:"tls"`
+	// Origins are the browser origins (host patterns such as
+	// "dash.example.com" or "*.example.com") whose pages may connect,
+	// besides the listener's own host: a page of any other site is
+	// refused, so a web page cannot reach a gateway through its visitor's
+	// browser.
+	Origins []string `yaml:"origins,omitempty"`
 }
 
 // AnonymousAllowed reports whether the broker should accept clients without
@@ -894,6 +920,19 @@ func (c *Config) validate(w *configWalker) error {
 		if !c.MQTT.TLS.RequireClientCert {
 			ck.needUsers("mqtt.tls.listen", c.MQTT.TLS.Listen)
 		}
+		ck.needUsers("mqtt.websocket.listen", c.MQTT.WebSocket.Listen)
+	}
+	if c.MQTT.WebSocket.Listen != "" {
+		ck.hostPort("mqtt.websocket.listen", c.MQTT.WebSocket.Listen)
+	}
+	if c.MQTT.WebSocket.TLS && !c.MQTT.TLS.Enabled() {
+		ck.failf("mqtt.websocket.tls", "needs mqtt.tls.cert_file and key_file")
+	}
+	if c.MQTT.MaxSubscriptions < 0 {
+		ck.failf("mqtt.max_subscriptions", "%d is out of range: 1 or more (0 means the default, 1000)", c.MQTT.MaxSubscriptions)
+	}
+	if c.MQTT.TopicAliasMaximum < 0 || c.MQTT.TopicAliasMaximum > 65535 {
+		ck.failf("mqtt.topic_alias_maximum", "%d is out of range: 1 to 65535 (0 means the default, 100)", c.MQTT.TopicAliasMaximum)
 	}
 	ck.tls(c.MQTT.TLS)
 	ck.limits(c.MQTT)

@@ -98,6 +98,10 @@ func fullConfig() *Config {
 			ConnectBurst:   10,
 			KeepAliveMin:   Duration(10 * time.Second),
 			KeepAliveMax:   Duration(time.Hour),
+
+			MaxSubscriptions:  500,
+			TopicAliasMaximum: 50,
+			WebSocket:         WebSocketConfig{Listen: "0.0.0.0:8080", TLS: true, Origins: []string{"dash.example.com"}},
 		},
 		Peer: PeerConfig{Listen: "0.0.0.0:7884", Advertise: []string{"198.51.100.1:7884", "gw-1.local:7884"}},
 		HTTP: HTTPConfig{Listen: "127.0.0.1:7881", TokenFile: "/etc/tandem/http-token"},

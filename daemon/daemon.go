@@ -120,11 +120,15 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		Limits:         mqttLimits(c.MQTT),
 		MaxInflight:    c.MQTT.MaxInflight,
 		MaxPacketSize:  uint32(c.MQTT.MaxPacketSize),
-		Topics:         topics,
-		SyncTimeout:    c.Cluster.SyncTimeout.Duration(),
-		Sessions:       sessionStore{d.db},
-		Logger:         d.log.With("component", "mqtt"),
-		Observer:       d.fieldView(),
+		WebSocket:      mqttWebSocket(c.MQTT.WebSocket),
+
+		MaxSubscriptions:  c.MQTT.MaxSubscriptions,
+		TopicAliasMaximum: uint16(c.MQTT.TopicAliasMaximum),
+		Topics:            topics,
+		SyncTimeout:       c.Cluster.SyncTimeout.Duration(),
+		Sessions:          sessionStore{d.db},
+		Logger:            d.log.With("component", "mqtt"),
+		Observer:          d.fieldView(),
 	}, la)
 	if err != nil {
 		return err
@@ -259,6 +263,14 @@ func (d *Daemon) restartNode(prep func() error, join bool, quietUntil uint64) er
 
 // MQTTAddr returns the MQTT listener's address.
 func (d *Daemon) MQTTAddr() string { return d.broker.Addr() }
+
+// MQTTWSAddr returns the MQTT-over-WebSocket listener's address, or "".
+func (d *Daemon) MQTTWSAddr() string {
+	if ws, ok := d.broker.(interface{ WSAddr() string }); ok {
+		return ws.WSAddr()
+	}
+	return ""
+}
 
 // MQTTTLSAddr returns the MQTT-over-TLS listener's address, or "".
 func (d *Daemon) MQTTTLSAddr() string { return d.broker.TLSAddr() }

@@ -115,6 +115,15 @@ func mqttTLS(t TLSConfig) (*mqtt.TLSConfig, error) {
 	return c, c.Check()
 }
 
+// mqttWebSocket converts the websocket settings, nil when the listener is
+// off.
+func mqttWebSocket(w WebSocketConfig) *mqtt.WebSocketConfig {
+	if w.Listen == "" {
+		return nil
+	}
+	return &mqtt.WebSocketConfig{Listen: w.Listen, TLS: w.TLS, OriginPatterns: w.Origins}
+}
+
 // mqttLimits converts the limits of the mqtt section.
 func mqttLimits(m MQTTConfig) mqtt.Limits {
 	return mqtt.Limits{

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/coder/websocket"
 	"github.com/eclipse/paho.golang/paho"
 )
 
@@ -282,5 +283,41 @@ func chaosRound(addr string, rng *rand.Rand, ops *atomic.Int64) {
 	}
 	if rng.Intn(2) == 0 {
 		_ = c.Disconnect(&paho.Disconnect{})
+	}
+}
+
+// mqtt.websocket.listen opens MQTT over WebSocket with the gateway's users
+// and log: a publish over it is acked, logged and delivered to a TCP
+// subscriber.
+func TestWebSocketListenerFromConfig(t *testing.T) {
+	d := testGateway(t, t.TempDir(), func(c *Config) { c.MQTT.WebSocket.Listen = "127.0.0.1:0" })
+	if d.MQTTWSAddr() == "" {
+		t.Fatal("no websocket listener")
+	}
+	sub, got := v5(t, d.MQTTAddr(), "tcp-sub", nil)
+	subscribe(t, sub, "ws/#", 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	wc, _, err := websocket.Dial(ctx, "ws://"+d.MQTTWSAddr()+"/mqtt", &websocket.DialOptions{Subprotocols: []string{"mqtt"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := paho.NewClient(paho.ClientConfig{ClientID: "browser", Conn: websocket.NetConn(context.Background(), wc, websocket.MessageBinary)})
+	if ca, err := c.Connect(ctx, &paho.Connect{ClientID: "browser", CleanStart: true, KeepAlive: 30}); err != nil || ca.ReasonCode != 0 {
+		t.Fatalf("connect: %v %+v", err, ca)
+	}
+	defer c.Disconnect(&paho.Disconnect{})
+	if r, err := c.Publish(ctx, &paho.Publish{Topic: "ws/x", QoS: 1, Payload: []byte("from a browser")}); err != nil || r.ReasonCode != 0 {
+		t.Fatalf("publish: %v %+v", err, r)
+	}
+	if p := receive(t, got, 5*time.Second); string(p.Payload) != "from a browser" {
+		t.Fatalf("got %q", p.Payload)
+	}
+	found := false
+	for _, r := range logRecords(t, d) {
+		found = found || (r.Topic == "ws/x" && r.ClientID == "browser")
+	}
+	if !found {
+		t.Fatal("the websocket publish is not in the log")
 	}
 }

@@ -22,6 +22,9 @@ type Config struct {
 	Listen string
 	// TLS configures an MQTT-over-TLS listener; nil means none.
 	TLS *TLSConfig
+	// WebSocket configures an MQTT-over-WebSocket listener; nil means
+	// none.
+	WebSocket *WebSocketConfig
 	// AllowAnonymous admits clients without credentials.
 	AllowAnonymous bool
 	// Users is the users file; nil means none (see Access).

@@ -108,7 +108,10 @@ func (l *srvListener) admit(nc net.Conn) {
 
 // stopAccepting closes the listening socket.
 func (l *srvListener) stopAccepting() {
-	if !l.closed.Swap(true) && l.ln != nil {
+	l.mu.Lock()
+	was := l.closed.Swap(true)
+	l.mu.Unlock()
+	if !was && l.ln != nil {
 		l.ln.Close()
 	}
 }

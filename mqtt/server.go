@@ -44,6 +44,7 @@ type Server struct {
 	preAuth      *byteBudget   // bytes buffered for connections not yet authenticated
 
 	tcp, tlsLn *srvListener
+	ws         *wsListener // nil without a WebSocket listener
 
 	mu       sync.Mutex          // guards sessions and wills
 	sessions map[string]*session // by client id, online and offline
@@ -127,6 +128,17 @@ func NewServer(cfg Config, log Log) (*Server, error) {
 			s.tcp.stopAccepting()
 			return nil, fmt.Errorf("mqtt: tls listen %s: %w", cfg.TLS.Listen, err)
 		}
+	}
+	if cfg.WebSocket != nil {
+		ws, err := newWSListener(s, cfg.WebSocket)
+		if err != nil {
+			s.tcp.stopAccepting()
+			if s.tlsLn != nil {
+				s.tlsLn.stopAccepting()
+			}
+			return nil, fmt.Errorf("mqtt: websocket listen %s: %w", cfg.WebSocket.Listen, err)
+		}
+		s.ws = ws
 	}
 	return s, nil
 }
@@ -221,8 +233,20 @@ func (s *Server) Start() error {
 		s.goFunc(s.tlsLn.serve)
 		s.logger.Info("mqtt tls listening", "addr", s.TLSAddr(), "client_certs", s.cfg.TLS.RequireClientCert)
 	}
+	if s.ws != nil {
+		s.goFunc(s.ws.serve)
+		s.logger.Info("mqtt websocket listening", "addr", s.WSAddr(), "tls", s.cfg.WebSocket.TLS)
+	}
 	s.goFunc(s.sweeper)
 	return nil
+}
+
+// WSAddr returns the WebSocket listener's address, or "" without one.
+func (s *Server) WSAddr() string {
+	if s.ws == nil {
+		return ""
+	}
+	return s.ws.lst.address()
 }
 
 // Stop closes the listeners and every connection (MQTT 5 clients get
@@ -238,14 +262,23 @@ func (s *Server) Stop() error {
 	if s.tlsLn != nil {
 		lns = append(lns, s.tlsLn)
 	}
+	if s.ws != nil {
+		lns = append(lns, s.ws.lst)
+	}
 	for _, l := range lns {
 		l.stopAccepting()
+	}
+	if s.ws != nil {
+		_ = s.ws.http.Close() // requests not yet upgraded
 	}
 	for _, c := range s.onlineConns() {
 		c.end(codeShutdown)
 	}
 	for _, l := range lns {
 		l.close()
+	}
+	if s.ws != nil {
+		s.ws.active.Wait()
 	}
 	s.wg.Wait()
 	s.mu.Lock()
