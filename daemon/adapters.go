@@ -3,7 +3,6 @@ package daemon
 import (
 	"errors"
 	"fmt"
-	"os"
 	"sync/atomic"
 
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -96,7 +95,7 @@ func messageOf(r *storage.Record) *mqtt.Message {
 // lose the newer retained messages.
 type applier struct {
 	ready  chan struct{}
-	broker broker
+	broker *mqtt.Server
 	// quietUntil: records up to this index are a joined cluster's
 	// history; they only update the retained store.
 	quietUntil atomic.Uint64
@@ -155,36 +154,6 @@ func (a *logAdapter) Committed(from, to uint64, fn func(index uint64, m *mqtt.Me
 		return err
 	}
 	return derr
-}
-
-// broker is what the daemon needs of the MQTT layer: tandem's own Server,
-// or, while it replaces it, the Broker bent from mochi's
-// (TANDEM_MQTT_LAYER=mochi).
-type broker interface {
-	Start() error
-	Stop() error
-	Addr() string
-	TLSAddr() string
-	SetAccess(mqtt.Access)
-	SetTopics([]mqtt.TopicPolicy)
-	ReloadTLS() error
-	ReleaseAcks()
-	Clients() int64
-	Inflight() int64
-	Retained() int64
-	Unrouted(topic []byte) bool
-	Retain(m *mqtt.Message)
-	Deliver(index uint64, m *mqtt.Message) error
-	Applied(index uint64)
-	Rewind(applied, skip uint64)
-}
-
-// newBroker builds the MQTT layer TANDEM_MQTT_LAYER chooses.
-func newBroker(cfg mqtt.Config, log *logAdapter) (broker, error) {
-	if os.Getenv("TANDEM_MQTT_LAYER") == "mochi" {
-		return mqtt.New(cfg, log)
-	}
-	return mqtt.NewServer(cfg, log)
 }
 
 // sessionStore keeps the broker's sessions in the data file, staged so they

@@ -27,7 +27,7 @@ type Daemon struct {
 	id     *replication.Identity
 	db     *storage.DB
 	nodeP  atomic.Pointer[replication.Node]
-	broker broker
+	broker *mqtt.Server
 	apply  *applier
 	cl     *cluster
 
@@ -111,7 +111,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return fmt.Errorf("peer port: %w", err)
 	}
 	la := &logAdapter{d: d}
-	d.broker, err = newBroker(mqtt.Config{
+	d.broker, err = mqtt.NewServer(mqtt.Config{
 		Listen:         c.MQTT.Listen,
 		TLS:            tlsCfg,
 		AllowAnonymous: access.AllowAnonymous,
@@ -265,12 +265,7 @@ func (d *Daemon) restartNode(prep func() error, join bool, quietUntil uint64) er
 func (d *Daemon) MQTTAddr() string { return d.broker.Addr() }
 
 // MQTTWSAddr returns the MQTT-over-WebSocket listener's address, or "".
-func (d *Daemon) MQTTWSAddr() string {
-	if ws, ok := d.broker.(interface{ WSAddr() string }); ok {
-		return ws.WSAddr()
-	}
-	return ""
-}
+func (d *Daemon) MQTTWSAddr() string { return d.broker.WSAddr() }
 
 // MQTTTLSAddr returns the MQTT-over-TLS listener's address, or "".
 func (d *Daemon) MQTTTLSAddr() string { return d.broker.TLSAddr() }

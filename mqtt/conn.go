@@ -17,6 +17,12 @@ import (
 	"github.com/mochi-mqtt/server/v2/packets"
 )
 
+// Listener ids, for log lines and the TLS identity rule.
+const (
+	listenerID    = "tcp"
+	tlsListenerID = "tls"
+)
+
 // codes the server ends connections with.
 var (
 	codeShutdown  = packets.ErrServerShuttingDown
@@ -51,12 +57,11 @@ type conn struct {
 
 	aliasIn map[uint16]string // read loop only
 
-	amu         sync.Mutex // guards acks, resends, closedAcks
-	acks        []*inAck   // acks owed, in the order the publishes came
-	resends     int        // resend slots in acks (not counted against the receive maximum)
-	acond       *sync.Cond // signalled when acks are taken (3.1.1 back-pressure)
-	closedAcks  bool
-	pendingRecs int // v5: QoS 2 PUBRECs sent whose PUBREL has not come (receive maximum)
+	amu        sync.Mutex // guards acks, resends, closedAcks
+	acks       []*inAck   // acks owed, in the order the publishes came
+	resends    int        // resend slots in acks (not counted against the receive maximum)
+	acond      *sync.Cond // signalled when acks are taken (3.1.1 back-pressure)
+	closedAcks bool
 
 	wmu        sync.Mutex // guards ctrl, writing, again, closeAfter, resume, ended
 	ctrl       []byte     // encoded control packets not yet written

@@ -1,18 +1,63 @@
-// Package mqtt owns the embedded broker (mochi-mqtt v2): listeners, topic
-// ack policies, and the two hooks that make it durable.
+// Package mqtt is tandem's MQTT broker: listeners (TCP, TLS, WebSocket),
+// connections, sessions, subscriptions, retained messages, auth, ACLs and
+// limits, for MQTT 3.1.1 and 5. It is tandem's own code on mochi-mqtt's
+// packets package, the wire codec; nothing of mochi's Server is used.
 //
-// The ingest hook turns each PUBLISH into a proposal to a Log (an interface
-// declared here; the daemon plugs replication into it), tells mochi to send
-// nothing, and writes the PUBACK/PUBREC itself when the Log resolves the
-// proposal. So one client can pipeline many publishes while each ack still
-// waits for its topic's rule. Acks leave in the order their publishes
-// arrived, coalesced into one write per run; one writer goroutine per client
-// at a time, so a client that stops reading stalls only itself.
+// # Connections
 //
-// Committed records come back through Broker.Deliver and reach subscribers
-// via an inline "shadow" client, which keeps every MQTT 5 property, retain
-// and NoLocal. The persist hook mirrors sessions, subscriptions, in-flight
-// messages and retained messages into a SessionStore.
+// A connection is a read loop and one writer. The read loop decodes
+// packets and acts on them; it never waits for the log, and it never
+// writes the socket. The writer alone writes: control packets (CONNACK,
+// SUBACK, PINGRESP, PUBREL, PUBCOMP, DISCONNECT) that the read loop
+// encoded, the PUBACK/PUBREC of the client's publishes in the order they
+// came, and deliveries from the session, all in one write per round. It
+// runs while there is something to write and ends when there is not (an
+// idle connection costs one goroutine); a kick starts it again. A client
+// that stops reading blocks only its own writer, which gives up after a
+// write timeout.
 //
-// This package imports no other package of tandem.
+// # Publishes and acks
+//
+// A PUBLISH is checked (topic alias, limits, ACL, receive maximum: an MQTT
+// 5 client past it is disconnected with 0x93, that connection only; a
+// 3.1.1 client is simply not read from until acks go out), given a record
+// id, proposed to the Log with its topic's ack mode, and its ack queued.
+// The Log's done callback marks the ack; the writer writes the acks at the
+// head of the queue that are done. QoS 2 publishes keep their packet id in
+// the session's inbound table until PUBREL, apart from the outbound ids;
+// a resend (DUP) is answered with the original's outcome and not logged
+// again. The inbound table is on disk, so this holds across a restart.
+//
+// # Sessions are cursors into the log
+//
+// Committed records come back in log order through Deliver (the daemon's
+// applier, one goroutine). Deliver updates the retained store, looks the
+// topic up in the subscription tree, merges a session's overlapping
+// subscriptions into one delivery (highest QoS, every subscription
+// identifier) and offers it to the session: a short append to a bounded
+// queue under the session's lock, then a kick of its writer. It never
+// waits for a session. A session whose queue is full, or whose client is
+// offline, is "behind": its writer reads the log from its cursor (the
+// index up to which it has handed everything out) through its filters, in
+// batches, until it is level again. So a persistent session holds only
+// its cursor while its client is away, and nothing is copied.
+//
+// Session state is staged into a SessionStore (the daemon's data file,
+// durable with the next log commit): the session, its subscriptions, its
+// cursor (in batches: a cursor behind on disk after a crash costs QoS 1
+// duplicates only), its messages in flight by log index and packet id
+// (resent with DUP on resume, QoS 2 exactly once), the inbound QoS 2
+// markers, and the retained messages with the index that set them.
+//
+// # Threading
+//
+// The server's mutex guards the session map; a session's mutex guards its
+// state; a connection's locks guard its ack queue and its writer state.
+// Locks are taken server, then session, and a connection's one at a time;
+// nothing blocks under any of them.
+// The Log's callbacks run on the log's goroutine and only mark and kick.
+// Every goroutine the server starts is waited for by Stop.
+//
+// This package imports no other package of tandem: the daemon plugs
+// replication in through Log, LogReader and SessionStore.
 package mqtt

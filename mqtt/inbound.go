@@ -153,36 +153,38 @@ func (c *conn) forgetInbound(pid uint16) {
 // acks are under max_inflight. False ends the loop.
 func (c *conn) room() bool {
 	max := c.srv.cfg.MaxInflight
-	c.amu.Lock()
-	defer c.amu.Unlock()
 	if c.v == 5 {
-		if len(c.acks)-c.resends+c.pendingRecsLocked() >= max {
-			c.amu.Unlock()
+		recs := c.pendingRecs()
+		c.amu.Lock()
+		owed := len(c.acks) - c.resends + recs
+		c.amu.Unlock()
+		if owed >= max {
 			c.protocolError(packets.ErrReceiveMaximum, "receive maximum exceeded")
-			c.amu.Lock()
 			return false
 		}
 		return true
 	}
+	c.amu.Lock()
+	defer c.amu.Unlock()
 	for len(c.acks)-c.resends >= max && !c.closedAcks {
 		c.acond.Wait()
 	}
 	return !c.closedAcks
 }
 
-// pendingRecsLocked counts the QoS 2 publishes whose PUBREC was sent and
-// whose PUBREL has not come: they count against the receive maximum until
-// the PUBCOMP [MQTT-4.9.0-?]. Called with amu held.
-func (c *conn) pendingRecsLocked() int {
+// pendingRecs counts the QoS 2 publishes whose PUBREC was sent and whose
+// PUBREL has not come: they count against the receive maximum until the
+// PUBCOMP [MQTT-4.9.0-1].
+func (c *conn) pendingRecs() int {
 	s := c.sess
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	n := 0
 	for _, in := range s.inbound {
 		if in.done && in.err == nil {
 			n++
 		}
 	}
-	s.mu.Unlock()
 	return n
 }
 

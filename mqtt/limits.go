@@ -2,9 +2,7 @@ package mqtt
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
-	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -12,12 +10,8 @@ import (
 	"os"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
-
-	"github.com/mochi-mqtt/server/v2/listeners"
-	"github.com/mochi-mqtt/server/v2/packets"
 )
 
 // Limits bounds what one client, or one source address, may take from the
@@ -94,179 +88,6 @@ func (l *Limits) keepAlive(ka uint16) (uint16, bool) {
 		return l.KeepAliveMin, false
 	}
 	return ka, true
-}
-
-// listener is the broker's TCP or TLS listener, in place of mochi's: it
-// refuses connections over the per-address rate and the socket cap before
-// mochi reads a byte, bounds the time to CONNECT (mochi waits forever),
-// survives accept errors such as running out of file descriptors (mochi's
-// listener stops for good), and logs failed connections at most once a
-// minute per address and reason (mochi's logs each one).
-type listener struct {
-	id, addr string
-	tls      *tls.Config // nil: plain TCP
-	b        *Broker
-	ln       net.Listener
-	closed   atomic.Bool
-
-	mu    sync.Mutex            // guards conns
-	conns map[net.Conn]struct{} // handed to mochi and not yet ended
-}
-
-// ID returns the listener's id, which mochi records in cl.Net.Listener.
-func (l *listener) ID() string { return l.id }
-
-// Protocol returns "tcp" or "tls".
-
-func (l *listener) Protocol() string {
-	if l.tls != nil {
-		return "tls"
-	}
-	return "tcp"
-}
-
-// Address returns the bound address once Init has run (port 0 resolved).
-func (l *listener) Address() string {
-	if l.ln != nil {
-		return l.ln.Addr().String()
-	}
-	return l.addr
-}
-
-// Init binds the address; mochi calls it from AddListener.
-func (l *listener) Init(*slog.Logger) error {
-	ln, err := net.Listen("tcp", l.addr)
-	if err != nil {
-		return err
-	}
-	if l.tls != nil {
-		ln = tls.NewListener(ln, l.tls)
-	}
-	l.ln = ln
-	return nil
-}
-
-// Serve accepts connections until Close and hands each one, once admitted,
-// to establish (mochi's EstablishConnection) on a goroutine of its own.
-func (l *listener) Serve(establish listeners.EstablishFn) {
-	var delay time.Duration
-	for {
-		conn, err := l.ln.Accept()
-		if err != nil {
-			if l.closed.Load() || errors.Is(err, net.ErrClosed) {
-				return
-			}
-			// Out of file descriptors and the like: back off and go
-			// on, as net/http does.
-			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-			l.b.refusal("", "accept failed", "listener", l.id, "error", err)
-			time.Sleep(delay)
-			continue
-		}
-		delay = 0
-		l.handle(conn, establish)
-	}
-}
-
-// handle admits or refuses one accepted connection.
-func (l *listener) handle(conn net.Conn, establish listeners.EstablishFn) {
-	b := l.b
-	host := sourceKey(conn.RemoteAddr())
-	if !b.connRate.allow(host, time.Now()) {
-		conn.Close()
-		b.refusal(host, "connection rate exceeded: closed before CONNECT", "listener", l.id, "source", host)
-		return
-	}
-	if n := b.openConns.Add(1); n > b.maxOpenConns {
-		b.openConns.Add(-1)
-		conn.Close()
-		b.refusal("", "too many open connections: closed before CONNECT", "listener", l.id, "open", n-1)
-		return
-	}
-	// mochi sets its keep-alive deadline only once CONNECT is in.
-	_ = conn.SetDeadline(time.Now().Add(b.cfg.Limits.ConnectTimeout))
-	l.mu.Lock()
-	if l.conns == nil {
-		l.conns = map[net.Conn]struct{}{}
-	}
-	l.conns[conn] = struct{}{}
-	l.mu.Unlock()
-	go func() {
-		defer func() {
-			l.mu.Lock()
-			delete(l.conns, conn)
-			l.mu.Unlock()
-			b.openConns.Add(-1)
-		}()
-		if l.closed.Load() {
-			conn.Close()
-			return
-		}
-		err := establishSafely(establish, l.id, conn)
-		b.connectionEnded(conn, host, err)
-	}()
-}
-
-// Close stops accepting and disconnects this listener's clients (MQTT 5
-// with DISCONNECT 0x8B server shutting down), then closes the connections
-// still before their CONNECT, which mochi's Close would otherwise wait for.
-// It does not call mochi's closeListenerClients: Clients.GetByListener
-// read-locks the client map twice, and deadlocks with a client leaving at
-// that moment (its write lock queued between the two).
-func (l *listener) Close(listeners.CloseFn) {
-	if l.closed.Swap(true) {
-		return
-	}
-	if l.ln != nil {
-		l.ln.Close()
-	}
-	srv := l.b.srv
-	for _, cl := range srv.Clients.GetAll() {
-		switch {
-		case cl.Net.Listener != l.id || cl.Closed():
-		case cl.Properties.ProtocolVersion == 5:
-			_ = srv.DisconnectClient(cl, packets.ErrServerShuttingDown)
-		default:
-			cl.Stop(packets.ErrServerShuttingDown) // 3.1.1 has no server DISCONNECT
-		}
-	}
-	l.mu.Lock()
-	for conn := range l.conns {
-		conn.Close()
-	}
-	l.mu.Unlock()
-}
-
-// connectionEnded logs why a connection mochi served ended, when that is
-// worth an operator's attention, once a minute per address and reason.
-func (b *Broker) connectionEnded(conn net.Conn, host string, err error) {
-	if _, done := b.refusedConns.LoadAndDelete(conn); done || err == nil {
-		return // refused by the guard, which logged it
-	}
-	if tc, ok := conn.(*tls.Conn); ok && !tc.ConnectionState().HandshakeComplete {
-		if !quietEnd(err) {
-			b.refusal(host, "TLS handshake failed", "remote", conn.RemoteAddr().String(), "error", err)
-		}
-		return
-	}
-	before := strings.HasPrefix(err.Error(), "read connection: ") // mochi's wording for errors before CONNECT
-	switch {
-	case errors.Is(err, os.ErrDeadlineExceeded) && before:
-		b.refusal(host, "no CONNECT within the connect timeout", "remote", conn.RemoteAddr().String())
-	case errors.Is(err, packets.ErrPacketTooLarge):
-		b.refusal(host, "packet larger than max_packet_size: disconnected", "remote", conn.RemoteAddr().String())
-	case errors.Is(err, packets.ErrServerBusy):
-		b.refusal(host, "max_clients reached: CONNECT refused", "remote", conn.RemoteAddr().String())
-	case quietEnd(err), errors.Is(err, packets.ErrSessionTakenOver), errors.Is(err, packets.CodeDisconnect):
-		b.logger.Debug("client connection ended", "remote", conn.RemoteAddr().String(), "error", err)
-	default:
-		var code packets.Code
-		if errors.As(err, &code) || before {
-			b.refusal(host, "protocol error: disconnected", "remote", conn.RemoteAddr().String(), "error", err)
-			return
-		}
-		b.logger.Debug("client connection ended", "remote", conn.RemoteAddr().String(), "error", err)
-	}
 }
 
 // quietEnd reports the ordinary ways a connection ends: the peer went away.
@@ -443,32 +264,4 @@ func (h limitedHandler) WithAttrs(a []slog.Attr) slog.Handler {
 
 func (h limitedHandler) WithGroup(g string) slog.Handler {
 	return limitedHandler{h.Handler.WithGroup(g), h.lim}
-}
-
-// refusal logs a refused client or packet at warning level, once a minute
-// per reason and key: the source address, or the client id for refusals of
-// a connected client ("" for those tied to neither).
-func (b *Broker) refusal(key, reason string, args ...any) {
-	ok, held := b.refusals.allow(reason+"\x00"+key, time.Now())
-	if !ok {
-		return
-	}
-	if held > 0 {
-		args = append(args, "suppressed", held)
-	}
-	b.rawLogger.Warn("client refused: "+reason, args...)
-}
-
-// establishSafely runs mochi's connection loop and turns a panic in it into
-// an error for that one connection: mochi v2.7.9's SUBSCRIBE decoder indexes
-// past a malformed packet's end (found by FuzzInboundStream), and a panic on
-// this goroutine would otherwise take the whole gateway down with it.
-func establishSafely(establish func(string, net.Conn) error, id string, conn net.Conn) (err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			conn.Close()
-			err = fmt.Errorf("malformed packet (decoder panic: %v)", r)
-		}
-	}()
-	return establish(id, conn)
 }

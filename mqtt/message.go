@@ -133,38 +133,6 @@ func (m *Message) expiryLeft(now time.Time) (uint32, bool) {
 	return m.MessageExpiry - uint32(age/time.Second), true
 }
 
-// packet builds the PUBLISH that delivers m to subscribers, its message
-// expiry reduced by the time since it was published; live is false once
-// that expiry has passed.
-func (m *Message) packet(now time.Time) (pk packets.Packet, live bool) {
-	expiry := m.MessageExpiry
-	if m.MessageExpirySet {
-		age := now.Sub(time.Unix(0, m.Time))
-		if age >= time.Duration(expiry)*time.Second {
-			return packets.Packet{}, false
-		}
-		expiry -= uint32(age / time.Second)
-	}
-	pk = packets.Packet{
-		FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: m.QoS, Retain: m.Retain},
-		TopicName:   m.Topic,
-		Payload:     m.Payload,
-		Properties: packets.Properties{
-			PayloadFormat:         m.PayloadFormat,
-			PayloadFormatFlag:     m.PayloadFormatSet,
-			MessageExpiryInterval: expiry,
-			ContentType:           m.ContentType,
-			ResponseTopic:         m.ResponseTopic,
-			CorrelationData:       m.CorrelationData,
-			User:                  m.User,
-		},
-	}
-	if m.QoS > 0 {
-		pk.PacketID = 1 // inline publishes need a non-zero id to pass validation
-	}
-	return pk, true
-}
-
 // Sentinel errors the Log may pass to a proposal's done callback to choose
 // the reason code a device sees; anything else is "unspecified error".
 var (

@@ -51,15 +51,15 @@ func TestAckForFirstMatchWins(t *testing.T) {
 func TestDeliveredExpiryCountsFromPublish(t *testing.T) {
 	now := time.Now()
 	m := &Message{Topic: "t", QoS: 1, MessageExpiry: 60, MessageExpirySet: true, Time: now.Add(-20 * time.Second).UnixNano()}
-	pk, live := m.packet(now)
-	if !live || pk.Properties.MessageExpiryInterval != 40 {
-		t.Fatalf("20 s after publish with a 60 s expiry: live %v, interval %d, want 40", live, pk.Properties.MessageExpiryInterval)
+	left, live := m.expiryLeft(now)
+	if !live || left != 40 {
+		t.Fatalf("20 s after publish with a 60 s expiry: live %v, interval %d, want 40", live, left)
 	}
-	if _, live := m.packet(now.Add(41 * time.Second)); live {
+	if _, live := m.expiryLeft(now.Add(41 * time.Second)); live {
 		t.Fatal("delivered after its expiry")
 	}
 	m.MessageExpirySet, m.MessageExpiry = false, 0
-	if _, live := m.packet(now.Add(time.Hour)); !live {
+	if _, live := m.expiryLeft(now.Add(time.Hour)); !live {
 		t.Fatal("a message without expiry expired")
 	}
 }

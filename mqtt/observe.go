@@ -1,7 +1,6 @@
 package mqtt
 
 import (
-	"strings"
 	"time"
 )
 
@@ -33,14 +32,6 @@ type nopObserver struct{}
 func (nopObserver) Published(AckMode, byte, int)        {}
 func (nopObserver) Acked(AckMode, error, time.Duration) {}
 
-// observer returns cfg.Observer, or one that does nothing.
-func (b *Broker) observer() Observer {
-	if b.cfg.Observer == nil {
-		return nopObserver{}
-	}
-	return b.cfg.Observer
-}
-
 // ruleFor is AckFor that also says which rule matched (-1: none, the
 // default async), for the Observer's per-rule counts.
 func ruleFor(policies []TopicPolicy, topic string) (int, AckMode) {
@@ -50,18 +41,4 @@ func ruleFor(policies []TopicPolicy, topic string) (int, AckMode) {
 		}
 	}
 	return -1, Async
-}
-
-// Retained returns how many retained messages the broker holds for
-// devices: mochi's own $SYS topics, which it retains too, are not counted.
-// Counted from the store itself: mochi's Info.Retained is only updated when
-// a message is retained, not when the store is loaded at start.
-func (b *Broker) Retained() int64 {
-	var n int64
-	for topic := range b.srv.Topics.Retained.GetAll() {
-		if !strings.HasPrefix(topic, "$") {
-			n++
-		}
-	}
-	return n
 }

@@ -411,6 +411,15 @@ type routeCache struct {
 	routes map[string]route
 }
 
+// route is what the cache knows of a topic's subscribers.
+type route struct {
+	none bool   // no subscriber matched
+	gen  uint64 // topicIndex.gen when that was found
+}
+
+// maxRoutes bounds the topics remembered; past it they are forgotten.
+const maxRoutes = 4096
+
 func (rc *routeCache) unrouted(ti *topicIndex, topic []byte) bool {
 	rc.mu.Lock()
 	defer rc.mu.Unlock()

@@ -25,6 +25,7 @@ const (
 	keySub      = "B\x00" // B id NUL filter → subRec (JSON)
 	keyOut      = "O\x00" // O id NUL pid → outbound in flight (encodeOut)
 	keyRetained = "R\x00" // R topic → retainedRec (JSON)
+	prefixQoS2  = "q\x00" // q id NUL pid → inbound QoS 2 marker (encodeQoS2)
 
 	legacyClient   = "c\x00"
 	legacySub      = "s\x00"
@@ -60,6 +61,10 @@ func cursorKey(id string) string      { return keyCursor + id }
 func subKey(id, filter string) string { return keySub + id + "\x00" + filter }
 func outKey(id string, pid uint16) string {
 	return keyOut + id + "\x00" + strconv.Itoa(int(pid))
+}
+
+func qos2Key(id string, pid uint16) string {
+	return prefixQoS2 + id + "\x00" + strconv.Itoa(int(pid))
 }
 
 func (s *Server) stagePut(k string, v []byte) {
@@ -491,7 +496,9 @@ func (s *Server) migrate() error {
 		}
 		m := r.message()
 		m.Retain = true
-		put(keyRetained+m.Topic, retainedRec{M: m})
+		if !strings.HasPrefix(m.Topic, "$") { // mochi's own $SYS statistics are not kept
+			put(keyRetained+m.Topic, retainedRec{M: m})
+		}
 		return nil
 	})
 	if err != nil {

@@ -1,0 +1,54 @@
+package mqtt
+
+import (
+	"log/slog"
+	"time"
+)
+
+// Config configures a Server.
+type Config struct {
+	// Listen is the TCP address of the MQTT listener ("127.0.0.1:1883").
+	Listen string
+	// TLS configures an MQTT-over-TLS listener; nil means none.
+	TLS *TLSConfig
+	// WebSocket configures an MQTT-over-WebSocket listener; nil means
+	// none.
+	WebSocket *WebSocketConfig
+	// AllowAnonymous admits clients without credentials.
+	AllowAnonymous bool
+	// Users is the users file; nil means none (see Access).
+	Users *Users
+	// ACL is the ACL file; nil allows everything.
+	ACL *ACL
+	// Limits bounds clients, topics and connection rates.
+	Limits Limits
+	// MaxInflight is the receive maximum per client: how many QoS 1/2
+	// publishes a client may have unacknowledged.
+	MaxInflight int
+	// MaxPacketSize bounds one packet, in bytes; 0 means 1 MiB... the MQTT
+	// maximum of 256 MiB is too much for a gateway.
+	MaxPacketSize uint32
+	// TopicAliasMaximum is how many topic aliases an MQTT 5 client may
+	// set; 0 means 100.
+	TopicAliasMaximum uint16
+	// MaxSubscriptions caps one client's subscriptions; over it a filter
+	// gets SUBACK 0x97 (3.1.1: 0x80). 0 means 1,000.
+	MaxSubscriptions int
+	// MaxQueued is how many messages a connected session holds ready in
+	// memory; past it the session reads the log instead. 0 means 1,000.
+	MaxQueued int
+	// Topics chooses each topic's ack mode; first match wins, default async.
+	// SetTopics replaces them while the broker runs.
+	Topics []TopicPolicy
+	// SyncTimeout is how long a session take-over waits for the old
+	// connection's acks.
+	SyncTimeout time.Duration
+	// Sessions persists sessions and retained messages; nil keeps them in
+	// memory only.
+	Sessions SessionStore
+	// Logger receives the broker's messages; nil discards them.
+	Logger *slog.Logger
+	// Observer is told of each publish and ack, for metrics; nil means
+	// none.
+	Observer Observer
+}

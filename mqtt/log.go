@@ -1,0 +1,31 @@
+package mqtt
+
+// Log is what the server needs of the replicated log to take publishes.
+type Log interface {
+	// Reserve gives m its record id (m.Origin, m.Seq) ahead of Propose, so
+	// state that names the record can be staged before the record exists.
+	Reserve(m *Message)
+	// Propose logs m, whose id Reserve set, under mode. done is called
+	// exactly once, when the record meets mode's ack rule (nil) or cannot
+	// (an error, ErrQuota for lack of space). done must not block.
+	Propose(m *Message, mode AckMode, done func(err error))
+	// Logged reports which of the given sequence numbers of records from
+	// origin are in the log.
+	Logged(origin uint64, seqs []uint64) (map[uint64]bool, error)
+}
+
+// SessionStore keeps the server's persistent state: sessions of clients
+// that asked for one (subscriptions, cursor, messages in flight by log
+// index, inbound QoS 2 markers) and retained messages. The daemon backs it
+// with the data file, where Put and Delete are staged and become durable
+// with the next log commit.
+type SessionStore interface {
+	// Put stages key=value. value is not modified afterwards.
+	Put(key string, value []byte)
+	// Delete stages the removal of key.
+	Delete(key string)
+	// Sync makes everything staged so far durable before it returns.
+	Sync() error
+	// Load calls fn for every key with prefix, in key order.
+	Load(prefix string, fn func(key string, value []byte) error) error
+}
