@@ -505,7 +505,7 @@ func (s *subscriber) deliver(qos byte, payload []byte) {
 		}
 	}
 	s.last.Store(now.UnixNano())
-	if n := s.n.Add(1); n >= s.target.Load() && s.target.Load() > 0 {
+	if n, t := s.n.Add(1), s.target.Load(); t > 0 && n >= t {
 		s.once.Do(func() { close(s.done) })
 	}
 }
