@@ -1,7 +1,9 @@
 // Package bench is tandem's MQTT load generator, behind `tandem bench`: N
 // publishing clients, each keeping a window of QoS 0/1/2 publishes in flight,
-// and an optional subscriber that times end-to-end delivery. It works
-// against any MQTT broker (3.1.1 through eclipse/paho.mqtt.golang, 5 through
+// optional subscribers (fan-out) that count deliveries and time them end to
+// end, and optional idle connections (CONNECT, then only keep-alive) for
+// measuring a broker's memory per connection. It works against any MQTT
+// broker (3.1.1 through eclipse/paho.mqtt.golang, 5 through
 // eclipse/paho.golang), so a field engineer can compare brokers with it.
 package bench
 
@@ -34,34 +36,69 @@ type Options struct {
 	Topic    string
 	Version  int // 3 (3.1.1) or 5
 	// Subscribe adds one subscriber to Topic's filter that counts and
-	// times deliveries.
+	// times deliveries (the same as Subscribers: 1).
 	Subscribe bool
-	Username  string
-	Password  string
-	ClientID  string // prefix of the client ids
+	// Subscribers is how many subscribers to Topic's filter count and
+	// time deliveries: each receives every publish (fan-out). They speak
+	// Version, as the publishers.
+	Subscribers int
+	// SubscribeQoS is the QoS of the subscriptions: 0, 1 or 2, or -1 for
+	// the publishes' QoS. A delivery comes at the lower of the two; at 1
+	// and 2 the subscribers acknowledge each one (the paho clients do,
+	// after counting it).
+	SubscribeQoS int
+	// SubscriberReceiveMax is the Receive Maximum the MQTT 5 subscribers
+	// send in CONNECT: how many QoS 1 and 2 deliveries the broker may
+	// have unacknowledged on each. 0 means 20 (mosquitto_sub's default);
+	// at most 65535. MQTT 3.1.1 has no such limit: ignored there.
+	SubscriberReceiveMax int
+	// Idle opens this many idle connections (CONNECT, then only keep-alive
+	// pings) before the publishers and keeps them open until the run ends:
+	// with Clients 0, for Duration (or not at all when Duration is 0).
+	Idle     int
+	Username string
+	Password string
+	ClientID string // prefix of the client ids
 	// Progress is called about every 100 ms with the publishes acked so far.
 	Progress func(acked int64)
 }
 
 // Result is what a workload measured.
 type Result struct {
-	Clients      int     `json:"clients"`
-	QoS          byte    `json:"qos"`
-	Size         int     `json:"size"`
-	Window       int     `json:"window"`
-	Sent         int64   `json:"sent"`
-	Acked        int64   `json:"acked"`
-	Failed       int64   `json:"failed"`
-	Seconds      float64 `json:"seconds"`
-	MsgPerSec    float64 `json:"msg_per_sec"`
-	AckP50Ms     float64 `json:"ack_p50_ms"`
-	AckP99Ms     float64 `json:"ack_p99_ms"`
-	AckMaxMs     float64 `json:"ack_max_ms"`
-	Received     int64   `json:"received,omitempty"`
-	E2EP50Ms     float64 `json:"e2e_p50_ms,omitempty"`
-	E2EP99Ms     float64 `json:"e2e_p99_ms,omitempty"`
-	E2EMaxMs     float64 `json:"e2e_max_ms,omitempty"`
-	FirstFailure string  `json:"first_failure,omitempty"`
+	Clients   int     `json:"clients"`
+	QoS       byte    `json:"qos"`
+	Size      int     `json:"size"`
+	Window    int     `json:"window"`
+	Sent      int64   `json:"sent"`
+	Acked     int64   `json:"acked"`
+	Failed    int64   `json:"failed"`
+	Seconds   float64 `json:"seconds"`
+	MsgPerSec float64 `json:"msg_per_sec"`
+	AckP50Ms  float64 `json:"ack_p50_ms"`
+	AckP99Ms  float64 `json:"ack_p99_ms"`
+	AckMaxMs  float64 `json:"ack_max_ms"`
+	// Subscribers and the rest up to E2EMaxMs are set with subscribers.
+	Subscribers  int  `json:"subscribers,omitempty"`
+	SubscribeQoS byte `json:"subscribe_qos,omitempty"`
+	// Received counts the deliveries to all subscribers together;
+	// ReceivedMin those to the subscriber that got the fewest.
+	Received    int64 `json:"received,omitempty"`
+	ReceivedMin int64 `json:"received_min,omitempty"`
+	// DeliveredQoS is the highest QoS a delivery arrived with.
+	DeliveredQoS byte `json:"delivered_qos,omitempty"`
+	// DeliveriesPerSec is Received over the time from the first publish
+	// to the last delivery.
+	DeliveriesPerSec float64 `json:"deliveries_per_sec,omitempty"`
+	E2EP50Ms         float64 `json:"e2e_p50_ms,omitempty"`
+	E2EP99Ms         float64 `json:"e2e_p99_ms,omitempty"`
+	E2EMaxMs         float64 `json:"e2e_max_ms,omitempty"`
+	// Idle is how many idle connections were asked for, IdleOpen how
+	// many were still open at the end, IdleConnectSeconds how long
+	// opening them all took.
+	Idle               int     `json:"idle,omitempty"`
+	IdleOpen           int     `json:"idle_open,omitempty"`
+	IdleConnectSeconds float64 `json:"idle_connect_seconds,omitempty"`
+	FirstFailure       string  `json:"first_failure,omitempty"`
 }
 
 // publisher is one connection's publish call, whatever the MQTT version.
@@ -74,6 +111,22 @@ type publisher interface {
 func Run(ctx context.Context, o Options) (*Result, error) {
 	if err := o.fill(); err != nil {
 		return nil, err
+	}
+	if err := RaiseFileLimit(uint64(o.Idle + o.Clients + o.Subscribers + 64)); err != nil {
+		return nil, err
+	}
+	res := &Result{Clients: o.Clients, QoS: o.QoS, Size: o.Size, Window: o.Window, Idle: o.Idle}
+	if o.Idle > 0 {
+		t0 := time.Now()
+		idle, err := OpenIdle(ctx, o, o.Idle)
+		if err != nil {
+			return nil, err
+		}
+		res.IdleConnectSeconds = time.Since(t0).Seconds()
+		defer func() {
+			res.IdleOpen = idle.Open()
+			idle.Close()
+		}()
 	}
 	pubs := make([]publisher, o.Clients)
 	for i := range pubs {
@@ -91,22 +144,26 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 			p.close()
 		}
 	}()
-	var sub *subscriber
-	if o.Subscribe {
-		var err error
-		if sub, err = subscribe(ctx, o); err != nil {
-			return nil, err
+	subs := make([]*subscriber, 0, o.Subscribers)
+	defer func() {
+		for _, s := range subs {
+			s.close()
 		}
-		defer sub.close()
+	}()
+	for i := 0; i < o.Subscribers; i++ {
+		s, err := subscribe(ctx, o, fmt.Sprintf("%s-sub-%d", o.ClientID, i))
+		if err != nil {
+			return nil, fmt.Errorf("subscriber %d: %w", i, err)
+		}
+		subs = append(subs, s)
 	}
 
-	res := &Result{Clients: o.Clients, QoS: o.QoS, Size: o.Size, Window: o.Window}
 	var acked, failed, sent atomic.Int64
 	var firstErr atomic.Pointer[error]
 	lat := make([][]time.Duration, o.Clients*o.Window)
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	if o.Count == 0 {
+	if o.Count == 0 || o.Clients == 0 {
 		runCtx, cancel = context.WithTimeout(ctx, o.Duration)
 		defer cancel()
 	}
@@ -146,6 +203,9 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 			}(c*o.Window + w)
 		}
 	}
+	if o.Clients == 0 && o.Duration > 0 {
+		<-runCtx.Done() // only idle connections: hold them for Duration
+	}
 	wg.Wait()
 	res.Seconds = time.Since(start).Seconds()
 	stopProgress()
@@ -153,21 +213,35 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 	if e := firstErr.Load(); e != nil {
 		res.FirstFailure = (*e).Error()
 	}
-	res.MsgPerSec = float64(res.Acked) / res.Seconds
+	if res.Seconds > 0 {
+		res.MsgPerSec = float64(res.Acked) / res.Seconds
+	}
 	res.AckP50Ms, res.AckP99Ms, res.AckMaxMs = percentiles(slices.Concat(lat...))
-	if sub != nil {
-		e2e := sub.wait(res.Acked, 5*time.Second)
-		res.Received = int64(len(e2e))
+	if len(subs) > 0 {
+		waitDeliveries(subs, res.Acked, 5*time.Second)
+		res.Subscribers, res.SubscribeQoS = len(subs), byte(o.SubscribeQoS)
+		res.ReceivedMin = subs[0].n.Load()
+		var e2e []time.Duration
+		var last int64
+		for _, s := range subs {
+			n, d := s.results()
+			res.Received += n
+			res.ReceivedMin = min(res.ReceivedMin, n)
+			res.DeliveredQoS = max(res.DeliveredQoS, byte(s.maxQoS.Load()))
+			last = max(last, s.last.Load())
+			e2e = append(e2e, d...)
+		}
+		if span := time.Duration(last - start.UnixNano()); res.Received > 0 && span > 0 {
+			res.DeliveriesPerSec = float64(res.Received) / span.Seconds()
+		}
 		res.E2EP50Ms, res.E2EP99Ms, res.E2EMaxMs = percentiles(e2e)
 	}
 	return res, nil
 }
 
 func (o *Options) fill() error {
-	if o.Broker == "" {
-		o.Broker = "127.0.0.1:1883"
-	}
-	if o.Clients <= 0 {
+	o.fillConn()
+	if o.Clients == 0 && o.Idle == 0 {
 		o.Clients = 1
 	}
 	if o.Window <= 0 {
@@ -179,17 +253,27 @@ func (o *Options) fill() error {
 	if o.Topic == "" {
 		o.Topic = "bench/%c"
 	}
-	if o.ClientID == "" {
-		o.ClientID = fmt.Sprintf("tandem-bench-%d", time.Now().UnixNano()%1e6)
+	if o.Subscribe && o.Subscribers == 0 {
+		o.Subscribers = 1
 	}
-	if o.Version == 0 {
-		o.Version = 5
+	o.Subscribe = o.Subscribers > 0
+	if o.SubscribeQoS < 0 {
+		o.SubscribeQoS = int(o.QoS)
+	}
+	if o.SubscriberReceiveMax == 0 {
+		o.SubscriberReceiveMax = 20
 	}
 	switch {
 	case o.QoS > 2:
 		return errors.New("bench: qos must be 0, 1 or 2")
 	case o.Version != 3 && o.Version != 5:
 		return errors.New("bench: mqtt version must be 3 or 5")
+	case o.SubscribeQoS > 2:
+		return errors.New("bench: the subscribers' qos must be 0, 1 or 2")
+	case o.Clients < 0 || o.Subscribers < 0 || o.Idle < 0:
+		return errors.New("bench: the numbers of clients, subscribers and idle connections cannot be negative")
+	case o.SubscriberReceiveMax < 0 || o.SubscriberReceiveMax > 65535:
+		return errors.New("bench: the subscribers' receive maximum must be 1 to 65535")
 	case o.Subscribe && o.Size < 8:
 		return errors.New("bench: --subscribe needs a payload of at least 8 bytes (it carries the send time)")
 	case o.QoS == 0 && o.Window > 1:
@@ -197,6 +281,19 @@ func (o *Options) fill() error {
 		o.Window = 1
 	}
 	return nil
+}
+
+// fillConn sets what any connection needs: broker, version, client ids.
+func (o *Options) fillConn() {
+	if o.Broker == "" {
+		o.Broker = "127.0.0.1:1883"
+	}
+	if o.ClientID == "" {
+		o.ClientID = fmt.Sprintf("tandem-bench-%d", time.Now().UnixNano()%1e6)
+	}
+	if o.Version == 0 {
+		o.Version = 5
+	}
 }
 
 // topicFor expands %c (client number) in the topic.
@@ -242,18 +339,27 @@ func dial(ctx context.Context, o Options, id string) (publisher, error) {
 	if o.Version == 3 {
 		return dial3(o, id)
 	}
-	return dial5(ctx, o, id, nil)
+	return dial5(ctx, o, id, 0, nil)
 }
 
 // v3 is a 3.1.1 connection.
 type v3 struct{ c paho3.Client }
 
 func dial3(o Options, id string) (*v3, error) {
+	return dial3With(o, id, nil)
+}
+
+// dial3With connects a 3.1.1 client; onPublish, if set, handles every
+// delivery (paho acknowledges a QoS 1 or 2 one once it returns).
+func dial3With(o Options, id string, onPublish paho3.MessageHandler) (*v3, error) {
 	opts := paho3.NewClientOptions().AddBroker("tcp://" + o.Broker).SetClientID(id).
 		SetCleanSession(true).SetAutoReconnect(false).SetOrderMatters(false).
 		SetMaxResumePubInFlight(o.Window).SetKeepAlive(60 * time.Second).SetConnectTimeout(10 * time.Second)
 	if o.Username != "" {
 		opts.SetUsername(o.Username).SetPassword(o.Password)
+	}
+	if onPublish != nil {
+		opts.SetDefaultPublishHandler(onPublish)
 	}
 	c := paho3.NewClient(opts)
 	if t := c.Connect(); !t.WaitTimeout(15*time.Second) || t.Error() != nil {
@@ -277,7 +383,10 @@ func (p *v3) close() { p.c.Disconnect(100) }
 // v5 is an MQTT 5 connection.
 type v5 struct{ c *paho.Client }
 
-func dial5(ctx context.Context, o Options, id string, onPublish func(paho.PublishReceived) (bool, error)) (*v5, error) {
+// dial5 connects an MQTT 5 client. With receiveMax > 0 it sends that
+// Receive Maximum; onPublish, if set, handles every delivery (paho
+// acknowledges a QoS 1 or 2 one once it returns).
+func dial5(ctx context.Context, o Options, id string, receiveMax uint16, onPublish func(paho.PublishReceived) (bool, error)) (*v5, error) {
 	conn, err := (&net.Dialer{Timeout: 10 * time.Second}).DialContext(ctx, "tcp", o.Broker)
 	if err != nil {
 		return nil, err
@@ -288,6 +397,9 @@ func dial5(ctx context.Context, o Options, id string, onPublish func(paho.Publis
 	}
 	c := paho.NewClient(cfg)
 	cp := &paho.Connect{ClientID: id, CleanStart: true, KeepAlive: 60}
+	if receiveMax > 0 {
+		cp.Properties = &paho.ConnectProperties{ReceiveMaximum: &receiveMax}
+	}
 	if o.Username != "" {
 		cp.Username, cp.UsernameFlag = o.Username, true
 		cp.Password, cp.PasswordFlag = []byte(o.Password), true
@@ -319,54 +431,128 @@ func (p *v5) publish(ctx context.Context, topic string, qos byte, payload []byte
 
 func (p *v5) close() { _ = p.c.Disconnect(&paho.Disconnect{}) }
 
-// subscriber counts deliveries and their end-to-end latency.
+// subscriber is one subscribing connection: it counts deliveries and
+// their end-to-end latency.
 type subscriber struct {
-	c   *v5
-	mu  sync.Mutex
-	e2e []time.Duration
+	close  func()
+	n      atomic.Int64 // deliveries
+	last   atomic.Int64 // when the last one arrived, UnixNano
+	maxQoS atomic.Int32
+	target atomic.Int64 // deliveries expected, once known
+	once   sync.Once
+	done   chan struct{} // closed once target deliveries arrived
+	mu     sync.Mutex
+	e2e    []time.Duration
 }
 
-func subscribe(ctx context.Context, o Options) (*subscriber, error) {
-	s := &subscriber{}
-	c, err := dial5(ctx, o, o.ClientID+"-sub", func(pr paho.PublishReceived) (bool, error) {
-		if len(pr.Packet.Payload) >= 8 {
-			sentAt := int64(binary.BigEndian.Uint64(pr.Packet.Payload))
-			s.mu.Lock()
-			s.e2e = append(s.e2e, time.Duration(time.Now().UnixNano()-sentAt))
-			s.mu.Unlock()
+func subscribe(ctx context.Context, o Options, id string) (*subscriber, error) {
+	s := &subscriber{done: make(chan struct{})}
+	qos := byte(o.SubscribeQoS)
+	if o.Version == 3 {
+		c, err := dial3With(o, id, func(_ paho3.Client, m paho3.Message) { s.deliver(m.Qos(), m.Payload()) })
+		if err != nil {
+			return nil, err
 		}
+		t := c.c.Subscribe(o.filter(), qos, nil)
+		if !t.WaitTimeout(10*time.Second) || t.Error() != nil {
+			c.close()
+			return nil, fmt.Errorf("subscribe: %v", t.Error())
+		}
+		if st, ok := t.(*paho3.SubscribeToken); ok {
+			if rc := st.Result()[o.filter()]; rc > 2 {
+				c.close()
+				return nil, fmt.Errorf("subscribe: refused (%#x)", rc)
+			}
+		}
+		s.close = c.close
+		return s, nil
+	}
+	c, err := dial5(ctx, o, id, uint16(o.SubscriberReceiveMax), func(pr paho.PublishReceived) (bool, error) {
+		s.deliver(pr.Packet.QoS, pr.Packet.Payload)
 		return true, nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("subscriber: %w", err)
+		return nil, err
 	}
-	s.c = c
 	sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	if _, err := c.c.Subscribe(sctx, &paho.Subscribe{Subscriptions: []paho.SubscribeOptions{{Topic: o.filter(), QoS: o.QoS}}}); err != nil {
+	sa, err := c.c.Subscribe(sctx, &paho.Subscribe{Subscriptions: []paho.SubscribeOptions{{Topic: o.filter(), QoS: qos}}})
+	if err != nil {
 		c.close()
 		return nil, fmt.Errorf("subscribe: %w", err)
 	}
+	if len(sa.Reasons) == 1 && sa.Reasons[0] >= 0x80 {
+		c.close()
+		return nil, fmt.Errorf("subscribe: refused (%#x)", sa.Reasons[0])
+	}
+	s.close = c.close
 	return s, nil
 }
 
-// wait waits until n deliveries arrived or quiet passes without one.
-func (s *subscriber) wait(n int64, quiet time.Duration) []time.Duration {
-	last, lastChange := -1, time.Now()
-	for {
+// deliver counts one delivery; its payload starts with the send time.
+func (s *subscriber) deliver(qos byte, payload []byte) {
+	now := time.Now()
+	if len(payload) >= 8 {
+		sentAt := int64(binary.BigEndian.Uint64(payload))
 		s.mu.Lock()
-		got := len(s.e2e)
+		s.e2e = append(s.e2e, time.Duration(now.UnixNano()-sentAt))
 		s.mu.Unlock()
-		if int64(got) >= n || time.Since(lastChange) > quiet {
-			s.mu.Lock()
-			defer s.mu.Unlock()
-			return append([]time.Duration(nil), s.e2e...)
+	}
+	for q := int32(qos); ; {
+		m := s.maxQoS.Load()
+		if q <= m || s.maxQoS.CompareAndSwap(m, q) {
+			break
 		}
-		if got != last {
-			last, lastChange = got, time.Now()
-		}
-		time.Sleep(10 * time.Millisecond)
+	}
+	s.last.Store(now.UnixNano())
+	if n, t := s.n.Add(1), s.target.Load(); t > 0 && n >= t {
+		s.once.Do(func() { close(s.done) })
 	}
 }
 
-func (s *subscriber) close() { s.c.close() }
+// expect tells the subscriber how many deliveries make it done.
+func (s *subscriber) expect(n int64) {
+	s.target.Store(n)
+	if n <= 0 || s.n.Load() >= n {
+		s.once.Do(func() { close(s.done) })
+	}
+}
+
+// results returns the deliveries counted and their latencies.
+func (s *subscriber) results() (int64, []time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.n.Load(), append([]time.Duration(nil), s.e2e...)
+}
+
+// waitDeliveries waits until every subscriber has n deliveries, or until
+// quiet passes without a new one reaching any of them.
+func waitDeliveries(subs []*subscriber, n int64, quiet time.Duration) {
+	total := func() (t int64) {
+		for _, s := range subs {
+			t += s.n.Load()
+		}
+		return t
+	}
+	for _, s := range subs {
+		s.expect(n)
+	}
+	timer := time.NewTimer(quiet)
+	defer timer.Stop()
+	seen := total()
+	for _, s := range subs {
+		for waiting := true; waiting; {
+			select {
+			case <-s.done:
+				waiting = false
+			case <-timer.C:
+				now := total()
+				if now == seen {
+					return
+				}
+				seen = now
+				timer.Reset(quiet)
+			}
+		}
+	}
+}

@@ -3,6 +3,16 @@
 // workloads against both in turn (A B A B A B) and prints one table with
 // medians: msg/s, ack p50/p99, broker CPU µs per message, fsyncs per
 // message, bytes written to the device per message, RSS, and the ratio.
+//
+// W5 is fan-out (1 publisher, 20 QoS 1 MQTT 5 subscribers with Receive
+// Maximum 20): its row shows deliveries/s, end-to-end p50/p99 and broker
+// CPU µs per delivery. W6 opens 5,000 idle connections and shows the
+// broker's RSS with them open, beside its RSS before and the KiB each
+// connection added. For W6 tandem runs with mqtt.max_clients 10000 and its
+// per-address connect rate limit lifted (every connection comes from
+// 127.0.0.1); the suite raises its own RLIMIT_NOFILE, which both brokers
+// inherit. A run that fails (or hangs past its time-out) restarts that
+// broker before the next run, so one stuck broker does not stall the rest.
 package main
 
 import (
@@ -37,23 +47,43 @@ var workloads = []workload{
 	{"W2", bench.Options{Clients: 1, Count: 20000, Window: 64, QoS: 1, Size: 100}, "≥0.7×"},
 	{"W3", bench.Options{Clients: 1, Count: 5000, Window: 1, QoS: 1, Size: 100}, "p99 ≤1.5 ms"},
 	{"W4", bench.Options{Clients: 50, Count: 2000, Window: 16, QoS: 1, Size: 100}, "≥0.8×"},
+	{"W5", bench.Options{Clients: 1, Count: 5000, Window: 16, QoS: 1, Size: 100,
+		Subscribers: 20, SubscribeQoS: 1, SubscriberReceiveMax: 20}, "≥0.8×"},
+	{"W6", bench.Options{Idle: 5000}, "≤100 MB"},
 }
+
+// runTimeout bounds one run: a broker that stops acking or delivering
+// fails that run instead of stalling the suite.
+const runTimeout = time.Minute
 
 // broker is one server under test.
 type broker struct {
-	name string
-	addr string
-	cmd  *exec.Cmd
-	http string // tandem only: its status endpoint
+	name  string
+	addr  string
+	cmd   *exec.Cmd
+	http  string         // tandem only: its status endpoint
+	start func() *broker // starts it again (same data dir)
 }
 
 type sample struct {
 	res            *bench.Result
-	cpuUsPerMsg    float64
+	cpuUsPerMsg    float64 // per delivery for a fan-out workload
 	fsyncsPerMsg   float64
 	devBytesPerMsg float64
 	rssMB          float64
+	rssBeforeMB    float64 // idle workload: RSS before the connections
+	failed         bool
 }
+
+// tandemConfig is the gateway's config for the suite: enough clients for
+// W6, and no per-address connect rate limit (every client is 127.0.0.1).
+const tandemConfig = `node:
+  data_dir: %s
+mqtt:
+  max_clients: 10000
+  connect_rate: 1000000
+  connect_burst: 100000
+`
 
 func main() {
 	tandemBin := flag.String("tandem", "bin/tandem", "tandem binary")
@@ -62,18 +92,22 @@ func main() {
 	clusters := flag.Bool("clusters", true, "also run the cluster workloads (2 and 3 gateways on loopback)")
 	flag.Parse()
 
+	// W6 holds 5,000 connections on each side: the brokers started below
+	// inherit this limit.
+	check(bench.RaiseFileLimit(16384))
 	dir, err := os.MkdirTemp("", "tandem-bench-")
 	check(err)
 	defer os.RemoveAll(dir)
 	dev := deviceStat(dir)
 
 	tan := startTandem(*tandemBin, dir)
-	defer stop(tan)
+	defer func() { stop(tan) }()
 	mos := startMosquitto(dir)
-	defer stop(mos)
+	defer func() { stop(mos) }()
 
 	fmt.Printf("machine: %d CPUs, %s; device counters: %s\n", numCPU(), cpuModel(), dev)
-	fmt.Printf("tandem %s vs mosquitto %s, %d runs each, A B A B …, medians\n\n", tan.addr, mos.addr, *reps)
+	fmt.Printf("tandem %s vs mosquitto %s, %d runs each, A B A B …, medians\n", tan.addr, mos.addr, *reps)
+	fmt.Printf("W5: msg/s is deliveries/s to all subscribers, p50/p99 end to end, µs per delivery\n\n")
 	fmt.Printf("%-4s %-9s %10s %9s %9s %9s %10s %11s %8s  %s\n", "", "broker", "msg/s", "p50 ms", "p99 ms", "µs/msg", "fsync/msg", "dev B/msg", "RSS MB", "ratio (goal)")
 	for _, w := range workloads {
 		if *only != "" && !slices.Contains(strings.Split(*only, ","), w.name) {
@@ -81,13 +115,26 @@ func main() {
 		}
 		var st, sm []sample
 		for r := 0; r < *reps; r++ {
-			st = append(st, run(tan, w, dev))
-			sm = append(sm, run(mos, w, dev))
+			st = append(st, runOn(&tan, w, dev))
+			sm = append(sm, runOn(&mos, w, dev))
 		}
-		a, b := median(st), median(sm)
-		printRow(w.name, "tandem", a)
-		printRow("", "mosquitto", b)
-		fmt.Printf("%-4s %-9s %10s  tandem/mosquitto = %.2f× msg/s (%s)\n\n", "", "", "", a.res.MsgPerSec/b.res.MsgPerSec, w.goal)
+		switch {
+		case w.o.Idle > 0:
+			a, b := medianBy(st, func(s sample) float64 { return s.rssMB }), medianBy(sm, func(s sample) float64 { return s.rssMB })
+			printIdleRow(w.name, "tandem", a)
+			printIdleRow("", "mosquitto", b)
+			fmt.Printf("%-4s %-9s %10s  tandem/mosquitto = %.2f× RSS; tandem %.1f MB with %d idle connections (%s)\n\n", "", "", "", a.rssMB/b.rssMB, a.rssMB, w.o.Idle, w.goal+notComparable(a, b))
+		case w.o.Subscribers > 0:
+			a, b := medianBy(st, deliveriesPerSec), medianBy(sm, deliveriesPerSec)
+			printFanOutRow(w.name, "tandem", a)
+			printFanOutRow("", "mosquitto", b)
+			fmt.Printf("%-4s %-9s %10s  tandem/mosquitto = %.2f× deliveries/s to %d QoS %d subscribers (%s)\n\n", "", "", "", a.res.DeliveriesPerSec/b.res.DeliveriesPerSec, w.o.Subscribers, w.o.SubscribeQoS, w.goal+notComparable(a, b))
+		default:
+			a, b := median(st), median(sm)
+			printRow(w.name, "tandem", a)
+			printRow("", "mosquitto", b)
+			fmt.Printf("%-4s %-9s %10s  tandem/mosquitto = %.2f× msg/s (%s)\n\n", "", "", "", a.res.MsgPerSec/b.res.MsgPerSec, w.goal+notComparable(a, b))
+		}
 	}
 	if *clusters {
 		stop(tan)
@@ -97,20 +144,74 @@ func main() {
 }
 
 func printRow(w, name string, s sample) {
-	fmt.Printf("%-4s %-9s %10.0f %9.3f %9.3f %9.1f %10.3f %11.0f %8.1f\n", w, name, s.res.MsgPerSec, s.res.AckP50Ms, s.res.AckP99Ms, s.cpuUsPerMsg, s.fsyncsPerMsg, s.devBytesPerMsg, s.rssMB)
+	fmt.Printf("%-4s %-9s %10.0f %9.3f %9.3f %9.1f %10.3f %11.0f %8.1f%s\n", w, name, s.res.MsgPerSec, s.res.AckP50Ms, s.res.AckP99Ms, s.cpuUsPerMsg, s.fsyncsPerMsg, s.devBytesPerMsg, s.rssMB, failedMark(s))
 }
 
+func printFanOutRow(w, name string, s sample) {
+	fmt.Printf("%-4s %-9s %10.0f %9.3f %9.3f %9.1f %10.3f %11.0f %8.1f%s\n", w, name, s.res.DeliveriesPerSec, s.res.E2EP50Ms, s.res.E2EP99Ms, s.cpuUsPerMsg, s.fsyncsPerMsg, s.devBytesPerMsg, s.rssMB, failedMark(s))
+}
+
+func printIdleRow(w, name string, s sample) {
+	perConn := (s.rssMB - s.rssBeforeMB) * 1024 / float64(max(s.res.Idle, 1))
+	fmt.Printf("%-4s %-9s %8.1f MB RSS with %d idle (%.1f MB before: %.1f KiB/connection), connected in %.2f s%s\n",
+		w, name, s.rssMB, s.res.Idle, s.rssBeforeMB, perConn, s.res.IdleConnectSeconds, failedMark(s))
+}
+
+// notComparable says when a ratio compares a failed run.
+func notComparable(a, b sample) string {
+	switch {
+	case a.failed && b.failed:
+		return "; not comparable: both failed"
+	case a.failed:
+		return "; not comparable: tandem failed"
+	case b.failed:
+		return "; not comparable: mosquitto failed"
+	}
+	return ""
+}
+
+func failedMark(s sample) string {
+	if s.failed {
+		return "  (failed: see above)"
+	}
+	return ""
+}
+
+func deliveriesPerSec(s sample) float64 { return s.res.DeliveriesPerSec }
+
 func median(ss []sample) sample {
+	return medianBy(ss, func(s sample) float64 { return s.res.MsgPerSec })
+}
+
+// medianBy returns the sample with the median key.
+func medianBy(ss []sample, key func(sample) float64) sample {
 	slices.SortFunc(ss, func(a, b sample) int {
 		switch {
-		case a.res.MsgPerSec < b.res.MsgPerSec:
+		case key(a) < key(b):
 			return -1
-		case a.res.MsgPerSec > b.res.MsgPerSec:
+		case key(a) > key(b):
 			return 1
 		}
 		return 0
 	})
 	return ss[len(ss)/2]
+}
+
+// runOn runs w once on *b; when the run failed it starts the broker
+// again for the next one.
+func runOn(b **broker, w workload, dev string) sample {
+	var s sample
+	if w.o.Idle > 0 {
+		s = runIdle(*b, w)
+	} else {
+		s = run(*b, w, dev)
+	}
+	if s.failed {
+		fmt.Fprintf(os.Stderr, "%s on %s failed: restarting %s\n", w.name, (*b).name, (*b).name)
+		stop(*b)
+		*b = (*b).start()
+	}
+	return s
 }
 
 func run(b *broker, w workload, dev string) sample {
@@ -121,28 +222,71 @@ func run(b *broker, w workload, dev string) sample {
 	cpu0 := procCPU(b.cmd.Process.Pid)
 	fsyncs0 := tandemFsyncs(b)
 	dev0 := deviceBytes(dev)
-	res, err := bench.Run(context.Background(), o)
-	check(err)
+	ctx, cancel := context.WithTimeout(context.Background(), runTimeout)
+	defer cancel()
+	res, err := bench.Run(ctx, o)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "%s on %s: %v\n", w.name, b.name, err)
+		return sample{res: &bench.Result{}, failed: true}
+	}
+	s := sample{res: res}
 	if res.Failed > 0 {
 		fmt.Fprintf(os.Stderr, "%s on %s: %d failed: %s\n", w.name, b.name, res.Failed, res.FirstFailure)
+		s.failed = true
+	}
+	if o.Subscribers > 0 && res.ReceivedMin < res.Acked {
+		fmt.Fprintf(os.Stderr, "%s on %s: a subscriber got %d of %d publishes (%d deliveries in all)\n", w.name, b.name, res.ReceivedMin, res.Acked, res.Received)
+		s.failed = true
 	}
 	cpu := procCPU(b.cmd.Process.Pid) - cpu0
-	s := sample{res: res}
-	s.cpuUsPerMsg = cpu * 1e6 / float64(res.Acked)
+	per := float64(res.Acked)
+	if o.Subscribers > 0 {
+		per = float64(res.Received)
+	}
+	s.cpuUsPerMsg = cpu * 1e6 / per
 	s.fsyncsPerMsg = float64(tandemFsyncs(b)-fsyncs0) / float64(res.Acked)
 	s.devBytesPerMsg = float64(deviceBytes(dev)-dev0) / float64(res.Acked)
 	s.rssMB = procRSS(b.cmd.Process.Pid)
 	return s
 }
 
+// runIdle opens w.o.Idle idle connections to b, reads b's RSS once every
+// CONNACK is in, and closes them.
+func runIdle(b *broker, w workload) sample {
+	o := w.o
+	o.Broker = b.addr
+	o.Version = 5
+	s := sample{res: &bench.Result{Idle: o.Idle}, rssBeforeMB: procRSS(b.cmd.Process.Pid)}
+	ctx, cancel := context.WithTimeout(context.Background(), runTimeout)
+	defer cancel()
+	t0 := time.Now()
+	ic, err := bench.OpenIdle(ctx, o, o.Idle)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "%s on %s: %v\n", w.name, b.name, err)
+		s.failed = true
+		return s
+	}
+	s.res.IdleConnectSeconds = time.Since(t0).Seconds()
+	s.rssMB = procRSS(b.cmd.Process.Pid)
+	s.res.IdleOpen = ic.Open()
+	ic.Close()
+	if s.res.IdleOpen != o.Idle {
+		fmt.Fprintf(os.Stderr, "%s on %s: %d of %d connections were dropped\n", w.name, b.name, o.Idle-s.res.IdleOpen, o.Idle)
+		s.failed = true
+	}
+	return s
+}
+
 func startTandem(bin, dir string) *broker {
 	mq, hp := freePort(), freePort()
-	cmd := exec.Command(bin, "run", "--data", filepath.Join(dir, "tandem-data"), "--mqtt", mq, "--http", hp, "--peer", "127.0.0.1:0")
-	logf, err := os.Create(filepath.Join(dir, "tandem.log"))
+	cfg := filepath.Join(dir, "tandem.yaml")
+	check(os.WriteFile(cfg, []byte(fmt.Sprintf(tandemConfig, filepath.Join(dir, "tandem-data"))), 0o644))
+	cmd := exec.Command(bin, "run", "--config", cfg, "--mqtt", mq, "--http", hp, "--peer", "127.0.0.1:0")
+	logf, err := os.OpenFile(filepath.Join(dir, "tandem.log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
 	check(err)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	check(cmd.Start())
-	b := &broker{name: "tandem", addr: mq, cmd: cmd, http: hp}
+	b := &broker{name: "tandem", addr: mq, cmd: cmd, http: hp, start: func() *broker { return startTandem(bin, dir) }}
 	waitListening(mq)
 	return b
 }
@@ -151,9 +295,9 @@ func startMosquitto(dir string) *broker {
 	port := freePort()
 	_, p, _ := net.SplitHostPort(port)
 	conf := filepath.Join(dir, "mosquitto.conf")
-	check(os.WriteFile(conf, []byte(fmt.Sprintf("listener %s 127.0.0.1\nallow_anonymous true\npersistence false\nmax_inflight_messages 0\nmax_queued_messages 100000\n", p)), 0o644))
+	check(os.WriteFile(conf, []byte(fmt.Sprintf("listener %s 127.0.0.1\nallow_anonymous true\npersistence false\nmax_inflight_messages 0\nmax_queued_messages 100000\nconnection_messages false\n", p)), 0o644))
 	cmd := exec.Command("mosquitto", "-c", conf)
-	logf, err := os.Create(filepath.Join(dir, "mosquitto.log"))
+	logf, err := os.OpenFile(filepath.Join(dir, "mosquitto.log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
 	check(err)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	if err := cmd.Start(); err != nil {
@@ -161,7 +305,7 @@ func startMosquitto(dir string) *broker {
 		os.Exit(1)
 	}
 	waitListening(port)
-	return &broker{name: "mosquitto", addr: port, cmd: cmd}
+	return &broker{name: "mosquitto", addr: port, cmd: cmd, start: func() *broker { return startMosquitto(dir) }}
 }
 
 func stop(b *broker) {
