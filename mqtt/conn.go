@@ -97,7 +97,7 @@ type inAck struct {
 }
 
 func newConn(s *Server, nc net.Conn, listener, host string) *conn {
-	c := &conn{srv: s, nc: nc, listener: listener, host: host, br: bufio.NewReaderSize(nc, 4096),
+	c := &conn{srv: s, nc: nc, listener: listener, host: host, br: bufio.NewReaderSize(nc, 1024),
 		done: make(chan struct{}), writerEnd: make(chan struct{})}
 	c.acond = sync.NewCond(&c.amu)
 	return c
@@ -109,20 +109,41 @@ type errProtocol struct{ code packets.Code }
 func (e errProtocol) Error() string { return "protocol error: " + e.code.Reason }
 
 // run is the read loop: CONNECT, then packets until the connection ends.
-func (c *conn) run() {
-	defer c.finish()
+//
+// The CONNECT (TLS handshake, bcrypt, the session's first save) runs deep
+// and grows its goroutine's stack; the loop after it goes on in a fresh
+// goroutine, whose small stack is what an idle connection keeps. ended is
+// called once the connection has ended, on whichever goroutine.
+func (c *conn) run(ended func()) {
+	if !c.open() {
+		c.finish()
+		ended()
+		return
+	}
+	c.srv.goFunc(func() {
+		defer ended()
+		defer c.finish()
+		c.loop()
+	})
+}
+
+// open runs the TLS handshake and the CONNECT; false when the connection
+// did not make it.
+func (c *conn) open() bool {
 	_ = c.nc.SetReadDeadline(time.Now().Add(c.srv.cfg.Limits.ConnectTimeout))
 	if tc, ok := c.nc.(*tls.Conn); ok {
 		if err := tc.Handshake(); err != nil {
 			if !quietEnd(err) {
 				c.srv.refusal(c.host, "TLS handshake failed", "remote", c.remote(), "error", err)
 			}
-			return
+			return false
 		}
 	}
-	if !c.connect() {
-		return
-	}
+	return c.connect()
+}
+
+// loop reads and handles packets until the connection ends.
+func (c *conn) loop() {
 	for {
 		if c.keepalive > 0 {
 			// [MQTT-3.1.2-24]: one and a half times the keep alive.

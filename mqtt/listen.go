@@ -96,13 +96,12 @@ func (l *srvListener) admit(nc net.Conn) {
 	l.conns[nc] = struct{}{}
 	l.mu.Unlock()
 	s.goFunc(func() {
-		defer func() {
+		newConn(s, nc, l.id, host).run(func() {
 			l.mu.Lock()
 			delete(l.conns, nc)
 			l.mu.Unlock()
 			s.openConns.Add(-1)
-		}()
-		newConn(s, nc, l.id, host).run()
+		})
 	})
 }
 

@@ -112,7 +112,9 @@ func (l *wsListener) serveWS(w http.ResponseWriter, r *http.Request, opts *webso
 		ln.mu.Unlock()
 		l.active.Done()
 	}()
-	newConn(s, nc, wsListenerID, host).run()
+	ended := make(chan struct{})
+	newConn(s, nc, wsListenerID, host).run(func() { close(ended) })
+	<-ended // the hijacked connection is served until it ends
 }
 
 func (l *wsListener) serve() {
