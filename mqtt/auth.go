@@ -40,6 +40,16 @@ type TLSConfig struct {
 	MinVersion uint16
 }
 
+// aeadSuites are the TLS 1.2 suites the listener offers: forward-secret
+// AEAD only, no CBC or SHA-1 (TLS 1.3 has only such suites, and Go does not
+// let them be chosen). Devices too old for these can use min_version "1.2"
+// with nothing weaker, and should be upgraded rather than served CBC.
+var aeadSuites = []uint16{
+	tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+	tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384, tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+	tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256, tls.TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+}
+
 // Check reads the files of c as the listener would, so that a missing or
 // broken one is reported before anything starts.
 func (c *TLSConfig) Check() error {
@@ -54,7 +64,7 @@ func loadTLS(c *TLSConfig) (*tls.Config, error) {
 	if err != nil {
 		return nil, fmt.Errorf("mqtt tls: cert_file %s, key_file %s: %w", c.CertFile, c.KeyFile, err)
 	}
-	conf := &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: c.MinVersion}
+	conf := &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: c.MinVersion, CipherSuites: aeadSuites}
 	if conf.MinVersion == 0 {
 		conf.MinVersion = tls.VersionTLS12
 	}
