@@ -74,6 +74,7 @@ type fieldView struct {
 	published  [2][3]prometheus.Counter
 	acked      [2][numOutcomes]prometheus.Counter
 	ackLatency [2]prometheus.Observer
+	refused    *prometheus.CounterVec // by the mqtt layer's reason
 	fsync      prometheus.Observer
 	batch      prometheus.Observer
 
@@ -146,7 +147,11 @@ func newFieldView(d *Daemon) *fieldView {
 		ConstLabels: prometheus.Labels{"version": Version, "commit": Commit, "goversion": runtime.Version()},
 	})
 	build.Set(1)
-	fv.reg.MustRegister(published, acked, latency, fsync, batch, build, statusCollector{fv},
+	fv.refused = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tandem_mqtt_refused_total",
+		Help: "Clients, packets and subscriptions the MQTT listener refused, by reason (rate limits, bad logins, ACLs, limits, protocol errors).",
+	}, []string{"reason"})
+	fv.reg.MustRegister(published, acked, latency, fsync, batch, build, fv.refused, statusCollector{fv},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return fv
 }
@@ -158,6 +163,9 @@ func (fv *fieldView) Published(mode mqtt.AckMode, qos byte, rule int) {
 		fv.ruleCounts[r].Add(1)
 	}
 }
+
+// Refused implements mqtt.Observer.
+func (fv *fieldView) Refused(reason string) { fv.refused.WithLabelValues(reason).Inc() }
 
 // Acked implements mqtt.Observer. Only successful acks go into the latency
 // histogram: a refusal's latency is sync_timeout or nothing, and would hide

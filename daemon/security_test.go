@@ -127,6 +127,7 @@ type connOpts struct {
 	pass      *string
 	keepAlive uint16
 	willTopic string
+	from      string // local address to connect from; "" for the default
 }
 
 func ptr(s string) *string { return &s }
@@ -211,7 +212,11 @@ func mqttOnKA(t *testing.T, conn net.Conn, o connOpts) (*mqttConn, connack) {
 // dialMQTT connects over TCP to addr and sends CONNECT.
 func dialMQTTOpts(t *testing.T, addr string, o connOpts) (*mqttConn, connack) {
 	t.Helper()
-	conn, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	d := net.Dialer{Timeout: 5 * time.Second}
+	if o.from != "" {
+		d.LocalAddr = &net.TCPAddr{IP: net.ParseIP(o.from)}
+	}
+	conn, err := d.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -293,7 +298,14 @@ func (c *mqttConn) expectClosed() byte {
 // the log.
 func assertServing(t *testing.T, d *Daemon, user, pass string) []storage.Record {
 	t.Helper()
-	o := connOpts{version: 5, id: "serving-" + fmt.Sprint(time.Now().UnixNano())}
+	return assertServingFrom(t, d, "", user, pass)
+}
+
+// assertServingFrom is assertServing with clients connecting from the
+// local address from.
+func assertServingFrom(t *testing.T, d *Daemon, from, user, pass string) []storage.Record {
+	t.Helper()
+	o := connOpts{version: 5, id: "serving-" + fmt.Sprint(time.Now().UnixNano()), from: from}
 	if user != "" {
 		o.user, o.pass = ptr(user), ptr(pass)
 	}
@@ -386,11 +398,21 @@ func TestWrongPasswordAndUnknownUserRefused(t *testing.T) {
 		t.Errorf("bad passwords logged %d times from one address, want once a minute:\n%s", n, logs)
 	}
 
+	// The guesses put their address in backoff: there even the right
+	// password is refused at once, without a bcrypt check, for a while.
+	if _, ca := dialMQTTOpts(t, d.MQTTAddr(), connOpts{version: 5, id: "right", user: ptr("alice"), pass: ptr("wonderland")}); ca.code != 0x86 {
+		t.Fatalf("the right password from the guessing address: %+v, want 0x86 while it backs off", ca)
+	}
+	if !strings.Contains(logs.String(), "login backoff after failed logins") {
+		t.Error("the backoff refusal was not logged")
+	}
 	early.pub("ok/early", 1, false, 1, nil, "x")
 	if r := early.ack(0x40, 1); r != 0 {
 		t.Fatalf("early client: PUBACK %#x", r)
 	}
-	recs := assertServing(t, d, "alice", "wonderland")
+	// alice herself, from another address, gets in: her name's own
+	// backoff only delays her login (a few seconds at most).
+	recs := assertServingFrom(t, d, "127.0.0.2", "alice", "wonderland")
 	noRecordFrom(t, recs, "x1", "x2", "x3", "x4", "x5", "x6", "x7", "flood")
 }
 

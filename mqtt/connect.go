@@ -136,9 +136,29 @@ func (c *conn) authenticate(pk *packets.Packet) (user string, ok bool) {
 		}
 	case cp.UsernameFlag && acc.Users != nil:
 		name := string(cp.Username)
+		now := time.Now()
+		bo := &c.srv.logins
+		srcKey, userKey := "src\x00"+c.host, "user\x00"+name
+		if bo.blocked(srcKey, now) {
+			return "", c.refuse(pk, packets.ErrBadUsernameOrPassword, 0x04, "login backoff after failed logins", "user", name)
+		}
+		// A name in backoff is checked once its block ends, not refused:
+		// guesses for it slow down whatever their source, and its owner
+		// still gets in.
+		if wait := bo.wait(userKey, now); wait > 0 {
+			select {
+			case <-time.After(min(wait, c.srv.cfg.Limits.ConnectTimeout)):
+			case <-c.srv.stopc:
+				return "", false
+			}
+		}
 		if !c.srv.checkPassword(acc.Users, name, cp.Password) {
+			bo.failed(srcKey, now, sourceFreeFails, sourceMaxBlock)
+			bo.failed(userKey, now, userFreeFails, userMaxBlock)
 			return "", c.refuse(pk, packets.ErrBadUsernameOrPassword, 0x04, "bad user name or password", "user", name)
 		}
+		bo.succeeded(srcKey)
+		bo.succeeded(userKey)
 		user = name
 	}
 	if user == "" && !acc.AllowAnonymous {

@@ -23,6 +23,11 @@ type Observer interface {
 	// ack being encoded, so it includes the wait for earlier acks of the
 	// same client, which MQTT makes it go out after.
 	Acked(mode AckMode, err error, latency time.Duration)
+	// Refused is called for each client, packet or subscription refused
+	// (a rate limit, a bad login, an ACL, a limit, a protocol error),
+	// every one, also those whose log line is held back. reason is one of
+	// a fixed set of phrases.
+	Refused(reason string)
 }
 
 // nopObserver is the Observer when Config.Observer is nil, so the hot path
@@ -31,6 +36,7 @@ type nopObserver struct{}
 
 func (nopObserver) Published(AckMode, byte, int)        {}
 func (nopObserver) Acked(AckMode, error, time.Duration) {}
+func (nopObserver) Refused(string)                      {}
 
 // ruleFor is AckFor that also says which rule matched (-1: none, the
 // default async), for the Observer's per-rule counts.

@@ -42,6 +42,7 @@ type Server struct {
 	maxOpenConns int64         // sockets beyond it are closed at once
 	bcryptSem    chan struct{} // bounds concurrent password checks
 	preAuth      *byteBudget   // bytes buffered for connections not yet authenticated
+	logins       loginBackoff  // failed logins by source and user
 
 	tcp, tlsLn *srvListener
 	ws         *wsListener // nil without a WebSocket listener
@@ -475,6 +476,7 @@ func (s *Server) observer() Observer {
 // per reason and key: the source address, or the client id for refusals of
 // a connected client ("" for those tied to neither).
 func (s *Server) refusal(key, reason string, args ...any) {
+	s.observer().Refused(reason)
 	ok, held := s.refusals.allow(reason+"\x00"+key, time.Now())
 	if !ok {
 		return
