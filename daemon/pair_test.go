@@ -196,7 +196,7 @@ func TestPairBookLimits(t *testing.T) {
 // the first line of its output.
 func pairOpen(t *testing.T, d *Daemon, extra ...string) string {
 	t.Helper()
-	code, out, errOut := runMain(t, append([]string{"pair", "open", "--http", d.HTTPAddr()}, extra...)...)
+	code, out, errOut := runMain(t, append([]string{"pair", "open", "--http", d.HTTPAddr(), "--data", d.cfg.Node.DataDir}, extra...)...)
 	if code != 0 {
 		t.Fatalf("pair open: exit %d: %s", code, errOut)
 	}
@@ -210,7 +210,7 @@ func pairOpen(t *testing.T, d *Daemon, extra ...string) string {
 // pairJoin runs `tandem pair join` on d, knocking on addr (no mDNS here).
 func pairJoin(t *testing.T, d *Daemon, code, addr string, extra ...string) (int, string) {
 	t.Helper()
-	exit, out, errOut := runMain(t, append([]string{"pair", "join", code, "--addr", addr, "--http", d.HTTPAddr()}, extra...)...)
+	exit, out, errOut := runMain(t, append([]string{"pair", "join", code, "--addr", addr, "--http", d.HTTPAddr(), "--data", d.cfg.Node.DataDir}, extra...)...)
 	return exit, out + errOut
 }
 
