@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 )
 
@@ -76,7 +77,7 @@ func newAPIGuard(c *Config, log *slog.Logger) (*apiGuard, error) {
 	} else if _, err := readToken(g.tokenFile); err != nil {
 		return nil, usageError{fmt.Errorf("http.token_file: %w", err)}
 	}
-	warnLooseMode(log, "http token", g.tokenFile)
+	warnLooseMode(log, "http token file", g.tokenFile)
 	if host, _, err := net.SplitHostPort(c.HTTP.Listen); err == nil && host != "" {
 		g.hosts[normHost(host)] = true
 	}
@@ -111,14 +112,26 @@ func ensureToken(path string) error {
 	return os.Rename(tmp, path)
 }
 
-// warnLooseMode logs a warning when a secret file is readable by its group
-// or by everyone: what is in it then gives access to others too.
+// warnLooseMode logs a warning when a secret file (a token, the users'
+// hashes, a key) can be read or changed by other users: what is in it then
+// gives them access too. A group that is the daemon's own is fine: the
+// packaged way is root:tandem 0640.
 func warnLooseMode(log *slog.Logger, what, path string) {
 	if path == "" || log == nil {
 		return
 	}
-	if fi, err := os.Stat(path); err == nil && fi.Mode().Perm()&0o077 != 0 {
-		log.Warn(what+" file is readable by other users: chmod 600 it (or 640 with a group only tandem is in)", "file", path, "mode", fmt.Sprintf("%04o", fi.Mode().Perm()))
+	fi, err := os.Stat(path)
+	if err != nil {
+		return
+	}
+	perm := fi.Mode().Perm()
+	loose := perm&0o007 != 0 // others
+	if perm&0o070 != 0 {
+		st, ok := fi.Sys().(*syscall.Stat_t)
+		loose = loose || !ok || int(st.Gid) != os.Getgid() || perm&0o020 != 0
+	}
+	if loose {
+		log.Warn(what+" is open to other users: chmod 600 it, or 640 with the daemon's own group", "file", path, "mode", fmt.Sprintf("%04o", perm))
 	}
 }
 

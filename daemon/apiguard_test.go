@@ -182,17 +182,31 @@ func TestAPITokenWrittenOnceAndFoundByTheCLI(t *testing.T) {
 }
 
 // TestConfiguredTokenFile: with http.token_file the daemon uses that token
-// (and writes none of its own), warns that a group-readable one is loose,
-// and refuses to start without the file.
+// (and writes none of its own), warns that a world-readable one (and such a
+// users file) is loose, and refuses to start without the file.
 func TestConfiguredTokenFile(t *testing.T) {
 	dir := t.TempDir()
 	tf := filepath.Join(dir, "api-token")
-	if err := os.WriteFile(tf, []byte("s3cret-token\n"), 0o640); err != nil {
+	if err := os.WriteFile(tf, []byte("s3cret-token\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	d, logs := startGateway(t, func(c *Config) { c.HTTP.TokenFile = tf })
-	if !strings.Contains(logs.String(), "readable by other users") {
-		t.Fatalf("no warning for a 0640 token file:\n%s", logs)
+	users := usersFile(t, filepath.Join(dir, "users"), "u", "p")
+	if err := os.Chmod(users, 0o604); err != nil {
+		t.Fatal(err)
+	}
+	d, logs := startGateway(t, func(c *Config) { c.HTTP.TokenFile = tf; c.MQTT.UsersFile = users })
+	for _, what := range []string{"http token file is open to other users", "mqtt.users_file is open to other users"} {
+		if !strings.Contains(logs.String(), what) {
+			t.Fatalf("no warning %q:\n%s", what, logs)
+		}
+	}
+	// The daemon's own group may read it: no warning for a 0640 file.
+	if err := os.Chmod(tf, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	_, logs2 := startGateway(t, func(c *Config) { c.HTTP.TokenFile = tf })
+	if strings.Contains(logs2.String(), "open to other users") {
+		t.Fatalf("warned of a 0640 file of the daemon's own group:\n%s", logs2)
 	}
 	if _, err := os.Stat(filepath.Join(d.cfg.Node.DataDir, apiTokenFile)); err == nil {
 		t.Fatal("a data-dir token was written although http.token_file is set")

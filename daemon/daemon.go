@@ -90,6 +90,8 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return usageError{err}
 	}
+	warnLooseMode(d.log, "mqtt.users_file", c.MQTT.UsersFile)
+	warnLooseMode(d.log, "mqtt.tls.key_file", c.MQTT.TLS.KeyFile)
 	d.live = c
 	if err = os.MkdirAll(c.Node.DataDir, 0o750); err != nil {
 		return fmt.Errorf("data dir: %w", err)
