@@ -37,8 +37,10 @@ func newSrcLimiter(shared, reserved, perSrc int) *srcLimiter {
 	return &srcLimiter{shared: shared, reserved: reserved, perSrc: perSrc, bySrc: map[string]int{}}
 }
 
-// acquire takes a slot for src; false means none is free for it.
+// acquire takes a slot for source host src; false means none is free for
+// it.
 func (l *srcLimiter) acquire(src string, member bool) bool {
+	src = sourceKey(src)
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	switch {
@@ -55,12 +57,24 @@ func (l *srcLimiter) acquire(src string, member bool) bool {
 
 // release gives back a slot acquire gave src.
 func (l *srcLimiter) release(src string) {
+	src = sourceKey(src)
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.n--
 	if l.bySrc[src]--; l.bySrc[src] <= 0 {
 		delete(l.bySrc, src) // the map holds only sources holding slots
 	}
+}
+
+// sourceKey is what the per-source bounds count by: the address, or for
+// IPv6 its /64, which one host may hold whole (mqtt's connect_rate counts
+// the same way).
+func sourceKey(host string) string {
+	ip := net.ParseIP(host)
+	if ip == nil || ip.To4() != nil {
+		return host
+	}
+	return ip.Mask(net.CIDRMask(64, 128)).String() + "/64"
 }
 
 // hostOf is the host part of a "host:port" address (the address itself

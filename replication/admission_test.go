@@ -182,4 +182,11 @@ func TestSrcLimiter(t *testing.T) {
 	if l.n != 0 || len(l.bySrc) != 0 {
 		t.Fatalf("after releasing all: n %d, bySrc %v", l.n, l.bySrc)
 	}
+	// One IPv6 /64 is one source: rotating addresses in it gains nothing.
+	if !l.acquire("2001:db8::1", false) || !l.acquire("2001:db8::2", false) || l.acquire("2001:db8::ffff:3", false) {
+		t.Fatal("an IPv6 /64 is not held to the per-source bound")
+	}
+	if !l.acquire("2001:db8:0:1::1", false) {
+		t.Fatal("another /64 is another source")
+	}
 }
