@@ -14,9 +14,10 @@ package daemon
 // A code is 12 symbols of Crockford's base32 (60 bits). Guessing online is
 // what the master limits, per source address so that a stranger cannot
 // lock the real joiner out: one attempt a second, five failures and that
-// address may try no more (the pairing stays open for the others), at
-// most pairMaxSources addresses per code, and the code lives ten minutes:
-// 1,280 guesses at a 60-bit code at most. Offline guessing from a
+// address may try no more (the pairing stays open for the others), and the
+// code lives ten minutes. Even an attacker who rotates addresses is held
+// to the rate the peer port takes knocks at: under a million guesses in
+// ten minutes against 2^60 codes. Offline guessing from a
 // captured proof meets scrypt before each HMAC.
 
 import (
@@ -53,8 +54,9 @@ const (
 	// pairMinInterval is the least time between two checked attempts
 	// from one source address.
 	pairMinInterval = time.Second
-	// pairMaxSources bounds the addresses one code keeps counts for: the
-	// memory a scan costs, and with pairMaxFailures the guesses it gets.
+	// pairMaxSources bounds the addresses one code keeps counts for, the
+	// memory a scan costs; past it the address idle longest is forgotten,
+	// so that many addresses crowd nobody out.
 	pairMaxSources = 256
 )
 
@@ -76,7 +78,6 @@ var (
 	errPairBusy    = errors.New("pairing attempts are limited to one a second: try again in a second")
 	errPairWrong   = errors.New("wrong pairing code")
 	errPairLocked  = errors.New("too many wrong pairing codes from this address: open a new pairing (tandem pair open)")
-	errPairCrowded = errors.New("pairing was tried from too many addresses: open a new pairing (tandem pair open)")
 )
 
 // newPairCode returns a fresh random code in its grouped form.
@@ -248,7 +249,7 @@ func (b *pairBook) try(src string, node uint64, mac []byte, macOf func(key []byt
 	s := p.bySrc[src]
 	if s == nil {
 		if len(p.bySrc) >= pairMaxSources {
-			return nil, p.failures, errPairCrowded
+			p.forgetIdlest()
 		}
 		s = &pairSource{}
 		p.bySrc[src] = s
@@ -270,6 +271,18 @@ func (b *pairBook) try(src string, node uint64, mac []byte, macOf func(key []byt
 	}
 	p.usedBy = node
 	return p, p.failures, nil
+}
+
+// forgetIdlest drops the source whose last attempt is the oldest.
+func (p *pairing) forgetIdlest() {
+	var idlest string
+	var at time.Time
+	for src, s := range p.bySrc {
+		if idlest == "" || s.lastTry.Before(at) {
+			idlest, at = src, s.lastTry
+		}
+	}
+	delete(p.bySrc, idlest)
 }
 
 // release makes p usable again after its node could not be added.
@@ -326,7 +339,7 @@ func (c *cluster) onPair(ctx context.Context, r replication.Remote, payload []by
 	}, c.invites.pair.now())
 	if err != nil {
 		level := slog.LevelWarn
-		if errors.Is(err, errPairBusy) || errors.Is(err, errPairLocked) || errors.Is(err, errPairCrowded) {
+		if errors.Is(err, errPairBusy) || errors.Is(err, errPairLocked) {
 			// Not checked: a stranger knocking in a loop must not
 			// flood the journal; its wrong proofs were logged.
 			level = slog.LevelDebug

@@ -165,15 +165,22 @@ func TestPairBookLimits(t *testing.T) {
 	if _, _, err := b.try("c", 7, right, macOf, now); err != nil {
 		t.Fatalf("right code from a third address: %v", err)
 	}
-	// Only so many addresses per code.
+	// Only so many addresses are remembered per code, and many addresses
+	// crowd nobody out: the one idle longest is forgotten.
 	b.open(key, now.Add(10*time.Minute))
-	for i := range pairMaxSources {
-		if _, _, err := b.try(fmt.Sprint("s", i), 7, wrong, macOf, now); !errors.Is(err, errPairWrong) {
+	for i := range pairMaxSources + 10 {
+		if _, _, err := b.try(fmt.Sprint("s", i), 7, wrong, macOf, now.Add(time.Duration(i)*time.Millisecond)); !errors.Is(err, errPairWrong) {
 			t.Fatalf("source %d: %v", i, err)
 		}
 	}
-	if _, _, err := b.try("late", 7, right, macOf, now); !errors.Is(err, errPairCrowded) {
-		t.Fatalf("source past the bound: %v", err)
+	if n := len(b.cur.bySrc); n != pairMaxSources {
+		t.Fatalf("%d sources remembered, want %d", n, pairMaxSources)
+	}
+	if _, ok := b.cur.bySrc["s0"]; ok {
+		t.Fatal("the source idle longest was kept")
+	}
+	if _, _, err := b.try("late", 7, right, macOf, now); err != nil {
+		t.Fatalf("a joiner after many addresses: %v", err)
 	}
 
 	// Single use: the pairing node may retry, another may not; release
