@@ -79,7 +79,11 @@ func newAPIGuard(c *Config, log *slog.Logger) (*apiGuard, error) {
 	}
 	warnLooseMode(log, "http token file", g.tokenFile)
 	if host, _, err := net.SplitHostPort(c.HTTP.Listen); err == nil && host != "" {
-		g.hosts[normHost(host)] = true
+		// A wildcard is no name a request should use: browsers take
+		// 0.0.0.0 for loopback, so it would only widen what pages reach.
+		if ip := net.ParseIP(host); ip == nil || !ip.IsUnspecified() {
+			g.hosts[normHost(host)] = true
+		}
 	}
 	for _, h := range c.HTTP.AllowedHosts {
 		g.hosts[normHost(h)] = true

@@ -129,7 +129,7 @@ func TestReadOnlyEndpointsCheckHostOnly(t *testing.T) {
 				t.Errorf("GET %s Host %q: %d %s", path, host, code, body)
 			}
 		}
-		for _, host := range []string{"evil.example:" + port, "evil.example", "127.0.0.1.evil.example", "localhost.evil.example"} {
+		for _, host := range []string{"evil.example:" + port, "evil.example", "127.0.0.1.evil.example", "localhost.evil.example", "0.0.0.0:" + port, "[::]:" + port} {
 			if code, _ := rawAPI(t, d, http.MethodGet, path, host, nil, ""); code != http.StatusForbidden {
 				t.Errorf("GET %s Host %q: %d, want 403", path, host, code)
 			}
