@@ -224,7 +224,10 @@ type transportCounters struct {
 // the fingerprint is a member's (or the purpose a knock), answers with its
 // own hello and only then asks OnGeneration. The dialler asks OnGeneration
 // on the server's hello. Neither side sends or delivers a raft frame on a
-// link before its own check passed.
+// link before its own check passed. Before any of that, an accepted socket
+// must be admitted: per-source bounds, short deadlines and slots kept for
+// member hosts (admission.go) stop a flood from strangers from holding the
+// port.
 //
 // Queueing: Send never blocks. Each link has a bounded queue (messages and
 // bytes); when it is full, or the peer is down, the new message is dropped,
