@@ -14,6 +14,7 @@ import (
 	"runtime"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/spf13/cobra"
 )
@@ -232,6 +233,10 @@ func servePprof(addr string) error {
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-	go http.Serve(ln, mux)
+	// Profiles show what the process holds; a DNS-rebinding page must not
+	// read them either (apiguard.go), so Host is checked here too.
+	g := &apiGuard{hosts: map[string]bool{"localhost": true}}
+	srv := &http.Server{Handler: g.readOnly(mux), ReadHeaderTimeout: 5 * time.Second, MaxHeaderBytes: httpMaxHeaderBytes}
+	go srv.Serve(ln)
 	return nil
 }

@@ -33,12 +33,19 @@ func clusterTestConfig(c *Config, name string) {
 	c.Cluster.SyncTimeout = Duration(3 * time.Second)
 }
 
-// api POSTs req to a gateway's cluster API; it returns the status and
-// decodes a 200 answer into out, else returns the error text.
+// api POSTs req to a gateway's cluster API as the CLI does (JSON, the
+// data dir's token); it returns the status and decodes a 200 answer into
+// out, else returns the error text.
 func api(t *testing.T, d *Daemon, path string, req, out any) (int, string) {
 	t.Helper()
 	b, _ := json.Marshal(req)
-	resp, err := http.Post("http://"+d.HTTPAddr()+path, "application/json", bytes.NewReader(b))
+	hr, err := http.NewRequest(http.MethodPost, "http://"+d.HTTPAddr()+path, bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	hr.Header.Set("Content-Type", "application/json")
+	hr.Header.Set("Authorization", "Bearer "+apiToken(t, d))
+	resp, err := http.DefaultClient.Do(hr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -56,9 +63,19 @@ func api(t *testing.T, d *Daemon, path string, req, out any) (int, string) {
 	return resp.StatusCode, ""
 }
 
+// apiToken is the API token d wrote into its data dir.
+func apiToken(t *testing.T, d *Daemon) string {
+	t.Helper()
+	tok, err := readToken(cfgTokenFile(d.cfg))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok
+}
+
 func inviteToken(t *testing.T, d *Daemon) string {
 	t.Helper()
-	code, out, errOut := runMain(t, "cluster", "invite", "--http", d.HTTPAddr())
+	code, out, errOut := runMain(t, "cluster", "invite", "--http", d.HTTPAddr(), "--data", d.cfg.Node.DataDir)
 	if code != 0 {
 		t.Fatalf("cluster invite: exit %d: %s", code, errOut)
 	}
@@ -68,7 +85,7 @@ func inviteToken(t *testing.T, d *Daemon) string {
 
 func joinWith(t *testing.T, d *Daemon, token string, extra ...string) {
 	t.Helper()
-	args := append([]string{"cluster", "join", token, "--http", d.HTTPAddr()}, extra...)
+	args := append([]string{"cluster", "join", token, "--http", d.HTTPAddr(), "--data", d.cfg.Node.DataDir}, extra...)
 	if code, out, errOut := runMain(t, args...); code != 0 {
 		t.Fatalf("cluster join: exit %d: %s%s", code, out, errOut)
 	}
@@ -214,7 +231,7 @@ func TestClusterJoinRefusals(t *testing.T) {
 	tok := inviteToken(t, g1)
 	// Garbled and expired tokens: usage errors, nothing asked of anyone.
 	for _, bad := range []string{"hello", tok[:len(tok)-9], expiredToken(t, tok)} {
-		code, _, errOut := runMain(t, "cluster", "join", bad, "--http", g2.HTTPAddr())
+		code, _, errOut := runMain(t, "cluster", "join", bad, "--http", g2.HTTPAddr(), "--data", g2.cfg.Node.DataDir)
 		if code != ExitUsage || !strings.Contains(errOut, "token") {
 			t.Fatalf("join with a bad token: exit %d: %s", code, errOut)
 		}
@@ -222,7 +239,7 @@ func TestClusterJoinRefusals(t *testing.T) {
 	// A node holding records must say what becomes of them.
 	dev, _ := v5(t, g2.MQTTAddr(), "dev", nil)
 	publish(t, dev, &paho.Publish{Topic: "a/x", QoS: 1, Payload: []byte("kept")})
-	code, _, errOut := runMain(t, "cluster", "join", tok, "--http", g2.HTTPAddr())
+	code, _, errOut := runMain(t, "cluster", "join", tok, "--http", g2.HTTPAddr(), "--data", g2.cfg.Node.DataDir)
 	if code != ExitUsage || !strings.Contains(errOut, "--requeue") {
 		t.Fatalf("join of a node with records: exit %d: %s", code, errOut)
 	}
@@ -237,12 +254,12 @@ func TestClusterJoinRefusals(t *testing.T) {
 		return false
 	})
 	// The token was used: a second node cannot use it again.
-	code, _, errOut = runMain(t, "cluster", "join", tok, "--http", other.HTTPAddr())
+	code, _, errOut = runMain(t, "cluster", "join", tok, "--http", other.HTTPAddr(), "--data", other.cfg.Node.DataDir)
 	if code != ExitFailure || !strings.Contains(errOut, "already used") {
 		t.Fatalf("replayed token: exit %d: %s", code, errOut)
 	}
 	// A member of one cluster cannot join another.
-	code, _, errOut = runMain(t, "cluster", "join", inviteToken(t, other), "--http", g2.HTTPAddr())
+	code, _, errOut = runMain(t, "cluster", "join", inviteToken(t, other), "--http", g2.HTTPAddr(), "--data", g2.cfg.Node.DataDir)
 	if code != ExitFailure || !strings.Contains(errOut, "another cluster") {
 		t.Fatalf("join from another cluster: exit %d: %s", code, errOut)
 	}

@@ -1,16 +1,12 @@
 package daemon
 
 import (
-	"bytes"
 	"context"
-	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
-	"os"
 	"strings"
 	"time"
 
@@ -59,53 +55,18 @@ type apiError struct {
 
 // registerClusterAPI adds the cluster commands' endpoints.
 func (d *Daemon) registerClusterAPI(mux *http.ServeMux) {
-	mux.HandleFunc("POST /v1/cluster/invite", d.mutating(d.handleInvite))
-	mux.HandleFunc("POST /v1/cluster/join", d.mutating(d.handleJoin))
-	mux.HandleFunc("POST /v1/cluster/remove", d.mutating(d.handleRemove))
-	mux.HandleFunc("POST /v1/cluster/promote", d.mutating(d.handlePromote))
+	d.post(mux, "/v1/cluster/invite", d.handleInvite)
+	d.post(mux, "/v1/cluster/join", d.handleJoin)
+	d.post(mux, "/v1/cluster/remove", d.handleRemove)
+	d.post(mux, "/v1/cluster/promote", d.handlePromote)
 	d.registerPairAPI(mux)
 }
 
-// mutating guards an endpoint that changes the cluster: callers on
-// loopback are trusted (the CLI on the gateway itself); any other caller
-// must present http.token_file's token, and without one configured such
-// calls are refused.
-func (d *Daemon) mutating(h http.HandlerFunc) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) {
-		if tf := d.cfg.HTTP.TokenFile; tf != "" {
-			want, err := readToken(tf)
-			got := strings.TrimPrefix(r.Header.Get("Authorization"), "Bearer ")
-			if err != nil || subtle.ConstantTimeCompare([]byte(got), []byte(want)) != 1 {
-				writeAPIError(w, http.StatusUnauthorized, errors.New("a valid bearer token (http.token_file) is required"))
-				return
-			}
-		} else if !fromLoopback(r) {
-			writeAPIError(w, http.StatusForbidden, errors.New("cluster commands from another host need http.token_file set on this gateway"))
-			return
-		}
-		r.Body = http.MaxBytesReader(w, r.Body, 64<<10)
-		h(w, r)
-	}
-}
-
-// readToken reads a token file: its first line, trimmed.
-func readToken(path string) (string, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return "", err
-	}
-	tok, _, _ := strings.Cut(string(b), "\n")
-	tok = strings.TrimSpace(tok)
-	if tok == "" {
-		return "", fmt.Errorf("%s: empty token", path)
-	}
-	return tok, nil
-}
-
-func fromLoopback(r *http.Request) bool {
-	host, _, err := net.SplitHostPort(r.RemoteAddr)
-	ip := net.ParseIP(host)
-	return err == nil && ip != nil && ip.IsLoopback()
+// post registers a mutating endpoint behind the guard (apiguard.go) and
+// lists it in mutatingPaths, so that a test can try every one of them.
+func (d *Daemon) post(mux *http.ServeMux, path string, h http.HandlerFunc) {
+	mux.HandleFunc("POST "+path, d.guard.mutating(h))
+	d.mutatingPaths = append(d.mutatingPaths, path)
 }
 
 func writeJSON(w http.ResponseWriter, code int, v any) {
@@ -130,9 +91,21 @@ func statusOf(err error) int {
 	return http.StatusConflict
 }
 
+// decodeBody reads a request's JSON object into v. It is strict, so that
+// nothing but a client that means this API gets through: an empty body,
+// an unknown field or anything after the object is refused (an HTML form
+// posted as text/plain carries an extra "=" field).
 func decodeBody(r *http.Request, v any) error {
-	if err := json.NewDecoder(r.Body).Decode(v); err != nil && !errors.Is(err, io.EOF) {
+	dec := json.NewDecoder(r.Body)
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		if errors.Is(err, io.EOF) {
+			return usageError{errors.New("request body: empty (send a JSON object, {} at least)")}
+		}
 		return usageError{fmt.Errorf("request body: %w", err)}
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return usageError{errors.New("request body: more than one JSON value")}
 	}
 	return nil
 }
@@ -221,81 +194,6 @@ func (d *Daemon) handleRemove(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	writeJSON(w, http.StatusOK, removeResponse{Removed: rep.Removed})
-}
-
-// apiFlags are how a CLI command finds the running daemon's HTTP API.
-type apiFlags struct {
-	http, config, tokenFile string
-}
-
-func (f *apiFlags) add(cmd *cobra.Command) {
-	cmd.Flags().StringVar(&f.http, "http", "", "the daemon's HTTP address (default 127.0.0.1:7880, or http.listen of --config)")
-	cmd.Flags().StringVar(&f.config, "config", "", "read the HTTP address and token file from this config file")
-	cmd.Flags().StringVar(&f.tokenFile, "token-file", "", "bearer token file for a daemon on another host (default http.token_file of --config)")
-}
-
-// call POSTs req to the daemon's path and decodes the answer into out.
-func (f *apiFlags) call(path string, req, out any) error {
-	addr, tokFile := f.http, f.tokenFile
-	if f.config != "" {
-		cfg, err := LoadConfig(f.config)
-		if err != nil {
-			return err
-		}
-		if addr == "" {
-			addr = cfg.HTTP.Listen
-		}
-		if tokFile == "" {
-			tokFile = cfg.HTTP.TokenFile
-		}
-	}
-	if addr == "" {
-		addr = DefaultConfig().HTTP.Listen
-	}
-	addr = dialable(addr)
-	body, _ := json.Marshal(req)
-	hr, err := http.NewRequest(http.MethodPost, "http://"+addr+path, bytes.NewReader(body))
-	if err != nil {
-		return usageError{err}
-	}
-	hr.Header.Set("Content-Type", "application/json")
-	if tokFile != "" {
-		tok, err := readToken(tokFile)
-		if err != nil {
-			return usageError{err}
-		}
-		hr.Header.Set("Authorization", "Bearer "+tok)
-	}
-	resp, err := (&http.Client{Timeout: 90 * time.Second}).Do(hr)
-	if err != nil {
-		return fmt.Errorf("no tandem daemon answers at %s (is it running? --http or --config): %w", addr, err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-	if resp.StatusCode != http.StatusOK {
-		var ae apiError
-		if json.Unmarshal(b, &ae) != nil || ae.Error == "" {
-			ae.Error = strings.TrimSpace(string(b))
-		}
-		if resp.StatusCode == http.StatusBadRequest {
-			return usageError{errors.New(ae.Error)}
-		}
-		return errors.New(ae.Error)
-	}
-	return json.Unmarshal(b, out)
-}
-
-// dialable turns a listen address into one to dial: a listener on every
-// interface is reached on loopback.
-func dialable(addr string) string {
-	host, port, err := net.SplitHostPort(addr)
-	if err != nil {
-		return addr
-	}
-	if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
-		return net.JoinHostPort("127.0.0.1", port)
-	}
-	return addr
 }
 
 // newClusterCmd is `tandem cluster invite|join|remove`.

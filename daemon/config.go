@@ -208,8 +208,17 @@ type HTTPConfig struct {
 	// Listen is the HTTP listener, host:port. Default "127.0.0.1:7880": the
 	// API can change the cluster, so it stays on loopback unless configured.
 	Listen string `yaml:"listen"`
-	// TokenFile holds the bearer token the API requires; "" means none.
+	// TokenFile holds the bearer token the API's mutating endpoints
+	// require (its first line). "" means the token the daemon writes into
+	// the data dir at first start (http-token, mode 0600), which the CLI
+	// finds through --config or --data.
 	TokenFile string `yaml:"token_file"`
+	// AllowedHosts are host names, besides loopback, this machine's name
+	// and the address a request arrives at, that requests may name in
+	// their Host header: the names a remote Prometheus or browser uses.
+	// Any other name is refused, so that a DNS-rebinding web page cannot
+	// reach the API under its own domain.
+	AllowedHosts []string `yaml:"allowed_hosts"`
 }
 
 // LogConfig configures the daemon's log.

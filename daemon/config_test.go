@@ -104,7 +104,7 @@ func fullConfig() *Config {
 			WebSocket:         WebSocketConfig{Listen: "0.0.0.0:8080", TLS: true, Origins: []string{"dash.example.com"}},
 		},
 		Peer: PeerConfig{Listen: "0.0.0.0:7884", Advertise: []string{"198.51.100.1:7884", "gw-1.local:7884"}},
-		HTTP: HTTPConfig{Listen: "127.0.0.1:7881", TokenFile: "/etc/tandem/http-token"},
+		HTTP: HTTPConfig{Listen: "127.0.0.1:7881", TokenFile: "/etc/tandem/http-token", AllowedHosts: []string{"gw-1.example.net"}},
 		Log:  LogConfig{Level: "debug", Format: "json"},
 		Cluster: ClusterConfig{
 			Failover:        "auto",
@@ -528,6 +528,9 @@ func FuzzParseConfig(f *testing.F) {
 		}
 		if len(c.Peer.Advertise) == 0 {
 			c.Peer.Advertise = back.Peer.Advertise
+		}
+		if len(c.HTTP.AllowedHosts) == 0 {
+			c.HTTP.AllowedHosts = back.HTTP.AllowedHosts
 		}
 		if !reflect.DeepEqual(back, c) {
 			t.Fatalf("round trip changed the config:\n%+v\n%+v\n%s", c, back, out)

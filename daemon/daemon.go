@@ -41,6 +41,9 @@ type Daemon struct {
 
 	httpSrv *http.Server
 	httpLn  net.Listener
+	guard   *apiGuard // the admin API's checks, made by startHTTP
+	// mutatingPaths lists the endpoints registered behind guard.mutating.
+	mutatingPaths []string
 
 	reloadMu sync.Mutex // serialises Reload; guards live
 	live     *Config    // the configuration in force: cfg, then each reload's
@@ -87,6 +90,8 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return usageError{err}
 	}
+	warnLooseMode(d.log, "mqtt.users_file", c.MQTT.UsersFile)
+	warnLooseMode(d.log, "mqtt.tls.key_file", c.MQTT.TLS.KeyFile)
 	d.live = c
 	if err = os.MkdirAll(c.Node.DataDir, 0o750); err != nil {
 		return fmt.Errorf("data dir: %w", err)
@@ -325,7 +330,15 @@ func (d *Daemon) Stop() error {
 	return errors.Join(errs...)
 }
 
+// startHTTP serves the admin API, the metrics and the status page, behind
+// the guard of apiguard.go and with bounds on time, header size and
+// connections, so a slow or flooding client cannot hold the daemon's memory.
 func (d *Daemon) startHTTP() error {
+	g, err := newAPIGuard(d.cfg, d.log)
+	if err != nil {
+		return err
+	}
+	d.guard = g
 	ln, err := net.Listen("tcp", d.cfg.HTTP.Listen)
 	if err != nil {
 		return fmt.Errorf("http: %w", err)
@@ -342,9 +355,17 @@ func (d *Daemon) startHTTP() error {
 	mux.HandleFunc("GET /v1/status", d.handleStatus)
 	d.registerClusterAPI(mux)
 	d.registerFieldView(mux)
-	d.httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	d.httpSrv = &http.Server{
+		Handler:           g.readOnly(mux),
+		ReadHeaderTimeout: 5 * time.Second,
+		ReadTimeout:       httpReadTimeout,
+		WriteTimeout:      httpWriteTimeout,
+		IdleTimeout:       httpIdleTimeout,
+		MaxHeaderBytes:    httpMaxHeaderBytes,
+		ErrorLog:          slog.NewLogLogger(d.log.Handler(), slog.LevelDebug),
+	}
 	go func() {
-		if err := d.httpSrv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		if err := d.httpSrv.Serve(newLimitListener(ln, httpMaxConns)); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			d.log.Error("http server stopped", "error", err)
 		}
 	}()

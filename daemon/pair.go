@@ -12,8 +12,12 @@ package daemon
 // is a token join: addMember on the master, becomeMember on the joiner.
 //
 // A code is 12 symbols of Crockford's base32 (60 bits). Guessing online is
-// what the master limits: one attempt a second, five failures close the
-// pairing, and the code lives ten minutes. Offline guessing from a
+// what the master limits, per source address so that a stranger cannot
+// lock the real joiner out: one attempt a second, five failures and that
+// address may try no more (the pairing stays open for the others), and the
+// code lives ten minutes. Even an attacker who rotates addresses is held
+// to the rate the peer port takes knocks at: under a million guesses in
+// ten minutes against 2^60 codes. Offline guessing from a
 // captured proof meets scrypt before each HMAC.
 
 import (
@@ -24,6 +28,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -42,10 +48,16 @@ const (
 	maxPairTTL = time.Hour
 	// pairCodeLen is the number of symbols in a code: 5 bits each.
 	pairCodeLen = 12
-	// pairMaxFailures wrong proofs close the pairing.
+	// pairMaxFailures wrong proofs from one source address end that
+	// address's attempts on this code.
 	pairMaxFailures = 5
-	// pairMinInterval is the least time between two checked attempts.
+	// pairMinInterval is the least time between two checked attempts
+	// from one source address.
 	pairMinInterval = time.Second
+	// pairMaxSources bounds the addresses one code keeps counts for, the
+	// memory a scan costs; past it the address idle longest is forgotten,
+	// so that many addresses crowd nobody out.
+	pairMaxSources = 256
 )
 
 // pairAlphabet is Crockford's base32: digits and capitals without I, L, O
@@ -65,6 +77,7 @@ var (
 	errPairUsed    = errors.New("the pairing code was already used: each code pairs one gateway")
 	errPairBusy    = errors.New("pairing attempts are limited to one a second: try again in a second")
 	errPairWrong   = errors.New("wrong pairing code")
+	errPairLocked  = errors.New("too many wrong pairing codes from this address: open a new pairing (tandem pair open)")
 )
 
 // newPairCode returns a fresh random code in its grouped form.
@@ -163,23 +176,43 @@ type pairReply struct {
 type pairing struct {
 	key      []byte
 	expires  time.Time
+	failures int                    // wrong proofs from every source, for the log
+	bySrc    map[string]*pairSource // attempts per source address
+	usedBy   uint64                 // the node that paired with it, 0 while unused
+}
+
+// pairSource is what one source address did with a code.
+type pairSource struct {
 	failures int
 	lastTry  time.Time
-	usedBy   uint64 // the node that paired with it, 0 while unused
 }
 
 // pairBook holds the master's open pairing, in memory only (a restart
 // closes it). At most one is open: a new `pair open` replaces it.
 type pairBook struct {
-	mu  sync.Mutex // guards cur
+	mu  sync.Mutex // guards cur and clock
 	cur *pairing
+	// clock is the time source of the master's checks; nil is time.Now.
+	// Tests step it past the rate limit instead of waiting.
+	clock func() time.Time
+}
+
+// now is the book's clock.
+func (b *pairBook) now() time.Time {
+	b.mu.Lock()
+	clock := b.clock
+	b.mu.Unlock()
+	if clock != nil {
+		return clock()
+	}
+	return time.Now()
 }
 
 // open makes key the open pairing until expires.
 func (b *pairBook) open(key []byte, expires time.Time) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.cur = &pairing{key: key, expires: expires}
+	b.cur = &pairing{key: key, expires: expires, bySrc: map[string]*pairSource{}}
 }
 
 // state reports whether a pairing is open for a new gateway at now.
@@ -192,12 +225,15 @@ func (b *pairBook) state(now time.Time) (bool, time.Time) {
 	return false, time.Time{}
 }
 
-// try checks a joiner's proof at now. macOf computes the expected MAC from
-// the key. On success the pairing is marked used by node (the same node
-// may try again: a joiner whose answer was lost retries) and its key is
-// returned for the master's own proof. failures says how many wrong proofs
-// the pairing has seen (for the log).
-func (b *pairBook) try(node uint64, mac []byte, macOf func(key []byte) []byte, now time.Time) (p *pairing, failures int, err error) {
+// try checks a proof from node at source address src at now. macOf
+// computes the expected MAC from the key. On success the pairing is marked
+// used by node (the same node may try again: a joiner whose answer was
+// lost retries) and its key is returned for the master's own proof.
+// Attempts are limited per src, never for the pairing as a whole, so that
+// a stranger's wrong proofs cannot close it for the real joiner. failures
+// says how many wrong proofs the pairing has seen from every source (for
+// the log).
+func (b *pairBook) try(src string, node uint64, mac []byte, macOf func(key []byte) []byte, now time.Time) (p *pairing, failures int, err error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	p = b.cur
@@ -209,20 +245,44 @@ func (b *pairBook) try(node uint64, mac []byte, macOf func(key []byte) []byte, n
 		return nil, p.failures, errPairExpired
 	case p.usedBy != 0 && p.usedBy != node:
 		return nil, p.failures, errPairUsed
-	case now.Sub(p.lastTry) < pairMinInterval:
+	}
+	s := p.bySrc[src]
+	if s == nil {
+		if len(p.bySrc) >= pairMaxSources {
+			p.forgetIdlest()
+		}
+		s = &pairSource{}
+		p.bySrc[src] = s
+	}
+	switch {
+	case s.failures >= pairMaxFailures:
+		return nil, p.failures, errPairLocked
+	case now.Sub(s.lastTry) < pairMinInterval:
 		return nil, p.failures, errPairBusy
 	}
-	p.lastTry = now
+	s.lastTry = now
 	if !hmac.Equal(mac, macOf(p.key)) {
+		s.failures++
 		p.failures++
-		if p.failures >= pairMaxFailures {
-			b.cur = nil
-			return nil, p.failures, fmt.Errorf("%w: pairing closed after %d failed attempts, open a new one (tandem pair open)", errPairWrong, p.failures)
+		if s.failures >= pairMaxFailures {
+			return nil, p.failures, fmt.Errorf("%w: no more attempts from this address after %d (the pairing stays open for others)", errPairWrong, s.failures)
 		}
 		return nil, p.failures, errPairWrong
 	}
 	p.usedBy = node
 	return p, p.failures, nil
+}
+
+// forgetIdlest drops the source whose last attempt is the oldest.
+func (p *pairing) forgetIdlest() {
+	var idlest string
+	var at time.Time
+	for src, s := range p.bySrc {
+		if idlest == "" || s.lastTry.Before(at) {
+			idlest, at = src, s.lastTry
+		}
+	}
+	delete(p.bySrc, idlest)
 }
 
 // release makes p usable again after its node could not be added.
@@ -247,7 +307,7 @@ func (c *cluster) openPairing(ttl time.Duration) (string, time.Time, error) {
 		return "", time.Time{}, err
 	}
 	canon, _ := parsePairCode(code)
-	exp := time.Now().Add(ttl)
+	exp := c.invites.pair.now().Add(ttl)
 	c.invites.pair.open(pairKey(canon), exp)
 	// Never the code: the journal is readable by more people than the LAN.
 	c.d.log.Info("pairing open", "expires", exp.UTC().Format(time.RFC3339))
@@ -270,11 +330,21 @@ func (c *cluster) onPair(ctx context.Context, r replication.Remote, payload []by
 		return nil, errors.New("this gateway is not the master: pairing is held by the master")
 	}
 	self := c.d.self().Fingerprint
-	p, failures, err := c.invites.pair.try(m.ID, req.MAC, func(key []byte) []byte {
+	src, _, serr := net.SplitHostPort(r.Addr)
+	if serr != nil {
+		src = r.Addr
+	}
+	p, failures, err := c.invites.pair.try(src, m.ID, req.MAC, func(key []byte) []byte {
 		return pairMAC(key, pairRoleJoiner, r.Fingerprint, self, r.Binding, nil)
-	}, time.Now())
+	}, c.invites.pair.now())
 	if err != nil {
-		c.d.log.Warn("pairing attempt refused", "from", r.Addr, "peer", replication.IDString(r.ID), "name", m.Name, "reason", err, "failures", failures)
+		level := slog.LevelWarn
+		if errors.Is(err, errPairBusy) || errors.Is(err, errPairLocked) {
+			// Not checked: a stranger knocking in a loop must not
+			// flood the journal; its wrong proofs were logged.
+			level = slog.LevelDebug
+		}
+		c.d.log.Log(ctx, level, "pairing attempt refused", "from", r.Addr, "peer", replication.IDString(r.ID), "name", m.Name, "reason", err, "failures", failures)
 		return nil, err
 	}
 	rep, err := c.addMember(ctx, m, func() { c.invites.pair.release(p) })
@@ -291,7 +361,7 @@ func (c *cluster) onPair(ctx context.Context, r replication.Remote, payload []by
 
 // pairState says whether pairing is open for a new gateway, and until when.
 func (c *cluster) pairState() (open bool, expires time.Time) {
-	return c.invites.pair.state(time.Now())
+	return c.invites.pair.state(c.invites.pair.now())
 }
 
 // pairTarget is a gateway to knock on: its name and addresses.

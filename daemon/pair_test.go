@@ -5,9 +5,11 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"math"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -126,41 +128,65 @@ func TestPairBookLimits(t *testing.T) {
 	if open, _ := b.state(now); open {
 		t.Fatal("open before pair open")
 	}
-	if _, _, err := b.try(7, right, macOf, now); !errors.Is(err, errPairClosed) {
+	if _, _, err := b.try("a", 7, right, macOf, now); !errors.Is(err, errPairClosed) {
 		t.Fatalf("closed book: %v", err)
 	}
 
-	// Rate limit: a second attempt within a second is not even checked
-	// (and not counted); five wrong ones close the pairing.
+	// Rate limit: a second attempt within a second from one address is
+	// not even checked (and not counted); five wrong ones end that
+	// address's attempts, not the pairing.
 	b.open(key, now.Add(10*time.Minute))
 	if open, exp := b.state(now); !open || !exp.Equal(now.Add(10*time.Minute)) {
 		t.Fatalf("state after open: %v %v", open, exp)
 	}
-	if _, n, err := b.try(7, wrong, macOf, now); !errors.Is(err, errPairWrong) || n != 1 {
+	if _, n, err := b.try("a", 7, wrong, macOf, now); !errors.Is(err, errPairWrong) || n != 1 {
 		t.Fatalf("wrong code: %v (%d failures)", err, n)
 	}
-	if _, n, err := b.try(7, right, macOf, now.Add(500*time.Millisecond)); !errors.Is(err, errPairBusy) || n != 1 {
+	if _, n, err := b.try("a", 7, right, macOf, now.Add(500*time.Millisecond)); !errors.Is(err, errPairBusy) || n != 1 {
 		t.Fatalf("second attempt within a second: %v (%d failures)", err, n)
 	}
 	for i := 2; i <= pairMaxFailures; i++ {
 		now = now.Add(pairMinInterval)
-		_, n, err := b.try(7, wrong, macOf, now)
+		_, n, err := b.try("a", 7, wrong, macOf, now)
 		if !errors.Is(err, errPairWrong) || n != i {
 			t.Fatalf("wrong code %d: %v (%d failures)", i, err, n)
 		}
 	}
 	now = now.Add(pairMinInterval)
-	if _, _, err := b.try(7, right, macOf, now); !errors.Is(err, errPairClosed) {
-		t.Fatalf("right code after %d failures: %v, want closed", pairMaxFailures, err)
+	if _, _, err := b.try("a", 7, right, macOf, now); !errors.Is(err, errPairLocked) {
+		t.Fatalf("right code after %d failures from one address: %v, want locked", pairMaxFailures, err)
 	}
-	if open, _ := b.state(now); open {
-		t.Fatal("still open after too many failures")
+	if open, _ := b.state(now); !open {
+		t.Fatal("a stranger's failures closed the pairing")
+	}
+	if _, _, err := b.try("b", 7, wrong, macOf, now); !errors.Is(err, errPairWrong) {
+		t.Fatalf("wrong code from another address: %v", err)
+	}
+	if _, _, err := b.try("c", 7, right, macOf, now); err != nil {
+		t.Fatalf("right code from a third address: %v", err)
+	}
+	// Only so many addresses are remembered per code, and many addresses
+	// crowd nobody out: the one idle longest is forgotten.
+	b.open(key, now.Add(10*time.Minute))
+	for i := range pairMaxSources + 10 {
+		if _, _, err := b.try(fmt.Sprint("s", i), 7, wrong, macOf, now.Add(time.Duration(i)*time.Millisecond)); !errors.Is(err, errPairWrong) {
+			t.Fatalf("source %d: %v", i, err)
+		}
+	}
+	if n := len(b.cur.bySrc); n != pairMaxSources {
+		t.Fatalf("%d sources remembered, want %d", n, pairMaxSources)
+	}
+	if _, ok := b.cur.bySrc["s0"]; ok {
+		t.Fatal("the source idle longest was kept")
+	}
+	if _, _, err := b.try("late", 7, right, macOf, now); err != nil {
+		t.Fatalf("a joiner after many addresses: %v", err)
 	}
 
 	// Single use: the pairing node may retry, another may not; release
 	// (the node could not be added) reopens it.
 	b.open(key, now.Add(time.Minute))
-	p, _, err := b.try(7, right, macOf, now)
+	p, _, err := b.try("a", 7, right, macOf, now)
 	if err != nil || !bytes.Equal(p.key, key) {
 		t.Fatalf("right code: %v", err)
 	}
@@ -168,16 +194,16 @@ func TestPairBookLimits(t *testing.T) {
 		t.Fatal("still advertised open once used")
 	}
 	now = now.Add(pairMinInterval)
-	if _, _, err := b.try(8, right, macOf, now); !errors.Is(err, errPairUsed) {
+	if _, _, err := b.try("b", 8, right, macOf, now); !errors.Is(err, errPairUsed) {
 		t.Fatalf("reused by another node: %v", err)
 	}
 	now = now.Add(pairMinInterval)
-	if _, _, err := b.try(7, right, macOf, now); err != nil {
+	if _, _, err := b.try("a", 7, right, macOf, now); err != nil {
 		t.Fatalf("retry by the same node: %v", err)
 	}
 	b.release(p)
 	now = now.Add(pairMinInterval)
-	if _, _, err := b.try(8, right, macOf, now); err != nil {
+	if _, _, err := b.try("b", 8, right, macOf, now); err != nil {
 		t.Fatalf("after release: %v", err)
 	}
 
@@ -187,7 +213,7 @@ func TestPairBookLimits(t *testing.T) {
 	if open, _ := b.state(now); open {
 		t.Fatal("open at its expiry")
 	}
-	if _, _, err := b.try(7, right, macOf, now); !errors.Is(err, errPairExpired) {
+	if _, _, err := b.try("a", 7, right, macOf, now); !errors.Is(err, errPairExpired) {
 		t.Fatalf("expired: %v", err)
 	}
 }
@@ -196,7 +222,7 @@ func TestPairBookLimits(t *testing.T) {
 // the first line of its output.
 func pairOpen(t *testing.T, d *Daemon, extra ...string) string {
 	t.Helper()
-	code, out, errOut := runMain(t, append([]string{"pair", "open", "--http", d.HTTPAddr()}, extra...)...)
+	code, out, errOut := runMain(t, append([]string{"pair", "open", "--http", d.HTTPAddr(), "--data", d.cfg.Node.DataDir}, extra...)...)
 	if code != 0 {
 		t.Fatalf("pair open: exit %d: %s", code, errOut)
 	}
@@ -210,7 +236,7 @@ func pairOpen(t *testing.T, d *Daemon, extra ...string) string {
 // pairJoin runs `tandem pair join` on d, knocking on addr (no mDNS here).
 func pairJoin(t *testing.T, d *Daemon, code, addr string, extra ...string) (int, string) {
 	t.Helper()
-	exit, out, errOut := runMain(t, append([]string{"pair", "join", code, "--addr", addr, "--http", d.HTTPAddr()}, extra...)...)
+	exit, out, errOut := runMain(t, append([]string{"pair", "join", code, "--addr", addr, "--http", d.HTTPAddr(), "--data", d.cfg.Node.DataDir}, extra...)...)
 	return exit, out + errOut
 }
 
@@ -279,6 +305,47 @@ func TestPairInProcess(t *testing.T) {
 	}
 	if code, msg := api(t, g1, "/v1/pair/open", pairOpenRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "most tandem runs") {
 		t.Fatalf("pair open in a full cluster: %d %q", code, msg)
+	}
+}
+
+// TestPairStrangerCannotCloseThePairing: five wrong proofs from a stranger
+// at another address end that address's attempts, not the pairing: the
+// real joiner pairs with the code afterwards.
+func TestPairStrangerCannotCloseThePairing(t *testing.T) {
+	g1 := clusterGateway(t, "gw-1", nil)
+	g2 := clusterGateway(t, "gw-2", nil)
+	// Each reading of the master's clock is 1.1 s after the last: the
+	// stranger's attempts pass the rate limit without the test waiting.
+	base := time.Now()
+	var ticks atomic.Int64
+	g1.cl.invites.pair.mu.Lock()
+	g1.cl.invites.pair.clock = func() time.Time { return base.Add(time.Duration(ticks.Add(1)) * 1100 * time.Millisecond) }
+	g1.cl.invites.pair.mu.Unlock()
+	code := pairOpen(t, g1)
+
+	sid, err := replication.LoadOrCreateIdentity(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	stranger := replication.Member{ID: sid.ID, Name: "stranger", Fingerprint: sid.Fingerprint}
+	r := replication.Remote{ID: sid.ID, Fingerprint: sid.Fingerprint, Addr: "127.0.0.2:40000", Binding: make([]byte, 32)}
+	wrongKey := pairKey("000000000000")
+	proof, _ := json.Marshal(pairRequest{Member: stranger, MAC: pairMAC(wrongKey, pairRoleJoiner, sid.Fingerprint, g1.self().Fingerprint, r.Binding, nil)})
+	for i := range pairMaxFailures + 2 {
+		_, err := g1.cl.onPair(t.Context(), r, proof)
+		want := errPairWrong
+		if i >= pairMaxFailures {
+			want = errPairLocked
+		}
+		if !errors.Is(err, want) {
+			t.Fatalf("stranger's attempt %d: %v, want %v", i+1, err, want)
+		}
+	}
+	if s := statusOfGW(t, g1); !s.Pairing.Open {
+		t.Fatal("the stranger's wrong proofs closed the pairing")
+	}
+	if exit, out := pairJoin(t, g2, code, g1.PeerAddr()); exit != 0 || !strings.Contains(out, "paired") {
+		t.Fatalf("the real joiner after the stranger: exit %d: %s", exit, out)
 	}
 }
 

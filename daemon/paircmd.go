@@ -40,8 +40,8 @@ const defaultPairBrowse = 10 * time.Second
 
 // registerPairAPI adds the pairing commands' endpoints.
 func (d *Daemon) registerPairAPI(mux *http.ServeMux) {
-	mux.HandleFunc("POST /v1/pair/open", d.mutating(d.handlePairOpen))
-	mux.HandleFunc("POST /v1/pair/join", d.mutating(d.handlePairJoin))
+	d.post(mux, "/v1/pair/open", d.handlePairOpen)
+	d.post(mux, "/v1/pair/join", d.handlePairJoin)
 }
 
 func (d *Daemon) handlePairOpen(w http.ResponseWriter, r *http.Request) {

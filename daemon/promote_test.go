@@ -140,7 +140,7 @@ func TestPromoteRefusals(t *testing.T) {
 	if code, msg := api(t, g1, "/v1/cluster/promote", promoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "master already") {
 		t.Fatalf("promote the master: %d %q", code, msg)
 	}
-	code, _, errOut := runMain(t, "promote", "--http", g2.HTTPAddr())
+	code, _, errOut := runMain(t, "promote", "--http", g2.HTTPAddr(), "--data", g2.cfg.Node.DataDir)
 	if code != ExitFailure || !strings.Contains(errOut, "alive") {
 		t.Fatalf("tandem promote with a live master: exit %d: %s", code, errOut)
 	}

@@ -2,13 +2,8 @@ package daemon
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
-	"net"
-	"net/http"
-	"os"
-	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -21,7 +16,7 @@ const defaultHTTP = "127.0.0.1:7880"
 
 // newStatusCmd is `tandem status`.
 func newStatusCmd() *cobra.Command {
-	var httpAddr, configFile, tokenFile string
+	var af apiFlags
 	var asJSON bool
 	cmd := &cobra.Command{
 		Use:   "status",
@@ -31,11 +26,7 @@ func newStatusCmd() *cobra.Command {
 			"(--http, or http.listen of --config, default " + defaultHTTP + ").",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			addr, token, err := daemonEndpoint(cmd, httpAddr, configFile, tokenFile)
-			if err != nil {
-				return err
-			}
-			body, err := getStatus(addr, token)
+			addr, body, err := af.getStatus()
 			if err != nil {
 				return err
 			}
@@ -50,90 +41,9 @@ func newStatusCmd() *cobra.Command {
 			return writeStatus(cmd.OutOrStdout(), &s)
 		},
 	}
-	cmd.Flags().StringVar(&httpAddr, "http", "", "the daemon's HTTP address (default "+defaultHTTP+")")
-	cmd.Flags().StringVar(&configFile, "config", "", "take the HTTP address (http.listen) and token from this config file")
-	cmd.Flags().StringVar(&tokenFile, "token-file", "", "bearer token file, for a daemon that requires one (default http.token_file of --config)")
+	af.add(cmd)
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the status JSON as the daemon serves it")
 	return cmd
-}
-
-// daemonEndpoint resolves where the daemon listens: --http wins, then the
-// config's http.listen (a wildcard host becomes loopback, which it also
-// serves), then the default. The token comes from --token-file, else the
-// config's http.token_file, when there is one.
-func daemonEndpoint(cmd *cobra.Command, httpAddr, configFile, tokenFile string) (addr, token string, err error) {
-	addr = defaultHTTP
-	if configFile != "" {
-		cfg, err := LoadConfig(configFile)
-		if err != nil {
-			return "", "", err
-		}
-		addr = statusDialAddr(cfg.HTTP.Listen)
-		if tokenFile == "" {
-			tokenFile = cfg.HTTP.TokenFile
-		}
-	}
-	if tokenFile != "" {
-		b, err := os.ReadFile(tokenFile)
-		if err != nil {
-			return "", "", usageError{fmt.Errorf("token file: %w", err)}
-		}
-		token = strings.TrimSpace(string(b))
-	}
-	if cmd.Flags().Changed("http") {
-		addr = httpAddr
-	}
-	if _, _, err := net.SplitHostPort(addr); err != nil {
-		return "", "", usageError{fmt.Errorf("--http %q: want host:port", addr)}
-	}
-	return addr, token, nil
-}
-
-// statusDialAddr turns a listen address into one to dial: ":7880" and
-// "0.0.0.0:7880" listen on loopback too.
-func statusDialAddr(listen string) string {
-	host, port, err := net.SplitHostPort(listen)
-	if err != nil {
-		return listen
-	}
-	if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
-		host = "127.0.0.1"
-	}
-	return net.JoinHostPort(host, port)
-}
-
-// getStatus fetches /v1/status and returns the body as served.
-func getStatus(addr, token string) ([]byte, error) {
-	req, err := http.NewRequest(http.MethodGet, "http://"+addr+"/v1/status", nil)
-	if err != nil {
-		return nil, usageError{err}
-	}
-	if token != "" {
-		req.Header.Set("Authorization", "Bearer "+token)
-	}
-	resp, err := (&http.Client{Timeout: 5 * time.Second}).Do(req)
-	if err != nil {
-		return nil, fmt.Errorf("no tandem daemon answers at %s (is it running? --http or --config say where it listens): %w", addr, unwrapURL(err))
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
-	if err != nil {
-		return nil, fmt.Errorf("reading the status from %s: %w", addr, err)
-	}
-	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("the daemon at %s answered %s: %s", addr, resp.Status, strings.TrimSpace(string(body)))
-	}
-	return body, nil
-}
-
-// unwrapURL drops net/http's "Get \"http://…\":" prefix; the message says
-// the address already.
-func unwrapURL(err error) error {
-	var ue interface{ Unwrap() error }
-	if errors.As(err, &ue) && ue.Unwrap() != nil {
-		return ue.Unwrap()
-	}
-	return err
 }
 
 // writeStatus prints s for a person: this node first, then the members.

@@ -194,8 +194,14 @@ func (g *gw) status() *gwStatus {
 }
 
 // cli runs a tandem command in the gateway's namespace (so it reaches the
-// daemon's loopback HTTP listener) and returns its stdout.
+// daemon's loopback HTTP listener) and returns its stdout. Commands that
+// talk to the daemon get --config, which tells them where its API token
+// is (the data dir is a test's temporary one, not ./tandem-data).
 func (g *gw) cli(args ...string) (string, error) {
+	switch args[0] {
+	case "cluster", "pair", "promote", "status":
+		args = append(args, "--config", g.cfg)
+	}
 	cmd := g.h.Command(tandemBin(g.t), args...)
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb

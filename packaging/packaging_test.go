@@ -724,8 +724,24 @@ func TestDebInstallUpgradeRemovePurge(t *testing.T) {
 	}
 
 	// Purge: nothing of the package is left (the user stays, as Debian
-	// keeps system users).
-	dpkgDo("--purge", "tandem")
+	// keeps system users); a file an administrator added to /etc/tandem
+	// is kept, and named.
+	if err := os.WriteFile("/etc/tandem/users", []byte("sensor:$2a$10$x\n"), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	purge := exec.Command(dpkg, "--purge", "tandem")
+	purge.Env = append(os.Environ(), "DEBIAN_FRONTEND=noninteractive")
+	if out, err := purge.CombinedOutput(); err != nil {
+		t.Fatalf("dpkg --purge: %v\n%s", err, out)
+	} else if !strings.Contains(string(out), "kept /etc/tandem") || !strings.Contains(string(out), "users") {
+		t.Errorf("purge did not say it kept /etc/tandem/users:\n%s", out)
+	}
+	if !exists("/etc/tandem/users") {
+		t.Error("purge deleted a users file an administrator added")
+	}
+	if err := os.RemoveAll("/etc/tandem"); err != nil {
+		t.Fatal(err)
+	}
 	if s := pkgStatus(t); s != "" && !strings.HasPrefix(s, "un") && !strings.HasPrefix(s, "pn") {
 		t.Errorf("after purge: %q", s)
 	}

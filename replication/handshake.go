@@ -129,14 +129,18 @@ func (t *PeerTransport) dial(ctx context.Context, addr string, pin [32]byte, any
 }
 
 // greet completes the TLS handshake and the hellos within handshakeTimeout
-// (or ctx). The dialling side sends its hello first and reads the
+// (firstHelloTimeout on the accepting side; or ctx). The dialling side sends its hello first and reads the
 // server's; the server only reads, and sends its own (sendHello) once it
 // has decided: a stranger asking for a member link gets nothing back. greet
 // checks the protocol version and that the id the hello claims is the one
 // the certificate's key gives. The deadline stays set; callers clear it.
 func (t *PeerTransport) greet(ctx context.Context, tc *tls.Conn, purpose byte, server bool) (Remote, byte, *frameReader, error) {
 	nc := tc.NetConn()
-	deadline := time.Now().Add(handshakeTimeout)
+	limit := handshakeTimeout
+	if server {
+		limit = firstHelloTimeout
+	}
+	deadline := time.Now().Add(limit)
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
 		deadline = d
 	}
@@ -256,30 +260,32 @@ func (t *PeerTransport) acceptLoop() {
 			continue
 		}
 		delay = 0
-		select {
-		case t.handshakes <- struct{}{}:
-		default:
+		addr := nc.RemoteAddr().String()
+		host := hostOf(addr)
+		if !t.handshakes.acquire(host, t.memberHost(host)) {
 			nc.Close()
-			t.refuse(nc.RemoteAddr().String(), "too many handshakes at once", nil)
+			t.refuse(addr, "too many handshakes at once", nil)
 			continue
 		}
 		if !t.track(nc) {
+			t.handshakes.release(host)
 			nc.Close()
 			return
 		}
-		t.goChild(func() { t.serve(nc) })
+		t.goChild(func() { t.serve(nc, host) })
 	}
 }
 
-// serve runs an accepted connection: handshake, then one knock or a member
-// link; anything else closes it.
-func (t *PeerTransport) serve(nc net.Conn) {
+// serve runs an accepted connection from host, which holds a handshake
+// slot: handshake, then one knock or a member link; anything else closes
+// it.
+func (t *PeerTransport) serve(nc net.Conn, host string) {
 	defer t.untrack(nc)
 	held := true
 	release := func() {
 		if held {
 			held = false
-			<-t.handshakes
+			t.handshakes.release(host)
 		}
 	}
 	defer release()
@@ -293,7 +299,7 @@ func (t *PeerTransport) serve(nc net.Conn) {
 	if purpose == purposeKnock {
 		release()
 		if t.sendHello(tc, purposeLink) == nil {
-			t.serveKnock(tc, fr, r)
+			t.serveKnock(tc, fr, r, host)
 		}
 		return
 	}
@@ -325,23 +331,30 @@ func (t *PeerTransport) serve(nc net.Conn) {
 	}
 	nc.SetDeadline(time.Time{})
 	release()
+	t.sawMember(p.id, host)
 	t.runConn(t.newConn(tc, fr, p.id, addr, false), p, &p.in)
 }
 
-// serveKnock answers one knock, then closes. A second frame is never read.
-func (t *PeerTransport) serveKnock(tc *tls.Conn, fr *frameReader, r Remote) {
+// serveKnock answers one knock from host, then closes. A second frame is
+// never read.
+func (t *PeerTransport) serveKnock(tc *tls.Conn, fr *frameReader, r Remote, host string) {
 	if t.cfg.OnStranger == nil {
 		t.refuse(r.Addr, "knock refused: no handler", nil)
 		return
 	}
-	select {
-	case t.knocks <- struct{}{}:
-		defer func() { <-t.knocks }()
-	default:
+	if !t.knocks.acquire(host, t.memberHost(host)) {
 		t.refuse(r.Addr, "knock refused: too many at once", nil)
 		return
 	}
-	tc.SetReadDeadline(time.Now().Add(handshakeTimeout))
+	held := true
+	release := func() {
+		if held {
+			held = false
+			t.knocks.release(host)
+		}
+	}
+	defer release()
+	tc.SetReadDeadline(time.Now().Add(knockFrameTimeout))
 	typ, body, err := fr.next()
 	var kind byte
 	var payload []byte
@@ -362,6 +375,10 @@ func (t *PeerTransport) serveKnock(tc *tls.Conn, fr *frameReader, r Remote) {
 	ctx, cancel := context.WithTimeout(t.ctx, knockTimeout)
 	reply, herr := t.cfg.OnStranger(ctx, r, kind, slices.Clone(payload))
 	cancel()
+	// The slot bounds the waiting and the handling; the answer's write and
+	// the linger after it are the knocker's to end, and its next knock
+	// (a retry, the next step of a join) may already be on its way.
+	release()
 	tc.SetWriteDeadline(time.Now().Add(handshakeTimeout))
 	if _, err := tc.Write(appendResponse(nil, responseOf(0, reply, herr, MaxFrameSize))); err == nil {
 		lingerClose(tc)

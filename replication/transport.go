@@ -41,10 +41,21 @@ const (
 	minBackoff       = 50 * time.Millisecond
 	maxBackoff       = 5 * time.Second
 	stableAfter      = time.Second // a link that lived this long resets the backoff
-	maxHandshakes    = 64          // unauthenticated connections at once
-	maxKnocks        = 4           // stranger requests being handled at once
-	maxHandlers      = 1024        // OnRequest calls in flight per connection
-	logEvery         = time.Minute // rate of repeated refusal lines per address
+	// firstHelloTimeout bounds, on an accepted connection, the TLS
+	// handshake and the dialler's hello: a peer sends both at once, so
+	// only a stalled or hostile socket needs longer (admission.go).
+	firstHelloTimeout = 2 * time.Second
+	// knockFrameTimeout bounds the wait for the knock after the hellos;
+	// a knocker has its payload ready by then.
+	knockFrameTimeout = 2 * time.Second
+	maxHandshakes     = 64          // unauthenticated connections at once, shared
+	reservedHandshake = 16          // more of them, for member hosts only
+	srcHandshakes     = 4           // unauthenticated connections per source address
+	maxKnocks         = 4           // stranger requests being handled at once, shared
+	reservedKnocks    = 2           // more of them, for member hosts (a deposed master's rejoin)
+	srcKnocks         = 1           // stranger requests per source address
+	maxHandlers       = 1024        // OnRequest calls in flight per connection
+	logEvery          = time.Minute // rate of repeated refusal lines per address
 )
 
 // PeerInfo is what the transport needs to know of one member.
@@ -213,7 +224,10 @@ type transportCounters struct {
 // the fingerprint is a member's (or the purpose a knock), answers with its
 // own hello and only then asks OnGeneration. The dialler asks OnGeneration
 // on the server's hello. Neither side sends or delivers a raft frame on a
-// link before its own check passed.
+// link before its own check passed. Before any of that, an accepted socket
+// must be admitted: per-source bounds, short deadlines and slots kept for
+// member hosts (admission.go) stop a flood from strangers from holding the
+// port.
 //
 // Queueing: Send never blocks. Each link has a bounded queue (messages and
 // bytes); when it is full, or the peer is down, the new message is dropped,
@@ -242,8 +256,11 @@ type PeerTransport struct {
 	closed    bool
 	closeOnce sync.Once
 
-	handshakes chan struct{} // semaphore: unauthenticated connections
-	knocks     chan struct{} // semaphore: knocks being handled
+	handshakes *srcLimiter // unauthenticated connections (admission.go)
+	knocks     *srcLimiter // knocks being handled
+	// seenHosts maps the host each member's last link came from to its
+	// id, for admission's reservation; guarded by mu.
+	seenHosts map[string]uint64
 
 	// notesMu guards unreach and snaps, the reports waiting for notifyLoop.
 	notesMu  sync.Mutex
@@ -272,7 +289,8 @@ func NewPeerTransport(cfg TransportConfig) (*PeerTransport, error) {
 	t := &PeerTransport{
 		cfg: cfg, id: cfg.Identity.ID, log: cfg.Logger.With("component", "peer"),
 		peers: map[uint64]*peer{}, byFP: map[[32]byte]*peer{}, live: map[net.Conn]struct{}{},
-		handshakes: make(chan struct{}, maxHandshakes), knocks: make(chan struct{}, maxKnocks),
+		handshakes: newSrcLimiter(maxHandshakes, reservedHandshake, srcHandshakes),
+		knocks:     newSrcLimiter(maxKnocks, reservedKnocks, srcKnocks), seenHosts: map[string]uint64{},
 		unreach: map[uint64]struct{}{}, notesSig: make(chan struct{}, 1), logged: map[string]time.Time{},
 	}
 	// The server cannot pin at the TLS layer: strangers must get through
@@ -388,6 +406,11 @@ func (t *PeerTransport) SetPeers(peers []PeerInfo) {
 			p.shut()
 			delete(t.peers, id)
 			delete(t.byFP, p.fp)
+		}
+	}
+	for h, id := range t.seenHosts {
+		if _, ok := want[id]; !ok {
+			delete(t.seenHosts, h)
 		}
 	}
 	for id, pi := range want {
