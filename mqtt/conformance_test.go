@@ -558,3 +558,67 @@ func TestMQTT_4_3_3_QoS2InboundExactlyOnce(t *testing.T) {
 		t.Fatalf("logged %v, want once", got)
 	}
 }
+
+// [MQTT-3.1.2-23]: a session ends its Session Expiry Interval after the
+// connection closes; reconnecting after that finds no session.
+// [MQTT-3.1.2-4]: Clean Start discards one that is still there.
+func TestMQTT_3_1_2_23_SessionExpiry(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	props := &packets.Properties{SessionExpiryInterval: 1, SessionExpiryIntervalFlag: true}
+	c := dialRaw(t, s.Addr(), 5)
+	c.connect("expiring", false, props)
+	c.subscribe(1, packets.Subscription{Filter: "exp/#", Qos: 1})
+	c.c.Close()
+	// Back within the interval: present.
+	waitUntil(t, 5*time.Second, "the first connection to end", func() bool { return s.Clients() == 0 })
+	back := dialRaw(t, s.Addr(), 5)
+	if ack := back.connect("expiring", false, props); !ack.SessionPresent {
+		t.Fatal("session gone within its expiry")
+	}
+	back.c.Close()
+	waitUntil(t, 5*time.Second, "the session to expire", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.sessions["expiring"] == nil
+	})
+	late := dialRaw(t, s.Addr(), 5)
+	if ack := late.connect("expiring", false, props); ack.SessionPresent {
+		t.Fatal("session present after its expiry")
+	}
+	late.c.Close()
+	waitUntil(t, 5*time.Second, "the connection to end", func() bool { return s.Clients() == 0 })
+	fresh := dialRaw(t, s.Addr(), 5)
+	if ack := fresh.connect("expiring", true, props); ack.SessionPresent {
+		t.Fatal("clean start kept the session")
+	}
+}
+
+// [MQTT-3.3.4-7]/[MQTT-3.3.4-8]: the server sends no more unacknowledged
+// QoS 1/2 PUBLISHes than the client's Receive Maximum; the next goes out
+// as one is acked.
+func TestMQTT_3_3_4_7_ClientReceiveMaximumBoundsDeliveries(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	c := dialRaw(t, s.Addr(), 5)
+	c.connect("rm3", true, &packets.Properties{ReceiveMaximum: 3})
+	c.subscribe(1, packets.Subscription{Filter: "rm/#", Qos: 1})
+	pub := dialRaw(t, s.Addr(), 5)
+	pub.connect("pub", true, nil)
+	for i := 0; i < 10; i++ {
+		pub.publish("rm/x", 1, uint16(i+1), fmt.Sprint(i))
+		pub.expect(packets.Puback)
+	}
+	var got []packets.Packet
+	for i := 0; i < 3; i++ {
+		got = append(got, c.expect(packets.Publish))
+	}
+	if pk, err := c.read(300 * time.Millisecond); err == nil { // bounded wait for what must not come
+		t.Fatalf("a fourth PUBLISH with 3 unacked: %+v", pk)
+	}
+	for i := 3; i < 10; i++ {
+		c.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: got[0].PacketID})
+		got = append(got[1:], c.expect(packets.Publish))
+		if p := got[len(got)-1]; string(p.Payload) != fmt.Sprint(i) {
+			t.Fatalf("message %d: %q", i, p.Payload)
+		}
+	}
+}
