@@ -126,12 +126,12 @@ func (a *applier) Apply(index uint64, data []byte) error {
 	return a.broker.Deliver(index, messageOf(&rec))
 }
 
-// Committed reads the committed records from..to (at most the applied
-// index) for sessions that replay from their cursor.
+// Committed reads the records from..to for sessions that replay from
+// their cursor. The broker asks only up to what the applier has handed it,
+// so all of it is committed; it is not bounded by the storage's applied
+// index, which is recorded after a whole batch is applied and would make a
+// replay skip the batch's records.
 func (a *logAdapter) Committed(from, to uint64, fn func(index uint64, m *mqtt.Message) bool) error {
-	if applied := a.d.db.Applied(); to > applied {
-		to = applied
-	}
 	if from > to {
 		return nil
 	}

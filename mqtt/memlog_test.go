@@ -96,7 +96,6 @@ func (l *memLog) Logged(origin uint64, seqs []uint64) (map[uint64]bool, error) {
 
 func (l *memLog) Committed(from, to uint64, fn func(uint64, *Message) bool) error {
 	l.mu.Lock()
-	to = min(to, l.applied)
 	var batch []*Message
 	for i := from; i <= to && int(i) <= len(l.recs); i++ {
 		batch = append(batch, l.recs[i-1])

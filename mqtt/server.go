@@ -16,8 +16,11 @@ import (
 // for sessions that replay from their cursor (a client back from offline,
 // or one that fell further behind than its queue holds).
 type LogReader interface {
-	// Committed calls fn for each committed record with from <= index <=
-	// to, in log order, until fn returns false. m is fn's to keep.
+	// Committed calls fn for each record with from <= index <= to, in log
+	// order, until fn returns false; m is fn's to keep. The server asks
+	// only up to the last index it was handed (Deliver, Applied), which is
+	// committed: an implementation must not stop short of to for any
+	// other reason than fn, or a replay would skip what it did not read.
 	Committed(from, to uint64, fn func(index uint64, m *Message) bool) error
 }
 
