@@ -101,6 +101,13 @@ func (c *cluster) found(peers []discovery.Peer) {
 	changed := false
 	for i, p := range c.last {
 		for _, fp := range peers {
+			if fp.ID == replication.IDString(p.ID) && fp.Cluster == c.clusterID() && fp.Gen > c.generation() {
+				// A member says it is in a later generation: it was
+				// promoted over this node, maybe. mDNS is not
+				// authenticated, so this only makes the next knock
+				// (which is) happen now.
+				c.rejoins.now.Store(true)
+			}
 			if fp.ID == replication.IDString(p.ID) && fp.Cluster == c.clusterID() && len(fp.Addrs) > 0 && !slices.Equal(fp.Addrs, p.Addrs) {
 				c.d.log.Info("member found at a new address", "peer", fp.Name, "addrs", fp.Addrs, "was", p.Addrs)
 				c.last[i].Addrs = slices.Clone(fp.Addrs)
