@@ -250,30 +250,38 @@ func (c *cluster) checkFailover(n *replication.Node) {
 	if c.failover.silence() < after {
 		return
 	}
-	c.background(&c.bgFailover, func() {
-		ctx, cancel := context.WithTimeout(context.Background(), c.probeTimeout(after))
-		alive := c.masterAnswers(ctx, master)
-		cancel()
-		silent := c.failover.silence()
-		switch {
-		case alive:
-			// A slow or lossy link, not a dead master: promoting now
-			// would make two masters for as long as the link stays slow.
-			c.failover.heard.Store(time.Now().UnixNano())
-			if c.failover.slowLog.allow(30 * time.Second) {
-				d.log.Warn("the master sent nothing on the raft link for a while but answers a probe: not promoting", "peer", master.Name, "silent", silent.Round(time.Millisecond), "rtt", c.rtt.get().Round(time.Millisecond))
-			}
-			return
-		case silent < after:
-			return // it spoke meanwhile
+	c.background(&c.bgFailover, func() { c.failoverRound(master, after) })
+}
+
+// failoverRound probes a master that has been silent for after, and
+// promotes this node unless the master answered or spoke meanwhile. It
+// reports whether it promoted.
+func (c *cluster) failoverRound(master replication.Member, after time.Duration) bool {
+	d := c.d
+	ctx, cancel := context.WithTimeout(context.Background(), c.probeTimeout(after))
+	alive := c.masterAnswers(ctx, master)
+	cancel()
+	silent := c.failover.silence()
+	switch {
+	case alive:
+		// A slow or lossy link, not a dead master: promoting now would
+		// make two masters for as long as the link stays slow.
+		c.failover.heard.Store(time.Now().UnixNano())
+		if c.failover.slowLog.allow(30 * time.Second) {
+			d.log.Warn("the master sent nothing on the raft link for a while but answers a probe: not promoting", "peer", master.Name, "silent", silent.Round(time.Millisecond), "rtt", c.rtt.get().Round(time.Millisecond))
 		}
-		pctx, pcancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer pcancel()
-		if _, err := c.promote(pctx, true, fmt.Sprintf("failover: auto, nothing from the master for %v and no answer to a probe", silent.Round(time.Second))); err != nil {
-			d.log.Error("automatic failover failed; will retry", "error", err)
-			c.failover.heard.Store(time.Now().UnixNano())
-		}
-	})
+		return false
+	case silent < after:
+		return false // it spoke meanwhile
+	}
+	pctx, pcancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer pcancel()
+	if _, err := c.promote(pctx, true, fmt.Sprintf("failover: auto, nothing from the master for %v and no answer to a probe", silent.Round(time.Second))); err != nil {
+		d.log.Error("automatic failover failed; will retry", "error", err)
+		c.failover.heard.Store(time.Now().UnixNano())
+		return false
+	}
+	return true
 }
 
 // failoverMaster returns the master of n's cluster if n is the slave of a
