@@ -105,7 +105,7 @@ type cluster struct {
 	promotions, depositions atomic.Uint64
 
 	// Background tasks of the keeper that are running.
-	bgBrowse, bgDeposed, bgTend, bgLeave, bgFailover, bgRepublished atomic.Bool
+	bgBrowse, bgTend, bgLeave, bgFailover, bgRepublished atomic.Bool
 
 	addrsMu sync.Mutex
 	addrs   []string // this node's peer addresses as other gateways should dial them
@@ -653,7 +653,7 @@ func (c *cluster) keeper() {
 				c.background(&c.bgBrowse, func() { c.browse(ctx) })
 			}
 			if n.Leader() == n.ID() && c.rejoins.due() {
-				c.background(&c.bgDeposed, func() { c.checkDeposed(ctx, lost) })
+				c.knockRound(ctx, lost)
 			}
 		}
 		topics := time.Since(lastTopics) > 10*time.Second

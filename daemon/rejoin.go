@@ -30,7 +30,8 @@ const metaSuperseded = "cluster.superseded"
 // hellos take about three round trips, the request one more.
 const (
 	rejoinEvery      = 2 * time.Second  // between knocks, before backoff
-	rejoinEveryMax   = 8 * time.Second  // the backoff's ceiling
+	rejoinEveryMax   = 4 * time.Second  // the backoff's ceiling: rounds overlap, so this bounds the wait once answers get through
+	knockRoundsMax   = 3                // knock rounds in flight at once
 	knockTimeoutMin  = 4 * time.Second  // a knock's timeout, at least
 	knockTimeoutMax  = 60 * time.Second // and at most
 	knockRoundTrips  = 8                // a knock's timeout in measured round trips (about 2x what it costs)
@@ -92,12 +93,19 @@ func rejoinInterval(failures int) time.Duration {
 }
 
 // rejoinState is the deposed master's knocking, between keeper ticks.
+//
+// Knock rounds overlap: a new one starts every rejoinInterval even while
+// an earlier one still waits out its (long, on a slow link) timeout, so
+// that once answers get through again the next round is never further off
+// than the interval. The promoted node answers them all alike.
 type rejoinState struct {
-	mu       sync.Mutex // guards the fields below
-	failures int        // knocks in a row that got no answer
-	next     time.Time  // no knock before this
-	log      rateLimit  // failed knocks logged
+	mu       sync.Mutex // guards failures and next
+	failures int        // knock rounds in a row that got no answer
+	next     time.Time  // no round before this
+	log      rateLimit  // failed rounds logged
 	now      atomic.Bool
+	inFlight atomic.Int32 // rounds running
+	stepMu   sync.Mutex   // one step-down at a time: rounds may succeed together
 }
 
 // due reports whether the keeper should knock now: the interval is over,
@@ -111,6 +119,13 @@ func (s *rejoinState) due() bool {
 	return !time.Now().Before(s.next)
 }
 
+// started schedules the round after the one starting now.
+func (s *rejoinState) started() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.next = time.Now().Add(rejoinInterval(s.failures))
+}
+
 // done records the outcome of a round of knocks.
 func (s *rejoinState) done(answered bool) (failures int) {
 	s.mu.Lock()
@@ -120,7 +135,6 @@ func (s *rejoinState) done(answered bool) (failures int) {
 	} else {
 		s.failures++
 	}
-	s.next = time.Now().Add(rejoinInterval(s.failures))
 	return s.failures
 }
 
@@ -129,6 +143,22 @@ func (s *rejoinState) attempts() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.failures
+}
+
+// knockRound starts a round of checkDeposed unless knockRoundsMax are
+// running.
+func (c *cluster) knockRound(ctx context.Context, lost []replication.Member) {
+	if c.rejoins.inFlight.Add(1) > knockRoundsMax {
+		c.rejoins.inFlight.Add(-1)
+		return
+	}
+	c.rejoins.started()
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		defer c.rejoins.inFlight.Add(-1)
+		c.checkDeposed(ctx, lost)
+	}()
 }
 
 // checkDeposed runs on a master whose members are out of reach: it asks
@@ -165,9 +195,8 @@ func (c *cluster) checkDeposed(ctx context.Context, lost []replication.Member) {
 			if json.Unmarshal(reply, &rep) != nil || rep.Generation <= c.generation() || remote.ID != m.ID {
 				continue
 			}
-			c.superseded(rep.Generation, "rejoin answer")
 			c.rejoins.done(true)
-			c.rejoin(rep, m)
+			c.stepDown(rep, m)
 			return
 		}
 	}
@@ -180,6 +209,18 @@ func (c *cluster) checkDeposed(ctx context.Context, lost []replication.Member) {
 		level = c.d.log.Warn // promoted over: until a knock gets through, nobody takes this gateway's publishes
 	}
 	level("rejoin knock failed; will retry", "addr", lastAddr, "attempts", failures, "timeout", timeout, "next_in", rejoinInterval(failures), "rtt", c.rtt.get().Round(time.Millisecond), "error", lastErr)
+}
+
+// stepDown rejoins as the slave of by, unless another knock round did
+// meanwhile (rounds overlap, and the promoted node answers each alike).
+func (c *cluster) stepDown(rep joinReply, by replication.Member) {
+	c.rejoins.stepMu.Lock()
+	defer c.rejoins.stepMu.Unlock()
+	if rep.Generation <= c.generation() {
+		return
+	}
+	c.superseded(rep.Generation, "rejoin answer")
+	c.rejoin(rep, by)
 }
 
 // superseded is how this node learns, from an authenticated member (its
