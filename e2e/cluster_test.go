@@ -172,6 +172,7 @@ type gwStatus struct {
 	} `json:"log"`
 	Cluster struct {
 		Generation     uint64 `json:"generation"`
+		Requeued       uint64 `json:"requeued"`
 		RequeuePending int    `json:"requeue_pending"`
 	} `json:"cluster"`
 	Pairing struct {

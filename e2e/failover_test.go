@@ -80,7 +80,7 @@ func TestTwoGatewaysPromoteAndRejoin(t *testing.T) {
 // logLine fails unless g's output has a line containing want within a few
 // seconds (some lines follow the state tests poll for: the deposed line
 // waits for the re-publish to be done), and logs it.
-func logLine(t *testing.T, g *gw, want string) {
+func logLine(t *testing.T, g *gw, want string) string {
 	t.Helper()
 	var line string
 	eventually(t, 5*time.Second, fmt.Sprintf("%s: a log line with %q", g.name, want), func() bool {
@@ -93,6 +93,7 @@ func logLine(t *testing.T, g *gw, want string) {
 		return false
 	})
 	t.Logf("%s: %s", g.name, line)
+	return line
 }
 
 func TestTwoGatewaysAutoFailoverSplitBrainRepaired(t *testing.T) {

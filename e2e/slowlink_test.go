@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -152,7 +153,7 @@ func settle(t *testing.T, l1, l2 *load, g1, g2 *gw) map[string]time.Time {
 	acked := merge(l1, l2)
 	converge(t, 30*time.Second, g1, g2)
 	logLine(t, g2, "promoted to master")
-	logLine(t, g1, "deposed: another gateway was promoted to master; rejoined as its slave")
+	republished(t, g1)
 	return acked
 }
 
@@ -174,6 +175,7 @@ func TestTwoGatewaysSlowLinkRejoinLeavesOneMaster(t *testing.T) {
 	oneMaster(t, 1*time.Second+8*time.Second, g2, g1)
 	acked := settle(t, l1, l2, g1, g2)
 	sub.once(t, acked, 30*time.Second)
+	timeline(t, g1, g2)
 	g1.stop()
 	g2.stop()
 	checkAll(t, acked, g2, g1)
@@ -199,6 +201,7 @@ func TestTwoGatewaysRejoinSurvivesLostKnockAnswers(t *testing.T) {
 	t.Logf("answers get through again at %s", time.Now().UTC().Format("15:04:05.000"))
 	oneMaster(t, 1*time.Second+8*time.Second, g2, g1)
 	acked := settle(t, l1, l2, g1, g2)
+	timeline(t, g1, g2)
 	g1.stop()
 	g2.stop()
 	checkAll(t, acked, g2, g1)
@@ -241,10 +244,44 @@ func TestAutoFailoverNotFooledBySlowLossyLink(t *testing.T) {
 	l.waitAcks(t, 100, 20*time.Second)
 	acked := merge(l)
 	converge(t, 30*time.Second, g1, g2)
+	timeline(t, g1, g2)
 	if strings.Contains(g2.proc.Output(), "promoted to master") {
 		t.Fatal("gw-2 logged a promotion")
 	}
 	g1.stop()
 	g2.stop()
 	checkAll(t, acked, g1, g2)
+}
+
+// republished checks that the deposed master's `deposed` line reports the
+// number of records it re-published, as its status does.
+func republished(t *testing.T, g *gw) {
+	t.Helper()
+	line := logLine(t, g, "deposed: another gateway was promoted to master; rejoined as its slave")
+	_, after, ok := strings.Cut(line, "records_republished=")
+	n, _, _ := strings.Cut(after, " ")
+	s := g.status()
+	if !ok || s == nil || n != strconv.FormatUint(s.Cluster.Requeued, 10) {
+		t.Fatalf("%s: the deposed line says records_republished=%s, status says %+v", g.name, n, s)
+	}
+}
+
+// timeline logs the gateways' lines about the failover, for the reader of
+// a passing run as much as a failing one.
+func timeline(t *testing.T, gws ...*gw) {
+	t.Helper()
+	keys := []string{"promoted to master", "stepping down", "rejoin knock", "refusing publishes", "rejoins as slave", "caught up past", "not promoting", "deposed:"}
+	for _, g := range gws {
+		n := 0
+		for _, l := range strings.Split(g.proc.Output(), "\n") {
+			for _, k := range keys {
+				if strings.Contains(l, k) {
+					if n++; n <= 20 {
+						t.Logf("%s: %s", g.name, l)
+					}
+					break
+				}
+			}
+		}
+	}
 }
