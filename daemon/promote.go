@@ -258,6 +258,7 @@ func (c *cluster) checkFailover(n *replication.Node) {
 // reports whether it promoted.
 func (c *cluster) failoverRound(master replication.Member, after time.Duration) bool {
 	d := c.d
+	before := c.failover.silence()
 	ctx, cancel := context.WithTimeout(context.Background(), c.probeTimeout(after))
 	alive := c.masterAnswers(ctx, master)
 	cancel()
@@ -268,7 +269,7 @@ func (c *cluster) failoverRound(master replication.Member, after time.Duration) 
 		// make two masters for as long as the link stays slow.
 		c.failover.heard.Store(time.Now().UnixNano())
 		if c.failover.slowLog.allow(30 * time.Second) {
-			d.log.Warn("the master sent nothing on the raft link for a while but answers a probe: not promoting", "peer", master.Name, "silent", silent.Round(time.Millisecond), "rtt", c.rtt.get().Round(time.Millisecond))
+			d.log.Warn("the master sent nothing on the raft link for a while but answers a probe: not promoting", "peer", master.Name, "silent", before.Round(time.Millisecond), "rtt", c.rtt.get().Round(time.Millisecond))
 		}
 		return false
 	case silent < after:

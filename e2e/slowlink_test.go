@@ -211,11 +211,11 @@ func TestTwoGatewaysRejoinSurvivesLostKnockAnswers(t *testing.T) {
 // and 1 % loss, appends still flowing, and the slave does not promote
 // itself.
 func TestAutoFailoverNotFooledBySlowLossyLink(t *testing.T) {
-	nt, link, g1, g2 := slowPair(t)
+	_, link, g1, g2 := slowPair(t)
 	l := startLoad(t, 2, "a/slow", func(int) []*gw { return []*gw{g1} })
 	l.waitAcks(t, 200, 20*time.Second)
 	link.SetDelay(time.Second)
-	nt.Loss(nt.Hosts[0], nt.Hosts[1], 0.01)
+	link.SetLoss(0.01)
 	t.Logf("1000 ms each way and 1%% loss from %s", time.Now().UTC().Format("15:04:05.000"))
 	// For 30 s (ten failover_after): the slave stays a slave, and its log
 	// keeps growing, so appends flow.
@@ -239,7 +239,7 @@ func TestAutoFailoverNotFooledBySlowLossyLink(t *testing.T) {
 		t.Fatalf("no appends reached gw-2 over the slow link (last index %d -> %d): the test proves nothing", first, last)
 	}
 	t.Logf("gw-2's log grew from %d to %d over the slow link", first, last)
-	nt.Loss(nt.Hosts[0], nt.Hosts[1], 0)
+	link.SetLoss(0)
 	link.SetDelay(0)
 	l.waitAcks(t, 100, 20*time.Second)
 	acked := merge(l)

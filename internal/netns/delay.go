@@ -2,6 +2,8 @@ package netns
 
 import (
 	"fmt"
+	"math"
+	"math/rand/v2"
 	"net"
 	"os"
 	"runtime"
@@ -20,8 +22,16 @@ import (
 // the other host's port. The relay holds each chunk it reads for the
 // link's delay before writing it on, in both directions, so a relayed
 // connection sees that delay one way and twice it as its round trip. Its
-// own connections carry a firewall mark the rule skips. Packet loss is an
-// iptables statistic match on the real link (Loss), under the relay.
+// own connections carry a firewall mark the rule skips.
+//
+// Loss on such a link is what the relay makes of it too (Link.SetLoss):
+// the real link under the relay has no delay, so a segment lost there is
+// resent within a millisecond or two. On a link with the delay on the wire
+// a loss stalls the connection: the duplicate acks take a round trip to
+// come back and the resend half of one more, about 1.5 round trips during
+// which nothing behind it is delivered (a resend lost too waits for a
+// retransmission timeout). The relay holds chunks back that way. Net.Loss
+// drops packets on the real link, for the cheap kind.
 //
 // Only connections opened after Relay go through it: set it up before the
 // processes start dialling.
@@ -33,7 +43,8 @@ const relayMark = 0x2424
 // Link is the pair of relays between two hosts for one port.
 type Link struct {
 	net   *Net
-	delay atomic.Int64 // nanoseconds, one way
+	delay atomic.Int64  // nanoseconds, one way
+	loss  atomic.Uint64 // math.Float64bits of the loss rate per packet
 	// dropReplies loses what a server sends in the last moment before it
 	// closes (the answer of a one-shot request, such as a knock), and the
 	// close with it: the client waits for an answer that never comes.
@@ -81,6 +92,33 @@ func (nt *Net) Relay(a, b *Host, port int) *Link {
 
 // SetDelay sets the one-way delay of the link.
 func (l *Link) SetDelay(d time.Duration) { l.delay.Store(int64(d)) }
+
+// SetLoss makes each packet of the link lost with probability p, as a
+// lossy link with the delay on the wire would: see the package comment on
+// slow links.
+func (l *Link) SetLoss(p float64) { l.loss.Store(math.Float64bits(p)) }
+
+// stall is how much longer a chunk of n bytes waits for the losses among
+// its packets at the current rate.
+func (l *Link) stall(n int) time.Duration {
+	p := math.Float64frombits(l.loss.Load())
+	if p <= 0 {
+		return 0
+	}
+	packets := (n + mss - 1) / mss
+	if rand.Float64() >= 1-math.Pow(1-p, float64(packets)) {
+		return 0
+	}
+	rtt := 2 * time.Duration(l.delay.Load())
+	d := rtt + rtt/2 // fast retransmit
+	for rto := 2 * rtt; rand.Float64() < p && rto < time.Minute; rto *= 2 {
+		d += rto // the resend lost as well: a timeout, backed off
+	}
+	return d
+}
+
+// mss is the payload of one packet on the bridge (1500-byte MTU).
+const mss = 1448
 
 // DropReplies makes the link lose, or stop losing, the last answer a
 // server sends before closing a connection (see Link.dropReplies).
@@ -205,7 +243,7 @@ func (r *relay) pipe(src, dst net.Conn, reply bool) {
 	}()
 	dropping := false
 	for c := range q {
-		due := c.at.Add(time.Duration(r.link.delay.Load()))
+		due := c.at.Add(time.Duration(r.link.delay.Load()) + r.link.stall(len(c.data)))
 		drop := reply && r.link.dropReplies.Load()
 		if drop {
 			due = maxTime(due, c.at.Add(replyHold))
