@@ -196,6 +196,12 @@ func (c *cluster) setMeta(db *storage.DB, id string, gen uint64) error {
 	if err := db.PutMeta(metaGeneration, []byte(strconv.FormatUint(gen, 10))); err != nil {
 		return err
 	}
+	// A higher generation learned earlier belonged to the cluster this
+	// node was in; whatever it now joins, rejoins or starts, it is not
+	// superseded in it.
+	if err := db.PutMeta(metaSuperseded, nil); err != nil {
+		return err
+	}
 	c.id.Lock()
 	c.cid, c.gen = id, gen
 	c.id.Unlock()

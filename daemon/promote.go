@@ -185,7 +185,9 @@ func (c *cluster) rejoin(rep joinReply, by replication.Member) {
 	applied := d.db.Applied()
 	err := d.restartNode(func() error {
 		from := forkFrom(d.db, rep)
-		if err := d.redeliver.remember(d.db, from, applied); err != nil {
+		// Applied now, with the node stopped: every record up to here
+		// reached this node's subscribers.
+		if err := d.redeliver.remember(d.db, from, d.db.Applied()); err != nil {
 			return err
 		}
 		if err := d.db.ResetRaftFrom(from); err != nil {

@@ -333,3 +333,35 @@ func TestKnockPacingGrowsWithRoundTripAndFailures(t *testing.T) {
 		t.Error("rate limit: first event must pass, the second not")
 	}
 }
+
+// A master that learned of a higher generation from a member it pins
+// stops acking publishes, and stays so across a restart, until it has
+// rejoined: acking on would grow a tail only its own disk holds.
+func TestSupersededMasterStopsAckingAcrossRestarts(t *testing.T) {
+	g := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: unusedAddr(t)}
+	g.start(t, nil)
+	pub, _ := v5(t, g.d.MQTTAddr(), "pub", nil)
+	if r := publish(t, pub, &paho.Publish{Topic: "a/before", QoS: 1, Payload: []byte("1")}); r.ReasonCode != 0 {
+		t.Fatalf("before: reason %#x", r.ReasonCode)
+	}
+	g.d.cl.superseded(1, "a test")
+	if s := statusOfGW(t, g.d); s.Role != "candidate" {
+		t.Fatalf("role of a superseded master: %q, want candidate", s.Role)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if r, err := pub.Publish(ctx, &paho.Publish{Topic: "a/fenced", QoS: 1, Payload: []byte("2")}); err == nil && r.ReasonCode < 0x80 {
+		t.Fatalf("a superseded master acked a publish: reason %#x", r.ReasonCode)
+	}
+	g.d.Stop()
+	g.start(t, nil)
+	waitFor(t, 5*time.Second, "gw-1 fenced again after its restart", func() bool { return statusOfGW(t, g.d).Role == "candidate" })
+	// Superseded in a cluster it has left or rejoined, it is not: the
+	// generation it moves to clears the mark.
+	if err := g.d.cl.setMeta(g.d.db, g.d.cl.clusterID(), 1); err != nil {
+		t.Fatal(err)
+	}
+	if g.d.cl.supersededGen() != 0 {
+		t.Fatal("setMeta kept the superseded mark")
+	}
+}

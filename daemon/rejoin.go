@@ -208,7 +208,7 @@ func (c *cluster) checkDeposed(ctx context.Context, lost []replication.Member) {
 	if c.fenced() {
 		level = c.d.log.Warn // promoted over: until a knock gets through, nobody takes this gateway's publishes
 	}
-	level("rejoin knock failed; will retry", "addr", lastAddr, "attempts", failures, "timeout", timeout, "next_in", rejoinInterval(failures), "rtt", c.rtt.get().Round(time.Millisecond), "error", lastErr)
+	level("rejoin knock failed (asking an unreachable member whether it was promoted over this gateway); will retry", "addr", lastAddr, "attempts", failures, "timeout", timeout, "next_in", rejoinInterval(failures), "rtt", c.rtt.get().Round(time.Millisecond), "error", lastErr)
 }
 
 // stepDown rejoins as the slave of by, unless another knock round did

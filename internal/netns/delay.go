@@ -21,8 +21,11 @@ import (
 // REDIRECT rule puts in the path of every new connection the host opens to
 // the other host's port. The relay holds each chunk it reads for the
 // link's delay before writing it on, in both directions, so a relayed
-// connection sees that delay one way and twice it as its round trip. Its
-// own connections carry a firewall mark the rule skips.
+// connection sees that delay one way and twice it as its round trip. The
+// client's connect completes at once (the kernel accepts it locally), so
+// what it sends is held back one more round trip, as the TCP handshake
+// over the slow wire would have cost. Its own connections carry a firewall
+// mark the rule skips.
 //
 // Loss on such a link is what the relay makes of it too (Link.SetLoss):
 // the real link under the relay has no delay, so a segment lost there is
@@ -196,6 +199,8 @@ func (r *relay) untrack(c net.Conn) {
 
 // carry relays one connection: client is what the host's process opened.
 func (r *relay) carry(client net.Conn) {
+	// The handshake the client did not have to wait for.
+	handshake := time.Now().Add(2 * time.Duration(r.link.delay.Load()))
 	r.track(client)
 	defer r.untrack(client)
 	var server net.Conn
@@ -210,8 +215,8 @@ func (r *relay) carry(client net.Conn) {
 	r.track(server)
 	defer r.untrack(server)
 	done := make(chan struct{}, 2)
-	go func() { r.pipe(client, server, false); done <- struct{}{} }()
-	go func() { r.pipe(server, client, true); done <- struct{}{} }()
+	go func() { r.pipe(client, server, false, handshake); done <- struct{}{} }()
+	go func() { r.pipe(server, client, true, time.Time{}); done <- struct{}{} }()
 	<-done
 	<-done
 }
@@ -222,9 +227,10 @@ type chunk struct {
 	at   time.Time
 }
 
-// pipe copies src to dst, each chunk held for the link's delay. reply
-// says src is the server's side, whose last answer DropReplies loses.
-func (r *relay) pipe(src, dst net.Conn, reply bool) {
+// pipe copies src to dst, each chunk held for the link's delay, counted
+// from no earlier than notBefore. reply says src is the server's side,
+// whose last answer DropReplies loses.
+func (r *relay) pipe(src, dst net.Conn, reply bool, notBefore time.Time) {
 	q := make(chan chunk, 4096)
 	var eofAt atomic.Int64 // when src ended, Unix nanoseconds
 	go func() {
@@ -243,7 +249,7 @@ func (r *relay) pipe(src, dst net.Conn, reply bool) {
 	}()
 	dropping := false
 	for c := range q {
-		due := c.at.Add(time.Duration(r.link.delay.Load()) + r.link.stall(len(c.data)))
+		due := maxTime(c.at, notBefore).Add(time.Duration(r.link.delay.Load()) + r.link.stall(len(c.data)))
 		drop := reply && r.link.dropReplies.Load()
 		if drop {
 			due = maxTime(due, c.at.Add(replyHold))
