@@ -279,6 +279,7 @@ func (c *cluster) onStranger(ctx context.Context, r replication.Remote, kind byt
 		return nil, errors.New("malformed join request")
 	}
 	if req.Probe {
+		// Anyone may ask: the answer says no more than mDNS advertises.
 		n := c.d.node()
 		return json.Marshal(probeReply{Cluster: c.clusterID(), Generation: c.generation(), Master: n.Leader() == n.ID()})
 	}

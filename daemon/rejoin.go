@@ -237,8 +237,10 @@ func (c *cluster) superseded(gen uint64, source string) {
 		if err := d.db.PutMeta(metaSuperseded, []byte(strconv.FormatUint(gen, 10))); err != nil {
 			d.log.Warn("recording the higher generation failed", "error", err)
 		}
+		// News: knock now rather than at the next backoff step (but not
+		// at every refused handshake after, or there would be no backoff).
+		c.rejoins.now.Store(true)
 	}
-	c.rejoins.now.Store(true)
 	c.fence(gen, source)
 }
 
