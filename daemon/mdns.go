@@ -44,6 +44,8 @@ func (c *cluster) discoveryInfo() discovery.Info {
 	n := d.node()
 	role := "slave"
 	switch lead := n.Leader(); {
+	case lead == n.ID() && n.Fenced():
+		role = "candidate" // promoted over: it takes no publishes (rejoin.go)
 	case lead == n.ID():
 		role = "master"
 	case lead == 0:
