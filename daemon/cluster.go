@@ -97,14 +97,15 @@ type cluster struct {
 	lastInfo   discovery.Info
 	lastBrowse time.Time
 
-	failover        failoverState
-	lastRejoinCheck time.Time // keeper-owned
+	failover failoverState
+	rejoins  rejoinState // a deposed master's knocking (rejoin.go)
+	rtt      rttEstimate // round trip to the members, measured
 
 	// promotions and depositions count this process's failovers.
 	promotions, depositions atomic.Uint64
 
 	// Background tasks of the keeper that are running.
-	bgBrowse, bgDeposed, bgTend, bgLeave atomic.Bool
+	bgBrowse, bgTend, bgLeave, bgFailover, bgRepublished atomic.Bool
 
 	addrsMu sync.Mutex
 	addrs   []string // this node's peer addresses as other gateways should dial them
@@ -193,6 +194,12 @@ func (c *cluster) setMeta(db *storage.DB, id string, gen uint64) error {
 		return err
 	}
 	if err := db.PutMeta(metaGeneration, []byte(strconv.FormatUint(gen, 10))); err != nil {
+		return err
+	}
+	// A higher generation learned earlier belonged to the cluster this
+	// node was in; whatever it now joins, rejoins or starts, it is not
+	// superseded in it.
+	if err := db.PutMeta(metaSuperseded, nil); err != nil {
 		return err
 	}
 	c.id.Lock()
@@ -302,8 +309,14 @@ func (c *cluster) startTransport() error {
 		OnGeneration: func(_, gen uint64) bool {
 			// A member in a later generation promoted itself over this
 			// node: no raft with it before the wipe; the keeper's
-			// rejoin check asks it by knock.
-			return gen <= c.generation()
+			// rejoin check asks it by knock, at once, and a master
+			// stops acking meanwhile. The hello is authenticated (a
+			// pinned member certificate), so it may fence.
+			if gen > c.generation() {
+				c.superseded(gen, "peer handshake")
+				return false
+			}
+			return true
 		},
 		OnRaft: func(_ uint64, msgs []raftpb.Message) {
 			c.failover.heard.Store(time.Now().UnixNano())
@@ -513,8 +526,12 @@ func (f forwarder) Forward(ctx context.Context, master uint64, data []byte, mode
 
 // onRequest answers a member's request.
 func (c *cluster) onRequest(ctx context.Context, from uint64, kind byte, payload []byte) ([]byte, error) {
-	if c.d.node() == nil {
+	n := c.d.node()
+	if n == nil {
 		return nil, errors.New("this gateway is still starting")
+	}
+	if from == n.Leader() {
+		c.failover.heard.Store(time.Now().UnixNano()) // the master is alive
 	}
 	switch kind {
 	case reqForward:
@@ -622,6 +639,9 @@ func (c *cluster) keeper() {
 		// Quick decisions first, on the keeper itself: nothing that waits
 		// on the network may delay a failover.
 		c.checkFailover(n)
+		if g := c.supersededGen(); g > c.generation() {
+			c.fence(g, "an earlier run") // also after this node elected itself again
+		}
 		if !c.d.swapMu.TryLock() {
 			continue // a join, leave or promotion is replacing the node
 		}
@@ -638,9 +658,8 @@ func (c *cluster) keeper() {
 				c.lastBrowse = time.Now()
 				c.background(&c.bgBrowse, func() { c.browse(ctx) })
 			}
-			if n.Leader() == n.ID() && time.Since(c.lastRejoinCheck) >= rejoinEvery {
-				c.lastRejoinCheck = time.Now()
-				c.background(&c.bgDeposed, func() { c.checkDeposed(ctx, lost) })
+			if n.Leader() == n.ID() && c.rejoins.due() {
+				c.knockRound(ctx, lost)
 			}
 		}
 		topics := time.Since(lastTopics) > 10*time.Second
@@ -653,6 +672,7 @@ func (c *cluster) keeper() {
 			c.refreshSelf(tctx, n)
 			if n.Leader() == n.ID() {
 				c.shape(tctx, n)
+				c.settleDeposed(tctx, n)
 			}
 			if topics {
 				c.exchangeTopics(tctx, n)
@@ -828,8 +848,10 @@ func (c *cluster) exchangeTopics(ctx context.Context, n *replication.Node) {
 		if m.ID == n.ID() || !c.tr.Reachable(m.ID) {
 			continue
 		}
+		start := time.Now()
 		reply, err := c.tr.Request(ctx, m.ID, reqTopics, []byte(mine))
 		if err == nil {
+			c.rtt.observe(time.Since(start))
 			c.noteTopics(m.ID, string(reply))
 		}
 	}

@@ -238,8 +238,10 @@ type ClusterConfig struct {
 	// at the risk of a split brain that the rejoin rule later repairs).
 	// 3-gateway clusters always elect automatically.
 	Failover string `yaml:"failover"`
-	// FailoverAfter is the silence from the master after which an auto
-	// failover happens. Default 10s.
+	// FailoverAfter is how long nothing at all (no append, heartbeat or
+	// request) must arrive from the master before an auto failover probes
+	// it; only a master that does not answer the probe is replaced
+	// (promote.go: checkFailover). Default 10s.
 	FailoverAfter Duration `yaml:"failover_after"`
 	// SyncTimeout is how long a sync publish waits for its replicas before
 	// it is refused (MQTT 5) or its client disconnected (MQTT 3.1.1).

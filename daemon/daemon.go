@@ -30,6 +30,9 @@ type Daemon struct {
 	broker *mqtt.Server
 	apply  *applier
 	cl     *cluster
+	// redeliver keeps a deposed master's subscribers from getting its
+	// tail twice; it sits in front of apply (redeliver.go).
+	redeliver *redeliverer
 
 	// swapMu serialises the node replacements of a join or a removal.
 	swapMu sync.Mutex
@@ -139,6 +142,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return err
 	}
 	d.apply = &applier{ready: make(chan struct{}), broker: d.broker}
+	d.redeliver = &redeliverer{d: d}
 	if err = d.startNode(false); err != nil {
 		return err
 	}
@@ -205,7 +209,7 @@ func (d *Daemon) nodeConfig(join bool) replication.Config {
 	return replication.Config{
 		Identity:        d.id,
 		Storage:         d.db,
-		Applier:         d.apply,
+		Applier:         d.redeliver.wrap(d.apply),
 		Transport:       d.cl.tr,
 		Logger:          d.log.With("component", "replication"),
 		Heartbeat:       c.Cluster.Heartbeat.Duration(),

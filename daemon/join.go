@@ -140,6 +140,9 @@ type joinRequest struct {
 	// knocker's generation.
 	Rejoin bool   `json:"rejoin,omitempty"`
 	Gen    uint64 `json:"gen,omitempty"`
+	// Probe only asks whether the knocked node is alive: a slave with
+	// failover: auto asks its silent master before promoting itself.
+	Probe bool `json:"probe,omitempty"`
 }
 
 // joinReply is the master's answer: the cluster the joiner now belongs to.
@@ -274,6 +277,11 @@ func (c *cluster) onStranger(ctx context.Context, r replication.Remote, kind byt
 	var req joinRequest
 	if err := json.Unmarshal(payload, &req); err != nil {
 		return nil, errors.New("malformed join request")
+	}
+	if req.Probe {
+		// Anyone may ask: the answer says no more than mDNS advertises.
+		n := c.d.node()
+		return json.Marshal(probeReply{Cluster: c.clusterID(), Generation: c.generation(), Master: n.Leader() == n.ID()})
 	}
 	if req.Rejoin {
 		rep, err := c.admitRejoin(ctx, r, req)

@@ -44,6 +44,8 @@ func (c *cluster) discoveryInfo() discovery.Info {
 	n := d.node()
 	role := "slave"
 	switch lead := n.Leader(); {
+	case lead == n.ID() && n.Fenced():
+		role = "candidate" // promoted over: it takes no publishes (rejoin.go)
 	case lead == n.ID():
 		role = "master"
 	case lead == 0:
@@ -101,6 +103,13 @@ func (c *cluster) found(peers []discovery.Peer) {
 	changed := false
 	for i, p := range c.last {
 		for _, fp := range peers {
+			if fp.ID == replication.IDString(p.ID) && fp.Cluster == c.clusterID() && fp.Gen > c.generation() {
+				// A member says it is in a later generation: it was
+				// promoted over this node, maybe. mDNS is not
+				// authenticated, so this only makes the next knock
+				// (which is) happen now.
+				c.rejoins.now.Store(true)
+			}
 			if fp.ID == replication.IDString(p.ID) && fp.Cluster == c.clusterID() && len(fp.Addrs) > 0 && !slices.Equal(fp.Addrs, p.Addrs) {
 				c.d.log.Info("member found at a new address", "peer", fp.Name, "addrs", fp.Addrs, "was", p.Addrs)
 				c.last[i].Addrs = slices.Clone(fp.Addrs)

@@ -27,14 +27,19 @@ const (
 // errNotDeposed answers a rejoin knock from a node this one did not depose.
 const errNotDeposed = "not deposed by this node"
 
-// rejoinEvery is how often a master that cannot reach a member asks it
-// whether it was promoted over this one.
-const rejoinEvery = 2 * time.Second
-
 // failoverState is the keeper's view of the master's silence, for
 // failover: auto.
 type failoverState struct {
-	heard atomic.Int64 // Unix nanoseconds of the last raft message received
+	// heard is when anything last arrived from the master (Unix
+	// nanoseconds): raft messages of any kind, heartbeats included, and
+	// requests. A delayed link that still flows keeps moving it.
+	heard   atomic.Int64
+	slowLog rateLimit // the "slow, not dead" warning
+}
+
+// silence is how long nothing has arrived from the master.
+func (f *failoverState) silence() time.Duration {
+	return time.Since(time.Unix(0, f.heard.Load()))
 }
 
 // promote makes this node, the slave of a 2-gateway cluster, its master
@@ -97,22 +102,26 @@ func (c *cluster) promote(ctx context.Context, force bool, reason string) (repli
 // itself over it (a higher generation, and the certificate of the master
 // it removed), the old master comes back as the slave; it learns where the
 // logs forked, so that it re-publishes what it took after that.
+//
+// It answers every such knock the same way, for as long as the deposed
+// master has not rejoined: an answer lost on a slow link must not turn the
+// next knock away. settleDeposed drops the record once the old master is a
+// member again and has caught up past the fork.
 func (c *cluster) admitRejoin(ctx context.Context, r replication.Remote, req joinRequest) (joinReply, error) {
 	d := c.d
-	dep, err := d.db.GetMeta(metaDeposed)
+	old, fork, ok, err := c.deposedRecord()
 	if err != nil {
 		return joinReply{}, err
 	}
-	var old replication.Member
-	if len(dep) == 0 || json.Unmarshal(dep, &old) != nil || old.Fingerprint != r.Fingerprint || req.Member.ID != r.ID || req.Member.Fingerprint != r.Fingerprint || req.Gen >= c.generation() {
+	if !ok || old.Fingerprint != r.Fingerprint || req.Member.ID != r.ID || req.Member.Fingerprint != r.Fingerprint || req.Gen >= c.generation() {
 		return joinReply{}, errors.New(errNotDeposed)
 	}
 	n := d.node()
 	if n.Leader() != n.ID() {
 		return joinReply{}, errors.New("this gateway is not the master now")
 	}
-	fb, _ := d.db.GetMeta(metaFork)
-	fork, _ := strconv.ParseUint(string(fb), 10, 64)
+	// Already a member (an earlier answer was lost): addMember changes
+	// nothing and answers as it did.
 	rep, err := c.addMember(ctx, req.Member, func() {})
 	if err != nil {
 		return joinReply{}, err
@@ -121,95 +130,180 @@ func (c *cluster) admitRejoin(ctx context.Context, r replication.Remote, req joi
 	if t, err := d.db.Term(fork); err == nil {
 		rep.ForkTerm = t
 	}
-	// It may rejoin this way once: afterwards it is a member like any.
-	_ = d.db.PutMeta(metaDeposed, nil)
-	d.log.Info("the deposed master rejoins as slave", "peer", req.Member.Name, "fork_index", fork)
+	d.log.Info("the deposed master rejoins as slave", "peer", req.Member.Name, "fork_index", fork, "knock_from", r.Addr)
 	return rep, nil
 }
 
-// checkDeposed runs on a master whose members are out of reach: it asks
-// each whether it promoted itself meanwhile, and if one did, steps down:
-// its raft state goes, what it logged after the fork is re-published on the
-// new master, and it rejoins as the slave (DESIGN.md: the old master must
-// not talk raft to the new one before that wipe; it never does, as the new
-// master no longer admits its certificate to a member link).
-func (c *cluster) checkDeposed(ctx context.Context, lost []replication.Member) {
-	payload, _ := json.Marshal(joinRequest{Rejoin: true, Member: c.d.self(), Gen: c.generation()})
-	for _, m := range lost {
-		for _, addr := range c.peerAddrs(m) {
-			kctx, cancel := context.WithTimeout(ctx, 3*time.Second)
-			reply, remote, err := c.tr.Knock(kctx, addr, m.Fingerprint, replication.KnockJoin, payload)
-			cancel()
-			if err != nil {
-				if errors.Is(err, replication.ErrRemote) {
-					break // it answered: not deposed by it, or not now
-				}
-				continue
+// deposedRecord returns the member this node promoted itself over and the
+// fork index, while that member has not rejoined; ok is false when there
+// is none.
+func (c *cluster) deposedRecord() (old replication.Member, fork uint64, ok bool, err error) {
+	dep, err := c.d.db.GetMeta(metaDeposed)
+	if err != nil || len(dep) == 0 {
+		return old, 0, false, err
+	}
+	if json.Unmarshal(dep, &old) != nil {
+		return old, 0, false, nil
+	}
+	fb, _ := c.d.db.GetMeta(metaFork)
+	fork, _ = strconv.ParseUint(string(fb), 10, 64)
+	return old, fork, true, nil
+}
+
+// settleDeposed runs on the master: once the member it promoted itself
+// over is in the membership again and its log has passed the fork (the
+// promotion's own entries included), the rejoin is done and the record
+// that admitted it goes.
+func (c *cluster) settleDeposed(ctx context.Context, n *replication.Node) {
+	old, fork, ok, err := c.deposedRecord()
+	if err != nil || !ok || !slices.ContainsFunc(n.Members(), func(m replication.Member) bool { return m.ID == old.ID }) {
+		return
+	}
+	st, err := n.Status(ctx)
+	if err != nil {
+		return
+	}
+	for _, p := range st.Members {
+		if p.ID == old.ID && p.Match >= fork+2 {
+			if err := c.d.db.PutMeta(metaDeposed, nil); err != nil {
+				c.d.log.Warn("dropping the deposed master's record failed; will retry", "error", err)
+				return
 			}
-			var rep joinReply
-			if json.Unmarshal(reply, &rep) != nil || rep.Generation <= c.generation() || remote.ID != m.ID {
-				continue
-			}
-			c.rejoin(rep, m)
+			c.d.log.Info("the deposed master has rejoined and caught up past the fork", "peer", old.Name, "fork_index", fork, "match_index", p.Match)
 			return
 		}
 	}
 }
 
 // rejoin turns this deposed master into the slave of the node promoted
-// over it.
+// over it. The records it logged after the fork go to the requeue bucket,
+// to be re-published on the new master; those it delivered to its own
+// subscribers already are remembered, so they are not delivered again when
+// they come back (redeliver.go).
 func (c *cluster) rejoin(rep joinReply, by replication.Member) {
 	d := c.d
 	applied := d.db.Applied()
-	var requeued int
 	err := d.restartNode(func() error {
-		before, _ := d.db.DataRecords()
-		if err := d.db.ResetRaftFrom(forkFrom(d.db, rep)); err != nil {
+		from := forkFrom(d.db, rep)
+		// Applied now, with the node stopped: every record up to here
+		// reached this node's subscribers.
+		if err := d.redeliver.remember(d.db, from, d.db.Applied()); err != nil {
 			return err
 		}
-		after, _ := d.db.DataRecords()
-		requeued = before - after
+		if err := d.db.ResetRaftFrom(from); err != nil {
+			return err
+		}
 		if err := c.startCatchUp(rep); err != nil {
 			return err
 		}
 		return c.setMeta(d.db, rep.Cluster, rep.Generation)
 	}, true, min(rep.Fork, applied))
 	if err != nil {
-		d.log.Error("stepping down for the promoted master failed", "error", err)
+		d.log.Error("stepping down for the promoted master failed; will knock again", "error", err)
 		return
 	}
+	// What the bucket holds now is the tail, exactly (counting records
+	// before and after the wipe would count the whole log).
+	requeued, _ := d.db.RequeuePending()
 	c.setFloor(rep.Members)
 	c.tr.Reconnect()
 	c.depositions.Add(1)
-	d.log.Warn("deposed: another gateway was promoted to master; rejoined as its slave", "master", by.Name, "generation", rep.Generation, "fork_index", rep.Fork, "records_requeued", requeued)
+	d.log.Warn("stepping down: another gateway was promoted to master; re-publishing this gateway's tail there", "master", by.Name, "generation", rep.Generation, "fork_index", rep.Fork, "records_requeued", requeued)
+	c.background(&c.bgRepublished, func() { c.reportDeposed(by, rep, requeued) })
+}
+
+// reportDeposed waits for the requeued tail to be re-published, then logs
+// the deposition with the count status gives (cluster.requeued), so the
+// journal and status agree.
+func (c *cluster) reportDeposed(by replication.Member, rep joinReply, requeued int) {
+	d := c.d
+	t := time.NewTicker(250 * time.Millisecond)
+	defer t.Stop()
+	for {
+		select {
+		case <-c.stopc:
+			return
+		case <-t.C:
+		}
+		if pending, err := d.db.RequeuePending(); err != nil || pending > 0 {
+			continue
+		}
+		n := d.node()
+		d.log.Warn("deposed: another gateway was promoted to master; rejoined as its slave", "master", by.Name, "generation", rep.Generation, "fork_index", rep.Fork, "records_republished", n.Requeued(), "records_refused_not_republished", n.RefusedSkipped(), "records_requeued", requeued)
+		return
+	}
 }
 
 // checkFailover promotes this node, the slave of a 2-gateway cluster with
-// failover: auto, once the master has been silent for failover_after.
+// failover: auto, once nothing at all has arrived from the master for
+// failover_after and the master does not answer a probe either (README:
+// "Automatic failover"). The probe runs in the background: the keeper
+// never waits on the network.
 func (c *cluster) checkFailover(n *replication.Node) {
 	d := c.d
 	if d.cfg.Cluster.Failover != "auto" {
 		return
 	}
-	ms := n.Members()
-	if len(ms) != 2 {
+	master, ok := failoverMaster(n)
+	if !ok {
 		return
 	}
-	for _, m := range ms {
-		if m.ID == n.ID() && m.Voter {
-			return // the master
+	after := d.cfg.Cluster.FailoverAfter.Duration()
+	if c.failover.silence() < after {
+		return
+	}
+	c.background(&c.bgFailover, func() { c.failoverRound(master, after) })
+}
+
+// failoverRound probes a master that has been silent for after, and
+// promotes this node unless the master answered or spoke meanwhile. It
+// reports whether it promoted.
+func (c *cluster) failoverRound(master replication.Member, after time.Duration) bool {
+	d := c.d
+	before := c.failover.silence()
+	ctx, cancel := context.WithTimeout(context.Background(), c.probeTimeout(after))
+	alive := c.masterAnswers(ctx, master)
+	cancel()
+	silent := c.failover.silence()
+	switch {
+	case alive:
+		// A slow or lossy link, not a dead master: promoting now would
+		// make two masters for as long as the link stays slow.
+		c.failover.heard.Store(time.Now().UnixNano())
+		if c.failover.slowLog.allow(30 * time.Second) {
+			d.log.Warn("the master sent nothing on the raft link for a while but answers a probe: not promoting", "peer", master.Name, "silent", before.Round(time.Millisecond), "rtt", c.rtt.get().Round(time.Millisecond))
 		}
+		return false
+	case silent < after:
+		return false // it spoke meanwhile
 	}
-	silent := time.Since(time.Unix(0, c.failover.heard.Load()))
-	if silent < d.cfg.Cluster.FailoverAfter.Duration() {
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if _, err := c.promote(ctx, true, fmt.Sprintf("failover: auto, the master silent for %v", silent.Round(time.Second))); err != nil {
+	pctx, pcancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer pcancel()
+	if _, err := c.promote(pctx, true, fmt.Sprintf("failover: auto, nothing from the master for %v and no answer to a probe", silent.Round(time.Second))); err != nil {
 		d.log.Error("automatic failover failed; will retry", "error", err)
 		c.failover.heard.Store(time.Now().UnixNano())
+		return false
 	}
+	return true
+}
+
+// failoverMaster returns the master of n's cluster if n is the slave of a
+// 2-gateway cluster.
+func failoverMaster(n *replication.Node) (replication.Member, bool) {
+	ms := n.Members()
+	if len(ms) != 2 {
+		return replication.Member{}, false
+	}
+	var master replication.Member
+	for _, m := range ms {
+		if m.Voter {
+			if m.ID == n.ID() {
+				return replication.Member{}, false // the master
+			}
+			master = m
+		}
+	}
+	return master, master.ID != 0
 }
 
 // promoteRequest and promoteResponse are POST /v1/cluster/promote.

@@ -172,6 +172,7 @@ type gwStatus struct {
 	} `json:"log"`
 	Cluster struct {
 		Generation     uint64 `json:"generation"`
+		Requeued       uint64 `json:"requeued"`
 		RequeuePending int    `json:"requeue_pending"`
 	} `json:"cluster"`
 	Pairing struct {
@@ -287,10 +288,17 @@ type load struct {
 	n     atomic.Int64
 	stopc chan struct{}
 	wg    sync.WaitGroup
+	pace  time.Duration // between one client's publishes; 0: as fast as acks come
 }
 
 func startLoad(t *testing.T, clients int, topic string, gws func(i int) []*gw) *load {
-	l := &load{t: t, acked: map[string]time.Time{}, stopc: make(chan struct{})}
+	return startPacedLoad(t, clients, topic, gws, 0)
+}
+
+// startPacedLoad is startLoad with each client publishing at most once per
+// pace: a load a subscriber can follow through a burst of catch-up.
+func startPacedLoad(t *testing.T, clients int, topic string, gws func(i int) []*gw, pace time.Duration) *load {
+	l := &load{t: t, acked: map[string]time.Time{}, stopc: make(chan struct{}), pace: pace}
 	for i := 0; i < clients; i++ {
 		l.wg.Add(1)
 		go l.run(i, topic, gws(i))
@@ -302,11 +310,24 @@ func (l *load) run(i int, topic string, gws []*gw) {
 	defer l.wg.Done()
 	id := fmt.Sprintf("load-%s-%d", strings.ReplaceAll(topic, "/", "-"), i)
 	var c *paho.Client
+	var tick <-chan time.Time
+	if l.pace > 0 {
+		t := time.NewTicker(l.pace)
+		defer t.Stop()
+		tick = t.C
+	}
 	for seq, at := 0, 0; ; {
 		select {
 		case <-l.stopc:
 			return
 		default:
+		}
+		if tick != nil {
+			select {
+			case <-l.stopc:
+				return
+			case <-tick:
+			}
 		}
 		if c == nil {
 			var err error

@@ -77,16 +77,23 @@ func TestTwoGatewaysPromoteAndRejoin(t *testing.T) {
 	checkAll(t, acked, g2, g1)
 }
 
-// logLine fails unless g's output has a line containing want, and logs it.
-func logLine(t *testing.T, g *gw, want string) {
+// logLine fails unless g's output has a line containing want within a few
+// seconds (some lines follow the state tests poll for: the deposed line
+// waits for the re-publish to be done), and logs it.
+func logLine(t *testing.T, g *gw, want string) string {
 	t.Helper()
-	for _, l := range strings.Split(g.proc.Output(), "\n") {
-		if strings.Contains(l, want) {
-			t.Logf("%s: %s", g.name, l)
-			return
+	var line string
+	eventually(t, 5*time.Second, fmt.Sprintf("%s: a log line with %q", g.name, want), func() bool {
+		for _, l := range strings.Split(g.proc.Output(), "\n") {
+			if strings.Contains(l, want) {
+				line = l
+				return true
+			}
 		}
-	}
-	t.Fatalf("%s: no log line with %q", g.name, want)
+		return false
+	})
+	t.Logf("%s: %s", g.name, line)
+	return line
 }
 
 func TestTwoGatewaysAutoFailoverSplitBrainRepaired(t *testing.T) {

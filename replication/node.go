@@ -184,6 +184,9 @@ type Node struct {
 	// requeueSig wakes requeueLoop after a save moved entries aside.
 	requeueSig    chan struct{}
 	requeuedTotal atomic.Uint64
+	// refusedSkipped counts requeued records dropped, not re-published,
+	// because their sync publishers were refused (requeue.go).
+	refusedSkipped atomic.Uint64
 
 	// membersMu guards members: the cluster's details, kept in memory
 	// because staged writes are not readable before their commit.
@@ -205,6 +208,9 @@ type Node struct {
 	leaderChanges atomic.Uint64
 	term          atomic.Uint64 // the term last saved
 	catchUp       atomic.Uint64 // Config.CatchUpTo until applied that far, then 0
+	// fenced is set by Fence: this node learned that another was promoted
+	// over it, and takes no more proposals (promote.go).
+	fenced atomic.Bool
 
 	// Loop-owned state.
 	pending      map[recID]*proposal // proposed, not yet saved
@@ -346,6 +352,10 @@ func (n *Node) Propose(data []byte, mode AckMode, done func(index uint64, err er
 func (n *Node) enqueue(p *proposal) {
 	if e := n.diskErr.Load(); e != nil {
 		n.refuseNow(p.done, *e)
+		return
+	}
+	if n.fenced.Load() {
+		n.refuseNow(p.done, ErrNotLeader)
 		return
 	}
 	n.propMu.Lock()
@@ -872,6 +882,7 @@ func (n *Node) expire(now time.Time) {
 				break
 			}
 			delete(n.pending, p.id)
+			n.noteRefused(p)
 			n.resolve(p, ErrAckTimeout)
 		}
 	}

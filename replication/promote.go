@@ -72,3 +72,15 @@ func ForcePromote(db *storage.DB, self Member, old uint64) (uint64, error) {
 	}
 	return last, nil
 }
+
+// Fence makes this node take no more proposals: each fails at once with
+// ErrNotLeader, forwarded ones included. A master calls it when it learns
+// that another gateway was promoted over it (a higher cluster generation)
+// but cannot rejoin yet: acking on would grow the tail only one disk holds
+// while devices stay split between two masters. Raft itself runs on, so
+// what is already in flight resolves; a new Node (the rejoin restarts it)
+// is not fenced.
+func (n *Node) Fence() bool { return !n.fenced.Swap(true) }
+
+// Fenced reports whether Fence was called.
+func (n *Node) Fenced() bool { return n.fenced.Load() }

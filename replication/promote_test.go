@@ -2,6 +2,7 @@ package replication
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -120,5 +121,73 @@ func forcedPromotionRound(t *testing.T) {
 			}
 			return true
 		})
+	}
+}
+
+// A deposed master's tail may hold sync records whose publishers were told
+// "refused" (no slave in reach): requeued by the rejoin, they must not be
+// re-published, while the async records around them are.
+func TestRequeueSkipsRefusedSyncRecords(t *testing.T) {
+	dir := t.TempDir()
+	tn := openTestNode(t, dir, func(c *Config) { c.SyncTimeout = 100 * time.Millisecond })
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := tn.WaitLeader(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if r := wait(t, tn.propose(t, "a/before", Async)); r.err != nil {
+		t.Fatal(r.err)
+	}
+	if r := wait(t, tn.propose(t, "s/refused", Sync)); !errors.Is(r.err, ErrAckTimeout) {
+		t.Fatalf("sync on a lone node: %v, want ErrAckTimeout", r.err)
+	}
+	if r := wait(t, tn.propose(t, "a/after", Async)); r.err != nil {
+		t.Fatal(r.err)
+	}
+	tn.stop()
+
+	// The rejoin's reset: everything requeued (fork at 0), then the node
+	// starts afresh and re-publishes into its new group.
+	db, err := storage.Open(dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := db.ResetRaftFrom(1); err != nil {
+		t.Fatal(err)
+	}
+	db.Close()
+	tn = openTestNode(t, dir, nil)
+	t.Cleanup(tn.stop)
+	waitFor(t, "the requeue drained", func() bool {
+		n, err := tn.db.RequeuePending()
+		return err == nil && n == 0
+	})
+	got := logTopics(t, tn)
+	if got["a/before"] != 1 || got["a/after"] != 1 || got["s/refused"] != 0 {
+		t.Fatalf("log after the re-publish: %v; want both async records once and no refused sync one", got)
+	}
+	if tn.RefusedSkipped() != 1 || tn.Requeued() != 2 {
+		t.Fatalf("re-published %d, skipped %d as refused; want 2 and 1", tn.Requeued(), tn.RefusedSkipped())
+	}
+}
+
+// A fenced master refuses every proposal at once, as a slave without a
+// master would, and status no longer calls it the master.
+func TestFencedMasterRefusesProposals(t *testing.T) {
+	tn := startNode(t, t.TempDir(), time.Second)
+	if r := wait(t, tn.propose(t, "a/1", Async)); r.err != nil {
+		t.Fatal(r.err)
+	}
+	if !tn.Fence() || tn.Fence() {
+		t.Fatal("Fence should report true the first time only")
+	}
+	if r := wait(t, tn.propose(t, "a/2", Async)); !errors.Is(r.err, ErrNotLeader) {
+		t.Fatalf("async on a fenced master: %v, want ErrNotLeader", r.err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	st, err := tn.Status(ctx)
+	if err != nil || st.Role != "candidate" {
+		t.Fatalf("status of a fenced master: %+v %v", st, err)
 	}
 }

@@ -1,6 +1,7 @@
 package replication
 
 import (
+	"encoding/binary"
 	"sync"
 	"time"
 
@@ -17,10 +18,15 @@ func (n *Node) requeueLoop() {
 	defer n.wg.Done()
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
+	lastPrune := time.Now()
 	for {
 		select {
 		case <-n.requeueSig:
 		case <-t.C:
+			if time.Since(lastPrune) > time.Minute {
+				lastPrune = time.Now()
+				n.pruneRefused()
+			}
 		case <-n.stopc:
 			return
 		case <-n.failc:
@@ -62,13 +68,26 @@ func (n *Node) republish() (int, bool) {
 	if len(items) == 0 {
 		return 0, false
 	}
+	refused, err := n.refusedIDs()
+	if err != nil {
+		n.log.Error("reading the refused records failed", "error", err)
+		return 0, false
+	}
 	var wg sync.WaitGroup
 	var mu sync.Mutex
-	done := 0
+	done, skipped := 0, 0
 	for _, it := range items {
 		rec, err := storage.DecodeRecord(it.Data)
 		if err != nil {
 			n.log.Error("requeued record unreadable; kept for inspection", "index", it.Index, "error", err)
+			continue
+		}
+		// Its publisher was told "refused": publishing it now would make
+		// that answer a lie (DESIGN.md: refused means not delivered).
+		if k := refusedKey(rec.Origin, rec.Seq); refused[k] {
+			n.db.DropRequeued(it.Key)
+			n.db.StageDelete(bucketRefused, k)
+			skipped++
 			continue
 		}
 		rec.Republished = true
@@ -87,8 +106,15 @@ func (n *Node) republish() (int, bool) {
 		})
 	}
 	wg.Wait()
+	if skipped > 0 {
+		n.refusedSkipped.Add(uint64(skipped))
+		n.log.Info("requeued records not re-published: their sync publishers were refused", "records", skipped)
+		if err := n.db.Flush(); err != nil {
+			return done, false
+		}
+	}
 	if done == 0 {
-		return 0, false
+		return 0, skipped > 0 && skipped == len(items) && len(items) == requeueBatch
 	}
 	n.requeuedTotal.Add(uint64(done))
 	// The drops ride on a commit: make it now, so the next round does
@@ -96,8 +122,69 @@ func (n *Node) republish() (int, bool) {
 	if err := n.db.Flush(); err != nil {
 		return done, false
 	}
-	return done, done == len(items) && len(items) == requeueBatch
+	return done, done+skipped == len(items) && len(items) == requeueBatch
 }
 
 // Requeued returns how many records this node has re-published since start.
 func (n *Node) Requeued() uint64 { return n.requeuedTotal.Load() }
+
+// bucketRefused holds the ids of records whose sync ack rule timed out
+// here (the publisher was refused), with the index they had. Should such
+// a record be requeued (this node was a deposed master and it sat in the
+// divergent tail), it is dropped rather than re-published.
+const bucketRefused = "refused"
+
+// refusedKey is a record id as a bucketRefused key.
+func refusedKey(origin, seq uint64) string {
+	var k [16]byte
+	binary.BigEndian.PutUint64(k[:8], origin)
+	binary.BigEndian.PutUint64(k[8:], seq)
+	return string(k[:])
+}
+
+// noteRefused remembers that p, a proposal made on this node, was refused
+// for its sync ack rule. It is staged, so it is durable with the next
+// write: a deposed master may restart before it rejoins.
+func (n *Node) noteRefused(p *proposal) {
+	if p.mode != Sync {
+		return
+	}
+	var v [8]byte
+	binary.BigEndian.PutUint64(v[:], p.index)
+	n.db.Stage(bucketRefused, refusedKey(p.id.origin, p.id.seq), v[:])
+}
+
+// refusedIDs returns the keys of bucketRefused.
+func (n *Node) refusedIDs() (map[string]bool, error) {
+	out := map[string]bool{}
+	err := n.db.ForEach(bucketRefused, "", func(k, _ []byte) error {
+		out[string(k)] = true
+		return nil
+	})
+	return out, err
+}
+
+// pruneRefused forgets refused records the log no longer holds: retention
+// dropped them, so no append can overwrite them into the requeue bucket.
+// A lone gateway with sync topics refuses every sync publish; without
+// this the bucket would grow for as long as it runs alone.
+func (n *Node) pruneRefused() {
+	first, err := n.db.FirstIndex()
+	if err != nil {
+		return
+	}
+	var drop []string
+	_ = n.db.ForEach(bucketRefused, "", func(k, v []byte) error {
+		if len(v) == 8 && binary.BigEndian.Uint64(v) != 0 && binary.BigEndian.Uint64(v) < first {
+			drop = append(drop, string(k))
+		}
+		return nil
+	})
+	for _, k := range drop {
+		n.db.StageDelete(bucketRefused, k)
+	}
+}
+
+// RefusedSkipped returns how many requeued records this node dropped since
+// start instead of re-publishing them, their sync publishers refused.
+func (n *Node) RefusedSkipped() uint64 { return n.refusedSkipped.Load() }

@@ -48,6 +48,11 @@ func (n *Node) status() Status {
 	bs := n.rn.BasicStatus()
 	st := n.db.Stats()
 	s := Status{ID: n.id, Role: RoleName(bs.RaftState), Term: bs.Term, Leader: bs.Lead, Commit: bs.Commit, Applied: st.Applied, First: st.FirstIndex, Last: st.LastIndex, LeaderChanges: n.leaderChanges.Load()}
+	if s.Role == "master" && n.fenced.Load() {
+		// Fenced: raft still leads the old configuration, but this node
+		// takes no publishes; it waits to rejoin as the slave.
+		s.Role = "candidate"
+	}
 	if bs.RaftState == raft.StateLeader {
 		n.rn.WithProgress(func(id uint64, typ raft.ProgressType, pr tracker.Progress) {
 			if id != n.id {

@@ -50,6 +50,9 @@ type Net struct {
 	Hosts  []*Host
 
 	cuts []cut // links cut by Cut, for Heal; used from the test goroutine only
+	// losses are the loss rates Loss set, by host pair (lower index
+	// first); used from the test goroutine only.
+	losses map[[2]*Host]float64
 }
 
 // Host is one network namespace with one interface (Iface) on the bridge.
