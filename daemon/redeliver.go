@@ -73,7 +73,9 @@ type redeliverApplier struct {
 // hands every other record to the broker's applier.
 func (a redeliverApplier) Apply(index uint64, data []byte) error {
 	if a.r.skip(data) {
-		return a.r.retainOnly(data)
+		err := a.r.retainOnly(data)
+		a.r.d.broker.Applied(index) // sessions replay past it: delivered already
+		return err
 	}
 	return a.next.Apply(index, data)
 }
