@@ -73,6 +73,7 @@ type conn struct {
 
 	// The writer's own (whoever holds writing).
 	wbuf     []byte
+	ackBatch []*inAck
 	aliasOut map[string]uint16
 
 	done      chan struct{} // closed when the connection has ended
@@ -200,6 +201,9 @@ func (c *conn) read() (pk packets.Packet, err error) {
 	}
 	pk.FixedHeader.Remaining = rem
 	pk.ProtocolVersion = c.v
+	// A buffer per packet: mochi's decoder makes strings (topic, client
+	// id, filters, user properties) that point into it, without a copy,
+	// so it must never be reused.
 	buf := make([]byte, rem)
 	if _, err := io.ReadFull(c.br, buf); err != nil {
 		return pk, err
@@ -462,7 +466,8 @@ func (c *conn) kick() {
 	}
 	c.writing = true
 	c.wmu.Unlock()
-	c.srv.goFunc(c.writer)
+	c.srv.wg.Add(1)
+	go c.runWriter() // not through goFunc: a kick per ack must not allocate a closure
 }
 
 // writerClosed reports whether the writer has closed writerEnd. Called
@@ -474,6 +479,12 @@ func (c *conn) writerClosed() bool {
 	default:
 		return false
 	}
+}
+
+// runWriter is writer on a goroutine of the server's wait group.
+func (c *conn) runWriter() {
+	defer c.srv.wg.Done()
+	c.writer()
 }
 
 // writer writes whatever is owed until nothing is, then ends; a kick

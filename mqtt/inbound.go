@@ -250,10 +250,14 @@ func (c *conn) takeAcks(buf []byte) (_ []byte, failed bool) {
 		c.amu.Unlock()
 		return buf, false
 	}
-	batch := make([]*inAck, n)
-	copy(batch, c.acks)
-	clear(c.acks[:n])
-	c.acks = c.acks[n:]
+	clear(c.ackBatch)
+	batch := append(c.ackBatch[:0], c.acks[:n]...)
+	c.ackBatch = batch
+	// Moved to the front rather than resliced, so the queue keeps its
+	// array and appending to it does not allocate.
+	rest := copy(c.acks, c.acks[n:])
+	clear(c.acks[rest:])
+	c.acks = c.acks[:rest]
 	for _, a := range batch {
 		if a.resend {
 			c.resends--

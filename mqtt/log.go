@@ -8,6 +8,8 @@ type Log interface {
 	// Propose logs m, whose id Reserve set, under mode. done is called
 	// exactly once, when the record meets mode's ack rule (nil) or cannot
 	// (an error, ErrQuota for lack of space). done must not block.
+	// m itself is not the Log's after Propose returns (it may be reused);
+	// what it points to does not change.
 	Propose(m *Message, mode AckMode, done func(err error))
 	// Logged reports which of the given sequence numbers of records from
 	// origin are in the log.

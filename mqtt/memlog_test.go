@@ -54,6 +54,7 @@ func (l *memLog) Reserve(m *Message) {
 func (l *memLog) Propose(m *Message, mode AckMode, done func(error)) {
 	if l.hold != nil {
 		c := *m
+		c.Payload = bytes.Clone(m.Payload) // m is not ours after Propose returns
 		go func() {
 			<-l.hold
 			l.propose(&c, done)
