@@ -71,6 +71,8 @@ type conn struct {
 	resume     bool       // the session's inflight messages are owed a resend
 	ended      bool
 
+	startWriter func() // runWriter as a func value, made once
+
 	// The writer's own (whoever holds writing).
 	wbuf     []byte
 	ackBatch []*inAck
@@ -101,6 +103,7 @@ func newConn(s *Server, nc net.Conn, listener, host string) *conn {
 	c := &conn{srv: s, nc: nc, listener: listener, host: host, br: bufio.NewReaderSize(nc, 1024),
 		done: make(chan struct{}), writerEnd: make(chan struct{})}
 	c.acond = sync.NewCond(&c.amu)
+	c.startWriter = c.runWriter
 	return c
 }
 
@@ -467,7 +470,7 @@ func (c *conn) kick() {
 	c.writing = true
 	c.wmu.Unlock()
 	c.srv.wg.Add(1)
-	go c.runWriter() // not through goFunc: a kick per ack must not allocate a closure
+	go c.startWriter() // made once per connection: a kick per ack allocates nothing
 }
 
 // writerClosed reports whether the writer has closed writerEnd. Called
