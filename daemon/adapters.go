@@ -119,7 +119,7 @@ func (a *applier) Apply(index uint64, data []byte) error {
 		return err
 	}
 	if quiet {
-		a.broker.Retain(messageOf(&rec))
+		a.broker.Retain(index, messageOf(&rec))
 		a.broker.Applied(index)
 		return nil
 	}

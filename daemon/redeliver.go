@@ -73,7 +73,7 @@ type redeliverApplier struct {
 // hands every other record to the broker's applier.
 func (a redeliverApplier) Apply(index uint64, data []byte) error {
 	if a.r.skip(data) {
-		err := a.r.retainOnly(data)
+		err := a.r.retainOnly(index, data)
 		a.r.d.broker.Applied(index) // sessions replay past it: delivered already
 		return err
 	}
@@ -109,7 +109,7 @@ func (r *redeliverer) skip(data []byte) bool {
 
 // retainOnly updates the retained store with data's record when it is a
 // retained message, without delivering it.
-func (r *redeliverer) retainOnly(data []byte) error {
+func (r *redeliverer) retainOnly(index uint64, data []byte) error {
 	_, retain, err := storage.RecordTopic(data)
 	if err != nil || !retain {
 		return err
@@ -119,7 +119,7 @@ func (r *redeliverer) retainOnly(data []byte) error {
 		return err
 	}
 	<-r.d.apply.ready
-	r.d.broker.Retain(messageOf(&rec))
+	r.d.broker.Retain(index, messageOf(&rec))
 	return nil
 }
 

@@ -547,9 +547,18 @@ func TestGrowAndShrinkUnderLoad(t *testing.T) {
 	waitShape(t, g1, 0, 1, 15*time.Second)
 	l := startLoad(t, 4, "s/grow", func(i int) []*gw { return []*gw{[]*gw{g1, g2}[i%2]} })
 	l.waitAcks(t, 200, 20*time.Second)
+	// Retained messages set before the third gateway joins, one of them
+	// cleared again: it must hold the same set as the others.
+	retained := map[string]string{"ret/a": "1", "ret/b": "2"}
+	for topic, p := range retained {
+		publishRetained(t, g1, topic, p)
+	}
+	publishRetained(t, g2, "ret/gone", "x")
+	publishRetained(t, g1, "ret/gone", "")
 	g3.join(g1) // 2 → 3 under load
 	waitShape(t, g1, 2, 0, 20*time.Second)
 	l.waitAcks(t, 200, 20*time.Second)
+	sameRetained(t, g1, retained, g1, g2, g3)
 	if _, err := g2.cli("cluster", "remove", "gw-3"); err != nil { // 3 → 2, asked on a slave
 		t.Fatal(err)
 	}

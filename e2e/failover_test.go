@@ -49,6 +49,8 @@ func TestTwoGatewaysPromoteAndRejoin(t *testing.T) {
 	ls := startLoad(t, 2, "s/mix", both)
 	la := startLoad(t, 2, "a/mix", both)
 	la.waitAcks(t, 200, 20*time.Second)
+	retained := map[string]string{"ret/before": "kept"}
+	publishRetained(t, g1, "ret/before", "kept")
 
 	g1.kill()
 	deadline := time.Now().Add(20 * time.Second)
@@ -72,6 +74,8 @@ func TestTwoGatewaysPromoteAndRejoin(t *testing.T) {
 	acked := merge(ls, la)
 	logLine(t, g1, "rejoined as its slave")
 	converge(t, 20*time.Second, g1, g2)
+	// The rejoined old master holds the same retained set as the new.
+	sameRetained(t, g2, retained, g1, g2)
 	g1.stop()
 	g2.stop()
 	checkAll(t, acked, g2, g1)

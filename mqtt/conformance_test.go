@@ -622,3 +622,24 @@ func TestMQTT_3_3_4_7_ClientReceiveMaximumBoundsDeliveries(t *testing.T) {
 		}
 	}
 }
+
+// The retained store is a function of the log: when the log is replaced
+// (a join wipes it, a deposed master's rejoin cuts its tail), the
+// retained messages that the lost records set go, and those of the kept
+// records stay, on disk too.
+func TestRetainedFollowsARewoundLog(t *testing.T) {
+	s, log := testServer(t, nil, nil)
+	s.Retain(5, &Message{Topic: "r/kept", Retain: true, Payload: []byte("a")})
+	s.Retain(10, &Message{Topic: "r/tail", Retain: true, Payload: []byte("b")})
+	s.Rewind(7, 0)
+	if s.Retained() != 1 || len(s.retained.matching("r/kept")) != 1 {
+		t.Fatalf("after a rewind to 7: %d retained, want r/kept only", s.Retained())
+	}
+	if _, ok := log.store.m[keyRetained+"r/tail"]; ok {
+		t.Fatal("the dropped retained message is still on disk")
+	}
+	s.Rewind(0, 0)
+	if s.Retained() != 0 {
+		t.Fatalf("after the log was wiped: %d retained", s.Retained())
+	}
+}

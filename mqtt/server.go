@@ -334,11 +334,27 @@ func (s *Server) Applied(index uint64) {
 }
 
 // Rewind follows a replaced log (a join, a deposed master's rejoin):
-// applied is the new log's applied index, and every session's cursor is
-// set to at most applied and at least skip, the end of a joined cluster's
-// history, which no session is to be handed.
+// applied is the new log's applied index; retained messages that records
+// past it set are dropped, and every session's cursor is set to at most
+// applied and at least skip, the end of a joined cluster's history, which
+// no session is to be handed.
 func (s *Server) Rewind(applied, skip uint64) {
 	s.applied.Store(applied)
+	// The retained store is a function of the log: what records past
+	// applied set is gone with them (a wiped log, a deposed master's
+	// tail), and the new log's records set it again as they apply.
+	s.retained.mu.Lock()
+	var gone []string
+	for t, r := range s.retained.m {
+		if r.index > applied || applied == 0 { // 0: the log was wiped, even what an earlier build stored without an index goes
+			gone = append(gone, t)
+			delete(s.retained.m, t)
+		}
+	}
+	s.retained.mu.Unlock()
+	for _, t := range gone {
+		s.stageDelete(keyRetained + t)
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, se := range s.sessions {
@@ -398,12 +414,13 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 // still in its record's bytes: a topic seen before costs no allocation.
 func (s *Server) Unrouted(topic []byte) bool { return s.routes.unrouted(s.index, topic) }
 
-// Retain applies a committed record to the retained store only, without
-// delivering it: how a gateway that joins a cluster takes in the cluster's
-// history.
-func (s *Server) Retain(m *Message) {
+// Retain applies the committed record at index to the retained store
+// only, without delivering it: how a gateway that joins a cluster takes in
+// the cluster's history, and how a record already delivered here is
+// applied again.
+func (s *Server) Retain(index uint64, m *Message) {
 	if _, live := m.expiryLeft(time.Now()); live && m.Retain {
-		s.retain(0, m)
+		s.retain(index, m)
 	}
 }
 
