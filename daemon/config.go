@@ -133,6 +133,15 @@ type MQTTConfig struct {
 	// (told in the CONNACK); an alias over it ends the connection (0x94).
 	// Default 100, at most 65535.
 	TopicAliasMaximum int `yaml:"topic_alias_maximum"`
+	// MaxQueued is how many messages a connected client's session holds
+	// in memory ready to send. Default 1000.
+	MaxQueued int `yaml:"max_queued"`
+	// QueueFull says what happens to a client that falls further behind
+	// than max_queued: read_log (the default) hands it the rest from the
+	// log as it catches up, slowing nobody else; disconnect ends its
+	// connection (MQTT 5: DISCONNECT 0x97), and a persistent session
+	// resumes from its cursor when it comes back.
+	QueueFull string `yaml:"queue_full"`
 	// WebSocket is an optional MQTT-over-WebSocket listener for browser
 	// dashboards, with the same users, ACLs and limits: on when
 	// WebSocket.Listen is set.
@@ -938,6 +947,12 @@ func (c *Config) validate(w *configWalker) error {
 	}
 	if c.MQTT.WebSocket.TLS && !c.MQTT.TLS.Enabled() {
 		ck.failf("mqtt.websocket.tls", "needs mqtt.tls.cert_file and key_file")
+	}
+	if c.MQTT.MaxQueued < 0 {
+		ck.failf("mqtt.max_queued", "%d is out of range: 1 or more (0 means the default, 1000)", c.MQTT.MaxQueued)
+	}
+	if c.MQTT.QueueFull != "" {
+		ck.oneOf("mqtt.queue_full", c.MQTT.QueueFull, "read_log", "disconnect")
 	}
 	if c.MQTT.MaxSubscriptions < 0 {
 		ck.failf("mqtt.max_subscriptions", "%d is out of range: 1 or more (0 means the default, 1000)", c.MQTT.MaxSubscriptions)

@@ -100,6 +100,8 @@ func fullConfig() *Config {
 			KeepAliveMax:   Duration(time.Hour),
 
 			MaxSubscriptions:  500,
+			MaxQueued:         2000,
+			QueueFull:         "disconnect",
 			TopicAliasMaximum: 50,
 			WebSocket:         WebSocketConfig{Listen: "0.0.0.0:8080", TLS: true, Origins: []string{"dash.example.com"}},
 		},

@@ -130,13 +130,15 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		MaxPacketSize:  uint32(c.MQTT.MaxPacketSize),
 		WebSocket:      mqttWebSocket(c.MQTT.WebSocket),
 
-		MaxSubscriptions:  c.MQTT.MaxSubscriptions,
-		TopicAliasMaximum: uint16(c.MQTT.TopicAliasMaximum),
-		Topics:            topics,
-		SyncTimeout:       c.Cluster.SyncTimeout.Duration(),
-		Sessions:          sessionStore{d.db},
-		Logger:            d.log.With("component", "mqtt"),
-		Observer:          d.fieldView(),
+		MaxSubscriptions:        c.MQTT.MaxSubscriptions,
+		MaxQueued:               c.MQTT.MaxQueued,
+		DisconnectWhenQueueFull: c.MQTT.QueueFull == "disconnect",
+		TopicAliasMaximum:       uint16(c.MQTT.TopicAliasMaximum),
+		Topics:                  topics,
+		SyncTimeout:             c.Cluster.SyncTimeout.Duration(),
+		Sessions:                sessionStore{d.db},
+		Logger:                  d.log.With("component", "mqtt"),
+		Observer:                d.fieldView(),
 	}, la)
 	if err != nil {
 		return err

@@ -37,6 +37,11 @@ type Config struct {
 	// MaxQueued is how many messages a connected session holds ready in
 	// memory; past it the session reads the log instead. 0 means 1,000.
 	MaxQueued int
+	// DisconnectWhenQueueFull ends the connection of a client whose queue
+	// is full (MQTT 5: DISCONNECT 0x97) instead of reading the log for it;
+	// its session, if persistent, resumes from its cursor when it comes
+	// back.
+	DisconnectWhenQueueFull bool
 	// Topics chooses each topic's ack mode; first match wins, default async.
 	// SetTopics replaces them while the broker runs.
 	Topics []TopicPolicy

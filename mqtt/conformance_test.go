@@ -643,3 +643,33 @@ func TestRetainedFollowsARewoundLog(t *testing.T) {
 		t.Fatalf("after the log was wiped: %d retained", s.Retained())
 	}
 }
+
+// With DisconnectWhenQueueFull a client that falls further behind than its
+// queue is disconnected with 0x97 rather than read the log for; its
+// persistent session resumes from its cursor and loses nothing.
+func TestQueueFullDisconnectsAndTheSessionResumes(t *testing.T) {
+	s, _ := testServer(t, nil, func(c *Config) { c.MaxQueued = 4; c.DisconnectWhenQueueFull = true })
+	props := &packets.Properties{ReceiveMaximum: 1, SessionExpiryInterval: 60, SessionExpiryIntervalFlag: true}
+	c := dialRaw(t, s.Addr(), 5)
+	c.connect("laggard", false, props)
+	c.subscribe(1, packets.Subscription{Filter: "q/#", Qos: 1})
+	pub := dialRaw(t, s.Addr(), 5)
+	pub.connect("pub", true, nil)
+	const n = 20
+	for i := 0; i < n; i++ {
+		pub.publish("q/x", 1, uint16(i+1), fmt.Sprint(i))
+		pub.expect(packets.Puback)
+	}
+	if code, ok := c.closed(); !ok || code != packets.ErrQuotaExceeded.Code {
+		t.Fatalf("a client past its queue: DISCONNECT %v %#x, want 0x97", ok, code)
+	}
+	waitUntil(t, 5*time.Second, "the connection to end", func() bool { return s.Clients() == 1 })
+	back := dialRaw(t, s.Addr(), 5)
+	back.connect("laggard", false, &packets.Properties{SessionExpiryInterval: 60, SessionExpiryIntervalFlag: true})
+	seen := map[string]bool{}
+	for len(seen) < n {
+		p := back.expect(packets.Publish)
+		seen[string(p.Payload)] = true
+		back.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+	}
+}

@@ -2,6 +2,8 @@ package mqtt
 
 import (
 	"sort"
+
+	"github.com/mochi-mqtt/server/v2/packets"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -109,6 +111,11 @@ func (s *session) offer(it *outItem) {
 	case len(s.queue) >= s.srv.cfg.MaxQueued:
 		s.behind, s.more = true, true
 		s.mu.Unlock()
+		if s.srv.cfg.DisconnectWhenQueueFull {
+			s.srv.refusal(s.id, "queue full: disconnected", "client", s.id)
+			c.end(packets.ErrQuotaExceeded)
+			return
+		}
 		c.kick()
 		return
 	}
