@@ -244,6 +244,12 @@ func TestClientChaos(t *testing.T) {
 	if err := d.Err(); err != nil {
 		t.Fatalf("the gateway failed: %v", err)
 	}
+	// The mochi-based layer's in-flight gauge went negative after queued
+	// messages were delivered to reconnecting sessions.
+	waitFor(t, 10*time.Second, "the chaos clients to be gone", func() bool { return d.broker.Clients() == 0 })
+	if n := d.broker.Inflight(); n < 0 {
+		t.Fatalf("in-flight gauge %d after the chaos", n)
+	}
 	assertAnswersAndStops(t, d)
 }
 

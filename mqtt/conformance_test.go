@@ -98,9 +98,15 @@ func TestMQTT_2_2_1_PacketIDSpacesAreIndependent(t *testing.T) {
 	}
 	pub.publish("other/x", 1, 2, "new filter")
 	pub.expect(packets.Puback)
-	if p := back.expect(packets.Publish); string(p.Payload) != "new filter" {
+	p := back.expect(packets.Publish)
+	if string(p.Payload) != "new filter" {
 		t.Fatalf("the new filter does not deliver: %q", p.Payload)
 	}
+	// Both deliveries acked: nothing in flight (the mochi-based layer's
+	// gauge went negative here).
+	back.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: got.PacketID})
+	back.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+	waitUntil(t, 5*time.Second, "nothing in flight", func() bool { return s.Inflight() == 0 })
 }
 
 // [MQTT-3.2.2-21]: a client asking for a keep alive over keepalive_max is
