@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"sync/atomic"
@@ -110,7 +111,10 @@ func (a *applier) Apply(index uint64, data []byte) error {
 		return err
 	}
 	quiet := index <= a.quietUntil.Load()
-	if !retain && (quiet || a.broker.Unrouted(topic)) {
+	// The cluster's own records (persistent sessions) are applied in the
+	// quiet history too: a joiner learns the sessions.
+	control := bytes.HasPrefix(topic, []byte("$tandem/"))
+	if !retain && !control && (quiet || a.broker.Unrouted(topic)) {
 		a.broker.Applied(index)
 		return nil // nobody subscribes: no Message to build
 	}

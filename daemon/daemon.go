@@ -130,6 +130,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		MaxPacketSize:  uint32(c.MQTT.MaxPacketSize),
 		WebSocket:      mqttWebSocket(c.MQTT.WebSocket),
 
+		NodeID:                  d.id.ID,
 		MaxSubscriptions:        c.MQTT.MaxSubscriptions,
 		MaxQueued:               c.MQTT.MaxQueued,
 		DisconnectWhenQueueFull: c.MQTT.QueueFull == "disconnect",

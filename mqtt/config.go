@@ -34,6 +34,10 @@ type Config struct {
 	// MaxSubscriptions caps one client's subscriptions; over it a filter
 	// gets SUBACK 0x97 (3.1.1: 0x80). 0 means 1,000.
 	MaxSubscriptions int
+	// NodeID is this member's id, the Origin the Log gives the records
+	// taken here: a session record of this member's own is not applied
+	// again.
+	NodeID uint64
 	// MaxQueued is how many messages a connected session holds ready in
 	// memory; past it the session reads the log instead. 0 means 1,000.
 	MaxQueued int

@@ -250,7 +250,7 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 			delete(s.wills, c.id)
 		}
 		if se != nil && clean {
-			s.endSessionLocked(se)
+			s.endSessionLocked(se, false) // the start record says clean
 			se = nil
 		}
 		if se == nil {
@@ -268,8 +268,10 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 		se.mu.Lock()
 		se.conn = c
 		se.on.Store(true)
+		wasPersistent := se.persistent()
 		se.expiry = expiry
 		se.expireAt = time.Time{}
+		se.remoteOnline, se.startIndex = false, 0
 		// Whatever the log holds past the cursor is read from it: the
 		// client was away.
 		se.behind, se.more = true, false
@@ -277,6 +279,9 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 		se.queue = nil
 		se.mu.Unlock()
 		s.mu.Unlock()
+		if se.persistent() || wasPersistent {
+			s.proposeSession(c.id, sessionOp{Op: "start", User: c.user, Expiry: expiry, Clean: clean})
+		}
 		if se.persistent() {
 			s.saveSession(se)
 			if s.store != nil {
@@ -316,7 +321,7 @@ func (s *Server) detach(c *conn) {
 	}
 	se.mu.Unlock()
 	if expiry == 0 {
-		s.endSessionLocked(se)
+		s.endSessionLocked(se, true)
 	}
 	will := c.will
 	sendWill := will != nil && !c.graceful
@@ -340,21 +345,27 @@ func (s *Server) detach(c *conn) {
 	s.mu.Unlock()
 	if expiry > 0 {
 		s.saveCursor(se)
+		s.proposeSession(c.id, sessionOp{Op: "off"})
+		s.replicateCursors()
 	}
 	if sendWill {
 		s.proposeWill(will)
 	}
 }
 
-// endSessionLocked removes se: its subscriptions, its state on disk.
+// endSessionLocked removes se: its subscriptions, its state on disk; tell
+// logs its end for the other members (a persistent session ending here).
 // Called with s.mu held, not se.mu.
-func (s *Server) endSessionLocked(se *session) {
+func (s *Server) endSessionLocked(se *session, tell bool) {
 	se.mu.Lock()
 	if se.ended {
 		se.mu.Unlock()
 		return
 	}
 	se.ended = true
+	if tell && (se.persistent() || se.startIndex > 0) {
+		defer s.proposeSession(se.id, sessionOp{Op: "end"})
+	}
 	subs := se.subs
 	se.subs = map[string]*subscription{}
 	s.inflight.Add(-int64(len(se.inflight) + len(se.inbound)))
@@ -400,22 +411,32 @@ func (s *Server) logFailure(err error) {
 	}
 }
 
-// sweeper ends offline sessions whose expiry has passed.
+// cursorEvery is how often the cursors of live persistent sessions are
+// logged for the other members: what a device moving to another member is
+// handed twice at most (QoS 1 duplicates) is what was delivered since.
+const cursorEvery = 100 * time.Millisecond
+
+// sweeper ends offline sessions whose expiry has passed, and replicates
+// cursors.
 func (s *Server) sweeper() {
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
+	cur := time.NewTicker(cursorEvery)
+	defer cur.Stop()
 	for {
 		select {
 		case <-s.stopc:
 			return
+		case <-cur.C:
+			s.replicateCursors()
 		case now := <-t.C:
 			s.mu.Lock()
 			for _, se := range s.sessions {
 				se.mu.Lock()
-				due := se.conn == nil && !se.expireAt.IsZero() && now.After(se.expireAt)
+				due := se.conn == nil && !se.remoteOnline && !se.expireAt.IsZero() && now.After(se.expireAt)
 				se.mu.Unlock()
 				if due {
-					s.endSessionLocked(se)
+					s.endSessionLocked(se, true)
 				}
 			}
 			s.mu.Unlock()

@@ -372,6 +372,10 @@ func (s *Server) Rewind(applied, skip uint64) {
 // reads it from the log later.
 func (s *Server) Deliver(index uint64, m *Message) error {
 	defer s.Applied(index)
+	if isControl(m.Topic) {
+		s.applyControl(index, m)
+		return nil
+	}
 	if _, live := m.expiryLeft(time.Now()); !live {
 		return nil // its message expiry ran out before it was delivered
 	}
@@ -412,13 +416,19 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 // Unrouted reports whether no subscriber matches topic, so that a record
 // on it without retain needs neither a Message nor Deliver. The topic is
 // still in its record's bytes: a topic seen before costs no allocation.
-func (s *Server) Unrouted(topic []byte) bool { return s.routes.unrouted(s.index, topic) }
+func (s *Server) Unrouted(topic []byte) bool {
+	return !isControlBytes(topic) && s.routes.unrouted(s.index, topic)
+}
 
 // Retain applies the committed record at index to the retained store
 // only, without delivering it: how a gateway that joins a cluster takes in
 // the cluster's history, and how a record already delivered here is
 // applied again.
 func (s *Server) Retain(index uint64, m *Message) {
+	if isControl(m.Topic) {
+		s.applyControl(index, m) // a joiner learns the sessions from the history
+		return
+	}
 	if _, live := m.expiryLeft(time.Now()); live && m.Retain {
 		s.retain(index, m)
 	}

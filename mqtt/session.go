@@ -41,6 +41,13 @@ type session struct {
 	// between cursor and scanned are in queue).
 	cursor, scanned uint64
 	savedCursor     uint64 // the cursor last written to the store
+	sentCursor      uint64 // the cursor last logged for the other members
+	// startIndex is where this member's own start record of the session
+	// was applied (0: not yet): a start from elsewhere after it means the
+	// device connected there later. remoteOnline: the session is live on
+	// another member, so it does not expire here.
+	startIndex   uint64
+	remoteOnline bool
 	// queue holds what was offered and not yet handed out, oldest first.
 	queue []*outItem
 	// behind means the queue overflowed or the client was offline:

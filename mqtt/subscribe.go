@@ -38,6 +38,9 @@ func (c *conn) subscribe(pk *packets.Packet) bool {
 		case shared && f.NoLocal:
 			c.protocolError(packets.ErrProtocolViolation, "no local on a shared subscription") // [MQTT-3.8.3-4]
 			return false
+		case isControl(match):
+			refuse(packets.ErrNotAuthorized, "the cluster's own topics cannot be subscribed to")
+			continue
 		case !acl.Allowed(c.user, c.id, match, false):
 			refuse(packets.ErrNotAuthorized, "read denied by ACL")
 			continue
@@ -61,6 +64,7 @@ func (c *conn) subscribe(pk *packets.Packet) bool {
 		srv.index.add(s, sub)
 		if persist {
 			srv.saveSub(c.id, sub)
+			srv.proposeSession(c.id, sessionOp{Op: "sub", Filter: sub.filter, QoS: sub.qos, NL: sub.noLocal, RAP: sub.rap, RH: sub.rh, ID: sub.id})
 		}
 		codes[i] = sub.qos
 		granted = true
@@ -112,6 +116,7 @@ func (c *conn) unsubscribe(pk *packets.Packet) bool {
 		c.srv.index.remove(s, sub)
 		if persist {
 			c.srv.stageDelete(subKey(c.id, f.Filter))
+			c.srv.proposeSession(c.id, sessionOp{Op: "unsub", Filter: f.Filter})
 		}
 	}
 	ack := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Unsuback}, PacketID: pk.PacketID}

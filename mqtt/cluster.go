@@ -1,0 +1,232 @@
+package mqtt
+
+import (
+	"bytes"
+	"encoding/json"
+	"strings"
+	"time"
+)
+
+// Persistent sessions across the cluster.
+//
+// A persistent session's life is written into the log as small records of
+// its own, on the topic sessionTopic, so that every member that applies the
+// log holds the session too: its start (user, expiry, clean start), its
+// subscriptions, its going offline, its end, and, in batches, its cursor.
+// A device whose gateway died, or that simply connects elsewhere, finds its
+// session there: session present, the same subscriptions, and the records
+// its filters match from the last replicated cursor on. Log indexes are the
+// same on every member, so a cursor means the same everywhere.
+//
+// The member where the session lives applies its own records as no-ops
+// (it has the state already); the others apply them to an offline copy.
+// Clients cannot subscribe or publish to these topics.
+const (
+	sessionTopic = "$tandem/session" // one session's record; ClientID names it
+	cursorTopic  = "$tandem/cursors" // a batch of cursors, by client id
+	controlPref  = "$tandem/"
+)
+
+// sessionOp is the payload of a session record.
+type sessionOp struct {
+	Op     string `json:"op"` // start, sub, unsub, off, end
+	User   string `json:"user,omitempty"`
+	Expiry uint32 `json:"expiry,omitempty"`
+	Clean  bool   `json:"clean,omitempty"`
+	Filter string `json:"f,omitempty"`
+	QoS    byte   `json:"q,omitempty"`
+	NL     bool   `json:"nl,omitempty"`
+	RAP    bool   `json:"rap,omitempty"`
+	RH     byte   `json:"rh,omitempty"`
+	ID     int    `json:"id,omitempty"`
+}
+
+// isControl reports whether a topic is one of the cluster's own records.
+func isControl(topic string) bool { return strings.HasPrefix(topic, controlPref) }
+
+// isControlBytes is isControl on a record's topic bytes.
+func isControlBytes(topic []byte) bool { return bytes.HasPrefix(topic, []byte(controlPref)) }
+
+// proposeSession logs op for client id. Nobody waits for it: the session
+// is live here already, and the record only tells the other members.
+func (s *Server) proposeSession(id string, op sessionOp) {
+	b, err := json.Marshal(op)
+	if err != nil {
+		return
+	}
+	s.proposeControl(sessionTopic, id, b)
+}
+
+func (s *Server) proposeControl(topic, client string, payload []byte) {
+	m := &Message{ClientID: client, Topic: topic, Payload: payload, Time: time.Now().UnixNano()}
+	s.log.Reserve(m)
+	s.log.Propose(m, Async, s.logFailure)
+}
+
+// applyControl applies a committed session or cursor record; it runs on
+// the applier, in log order.
+func (s *Server) applyControl(index uint64, m *Message) {
+	switch m.Topic {
+	case sessionTopic:
+		var op sessionOp
+		if err := json.Unmarshal(m.Payload, &op); err != nil {
+			s.logger.Warn("session record unreadable: skipped", "index", index, "error", err)
+			return
+		}
+		s.applySession(index, m.ClientID, m.Origin == s.cfg.NodeID, &op)
+	case cursorTopic:
+		if m.Origin == s.cfg.NodeID {
+			return
+		}
+		var cs map[string]uint64
+		if err := json.Unmarshal(m.Payload, &cs); err != nil {
+			s.logger.Warn("cursor record unreadable: skipped", "index", index, "error", err)
+			return
+		}
+		s.mu.Lock()
+		var moved []*session
+		for id, cur := range cs {
+			se := s.sessions[id]
+			if se == nil {
+				continue
+			}
+			se.mu.Lock()
+			if se.conn == nil && cur > se.cursor {
+				se.cursor, se.scanned, se.sentCursor = cur, cur, cur
+				moved = append(moved, se)
+			}
+			se.mu.Unlock()
+		}
+		s.mu.Unlock()
+		for _, se := range moved {
+			s.saveCursor(se)
+		}
+	}
+}
+
+// applySession applies one session record. own is true on the member
+// where it was taken: there the session is live, and the record is only
+// the moment it took effect cluster-wide.
+func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	se := s.sessions[id]
+	if own {
+		if op.Op == "start" && se != nil {
+			se.mu.Lock()
+			se.startIndex = index
+			se.mu.Unlock()
+		}
+		return
+	}
+	switch op.Op {
+	case "start":
+		if se != nil {
+			se.mu.Lock()
+			local, mine := se.conn, se.startIndex
+			se.mu.Unlock()
+			if local != nil {
+				if mine > 0 && mine < index {
+					// The device connected elsewhere after it connected
+					// here: the later connection wins, cluster-wide.
+					local.end(codeTakenOver)
+				} else {
+					return // this connection is the later one: its start comes after
+				}
+			}
+			if op.Clean {
+				s.endSessionLocked(se, false)
+				se = nil
+			}
+		}
+		if se == nil {
+			se = newSession(s, id)
+			// Nothing in the log before its start is for it.
+			se.cursor, se.scanned, se.sentCursor = index, index, index
+			s.sessions[id] = se
+		}
+		se.mu.Lock()
+		se.user, se.expiry, se.remoteOnline = op.User, op.Expiry, true
+		se.expireAt = time.Time{}
+		se.mu.Unlock()
+		s.saveSession(se)
+		s.saveCursor(se)
+	case "sub", "unsub":
+		if se == nil || se.current() != nil {
+			return
+		}
+		if op.Op == "unsub" {
+			se.mu.Lock()
+			sub := se.subs[op.Filter]
+			delete(se.subs, op.Filter)
+			se.mu.Unlock()
+			if sub != nil {
+				s.index.remove(se, sub)
+				s.stageDelete(subKey(id, op.Filter))
+			}
+			return
+		}
+		sub := &subscription{filter: op.Filter, qos: op.QoS, noLocal: op.NL, rap: op.RAP, rh: op.RH, id: op.ID, since: index}
+		sub.group, sub.match, _, _ = parseShare(op.Filter)
+		se.mu.Lock()
+		if old := se.subs[op.Filter]; old != nil {
+			sub.since = old.since
+			s.index.remove(se, old)
+		}
+		se.subs[op.Filter] = sub
+		se.mu.Unlock()
+		s.index.add(se, sub)
+		s.saveSub(id, sub)
+	case "off":
+		if se == nil || se.current() != nil {
+			return
+		}
+		se.mu.Lock()
+		se.remoteOnline = false
+		if se.expiry > 0 && se.expiry != 0xFFFFFFFF {
+			se.expireAt = time.Now().Add(time.Duration(se.expiry) * time.Second)
+		}
+		se.mu.Unlock()
+	case "end":
+		if se != nil && se.current() == nil {
+			s.endSessionLocked(se, false)
+		}
+	}
+}
+
+// ackedCursorLocked is the cursor another member may resume the session
+// from: below every message handed out here and not yet acknowledged,
+// which the device may never have got. Called with se.mu held.
+func (se *session) ackedCursorLocked() uint64 {
+	cur := se.cursor
+	for _, it := range se.inflight {
+		if it.idx > 0 && it.idx-1 < cur {
+			cur = it.idx - 1
+		}
+	}
+	return cur
+}
+
+// replicateCursors logs, in one record, the cursors of the persistent
+// sessions live here that moved since the last batch: after a failover
+// their devices are handed again at most what was delivered since.
+func (s *Server) replicateCursors() {
+	cs := map[string]uint64{}
+	s.mu.Lock()
+	for id, se := range s.sessions {
+		se.mu.Lock()
+		if cur := se.ackedCursorLocked(); se.persistent() && cur > se.sentCursor {
+			cs[id] = cur
+			se.sentCursor = cur
+		}
+		se.mu.Unlock()
+	}
+	s.mu.Unlock()
+	if len(cs) == 0 {
+		return
+	}
+	b, err := json.Marshal(cs)
+	if err == nil {
+		s.proposeControl(cursorTopic, "", b)
+	}
+}
