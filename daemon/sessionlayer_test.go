@@ -469,3 +469,43 @@ func TestUnackedMessagesFollowTheSessionToAnotherMember(t *testing.T) {
 		seen[string(receive(t, moved, 10*time.Second).Payload)] = true
 	}
 }
+
+// Two connections with one client id on two members: the later one wins
+// cluster-wide, through the log — the earlier is ended with 0x8E.
+func TestTakeOverAcrossMembers(t *testing.T) {
+	g1 := clusterGateway(t, "gw-1", nil)
+	g2 := clusterGateway(t, "gw-2", nil)
+	joinWith(t, g2, inviteToken(t, g1))
+	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+		v, l, ok := shape(statusOfGW(t, g1))
+		return v == 0 && l == 1 && ok
+	})
+	expiry := uint32(300)
+	ended := make(chan byte, 1)
+	conn, err := net.DialTimeout("tcp", g2.MQTTAddr(), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	early := paho.NewClient(paho.ClientConfig{ClientID: "twice", Conn: conn,
+		OnServerDisconnect: func(d *paho.Disconnect) { ended <- d.ReasonCode }})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if ca, err := early.Connect(ctx, &paho.Connect{ClientID: "twice", CleanStart: false, KeepAlive: 30,
+		Properties: &paho.ConnectProperties{SessionExpiryInterval: &expiry}}); err != nil || ca.ReasonCode != 0 {
+		t.Fatalf("connect on gw-2: %v %+v", err, ca)
+	}
+	// Its start is in the log, applied on both, before the second connects.
+	waitFor(t, 10*time.Second, "gw-2 to apply the start", func() bool {
+		return statusOfGW(t, g2).Log.AppliedIndex >= statusOfGW(t, g1).Log.LastIndex
+	})
+	v5(t, g1.MQTTAddr(), "twice", &paho.Connect{CleanStart: false, Properties: &paho.ConnectProperties{SessionExpiryInterval: &expiry}})
+	select {
+	case code := <-ended:
+		if code != 0x8E {
+			t.Fatalf("the earlier connection ended with %#x, want 0x8E", code)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the earlier connection on the other member was not ended")
+	}
+}
