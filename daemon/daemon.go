@@ -116,7 +116,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return err
 	}
 	if err = d.cl.startTransport(); err != nil {
-		return fmt.Errorf("peer port: %w", err)
+		return fmt.Errorf("peer port: %w", inUse(err, "peer address", c.Peer.Listen, "--peer", "peer.listen"))
 	}
 	la := &logAdapter{d: d}
 	d.broker, err = mqtt.NewServer(mqtt.Config{
@@ -139,7 +139,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		Observer:          d.fieldView(),
 	}, la)
 	if err != nil {
-		return err
+		return inUse(err, "MQTT address", c.MQTT.Listen, "--mqtt", "mqtt.listen")
 	}
 	d.apply = &applier{ready: make(chan struct{}), broker: d.broker}
 	d.redeliver = &redeliverer{d: d}
@@ -169,7 +169,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	go d.cl.keeper()
 	d.broker.Applied(d.db.Applied())
 	if err = d.broker.Start(); err != nil {
-		return err
+		return inUse(err, "MQTT address", c.MQTT.Listen, "--mqtt", "mqtt.listen")
 	}
 	close(d.apply.ready)
 	if err = d.startHTTP(); err != nil {
@@ -345,7 +345,7 @@ func (d *Daemon) startHTTP() error {
 	d.guard = g
 	ln, err := net.Listen("tcp", d.cfg.HTTP.Listen)
 	if err != nil {
-		return fmt.Errorf("http: %w", err)
+		return fmt.Errorf("http: %w", inUse(err, "HTTP address", d.cfg.HTTP.Listen, "--http", "http.listen"))
 	}
 	d.httpLn = ln
 	mux := http.NewServeMux()
