@@ -211,7 +211,7 @@ func (d *Daemon) nodeConfig(join bool) replication.Config {
 		Storage:         d.db,
 		Applier:         d.redeliver.wrap(d.apply),
 		Transport:       d.cl.tr,
-		Logger:          d.log.With("component", "replication"),
+		Logger:          d.log, // the node adds its component
 		Heartbeat:       c.Cluster.Heartbeat.Duration(),
 		ElectionTimeout: c.Cluster.ElectionTimeout.Duration(),
 		SyncTimeout:     c.Cluster.SyncTimeout.Duration(),
