@@ -97,7 +97,10 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	warnLooseMode(d.log, "mqtt.tls.key_file", c.MQTT.TLS.KeyFile)
 	d.live = c
 	if err = os.MkdirAll(c.Node.DataDir, 0o750); err != nil {
-		return fmt.Errorf("data dir: %w", err)
+		return mkdirError(c.Node.DataDir, err)
+	}
+	if err = checkDataDir(c.Node.DataDir); err != nil {
+		return err
 	}
 	if d.id, err = replication.LoadOrCreateIdentity(c.Node.DataDir); err != nil {
 		return err
