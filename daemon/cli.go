@@ -74,7 +74,7 @@ func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	root.SetErr(stderr)
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	root.AddCommand(newRunCmd(), newVersionCmd(), newCheckCmd(), newInspectCmd(), newBenchCmd(), newServiceCmd(), newPasswdCmd(),
-		newStatusCmd(), newPeersCmd(), newClusterCmd(), newPairCmd(), newPromoteCmd())
+		newStatusCmd(), newPeersCmd(), newClusterCmd(), newPairCmd(), newPromoteCmd(), newManCmd())
 	for _, c := range root.Commands() {
 		if c.Args != nil {
 			args := c.Args
