@@ -271,8 +271,14 @@ func newClusterCmd() *cobra.Command {
 	var force bool
 	remove := &cobra.Command{
 		Use:   "remove NODE",
-		Short: "Take a gateway (name or id) out of the cluster",
-		Args:  cobra.ExactArgs(1),
+		Short: "Take a gateway (name or id) out of the cluster; its log is wiped",
+		Long: `Take a gateway (name or id) out of the cluster. Run it on any member.
+
+The removed gateway is told, wipes its copy of the log (its records are the
+cluster's, which keeps them) and runs alone in a new cluster, ready for a new
+invite. Refused: removing the master itself, the last voter, or, without
+--force, the only slave while sync topics exist.`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
 			var out removeResponse
 			if err := rf.call("/v1/cluster/remove", removeRequest{Node: args[0], Force: force}, &out); err != nil {
