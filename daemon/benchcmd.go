@@ -16,6 +16,9 @@ import (
 	"github.com/tandem-edge/tandem/bench"
 )
 
+// barAfter is how long a run goes before it shows a progress bar.
+const barAfter = 2 * time.Second
+
 func newBenchCmd() *cobra.Command {
 	var o bench.Options
 	var asJSON bool
@@ -65,11 +68,27 @@ broker.`,
 				if o.Count > 0 {
 					total = int64(o.Count * max(o.Clients, 1))
 				}
-				bar := progressbar.NewOptions64(total, progressbar.OptionSetWriter(cmd.ErrOrStderr()),
-					progressbar.OptionSetDescription("publishing"), progressbar.OptionShowCount(), progressbar.OptionShowIts(),
-					progressbar.OptionClearOnFinish(), progressbar.OptionThrottle(100*time.Millisecond))
-				o.Progress = func(n int64) { _ = bar.Set64(n) }
-				defer bar.Finish()
+				// Only a run that lasts gets a bar: one that ends within
+				// barAfter would only flash it. Progress is called from
+				// one goroutine at a time, and not after Run returns.
+				start := time.Now()
+				var bar *progressbar.ProgressBar
+				o.Progress = func(n int64) {
+					if bar == nil {
+						if time.Since(start) < barAfter {
+							return
+						}
+						bar = progressbar.NewOptions64(total, progressbar.OptionSetWriter(cmd.ErrOrStderr()),
+							progressbar.OptionSetDescription("publishing"), progressbar.OptionShowCount(), progressbar.OptionShowIts(),
+							progressbar.OptionClearOnFinish(), progressbar.OptionThrottle(100*time.Millisecond))
+					}
+					_ = bar.Set64(n)
+				}
+				defer func() {
+					if bar != nil {
+						_ = bar.Finish()
+					}
+				}()
 			}
 			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 			defer stop()
