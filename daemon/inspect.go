@@ -122,6 +122,9 @@ var payloadEncoders = map[string]payloadEncoder{
 // inspect opens dir read-only, never changing it, and prints the log.
 func inspect(w io.Writer, dir string, from, limit uint64, all bool, payload payloadEncoder) error {
 	db, err := storage.Open(dir, &storage.Options{ReadOnly: true})
+	if errors.Is(err, storage.ErrInUse) {
+		return fmt.Errorf("%w: inspect reads a stopped gateway's log; stop this one first (systemctl stop tandem, or its tandem run), or ask the running one with tandem status", err)
+	}
 	if err != nil {
 		return err
 	}

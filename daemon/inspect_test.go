@@ -56,3 +56,13 @@ func TestInspectPayloadEncodings(t *testing.T) {
 		t.Errorf("--payload utf16: exit %d %s", code, stderr)
 	}
 }
+
+// inspect on a running gateway's data dir says to stop it first.
+func TestInspectOnARunningGatewaySaysToStopIt(t *testing.T) {
+	dir := t.TempDir()
+	testGateway(t, dir, nil)
+	code, _, stderr := runMain(t, "inspect", "--data", dir)
+	if code == 0 || !strings.Contains(stderr, "stop this one first") {
+		t.Fatalf("inspect on a running gateway: exit %d, %s", code, stderr)
+	}
+}
