@@ -10,6 +10,15 @@ LDFLAGS  := -s -w -X $(PKG)/daemon.Version=$(VERSION) -X $(PKG)/daemon.Commit=$(
 RACE_PKGS := ./storage/ ./replication/ ./mqtt/ ./daemon/
 # Packages whose tests also run on ARM under qemu-user (make test-arm).
 ARM_TEST_PKGS := ./storage/ ./replication/
+# Every go test run of make test and make test-arm goes through
+# internal/testsummary, which prints what go test would and then "N passed,
+# M failed, K skipped" with each skipped test and its reason (go test shows
+# skips only with -v). make test records each run in TESTREC and ends with
+# the sum of them all. A pipe's status is testsummary's (sh has no
+# pipefail): it fails whenever go test would.
+TESTSUM := bin/testsummary
+TESTREC ?=
+test: TESTREC = bin/test-record.jsonl
 
 # make cross and make package: Go architectures (arm is ARMv7 with hardware
 # float, Debian's armhf), where the binaries and the .debs go, and the time
@@ -20,7 +29,7 @@ BINDIR       ?= bin
 DISTDIR      ?= dist
 SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
 
-.PHONY: build run test test-arm vet fuzz bench clean cross package
+.PHONY: build run test test-arm vet fuzz bench clean cross package man
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/tandem .
@@ -43,28 +52,35 @@ vet:
 # coordinator can fail a target with a bare "context deadline exceeded" when
 # a busy machine makes a worker miss the stop (golang/go#75804, fixed in
 # Go 1.27). Each count is about 8 s of fuzzing on the 2-core CI machine.
-test: vet build
-	$(GO) test -count=1 -timeout 8m ./...
-	$(GO) test -count=1 -race -timeout 8m $(RACE_PKGS)
-	$(GO) test -run '^$$' -fuzz '^FuzzDecodeRecord$$' -fuzztime 60000x ./storage/
-	$(GO) test -run '^$$' -fuzz '^FuzzDecodeFrame$$' -fuzztime 100000x ./storage/
-	$(GO) test -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime 1000x ./daemon/
-	$(GO) test -run '^$$' -fuzz '^FuzzInboundStream$$' -fuzztime 2000x ./daemon/
-	$(MAKE) test-arm
+test: vet build $(TESTSUM)
+	@rm -f $(TESTREC)
+	$(GO) test -json -count=1 -timeout 8m ./... | $(TESTSUM) -record $(TESTREC)
+	$(GO) test -json -count=1 -race -timeout 8m $(RACE_PKGS) | $(TESTSUM) -record $(TESTREC)
+	$(GO) test -json -run '^$$' -fuzz '^FuzzDecodeRecord$$' -fuzztime 60000x ./storage/ | $(TESTSUM) -record $(TESTREC)
+	$(GO) test -json -run '^$$' -fuzz '^FuzzDecodeFrame$$' -fuzztime 100000x ./storage/ | $(TESTSUM) -record $(TESTREC)
+	$(GO) test -json -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime 1000x ./daemon/ | $(TESTSUM) -record $(TESTREC)
+	$(GO) test -json -run '^$$' -fuzz '^FuzzInboundStream$$' -fuzztime 2000x ./daemon/ | $(TESTSUM) -record $(TESTREC)
+	$(MAKE) test-arm TESTREC=$(TESTREC)
+	@echo; echo "make test:"; $(TESTSUM) -report $(TESTREC)
+
+$(TESTSUM): $(wildcard internal/testsummary/*.go)
+	$(GO) build -o $@ ./internal/testsummary
 
 # The storage and replication tests on arm64 and armv7, run by qemu-user
 # (Debian's qemu-user-static): go test -exec needs no binfmt_misc. CI
 # installs qemu; elsewhere its absence skips this with a message.
 # -trimpath as in make cross, so both share the compiled dependencies.
-test-arm:
+test-arm: $(TESTSUM)
 	@for q in qemu-aarch64-static qemu-arm-static; do \
 		command -v $$q >/dev/null 2>&1 && continue; \
 		if [ "$$CI" = true ]; then echo "test-arm: $$q missing (apt-get install qemu-user-static)"; exit 1; fi; \
 		echo "test-arm: SKIPPED: $$q missing (apt-get install qemu-user-static)"; exit 0; \
 	done; \
 	set -x; \
-	CGO_ENABLED=0 GOARCH=arm64 $(GO) test -trimpath -count=1 -timeout 8m -exec qemu-aarch64-static $(ARM_TEST_PKGS) && \
-	CGO_ENABLED=0 GOARCH=arm GOARM=7 $(GO) test -trimpath -count=1 -timeout 8m -exec qemu-arm-static $(ARM_TEST_PKGS)
+	CGO_ENABLED=0 GOARCH=arm64 $(GO) test -json -trimpath -count=1 -timeout 8m -exec qemu-aarch64-static $(ARM_TEST_PKGS) \
+		| $(TESTSUM) $(if $(TESTREC),-record $(TESTREC)) && \
+	CGO_ENABLED=0 GOARCH=arm GOARM=7 $(GO) test -json -trimpath -count=1 -timeout 8m -exec qemu-arm-static $(ARM_TEST_PKGS) \
+		| $(TESTSUM) $(if $(TESTREC),-record $(TESTREC))
 
 # Static, stripped, version-stamped binaries: $(BINDIR)/tandem-linux-ARCH.
 cross:
@@ -93,6 +109,11 @@ fuzz:
 
 clean:
 	rm -rf bin dist
+
+# tandem(1) is generated from the command tree by the hidden `tandem man`;
+# a daemon test fails when packaging/tandem.1 is not what it gives.
+man:
+	$(GO) run . man > packaging/tandem.1
 
 # The standard workloads against tandem and Mosquitto on loopback
 # (installs mosquitto with apt-get when missing and run as root).

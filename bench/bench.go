@@ -343,7 +343,10 @@ func dial(ctx context.Context, o Options, id string) (publisher, error) {
 }
 
 // v3 is a 3.1.1 connection.
-type v3 struct{ c paho3.Client }
+type v3 struct {
+	c    paho3.Client
+	lost *lostCause
+}
 
 func dial3(o Options, id string) (*v3, error) {
 	return dial3With(o, id, nil)
@@ -361,27 +364,42 @@ func dial3With(o Options, id string, onPublish paho3.MessageHandler) (*v3, error
 	if onPublish != nil {
 		opts.SetDefaultPublishHandler(onPublish)
 	}
+	// A 3.1.1 broker says nothing when it drops a client (no DISCONNECT
+	// from the server before MQTT 5): the lost connection is the reason.
+	lost := newLostCause()
+	opts.SetConnectionLostHandler(func(_ paho3.Client, err error) {
+		lost.set(fmt.Errorf("connection lost (the broker closed it; its log says why): %w", err))
+	})
 	c := paho3.NewClient(opts)
 	if t := c.Connect(); !t.WaitTimeout(15*time.Second) || t.Error() != nil {
 		return nil, fmt.Errorf("connect: %v", t.Error())
 	}
-	return &v3{c}, nil
+	return &v3{c, lost}, nil
 }
 
 func (p *v3) publish(ctx context.Context, topic string, qos byte, payload []byte) error {
+	if err := p.lost.get(); err != nil {
+		return err // the connection is gone: fail now, not after a timeout
+	}
 	t := p.c.Publish(topic, qos, false, payload)
 	select {
 	case <-t.Done():
-		return t.Error()
+		if err := t.Error(); err != nil {
+			return p.lost.explain(err)
+		}
+		return nil
 	case <-ctx.Done():
-		return ctx.Err()
+		return ctx.Err() // the run ended (its duration, Ctrl-C)
 	}
 }
 
 func (p *v3) close() { p.c.Disconnect(100) }
 
 // v5 is an MQTT 5 connection.
-type v5 struct{ c *paho.Client }
+type v5 struct {
+	c    *paho.Client
+	lost *lostCause
+}
 
 // dial5 connects an MQTT 5 client. With receiveMax > 0 it sends that
 // Receive Maximum; onPublish, if set, handles every delivery (paho
@@ -391,7 +409,16 @@ func dial5(ctx context.Context, o Options, id string, receiveMax uint16, onPubli
 	if err != nil {
 		return nil, err
 	}
-	cfg := paho.ClientConfig{ClientID: id, Conn: conn}
+	lost := newLostCause()
+	cfg := paho.ClientConfig{ClientID: id, Conn: conn,
+		// The broker's DISCONNECT carries its reason (packet too large,
+		// quota exceeded, ...): without these, a publish it never acked
+		// only fails with paho's "context deadline exceeded".
+		OnServerDisconnect: func(d *paho.Disconnect) {
+			lost.set(fmt.Errorf("broker disconnected the client: %s", disconnectReason(d)))
+		},
+		OnClientError: func(err error) { lost.set(fmt.Errorf("connection lost: %w", err)) },
+	}
 	if onPublish != nil {
 		cfg.OnPublishReceived = []func(paho.PublishReceived) (bool, error){onPublish}
 	}
@@ -415,13 +442,21 @@ func dial5(ctx context.Context, o Options, id string, receiveMax uint16, onPubli
 		conn.Close()
 		return nil, fmt.Errorf("connect: reason %#x", ca.ReasonCode)
 	}
-	return &v5{c}, nil
+	return &v5{c, lost}, nil
 }
 
 func (p *v5) publish(ctx context.Context, topic string, qos byte, payload []byte) error {
-	r, err := p.c.Publish(ctx, &paho.Publish{Topic: topic, QoS: qos, Payload: payload})
+	if err := p.lost.get(); err != nil {
+		return err // the connection is gone: fail now, not after a timeout
+	}
+	pctx, done := p.lost.bind(ctx)
+	defer done()
+	r, err := p.c.Publish(pctx, &paho.Publish{Topic: topic, QoS: qos, Payload: payload})
+	if err != nil && ctx.Err() != nil {
+		return err // the run ended (its duration, Ctrl-C): nothing to explain
+	}
 	if err != nil {
-		return err
+		return p.lost.explain(err)
 	}
 	if r != nil && r.ReasonCode >= 0x80 {
 		return fmt.Errorf("refused: reason %#x", r.ReasonCode)

@@ -16,6 +16,9 @@ import (
 	"github.com/tandem-edge/tandem/bench"
 )
 
+// barAfter is how long a run goes before it shows a progress bar.
+const barAfter = 2 * time.Second
+
 func newBenchCmd() *cobra.Command {
 	var o bench.Options
 	var asJSON bool
@@ -52,6 +55,12 @@ broker.`,
 				return usageError{fmt.Errorf("--clients, --subscribers and --idle cannot be negative")}
 			case o.Clients == 0 && o.Idle == 0:
 				return usageError{fmt.Errorf("--clients 0 needs --idle")}
+			case o.Count < 0 || o.Duration < 0:
+				return usageError{fmt.Errorf("--count and --duration cannot be negative")}
+			case o.Clients > 0 && o.Count == 0 && o.Duration == 0:
+				// bench.Run would fall back to 1000 publishes: not
+				// what "--count 0" asked for.
+				return usageError{fmt.Errorf("--count 0 runs for a time: add --duration (e.g. --duration 30s)")}
 			}
 			out := cmd.OutOrStdout()
 			if f, ok := out.(*os.File); ok && !asJSON && o.Clients > 0 && term.IsTerminal(int(f.Fd())) {
@@ -59,11 +68,27 @@ broker.`,
 				if o.Count > 0 {
 					total = int64(o.Count * max(o.Clients, 1))
 				}
-				bar := progressbar.NewOptions64(total, progressbar.OptionSetWriter(cmd.ErrOrStderr()),
-					progressbar.OptionSetDescription("publishing"), progressbar.OptionShowCount(), progressbar.OptionShowIts(),
-					progressbar.OptionClearOnFinish(), progressbar.OptionThrottle(100*time.Millisecond))
-				o.Progress = func(n int64) { _ = bar.Set64(n) }
-				defer bar.Finish()
+				// Only a run that lasts gets a bar: one that ends within
+				// barAfter would only flash it. Progress is called from
+				// one goroutine at a time, and not after Run returns.
+				start := time.Now()
+				var bar *progressbar.ProgressBar
+				o.Progress = func(n int64) {
+					if bar == nil {
+						if time.Since(start) < barAfter {
+							return
+						}
+						bar = progressbar.NewOptions64(total, progressbar.OptionSetWriter(cmd.ErrOrStderr()),
+							progressbar.OptionSetDescription("publishing"), progressbar.OptionShowCount(), progressbar.OptionShowIts(),
+							progressbar.OptionClearOnFinish(), progressbar.OptionThrottle(100*time.Millisecond))
+					}
+					_ = bar.Set64(n)
+				}
+				defer func() {
+					if bar != nil {
+						_ = bar.Finish()
+					}
+				}()
 			}
 			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 			defer stop()
@@ -72,10 +97,13 @@ broker.`,
 				return err
 			}
 			if asJSON {
-				return json.NewEncoder(out).Encode(res)
+				if err := json.NewEncoder(out).Encode(res); err != nil {
+					return err
+				}
+			} else {
+				printResult(out, &o, res)
 			}
-			printResult(out, &o, res)
-			return nil
+			return failedPublishes(res)
 		},
 	}
 	fl := cmd.Flags()
@@ -120,6 +148,16 @@ func printResult(w io.Writer, o *bench.Options, r *bench.Result) {
 	if r.FirstFailure != "" {
 		fmt.Fprintf(w, "  first failure: %s\n", r.FirstFailure)
 	}
+}
+
+// failedPublishes is the error that makes a run with failed publishes
+// exit 1: a benchmark whose publishes were refused measured nothing, and
+// scripts comparing brokers must not take its numbers.
+func failedPublishes(r *bench.Result) error {
+	if r.Failed == 0 {
+		return nil
+	}
+	return fmt.Errorf("%d of %d publishes failed; first failure: %s", r.Failed, r.Sent, r.FirstFailure)
 }
 
 func countOrDuration(o *bench.Options) string {

@@ -94,3 +94,34 @@ func TestMQTT311ClientOverReceiveMaximumIsSlowedNotDropped(t *testing.T) {
 		t.Fatalf("QoS 2: acked %d of 100, %d failed (%s)", res.Acked, res.Failed, res.FirstFailure)
 	}
 }
+
+// A run in which the broker refused every publish exits 1 and says why
+// (here: disconnected for a packet over max_packet_size), not just "context
+// deadline exceeded"; --count 0 with no --duration is refused before
+// anything is sent.
+func TestBenchFailsWhenPublishesFailAndSaysWhy(t *testing.T) {
+	d := testGateway(t, t.TempDir(), nil)
+	for _, v := range []string{"5", "3"} {
+		code, out, stderr := runMain(t, "bench", "--broker", d.MQTTAddr(), "--count", "5", "--size", "2000000", "--mqtt-version", v)
+		if code != ExitFailure {
+			t.Fatalf("MQTT %s, every publish over max_packet_size: exit %d, want 1\n%s%s", v, code, out, stderr)
+		}
+		if !strings.Contains(stderr, "5 of 5 publishes failed") {
+			t.Errorf("MQTT %s: stderr does not count the failures: %q", v, stderr)
+		}
+		want := "packet too large"
+		if v == "3" {
+			want = "connection lost" // 3.1.1 has no DISCONNECT from the server: the broker just closes
+		}
+		if !strings.Contains(stderr, want) || strings.Contains(stderr, "deadline exceeded") {
+			t.Errorf("MQTT %s: stderr %q does not say %q", v, stderr, want)
+		}
+	}
+	code, out, stderr := runMain(t, "bench", "--broker", d.MQTTAddr(), "--count", "0")
+	if code != ExitUsage || !strings.Contains(stderr, "--duration") || out != "" {
+		t.Fatalf("--count 0 without --duration: exit %d, stdout %q, stderr %q", code, out, stderr)
+	}
+	if code, _, stderr := runMain(t, "bench", "--broker", d.MQTTAddr(), "--count", "-1"); code != ExitUsage {
+		t.Fatalf("--count -1: exit %d %s", code, stderr)
+	}
+}

@@ -17,13 +17,20 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+
+	"github.com/tandem-edge/tandem/internal/version"
 )
 
-// Build information, set with -ldflags -X by the Makefile.
+// Build information, set with -ldflags -X by the Makefile (git describe
+// and the short commit). init turns them into the package version scheme
+// and, for a plain go build that set neither, takes them from the VCS
+// stamp Go embeds, so that every build of one tree reports one version.
 var (
-	Version = "dev"
-	Commit  = "unknown"
+	Version = version.UnsetVersion
+	Commit  = version.UnsetCommit
 )
+
+func init() { Version, Commit = version.Resolve(Version, Commit) }
 
 // Exit codes of the contract.
 const (
@@ -67,7 +74,7 @@ func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	root.SetErr(stderr)
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	root.AddCommand(newRunCmd(), newVersionCmd(), newCheckCmd(), newInspectCmd(), newBenchCmd(), newServiceCmd(), newPasswdCmd(),
-		newStatusCmd(), newPeersCmd(), newClusterCmd(), newPairCmd(), newPromoteCmd())
+		newStatusCmd(), newPeersCmd(), newClusterCmd(), newPairCmd(), newPromoteCmd(), newManCmd())
 	for _, c := range root.Commands() {
 		if c.Args != nil {
 			args := c.Args

@@ -303,7 +303,7 @@ func (c *cluster) startTransport() error {
 	tr, err := replication.NewPeerTransport(replication.TransportConfig{
 		Identity:   d.id,
 		Listen:     d.cfg.Peer.Listen,
-		Logger:     d.log.With("component", "peer"),
+		Logger:     d.log, // the transport adds component=peer
 		ClusterID:  c.clusterID,
 		Generation: c.generation,
 		OnGeneration: func(_, gen uint64) bool {

@@ -75,7 +75,8 @@ func apiToken(t *testing.T, d *Daemon) string {
 
 func inviteToken(t *testing.T, d *Daemon) string {
 	t.Helper()
-	code, out, errOut := runMain(t, "cluster", "invite", "--http", d.HTTPAddr(), "--data", d.cfg.Node.DataDir)
+	// The test gateways share loopback: --loopback.
+	code, out, errOut := runMain(t, "cluster", "invite", "--loopback", "--http", d.HTTPAddr(), "--data", d.cfg.Node.DataDir)
 	if code != 0 {
 		t.Fatalf("cluster invite: exit %d: %s", code, errOut)
 	}

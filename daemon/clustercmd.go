@@ -204,6 +204,7 @@ func newClusterCmd() *cobra.Command {
 	}
 	var af apiFlags
 	var ttl time.Duration
+	var loopback bool
 	invite := &cobra.Command{
 		Use:   "invite",
 		Short: "Print a one-time join token for a new gateway (run on any member; the master issues it)",
@@ -217,12 +218,20 @@ func newClusterCmd() *cobra.Command {
 			if err := af.call("/v1/cluster/invite", req, &out); err != nil {
 				return err
 			}
+			// The embedded default keeps the peer port on loopback: a
+			// token naming only 127.0.0.1 is of no use to the gateway
+			// on another machine it is usually meant for. (It expires
+			// unused.)
+			if tok, _, err := parseToken(out.Token, time.Now()); err == nil && loopbackOnly(tok.Addrs) && !loopback {
+				return errLoopbackPeer(tok.Addrs)
+			}
 			fmt.Fprintln(c.OutOrStdout(), out.Token)
 			fmt.Fprintf(c.ErrOrStderr(), "valid until %s, for one gateway: run `tandem cluster join TOKEN` on it\n", out.Expires)
 			return nil
 		},
 	}
 	invite.Flags().DurationVar(&ttl, "ttl", defaultInviteTTL, "how long the token stays valid")
+	invite.Flags().BoolVar(&loopback, "loopback", false, "print the token even when the peer port is on loopback only (a second gateway on this machine)")
 	af.add(invite)
 
 	var jf apiFlags
@@ -262,8 +271,14 @@ func newClusterCmd() *cobra.Command {
 	var force bool
 	remove := &cobra.Command{
 		Use:   "remove NODE",
-		Short: "Take a gateway (name or id) out of the cluster",
-		Args:  cobra.ExactArgs(1),
+		Short: "Take a gateway (name or id) out of the cluster; its log is wiped",
+		Long: `Take a gateway (name or id) out of the cluster. Run it on any member.
+
+The removed gateway is told, wipes its copy of the log (its records are the
+cluster's, which keeps them) and runs alone in a new cluster, ready for a new
+invite. Refused: removing the master itself, the last voter, or, without
+--force, the only slave while sync topics exist.`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
 			var out removeResponse
 			if err := rf.call("/v1/cluster/remove", removeRequest{Node: args[0], Force: force}, &out); err != nil {

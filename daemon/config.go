@@ -202,8 +202,10 @@ func (t TLSConfig) Enabled() bool { return t.Listen != "" || t.CertFile != "" }
 
 // PeerConfig configures the gateway-to-gateway (raft) listener.
 type PeerConfig struct {
-	// Listen is the peer listener, host:port. Default ":7883": every
-	// interface, because sibling gateways must reach it; only pinned member
+	// Listen is the peer listener, host:port. Default "127.0.0.1:7883":
+	// loopback, as every embedded default is, so that a gateway tried out
+	// on a laptop opens nothing to the LAN; sibling gateways need it on
+	// the LAN (":7883", as the packaged config sets). Only pinned member
 	// certificates and join tokens are accepted there.
 	Listen string `yaml:"listen"`
 	// Advertise lists the host:port addresses other gateways should dial,
@@ -332,7 +334,7 @@ func (c *Config) setDefaults() {
 	if c.MQTT.TLS.Enabled() {
 		setDefaultIfZero(&c.MQTT.TLS.MinVersion, "1.2")
 	}
-	setDefaultIfZero(&c.Peer.Listen, ":7883")
+	setDefaultIfZero(&c.Peer.Listen, "127.0.0.1:7883")
 	setDefaultIfZero(&c.HTTP.Listen, "127.0.0.1:7880")
 	setDefaultIfZero(&c.Log.Level, "info")
 	setDefaultIfZero(&c.Log.Format, "text")

@@ -28,7 +28,7 @@ func TestDefaultConfig(t *testing.T) {
 		Node: NodeConfig{Name: host, DataDir: "./tandem-data"},
 		MQTT: MQTTConfig{Listen: "127.0.0.1:1883", MaxInflight: 1024, MaxPacketSize: 1 << 20, MaxClients: 1000,
 			MaxTopicLength: 1024, MaxTopicLevels: 32, ConnectRate: 20, ConnectBurst: 100},
-		Peer: PeerConfig{Listen: ":7883"},
+		Peer: PeerConfig{Listen: "127.0.0.1:7883"},
 		HTTP: HTTPConfig{Listen: "127.0.0.1:7880"},
 		Log:  LogConfig{Level: "info", Format: "text"},
 		Cluster: ClusterConfig{

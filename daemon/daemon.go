@@ -97,7 +97,10 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	warnLooseMode(d.log, "mqtt.tls.key_file", c.MQTT.TLS.KeyFile)
 	d.live = c
 	if err = os.MkdirAll(c.Node.DataDir, 0o750); err != nil {
-		return fmt.Errorf("data dir: %w", err)
+		return mkdirError(c.Node.DataDir, err)
+	}
+	if err = checkDataDir(c.Node.DataDir); err != nil {
+		return err
 	}
 	if d.id, err = replication.LoadOrCreateIdentity(c.Node.DataDir); err != nil {
 		return err
@@ -116,7 +119,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return err
 	}
 	if err = d.cl.startTransport(); err != nil {
-		return fmt.Errorf("peer port: %w", err)
+		return fmt.Errorf("peer port: %w", inUse(err, "peer address", c.Peer.Listen, "--peer", "peer.listen"))
 	}
 	la := &logAdapter{d: d}
 	d.broker, err = mqtt.NewServer(mqtt.Config{
@@ -142,7 +145,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		Observer:                d.fieldView(),
 	}, la)
 	if err != nil {
-		return err
+		return inUse(err, "MQTT address", c.MQTT.Listen, "--mqtt", "mqtt.listen")
 	}
 	d.apply = &applier{ready: make(chan struct{}), broker: d.broker}
 	d.redeliver = &redeliverer{d: d}
@@ -172,7 +175,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	go d.cl.keeper()
 	d.broker.Applied(d.db.Applied())
 	if err = d.broker.Start(); err != nil {
-		return err
+		return inUse(err, "MQTT address", c.MQTT.Listen, "--mqtt", "mqtt.listen")
 	}
 	close(d.apply.ready)
 	if err = d.startHTTP(); err != nil {
@@ -214,7 +217,7 @@ func (d *Daemon) nodeConfig(join bool) replication.Config {
 		Storage:         d.db,
 		Applier:         d.redeliver.wrap(d.apply),
 		Transport:       d.cl.tr,
-		Logger:          d.log.With("component", "replication"),
+		Logger:          d.log, // the node adds its component
 		Heartbeat:       c.Cluster.Heartbeat.Duration(),
 		ElectionTimeout: c.Cluster.ElectionTimeout.Duration(),
 		SyncTimeout:     c.Cluster.SyncTimeout.Duration(),
@@ -348,7 +351,7 @@ func (d *Daemon) startHTTP() error {
 	d.guard = g
 	ln, err := net.Listen("tcp", d.cfg.HTTP.Listen)
 	if err != nil {
-		return fmt.Errorf("http: %w", err)
+		return fmt.Errorf("http: %w", inUse(err, "HTTP address", d.cfg.HTTP.Listen, "--http", "http.listen"))
 	}
 	d.httpLn = ln
 	mux := http.NewServeMux()

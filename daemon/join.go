@@ -419,7 +419,7 @@ func (c *cluster) joinable(cluster string, mode joinMode) (int, error) {
 		return 0, err
 	}
 	if recs > 0 && mode == joinFresh {
-		return 0, usageError{fmt.Errorf("this gateway's log holds %d records: join with --requeue to publish them into the cluster, or with --discard to drop them", recs)}
+		return 0, usageError{fmt.Errorf("this gateway's log holds %s: join with --requeue to publish them into the cluster, or with --discard to drop them", plural(recs, "record"))}
 	}
 	return recs, nil
 }
@@ -451,7 +451,11 @@ func (c *cluster) becomeMember(ctx context.Context, rep joinReply, mode joinMode
 	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	_ = d.node().WaitLeader(wctx)
 	cancel()
-	d.log.Info("joined the cluster", "cluster", rep.Cluster, "master", rep.Master, "mode", string(mode), "records", recs)
+	attrs := []any{"cluster", rep.Cluster, "master", rep.Master}
+	if mode != joinFresh { // a fresh gateway had no records to requeue or discard: no mode=""
+		attrs = append(attrs, "mode", string(mode), "records", recs)
+	}
+	d.log.Info("joined the cluster", attrs...)
 	return rep, nil
 }
 
@@ -501,4 +505,12 @@ func (d *Daemon) hasSyncTopics() bool {
 		}
 	}
 	return false
+}
+
+// plural gives "1 record", "2 records": a person reads these lines.
+func plural(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return fmt.Sprintf("%d %ss", n, noun)
 }

@@ -178,6 +178,7 @@ func topicRows(live *Config, rates []float64) (rows []topicRow, counted bool) {
 		}
 		return "—"
 	}
+	catchAll := false
 	if live != nil {
 		for i, t := range live.Topics {
 			ack := t.Ack
@@ -185,9 +186,14 @@ func topicRows(live *Config, rates []float64) (rows []topicRow, counted bool) {
 				ack = "async"
 			}
 			rows = append(rows, topicRow{Filter: t.Match, Ack: ack, Rate: r(i)})
+			catchAll = catchAll || t.Match == "#"
 		}
 	}
-	rows = append(rows, topicRow{Filter: "everything else", Ack: "async", Rate: r(-1)})
+	// The first match wins, so behind a "#" rule nothing is left for the
+	// default: a row for it would read as traffic the rules miss.
+	if !catchAll {
+		rows = append(rows, topicRow{Filter: "everything else", Ack: "async", Rate: r(-1)})
+	}
 	return rows, counted
 }
 

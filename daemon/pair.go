@@ -379,11 +379,23 @@ func (c *cluster) findPairTargets(ctx context.Context, within time.Duration) ([]
 	}
 	self := replication.IDString(d.id.ID)
 	deadline := time.Now().Add(within)
+	var lastErr error // a failed browse round, said only if nothing is found
 	for {
 		round := min(1500*time.Millisecond, time.Until(deadline))
 		peers, err := discovery.Browse(ctx, discovery.BrowseOptions{Interface: d.cfg.Discovery.Interface, Timeout: round})
 		if err != nil {
-			return nil, err
+			// A round that could not ask (a socket refused) is not
+			// the answer the user waits for: ask again until the
+			// deadline, and say it only then.
+			lastErr = err
+			if ctx.Err() != nil || time.Until(deadline) < 100*time.Millisecond {
+				return nil, fmt.Errorf("no gateway with pairing open found on the LAN within %v: mDNS failed: %w", within.Round(time.Second), lastErr)
+			}
+			select {
+			case <-ctx.Done():
+			case <-time.After(min(250*time.Millisecond, time.Until(deadline))):
+			}
+			continue
 		}
 		var out []pairTarget
 		for _, p := range peers {

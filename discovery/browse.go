@@ -2,6 +2,7 @@ package discovery
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -63,8 +64,71 @@ func Browse(ctx context.Context, opts BrowseOptions) ([]Peer, error) {
 	return merge(seen), err
 }
 
-// browseMDNS queries with hashicorp/mdns in rounds until ctx ends.
+// mdnsQuery is hashicorp/mdns's query, a variable so that tests can fake
+// what a LAN refuses.
+var mdnsQuery = mdns.QueryContext
+
+// browseMDNS queries with hashicorp/mdns in rounds until ctx ends, over
+// the address families the interfaces have.
 func browseMDNS(ctx context.Context, ifi *net.Interface, log *slog.Logger, logf func(string, ...any)) ([]Peer, error) {
+	v4, v6 := families(ifi)
+	return browseRounds(ctx, ifi, v4, v6, log, logf)
+}
+
+// families reports whether ifi (every multicast interface that is up, when
+// nil) has IPv4 and IPv6 addresses. The mdns client sends each query over
+// both families and fails the whole query when one send fails: on a LAN
+// without IPv6 (network namespaces, many plant networks) the kernel still
+// opens a udp6 socket but refuses the send to ff02::fb ("cannot assign
+// requested address"), so the family that is not there must not be
+// asked. With no address at all, both are left to the client.
+func families(ifi *net.Interface) (v4, v6 bool) {
+	var ifs []net.Interface
+	if ifi != nil {
+		ifs = []net.Interface{*ifi}
+	} else {
+		all, err := net.Interfaces()
+		if err != nil {
+			return true, true
+		}
+		for _, i := range all {
+			if i.Flags&net.FlagUp != 0 && i.Flags&net.FlagMulticast != 0 && i.Flags&net.FlagLoopback == 0 {
+				ifs = append(ifs, i)
+			}
+		}
+	}
+	for _, i := range ifs {
+		addrs, _ := i.Addrs()
+		for _, a := range addrs {
+			if ipn, ok := a.(*net.IPNet); ok {
+				if ipn.IP.To4() != nil {
+					v4 = true
+				} else {
+					v6 = true
+				}
+			}
+		}
+	}
+	if !v4 && !v6 {
+		return true, true
+	}
+	return v4, v6
+}
+
+// sendFamily names the family ("udp4", "udp6") of a query that failed
+// to go out, or "" for any other error.
+func sendFamily(err error) string {
+	var op *net.OpError
+	if errors.As(err, &op) && (op.Net == "udp4" || op.Net == "udp6") {
+		return op.Net
+	}
+	return ""
+}
+
+// browseRounds is browseMDNS over the families given. A family whose send
+// fails is dropped and the round asked again over the other: a query is
+// never failed for a family the LAN does not have.
+func browseRounds(ctx context.Context, ifi *net.Interface, v4, v6 bool, log *slog.Logger, logf func(string, ...any)) ([]Peer, error) {
 	var seen []Peer
 	for ctx.Err() == nil {
 		round := queryRound
@@ -76,18 +140,27 @@ func browseMDNS(ctx context.Context, ifi *net.Interface, log *slog.Logger, logf 
 		}
 		// Sends never block in the client: a buffer holds every answer.
 		entries := make(chan *mdns.ServiceEntry, 256)
-		err := mdns.QueryContext(ctx, &mdns.QueryParam{
+		err := mdnsQuery(ctx, &mdns.QueryParam{
 			Service: ServicePeers, Domain: "local", Timeout: round, Interface: ifi,
-			Entries: entries, Logger: stdLogger(log),
+			Entries: entries, Logger: stdLogger(log), DisableIPv4: !v4, DisableIPv6: !v6,
 		})
-		if err != nil && len(seen) == 0 && ctx.Err() == nil {
-			return nil, fmt.Errorf("discovery: mdns query: %w", err)
-		}
 		close(entries)
 		for e := range entries {
 			if p, ok := fromEntry(e, logf); ok {
 				seen = append(seen, p)
 			}
+		}
+		if fam := sendFamily(err); fam != "" && v4 && v6 {
+			logf("cannot send over "+fam+" here: asking over the other family only", "err", err)
+			if fam == "udp6" {
+				v6 = false
+			} else {
+				v4 = false
+			}
+			continue
+		}
+		if err != nil && len(seen) == 0 && ctx.Err() == nil {
+			return nil, fmt.Errorf("discovery: mdns query: %w", err)
 		}
 	}
 	return seen, nil

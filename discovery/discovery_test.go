@@ -1,14 +1,18 @@
 package discovery
 
 import (
+	"context"
 	"errors"
 	"io"
 	"log/slog"
 	"net"
+	"os"
 	"reflect"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/hashicorp/mdns"
 	"github.com/miekg/dns"
@@ -234,5 +238,43 @@ func TestAdvertiseNeedsInfo(t *testing.T) {
 	}
 	if _, err := Advertise(Config{Info: testInfo, Interface: "no-such-if0"}); err == nil {
 		t.Fatal("Advertise on a missing interface succeeded")
+	}
+}
+
+// On a LAN without IPv6 the kernel opens a udp6 socket but refuses the
+// send to ff02::fb; the mdns client then fails the whole query, IPv4
+// included. Browse must drop IPv6 and find the gateway over IPv4, not
+// report the refused send (pairing showed it where a wrong code was
+// expected).
+func TestBrowseOnAnIPv4OnlyLANAsksOverIPv4(t *testing.T) {
+	refused := &net.OpError{Op: "write", Net: "udp6", Err: &os.SyscallError{Syscall: "sendto", Err: syscall.EADDRNOTAVAIL}}
+	var calls []bool // DisableIPv6 of each query
+	orig := mdnsQuery
+	t.Cleanup(func() { mdnsQuery = orig })
+	mdnsQuery = func(ctx context.Context, q *mdns.QueryParam) error {
+		calls = append(calls, q.DisableIPv6)
+		if !q.DisableIPv6 {
+			return refused
+		}
+		q.Entries <- &mdns.ServiceEntry{Name: "gw-1" + peerSuffix, AddrV4: net.ParseIP("198.51.100.1"), Port: 7883, InfoFields: txt(testInfo())}
+		<-ctx.Done() // a round listens until its time is up
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	peers, err := browseRounds(ctx, nil, true, true, slog.New(slog.DiscardHandler), func(string, ...any) {})
+	if err != nil {
+		t.Fatalf("browse: %v", err)
+	}
+	if len(peers) == 0 || peers[0].ID != testInfo().ID {
+		t.Fatalf("peers %+v", peers)
+	}
+	if len(calls) < 2 || calls[0] || !calls[1] {
+		t.Fatalf("queries (DisableIPv6): %v; want IPv6 tried once, then dropped", calls)
+	}
+	// Any other failure is still reported.
+	mdnsQuery = func(context.Context, *mdns.QueryParam) error { return errors.New("no socket") }
+	if _, err := browseRounds(context.Background(), nil, true, false, slog.New(slog.DiscardHandler), func(string, ...any) {}); err == nil {
+		t.Fatal("a query that cannot listen: no error")
 	}
 }

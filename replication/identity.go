@@ -53,6 +53,12 @@ func LoadOrCreateIdentity(dir string) (*Identity, error) {
 		if err := createIdentity(dir, kp, cp); err != nil {
 			return nil, err
 		}
+	case kerr != nil && !errors.Is(kerr, os.ErrNotExist):
+		// Not a missing file (permission denied, I/O): say that, not
+		// "restore the missing one".
+		return nil, fmt.Errorf("identity: %w", kerr)
+	case cerr != nil && !errors.Is(cerr, os.ErrNotExist):
+		return nil, fmt.Errorf("identity: %w", cerr)
 	case kerr != nil || cerr != nil:
 		return nil, fmt.Errorf("identity: %s and %s must both exist (%v, %v); restore the missing one: the node id derives from the key", kp, cp, kerr, cerr)
 	}

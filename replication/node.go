@@ -65,6 +65,9 @@ type Config struct {
 	// Transport sends raft messages to peers; nil for a lone gateway.
 	Transport Transport
 	// Logger receives the node's and raft's messages; nil discards them.
+	// The node adds component=replication to its own lines and
+	// component=raft to raft's: give it a logger without a component, or
+	// a line carries two.
 	Logger *slog.Logger
 	// Heartbeat is the raft tick: leaders heartbeat once per tick.
 	Heartbeat time.Duration
@@ -249,7 +252,7 @@ func NewNode(cfg Config) (*Node, error) {
 		cfg:        cfg,
 		id:         id,
 		db:         db,
-		log:        cfg.Logger,
+		log:        cfg.Logger.With("component", "replication"),
 		propSig:    make(chan struct{}, 1),
 		recvc:      make(chan pb.Message, 256),
 		unreachc:   make(chan struct{}, 1),
@@ -279,7 +282,7 @@ func NewNode(cfg Config) (*Node, error) {
 		MaxInflightMsgs: 256,
 		CheckQuorum:     true,
 		PreVote:         true,
-		Logger:          raftLogger{cfg.Logger.With("component", "raft")},
+		Logger:          newRaftLogger(cfg.Logger.With("component", "raft")),
 	}
 	rn, err := raft.NewRawNode(rcfg)
 	if err != nil {

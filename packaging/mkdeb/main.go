@@ -17,13 +17,14 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/goreleaser/nfpm/v2"
 	"github.com/goreleaser/nfpm/v2/deb"
+
+	"github.com/tandem-edge/tandem/internal/version"
 )
 
 func main() {
@@ -209,53 +210,6 @@ func changelogYAML(version, commit string, date time.Time) []byte {
 `, version, date.Format(time.RFC3339), version, commit)
 }
 
-var (
-	// describeRE splits `git describe --tags --dirty` output past a tag:
-	// v1.2.0-5-gabc1234-dirty.
-	describeRE = regexp.MustCompile(`^(.+?)-([0-9]+)-g([0-9a-f]+)(-dirty)?$`)
-	debianRE   = regexp.MustCompile(`^[0-9][A-Za-z0-9.+~]*$`)
-)
-
-// debVersion turns what `git describe --tags --always --dirty` prints into
-// a Debian version that sorts the way the commits do: v1.2.0 → 1.2.0,
-// v1.2.0-rc.1 → 1.2.0~rc.1 (before 1.2.0), v1.2.0-5-gabc1234 →
-// 1.2.0+5.gabc1234 (after it), a bare hash abc1234 → 0.0.0+gitabc1234,
-// and -dirty becomes +dirty / .dirty.
-func debVersion(describe string) (string, error) {
-	s := strings.TrimPrefix(strings.TrimSpace(describe), "v")
-	if s == "" {
-		return "", fmt.Errorf("empty version")
-	}
-	dirty := strings.HasSuffix(s, "-dirty")
-	var v string
-	switch m := describeRE.FindStringSubmatch(s); {
-	case m != nil:
-		v = tagVersion(m[1]) + "+" + m[2] + ".g" + m[3]
-		dirty = m[4] != ""
-	case !strings.Contains(s, "."):
-		// No tag: a bare commit hash, or "dev".
-		v = "0.0.0+git" + strings.TrimSuffix(s, "-dirty")
-	default:
-		v = tagVersion(strings.TrimSuffix(s, "-dirty"))
-	}
-	if dirty {
-		if strings.Contains(v, "+") {
-			v += ".dirty"
-		} else {
-			v += "+dirty"
-		}
-	}
-	if !debianRE.MatchString(v) {
-		return "", fmt.Errorf("version %q gives %q, which is not a Debian version", describe, v)
-	}
-	return v, nil
-}
-
-// tagVersion maps a tag's semver prerelease to Debian's "~", which sorts
-// before the release as a prerelease should.
-func tagVersion(tag string) string {
-	if i := strings.IndexByte(tag, '-'); i >= 0 {
-		return tag[:i] + "~" + strings.ReplaceAll(tag[i+1:], "-", ".")
-	}
-	return tag
-}
+// debVersion is the package version of a `git describe` string: the one
+// scheme tandem version prints too (internal/version).
+func debVersion(describe string) (string, error) { return version.Debian(describe) }
