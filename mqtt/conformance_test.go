@@ -679,3 +679,39 @@ func TestQueueFullDisconnectsAndTheSessionResumes(t *testing.T) {
 		back.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
 	}
 }
+
+// A client resuming its session subscribes again to its filter while the
+// messages that waited for it are still being handed over (mosquitto_sub
+// -c does): they all still come [MQTT-3.8.4-3] — the subscription is
+// replaced, not made anew. 300 waiting messages and a window of 10: the
+// replay reads them in batches, some after the SUBSCRIBE.
+func TestMQTT_3_8_4_3_ResubscribeKeepsWhatWaited(t *testing.T) {
+	s, _ := testServer(t, nil, func(c *Config) { c.MaxInflight = 10 })
+	c := dialRaw(t, s.Addr(), 4)
+	c.connect("resub", false, nil)
+	c.subscribe(1, packets.Subscription{Filter: "rs/#", Qos: 1})
+	c.c.Close()
+	waitUntil(t, 5*time.Second, "the first connection to end", func() bool { return s.Clients() == 0 })
+	pub := dialRaw(t, s.Addr(), 5)
+	pub.connect("pub", true, nil)
+	const n = 300
+	for i := 0; i < n; i++ {
+		pub.publish("rs/x", 1, uint16(i+1), fmt.Sprint(i))
+		pub.expect(packets.Puback)
+	}
+	back := dialRaw(t, s.Addr(), 4)
+	back.connect("resub", false, nil)
+	first := back.expect(packets.Publish)
+	back.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Subscribe, Qos: 1}, PacketID: 1,
+		Filters: packets.Subscriptions{{Filter: "rs/#", Qos: 1}}})
+	got := map[string]bool{string(first.Payload): true}
+	back.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: first.PacketID})
+	for len(got) < n {
+		p := back.next()
+		if p.FixedHeader.Type != packets.Publish {
+			continue // the SUBACK
+		}
+		got[string(p.Payload)] = true
+		back.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+	}
+}

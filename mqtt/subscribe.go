@@ -58,6 +58,11 @@ func (c *conn) subscribe(pk *packets.Packet) bool {
 			refuse(packets.ErrQuotaExceeded, "max_subscriptions reached")
 			continue
 		}
+		if prev != nil {
+			// The same filter subscribed again (a client resuming its
+			// session does): what it matched meanwhile is still owed.
+			sub.since = prev.since
+		}
 		s.subs[f.Filter] = sub // [MQTT-3.8.4-3]: replaces one with the same filter
 		persist := s.persistent()
 		s.mu.Unlock()
