@@ -96,6 +96,15 @@ type Options struct {
 	// metadata or raft state only). It runs on the writing goroutine, the
 	// replication loop's for Save: it must be quick.
 	OnCommit func(sync time.Duration, entries int)
+	// MaxBytes is the data dir's budget (WAL and data file): retention
+	// drops the log's oldest runs to stay within it plus RetentionSlack
+	// (retention.go). Zero means no budget.
+	MaxBytes int64
+	// MaxAge drops runs whose newest record is older than this. Zero
+	// means records are kept whatever their age.
+	MaxAge time.Duration
+	// Now is the clock MaxAge is measured with; nil means time.Now.
+	Now func() time.Time
 }
 
 // DB is the node's data file: the raft log, raft state and metadata in one
@@ -150,6 +159,15 @@ type DB struct {
 	syncDelay time.Duration            // Options.SyncDelay
 	onCommit  func(time.Duration, int) // Options.OnCommit
 	requeued  atomic.Bool              // entries were moved to the requeue bucket (TakeRequeueSignal)
+
+	// Retention (retention.go).
+	ret       retention
+	floor     atomic.Uint64 // SetRetentionFloor
+	blockedAt atomic.Uint64 // the floor the next drop waits for; 0 when none
+	retainDue atomic.Bool   // a retention pass is wanted even if no checkpoint is due
+	refusing  atomic.Bool   // over budget with nothing droppable
+	dropped   atomic.Uint64 // records dropped since Open
+	oldest    atomic.Int64  // publish time of the oldest record in the file, 0 if none
 
 	// stageMu guards staged and fresh. staged holds the metadata writes
 	// not yet in bbolt (readers see them through it), fresh those of them
@@ -221,6 +239,13 @@ func Open(dir string, opts *Options) (*DB, error) {
 		return nil, err
 	}
 	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}, syncDelay: opts.SyncDelay, onCommit: opts.OnCommit}
+	db.ret = retention{maxBytes: opts.MaxBytes, maxAge: opts.MaxAge, now: opts.Now}
+	if db.ret.now == nil {
+		db.ret.now = time.Now
+	}
+	if !opts.ReadOnly {
+		bdb.AllocSize = growChunk
+	}
 	fail := func(err error) (*DB, error) {
 		bdb.Close()
 		if db.wal != nil {
@@ -263,6 +288,9 @@ func Open(dir string, opts *Options) (*DB, error) {
 			if err := db.wal.segs[i].grow(walPrealloc); err != nil {
 				return fail(err)
 			}
+		}
+		if err := db.loadOldest(); err != nil {
+			return fail(err)
 		}
 		if err := db.checkpointReplayed(); err != nil {
 			return fail(err)
