@@ -130,9 +130,10 @@ func TestPackagedConfigIsValid(t *testing.T) {
 func TestUnenforcedSettingsRefusedAtStart(t *testing.T) {
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "tandem.yaml")
-	os.WriteFile(cfg, []byte("storage:\n  max_bytes: 1GiB\n  max_age: 24h"), 0o644)
+	os.WriteFile(cfg, []byte("storage:\n  max_bytes: 1GiB\n  max_age: 24h\n  flush: interval\n"), 0o644)
 	code, _, stderr := runMain(t, append(runArgs(filepath.Join(dir, "data")), "--config", cfg)...)
-	if code != ExitUsage || !strings.Contains(stderr, "storage.max_age") || !strings.Contains(stderr, "storage.max_bytes") {
+	// Retention is enforced now: only flush: interval is refused.
+	if code != ExitUsage || !strings.Contains(stderr, "storage.flush: interval") || strings.Contains(stderr, "storage.max_") {
 		t.Fatalf("exit %d: %s", code, stderr)
 	}
 }

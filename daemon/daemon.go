@@ -103,7 +103,8 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return err
 	}
 	d.log = d.log.With("node", replication.ShortID(d.id.ID))
-	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log, SyncDelay: benchSyncDelay(), OnCommit: d.fieldView().onCommit}); err != nil {
+	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log, SyncDelay: benchSyncDelay(), OnCommit: d.fieldView().onCommit,
+		MaxBytes: int64(c.Storage.MaxBytes), MaxAge: time.Duration(c.Storage.MaxAge)}); err != nil {
 		return err
 	}
 	topics, err := d.topicPolicies(c.Topics)
@@ -383,12 +384,6 @@ func notYet(c *Config) error {
 	var keys []string
 	if c.Storage.Flush == "interval" {
 		keys = append(keys, "storage.flush: interval")
-	}
-	if c.Storage.MaxBytes != 0 {
-		keys = append(keys, "storage.max_bytes")
-	}
-	if c.Storage.MaxAge != 0 {
-		keys = append(keys, "storage.max_age")
 	}
 	if len(keys) > 0 {
 		return usageError{fmt.Errorf("not supported by this version yet: %s", strings.Join(keys, ", "))}

@@ -336,6 +336,8 @@ func (db *DB) ResetRaftFrom(from uint64) error {
 		db.first, db.last, db.boltLast = 1, 0, 0
 		db.tail, db.tailBytes = nil, 0
 		db.mu.Unlock()
+		db.oldest.Store(0)
+		db.blockedAt.Store(0)
 	})
 	if err != nil {
 		return fmt.Errorf("storage: reset: %w", err)

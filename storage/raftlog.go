@@ -1,6 +1,7 @@
 package storage
 
 import (
+	"encoding/binary"
 	"fmt"
 
 	bolt "go.etcd.io/bbolt"
@@ -35,6 +36,64 @@ func (db *DB) Snapshot() (pb.Snapshot, error) {
 	db.mu.RLock()
 	defer db.mu.RUnlock()
 	return pb.Snapshot{Metadata: pb.SnapshotMetadata{Index: db.snapIndex, Term: db.snapTerm, ConfState: db.cs}}, nil
+}
+
+// ApplySnapshot installs a snapshot raft received from the master: this
+// member was behind the master's first index. The snapshot carries the
+// membership, not the records (retention dropped them), so the whole log
+// goes and the log starts again after the snapshot's index, which becomes
+// the commit and applied index. What the records before it held for this
+// member's broker is lost here; the snapshot of the broker state is a later
+// step.
+func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
+	if db.ro {
+		return fmt.Errorf("storage: apply snapshot on a read-only file")
+	}
+	md := snap.Metadata
+	hs := db.HardState()
+	hs.Commit = max(hs.Commit, md.Index)
+	if md.Term > hs.Term {
+		hs.Term, hs.Vote = md.Term, 0
+	}
+	err := db.commitSync(0, func(tx *bolt.Tx) error {
+		if err := tx.DeleteBucket(bucketLog); err != nil {
+			return err
+		}
+		if _, err := tx.CreateBucket(bucketLog); err != nil {
+			return err
+		}
+		cs, err := md.ConfState.Marshal()
+		if err != nil {
+			return err
+		}
+		rs := tx.Bucket(bucketRaftState)
+		meta := make([]byte, 16)
+		binary.BigEndian.PutUint64(meta, md.Index)
+		binary.BigEndian.PutUint64(meta[8:], md.Term)
+		if err := rs.Put(keySnapMeta, meta); err != nil {
+			return err
+		}
+		if err := rs.Put(keyConfState, cs); err != nil {
+			return err
+		}
+		if err := putHardState(tx, hs); err != nil {
+			return err
+		}
+		return tx.Bucket(bucketMeta).Put(keyApplied, u64(md.Index))
+	}, func() {
+		db.mu.Lock()
+		db.hs, db.cs = hs, md.ConfState
+		db.snapIndex, db.snapTerm = md.Index, md.Term
+		db.first, db.last, db.boltLast = md.Index+1, md.Index, md.Index
+		db.applied = md.Index
+		db.tail, db.tailBytes = nil, 0
+		db.mu.Unlock()
+		db.oldest.Store(0)
+	})
+	if err != nil {
+		return fmt.Errorf("storage: apply snapshot: %w", err)
+	}
+	return nil
 }
 
 // Term implements raft.Storage.
@@ -343,6 +402,10 @@ func (db *DB) SetConfState(cs pb.ConfState) {
 // next transaction, after the metadata staged while applying.
 func (db *DB) SetApplied(i uint64) {
 	db.mu.Lock()
+	// An apply batch from before an installed snapshot must not take the
+	// applied index back below it: raft restarts from it and needs the
+	// log to follow it.
+	i = max(i, db.snapIndex)
 	db.applied = i
 	db.mu.Unlock()
 	db.stage(string(bucketMeta), string(keyApplied), u64(i))

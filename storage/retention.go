@@ -9,6 +9,7 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
+	pb "go.etcd.io/raft/v3/raftpb"
 )
 
 // Retention drops the log's oldest runs, whole, from the front of the log
@@ -170,11 +171,21 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 	if !db.retainOn() {
 		return res, nil
 	}
+	// The applied and commit indexes this transaction writes (the stage
+	// and the hard state are in it already), not the in-memory ones, which
+	// may be ahead of what is staged: after a crash raft restarts from the
+	// applied index on disk, and must find the log from there on.
+	limit := min(metaU64(tx, bucketMeta, keyApplied), db.floor.Load())
+	var hs pb.HardState
+	if v := tx.Bucket(bucketRaftState).Get(keyHardState); v != nil {
+		if err := hs.Unmarshal(v); err != nil {
+			return res, fmt.Errorf("hard state: %v: %w", err, ErrCorrupt)
+		}
+	}
+	limit = min(limit, hs.Commit)
 	db.mu.RLock()
-	limit := min(db.applied, db.hs.Commit)
 	snapIndex := db.snapIndex
 	db.mu.RUnlock()
-	limit = min(limit, db.floor.Load())
 	var excess int64 = math.MinInt64
 	if db.ret.maxBytes > 0 {
 		// Pages in use as the last commit left them: bbolt's free and
@@ -245,6 +256,14 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 	binary.BigEndian.PutUint64(meta, res.snapIndex)
 	binary.BigEndian.PutUint64(meta[8:], res.snapTerm)
 	return res, tx.Bucket(bucketRaftState).Put(keySnapMeta, meta)
+}
+
+// metaU64 reads an 8-byte value, 0 when unset.
+func metaU64(tx *bolt.Tx, bucket, key []byte) uint64 {
+	if v := tx.Bucket(bucket).Get(key); len(v) == 8 {
+		return binary.BigEndian.Uint64(v)
+	}
+	return 0
 }
 
 // applyDrop updates the in-memory view after the transaction that dropped

@@ -1,0 +1,103 @@
+package replication
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"go.etcd.io/raft/v3"
+	pb "go.etcd.io/raft/v3/raftpb"
+
+	"github.com/tandem-edge/tandem/storage"
+)
+
+// proposeBytes proposes async records of 1 KiB until about n bytes were
+// acked, a window of them at a time, and returns the last index.
+func proposeBytes(t *testing.T, tn *testNode, n int) uint64 {
+	t.Helper()
+	const size, window = 1 << 10, 256
+	payload := make([]byte, size)
+	var last uint64
+	for sent := 0; sent < n; sent += window * size {
+		ch := make(chan result, window)
+		for range window {
+			r := storage.Record{Origin: tn.ID(), Seq: tn.NextSeq(), ClientID: "c", Topic: "big", QoS: 1, Time: time.Now().UnixNano(), Payload: payload}
+			tn.Propose(storage.AppendRecord(nil, &r), Async, func(i uint64, err error) { ch <- result{i, err} })
+		}
+		for range window {
+			r := wait(t, ch)
+			if r.err != nil {
+				t.Fatalf("proposal: %v", r.err)
+			}
+			last = max(last, r.index)
+		}
+	}
+	return last
+}
+
+// A 2-gateway cluster whose slave is stopped: the master's log goes past
+// its budget, but nothing the slave lacks is dropped; it says it is
+// refusing. Once the slave is back and caught up, the master drops.
+func TestRetentionKeepsWhatAStoppedSlaveLacks(t *testing.T) {
+	const budget = 8 << 20
+	c := newCluster(t, 0)
+	c.storeOpts = &storage.Options{MaxBytes: budget}
+	dir := t.TempDir()
+	ident, err := LoadOrCreateIdentity(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := ident.ID
+	c.ids, c.dirs[a], c.peers = append(c.ids, a), dir, []raft.Peer{{ID: a}}
+	c.start(a)
+	b := c.startJoiner()
+	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {
+		t.Fatal(err)
+	}
+	if r := c.propose("before", Sync); r.err != nil {
+		t.Fatalf("sync with the slave: %v", r.err)
+	}
+	slaveLast, _ := c.nodes[b].db.LastIndex()
+	c.stop(b)
+
+	master := c.nodes[a]
+	last := proposeBytes(t, master, 3*budget)
+	// The checkpoint that would drop runs in the background: wait until
+	// it has been tried (refusing) rather than sleeping.
+	waitFor(t, "the master to say it is over budget", master.db.Refusing)
+	if first, _ := master.db.FirstIndex(); first > slaveLast+1 {
+		t.Fatalf("master dropped up to %d; the stopped slave had only %d", first-1, slaveLast)
+	}
+	st, err := master.Status(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.RetentionFloor > slaveLast {
+		t.Errorf("retention floor %d past the slave's match %d", st.RetentionFloor, slaveLast)
+	}
+
+	// The slave comes back, catches up; the master drops then.
+	c.start(b)
+	waitFor(t, "the slave to catch up", func() bool {
+		l, _ := c.nodes[b].db.LastIndex()
+		return l >= last
+	})
+	// A write nudges a checkpoint; the floor rising alone wakes one too.
+	if r := c.propose("after", Async); r.err != nil {
+		t.Fatal(r.err)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		first, _ := master.db.FirstIndex()
+		if first > slaveLast+1 && !master.db.Refusing() {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after the slave caught up: first index %d, refusing %v", first, master.db.Refusing())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	// The data file keeps the size it reached while it could not drop
+	// (bbolt reuses freed pages, it never gives them back).
+	t.Logf("master data dir %d bytes after the drop, budget %d", master.db.RetentionStats().UsedBytes, budget)
+}
