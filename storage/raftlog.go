@@ -329,6 +329,16 @@ func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry) error {
 		db.appendTailLocked(ents)
 	}
 	db.mu.Unlock()
+	if db.ret.maxAge > 0 && db.oldest.Load() == 0 {
+		// The first records of an empty log: max_age's ticker needs
+		// their age before any checkpoint has seen them.
+		for i := range ents {
+			if t, ok := entryTime(entryValue(&ents[i])); ok {
+				db.oldest.CompareAndSwap(0, t)
+				break
+			}
+		}
+	}
 	db.committed()
 	if db.onCommit != nil {
 		db.onCommit(took, len(ents))

@@ -349,6 +349,14 @@ func entryTime(ev []byte) (int64, bool) {
 	return recordTime(ev[entryHdr:])
 }
 
+// entryValue is the head of e's log value that entryTime reads: the type
+// byte at its place, then the data (no CRC: it is not checked there).
+func entryValue(e *pb.Entry) []byte {
+	v := make([]byte, entryHdr, entryHdr+len(e.Data))
+	v[12] = byte(e.Type)
+	return append(v, e.Data...)
+}
+
 // loadOldest sets the oldest record's time from the file, at Open.
 func (db *DB) loadOldest() error {
 	return db.bolt.View(func(tx *bolt.Tx) error {
