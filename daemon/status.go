@@ -222,8 +222,12 @@ func (d *Daemon) handleStatus(w http.ResponseWriter, r *http.Request) {
 // lagSeconds is now minus the publish time of the oldest record after
 // match: how far behind a member that holds the log up to match is.
 func (d *Daemon) lagSeconds(match, last uint64, now time.Time) float64 {
-	hi := min(last+1, match+65)
-	ents, err := d.db.Entries(match+1, hi, 1<<20)
+	lo := match + 1
+	if first, _ := d.db.FirstIndex(); lo < first {
+		lo = first // retention dropped what lies before: the oldest kept
+	}
+	hi := min(last+1, lo+64)
+	ents, err := d.db.Entries(lo, hi, 1<<20)
 	if err != nil {
 		return 0
 	}

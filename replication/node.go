@@ -360,6 +360,12 @@ func (n *Node) enqueue(p *proposal) {
 		n.refuseNow(p.done, ErrNotLeader)
 		return
 	}
+	if n.db.Refusing() {
+		// Logging more would only grow the data dir past its budget:
+		// devices get 0x97 quota exceeded until the member catches up.
+		n.refuseNow(p.done, ErrLogFull)
+		return
+	}
 	n.propMu.Lock()
 	if n.closedErr != nil {
 		err := n.closedErr

@@ -2,6 +2,7 @@ package replication
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -12,13 +13,13 @@ import (
 )
 
 // proposeBytes proposes async records of 1 KiB until about n bytes were
-// acked, a window of them at a time, and returns the last index.
-func proposeBytes(t *testing.T, tn *testNode, n int) uint64 {
+// acked, a window of them at a time, or until the log refuses them as
+// full; it returns the last index acked and whether it was refused.
+func proposeBytes(t *testing.T, tn *testNode, n int) (last uint64, full bool) {
 	t.Helper()
 	const size, window = 1 << 10, 256
 	payload := make([]byte, size)
-	var last uint64
-	for sent := 0; sent < n; sent += window * size {
+	for sent := 0; sent < n && !full; sent += window * size {
 		ch := make(chan result, window)
 		for range window {
 			r := storage.Record{Origin: tn.ID(), Seq: tn.NextSeq(), ClientID: "c", Topic: "big", QoS: 1, Time: time.Now().UnixNano(), Payload: payload}
@@ -26,13 +27,16 @@ func proposeBytes(t *testing.T, tn *testNode, n int) uint64 {
 		}
 		for range window {
 			r := wait(t, ch)
-			if r.err != nil {
+			switch {
+			case errors.Is(r.err, ErrLogFull):
+				full = true
+			case r.err != nil:
 				t.Fatalf("proposal: %v", r.err)
 			}
 			last = max(last, r.index)
 		}
 	}
-	return last
+	return last, full
 }
 
 // A 2-gateway cluster whose slave is stopped: the master's log goes past
@@ -61,12 +65,16 @@ func TestRetentionKeepsWhatAStoppedSlaveLacks(t *testing.T) {
 	c.stop(b)
 
 	master := c.nodes[a]
-	last := proposeBytes(t, master, 3*budget)
-	// The checkpoint that would drop runs in the background: wait until
-	// it has been tried (refusing) rather than sleeping.
+	last, full := proposeBytes(t, master, 3*budget)
+	if !full {
+		t.Fatalf("3 budgets' worth taken with the slave stopped, none refused (data dir %d bytes)", master.db.RetentionStats().UsedBytes)
+	}
 	waitFor(t, "the master to say it is over budget", master.db.Refusing)
 	if first, _ := master.db.FirstIndex(); first > slaveLast+1 {
 		t.Fatalf("master dropped up to %d; the stopped slave had only %d", first-1, slaveLast)
+	}
+	if r := wait(t, master.propose(t, "refused", Async)); !errors.Is(r.err, ErrLogFull) || !errors.Is(r.err, ErrStorage) {
+		t.Fatalf("a publish while the log is full of what the slave lacks: %v, want ErrLogFull", r.err)
 	}
 	st, err := master.Status(context.Background())
 	if err != nil {
@@ -82,10 +90,7 @@ func TestRetentionKeepsWhatAStoppedSlaveLacks(t *testing.T) {
 		l, _ := c.nodes[b].db.LastIndex()
 		return l >= last
 	})
-	// A write nudges a checkpoint; the floor rising alone wakes one too.
-	if r := c.propose("after", Async); r.err != nil {
-		t.Fatal(r.err)
-	}
+	// The floor rising wakes a checkpoint that drops, with no write.
 	deadline := time.Now().Add(20 * time.Second)
 	for {
 		first, _ := master.db.FirstIndex()
@@ -97,7 +102,14 @@ func TestRetentionKeepsWhatAStoppedSlaveLacks(t *testing.T) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	// The data file keeps the size it reached while it could not drop
-	// (bbolt reuses freed pages, it never gives them back).
-	t.Logf("master data dir %d bytes after the drop, budget %d", master.db.RetentionStats().UsedBytes, budget)
+	if r := c.propose("after", Async); r.err != nil {
+		t.Fatalf("a publish once the slave caught up: %v", r.err)
+	}
+	used := master.db.RetentionStats().UsedBytes
+	t.Logf("master data dir %d bytes after the drop, budget %d", used, budget)
+	// Refusing kept it near the budget while it could not drop: past it
+	// by what was in flight when the checkpoint saw the budget reached.
+	if used > budget+storage.RetentionSlack {
+		t.Errorf("data dir %d bytes, budget %d + slack %d", used, budget, storage.RetentionSlack)
+	}
 }

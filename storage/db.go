@@ -163,6 +163,7 @@ type DB struct {
 	// Retention (retention.go).
 	ret       retention
 	floor     atomic.Uint64 // SetRetentionFloor
+	floorSet  atomic.Bool   // SetRetentionFloor was called: only then may a floor refuse
 	blockedAt atomic.Uint64 // the floor the next drop waits for; 0 when none
 	retainDue atomic.Bool   // a retention pass is wanted even if no checkpoint is due
 	refusing  atomic.Bool   // over budget with nothing droppable

@@ -66,6 +66,7 @@ type retention struct {
 // progress). Until it is set nothing is dropped. Raising it past the point
 // where retention was blocked wakes a checkpoint, which drops then.
 func (db *DB) SetRetentionFloor(i uint64) {
+	db.floorSet.Store(true)
 	if db.floor.Swap(i) == i || db.ro || !db.retainOn() {
 		return
 	}
@@ -159,7 +160,7 @@ type dropResult struct {
 	snapIndex, snapTerm uint64
 	records             uint64
 	oldest              int64  // the first remaining record's time; 0 if none
-	blocked             bool   // over budget with nothing droppable: refusing
+	blocked             bool   // over budget with only what a member lacks: refusing
 	blockedAt           uint64 // the floor the next drop needs; 0 when none waits
 	some                bool   // something was dropped
 }
@@ -175,7 +176,8 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 	// and the hard state are in it already), not the in-memory ones, which
 	// may be ahead of what is staged: after a crash raft restarts from the
 	// applied index on disk, and must find the log from there on.
-	limit := min(metaU64(tx, bucketMeta, keyApplied), db.floor.Load())
+	floor := db.floor.Load()
+	limit := min(metaU64(tx, bucketMeta, keyApplied), floor)
 	var hs pb.HardState
 	if v := tx.Bucket(bucketRaftState).Get(keyHardState); v != nil {
 		if err := hs.Unmarshal(v); err != nil {
@@ -220,9 +222,12 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 			break
 		}
 		if last > limit {
-			// Only bytes refuse publishes: records past max_age that a
-			// member lacks just wait for it.
-			res.blocked, res.blockedAt = byBytes, last
+			// Only bytes that a member lacks refuse publishes: records
+			// past max_age wait for it quietly, and records not yet
+			// applied (the applier is a batch behind in a burst) go at
+			// a later checkpoint. Before replication has set a floor
+			// at all (at Open) nobody is known to lack anything.
+			res.blocked, res.blockedAt = byBytes && last > floor && db.floorSet.Load(), last
 			break
 		}
 		// A key, its value and the element header bbolt keeps in the leaf.
