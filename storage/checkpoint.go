@@ -60,7 +60,7 @@ func (db *DB) dropFresh(gen uint64) {
 // other file's frames are dead) and wmu.
 func (db *DB) cutLocked() (*cut, error) {
 	id := newWALID()
-	if _, err := db.appendWAL(nil, id, nil, nil); err != nil {
+	if _, err := db.appendWAL(nil, id, nil, nil, false); err != nil {
 		return nil, err
 	}
 	w := db.wal

@@ -105,6 +105,14 @@ type Options struct {
 	MaxAge time.Duration
 	// Now is the clock MaxAge is measured with; nil means time.Now.
 	Now func() time.Time
+	// FlushInterval, when set, is flush: interval (RocketMQ's
+	// ASYNC_FLUSH): Save returns once its WAL frame is written, and the
+	// WAL is fdatasynced every FlushInterval. A process crash loses
+	// nothing (the kernel has the frames); a power cut loses up to one
+	// interval of them. Frames with a raft term or vote, WAL cuts,
+	// checkpoints into the data file and Sync stay synchronous. Zero is
+	// flush: always.
+	FlushInterval time.Duration
 }
 
 // DB is the node's data file: the raft log, raft state and metadata in one
@@ -159,6 +167,10 @@ type DB struct {
 	syncDelay time.Duration            // Options.SyncDelay
 	onCommit  func(time.Duration, int) // Options.OnCommit
 	requeued  atomic.Bool              // entries were moved to the requeue bucket (TakeRequeueSignal)
+
+	// flush: interval (Options.FlushInterval): the flusher goroutine.
+	flushEvery     time.Duration
+	flStop, flDone chan struct{}
 
 	// Retention (retention.go).
 	ret       retention
@@ -241,6 +253,9 @@ func Open(dir string, opts *Options) (*DB, error) {
 	}
 	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}, syncDelay: opts.SyncDelay, onCommit: opts.OnCommit}
 	db.ret = retention{maxBytes: opts.MaxBytes, maxAge: opts.MaxAge, now: opts.Now}
+	if !opts.ReadOnly {
+		db.flushEvery = opts.FlushInterval
+	}
 	if db.ret.now == nil {
 		db.ret.now = time.Now
 	}
@@ -298,6 +313,10 @@ func Open(dir string, opts *Options) (*DB, error) {
 		}
 		db.ckSig, db.ckStop, db.ckDone = make(chan struct{}, 1), make(chan struct{}), make(chan struct{})
 		go db.checkpointer()
+		if db.flushEvery > 0 {
+			db.flStop, db.flDone = make(chan struct{}), make(chan struct{})
+			go db.flusher()
+		}
 	}
 	lg.Info("data file opened", "path", path, "first_index", db.first, "last_index", db.last, "applied", db.applied, "wal_frames_replayed", len(frames))
 	return db, nil
@@ -583,6 +602,10 @@ func (db *DB) Close() error {
 	db.mu.Unlock()
 	var ferr error
 	if !db.ro {
+		if db.flStop != nil {
+			close(db.flStop)
+			<-db.flDone
+		}
 		close(db.ckStop)
 		<-db.ckDone
 		if err := db.commit(nil); err != nil {

@@ -291,7 +291,7 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 	}
 	db.wmu.Lock()
 	defer db.wmu.Unlock()
-	if err := db.appendLocked(hsp, ents); err != nil {
+	if err := db.appendLocked(hsp, ents, true); err != nil {
 		return fmt.Errorf("storage: save: %w", err)
 	}
 	db.kickCheckpoint()
@@ -299,14 +299,15 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 }
 
 // appendLocked writes hs, the fresh staged operations and ents in one WAL
-// frame and updates the in-memory view. The caller holds wmu.
-func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry) error {
+// frame and updates the in-memory view; lazy leaves its fdatasync to the
+// flusher under flush: interval (appendWAL). The caller holds wmu.
+func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry, lazy bool) error {
 	ops := db.takeFresh(db.opsBuf)
 	db.opsBuf = ops
 	if hs == nil && len(ops) == 0 && len(ents) == 0 {
 		return nil
 	}
-	took, err := db.appendWAL(hs, 0, ops, ents)
+	took, err := db.appendWAL(hs, 0, ops, ents, lazy)
 	if err == nil && len(ops) > 0 {
 		db.dropFresh(ops[len(ops)-1].gen)
 	}
