@@ -187,6 +187,7 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 		return nil
 	})
 	if err != nil {
+		db.undoDrop(drop)
 		return err
 	}
 	if db.syncDelay > 0 {

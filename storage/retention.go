@@ -158,6 +158,7 @@ func (db *DB) walBytes() int64 {
 // once its transaction committed.
 type dropResult struct {
 	snapIndex, snapTerm uint64
+	prevIndex, prevTerm uint64 // the compaction point before
 	records             uint64
 	oldest              int64  // the first remaining record's time; 0 if none
 	blocked             bool   // over budget with only what a member lacks: refusing
@@ -249,18 +250,44 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 	if !res.some {
 		return res, nil
 	}
+	if res.snapIndex <= snapIndex {
+		return res, fmt.Errorf("log bucket holds index %d, compacted up to %d: %w", res.snapIndex, snapIndex, ErrCorrupt)
+	}
 	for _, k := range gone {
 		if err := lb.Delete(k); err != nil {
 			return res, err
 		}
 	}
-	if res.snapIndex <= snapIndex {
-		return res, nil // cannot happen: the log bucket starts past it
-	}
 	meta := make([]byte, 16)
 	binary.BigEndian.PutUint64(meta, res.snapIndex)
 	binary.BigEndian.PutUint64(meta[8:], res.snapTerm)
-	return res, tx.Bucket(bucketRaftState).Put(keySnapMeta, meta)
+	if err := tx.Bucket(bucketRaftState).Put(keySnapMeta, meta); err != nil {
+		return res, err
+	}
+	// Readers answer ErrCompacted for the dropped indexes from now on,
+	// before the commit makes them vanish from the file: a reader that
+	// saw the old first index and the new file would take the missing
+	// entries for damage. Until the commit they are still there, so
+	// answering ErrCompacted early is only conservative; a failed commit
+	// puts the old bounds back (undoDrop).
+	db.mu.Lock()
+	res.prevIndex, res.prevTerm = db.snapIndex, db.snapTerm
+	db.snapIndex, db.snapTerm, db.first = res.snapIndex, res.snapTerm, res.snapIndex+1
+	db.mu.Unlock()
+	return res, nil
+}
+
+// undoDrop restores the log's bounds after the transaction that would have
+// dropped res failed.
+func (db *DB) undoDrop(res dropResult) {
+	if !res.some {
+		return
+	}
+	db.mu.Lock()
+	if db.snapIndex == res.snapIndex {
+		db.snapIndex, db.snapTerm, db.first = res.prevIndex, res.prevTerm, res.prevIndex+1
+	}
+	db.mu.Unlock()
 }
 
 // metaU64 reads an 8-byte value, 0 when unset.
@@ -278,9 +305,6 @@ func (db *DB) applyDrop(res dropResult) {
 		return
 	}
 	if res.some {
-		db.mu.Lock()
-		db.snapIndex, db.snapTerm, db.first = res.snapIndex, res.snapTerm, res.snapIndex+1
-		db.mu.Unlock()
 		db.dropped.Add(res.records)
 	}
 	db.oldest.Store(res.oldest)

@@ -251,3 +251,83 @@ func TestApplySnapshotRestartsTheLogAfterIt(t *testing.T) {
 		t.Errorf("Entries after the snapshot: %v", err)
 	}
 }
+
+// A checkpoint that fails (a full disk) drops nothing: the bounds raft sees
+// come back with the file's, and the next checkpoint drops.
+func TestRetentionFailedCheckpointKeepsTheBounds(t *testing.T) {
+	const budget = 8 << 20
+	db := testOpen(t, t.TempDir(), &Options{MaxBytes: budget})
+	db.SetRetentionFloor(math.MaxUint64)
+	now := time.Now()
+	at := func(uint64) time.Time { return now }
+	next := uint64(1)
+	for first := uint64(1); first == 1; first, _ = db.FirstIndex() {
+		saveApplied(t, db, recordEntries(next, 100, 300, at))
+		next += 100
+	}
+	mustCheckpoint(t, db)
+	first, _ := db.FirstIndex()
+	saveApplied(t, db, recordEntries(next, 3000, 300, at))
+	next += 3000
+	failCommits(t)
+	if err := db.commit(nil); err == nil {
+		t.Fatal("checkpoint succeeded with commits failing")
+	}
+	if f, _ := db.FirstIndex(); f != first {
+		t.Fatalf("first index %d after a failed checkpoint, want %d", f, first)
+	}
+	if ents, err := db.Entries(first, first+1, math.MaxUint64); err != nil || len(ents) != 1 {
+		t.Fatalf("Entries(%d) after a failed checkpoint: %v", first, err)
+	}
+	commitFault.Store(nil)
+	mustCheckpoint(t, db)
+	if f, _ := db.FirstIndex(); f <= first {
+		t.Errorf("first index %d once commits work again, not past %d", f, first)
+	}
+	checkCompactedBelow(t, db)
+}
+
+// Readers racing with drops see either entries or ErrCompacted, never a
+// missing entry taken for damage.
+func TestRetentionReadsDuringDrops(t *testing.T) {
+	db := testOpen(t, t.TempDir(), &Options{MaxBytes: 8 << 20, TailBytes: 64 << 10})
+	db.SetRetentionFloor(math.MaxUint64)
+	now := time.Now()
+	stop := make(chan struct{})
+	errc := make(chan error, 1)
+	go func() {
+		defer close(errc)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			first, _ := db.FirstIndex()
+			last, _ := db.LastIndex()
+			if last < first {
+				continue
+			}
+			if _, err := db.Entries(first, min(last+1, first+50), math.MaxUint64); err != nil && !errors.Is(err, ErrCompacted) {
+				errc <- err
+				return
+			}
+			if _, err := db.Term(first); err != nil && !errors.Is(err, ErrCompacted) {
+				errc <- err
+				return
+			}
+		}
+	}()
+	next := uint64(1)
+	for next < 60000 {
+		saveApplied(t, db, recordEntries(next, 200, 300, func(uint64) time.Time { return now }))
+		next += 200
+	}
+	close(stop)
+	if err := <-errc; err != nil {
+		t.Fatalf("a read during drops: %v", err)
+	}
+	if f, _ := db.FirstIndex(); f == 1 {
+		t.Fatal("nothing dropped")
+	}
+}
