@@ -109,6 +109,10 @@ func TestRetentionKeepsTheDataDirWithinBudget(t *testing.T) {
 	if s.Storage.OldestAgeSeconds <= 0 || s.Storage.OldestAgeSeconds > 600 {
 		t.Errorf("oldest_age_seconds %v", s.Storage.OldestAgeSeconds)
 	}
+	var out strings.Builder
+	if err := writeStatus(&out, s); err != nil || !strings.Contains(out.String(), "budget 8.0 MiB") || !strings.Contains(out.String(), "records dropped") {
+		t.Errorf("tandem status: %v\n%s", err, out.String())
+	}
 	first := s.Log.FirstIndex
 	d.Stop()
 
