@@ -6,6 +6,8 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
+	"io"
+	"net/http"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -195,5 +197,71 @@ func TestRetentionDropsRecordsPastMaxAge(t *testing.T) {
 	}
 	if s := statusOfGW(t, d); s.Storage.DroppedRecords < 50 {
 		t.Errorf("dropped_records %d, want at least 50", s.Storage.DroppedRecords)
+	}
+}
+
+// A 2-gateway cluster whose slave is stopped: the master keeps what the
+// slave lacks, and once its budget holds nothing else it refuses
+// publishes with 0x97 and says so; when the slave is back and caught up,
+// it drops and takes publishes again.
+func TestRetentionRefusesWhatAStoppedSlaveLacks(t *testing.T) {
+	const budget = 8 << 20
+	withBudget := func(c *Config) { c.Storage.MaxBytes = budget }
+	g1 := clusterGateway(t, "gw-1", withBudget)
+	g2 := clusterGateway(t, "gw-2", withBudget)
+	joinWith(t, g2, inviteToken(t, g1))
+	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+		v, l, ok := shape(statusOfGW(t, g1))
+		return v == 0 && l == 1 && ok
+	})
+	slaveDir := g2.cfg.Node.DataDir
+	slaveLast := statusOfGW(t, g2).Log.LastIndex
+	g2.Stop()
+
+	pub, _ := v5(t, g1.MQTTAddr(), "filler", nil)
+	payload := make([]byte, 1<<10)
+	refused := false
+	for i := 0; i < 3*budget/len(payload) && !refused; i++ {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		r, err := pub.Publish(ctx, &paho.Publish{Topic: "a/fill", QoS: 1, Payload: payload})
+		cancel()
+		switch {
+		case r != nil && r.ReasonCode == 0x97:
+			refused = true
+		case err != nil:
+			t.Fatalf("publish %d: %v", i, err)
+		}
+	}
+	if !refused {
+		t.Fatalf("3 budgets published with the slave stopped, none refused: %+v", statusOfGW(t, g1).Storage)
+	}
+	s := statusOfGW(t, g1)
+	if !s.Storage.Refusing || s.Log.FirstIndex > slaveLast+1 {
+		t.Fatalf("master while the slave lacks its log from %d: storage %+v, log %+v", slaveLast+1, s.Storage, s.Log)
+	}
+	if s.Storage.UsedBytes > budget+storage.RetentionSlack {
+		t.Errorf("data dir %d bytes while refusing, budget %d + slack %d", s.Storage.UsedBytes, budget, storage.RetentionSlack)
+	}
+	for path, want := range map[string]string{"/": "over budget", "/metrics": "tandem_storage_refusing 1"} {
+		resp, err := http.Get("http://" + g1.HTTPAddr() + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if !strings.Contains(string(body), want) {
+			t.Errorf("GET %s while refusing does not say %q", path, want)
+		}
+	}
+
+	// The slave comes back: it catches up, the master drops and takes
+	// publishes again.
+	g2 = testGateway(t, slaveDir, func(c *Config) { clusterTestConfig(c, "gw-2"); withBudget(c) })
+	waitFor(t, 30*time.Second, "the master to drop once the slave caught up", func() bool {
+		s := statusOfGW(t, g1)
+		return !s.Storage.Refusing && s.Log.FirstIndex > slaveLast+1
+	})
+	if r := publish(t, pub, &paho.Publish{Topic: "a/after", QoS: 1, Payload: []byte("after")}); r.ReasonCode != 0 {
+		t.Fatalf("publish after the slave caught up: reason %#x", r.ReasonCode)
 	}
 }
