@@ -304,8 +304,10 @@ func (db *DB) applyDrop(res dropResult) {
 	if !db.retainOn() {
 		return
 	}
-	if res.some {
-		db.dropped.Add(res.records)
+	if res.records > 0 && db.dropped.Add(res.records) == res.records {
+		// Once per Open: after that status and metrics count them.
+		db.log.Info("retention dropped the oldest records, whole runs at a time",
+			"first_index", res.snapIndex+1, "records", res.records, "max_bytes", db.ret.maxBytes, "max_age", db.ret.maxAge)
 	}
 	db.oldest.Store(res.oldest)
 	db.blockedAt.Store(res.blockedAt)
