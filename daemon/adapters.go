@@ -136,6 +136,12 @@ func (a *applier) Apply(index uint64, data []byte) error {
 // index, which is recorded after a whole batch is applied and would make a
 // replay skip the batch's records.
 func (a *logAdapter) Committed(from, to uint64, fn func(index uint64, m *mqtt.Message) bool) error {
+	// Retention dropped the records below the first index: a replay
+	// starts at the oldest one kept (the broker counts what its session
+	// lost by the gap).
+	if first, _ := a.d.db.FirstIndex(); from < first {
+		from = first
+	}
 	if from > to {
 		return nil
 	}

@@ -127,12 +127,15 @@ func TestPackagedConfigIsValid(t *testing.T) {
 	}
 }
 
-func TestUnenforcedSettingsRefusedAtStart(t *testing.T) {
+func TestRetentionAndFlushSettingsAccepted(t *testing.T) {
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "tandem.yaml")
-	os.WriteFile(cfg, []byte("storage:\n  max_bytes: 1GiB\n  max_age: 24h"), 0o644)
-	code, _, stderr := runMain(t, append(runArgs(filepath.Join(dir, "data")), "--config", cfg)...)
-	if code != ExitUsage || !strings.Contains(stderr, "storage.max_age") || !strings.Contains(stderr, "storage.max_bytes") {
-		t.Fatalf("exit %d: %s", code, stderr)
+	os.WriteFile(cfg, []byte("storage:\n  max_bytes: 1GiB\n  max_age: 24h\n  flush: interval\n  flush_interval: 50ms\n"), 0o644)
+	if code, out, stderr := runMain(t, "check", "--config", cfg); code != 0 {
+		t.Fatalf("check: exit %d: %s%s", code, out, stderr)
+	}
+	os.WriteFile(cfg, []byte("storage:\n  max_bytes: 4MiB\n"), 0o644)
+	if code, _, stderr := runMain(t, "check", "--config", cfg); code != ExitUsage || !strings.Contains(stderr, "storage.max_bytes") {
+		t.Fatalf("a 4MiB budget: exit %d: %s", code, stderr)
 	}
 }

@@ -271,19 +271,30 @@ type ClusterConfig struct {
 	ElectionTimeout Duration `yaml:"election_timeout"`
 }
 
+// DefaultMaxBytes is storage.max_bytes when the config does not set it;
+// the packaged config sets 1GiB.
+const DefaultMaxBytes ByteSize = 256 << 20
+
+// MinMaxBytes is the least storage.max_bytes accepted.
+const MinMaxBytes ByteSize = 8 << 20
+
 // StorageConfig sets the log's durability and retention.
 type StorageConfig struct {
 	// Flush is always (default: fsync each batch before acking it) or
-	// interval (fsync every FlushInterval; acks wait for that fsync, so
-	// throughput rises on slow flash and latency grows).
+	// interval (RocketMQ's ASYNC_FLUSH: ack once the batch is written, fsync
+	// every FlushInterval; a process crash loses nothing, a power cut up to
+	// one interval of acked records).
 	Flush string `yaml:"flush"`
 	// FlushInterval is the fsync period when Flush is interval; it is
-	// ignored otherwise. Default 10ms.
+	// ignored otherwise. Default 200ms.
 	FlushInterval Duration `yaml:"flush_interval"`
-	// MaxBytes caps the log's size on disk; publishes are refused (quota
-	// exceeded) at the cap. 0 means no cap.
+	// MaxBytes is the data dir's budget (WAL and data file): the log drops
+	// its oldest records, whole runs at a time, to stay within it plus
+	// storage.RetentionSlack (2MiB), never what a member still lacks.
+	// Default 256MiB; at least 8MiB (the WAL and bbolt's reserve take 4).
 	MaxBytes ByteSize `yaml:"max_bytes"`
-	// MaxAge is how long records are kept. 0 means forever.
+	// MaxAge drops records older than this, whole runs at a time (a run is
+	// a few KiB of records). 0 means records are kept whatever their age.
 	MaxAge Duration `yaml:"max_age"`
 }
 
@@ -345,7 +356,8 @@ func (c *Config) setDefaults() {
 	setDefaultIfZero(&c.Cluster.Heartbeat, Duration(100*time.Millisecond))
 	setDefaultIfZero(&c.Cluster.ElectionTimeout, Duration(time.Second))
 	setDefaultIfZero(&c.Storage.Flush, "always")
-	setDefaultIfZero(&c.Storage.FlushInterval, Duration(10*time.Millisecond))
+	setDefaultIfZero(&c.Storage.FlushInterval, Duration(200*time.Millisecond))
+	setDefaultIfZero(&c.Storage.MaxBytes, DefaultMaxBytes)
 }
 
 func setDefaultIfZero[T comparable](p *T, def T) {
@@ -991,6 +1003,9 @@ func (c *Config) validate(w *configWalker) error {
 	ck.oneOf("storage.flush", c.Storage.Flush, "always", "interval")
 	ck.nonNegative("storage.flush_interval", c.Storage.FlushInterval)
 	ck.nonNegative("storage.max_age", c.Storage.MaxAge)
+	if c.Storage.MaxBytes < MinMaxBytes {
+		ck.failf("storage.max_bytes", "%s is below the least budget of %s: the WAL and the data file's reserve take 4MiB of it", c.Storage.MaxBytes, ByteSize(MinMaxBytes))
+	}
 	ck.topics(c.Topics)
 	return ck.err
 }

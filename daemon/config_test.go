@@ -39,7 +39,7 @@ func TestDefaultConfig(t *testing.T) {
 			Heartbeat:       Duration(100 * time.Millisecond),
 			ElectionTimeout: Duration(time.Second),
 		},
-		Storage: StorageConfig{Flush: "always", FlushInterval: Duration(10 * time.Millisecond)},
+		Storage: StorageConfig{Flush: "always", FlushInterval: Duration(200 * time.Millisecond), MaxBytes: 256 << 20},
 	}
 	if !reflect.DeepEqual(c, want) {
 		t.Fatalf("DefaultConfig() =\n%+v\nwant\n%+v", c, want)

@@ -9,7 +9,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -80,9 +79,6 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		}
 	}()
 	c := d.cfg
-	if err = notYet(c); err != nil {
-		return err
-	}
 	// The users, ACL and TLS files are configuration too: a bad one exits
 	// 2, before the data dir is touched.
 	access, err := loadAccess(c.MQTT)
@@ -106,7 +102,8 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return err
 	}
 	d.log = d.log.With("node", replication.ShortID(d.id.ID))
-	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log, SyncDelay: benchSyncDelay(), OnCommit: d.fieldView().onCommit}); err != nil {
+	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log, SyncDelay: benchSyncDelay(), OnCommit: d.fieldView().onCommit,
+		MaxBytes: int64(c.Storage.MaxBytes), MaxAge: time.Duration(c.Storage.MaxAge), FlushInterval: flushInterval(c.Storage)}); err != nil {
 		return err
 	}
 	topics, err := d.topicPolicies(c.Topics)
@@ -382,24 +379,13 @@ func (d *Daemon) startHTTP() error {
 	return nil
 }
 
-// notYet refuses settings this version accepts in a config file but does
-// not enforce yet: running without a cap, a user list or TLS the operator
-// asked for would be worse than not starting.
-func notYet(c *Config) error {
-	var keys []string
-	if c.Storage.Flush == "interval" {
-		keys = append(keys, "storage.flush: interval")
+// flushInterval is storage.Options.FlushInterval for the config: zero
+// (fsync before every ack) unless flush is interval.
+func flushInterval(c StorageConfig) time.Duration {
+	if c.Flush != "interval" {
+		return 0
 	}
-	if c.Storage.MaxBytes != 0 {
-		keys = append(keys, "storage.max_bytes")
-	}
-	if c.Storage.MaxAge != 0 {
-		keys = append(keys, "storage.max_age")
-	}
-	if len(keys) > 0 {
-		return usageError{fmt.Errorf("not supported by this version yet: %s", strings.Join(keys, ", "))}
-	}
-	return nil
+	return time.Duration(c.FlushInterval)
 }
 
 // benchSyncDelay reads TANDEM_BENCH_FSYNC_DELAY (a Go duration), which

@@ -234,11 +234,16 @@ var (
 	descLastIndex     = desc("tandem_log_last_index", "Last index in the local log.")
 	descCommitIndex   = desc("tandem_log_commit_index", "Highest log index known committed.")
 	descAppliedIndex  = desc("tandem_log_applied_index", "Highest log index applied (delivered to subscribers).")
-	descDiskUsed      = desc("tandem_disk_used_bytes", "Size of the data file.")
+	descDiskUsed      = desc("tandem_disk_used_bytes", "Size of the data dir (WAL and data file), as tandem_storage_used_bytes.")
 	descDiskFree      = desc("tandem_disk_free_bytes", "Free space on the data dir's file system, for unprivileged users.")
 	descDiskBudget    = desc("tandem_disk_budget_bytes", "storage.max_bytes, 0 when unset.")
 	descCommits       = desc("tandem_storage_commits_total", "Durable writes of the log: WAL appends (one fdatasync) and checkpoints into the data file (two).")
 	descFsyncs        = desc("tandem_storage_fsyncs_total", "fdatasyncs of the WAL and the data file.")
+	descStoreUsed     = desc("tandem_storage_used_bytes", "Size of the whole data dir: WAL and data file.")
+	descStoreBudget   = desc("tandem_storage_budget_bytes", "storage.max_bytes: the data dir's budget (plus a 2MiB slack).")
+	descStoreDropped  = desc("tandem_storage_dropped_records_total", "Records retention dropped (max_bytes, max_age) since the start.")
+	descStoreOldest   = desc("tandem_storage_oldest_record_age_seconds", "Age of the oldest record in the log; 0 when it holds none.")
+	descStoreRefusing = desc("tandem_storage_refusing", "1 while the log is over its budget with only records a member still lacks left.")
 	descClients       = desc("tandem_mqtt_clients_connected", "MQTT clients connected to this gateway.")
 	descInflight      = desc("tandem_mqtt_inflight_messages", "QoS 1/2 messages in flight between this gateway and its clients.")
 	descRetained      = desc("tandem_mqtt_retained_messages", "Retained messages this gateway holds.")
@@ -258,7 +263,8 @@ func (statusCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descNode, descTerm, descRole, descLeaderChanges, descHasLeader, descMembers,
 		descLagRecords, descLagSeconds, descMatchIndex, descReachable, descVoter,
 		descFirstIndex, descLastIndex, descCommitIndex, descAppliedIndex,
-		descDiskUsed, descDiskFree, descDiskBudget, descCommits, descFsyncs, descClients, descInflight, descRetained, descStatusUp,
+		descDiskUsed, descDiskFree, descDiskBudget, descCommits, descFsyncs,
+		descStoreUsed, descStoreBudget, descStoreDropped, descStoreOldest, descStoreRefusing, descClients, descInflight, descRetained, descStatusUp,
 		descGeneration, descPromotions, descDeposed, descRequeued, descRequeuePend, descTopicsMatch} {
 		ch <- d
 	}
@@ -310,6 +316,11 @@ func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- gauge(descDiskBudget, float64(s.Disk.BudgetBytes))
 	ch <- prometheus.MustNewConstMetric(descCommits, prometheus.CounterValue, float64(s.Storage.Commits))
 	ch <- prometheus.MustNewConstMetric(descFsyncs, prometheus.CounterValue, float64(s.Storage.Fsyncs))
+	ch <- gauge(descStoreUsed, float64(s.Storage.UsedBytes))
+	ch <- gauge(descStoreBudget, float64(s.Storage.BudgetBytes))
+	ch <- prometheus.MustNewConstMetric(descStoreDropped, prometheus.CounterValue, float64(s.Storage.DroppedRecords))
+	ch <- gauge(descStoreOldest, s.Storage.OldestAgeSeconds)
+	ch <- gauge(descStoreRefusing, b2f(s.Storage.Refusing))
 	ch <- gauge(descClients, float64(s.MQTT.Clients))
 	ch <- gauge(descInflight, float64(s.MQTT.Inflight))
 	ch <- gauge(descRetained, float64(d.broker.Retained()))

@@ -60,7 +60,9 @@ type topicRow struct{ Filter, Ack, Rate string }
 
 type diskView struct {
 	Used, Free, Budget string
-	Percent            int // of the budget, or of used+free without one
+	Percent            int    // of the budget, or of used+free without one
+	Oldest             string // age of the oldest record kept, "" when none
+	Refusing           bool   // over budget with nothing droppable: shown in red
 }
 
 // sparkline is an inline SVG polyline, scaled to its own maximum.
@@ -141,6 +143,10 @@ func (fv *fieldView) pageData(ctx context.Context) *pageData {
 		p.Disk.Budget = bytesIEC(s.Disk.BudgetBytes)
 		whole = s.Disk.BudgetBytes
 	}
+	if s.Storage.OldestAgeSeconds > 0 {
+		p.Disk.Oldest = (time.Duration(s.Storage.OldestAgeSeconds) * time.Second).String()
+	}
+	p.Disk.Refusing = s.Storage.Refusing
 	if whole > 0 {
 		p.Disk.Percent = int(min(100, uint64(max(s.Disk.UsedBytes, 0))*100/whole))
 	}

@@ -291,13 +291,10 @@ func checkServiceConfig(p string) (string, bool, error) {
 }
 
 // checkServiceSettings refuses a configuration the unit could only
-// restart in vain: settings this version does not enforce (exit 2, which
-// the unit does not restart) and a data dir its sandbox makes read-only.
-// A relative data_dir is fine: it lands under WorkingDirectory.
+// restart in vain: a data dir its sandbox makes read-only (exit 2, which
+// the unit does not restart). A relative data_dir is fine: it lands under
+// WorkingDirectory.
 func checkServiceSettings(cfg *Config) error {
-	if err := notYet(cfg); err != nil {
-		return err
-	}
 	if d := filepath.Clean(cfg.Node.DataDir); filepath.IsAbs(d) && d != serviceStateDir && !strings.HasPrefix(d, serviceStateDir+"/") {
 		return usageError{fmt.Errorf("node.data_dir %s is read-only to the service "+
 			"(ProtectSystem=strict leaves only %s writable): use a data_dir under %s", d, serviceStateDir, serviceStateDir)}

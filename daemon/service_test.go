@@ -156,7 +156,7 @@ func TestServiceConfigChecks(t *testing.T) {
 	}{
 		{"node:\n  data_dir: /srv/tandem\n", "read-only to the service"},
 		{"node:\n  data_dir: /var/lib/tandemx\n", "read-only to the service"},
-		{"storage:\n  max_bytes: 1GiB\n", "storage.max_bytes"},
+		{"storage:\n  flush: interval\n  max_bytes: 1GiB\n", ""},
 		{"node:\n  data_dir: /var/lib/tandem\n", ""},
 		{"node:\n  data_dir: /var/lib/tandem/gw\n", ""},
 		{"node:\n  data_dir: ./data\n", ""},

@@ -102,9 +102,20 @@ type StatusPairing struct {
 
 // StatusStorage counts the durable writes of the log (WAL appends and
 // checkpoints into the data file) and the fdatasyncs they cost.
+//
+// The rest is retention's view: UsedBytes is the whole data dir (WAL and
+// data file), BudgetBytes storage.max_bytes, OldestAgeSeconds the age of the
+// oldest record kept (0 when none), DroppedRecords what retention dropped
+// since start, and Refusing is true while the log is over its budget with
+// only records a member still lacks (or not yet applied) left to drop.
 type StatusStorage struct {
-	Commits uint64 `json:"commits"`
-	Fsyncs  uint64 `json:"fsyncs"`
+	Commits          uint64  `json:"commits"`
+	Fsyncs           uint64  `json:"fsyncs"`
+	UsedBytes        int64   `json:"used_bytes"`
+	BudgetBytes      int64   `json:"budget_bytes"`
+	OldestAgeSeconds float64 `json:"oldest_age_seconds"`
+	DroppedRecords   uint64  `json:"dropped_records"`
+	Refusing         bool    `json:"refusing"`
 }
 
 // status assembles the status JSON.
@@ -129,10 +140,19 @@ func (d *Daemon) status(ctx context.Context) (*Status, error) {
 		Term:    rs.Term,
 		Members: []StatusMember{},
 		Log:     StatusLog{FirstIndex: st.FirstIndex, LastIndex: st.LastIndex, CommitIndex: rs.Commit, AppliedIndex: st.Applied},
-		Disk:    StatusDisk{UsedBytes: st.FileBytes, BudgetBytes: uint64(d.cfg.Storage.MaxBytes)},
+		Disk:    StatusDisk{BudgetBytes: uint64(d.cfg.Storage.MaxBytes)},
 		MQTT:    StatusMQTT{Clients: d.broker.Clients(), Inflight: d.broker.Inflight()},
 		Storage: StatusStorage{Commits: d.db.Commits(), Fsyncs: d.db.Syncs()},
 		Cluster: StatusCluster{ID: d.cl.clusterID(), Generation: d.cl.generation(), TopicsHash: d.topicsHash(), PeerAddrs: d.cl.myAddrs(), Requeued: n.Requeued()},
+	}
+	rt := d.db.RetentionStats()
+	s.Storage.UsedBytes, s.Storage.BudgetBytes = rt.UsedBytes, rt.BudgetBytes
+	// The budget is the whole data dir's, so is what disk.used compares
+	// with it.
+	s.Disk.UsedBytes = rt.UsedBytes
+	s.Storage.DroppedRecords, s.Storage.Refusing = rt.Dropped, rt.Refusing
+	if !rt.Oldest.IsZero() {
+		s.Storage.OldestAgeSeconds = max(0, time.Since(rt.Oldest).Seconds())
 	}
 	if n, err := d.db.RequeuePending(); err == nil {
 		s.Cluster.RequeuePending = n
@@ -202,8 +222,12 @@ func (d *Daemon) handleStatus(w http.ResponseWriter, r *http.Request) {
 // lagSeconds is now minus the publish time of the oldest record after
 // match: how far behind a member that holds the log up to match is.
 func (d *Daemon) lagSeconds(match, last uint64, now time.Time) float64 {
-	hi := min(last+1, match+65)
-	ents, err := d.db.Entries(match+1, hi, 1<<20)
+	lo := match + 1
+	if first, _ := d.db.FirstIndex(); lo < first {
+		lo = first // retention dropped what lies before: the oldest kept
+	}
+	hi := min(last+1, lo+64)
+	ents, err := d.db.Entries(lo, hi, 1<<20)
 	if err != nil {
 		return 0
 	}

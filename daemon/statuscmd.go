@@ -61,6 +61,15 @@ func writeStatus(w io.Writer, s *Status) error {
 	if s.Disk.BudgetBytes > 0 {
 		disk += ", budget " + bytesIEC(s.Disk.BudgetBytes)
 	}
+	if s.Storage.OldestAgeSeconds > 0 {
+		disk += ", oldest record " + (time.Duration(s.Storage.OldestAgeSeconds) * time.Second).String() + " old"
+	}
+	if s.Storage.DroppedRecords > 0 {
+		disk += fmt.Sprintf(", %d records dropped", s.Storage.DroppedRecords)
+	}
+	if s.Storage.Refusing {
+		disk += "; REFUSING PUBLISHES: over budget with only records a member lacks"
+	}
 	fmt.Fprintf(tw, "disk\t%s\n", disk)
 	fmt.Fprintf(tw, "clients\t%d connected, %d messages in flight\n", s.MQTT.Clients, s.MQTT.Inflight)
 	pairing := "closed"

@@ -13,6 +13,8 @@ import (
 
 	"go.etcd.io/raft/v3"
 	pb "go.etcd.io/raft/v3/raftpb"
+
+	"github.com/tandem-edge/tandem/storage"
 )
 
 // memNet is an in-memory network between the nodes of one test, with the
@@ -128,6 +130,8 @@ type cluster struct {
 	dirs  map[uint64]string
 	nodes map[uint64]*testNode
 	peers []raft.Peer
+	// storeOpts, if set, opens every member's data file (retention).
+	storeOpts *storage.Options
 }
 
 func newCluster(t *testing.T, n int) *cluster {
@@ -150,7 +154,7 @@ func newCluster(t *testing.T, n int) *cluster {
 
 func (c *cluster) start(id uint64) *testNode {
 	t := c.t
-	tn := openTestNode(t, c.dirs[id], func(cfg *Config) {
+	tn := openTestNodeOpts(t, c.dirs[id], c.storeOpts, func(cfg *Config) {
 		cfg.Transport, cfg.Forwarder, cfg.InitialMembers = endpoint{c.net, id}, memForwarder{c.net, id}, c.peers
 	})
 	c.attach(id, tn)
@@ -333,7 +337,7 @@ func (c *cluster) startJoiner() uint64 {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tn := openTestNode(t, dir, func(cfg *Config) {
+	tn := openTestNodeOpts(t, dir, c.storeOpts, func(cfg *Config) {
 		cfg.Transport, cfg.Join = endpoint{c.net, ident.ID}, true
 	})
 	c.ids = append(c.ids, ident.ID)

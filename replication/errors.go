@@ -1,6 +1,9 @@
 package replication
 
-import "errors"
+import (
+	"errors"
+	"fmt"
+)
 
 // Sentinel errors a proposal's Done callback may receive; test with errors.Is.
 var (
@@ -18,6 +21,11 @@ var (
 
 	// ErrStorage means the data file failed to take the record.
 	ErrStorage = errors.New("replication: storage failure")
+
+	// ErrLogFull means the log is over storage.max_bytes and holds only
+	// records a member still lacks: the master takes no publishes until
+	// that member catches up (or is removed). It is an ErrStorage.
+	ErrLogFull = fmt.Errorf("%w: the log is over storage.max_bytes and a member still lacks its oldest records", ErrStorage)
 
 	// ErrIdentity means the data dir belongs to another node identity.
 	ErrIdentity = errors.New("replication: data dir belongs to another node")

@@ -211,6 +211,8 @@ type Node struct {
 	leaderChanges atomic.Uint64
 	term          atomic.Uint64 // the term last saved
 	catchUp       atomic.Uint64 // Config.CatchUpTo until applied that far, then 0
+	// floor is the highest index retention may drop (updateFloor).
+	floor atomic.Uint64
 	// fenced is set by Fence: this node learned that another was promoted
 	// over it, and takes no more proposals (promote.go).
 	fenced atomic.Bool
@@ -361,6 +363,12 @@ func (n *Node) enqueue(p *proposal) {
 		n.refuseNow(p.done, ErrNotLeader)
 		return
 	}
+	if n.db.Refusing() {
+		// Logging more would only grow the data dir past its budget:
+		// devices get 0x97 quota exceeded until the member catches up.
+		n.refuseNow(p.done, ErrLogFull)
+		return
+	}
 	n.propMu.Lock()
 	if n.closedErr != nil {
 		err := n.closedErr
@@ -471,6 +479,7 @@ func (n *Node) run() {
 				// still replaying history must not start any.
 				n.rn.Tick()
 			}
+			n.updateFloor()
 			if n.db.Pending() && !n.rn.HasReady() {
 				// Staged metadata (applied index, sessions) with no log
 				// traffic to ride on: commit it on its own.
@@ -614,6 +623,17 @@ func (n *Node) handleReady() bool {
 		(raft.IsEmptyHardState(rd.HardState) || (rd.HardState.Term == n.savedHS.Term && rd.HardState.Vote == n.savedHS.Vote))
 	if early {
 		n.cfg.Transport.Send(rd.Messages)
+	}
+	if !raft.IsEmptySnap(rd.Snapshot) {
+		// The master's log starts past this node's: it sent its
+		// compaction point, which replaces the log here (storage keeps
+		// it before the entries that follow it in this Ready).
+		if err := n.db.ApplySnapshot(rd.Snapshot); err != nil {
+			n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
+			return false
+		}
+		n.log.Warn("behind the master's first index: installed its compaction point; the records before it are not on this node",
+			"index", rd.Snapshot.Metadata.Index, "term", rd.Snapshot.Metadata.Term)
 	}
 	hs := rd.HardState
 	if last, _ := n.db.LastIndex(); !raft.IsEmptyHardState(hs) && hs.Term == n.savedHS.Term && hs.Vote == n.savedHS.Vote && hs.Commit <= last {
@@ -782,6 +802,27 @@ func (n *Node) matchSaved(ents []pb.Entry) {
 			n.syncWait = append(n.syncWait, p)
 		}
 	}
+}
+
+// updateFloor tells storage how far retention may drop: on the master, the
+// lowest Match of the other members, so nothing a member still lacks goes.
+// Every member in the configuration counts, heard from recently or not: a
+// member the log has passed can only install the compaction point and loses
+// the records in between (DB.ApplySnapshot), until snapshots carry the
+// broker state and catch-up streams the kept records. A member that never
+// answered has Match 0 and holds everything. On a slave (and a candidate)
+// storage's own bound applies: what it has applied.
+func (n *Node) updateFloor() {
+	floor := uint64(math.MaxUint64)
+	if n.leader {
+		n.rn.WithProgress(func(id uint64, _ raft.ProgressType, pr tracker.Progress) {
+			if id != n.id {
+				floor = min(floor, pr.Match)
+			}
+		})
+	}
+	n.floor.Store(floor)
+	n.db.SetRetentionFloor(floor)
 }
 
 // catchingUp reports whether this node has yet to apply up to CatchUpTo.

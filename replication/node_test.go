@@ -47,11 +47,17 @@ type testNode struct {
 // adjusts the config (the identity, storage and applier are filled in).
 func openTestNode(t *testing.T, dir string, mutate func(*Config)) *testNode {
 	t.Helper()
+	return openTestNodeOpts(t, dir, nil, mutate)
+}
+
+// openTestNodeOpts is openTestNode with storage options (retention).
+func openTestNodeOpts(t *testing.T, dir string, opts *storage.Options, mutate func(*Config)) *testNode {
+	t.Helper()
 	id, err := LoadOrCreateIdentity(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	db, err := storage.Open(dir, nil)
+	db, err := storage.Open(dir, opts)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -22,6 +22,10 @@ type Status struct {
 	// LeaderChanges counts the times this node saw the leader change
 	// (to another node or to none) since it started.
 	LeaderChanges uint64
+	// RetentionFloor is the highest index storage may drop (what every
+	// other member holds, on the master); MaxUint64 when no member holds
+	// it back.
+	RetentionFloor uint64
 }
 
 // MemberProgress is what the master knows of one other member.
@@ -47,7 +51,7 @@ func RoleName(s raft.StateType) string {
 func (n *Node) status() Status {
 	bs := n.rn.BasicStatus()
 	st := n.db.Stats()
-	s := Status{ID: n.id, Role: RoleName(bs.RaftState), Term: bs.Term, Leader: bs.Lead, Commit: bs.Commit, Applied: st.Applied, First: st.FirstIndex, Last: st.LastIndex, LeaderChanges: n.leaderChanges.Load()}
+	s := Status{ID: n.id, Role: RoleName(bs.RaftState), Term: bs.Term, Leader: bs.Lead, Commit: bs.Commit, Applied: st.Applied, First: st.FirstIndex, Last: st.LastIndex, LeaderChanges: n.leaderChanges.Load(), RetentionFloor: n.floor.Load()}
 	if s.Role == "master" && n.fenced.Load() {
 		// Fenced: raft still leads the old configuration, but this node
 		// takes no publishes; it waits to rejoin as the slave.

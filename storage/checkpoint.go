@@ -60,7 +60,7 @@ func (db *DB) dropFresh(gen uint64) {
 // other file's frames are dead) and wmu.
 func (db *DB) cutLocked() (*cut, error) {
 	id := newWALID()
-	if _, err := db.appendWAL(nil, id, nil, nil); err != nil {
+	if _, err := db.appendWAL(nil, id, nil, nil, false); err != nil {
 		return nil, err
 	}
 	w := db.wal
@@ -116,6 +116,7 @@ func (db *DB) checkpointReplayed() error {
 func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 	var taken []stagedOp
 	var built time.Time // when fn is done and bbolt starts writing and syncing
+	var drop dropResult
 	err := db.bolt.Update(func(tx *bolt.Tx) error {
 		defer func() { built = time.Now() }()
 		// Copied into a slice kept from commit to commit, not a cloned
@@ -176,12 +177,17 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 				return err
 			}
 		}
+		var err error
+		if drop, err = db.dropFront(tx, c.bytes); err != nil {
+			return err
+		}
 		if err := commitFault.Load(); err != nil {
 			return *err
 		}
 		return nil
 	})
 	if err != nil {
+		db.undoDrop(drop)
 		return err
 	}
 	if db.syncDelay > 0 {
@@ -191,6 +197,7 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 	db.boltLast = max(db.boltLast, c.last)
 	db.pendBytes -= c.bytes
 	db.mu.Unlock()
+	db.applyDrop(drop)
 	db.syncs.Add(2)
 	db.committed()
 	if db.onCommit != nil {
@@ -339,11 +346,24 @@ func (db *DB) dueLocked() bool {
 func (db *DB) checkpointer() {
 	defer close(db.ckDone)
 	failing := false
+	// Records age without any write to trigger a checkpoint: look for
+	// expired ones a few times per max_age.
+	var ageC <-chan time.Time
+	if db.ret.maxAge > 0 {
+		t := time.NewTicker(min(max(db.ret.maxAge/8, 100*time.Millisecond), time.Second))
+		defer t.Stop()
+		ageC = t.C
+	}
 	for {
 		select {
 		case <-db.ckStop:
 			return
 		case <-db.ckSig:
+		case <-ageC:
+			if !db.ageDue() {
+				continue
+			}
+			db.retainDue.Store(true)
 		}
 		err := db.checkpoint()
 		switch {
@@ -370,7 +390,8 @@ func (db *DB) checkpoint() error {
 	defer db.ckMu.Unlock()
 	if db.pendingCut == nil {
 		db.wmu.Lock()
-		if !db.dueLocked() {
+		due, retain := db.dueLocked(), db.retainDue.Swap(false)
+		if !due && !retain {
 			db.wmu.Unlock()
 			return nil // a checkpoint since the signal did it
 		}

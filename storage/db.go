@@ -96,6 +96,23 @@ type Options struct {
 	// metadata or raft state only). It runs on the writing goroutine, the
 	// replication loop's for Save: it must be quick.
 	OnCommit func(sync time.Duration, entries int)
+	// MaxBytes is the data dir's budget (WAL and data file): retention
+	// drops the log's oldest runs to stay within it plus RetentionSlack
+	// (retention.go). Zero means no budget.
+	MaxBytes int64
+	// MaxAge drops runs whose newest record is older than this. Zero
+	// means records are kept whatever their age.
+	MaxAge time.Duration
+	// Now is the clock MaxAge is measured with; nil means time.Now.
+	Now func() time.Time
+	// FlushInterval, when set, is flush: interval (RocketMQ's
+	// ASYNC_FLUSH): Save returns once its WAL frame is written, and the
+	// WAL is fdatasynced every FlushInterval. A process crash loses
+	// nothing (the kernel has the frames); a power cut loses up to one
+	// interval of them. Frames with a raft term or vote, WAL cuts,
+	// checkpoints into the data file and Sync stay synchronous. Zero is
+	// flush: always.
+	FlushInterval time.Duration
 }
 
 // DB is the node's data file: the raft log, raft state and metadata in one
@@ -150,6 +167,20 @@ type DB struct {
 	syncDelay time.Duration            // Options.SyncDelay
 	onCommit  func(time.Duration, int) // Options.OnCommit
 	requeued  atomic.Bool              // entries were moved to the requeue bucket (TakeRequeueSignal)
+
+	// flush: interval (Options.FlushInterval): the flusher goroutine.
+	flushEvery     time.Duration
+	flStop, flDone chan struct{}
+
+	// Retention (retention.go).
+	ret       retention
+	floor     atomic.Uint64 // SetRetentionFloor
+	floorSet  atomic.Bool   // SetRetentionFloor was called: only then may a floor refuse
+	blockedAt atomic.Uint64 // the floor the next drop waits for; 0 when none
+	retainDue atomic.Bool   // a retention pass is wanted even if no checkpoint is due
+	refusing  atomic.Bool   // over budget with nothing droppable
+	dropped   atomic.Uint64 // records dropped since Open
+	oldest    atomic.Int64  // publish time of the oldest record in the file, 0 if none
 
 	// stageMu guards staged and fresh. staged holds the metadata writes
 	// not yet in bbolt (readers see them through it), fresh those of them
@@ -221,6 +252,16 @@ func Open(dir string, opts *Options) (*DB, error) {
 		return nil, err
 	}
 	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}, syncDelay: opts.SyncDelay, onCommit: opts.OnCommit}
+	db.ret = retention{maxBytes: opts.MaxBytes, maxAge: opts.MaxAge, now: opts.Now}
+	if !opts.ReadOnly {
+		db.flushEvery = opts.FlushInterval
+	}
+	if db.ret.now == nil {
+		db.ret.now = time.Now
+	}
+	if !opts.ReadOnly {
+		bdb.AllocSize = growChunk
+	}
 	fail := func(err error) (*DB, error) {
 		bdb.Close()
 		if db.wal != nil {
@@ -264,11 +305,18 @@ func Open(dir string, opts *Options) (*DB, error) {
 				return fail(err)
 			}
 		}
+		if err := db.loadOldest(); err != nil {
+			return fail(err)
+		}
 		if err := db.checkpointReplayed(); err != nil {
 			return fail(err)
 		}
 		db.ckSig, db.ckStop, db.ckDone = make(chan struct{}, 1), make(chan struct{}), make(chan struct{})
 		go db.checkpointer()
+		if db.flushEvery > 0 {
+			db.flStop, db.flDone = make(chan struct{}), make(chan struct{})
+			go db.flusher()
+		}
 	}
 	lg.Info("data file opened", "path", path, "first_index", db.first, "last_index", db.last, "applied", db.applied, "wal_frames_replayed", len(frames))
 	return db, nil
@@ -554,6 +602,10 @@ func (db *DB) Close() error {
 	db.mu.Unlock()
 	var ferr error
 	if !db.ro {
+		if db.flStop != nil {
+			close(db.flStop)
+			<-db.flDone
+		}
 		close(db.ckStop)
 		<-db.ckDone
 		if err := db.commit(nil); err != nil {

@@ -12,6 +12,13 @@
 // along with the next frame, so it costs no fsync of its own and is never
 // newer on disk than the entries proposed after it.
 //
+// Retention (retention.go) keeps the data dir within Options.MaxBytes plus
+// RetentionSlack and drops records past Options.MaxAge: whole runs from the
+// front of the log, inside a checkpoint's transaction, never past the floor
+// replication sets (what every member holds) or the applied index. The drop
+// point is raft's compaction point: FirstIndex moves past it and Entries and
+// Term answer ErrCompacted below it.
+//
 // Durability: every entry carries a CRC-32C, checked on every read and for
 // the whole log at Open; every WAL frame carries one too. A file that is
 // empty, truncated, locked by another process or fails a check, or a WAL

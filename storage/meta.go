@@ -49,18 +49,32 @@ func (db *DB) Pending() bool {
 	return len(db.fresh) > 0
 }
 
-// Flush makes staged metadata durable now (a WAL frame of its own).
-func (db *DB) Flush() error { return db.flushStaged("flush") }
+// Flush makes staged metadata durable now (a WAL frame of its own); under
+// flush: interval, at the flusher's next fdatasync, as entries are.
+func (db *DB) Flush() error { return db.flushStaged("flush", true) }
 
-// Sync makes everything staged so far durable before it returns. It is
-// Flush: a staged write leaves the fresh list only once a synced frame or a
-// committed checkpoint holds it, so what a Save in progress has taken is
-// still fresh, and Sync waits for that Save's frame.
-func (db *DB) Sync() error { return db.flushStaged("sync") }
+// Sync makes everything staged so far durable before it returns, under
+// flush: interval too. It is Flush: a staged write leaves the fresh list
+// only once a written frame or a committed checkpoint holds it, so what a
+// Save in progress has taken is still fresh, and Sync waits for that Save's
+// frame. Under flush: interval it also syncs the frames written before.
+func (db *DB) Sync() error {
+	if err := db.flushStaged("sync", false); err != nil {
+		return err
+	}
+	if db.flushEvery > 0 {
+		// What earlier lazy frames hold (a Save's records the staged
+		// state may refer to) must be as durable as the frame above.
+		if err := db.syncWAL(); err != nil {
+			return fmt.Errorf("storage: sync: %w", err)
+		}
+	}
+	return nil
+}
 
 // flushStaged writes the fresh staged operations in a WAL frame; op names
 // the caller in errors.
-func (db *DB) flushStaged(op string) error {
+func (db *DB) flushStaged(op string, lazy bool) error {
 	db.mu.RLock()
 	closed := db.closed
 	db.mu.RUnlock()
@@ -77,7 +91,7 @@ func (db *DB) flushStaged(op string) error {
 	}
 	db.wmu.Lock()
 	defer db.wmu.Unlock()
-	if err := db.appendLocked(nil, nil); err != nil {
+	if err := db.appendLocked(nil, nil, lazy); err != nil {
 		return fmt.Errorf("storage: %s: %w", op, err)
 	}
 	db.kickCheckpoint()
@@ -336,6 +350,8 @@ func (db *DB) ResetRaftFrom(from uint64) error {
 		db.first, db.last, db.boltLast = 1, 0, 0
 		db.tail, db.tailBytes = nil, 0
 		db.mu.Unlock()
+		db.oldest.Store(0)
+		db.blockedAt.Store(0)
 	})
 	if err != nil {
 		return fmt.Errorf("storage: reset: %w", err)

@@ -1,6 +1,7 @@
 package storage
 
 import (
+	"encoding/binary"
 	"fmt"
 
 	bolt "go.etcd.io/bbolt"
@@ -35,6 +36,64 @@ func (db *DB) Snapshot() (pb.Snapshot, error) {
 	db.mu.RLock()
 	defer db.mu.RUnlock()
 	return pb.Snapshot{Metadata: pb.SnapshotMetadata{Index: db.snapIndex, Term: db.snapTerm, ConfState: db.cs}}, nil
+}
+
+// ApplySnapshot installs a snapshot raft received from the master: this
+// member was behind the master's first index. The snapshot carries the
+// membership, not the records (retention dropped them), so the whole log
+// goes and the log starts again after the snapshot's index, which becomes
+// the commit and applied index. What the records before it held for this
+// member's broker is lost here; the snapshot of the broker state is a later
+// step.
+func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
+	if db.ro {
+		return fmt.Errorf("storage: apply snapshot on a read-only file")
+	}
+	md := snap.Metadata
+	hs := db.HardState()
+	hs.Commit = max(hs.Commit, md.Index)
+	if md.Term > hs.Term {
+		hs.Term, hs.Vote = md.Term, 0
+	}
+	err := db.commitSync(0, func(tx *bolt.Tx) error {
+		if err := tx.DeleteBucket(bucketLog); err != nil {
+			return err
+		}
+		if _, err := tx.CreateBucket(bucketLog); err != nil {
+			return err
+		}
+		cs, err := md.ConfState.Marshal()
+		if err != nil {
+			return err
+		}
+		rs := tx.Bucket(bucketRaftState)
+		meta := make([]byte, 16)
+		binary.BigEndian.PutUint64(meta, md.Index)
+		binary.BigEndian.PutUint64(meta[8:], md.Term)
+		if err := rs.Put(keySnapMeta, meta); err != nil {
+			return err
+		}
+		if err := rs.Put(keyConfState, cs); err != nil {
+			return err
+		}
+		if err := putHardState(tx, hs); err != nil {
+			return err
+		}
+		return tx.Bucket(bucketMeta).Put(keyApplied, u64(md.Index))
+	}, func() {
+		db.mu.Lock()
+		db.hs, db.cs = hs, md.ConfState
+		db.snapIndex, db.snapTerm = md.Index, md.Term
+		db.first, db.last, db.boltLast = md.Index+1, md.Index, md.Index
+		db.applied = md.Index
+		db.tail, db.tailBytes = nil, 0
+		db.mu.Unlock()
+		db.oldest.Store(0)
+	})
+	if err != nil {
+		return fmt.Errorf("storage: apply snapshot: %w", err)
+	}
+	return nil
 }
 
 // Term implements raft.Storage.
@@ -232,7 +291,7 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 	}
 	db.wmu.Lock()
 	defer db.wmu.Unlock()
-	if err := db.appendLocked(hsp, ents); err != nil {
+	if err := db.appendLocked(hsp, ents, true); err != nil {
 		return fmt.Errorf("storage: save: %w", err)
 	}
 	db.kickCheckpoint()
@@ -240,14 +299,15 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 }
 
 // appendLocked writes hs, the fresh staged operations and ents in one WAL
-// frame and updates the in-memory view. The caller holds wmu.
-func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry) error {
+// frame and updates the in-memory view; lazy leaves its fdatasync to the
+// flusher under flush: interval (appendWAL). The caller holds wmu.
+func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry, lazy bool) error {
 	ops := db.takeFresh(db.opsBuf)
 	db.opsBuf = ops
 	if hs == nil && len(ops) == 0 && len(ents) == 0 {
 		return nil
 	}
-	took, err := db.appendWAL(hs, 0, ops, ents)
+	took, err := db.appendWAL(hs, 0, ops, ents, lazy)
 	if err == nil && len(ops) > 0 {
 		db.dropFresh(ops[len(ops)-1].gen)
 	}
@@ -270,6 +330,16 @@ func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry) error {
 		db.appendTailLocked(ents)
 	}
 	db.mu.Unlock()
+	if db.ret.maxAge > 0 && db.oldest.Load() == 0 {
+		// The first records of an empty log: max_age's ticker needs
+		// their age before any checkpoint has seen them.
+		for i := range ents {
+			if t, ok := entryTime(entryValue(&ents[i])); ok {
+				db.oldest.CompareAndSwap(0, t)
+				break
+			}
+		}
+	}
 	db.committed()
 	if db.onCommit != nil {
 		db.onCommit(took, len(ents))
@@ -343,6 +413,10 @@ func (db *DB) SetConfState(cs pb.ConfState) {
 // next transaction, after the metadata staged while applying.
 func (db *DB) SetApplied(i uint64) {
 	db.mu.Lock()
+	// An apply batch from before an installed snapshot must not take the
+	// applied index back below it: raft restarts from it and needs the
+	// log to follow it.
+	i = max(i, db.snapIndex)
 	db.applied = i
 	db.mu.Unlock()
 	db.stage(string(bucketMeta), string(keyApplied), u64(i))

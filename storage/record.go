@@ -279,6 +279,15 @@ func RecordID(b []byte) (origin, seq uint64, err error) {
 	return binary.BigEndian.Uint64(b[offOrigin:]), binary.BigEndian.Uint64(b[offSeq:]), nil
 }
 
+// recordTime returns the publish time from a record's fixed header, for
+// retention's max_age; like RecordID it leaves the CRC to the full decode.
+func recordTime(b []byte) (int64, bool) {
+	if checkHeader(b) != nil {
+		return 0, false
+	}
+	return int64(binary.BigEndian.Uint64(b[offTime:])), true
+}
+
 // checkRecord checks what DecodeRecord and RecordTopic both rely on: the
 // header, the CRC, and the flag and QoS bytes.
 func checkRecord(b []byte) error {

@@ -436,9 +436,14 @@ func decodeFrame(p []byte) (walFrame, error) {
 }
 
 // appendWAL writes one frame (a cut when next is not 0) and makes it
-// durable. The caller holds wmu. On an error nothing moves: the next frame
-// overwrites whatever part of this one reached the file.
-func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb.Entry) (time.Duration, error) {
+// durable, unless lazy: then the flusher's next fdatasync does (flush:
+// interval). A cut and a hard state are never lazy: a cut's frame makes
+// the other file's frames live, and raft's term and vote must be on disk
+// before the messages that depend on them leave. The caller holds wmu. On
+// an error nothing moves: the next frame overwrites whatever part of this
+// one reached the file.
+func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb.Entry, lazy bool) (time.Duration, error) {
+	lazy = lazy && db.flushEvery > 0 && next == 0 && hs == nil
 	w := db.wal
 	seg := &w.segs[w.cur]
 	if seg.f == nil {
@@ -460,6 +465,10 @@ func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb
 	if _, err := seg.f.WriteAt(fr, w.off); err != nil {
 		return 0, fmt.Errorf("storage: write %s: %w", seg.f.Name(), err)
 	}
+	if lazy {
+		w.off += int64(len(fr))
+		return time.Since(start), nil
+	}
 	if err := fdatasync(seg.f); err != nil {
 		return 0, fmt.Errorf("storage: sync %s: %w", seg.f.Name(), err)
 	}
@@ -470,4 +479,58 @@ func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb
 	w.synced.Store(w.off)
 	db.syncs.Add(1)
 	return time.Since(start), nil
+}
+
+// flusher fdatasyncs the WAL every Options.FlushInterval while frames were
+// written without a sync of their own (flush: interval), until Close. A
+// failing sync is logged when it starts and stops failing; the frames stay
+// written, so a process crash still loses nothing, and the next tick tries
+// again.
+func (db *DB) flusher() {
+	defer close(db.flDone)
+	t := time.NewTicker(db.flushEvery)
+	defer t.Stop()
+	failing := false
+	for {
+		select {
+		case <-db.flStop:
+			return
+		case <-t.C:
+		}
+		err := db.syncWAL()
+		switch {
+		case err != nil && !failing:
+			db.log.Warn("periodic fdatasync of the WAL failed; retrying", "error", err)
+		case err == nil && failing:
+			db.log.Info("periodic fdatasyncs of the WAL work again")
+		}
+		failing = err != nil
+	}
+}
+
+// syncWAL makes the current WAL file's frames durable. The fdatasync runs
+// without wmu, so Saves go on writing meanwhile; it covers every frame
+// written before it started.
+func (db *DB) syncWAL() error {
+	db.wmu.Lock()
+	w := db.wal
+	cur, id, off := w.cur, w.id, w.off
+	f := w.segs[cur].f
+	db.wmu.Unlock()
+	if f == nil || off <= w.synced.Load() {
+		return nil
+	}
+	if err := fdatasync(f); err != nil {
+		return fmt.Errorf("storage: sync %s: %w", f.Name(), err)
+	}
+	if db.syncDelay > 0 {
+		time.Sleep(db.syncDelay)
+	}
+	db.syncs.Add(1)
+	db.wmu.Lock()
+	if w.cur == cur && w.id == id && off > w.synced.Load() {
+		w.synced.Store(off) // a cut since then synced, and reset, itself
+	}
+	db.wmu.Unlock()
+	return nil
 }

@@ -591,7 +591,7 @@ func TestWritesRacingClose(t *testing.T) {
 	db := testOpen(t, t.TempDir(), nil)
 	mustClose(t, db)
 	db.wmu.Lock()
-	_, err := db.appendWAL(nil, 0, nil, makeEntries(1, 1, 1))
+	_, err := db.appendWAL(nil, 0, nil, makeEntries(1, 1, 1), false)
 	db.wmu.Unlock()
 	if !errors.Is(err, ErrClosed) {
 		t.Errorf("a WAL write after Close: %v, want ErrClosed", err)

@@ -1,0 +1,333 @@
+package storage
+
+import (
+	"errors"
+	"math"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	pb "go.etcd.io/raft/v3/raftpb"
+)
+
+// recordEntries returns n entries from index lo at term 1, each a record of
+// payload bytes published at time at(index).
+func recordEntries(lo, n uint64, payload int, at func(uint64) time.Time) []pb.Entry {
+	ents := make([]pb.Entry, n)
+	body := make([]byte, payload)
+	for i := range ents {
+		idx := lo + uint64(i)
+		r := Record{Origin: 7, Seq: idx, ClientID: "c", Topic: "t/x", QoS: 1, Time: at(idx).UnixNano(), Payload: body}
+		ents[i] = pb.Entry{Index: idx, Term: 1, Type: pb.EntryNormal, Data: AppendRecord(nil, &r)}
+	}
+	return ents
+}
+
+// saveApplied saves ents as committed and applied, as a lone voter's loop
+// would.
+func saveApplied(t *testing.T, db *DB, ents []pb.Entry) {
+	t.Helper()
+	last := ents[len(ents)-1].Index
+	mustSave(t, db, pb.HardState{Term: 1, Commit: last}, ents)
+	db.SetApplied(last)
+}
+
+// checkCompactedBelow checks the raft.Storage answers around a compaction
+// point: ErrCompacted below FirstIndex, the snapshot's term at
+// FirstIndex-1, entries from FirstIndex on.
+func checkCompactedBelow(t *testing.T, db *DB) {
+	t.Helper()
+	first, _ := db.FirstIndex()
+	last, _ := db.LastIndex()
+	if first <= 1 {
+		t.Fatalf("FirstIndex = %d: nothing was dropped", first)
+	}
+	if _, err := db.Entries(first-1, last+1, math.MaxUint64); !errors.Is(err, ErrCompacted) {
+		t.Errorf("Entries(%d, ...) below first index %d: err %v, want ErrCompacted", first-1, first, err)
+	}
+	if _, err := db.Entries(1, first, math.MaxUint64); !errors.Is(err, ErrCompacted) {
+		t.Errorf("Entries(1, %d): err %v, want ErrCompacted", first, err)
+	}
+	if _, err := db.Term(first - 2); first >= 3 && !errors.Is(err, ErrCompacted) {
+		t.Errorf("Term(%d): err %v, want ErrCompacted", first-2, err)
+	}
+	snap, _ := db.Snapshot()
+	if snap.Metadata.Index != first-1 || snap.Metadata.Term != 1 {
+		t.Errorf("Snapshot metadata %d/%d, want index %d term 1", snap.Metadata.Index, snap.Metadata.Term, first-1)
+	}
+	if term, err := db.Term(first - 1); err != nil || term != 1 {
+		t.Errorf("Term(%d) at the compaction point = %d, %v; want 1", first-1, term, err)
+	}
+	ents, err := db.Entries(first, last+1, math.MaxUint64)
+	if err != nil || uint64(len(ents)) != last+1-first || ents[0].Index != first {
+		t.Fatalf("Entries(%d, %d) = %d entries, %v", first, last+1, len(ents), err)
+	}
+	n := uint64(0)
+	if err := db.Scan(1, func(e pb.Entry) bool {
+		if e.Index != first+n {
+			t.Fatalf("Scan from 1 gave index %d, want %d", e.Index, first+n)
+		}
+		n++
+		return true
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if n != last+1-first {
+		t.Errorf("Scan from 1 gave %d entries, want %d", n, last+1-first)
+	}
+}
+
+func TestRetentionKeepsDataDirWithinBudget(t *testing.T) {
+	const budget = 8 << 20
+	dir := t.TempDir()
+	db := testOpen(t, dir, &Options{MaxBytes: budget})
+	db.SetRetentionFloor(math.MaxUint64)
+	now := time.Now()
+	at := func(uint64) time.Time { return now }
+	var peak int64
+	next := uint64(1)
+	for written := 0; written < 3*budget; written += 100 * 300 {
+		saveApplied(t, db, recordEntries(next, 100, 300, at))
+		next += 100
+		if s := db.RetentionStats(); s.UsedBytes > peak {
+			peak = s.UsedBytes
+		}
+	}
+	mustCheckpoint(t, db)
+	s := db.RetentionStats()
+	t.Logf("budget %d, data dir peak %d, now %d, dropped %d records, first index %d of %d", budget, peak, s.UsedBytes, s.Dropped, db.first, next-1)
+	if peak > budget+RetentionSlack {
+		t.Errorf("data dir reached %d bytes, budget %d + slack %d", peak, budget, RetentionSlack)
+	}
+	if s.Dropped == 0 || s.Refusing {
+		t.Errorf("dropped %d, refusing %v", s.Dropped, s.Refusing)
+	}
+	checkCompactedBelow(t, db)
+
+	// Reopen: the compaction point and every kept entry are still there.
+	first, _ := db.FirstIndex()
+	mustClose(t, db)
+	db = testOpen(t, dir, &Options{MaxBytes: budget})
+	// Close's own checkpoint may drop a run more, never fewer.
+	if f, _ := db.FirstIndex(); f < first {
+		t.Errorf("FirstIndex after reopen = %d, before %d", f, first)
+	}
+	first, _ = db.FirstIndex()
+	if l, _ := db.LastIndex(); l != next-1 {
+		t.Errorf("LastIndex after reopen = %d, want %d", l, next-1)
+	}
+	checkCompactedBelow(t, db)
+	// And it goes on appending and dropping.
+	db.SetRetentionFloor(math.MaxUint64)
+	saveApplied(t, db, recordEntries(next, 2000, 300, at))
+	mustCheckpoint(t, db)
+	if f, _ := db.FirstIndex(); f <= first {
+		t.Errorf("FirstIndex after more appends = %d, not past %d", f, first)
+	}
+}
+
+func TestRetentionNeverDropsAboveFloor(t *testing.T) {
+	const budget = 8 << 20
+	db := testOpen(t, t.TempDir(), &Options{MaxBytes: budget})
+	const floor = 1000
+	db.SetRetentionFloor(floor)
+	now := time.Now()
+	next := uint64(1)
+	for next < 3*budget/300 {
+		saveApplied(t, db, recordEntries(next, 100, 300, func(uint64) time.Time { return now }))
+		next += 100
+	}
+	mustCheckpoint(t, db)
+	if f, _ := db.FirstIndex(); f > floor+1 {
+		t.Fatalf("FirstIndex %d: dropped past the floor %d", f, floor)
+	}
+	if !db.Refusing() {
+		t.Errorf("over budget with the floor holding the log: Refusing() is false")
+	}
+	// The floor rises (the slave caught up): the drop happens without any
+	// further write.
+	db.SetRetentionFloor(math.MaxUint64)
+	deadline := time.Now().Add(10 * time.Second)
+	for db.Refusing() || db.first <= floor+1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("after the floor rose: first index %d, refusing %v", db.first, db.Refusing())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	checkCompactedBelow(t, db)
+}
+
+func TestRetentionDropsRecordsPastMaxAge(t *testing.T) {
+	var clock atomic.Int64
+	start := time.Unix(1_800_000_000, 0)
+	clock.Store(start.UnixNano())
+	now := func() time.Time { return time.Unix(0, clock.Load()) }
+	dir := t.TempDir()
+	db := testOpen(t, dir, &Options{MaxAge: time.Hour, Now: now})
+	db.SetRetentionFloor(math.MaxUint64)
+	// 4000 records, one a second of the clock: the first 3600 are an
+	// hour older than the last.
+	at := func(i uint64) time.Time { return start.Add(time.Duration(i) * time.Second) }
+	saveApplied(t, db, recordEntries(1, 4000, 100, at))
+	mustCheckpoint(t, db)
+	if f, _ := db.FirstIndex(); f != 1 {
+		t.Fatalf("dropped with no record past max_age: first index %d", f)
+	}
+	clock.Store(at(4000).UnixNano())
+	deadline := time.Now().Add(10 * time.Second)
+	// The age ticker drops them without a write.
+	for {
+		first, _ := db.FirstIndex()
+		if first > 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("nothing dropped past max_age")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	first, _ := db.FirstIndex()
+	// Whole runs: everything before first is past the age, and the
+	// records left are all but at most one run's worth younger.
+	if first-1 > 400 {
+		t.Errorf("dropped up to %d, records from 400 on are younger than max_age", first-1)
+	}
+	if first < 300 {
+		t.Errorf("dropped only up to %d of the 399 expired records", first-1)
+	}
+	if o := db.RetentionStats().Oldest; !o.Equal(at(first)) {
+		t.Errorf("oldest record %v, want %v (index %d)", o, at(first), first)
+	}
+	checkCompactedBelow(t, db)
+	mustClose(t, db)
+	db = testOpen(t, dir, &Options{MaxAge: time.Hour, Now: now})
+	if f, _ := db.FirstIndex(); f != first {
+		t.Errorf("first index %d after reopen, want %d", f, first)
+	}
+	if o := db.RetentionStats().Oldest; !o.Equal(at(first)) {
+		t.Errorf("oldest record after reopen %v, want %v", o, at(first))
+	}
+}
+
+func TestApplySnapshotRestartsTheLogAfterIt(t *testing.T) {
+	dir := t.TempDir()
+	db := testOpen(t, dir, nil)
+	mustSave(t, db, pb.HardState{Term: 1, Commit: 10}, makeEntries(1, 20, 1))
+	db.SetApplied(10)
+	snap := pb.Snapshot{Metadata: pb.SnapshotMetadata{Index: 500, Term: 3, ConfState: pb.ConfState{Voters: []uint64{1}, Learners: []uint64{2}}}}
+	if err := db.ApplySnapshot(snap); err != nil {
+		t.Fatal(err)
+	}
+	check := func(db *DB) {
+		t.Helper()
+		if f, _ := db.FirstIndex(); f != 501 {
+			t.Errorf("FirstIndex %d, want 501", f)
+		}
+		if l, _ := db.LastIndex(); l != 500 {
+			t.Errorf("LastIndex %d, want 500", l)
+		}
+		if term, err := db.Term(500); term != 3 || err != nil {
+			t.Errorf("Term(500) = %d, %v", term, err)
+		}
+		if _, err := db.Entries(10, 11, math.MaxUint64); !errors.Is(err, ErrCompacted) {
+			t.Errorf("Entries(10, 11): %v, want ErrCompacted", err)
+		}
+		if db.Applied() != 500 || db.HardState().Commit != 500 || db.HardState().Term != 3 {
+			t.Errorf("applied %d, hard state %+v", db.Applied(), db.HardState())
+		}
+		_, cs, _ := db.InitialState()
+		if len(cs.Learners) != 1 || cs.Learners[0] != 2 {
+			t.Errorf("conf state %+v", cs)
+		}
+	}
+	check(db)
+	mustSave(t, db, pb.HardState{Term: 3, Commit: 501}, makeEntries(501, 5, 3))
+	mustClose(t, db)
+	db = testOpen(t, dir, nil)
+	if l, _ := db.LastIndex(); l != 505 {
+		t.Errorf("LastIndex after reopen %d, want 505", l)
+	}
+	if _, err := db.Entries(501, 506, math.MaxUint64); err != nil {
+		t.Errorf("Entries after the snapshot: %v", err)
+	}
+}
+
+// A checkpoint that fails (a full disk) drops nothing: the bounds raft sees
+// come back with the file's, and the next checkpoint drops.
+func TestRetentionFailedCheckpointKeepsTheBounds(t *testing.T) {
+	const budget = 8 << 20
+	db := testOpen(t, t.TempDir(), &Options{MaxBytes: budget})
+	db.SetRetentionFloor(math.MaxUint64)
+	now := time.Now()
+	at := func(uint64) time.Time { return now }
+	next := uint64(1)
+	for first := uint64(1); first == 1; first, _ = db.FirstIndex() {
+		saveApplied(t, db, recordEntries(next, 100, 300, at))
+		next += 100
+	}
+	mustCheckpoint(t, db)
+	first, _ := db.FirstIndex()
+	saveApplied(t, db, recordEntries(next, 3000, 300, at))
+	next += 3000
+	failCommits(t)
+	if err := db.commit(nil); err == nil {
+		t.Fatal("checkpoint succeeded with commits failing")
+	}
+	if f, _ := db.FirstIndex(); f != first {
+		t.Fatalf("first index %d after a failed checkpoint, want %d", f, first)
+	}
+	if ents, err := db.Entries(first, first+1, math.MaxUint64); err != nil || len(ents) != 1 {
+		t.Fatalf("Entries(%d) after a failed checkpoint: %v", first, err)
+	}
+	commitFault.Store(nil)
+	mustCheckpoint(t, db)
+	if f, _ := db.FirstIndex(); f <= first {
+		t.Errorf("first index %d once commits work again, not past %d", f, first)
+	}
+	checkCompactedBelow(t, db)
+}
+
+// Readers racing with drops see either entries or ErrCompacted, never a
+// missing entry taken for damage.
+func TestRetentionReadsDuringDrops(t *testing.T) {
+	db := testOpen(t, t.TempDir(), &Options{MaxBytes: 8 << 20, TailBytes: 64 << 10})
+	db.SetRetentionFloor(math.MaxUint64)
+	now := time.Now()
+	stop := make(chan struct{})
+	errc := make(chan error, 1)
+	go func() {
+		defer close(errc)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			first, _ := db.FirstIndex()
+			last, _ := db.LastIndex()
+			if last < first {
+				continue
+			}
+			if _, err := db.Entries(first, min(last+1, first+50), math.MaxUint64); err != nil && !errors.Is(err, ErrCompacted) {
+				errc <- err
+				return
+			}
+			if _, err := db.Term(first); err != nil && !errors.Is(err, ErrCompacted) {
+				errc <- err
+				return
+			}
+		}
+	}()
+	next := uint64(1)
+	for next < 60000 {
+		saveApplied(t, db, recordEntries(next, 200, 300, func(uint64) time.Time { return now }))
+		next += 200
+	}
+	close(stop)
+	if err := <-errc; err != nil {
+		t.Fatalf("a read during drops: %v", err)
+	}
+	if f, _ := db.FirstIndex(); f == 1 {
+		t.Fatal("nothing dropped")
+	}
+}
