@@ -130,6 +130,12 @@ func (a *applier) Apply(index uint64, data []byte) error {
 	return a.broker.Deliver(index, messageOf(&rec))
 }
 
+// FirstIndex is the oldest index the log still holds (mqtt.Retained).
+func (a *logAdapter) FirstIndex() uint64 {
+	first, _ := a.d.db.FirstIndex()
+	return first
+}
+
 // Committed reads the records from..to for sessions that replay from
 // their cursor. The broker asks only up to what the applier has handed it,
 // so all of it is committed; it is not bounded by the storage's applied

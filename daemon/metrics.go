@@ -75,8 +75,11 @@ type fieldView struct {
 	acked      [2][numOutcomes]prometheus.Counter
 	ackLatency [2]prometheus.Observer
 	refused    *prometheus.CounterVec // by the mqtt layer's reason
-	fsync      prometheus.Observer
-	batch      prometheus.Observer
+	// sessionDropped counts log positions retention took before a
+	// session was handed them.
+	sessionDropped prometheus.Counter
+	fsync          prometheus.Observer
+	batch          prometheus.Observer
 
 	// ruleCounts[i+1] counts the publishes that topic rule i matched,
 	// ruleCounts[0] those no rule matched; acksOK counts acks sent. Plain
@@ -151,7 +154,11 @@ func newFieldView(d *Daemon) *fieldView {
 		Name: "tandem_mqtt_refused_total",
 		Help: "Clients, packets and subscriptions the MQTT listener refused, by reason (rate limits, bad logins, ACLs, limits, protocol errors).",
 	}, []string{"reason"})
-	fv.reg.MustRegister(published, acked, latency, fsync, batch, build, fv.refused, statusCollector{fv},
+	fv.sessionDropped = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "tandem_session_dropped_messages_total",
+		Help: "Log positions that retention dropped before a persistent session was handed them: an upper bound of the messages sessions lost by falling further behind than the budget.",
+	})
+	fv.reg.MustRegister(published, acked, latency, fsync, batch, build, fv.refused, fv.sessionDropped, statusCollector{fv},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return fv
 }
@@ -163,6 +170,9 @@ func (fv *fieldView) Published(mode mqtt.AckMode, qos byte, rule int) {
 		fv.ruleCounts[r].Add(1)
 	}
 }
+
+// Dropped implements mqtt.Observer.
+func (fv *fieldView) Dropped(n uint64) { fv.sessionDropped.Add(float64(n)) }
 
 // Refused implements mqtt.Observer.
 func (fv *fieldView) Refused(reason string) { fv.refused.WithLabelValues(reason).Inc() }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -713,5 +714,47 @@ func TestMQTT_3_8_4_3_ResubscribeKeepsWhatWaited(t *testing.T) {
 		}
 		got[string(p.Payload)] = true
 		back.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+	}
+}
+
+// countingObserver counts the drops the server reports.
+type countingObserver struct {
+	nopObserver
+	dropped atomic.Uint64
+}
+
+func (o *countingObserver) Dropped(n uint64) { o.dropped.Add(n) }
+
+// A persistent session offline while retention drops the log's oldest
+// records gets the records kept, and what it lost is counted.
+func TestRetentionDropsAreCountedPerSession(t *testing.T) {
+	obs := &countingObserver{}
+	s, log := testServer(t, nil, func(c *Config) { c.Observer = obs })
+	c := dialRaw(t, s.Addr(), 4)
+	c.connect("behind", false, nil)
+	c.subscribe(1, packets.Subscription{Filter: "rt/#", Qos: 1})
+	c.c.Close()
+	waitUntil(t, 5*time.Second, "the connection to end", func() bool { return s.Clients() == 0 })
+	pub := dialRaw(t, s.Addr(), 4)
+	pub.connect("pub", true, nil)
+	for i := 0; i < 10; i++ {
+		pub.publish("rt/x", 1, uint16(i+1), fmt.Sprint(i))
+		pub.expect(packets.Puback)
+	}
+	log.mu.Lock()
+	n := len(log.recs)
+	log.first = uint64(n - 3) // the last four records are kept
+	log.mu.Unlock()
+	back := dialRaw(t, s.Addr(), 4)
+	back.connect("behind", false, nil)
+	for i := 6; i < 10; i++ {
+		p := back.expect(packets.Publish)
+		if string(p.Payload) != fmt.Sprint(i) {
+			t.Fatalf("got %q, want %d: the kept records only", p.Payload, i)
+		}
+		back.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+	}
+	if obs.dropped.Load() == 0 {
+		t.Fatal("the dropped records were not counted")
 	}
 }

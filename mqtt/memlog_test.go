@@ -32,6 +32,8 @@ type memLog struct {
 	refuse func(topic string) error
 	// halt stops the server running on the log and its applier.
 	halt func()
+	// first is the oldest index kept (retention), 0 for all.
+	first uint64
 	// hold, when set, delays every proposal until it is closed.
 	hold chan struct{}
 	// store is the session store.
@@ -95,8 +97,16 @@ func (l *memLog) Logged(origin uint64, seqs []uint64) (map[uint64]bool, error) {
 	return out, nil
 }
 
+// FirstIndex implements Retained.
+func (l *memLog) FirstIndex() uint64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return max(l.first, 1)
+}
+
 func (l *memLog) Committed(from, to uint64, fn func(uint64, *Message) bool) error {
 	l.mu.Lock()
+	from = max(from, l.first)
 	var batch []*Message
 	for i := from; i <= to && int(i) <= len(l.recs); i++ {
 		batch = append(batch, l.recs[i-1])

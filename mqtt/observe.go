@@ -28,6 +28,10 @@ type Observer interface {
 	// every one, also those whose log line is held back. reason is one of
 	// a fixed set of phrases.
 	Refused(reason string)
+	// Dropped is called when retention took n log positions a session
+	// had not been handed yet (an upper bound of the messages it lost:
+	// not every position matched its filters).
+	Dropped(n uint64)
 }
 
 // nopObserver is the Observer when Config.Observer is nil, so the hot path
@@ -37,6 +41,7 @@ type nopObserver struct{}
 func (nopObserver) Published(AckMode, byte, int)        {}
 func (nopObserver) Acked(AckMode, error, time.Duration) {}
 func (nopObserver) Refused(string)                      {}
+func (nopObserver) Dropped(uint64)                      {}
 
 // ruleFor is AckFor that also says which rule matched (-1: none, the
 // default async), for the Observer's per-rule counts.

@@ -24,6 +24,13 @@ type LogReader interface {
 	Committed(from, to uint64, fn func(index uint64, m *Message) bool) error
 }
 
+// Retained is a LogReader whose log drops its oldest records (retention):
+// FirstIndex is the oldest index it still holds, so a session replaying
+// from below it can count what it lost.
+type Retained interface {
+	FirstIndex() uint64
+}
+
 // Server is tandem's own MQTT broker on mochi's packets codec: listeners,
 // connections (a read loop and one writer each), sessions as cursors into
 // the log, the subscription index and the retained store. See doc.go.

@@ -61,6 +61,8 @@ type session struct {
 	sendSeq  uint64 // orders inflight for a resend
 
 	inbound map[uint16]*inbound2 // QoS 2 publishes received, awaiting PUBREL
+
+	dropped uint64 // log positions retention took before this session was handed them
 }
 
 // outItem is one message for a session: a committed record (idx > 0) or a
@@ -232,6 +234,20 @@ func (s *session) replay(c *conn) bool {
 		return false
 	}
 	from := s.scanned + 1
+	if r, ok := s.srv.reader.(Retained); ok {
+		if first := r.FirstIndex(); from < first {
+			// Retention dropped records this session had not been
+			// handed: counted, logged once per session.
+			lost := first - from
+			if s.dropped == 0 {
+				s.srv.logger.Warn("session fell behind the log's retention: its oldest messages are gone", "client", s.id, "log_positions", lost)
+			}
+			s.dropped += lost
+			s.srv.observer().Dropped(lost)
+			s.scanned = first - 1
+			from = first
+		}
+	}
 	s.more = false
 	subs := make([]*subscription, 0, len(s.subs))
 	for _, sub := range s.subs {
