@@ -36,6 +36,10 @@ import (
 // file by (growChunk). What the data dir may exceed the budget by (the
 // documented slack) is retentionSlack.
 
+// maxDropShare: one retention pass drops at most 1/maxDropShare of the log
+// for its budget (dropFront).
+const maxDropShare = 4
+
 // growChunk is what bbolt grows the data file by once it is larger than
 // that (bolt.DB.AllocSize; bbolt's default 16 MiB would be most of a small
 // budget): the file stays within a MiB of its pages in use, at the cost of
@@ -164,6 +168,7 @@ type dropResult struct {
 	blocked             bool   // over budget with only what a member lacks: refusing
 	blockedAt           uint64 // the floor the next drop needs; 0 when none waits
 	some                bool   // something was dropped
+	capped              bool   // the pass stopped at maxDropShare: another follows
 }
 
 // dropFront drops the runs retention asks for in tx, which will also write
@@ -187,8 +192,14 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 	}
 	limit = min(limit, hs.Commit)
 	db.mu.RLock()
-	snapIndex := db.snapIndex
+	snapIndex, lastIndex := db.snapIndex, db.last
 	db.mu.RUnlock()
+	// One pass drops at most a quarter of the log: what it frees is an
+	// estimate (bbolt's branch pages and freelist do not shrink with it),
+	// and the next pass, from real page counts, takes the rest. Without
+	// the cap a small budget reached after a refusing period could take
+	// the whole log in one pass.
+	maxDrop := (lastIndex-snapIndex)/maxDropShare + 1
 	var excess int64 = math.MinInt64
 	if db.ret.maxBytes > 0 {
 		// Pages in use as the last commit left them: bbolt's free and
@@ -220,6 +231,10 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 		byBytes := freed < excess
 		byAge := cutoff != math.MinInt64 && newest < cutoff
 		if !byBytes && !byAge {
+			break
+		}
+		if res.some && byBytes && !byAge && last > snapIndex+maxDrop { // a pass drops a run at least
+			res.capped = true
 			break
 		}
 		if last > limit {
@@ -311,6 +326,9 @@ func (db *DB) applyDrop(res dropResult) {
 	}
 	db.oldest.Store(res.oldest)
 	db.blockedAt.Store(res.blockedAt)
+	if res.capped {
+		db.kickRetention() // the rest of the excess, measured again
+	}
 	if was := db.refusing.Swap(res.blocked); was != res.blocked {
 		if res.blocked {
 			db.log.Warn("the log is over its budget and holds nothing it may drop: a member lacks the oldest records or they are not applied yet",
