@@ -495,9 +495,14 @@ func TestTakeOverAcrossMembers(t *testing.T) {
 		Properties: &paho.ConnectProperties{SessionExpiryInterval: &expiry}}); err != nil || ca.ReasonCode != 0 {
 		t.Fatalf("connect on gw-2: %v %+v", err, ca)
 	}
-	// Its start is in the log, applied on both, before the second connects.
-	waitFor(t, 10*time.Second, "gw-2 to apply the start", func() bool {
-		return statusOfGW(t, g2).Log.AppliedIndex >= statusOfGW(t, g1).Log.LastIndex
+	// Its start is in the log (forwarded by gw-2 to the master), applied
+	// on both, before the second connects.
+	waitFor(t, 10*time.Second, "the start in the log, applied on gw-2", func() bool {
+		started := false
+		for _, r := range logRecords(t, g1) {
+			started = started || (r.Topic == "$tandem/session" && r.ClientID == "twice")
+		}
+		return started && statusOfGW(t, g2).Log.AppliedIndex >= statusOfGW(t, g1).Log.LastIndex
 	})
 	v5(t, g1.MQTTAddr(), "twice", &paho.Connect{CleanStart: false, Properties: &paho.ConnectProperties{SessionExpiryInterval: &expiry}})
 	select {

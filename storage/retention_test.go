@@ -99,7 +99,7 @@ func TestRetentionKeepsDataDirWithinBudget(t *testing.T) {
 	}
 	mustCheckpoint(t, db)
 	s := db.RetentionStats()
-	t.Logf("budget %d, data dir peak %d, now %d, dropped %d records, first index %d of %d", budget, peak, s.UsedBytes, s.Dropped, db.first, next-1)
+	t.Logf("budget %d, data dir peak %d, now %d, dropped %d records, first index %d of %d", budget, peak, s.UsedBytes, s.Dropped, func() uint64 { f, _ := db.FirstIndex(); return f }(), next-1)
 	if peak > budget+RetentionSlack {
 		t.Errorf("data dir reached %d bytes, budget %d + slack %d", peak, budget, RetentionSlack)
 	}
@@ -152,9 +152,10 @@ func TestRetentionNeverDropsAboveFloor(t *testing.T) {
 	// further write.
 	db.SetRetentionFloor(math.MaxUint64)
 	deadline := time.Now().Add(10 * time.Second)
-	for db.Refusing() || db.first <= floor+1 {
+	firstIndex := func() uint64 { f, _ := db.FirstIndex(); return f }
+	for db.Refusing() || firstIndex() <= floor+1 {
 		if time.Now().After(deadline) {
-			t.Fatalf("after the floor rose: first index %d, refusing %v", db.first, db.Refusing())
+			t.Fatalf("after the floor rose: first index %d, refusing %v", firstIndex(), db.Refusing())
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
