@@ -308,7 +308,9 @@ func TestWebSocketListenerFromConfig(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := paho.NewClient(paho.ClientConfig{ClientID: "browser", Conn: websocket.NetConn(context.Background(), wc, websocket.MessageBinary)})
+	// paho.golang writes a packet as several Writes and locks only a
+	// sync.Locker: over WebSocket each Write is a message, so lock it.
+	c := paho.NewClient(paho.ClientConfig{ClientID: "browser", Conn: &lockedConn{Conn: websocket.NetConn(context.Background(), wc, websocket.MessageBinary)}})
 	if ca, err := c.Connect(ctx, &paho.Connect{ClientID: "browser", CleanStart: true, KeepAlive: 30}); err != nil || ca.ReasonCode != 0 {
 		t.Fatalf("connect: %v %+v", err, ca)
 	}
@@ -513,4 +515,11 @@ func TestTakeOverAcrossMembers(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the earlier connection on the other member was not ended")
 	}
+}
+
+// lockedConn makes a connection a sync.Locker, so that paho.golang writes
+// each packet whole.
+type lockedConn struct {
+	net.Conn
+	sync.Mutex
 }

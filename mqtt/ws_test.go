@@ -2,7 +2,9 @@ package mqtt
 
 import (
 	"context"
+	"net"
 	"net/http"
+	"sync"
 	"testing"
 	"time"
 
@@ -21,7 +23,7 @@ func TestWebSocketListener(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := make(chan *paho.Publish, 8)
-	c := paho.NewClient(paho.ClientConfig{ClientID: "browser", Conn: websocket.NetConn(context.Background(), wc, websocket.MessageBinary),
+	c := paho.NewClient(paho.ClientConfig{ClientID: "browser", Conn: &lockedConn{Conn: websocket.NetConn(context.Background(), wc, websocket.MessageBinary)},
 		OnPublishReceived: []func(paho.PublishReceived) (bool, error){func(pr paho.PublishReceived) (bool, error) {
 			got <- pr.Packet
 			return true, nil
@@ -53,4 +55,13 @@ func TestWebSocketListener(t *testing.T) {
 	if err == nil || resp == nil || resp.StatusCode != http.StatusForbidden {
 		t.Fatalf("a cross-origin page: %v %v, want 403", err, resp)
 	}
+}
+
+// lockedConn lets paho.golang write each packet whole: it writes a packet
+// as several Writes (net.Buffers), locking the connection only when it is
+// a sync.Locker, and over WebSocket each Write is a message of its own, so
+// two goroutines' packets would interleave.
+type lockedConn struct {
+	net.Conn
+	sync.Mutex
 }
