@@ -146,15 +146,17 @@ func startCluster(bin, dir string, n int) []*broker {
 		check(err)
 		cmd.Stdout, cmd.Stderr = logf, logf
 		check(cmd.Start())
-		b := &broker{name: fmt.Sprintf("gw-%d", i+1), addr: mq, cmd: cmd, http: hp}
+		b := &broker{name: fmt.Sprintf("gw-%d", i+1), addr: mq, cmd: cmd, http: hp, data: filepath.Join(gd, "data")}
 		waitListening(mq)
 		bs = append(bs, b)
 	}
 	for _, b := range bs[1:] {
-		out, err := exec.Command(bin, "cluster", "invite", "--http", bs[0].http).Output()
+		// The API token is in each gateway's data dir; the peers are on
+		// loopback, which invite refuses without --loopback.
+		out, err := exec.Command(bin, "cluster", "invite", "--loopback", "--http", bs[0].http, "--data", bs[0].data).Output()
 		check(err)
 		tok, _, _ := strings.Cut(string(out), "\n")
-		if out, err := exec.Command(bin, "cluster", "join", tok, "--http", b.http).CombinedOutput(); err != nil {
+		if out, err := exec.Command(bin, "cluster", "join", tok, "--http", b.http, "--data", b.data).CombinedOutput(); err != nil {
 			check(fmt.Errorf("join %s: %v: %s", b.name, err, out))
 		}
 	}

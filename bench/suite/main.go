@@ -62,6 +62,7 @@ type broker struct {
 	addr  string
 	cmd   *exec.Cmd
 	http  string         // tandem only: its status endpoint
+	data  string         // tandem cluster members: the data dir (the API token)
 	start func() *broker // starts it again (same data dir)
 }
 
