@@ -335,13 +335,7 @@ func TestWebSocketListenerFromConfig(t *testing.T) {
 // (session present, the same subscription) and gets what was published to
 // its filter while it was away, each message once, then new ones.
 func TestPersistentSessionMovesToAnotherMember(t *testing.T) {
-	g1 := clusterGateway(t, "gw-1", nil)
-	g2 := clusterGateway(t, "gw-2", nil)
-	joinWith(t, g2, inviteToken(t, g1))
-	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
-		v, l, ok := shape(statusOfGW(t, g1))
-		return v == 0 && l == 1 && ok
-	})
+	g1, g2 := twoGateways(t, "gw") // fieldview_test.go
 	expiry := uint32(300)
 	persistent := func() *paho.Connect {
 		return &paho.Connect{CleanStart: false, Properties: &paho.ConnectProperties{SessionExpiryInterval: &expiry}}
@@ -413,13 +407,7 @@ func TestPersistentSessionMovesToAnotherMember(t *testing.T) {
 // (its connection died with them in flight) gets them from the other
 // member: the cursor the members share stops below what is unacked.
 func TestUnackedMessagesFollowTheSessionToAnotherMember(t *testing.T) {
-	g1 := clusterGateway(t, "gw-1", nil)
-	g2 := clusterGateway(t, "gw-2", nil)
-	joinWith(t, g2, inviteToken(t, g1))
-	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
-		v, l, ok := shape(statusOfGW(t, g1))
-		return v == 0 && l == 1 && ok
-	})
+	g1, g2 := twoGateways(t, "gw") // fieldview_test.go
 	expiry := uint32(300)
 	connect := func(addr string, manual bool, got chan *paho.Publish) *paho.Client {
 		conn, err := net.DialTimeout("tcp", addr, 5*time.Second)
@@ -475,13 +463,7 @@ func TestUnackedMessagesFollowTheSessionToAnotherMember(t *testing.T) {
 // Two connections with one client id on two members: the later one wins
 // cluster-wide, through the log — the earlier is ended with 0x8E.
 func TestTakeOverAcrossMembers(t *testing.T) {
-	g1 := clusterGateway(t, "gw-1", nil)
-	g2 := clusterGateway(t, "gw-2", nil)
-	joinWith(t, g2, inviteToken(t, g1))
-	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
-		v, l, ok := shape(statusOfGW(t, g1))
-		return v == 0 && l == 1 && ok
-	})
+	g1, g2 := twoGateways(t, "gw") // fieldview_test.go
 	expiry := uint32(300)
 	ended := make(chan byte, 1)
 	conn, err := net.DialTimeout("tcp", g2.MQTTAddr(), 5*time.Second)

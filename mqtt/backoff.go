@@ -34,14 +34,6 @@ const (
 	maxBackoffKeys  = 1 << 16
 )
 
-// blocked reports whether key is in its backoff.
-func (b *loginBackoff) blocked(key string, now time.Time) bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	f := b.m[key]
-	return f != nil && now.Before(f.until)
-}
-
 // wait returns how long key's backoff has left, 0 for none.
 func (b *loginBackoff) wait(key string, now time.Time) time.Duration {
 	b.mu.Lock()

@@ -443,16 +443,13 @@ func (c *conn) isEnded() bool {
 // offline (or ends), the will is due.
 func (c *conn) finish() {
 	c.end(packets.Code{})
-	<-c.writerDone()
+	<-c.writerEnd
 	c.nc.Close()
 	close(c.done)
 	if c.sess != nil {
 		c.srv.detach(c)
 	}
 }
-
-// writerDone returns a channel closed once no writer runs and none will.
-func (c *conn) writerDone() <-chan struct{} { return c.writerEnd }
 
 // kick has the writer run: started if none runs, told to go round again
 // if one does.

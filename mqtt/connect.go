@@ -139,7 +139,7 @@ func (c *conn) authenticate(pk *packets.Packet) (user string, ok bool) {
 		now := time.Now()
 		bo := &c.srv.logins
 		srcKey, userKey := "src\x00"+c.host, "user\x00"+name
-		if bo.blocked(srcKey, now) {
+		if bo.wait(srcKey, now) > 0 {
 			return "", c.refuse(pk, packets.ErrBadUsernameOrPassword, 0x04, "login backoff after failed logins", "user", name)
 		}
 		// A name in backoff is checked once its block ends, not refused:

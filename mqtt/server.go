@@ -2,7 +2,6 @@ package mqtt
 
 import (
 	"crypto/tls"
-	"errors"
 	"fmt"
 	"log/slog"
 	"runtime"
@@ -497,9 +496,6 @@ func (b *byteBudget) give(n int) {
 	b.used -= n
 	b.mu.Unlock()
 }
-
-// errServerClosed ends connections accepted while the server stops.
-var errServerClosed = errors.New("mqtt: server closed")
 
 // observer returns cfg.Observer, or one that does nothing.
 func (s *Server) observer() Observer {
