@@ -74,7 +74,7 @@ type redeliverApplier struct {
 func (a redeliverApplier) Apply(index uint64, data []byte) error {
 	if a.r.skip(data) {
 		err := a.r.retainOnly(index, data)
-		a.r.d.broker.Applied(index) // sessions replay past it: delivered already
+		a.r.d.broker.Delivered(index) // a session that replays skips it too
 		return err
 	}
 	return a.next.Apply(index, data)

@@ -64,9 +64,11 @@ type Server struct {
 	retained *retainStore
 	routes   routeCache
 
-	applied  atomic.Uint64 // the last log index handed to Deliver or Applied
-	clients  atomic.Int64  // connected clients
-	inflight atomic.Int64  // QoS 1/2 messages in flight, both directions
+	applied  atomic.Uint64       // the last log index handed to Deliver or Applied
+	skipMu   sync.Mutex          // guards skip
+	skip     map[uint64]struct{} // indexes delivered before a rejoin (Delivered)
+	clients  atomic.Int64        // connected clients
+	inflight atomic.Int64        // QoS 1/2 messages in flight, both directions
 
 	wg      sync.WaitGroup // every goroutine the server starts
 	stopc   chan struct{}
@@ -337,6 +339,31 @@ func (s *Server) Applied(index uint64) {
 	if index > s.applied.Load() {
 		s.applied.Store(index)
 	}
+}
+
+// Delivered tells the server that the record at index was delivered here
+// already, before the log was replaced (a deposed master's tail coming
+// back re-published): it is applied as Applied is, and a session that
+// replays the log skips it too, as the live path does.
+func (s *Server) Delivered(index uint64) {
+	s.skipMu.Lock()
+	if s.skip == nil || len(s.skip) >= maxSkip {
+		s.skip = map[uint64]struct{}{} // bounded: a replay this far back is rare
+	}
+	s.skip[index] = struct{}{}
+	s.skipMu.Unlock()
+	s.Applied(index)
+}
+
+// maxSkip bounds the indexes Delivered remembers.
+const maxSkip = 1 << 20
+
+// skipped reports whether Delivered named index.
+func (s *Server) skipped(index uint64) bool {
+	s.skipMu.Lock()
+	defer s.skipMu.Unlock()
+	_, ok := s.skip[index]
+	return ok
 }
 
 // Rewind follows a replaced log (a join, a deposed master's rejoin):

@@ -263,6 +263,9 @@ func (s *session) replay(c *conn) bool {
 	if s.srv.reader != nil && from <= to && len(subs) > 0 {
 		err := s.srv.reader.Committed(from, to, func(idx uint64, m *Message) bool {
 			last = idx
+			if s.srv.skipped(idx) {
+				return true // delivered here before the rejoin
+			}
 			if it := matchReplay(subs, s.id, idx, m); it != nil {
 				items = append(items, it)
 			}
