@@ -136,7 +136,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		DisconnectWhenQueueFull: c.MQTT.QueueFull == "disconnect",
 		TopicAliasMaximum:       uint16(c.MQTT.TopicAliasMaximum),
 		Topics:                  topics,
-		SyncTimeout:             c.Cluster.SyncTimeout.Duration(),
+		TakeoverWait:            c.Cluster.SyncTimeout.Duration(),
 		Sessions:                sessionStore{d.db},
 		Logger:                  d.log.With("component", "mqtt"),
 		Observer:                d.fieldView(),

@@ -70,7 +70,7 @@ func (s *Server) applyControl(index uint64, m *Message) {
 	case sessionTopic:
 		var op sessionOp
 		if err := json.Unmarshal(m.Payload, &op); err != nil {
-			s.logger.Warn("session record unreadable: skipped", "index", index, "error", err)
+			s.lines.Warn("session record unreadable: skipped", "index", index, "error", err)
 			return
 		}
 		s.applySession(index, m.ClientID, m.Origin == s.cfg.NodeID, &op)
@@ -80,7 +80,7 @@ func (s *Server) applyControl(index uint64, m *Message) {
 		}
 		var cs map[string]uint64
 		if err := json.Unmarshal(m.Payload, &cs); err != nil {
-			s.logger.Warn("cursor record unreadable: skipped", "index", index, "error", err)
+			s.lines.Warn("cursor record unreadable: skipped", "index", index, "error", err)
 			return
 		}
 		s.mu.Lock()

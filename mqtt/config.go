@@ -49,9 +49,9 @@ type Config struct {
 	// Topics chooses each topic's ack mode; first match wins, default async.
 	// SetTopics replaces them while the broker runs.
 	Topics []TopicPolicy
-	// SyncTimeout is how long a session take-over waits for the old
+	// TakeoverWait is how long a session take-over waits for the old
 	// connection's acks.
-	SyncTimeout time.Duration
+	TakeoverWait time.Duration
 	// Sessions persists sessions and retained messages; nil keeps them in
 	// memory only.
 	Sessions SessionStore

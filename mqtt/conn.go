@@ -272,10 +272,10 @@ func (c *conn) readFailed(err error) {
 	case errors.Is(err, os.ErrDeadlineExceeded) && !c.authed:
 		c.srv.refusal(c.host, "no CONNECT within the connect timeout", "remote", c.remote())
 	case errors.Is(err, os.ErrDeadlineExceeded):
-		c.srv.logger.Debug("keep alive timeout", "client", c.id)
+		c.srv.lines.Debug("keep alive timeout", "client", c.id)
 		c.end(packets.ErrKeepAliveTimeout)
 	case quietEnd(err):
-		c.srv.logger.Debug("client connection ended", "client", c.id, "remote", c.remote(), "error", err)
+		c.srv.lines.Debug("client connection ended", "client", c.id, "remote", c.remote(), "error", err)
 	default:
 		c.srv.refusal(c.host, "connection failed", "remote", c.remote(), "client", c.id, "error", err)
 	}
@@ -402,7 +402,7 @@ func (c *conn) encode(pk *packets.Packet, buf *bytes.Buffer) {
 		err = fmt.Errorf("no encoder for packet type %d", pk.FixedHeader.Type)
 	}
 	if err != nil {
-		c.srv.logger.Error("encoding a packet failed", "client", c.id, "type", pk.FixedHeader.Type, "error", err)
+		c.srv.lines.Error("encoding a packet failed", "client", c.id, "type", pk.FixedHeader.Type, "error", err)
 	}
 }
 
@@ -514,7 +514,7 @@ func (c *conn) writer() {
 			_ = c.nc.SetWriteDeadline(time.Now().Add(c.writeTimeout()))
 			if _, err := c.nc.Write(buf); err != nil {
 				failed = true
-				c.srv.logger.Debug("writing to a client failed", "client", c.id, "error", err)
+				c.srv.lines.Debug("writing to a client failed", "client", c.id, "error", err)
 			}
 		}
 		if cap(buf) > 64<<10 {

@@ -288,7 +288,7 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 				// Connects are rare: the session is durable before the
 				// client is told it exists.
 				if err := s.store.Sync(); err != nil {
-					s.logger.Error("saving the session failed", "client", c.id, "error", err)
+					s.lines.Error("saving the session failed", "client", c.id, "error", err)
 				}
 			}
 		}
@@ -407,7 +407,7 @@ func (s *Server) userOf(id string) string {
 // logFailure is the done callback of publishes nobody acks (QoS 0, wills).
 func (s *Server) logFailure(err error) {
 	if err != nil {
-		s.logger.Warn("unacknowledged publish not logged", "error", err)
+		s.lines.Warn("unacknowledged publish not logged", "error", err)
 	}
 }
 

@@ -271,7 +271,7 @@ func (c *conn) takeAcks(buf []byte) (_ []byte, failed bool) {
 			obs.Acked(a.mode, a.err, time.Since(a.start))
 		}
 		if a.err != nil {
-			c.srv.logger.Warn("publish not acked", "client", c.id, "packet_id", a.pid, "qos", a.qos, "error", a.err)
+			c.srv.lines.Warn("publish not acked", "client", c.id, "packet_id", a.pid, "qos", a.qos, "error", a.err)
 			if c.v != 5 {
 				// 3.1.1 has no negative ack: disconnect; the client
 				// resends. The acks after it are not written.

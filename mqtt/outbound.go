@@ -127,7 +127,7 @@ func (s *Server) readRecord(index uint64) *Message {
 		return false
 	})
 	if err != nil {
-		s.logger.Error("reading a record for a resend failed", "index", index, "error", err)
+		s.lines.Error("reading a record for a resend failed", "index", index, "error", err)
 	}
 	return out
 }

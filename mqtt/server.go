@@ -34,13 +34,13 @@ type Retained interface {
 // connections (a read loop and one writer each), sessions as cursors into
 // the log, the subscription index and the retained store. See doc.go.
 type Server struct {
-	cfg       Config
-	log       Log
-	reader    LogReader    // nil: replays find nothing
-	logger    *slog.Logger // rate-limited: info and warnings once a minute per message and client
-	rawLogger *slog.Logger // cfg.Logger, for lines limited by refusals
-	refusals  *logLimiter  // refused clients and packets: once a minute per reason and source
-	store     SessionStore // nil: sessions and retained messages live in memory only
+	cfg          Config
+	log          Log
+	reader       LogReader    // nil: replays find nothing
+	lines        *slog.Logger // rate-limited: info and warnings once a minute per message and client
+	refusalLines *slog.Logger // cfg.Logger, for lines limited by refusals
+	refusals     *logLimiter  // refused clients and packets: once a minute per reason and source
+	store        SessionStore // nil: sessions and retained messages live in memory only
 
 	access  atomic.Pointer[Access]
 	topics  atomic.Pointer[[]TopicPolicy]
@@ -104,8 +104,8 @@ func NewServer(cfg Config, log Log) (*Server, error) {
 		return nil, err
 	}
 	s := &Server{cfg: cfg, log: log,
-		logger:       slog.New(limitedHandler{cfg.Logger.Handler(), newLogLimiter(time.Minute)}),
-		rawLogger:    cfg.Logger,
+		lines:        slog.New(limitedHandler{cfg.Logger.Handler(), newLogLimiter(time.Minute)}),
+		refusalLines: cfg.Logger,
 		refusals:     newLogLimiter(time.Minute),
 		store:        cfg.Sessions,
 		connRate:     newConnRate(cfg.Limits.ConnectRate, cfg.Limits.ConnectBurst),
@@ -166,8 +166,8 @@ func (c *Config) fill() error {
 	if c.MaxPacketSize == 0 {
 		c.MaxPacketSize = 1 << 20
 	}
-	if c.SyncTimeout == 0 {
-		c.SyncTimeout = 5 * time.Second
+	if c.TakeoverWait == 0 {
+		c.TakeoverWait = 5 * time.Second
 	}
 	if c.TopicAliasMaximum == 0 {
 		c.TopicAliasMaximum = 100
@@ -240,14 +240,14 @@ func (s *Server) Start() error {
 		return fmt.Errorf("mqtt: loading sessions: %w", err)
 	}
 	s.goFunc(s.tcp.serve)
-	s.logger.Info("mqtt listening", "addr", s.Addr())
+	s.lines.Info("mqtt listening", "addr", s.Addr())
 	if s.tlsLn != nil {
 		s.goFunc(s.tlsLn.serve)
-		s.logger.Info("mqtt tls listening", "addr", s.TLSAddr(), "client_certs", s.cfg.TLS.RequireClientCert)
+		s.lines.Info("mqtt tls listening", "addr", s.TLSAddr(), "client_certs", s.cfg.TLS.RequireClientCert)
 	}
 	if s.ws != nil {
 		s.goFunc(s.ws.serve)
-		s.logger.Info("mqtt websocket listening", "addr", s.WSAddr(), "tls", s.cfg.WebSocket.TLS)
+		s.lines.Info("mqtt websocket listening", "addr", s.WSAddr(), "tls", s.cfg.WebSocket.TLS)
 	}
 	s.goFunc(s.sweeper)
 	return nil
@@ -544,7 +544,7 @@ func (s *Server) refusal(key, reason string, args ...any) {
 	if held > 0 {
 		args = append(args, "suppressed", held)
 	}
-	s.rawLogger.Warn("client refused: "+reason, args...)
+	s.refusalLines.Warn("client refused: "+reason, args...)
 }
 
 // checkPassword runs the bcrypt comparison, at most a few at a time: each

@@ -240,7 +240,7 @@ func (s *session) replay(c *conn) bool {
 			// handed: counted, logged once per session.
 			lost := first - from
 			if s.dropped == 0 {
-				s.srv.logger.Warn("session fell behind the log's retention: its oldest messages are gone", "client", s.id, "log_positions", lost)
+				s.srv.lines.Warn("session fell behind the log's retention: its oldest messages are gone", "client", s.id, "log_positions", lost)
 			}
 			s.dropped += lost
 			s.srv.observer().Dropped(lost)
@@ -273,7 +273,7 @@ func (s *session) replay(c *conn) bool {
 			return !full
 		})
 		if err != nil {
-			s.srv.logger.Error("reading the log for a session failed", "client", s.id, "error", err)
+			s.srv.lines.Error("reading the log for a session failed", "client", s.id, "error", err)
 			return false // behind stays: the next wake tries again
 		}
 	}

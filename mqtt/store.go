@@ -85,7 +85,7 @@ func (s *Server) stageJSON(k string, v any) {
 	}
 	b, err := json.Marshal(v)
 	if err != nil {
-		s.logger.Error("encoding session state failed", "key", k, "error", err)
+		s.lines.Error("encoding session state failed", "key", k, "error", err)
 		return
 	}
 	s.store.Put(k, b)
@@ -528,6 +528,6 @@ func (s *Server) migrate() error {
 	for _, k := range old {
 		s.store.Delete(k)
 	}
-	s.logger.Info("converted the sessions of an earlier build", "records", len(old))
+	s.lines.Info("converted the sessions of an earlier build", "records", len(old))
 	return s.store.Sync()
 }

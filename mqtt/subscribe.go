@@ -92,7 +92,7 @@ func (c *conn) subscribe(pk *packets.Packet) bool {
 	}
 	if granted && s.persistent() && srv.store != nil {
 		if err := srv.store.Sync(); err != nil {
-			srv.logger.Error("saving subscriptions failed", "client", c.id, "error", err)
+			srv.lines.Error("saving subscriptions failed", "client", c.id, "error", err)
 		}
 	}
 	c.send(&packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Suback}, PacketID: pk.PacketID, ReasonCodes: codes})

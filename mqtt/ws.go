@@ -119,7 +119,7 @@ func (l *wsListener) serveWS(w http.ResponseWriter, r *http.Request, opts *webso
 
 func (l *wsListener) serve() {
 	if err := l.http.Serve(l.lst.ln); err != nil && !errors.Is(err, http.ErrServerClosed) && !l.lst.closed.Load() {
-		l.srv.logger.Error("websocket listener stopped", "error", err)
+		l.srv.lines.Error("websocket listener stopped", "error", err)
 	}
 }
 
