@@ -409,14 +409,21 @@ func (c *conn) encode(pk *packets.Packet, buf *bytes.Buffer) {
 // end ends the connection: an MQTT 5 client is sent DISCONNECT with code
 // when it is a server's reason (not for a zero code), then the socket
 // closes once the writer has written what it holds.
-func (c *conn) end(code packets.Code) {
+func (c *conn) end(code packets.Code) { c.endTo(code, "", "") }
+
+// endTo is end with a DISCONNECT that names another server (ref, the
+// Server Reference) and says why (a Reason String); both may be empty.
+func (c *conn) endTo(code packets.Code, ref, why string) {
 	c.endOnce.Do(func() {
 		c.endCode = code
 		c.wmu.Lock()
 		c.ended = true
 		if code.Code >= 0x80 && c.v == 5 && c.authed {
 			var buf bytes.Buffer
-			c.encode(&packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Disconnect}, ReasonCode: code.Code}, &buf)
+			pk := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Disconnect}, ReasonCode: code.Code}
+			pk.Properties.ServerReference = ref
+			pk.Properties.ReasonString = why
+			c.encode(pk, &buf)
 			c.ctrl = append(c.ctrl, buf.Bytes()...)
 		}
 		c.closeAfter = true

@@ -63,6 +63,9 @@ func (c *conn) connect() bool {
 			return false
 		}
 	}
+	if r := c.srv.redirect.Load(); r != nil {
+		return c.refuseTo(&pk, r)
+	}
 	if c.srv.clients.Load() >= int64(c.srv.cfg.Limits.MaxClients) {
 		return c.refuse(&pk, packets.ErrServerBusy, 0x03, "max_clients reached: CONNECT refused")
 	}
@@ -113,6 +116,12 @@ func (c *conn) connect() bool {
 	c.resume = present
 	c.wmu.Unlock()
 	c.send(ack)
+	if r := c.srv.redirect.Load(); r != nil {
+		// Redirect came between the check above and attach, after it had
+		// looked at the connections online.
+		c.endTo(packets.ErrUseAnotherServer, r.ref, r.why)
+		return false
+	}
 	return true
 }
 

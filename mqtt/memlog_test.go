@@ -399,6 +399,14 @@ func (r *raw) expect(typ byte) packets.Packet {
 // DISCONNECT reason if one came first (0 when none).
 func (r *raw) closed() (reason byte, sawDisconnect bool) {
 	r.t.Helper()
+	d, ok := r.closedBy()
+	return d.ReasonCode, ok
+}
+
+// closedBy reads until the server closes the connection; it returns the
+// DISCONNECT that came first, if one did.
+func (r *raw) closedBy() (disconnect packets.Packet, ok bool) {
+	r.t.Helper()
 	for {
 		pk, err := r.read(5 * time.Second)
 		if err != nil {
@@ -406,10 +414,10 @@ func (r *raw) closed() (reason byte, sawDisconnect bool) {
 			if errors.As(err, &ne) && ne.Timeout() {
 				r.t.Fatal("the connection was not closed")
 			}
-			return reason, sawDisconnect
+			return disconnect, ok
 		}
 		if pk.FixedHeader.Type == packets.Disconnect {
-			reason, sawDisconnect = pk.ReasonCode, true
+			disconnect, ok = pk, true
 		}
 	}
 }

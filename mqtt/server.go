@@ -42,9 +42,12 @@ type Server struct {
 	refusals     *logLimiter  // refused clients and packets: once a minute per reason and source
 	store        SessionStore // nil: sessions and retained messages live in memory only
 
-	access  atomic.Pointer[Access]
-	topics  atomic.Pointer[[]TopicPolicy]
-	tlsConf atomic.Pointer[tls.Config]
+	access atomic.Pointer[Access]
+	// redirect is non-nil while this member sends devices elsewhere
+	// (Redirect).
+	redirect atomic.Pointer[redirection]
+	topics   atomic.Pointer[[]TopicPolicy]
+	tlsConf  atomic.Pointer[tls.Config]
 
 	connRate     *connRate     // nil: no connect rate limit
 	openConns    atomic.Int64  // sockets accepted and not yet closed, all listeners
