@@ -27,6 +27,11 @@ var (
 	// that member catches up (or is removed). It is an ErrStorage.
 	ErrLogFull = fmt.Errorf("%w: the log is over storage.max_bytes and a member still lacks its oldest records", ErrStorage)
 
+	// ErrDiskLow means the data dir's filesystem has less free space than
+	// storage.min_free: no publishes until space returns. It is an
+	// ErrStorage.
+	ErrDiskLow = fmt.Errorf("%w: free space on the data dir's filesystem is below storage.min_free", ErrStorage)
+
 	// ErrIdentity means the data dir belongs to another node identity.
 	ErrIdentity = errors.New("replication: data dir belongs to another node")
 )

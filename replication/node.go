@@ -363,6 +363,12 @@ func (n *Node) enqueue(p *proposal) {
 		n.refuseNow(p.done, ErrNotLeader)
 		return
 	}
+	if n.db.LowOnSpace() {
+		// The filesystem is nearly full, whoever filled it: a write now
+		// could fail halfway through a checkpoint.
+		n.refuseNow(p.done, ErrDiskLow)
+		return
+	}
 	if n.db.Refusing() {
 		// Logging more would only grow the data dir past its budget:
 		// devices get 0x97 quota exceeded until the member catches up.

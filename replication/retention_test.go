@@ -3,6 +3,7 @@ package replication
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -155,5 +156,37 @@ func TestJoinerAfterCompactionInstallsTheCompactionPoint(t *testing.T) {
 	c.start(b)
 	if r := c.propose("after-restart", Sync); r.err != nil {
 		t.Fatalf("sync after the joiner restarted: %v", r.err)
+	}
+}
+
+// Below storage.min_free a master refuses publishes with ErrDiskLow (an
+// ErrStorage: MQTT 5 devices get 0x97) and takes them again, by itself,
+// once space returns.
+func TestMasterRefusesBelowMinFreeAndResumes(t *testing.T) {
+	var free atomic.Int64
+	free.Store(4 << 30)
+	c := newCluster(t, 0)
+	c.storeOpts = &storage.Options{MinFree: 256 << 20, FreeSpace: func(string) (int64, int64, error) {
+		return free.Load(), 16 << 30, nil
+	}}
+	dir := t.TempDir()
+	ident, err := LoadOrCreateIdentity(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.ids, c.dirs[ident.ID], c.peers = append(c.ids, ident.ID), dir, []raft.Peer{{ID: ident.ID}}
+	master := c.start(ident.ID)
+	if r := c.propose("before", Async); r.err != nil {
+		t.Fatalf("a publish with space: %v", r.err)
+	}
+	free.Store(10 << 20)
+	waitFor(t, "the master to see the disk nearly full", master.db.LowOnSpace)
+	if r := wait(t, master.propose(t, "refused", Async)); !errors.Is(r.err, ErrDiskLow) || !errors.Is(r.err, ErrStorage) {
+		t.Fatalf("a publish below min_free: %v, want ErrDiskLow", r.err)
+	}
+	free.Store(1 << 30)
+	waitFor(t, "the master to see space again", func() bool { return !master.db.LowOnSpace() })
+	if r := c.propose("after", Async); r.err != nil {
+		t.Fatalf("a publish once space returned: %v", r.err)
 	}
 }

@@ -354,11 +354,21 @@ func (db *DB) checkpointer() {
 		defer t.Stop()
 		ageC = t.C
 	}
+	var spaceC <-chan time.Time
+	if db.space.on() {
+		db.space.check()
+		t := time.NewTicker(watermarkEvery)
+		defer t.Stop()
+		spaceC = t.C
+	}
 	for {
 		select {
 		case <-db.ckStop:
 			return
 		case <-db.ckSig:
+		case <-spaceC:
+			db.space.check()
+			continue
 		case <-ageC:
 			if !db.ageDue() {
 				continue
@@ -366,6 +376,7 @@ func (db *DB) checkpointer() {
 			db.retainDue.Store(true)
 		}
 		err := db.checkpoint()
+		db.space.check()
 		switch {
 		case err != nil && !failing:
 			db.log.Warn("checkpoint of the WAL into the data file failed; retrying", "error", err)

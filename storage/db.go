@@ -105,6 +105,16 @@ type Options struct {
 	MaxAge time.Duration
 	// Now is the clock MaxAge is measured with; nil means time.Now.
 	Now func() time.Time
+	// MinFree is the free space the data dir's filesystem must keep, in
+	// bytes: below it the DB reports LowOnSpace and the replication layer
+	// refuses publishes until space returns (watermark.go). Zero means the
+	// default, 5 % of the filesystem or 256 MiB, whichever is smaller;
+	// negative turns the watermark off.
+	MinFree int64
+	// FreeSpace, when set, replaces the reading of the free and total
+	// bytes of the filesystem holding dir (statfs): tests fill a disk
+	// without filling one.
+	FreeSpace func(dir string) (free, total int64, err error)
 	// FlushInterval, when set, is flush: interval (RocketMQ's
 	// ASYNC_FLUSH): Save returns once its WAL frame is written, and the
 	// WAL is fdatasynced every FlushInterval. A process crash loses
@@ -179,6 +189,7 @@ type DB struct {
 	blockedAt atomic.Uint64 // the floor the next drop waits for; 0 when none
 	retainDue atomic.Bool   // a retention pass is wanted even if no checkpoint is due
 	refusing  atomic.Bool   // over budget with nothing droppable
+	space     watermark     // free space on the data dir's filesystem
 	dropped   atomic.Uint64 // records dropped since Open
 	oldest    atomic.Int64  // publish time of the oldest record in the file, 0 if none
 
@@ -253,6 +264,10 @@ func Open(dir string, opts *Options) (*DB, error) {
 	}
 	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}, syncDelay: opts.SyncDelay, onCommit: opts.OnCommit}
 	db.ret = retention{maxBytes: opts.MaxBytes, maxAge: opts.MaxAge, now: opts.Now}
+	if !opts.ReadOnly {
+		db.space.statfs = opts.FreeSpace
+		db.space.init(path, opts.MinFree, lg)
+	}
 	if !opts.ReadOnly {
 		db.flushEvery = opts.FlushInterval
 	}

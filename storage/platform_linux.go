@@ -23,3 +23,13 @@ func fdatasync(f *os.File) error {
 		}
 	}
 }
+
+// statfs returns the bytes free to unprivileged users and the size of the
+// filesystem holding dir.
+func statfs(dir string) (free, total int64, err error) {
+	var fs unix.Statfs_t
+	if err := unix.Statfs(dir, &fs); err != nil {
+		return 0, 0, err
+	}
+	return int64(fs.Bavail) * fs.Bsize, int64(fs.Blocks) * fs.Bsize, nil
+}
