@@ -39,6 +39,9 @@ type sessionOp struct {
 	RAP    bool   `json:"rap,omitempty"`
 	RH     byte   `json:"rh,omitempty"`
 	ID     int    `json:"id,omitempty"`
+	// Rel lists the log indexes of QoS 2 deliveries the client has
+	// PUBREC'd: on another member they are PUBREL'd, never sent again.
+	Rel []uint64 `json:"rel,omitempty"`
 }
 
 // isControl reports whether a topic is one of the cluster's own records.
@@ -95,7 +98,11 @@ func (s *Server) applyControl(index uint64, m *Message) {
 				se.cursor, se.scanned, se.sentCursor = cur, cur, cur
 				moved = append(moved, se)
 			}
+			done := se.completedLocked()
 			se.mu.Unlock()
+			for _, pid := range done {
+				s.stageDelete(outKey(id, pid))
+			}
 		}
 		s.mu.Unlock()
 		for _, se := range moved {
@@ -190,6 +197,10 @@ func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) 
 	case "end":
 		if se != nil && se.current() == nil {
 			s.endSessionLocked(se, false)
+		}
+	case "rel":
+		if se != nil && se.current() == nil {
+			s.applyReleased(se, op.Rel)
 		}
 	}
 }

@@ -293,11 +293,14 @@ func (c *conn) handle(pk *packets.Packet) bool {
 			c.kick() // the window has room
 		}
 	case packets.Pubrec:
-		if c.sess.received(pk.PacketID, pk.ReasonCode >= 0x80) {
-			if pk.ReasonCode < 0x80 {
-				c.send(&packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: pk.PacketID})
-			} else {
+		if ok, release := c.sess.received(pk.PacketID, pk.ReasonCode >= 0x80); ok {
+			switch {
+			case pk.ReasonCode >= 0x80:
 				c.kick()
+			case release:
+				c.sess.releaseNext() // PUBREL once the other members know
+			default:
+				c.send(&packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: pk.PacketID})
 			}
 		} else {
 			rel := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: pk.PacketID}

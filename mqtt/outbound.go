@@ -30,6 +30,11 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 		if it.qos > 0 && len(s.inflight) >= c.window {
 			break
 		}
+		if it.qos == 2 && it.idx > 0 && it.idx > s.cursor {
+			if _, used := s.inflight[pidFor(it.idx)]; used {
+				break // its packet id is still taken: it waits, in order
+			}
+		}
 		n++
 		if it.idx > 0 {
 			if it.idx <= s.cursor {
@@ -48,7 +53,10 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 			continue
 		}
 		mark := len(buf)
-		if it.qos > 0 {
+		switch {
+		case it.qos == 2 && it.idx > 0:
+			it.pid = pidFor(it.idx)
+		case it.qos > 0:
 			it.pid = s.newPIDLocked()
 		}
 		var aliased bool

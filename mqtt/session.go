@@ -62,6 +62,12 @@ type session struct {
 
 	inbound map[uint16]*inbound2 // QoS 2 publishes received, awaiting PUBREL
 
+	// relPending are the log indexes of QoS 2 deliveries the client has
+	// PUBREC'd whose release record is not yet proposed; relBusy says one
+	// is in flight. Their PUBRELs wait for it (qos2.go).
+	relPending []uint64
+	relBusy    bool
+
 	dropped uint64 // log positions retention took before this session was handed them
 }
 
@@ -195,13 +201,20 @@ func (s *session) acked(pid uint16, qos byte) bool {
 
 // received marks a QoS 2 flow as PUBREC'd; ok is false for an id not in
 // flight (PUBREL 0x92 then), and ended for a PUBREC with an error code,
-// which ends the flow [MQTT-4.3.3-4].
-func (s *session) received(pid uint16, failed bool) (ok bool) {
+// which ends the flow [MQTT-4.3.3-4]. release says the PUBREL waits for a
+// release record (a persistent session's delivery of a log record): the
+// caller calls releaseNext.
+func (s *session) received(pid uint16, failed bool) (ok, release bool) {
 	s.mu.Lock()
 	it := s.inflight[pid]
 	if it == nil || it.qos != 2 {
 		s.mu.Unlock()
-		return false
+		return false, false
+	}
+	if it.rel {
+		// A repeated PUBREC: its PUBREL goes again, released or not.
+		s.mu.Unlock()
+		return true, false
 	}
 	persist := s.persistent()
 	if failed {
@@ -211,14 +224,18 @@ func (s *session) received(pid uint16, failed bool) (ok bool) {
 		if persist {
 			s.srv.stageDelete(outKey(s.id, pid))
 		}
-		return true
+		return true, false
 	}
 	it.rel = true
+	release = persist && it.idx > 0
+	if release {
+		s.relPending = append(s.relPending, it.idx)
+	}
 	s.mu.Unlock()
 	if persist {
 		s.srv.stagePut(outKey(s.id, pid), encodeOut(it))
 	}
-	return true
+	return true, release
 }
 
 // replay reads the log past scanned for a session that is behind, and
@@ -266,7 +283,7 @@ func (s *session) replay(c *conn) bool {
 			if s.srv.skipped(idx) {
 				return true // delivered here before the rejoin
 			}
-			if it := matchReplay(subs, s.id, idx, m); it != nil {
+			if it := matchReplay(subs, s.id, idx, m); it != nil && !s.inFlight(it) {
 				items = append(items, it)
 			}
 			full = len(items) >= batch

@@ -1,0 +1,197 @@
+package mqtt
+
+import (
+	"bytes"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+)
+
+// sharedLog is a replicated log in memory for several members, each a
+// Server with its own node id, session store and applier: what a cluster
+// looks like from mqtt/. A proposal commits at once, in order, on all.
+type sharedLog struct {
+	mu   sync.Mutex // guards recs and every member's applied, seq, cut, stopped
+	cond *sync.Cond
+	recs []*Message // recs[i] is index i+1
+}
+
+func newSharedLog() *sharedLog {
+	l := &sharedLog{}
+	l.cond = sync.NewCond(&l.mu)
+	return l
+}
+
+// add appends a copy of m, as if published on any member.
+func (l *sharedLog) add(m *Message) {
+	l.mu.Lock()
+	c := *m
+	c.Payload = bytes.Clone(m.Payload)
+	l.recs = append(l.recs, &c)
+	l.cond.Broadcast()
+	l.mu.Unlock()
+}
+
+// member is one gateway on a sharedLog: it implements Log and Retained.
+type member struct {
+	l       *sharedLog
+	id      uint64
+	seq     uint64
+	applied uint64
+	cut     bool // killed: its proposals are lost
+	stopped bool
+	srv     *Server
+	store   *memStore
+	done    chan struct{}
+}
+
+var errCut = errors.New("member killed")
+
+func (m *member) Reserve(msg *Message) {
+	m.l.mu.Lock()
+	m.seq++
+	msg.Origin, msg.Seq = m.id, m.seq
+	m.l.mu.Unlock()
+}
+
+func (m *member) Propose(msg *Message, _ AckMode, done func(error)) {
+	m.l.mu.Lock()
+	if m.cut {
+		m.l.mu.Unlock()
+		done(errCut)
+		return
+	}
+	m.l.mu.Unlock()
+	m.l.add(msg)
+	done(nil)
+}
+
+func (m *member) Logged(origin uint64, seqs []uint64) (map[uint64]bool, error) {
+	m.l.mu.Lock()
+	defer m.l.mu.Unlock()
+	out := map[uint64]bool{}
+	for _, r := range m.l.recs {
+		for _, s := range seqs {
+			if r.Origin == origin && r.Seq == s {
+				out[s] = true
+			}
+		}
+	}
+	return out, nil
+}
+
+func (m *member) FirstIndex() uint64 { return 1 }
+
+func (m *member) Committed(from, to uint64, fn func(uint64, *Message) bool) error {
+	m.l.mu.Lock()
+	var batch []*Message
+	for i := from; i <= to && int(i) <= len(m.l.recs); i++ {
+		batch = append(batch, m.l.recs[i-1])
+	}
+	m.l.mu.Unlock()
+	for i, r := range batch {
+		c := *r
+		if !fn(from+uint64(i), &c) {
+			break
+		}
+	}
+	return nil
+}
+
+// apply hands every record to the member's server, in log order, until
+// stopped.
+func (m *member) apply() {
+	defer close(m.done)
+	for {
+		m.l.mu.Lock()
+		for !m.stopped && int(m.applied) >= len(m.l.recs) {
+			m.l.cond.Wait()
+		}
+		if m.stopped {
+			m.l.mu.Unlock()
+			return
+		}
+		idx := m.applied + 1
+		r := *m.l.recs[idx-1]
+		m.l.mu.Unlock()
+		if err := m.srv.Deliver(idx, &r); err != nil {
+			panic(err)
+		}
+		m.l.mu.Lock()
+		m.applied = idx
+		m.l.cond.Broadcast()
+		m.l.mu.Unlock()
+	}
+}
+
+// caughtUp waits until the member has applied the whole log.
+func (m *member) caughtUp(t *testing.T) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	m.l.mu.Lock()
+	defer m.l.mu.Unlock()
+	for int(m.applied) < len(m.l.recs) {
+		if time.Now().After(deadline) {
+			t.Fatalf("member %d applied %d of %d records", m.id, m.applied, len(m.l.recs))
+		}
+		m.l.mu.Unlock()
+		time.Sleep(2 * time.Millisecond)
+		m.l.mu.Lock()
+	}
+}
+
+// kill ends the member as kill -9 would: nothing it proposes from now on
+// reaches the log, and its server and applier stop.
+func (m *member) kill(t *testing.T) {
+	t.Helper()
+	m.l.mu.Lock()
+	m.cut = true
+	m.l.mu.Unlock()
+	m.halt(t)
+}
+
+// halt stops the member's server (within 5 s, or the test fails) and its
+// applier; once only.
+func (m *member) halt(t *testing.T) {
+	m.l.mu.Lock()
+	if m.stopped {
+		m.l.mu.Unlock()
+		return
+	}
+	m.l.mu.Unlock()
+	stopped := make(chan struct{})
+	go func() {
+		_ = m.srv.Stop()
+		close(stopped)
+	}()
+	select {
+	case <-stopped:
+	case <-time.After(5 * time.Second):
+		t.Errorf("member %d did not stop within 5 s", m.id)
+	}
+	m.l.mu.Lock()
+	m.stopped = true
+	m.l.cond.Broadcast()
+	m.l.mu.Unlock()
+	<-m.done
+}
+
+// startMember starts a member with node id on l, stopped at cleanup.
+func startMember(t *testing.T, l *sharedLog, id uint64) *member {
+	t.Helper()
+	m := &member{l: l, id: id, store: newMemStore(), done: make(chan struct{})}
+	cfg := Config{Listen: "127.0.0.1:0", AllowAnonymous: true, Sessions: m.store, NodeID: id}
+	cfg.Limits.ConnectRate = -1
+	s, err := NewServer(cfg, m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.srv = s
+	if err := s.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go m.apply()
+	t.Cleanup(func() { m.halt(t) })
+	return m
+}

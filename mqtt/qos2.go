@@ -1,0 +1,144 @@
+package mqtt
+
+import (
+	"encoding/json"
+	"time"
+
+	"github.com/mochi-mqtt/server/v2/packets"
+)
+
+// QoS 2 deliveries that survive a device's move to another member.
+//
+// Exactly once to a subscriber rests on two things the client keeps: the
+// packet id of a message it has received and not yet seen released, and
+// nothing once a flow is complete. A member that takes over a session
+// must therefore (a) send a message the client may already hold under the
+// same packet id, so that the client takes it for the duplicate it is
+// [MQTT-4.3.3-9], and (b) never send again a message whose flow the client
+// has completed, only PUBREL it while the client may still hold it.
+//
+// (a): a QoS 2 delivery of a log record takes its packet id from the
+// record's index (pidFor), so every member picks the same one; the
+// delivery waits while that id is taken. (b): when the client PUBRECs
+// such a delivery on a persistent session, the member logs a release
+// record (a session record "rel" with the indexes) and sends the PUBREL
+// only once that record is logged under the message's ack rule: a member
+// that takes over later has it, keeps the flow as PUBREL'd, and skips the
+// record in its replay. Until the batched cursor passes it, the flow stays
+// on the copies; a PUBREL for a flow the client finished is answered with
+// PUBCOMP (MQTT 5: 0x92), harmless.
+
+// pidFor is the packet id of the QoS 2 delivery of the record at index:
+// the same on every member.
+func pidFor(index uint64) uint16 { return uint16((index-1)%0xFFFF) + 1 }
+
+// inFlight reports whether the session has it, a replayed record, in
+// flight already (taken over from another member with its flow).
+func (s *session) inFlight(it *outItem) bool {
+	if it.qos != 2 {
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	f := s.inflight[pidFor(it.idx)]
+	return f != nil && f.idx == it.idx
+}
+
+// releaseNext logs the release record of the PUBREC'd deliveries waiting
+// for one, unless one is in flight: its outcome sends their PUBRELs and
+// logs the next batch, so a busy subscriber's releases share records.
+func (s *session) releaseNext() {
+	s.mu.Lock()
+	if s.relBusy || len(s.relPending) == 0 {
+		s.mu.Unlock()
+		return
+	}
+	batch := s.relPending
+	s.relPending, s.relBusy = nil, true
+	mode := Async
+	for _, idx := range batch {
+		if it := s.inflight[pidFor(idx)]; it != nil && it.m != nil && AckFor(s.srv.topicPolicies(), it.m.Topic) == Sync {
+			mode = Sync // released only where the message itself is safe
+		}
+	}
+	s.mu.Unlock()
+	b, _ := json.Marshal(sessionOp{Op: "rel", Rel: batch})
+	m := &Message{ClientID: s.id, Topic: sessionTopic, Payload: b, Time: time.Now().UnixNano()}
+	s.srv.log.Reserve(m)
+	s.srv.log.Propose(m, mode, func(err error) { s.released(batch, err) })
+}
+
+// released sends the PUBRELs of batch once its release record is logged.
+// When logging failed they go anyway: the flow must end, and only a member
+// taking the session over before the record is there could deliver one of
+// them twice.
+func (s *session) released(batch []uint64, err error) {
+	if err != nil {
+		s.srv.lines.Warn("release record of QoS 2 deliveries not logged: PUBREL sent anyway", "client", s.id, "error", err)
+	}
+	s.mu.Lock()
+	s.relBusy = false
+	c := s.conn
+	pids := make([]uint16, 0, len(batch))
+	for _, idx := range batch {
+		p := pidFor(idx)
+		if it := s.inflight[p]; it != nil && it.rel && it.idx == idx {
+			pids = append(pids, p)
+		}
+	}
+	s.mu.Unlock()
+	if c != nil {
+		for _, p := range pids {
+			c.send(&packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: p})
+		}
+	}
+	s.releaseNext()
+}
+
+// applyReleased takes another member's release record into an offline
+// copy of the session: the flows are kept as PUBREL'd (resent as PUBREL
+// when the device comes here) and their records are not replayed.
+func (s *Server) applyReleased(se *session, rel []uint64) {
+	var staged []*outItem
+	se.mu.Lock()
+	for _, idx := range rel {
+		if idx <= se.cursor {
+			continue // the cursor passed it: the flow is complete
+		}
+		p := pidFor(idx)
+		it := se.inflight[p]
+		if it == nil || it.idx != idx {
+			if it == nil {
+				s.inflight.Add(1)
+			}
+			se.sendSeq++
+			it = &outItem{idx: idx, qos: 2, pid: p, seq: se.sendSeq}
+			se.inflight[p] = it
+		}
+		it.rel = true
+		staged = append(staged, it)
+	}
+	id := se.id
+	se.mu.Unlock()
+	for _, it := range staged {
+		s.stagePut(outKey(id, it.pid), encodeOut(it))
+	}
+}
+
+// completedLocked ends, on an offline copy, the released flows the
+// replicated cursor has passed (the member where the device is completed
+// them) and returns their packet ids. Called with se.mu held.
+func (se *session) completedLocked() []uint16 {
+	if se.conn != nil {
+		return nil
+	}
+	var done []uint16
+	for p, it := range se.inflight {
+		if it.rel && it.idx > 0 && it.idx <= se.cursor {
+			delete(se.inflight, p)
+			se.srv.inflight.Add(-1)
+			done = append(done, p)
+		}
+	}
+	return done
+}

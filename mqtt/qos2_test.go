@@ -1,0 +1,115 @@
+package mqtt
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/mochi-mqtt/server/v2/packets"
+)
+
+// [MQTT-4.3.3-9] and DESIGN's guarantee for a device that moves: QoS 2
+// deliveries to a persistent session are exactly once when the device's
+// gateway dies (kill -9) and the device resumes on another member. The
+// new member sends a message the device may hold under the same packet id
+// (the device takes it for the duplicate), PUBRELs a message the device
+// PUBREC'd, and never sends again one whose flow the device completed.
+func TestMQTT_4_3_3_9_QoS2ExactlyOnceAcrossAMove(t *testing.T) {
+	for _, v := range []byte{4, 5} {
+		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) { qos2Move(t, v) })
+	}
+}
+
+func qos2Move(t *testing.T, v byte) {
+	l := newSharedLog()
+	a, b := startMember(t, l, 1), startMember(t, l, 2)
+	var props *packets.Properties
+	if v == 5 {
+		props = &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	}
+	dev := dialRaw(t, a.srv.Addr(), v)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 {
+		t.Fatalf("CONNACK %#x", ack.ReasonCode)
+	}
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	for i := 1; i <= 6; i++ {
+		l.add(&Message{Origin: 9, Seq: uint64(i), ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte{byte('0' + i)}})
+	}
+
+	// The device: method B of [MQTT-4.3.3]: it hands a message on when
+	// its PUBLISH comes and holds the packet id until PUBREL.
+	pidOf := map[string]uint16{}
+	delivered := map[string]int{}
+	for i := 0; i < 6; i++ {
+		p := dev.expect(packets.Publish)
+		pidOf[string(p.Payload)] = p.PacketID
+		delivered[string(p.Payload)]++
+	}
+	// 1 and 2 complete; 3 is PUBREL'd (no PUBCOMP yet); 4 is PUBREC'd and
+	// its PUBREL does not come before the gateway dies; 5 is held, not
+	// PUBREC'd; 6 arrived but the device's reply is lost with the link.
+	for _, k := range []string{"1", "2", "3"} {
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pidOf[k]})
+		if rel := dev.expect(packets.Pubrel); rel.PacketID != pidOf[k] {
+			t.Fatalf("PUBREL for %d, want %d", rel.PacketID, pidOf[k])
+		}
+	}
+	for _, k := range []string{"1", "2"} {
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pidOf[k]})
+	}
+	b.caughtUp(t) // the releases of 1-3 are in the log, as they were before each PUBREL
+	a.kill(t)
+	dev.c.Close()
+
+	dev = dialRaw(t, b.srv.Addr(), v)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("on the other member: CONNACK %#x session present %v; want 0, true", ack.ReasonCode, ack.SessionPresent)
+	}
+	held := map[uint16]string{pidOf["3"]: "3", pidOf["4"]: "4", pidOf["5"]: "5"} // ids the device still holds
+	rel3 := false
+	for len(held) > 0 || !rel3 {
+		p := dev.next()
+		switch p.FixedHeader.Type {
+		case packets.Pubrel:
+			if held[p.PacketID] == "3" {
+				rel3 = true
+				delete(held, p.PacketID)
+			} else if p.PacketID != pidOf["1"] && p.PacketID != pidOf["2"] {
+				t.Fatalf("PUBREL for packet id %d, which the device never PUBREC'd", p.PacketID)
+			}
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: p.PacketID})
+		case packets.Publish:
+			k := string(p.Payload)
+			if k == "1" || k == "2" || k == "3" {
+				t.Fatalf("message %s, whose flow the device completed or had PUBREL'd, sent again", k)
+			}
+			if want, ok := pidOf[k]; ok && (k == "4" || k == "5") && p.PacketID != want {
+				t.Fatalf("message %s came again under packet id %d, not %d: the device takes it for a new one", k, p.PacketID, want)
+			}
+			if held[p.PacketID] != k {
+				delivered[k]++ // not a duplicate of an id the device holds
+			}
+			if k == "4" || k == "5" {
+				delete(held, p.PacketID)
+			}
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: p.PacketID})
+		default:
+			t.Fatalf("unexpected packet type %d", p.FixedHeader.Type)
+		}
+	}
+	for _, k := range []string{"1", "2", "3", "4", "5"} {
+		if delivered[k] != 1 {
+			t.Errorf("message %s handed to the device's application %d times, want once", k, delivered[k])
+		}
+	}
+	// B still works: a new message arrives under the id its index gives.
+	l.add(&Message{Origin: 9, Seq: 7, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("7")})
+	for {
+		p := dev.next()
+		if p.FixedHeader.Type == packets.Publish && string(p.Payload) == "7" {
+			break
+		}
+	}
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	for dev.next().FixedHeader.Type != packets.Pingresp {
+	}
+}
