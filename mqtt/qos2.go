@@ -142,3 +142,29 @@ func (se *session) completedLocked() []uint16 {
 	}
 	return done
 }
+
+// noteInbound takes a QoS 2 publish another member logged for a device
+// whose persistent session is here offline into that copy's inbound
+// table: when the device comes here and resends it (DUP, its PUBREC lost
+// with the other member), it gets the PUBREC and the record is not logged
+// twice [MQTT-4.3.3-9]; its PUBREL gets PUBCOMP. A new publish reusing the
+// id comes without DUP and starts a flow of its own (qos2Resend).
+func (s *Server) noteInbound(m *Message) {
+	s.mu.Lock()
+	se := s.sessions[m.ClientID]
+	s.mu.Unlock()
+	if se == nil {
+		return
+	}
+	se.mu.Lock()
+	if se.conn != nil || !se.persistent() {
+		se.mu.Unlock()
+		return
+	}
+	if se.inbound[m.PacketID] == nil {
+		s.inflight.Add(1)
+	}
+	se.inbound[m.PacketID] = &inbound2{origin: m.Origin, seq: m.Seq, done: true}
+	se.mu.Unlock()
+	s.stagePut(qos2Key(m.ClientID, m.PacketID), encodeQoS2(m.Origin, m.Seq, time.Unix(0, m.Time)))
+}

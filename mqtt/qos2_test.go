@@ -113,3 +113,60 @@ func qos2Move(t *testing.T, v byte) {
 	for dev.next().FixedHeader.Type != packets.Pingresp {
 	}
 }
+
+// [MQTT-4.3.3-9] for what a device publishes: a QoS 2 publish logged by
+// a gateway that died before the device got its PUBREC is resent (DUP) to
+// the member the device moves to; it gets the PUBREC there and is not
+// logged twice, and its PUBREL gets PUBCOMP. A new publish reusing the
+// packet id (no DUP) is logged: a flow of its own.
+func TestMQTT_4_3_3_9_QoS2InboundExactlyOnceAcrossAMove(t *testing.T) {
+	for _, v := range []byte{4, 5} {
+		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
+			l := newSharedLog()
+			a, b := startMember(t, l, 1), startMember(t, l, 2)
+			var props *packets.Properties
+			if v == 5 {
+				props = &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+			}
+			dev := dialRaw(t, a.srv.Addr(), v)
+			dev.connect("dev", false, props)
+			pub := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2}, TopicName: "in/x", PacketID: 7, Payload: []byte("once")}
+			dev.write(pub)
+			dev.expect(packets.Pubrec) // logged; the device is told, but say the PUBREC is lost on its way
+			b.caughtUp(t)
+			a.kill(t)
+			dev.c.Close()
+
+			dev = dialRaw(t, b.srv.Addr(), v)
+			if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+				t.Fatal("session not present on the other member")
+			}
+			pub.FixedHeader.Dup = true
+			dev.write(pub)
+			if rec := dev.expect(packets.Pubrec); rec.PacketID != 7 || rec.ReasonCode >= 0x80 {
+				t.Fatalf("PUBREC %+v for the resend", rec)
+			}
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: 7})
+			if comp := dev.expect(packets.Pubcomp); comp.PacketID != 7 || comp.ReasonCode != 0 {
+				t.Fatalf("PUBCOMP %#x for the PUBREL, want 0", comp.ReasonCode)
+			}
+			next := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2}, TopicName: "in/x", PacketID: 7, Payload: []byte("new")}
+			dev.write(next)
+			dev.expect(packets.Pubrec)
+			b.caughtUp(t)
+			counts := map[string]int{}
+			l.mu.Lock()
+			n := uint64(len(l.recs))
+			l.mu.Unlock()
+			_ = b.Committed(1, n, func(_ uint64, m *Message) bool {
+				if m.Topic == "in/x" {
+					counts[string(m.Payload)]++
+				}
+				return true
+			})
+			if counts["once"] != 1 || counts["new"] != 1 {
+				t.Fatalf("in the log: %v; want the resent publish once and the new one once", counts)
+			}
+		})
+	}
+}

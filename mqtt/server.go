@@ -412,6 +412,9 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 		s.applyControl(index, m)
 		return nil
 	}
+	if m.QoS == 2 && m.PacketID != 0 && !m.Will && m.Origin != s.cfg.NodeID {
+		s.noteInbound(m)
+	}
 	if _, live := m.expiryLeft(time.Now()); !live {
 		return nil // its message expiry ran out before it was delivered
 	}
