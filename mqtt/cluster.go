@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"strings"
+	"sync/atomic"
 	"time"
 )
 
@@ -58,6 +59,34 @@ func (s *Server) proposeSession(id string, op sessionOp) {
 		return
 	}
 	s.proposeControl(sessionTopic, id, b)
+}
+
+// proposeSessionOps logs ops for client id, in order, and calls then once
+// every one is logged (at once when there are none): a SUBACK or UNSUBACK
+// waits for them, so a device told it is subscribed finds the subscription
+// on any member it moves to, even from a slave whose master takes the
+// records. A record that could not be logged is logged about; the answer
+// goes anyway, the subscription being in force here.
+func (s *Server) proposeSessionOps(id string, ops []sessionOp, then func()) {
+	if len(ops) == 0 {
+		then()
+		return
+	}
+	var left atomic.Int32
+	left.Store(int32(len(ops)))
+	for _, op := range ops {
+		b, _ := json.Marshal(op) // a struct of strings and numbers: cannot fail
+		m := &Message{ClientID: id, Topic: sessionTopic, Payload: b, Time: time.Now().UnixNano()}
+		s.log.Reserve(m)
+		s.log.Propose(m, Async, func(err error) {
+			if err != nil {
+				s.lines.Warn("subscription record not logged: the other members may not know it", "client", id, "error", err)
+			}
+			if left.Add(-1) == 0 {
+				then()
+			}
+		})
+	}
 }
 
 func (s *Server) proposeControl(topic, client string, payload []byte) {

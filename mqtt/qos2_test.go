@@ -3,6 +3,7 @@ package mqtt
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
 )
@@ -168,5 +169,40 @@ func TestMQTT_4_3_3_9_QoS2InboundExactlyOnceAcrossAMove(t *testing.T) {
 				t.Fatalf("in the log: %v; want the resent publish once and the new one once", counts)
 			}
 		})
+	}
+}
+
+// A persistent session's SUBACK (and UNSUBACK) waits until the
+// subscription's record is logged: a device told it is subscribed finds
+// the subscription on whichever member it moves to. A clean session's
+// subscription lives on this member only and is answered at once.
+func TestSubackWaitsForTheSubscriptionRecord(t *testing.T) {
+	log := newMemLog()
+	hold := make(chan struct{})
+	log.hold = hold
+	s, _ := testServer(t, log, nil)
+	clean := dialRaw(t, s.Addr(), 5)
+	clean.connect("clean", true, nil)
+	clean.subscribe(1, packets.Subscription{Filter: "a/#", Qos: 1}) // expects the SUBACK now
+
+	dev := dialRaw(t, s.Addr(), 5)
+	dev.connect("dev", false, &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true})
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Subscribe, Qos: 1}, PacketID: 2,
+		Filters: packets.Subscriptions{{Filter: "b/#", Qos: 1}}})
+	if pk, err := dev.read(200 * time.Millisecond); err == nil {
+		t.Fatalf("packet type %d before the subscription record was logged", pk.FixedHeader.Type)
+	}
+	close(hold)
+	if ack := dev.expect(packets.Suback); ack.PacketID != 2 || ack.ReasonCodes[0] != 1 {
+		t.Fatalf("SUBACK %+v", ack)
+	}
+	var subs []string
+	for _, m := range log.topics() {
+		if m == sessionTopic {
+			subs = append(subs, m)
+		}
+	}
+	if len(subs) < 2 { // the session's start, its subscription
+		t.Fatalf("session records in the log: %d, want the start and the subscription", len(subs))
 	}
 }

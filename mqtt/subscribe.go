@@ -19,6 +19,7 @@ func (c *conn) subscribe(pk *packets.Packet) bool {
 	codes := make([]byte, len(pk.Filters))
 	var retainedOut []*outItem
 	granted := false
+	var records []sessionOp // a persistent session's new subscriptions, for the other members
 	for i, f := range pk.Filters {
 		refuse := func(code5 packets.Code, why string) {
 			srv.refusal(c.id, why+": subscription refused", "client", c.id, "filter", truncate(f.Filter))
@@ -69,7 +70,7 @@ func (c *conn) subscribe(pk *packets.Packet) bool {
 		srv.index.add(s, sub)
 		if persist {
 			srv.saveSub(c.id, sub)
-			srv.proposeSession(c.id, sessionOp{Op: "sub", Filter: sub.filter, QoS: sub.qos, NL: sub.noLocal, RAP: sub.rap, RH: sub.rh, ID: sub.id})
+			records = append(records, sessionOp{Op: "sub", Filter: sub.filter, QoS: sub.qos, NL: sub.noLocal, RAP: sub.rap, RH: sub.rh, ID: sub.id})
 		}
 		codes[i] = sub.qos
 		granted = true
@@ -95,8 +96,11 @@ func (c *conn) subscribe(pk *packets.Packet) bool {
 			srv.lines.Error("saving subscriptions failed", "client", c.id, "error", err)
 		}
 	}
-	c.send(&packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Suback}, PacketID: pk.PacketID, ReasonCodes: codes})
-	s.enqueueRetained(retainedOut)
+	suback := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Suback}, PacketID: pk.PacketID, ReasonCodes: codes}
+	srv.proposeSessionOps(c.id, records, func() {
+		c.send(suback)
+		s.enqueueRetained(retainedOut)
+	})
 	return true
 }
 
@@ -108,6 +112,7 @@ func (c *conn) unsubscribe(pk *packets.Packet) bool {
 	}
 	s := c.sess
 	codes := make([]byte, len(pk.Filters))
+	var records []sessionOp
 	for i, f := range pk.Filters {
 		s.mu.Lock()
 		sub := s.subs[f.Filter]
@@ -121,13 +126,13 @@ func (c *conn) unsubscribe(pk *packets.Packet) bool {
 		c.srv.index.remove(s, sub)
 		if persist {
 			c.srv.stageDelete(subKey(c.id, f.Filter))
-			c.srv.proposeSession(c.id, sessionOp{Op: "unsub", Filter: f.Filter})
+			records = append(records, sessionOp{Op: "unsub", Filter: f.Filter})
 		}
 	}
 	ack := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Unsuback}, PacketID: pk.PacketID}
 	if c.v == 5 {
 		ack.ReasonCodes = codes
 	}
-	c.send(ack)
+	c.srv.proposeSessionOps(c.id, records, func() { c.send(ack) })
 	return true
 }
