@@ -49,7 +49,7 @@ func (a *logAdapter) Propose(m *mqtt.Message, mode mqtt.AckMode, done func(error
 	rec := recordOf(m)
 	data := storage.AppendRecord(make([]byte, 0, 64+len(m.Topic)+len(m.ClientID)+len(m.Payload)), &rec)
 	rmode := replication.Async
-	if mode == mqtt.Sync {
+	if mode == mqtt.Sync || (mode == mqtt.Replicated && a.d.otherMemberReachable()) {
 		rmode = replication.Sync
 	}
 	a.d.node().Propose(data, rmode, func(_ uint64, err error) {
@@ -185,4 +185,19 @@ func (s sessionStore) Load(prefix string, fn func(string, []byte) error) error {
 
 func mqttUser(u storage.UserProperty) packets.UserProperty {
 	return packets.UserProperty{Key: u.Key, Val: u.Value}
+}
+
+// otherMemberReachable reports whether this node has a link to another
+// member of its cluster: a Replicated record then waits for one to hold it.
+func (d *Daemon) otherMemberReachable() bool {
+	if d.cl == nil || d.cl.tr == nil {
+		return false
+	}
+	n := d.node()
+	for _, m := range n.Members() {
+		if m.ID != n.ID() && d.cl.tr.Reachable(m.ID) {
+			return true
+		}
+	}
+	return false
 }

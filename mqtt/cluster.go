@@ -151,7 +151,11 @@ func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) 
 		if op.Op == "start" && se != nil {
 			se.mu.Lock()
 			se.startIndex = index
+			c := se.conn
 			se.mu.Unlock()
+			if c != nil {
+				c.kick() // its replay waited for this (awaitingStartLocked)
+			}
 		}
 		return
 	}
@@ -269,4 +273,38 @@ func (s *Server) replicateCursors() {
 	if err == nil {
 		s.proposeControl(cursorTopic, "", b)
 	}
+}
+
+// proposeStart logs the start record of se, a persistent session that just
+// connected here. A resumed session replays the log only once that record
+// is applied here (awaitingStartLocked), or could not be logged.
+func (s *Server) proposeStart(se *session, op sessionOp) {
+	b, _ := json.Marshal(op) // a struct of strings and numbers: cannot fail
+	m := &Message{ClientID: se.id, Topic: sessionTopic, Payload: b, Time: time.Now().UnixNano()}
+	s.log.Reserve(m)
+	s.log.Propose(m, Async, func(err error) {
+		if err == nil {
+			return
+		}
+		s.lines.Warn("session start record not logged: replaying without it", "client", se.id, "error", err)
+		se.mu.Lock()
+		se.startFailed = true
+		c := se.conn
+		se.mu.Unlock()
+		if c != nil {
+			c.kick()
+		}
+	})
+}
+
+// awaitingStartLocked reports whether a resumed session must wait before
+// it replays the log: until its start record is applied here, this member
+// may not have applied all that the cluster committed before the device
+// came (a follower learns the commit index from the next master), such as
+// the release records of QoS 2 flows the device finished on the member it
+// came from, which must not be sent again. Log order makes the start
+// record a barrier: what was committed before it is applied before it.
+// Called with se.mu held.
+func (se *session) awaitingStartLocked() bool {
+	return se.resumed && se.startIndex == 0 && !se.startFailed
 }

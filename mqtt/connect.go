@@ -280,7 +280,8 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 		wasPersistent := se.persistent()
 		se.expiry = expiry
 		se.expireAt = time.Time{}
-		se.remoteOnline, se.startIndex = false, 0
+		se.remoteOnline, se.startIndex, se.startFailed = false, 0, false
+		se.resumed = present
 		// Whatever the log holds past the cursor is read from it: the
 		// client was away.
 		se.behind, se.more = true, false
@@ -289,7 +290,7 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 		se.mu.Unlock()
 		s.mu.Unlock()
 		if se.persistent() || wasPersistent {
-			s.proposeSession(c.id, sessionOp{Op: "start", User: c.user, Expiry: expiry, Clean: clean})
+			s.proposeStart(se, sessionOp{Op: "start", User: c.user, Expiry: expiry, Clean: clean})
 		}
 		if se.persistent() {
 			s.saveSession(se)

@@ -207,7 +207,7 @@ func testServer(t *testing.T, log *memLog, mutate func(*Config)) (*Server, *memL
 	if log == nil {
 		log = newMemLog()
 	}
-	cfg := Config{Listen: "127.0.0.1:0", AllowAnonymous: true, Sessions: log.store}
+	cfg := Config{Listen: "127.0.0.1:0", AllowAnonymous: true, Sessions: log.store, NodeID: 1} // memLog gives records origin 1
 	cfg.Limits.ConnectRate = -1
 	if mutate != nil {
 		mutate(&cfg)

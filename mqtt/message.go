@@ -16,12 +16,21 @@ const (
 	Async AckMode = iota
 	// Sync: PUBACK/PUBREC once a slave has it on disk too.
 	Sync
+	// Replicated: on another member's disk too whenever this member has
+	// one it can reach, else on the master's: for the session records a
+	// member that takes a device over must find (a QoS 2 release), which
+	// need not wait out sync_timeout on a gateway with nobody to take over.
+	// Not a topic's ack mode.
+	Replicated
 )
 
-// String returns "async" or "sync".
+// String returns "async", "sync" or "replicated".
 func (m AckMode) String() string {
-	if m == Sync {
+	switch m {
+	case Sync:
 		return "sync"
+	case Replicated:
+		return "replicated"
 	}
 	return "async"
 }

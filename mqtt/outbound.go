@@ -60,7 +60,7 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 			it.pid = s.newPIDLocked()
 		}
 		var aliased bool
-		buf, aliased = c.appendPublish(buf, it, expiry, false)
+		buf, aliased = c.appendPublish(buf, it, expiry, s.mayHaveLocked(it))
 		if c.maxPacket > 0 && uint32(len(buf)-mark) > c.maxPacket {
 			// Too big for the client: dropped as if delivered
 			// [MQTT-3.1.2-24], and the alias it would have set is not

@@ -22,7 +22,7 @@ import (
 // delivery waits while that id is taken. (b): when the client PUBRECs
 // such a delivery on a persistent session, the member logs a release
 // record (a session record "rel" with the indexes) and sends the PUBREL
-// only once that record is logged under the message's ack rule: a member
+// only once that record is on another member's disk too (Replicated): a member
 // that takes over later has it, keeps the flow as PUBREL'd, and skips the
 // record in its replay. Until the batched cursor passes it, the flow stays
 // on the copies; a PUBREL for a flow the client finished is answered with
@@ -33,7 +33,7 @@ import (
 func pidFor(index uint64) uint16 { return uint16((index-1)%0xFFFF) + 1 }
 
 // inFlight reports whether the session has it, a replayed record, in
-// flight already (taken over from another member with its flow).
+// flight already or done (taken over from another member with its flow).
 func (s *session) inFlight(it *outItem) bool {
 	if it.qos != 2 {
 		return false
@@ -41,7 +41,7 @@ func (s *session) inFlight(it *outItem) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	f := s.inflight[pidFor(it.idx)]
-	return f != nil && f.idx == it.idx
+	return (f != nil && f.idx == it.idx) || s.doneAbove[it.idx]
 }
 
 // releaseNext logs the release record of the PUBREC'd deliveries waiting
@@ -55,17 +55,11 @@ func (s *session) releaseNext() {
 	}
 	batch := s.relPending
 	s.relPending, s.relBusy = nil, true
-	mode := Async
-	for _, idx := range batch {
-		if it := s.inflight[pidFor(idx)]; it != nil && it.m != nil && AckFor(s.srv.topicPolicies(), it.m.Topic) == Sync {
-			mode = Sync // released only where the message itself is safe
-		}
-	}
 	s.mu.Unlock()
 	b, _ := json.Marshal(sessionOp{Op: "rel", Rel: batch})
 	m := &Message{ClientID: s.id, Topic: sessionTopic, Payload: b, Time: time.Now().UnixNano()}
 	s.srv.log.Reserve(m)
-	s.srv.log.Propose(m, mode, func(err error) { s.released(batch, err) })
+	s.srv.log.Propose(m, Replicated, func(err error) { s.released(batch, err) })
 }
 
 // released sends the PUBRELs of batch once its release record is logged.
@@ -167,4 +161,14 @@ func (s *Server) noteInbound(m *Message) {
 	se.inbound[m.PacketID] = &inbound2{origin: m.Origin, seq: m.Seq, done: true}
 	se.mu.Unlock()
 	s.stagePut(qos2Key(m.ClientID, m.PacketID), encodeQoS2(m.Origin, m.Seq, time.Unix(0, m.Time)))
+}
+
+// mayHaveLocked reports whether the client of a resumed session may hold
+// it, a QoS 2 record, already: one committed before the session's start
+// record here (startIndex; 0 until it is applied) may have been sent by
+// the member the device came from. Such a delivery goes with DUP set, so
+// that the client's state decides whether it is new [MQTT-3.3.1-1]: "might
+// be re-delivery". Called with se.mu held.
+func (se *session) mayHaveLocked(it *outItem) bool {
+	return it.qos == 2 && it.idx > 0 && se.resumed && (se.startIndex == 0 || it.idx < se.startIndex)
 }

@@ -83,8 +83,9 @@ func qos2Move(t *testing.T, v byte) {
 			if k == "1" || k == "2" || k == "3" {
 				t.Fatalf("message %s, whose flow the device completed or had PUBREL'd, sent again", k)
 			}
-			if want, ok := pidOf[k]; ok && (k == "4" || k == "5") && p.PacketID != want {
-				t.Fatalf("message %s came again under packet id %d, not %d: the device takes it for a new one", k, p.PacketID, want)
+			if want, ok := pidOf[k]; ok && (k == "4" || k == "5") && (p.PacketID != want || !p.FixedHeader.Dup) {
+				t.Fatalf("message %s came again under packet id %d dup %v, not %d dup true: the device takes it for a new one",
+					k, p.PacketID, p.FixedHeader.Dup, want)
 			}
 			if held[p.PacketID] != k {
 				delivered[k]++ // not a duplicate of an id the device holds

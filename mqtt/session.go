@@ -47,6 +47,7 @@ type session struct {
 	// device connected there later. remoteOnline: the session is live on
 	// another member, so it does not expire here.
 	startIndex   uint64
+	startFailed  bool // the start record could not be logged: replay without it
 	remoteOnline bool
 	// queue holds what was offered and not yet handed out, oldest first.
 	queue []*outItem
@@ -67,6 +68,13 @@ type session struct {
 	// is in flight. Their PUBRELs wait for it (qos2.go).
 	relPending []uint64
 	relBusy    bool
+	// resumed: the session was present at its connection's CONNECT, so
+	// the client may hold some of its QoS 2 records already (mayHave).
+	resumed bool
+	// doneAbove holds the indexes past the cursor whose QoS 2 flow ended
+	// here anyway: flows taken over from another member (applyReleased),
+	// completed before the replay reached them, which must skip them.
+	doneAbove map[uint64]bool
 
 	dropped uint64 // log positions retention took before this session was handed them
 }
@@ -191,6 +199,12 @@ func (s *session) acked(pid uint16, qos byte) bool {
 	}
 	delete(s.inflight, pid)
 	s.srv.inflight.Add(-1)
+	if qos == 2 && it.idx > s.cursor {
+		if s.doneAbove == nil {
+			s.doneAbove = map[uint64]bool{}
+		}
+		s.doneAbove[it.idx] = true
+	}
 	persist := s.persistent()
 	s.mu.Unlock()
 	if persist {
@@ -246,7 +260,7 @@ func (s *session) received(pid uint16, failed bool) (ok, release bool) {
 func (s *session) replay(c *conn) bool {
 	const batch = 256
 	s.mu.Lock()
-	if s.conn != c || !s.behind || len(s.queue) > 0 {
+	if s.conn != c || !s.behind || len(s.queue) > 0 || s.awaitingStartLocked() {
 		s.mu.Unlock()
 		return false
 	}
@@ -308,6 +322,11 @@ func (s *session) replay(c *conn) bool {
 	}
 	if len(items) == 0 && s.scanned > s.cursor {
 		s.cursor = s.scanned // nothing matched in between
+	}
+	for idx := range s.doneAbove {
+		if idx <= s.scanned {
+			delete(s.doneAbove, idx) // the replay is past it
+		}
 	}
 	if !full && !s.more {
 		s.behind = false
