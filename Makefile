@@ -58,7 +58,7 @@ test: vet build $(TESTSUM)
 	$(GO) test -json -count=1 -race -timeout 8m $(RACE_PKGS) | $(TESTSUM) -record $(TESTREC)
 	$(GO) test -json -run '^$$' -fuzz '^FuzzDecodeRecord$$' -fuzztime 60000x ./storage/ | $(TESTSUM) -record $(TESTREC)
 	$(GO) test -json -run '^$$' -fuzz '^FuzzDecodeFrame$$' -fuzztime 100000x ./storage/ | $(TESTSUM) -record $(TESTREC)
-	$(GO) test -json -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime 1000x ./daemon/ | $(TESTSUM) -record $(TESTREC)
+	$(GO) test -json -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime 1000x ./config/ | $(TESTSUM) -record $(TESTREC)
 	$(GO) test -json -run '^$$' -fuzz '^FuzzInboundStream$$' -fuzztime 2000x ./daemon/ | $(TESTSUM) -record $(TESTREC)
 	$(MAKE) test-arm TESTREC=$(TESTREC)
 	@echo; echo "make test:"; $(TESTSUM) -report $(TESTREC)
@@ -102,7 +102,7 @@ FUZZTIME ?= 30s
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeRecord$$' -fuzztime $(FUZZTIME) ./storage/
 	$(GO) test -run '^$$' -fuzz '^FuzzRecordRoundTrip$$' -fuzztime $(FUZZTIME) ./storage/
-	$(GO) test -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime $(FUZZTIME) ./daemon/
+	$(GO) test -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime $(FUZZTIME) ./config/
 	$(GO) test -run '^$$' -fuzz '^FuzzInboundStream$$' -fuzztime $(FUZZTIME) ./daemon/
 	$(GO) test -run '^$$' -fuzz '^FuzzACLCovers$$' -fuzztime $(FUZZTIME) ./mqtt/
 	$(GO) test -run '^$$' -fuzz '^FuzzFrameDecoder$$' -fuzztime $(FUZZTIME) ./replication/

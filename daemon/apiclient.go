@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+
+	"github.com/tandem-edge/tandem/config"
 )
 
 // apiFlags are how a CLI command finds the running daemon's HTTP API and
@@ -36,9 +38,9 @@ func (f *apiFlags) add(cmd *cobra.Command) {
 // endpoint returns the address to dial and the token files to try, in
 // order.
 func (f *apiFlags) endpoint() (addr string, tokenFiles []string, err error) {
-	cfg := DefaultConfig()
+	cfg := config.DefaultConfig()
 	if f.config != "" {
-		if cfg, err = LoadConfig(f.config); err != nil {
+		if cfg, err = config.Load(f.config); err != nil {
 			return "", nil, err
 		}
 	}
@@ -59,14 +61,14 @@ func (f *apiFlags) endpoint() (addr string, tokenFiles []string, err error) {
 		return addr, []string{cfgTokenFile(cfg)}, nil
 	}
 	tokenFiles = []string{cfgTokenFile(cfg)}
-	if pc, err := LoadConfig(DefaultServiceConfig); err == nil {
+	if pc, err := config.Load(DefaultServiceConfig); err == nil {
 		tokenFiles = append(tokenFiles, cfgTokenFile(pc))
 	}
 	return addr, tokenFiles, nil
 }
 
 // cfgTokenFile is where the daemon run with c keeps its API token.
-func cfgTokenFile(c *Config) string {
+func cfgTokenFile(c *config.Config) string {
 	if c.HTTP.TokenFile != "" {
 		return c.HTTP.TokenFile
 	}

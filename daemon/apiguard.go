@@ -18,6 +18,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/tandem-edge/tandem/config"
 )
 
 // The admin API's guard. The API can make a gateway discard its log and
@@ -67,7 +69,7 @@ type apiGuard struct {
 
 // newAPIGuard finds or makes the API token and lists the host names the
 // listener answers to. A missing http.token_file is a configuration error.
-func newAPIGuard(c *Config, log *slog.Logger) (*apiGuard, error) {
+func newAPIGuard(c *config.Config, log *slog.Logger) (*apiGuard, error) {
 	g := &apiGuard{tokenFile: c.HTTP.TokenFile, hosts: map[string]bool{"localhost": true}}
 	if g.tokenFile == "" {
 		g.tokenFile = filepath.Join(c.Node.DataDir, apiTokenFile)

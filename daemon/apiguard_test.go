@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/tandem-edge/tandem/config"
 )
 
 // rawAPI sends one request to d's HTTP listener exactly as given: the
@@ -121,7 +123,7 @@ func TestAdminAPIRefusesCrossSiteRebindingAndTokenless(t *testing.T) {
 // page answer a browser on the gateway (no token) under any of the
 // listener's own names, and refuse a rebinding Host.
 func TestReadOnlyEndpointsCheckHostOnly(t *testing.T) {
-	d := clusterGateway(t, "gw-1", func(c *Config) { c.HTTP.AllowedHosts = []string{"GW-1.example.net"} })
+	d := clusterGateway(t, "gw-1", func(c *config.Config) { c.HTTP.AllowedHosts = []string{"GW-1.example.net"} })
 	_, port, _ := strings.Cut(d.HTTPAddr(), ":")
 	for _, path := range []string{"/", "/v1/status", "/metrics", "/healthz"} {
 		for _, host := range []string{"", "localhost:" + port, "LOCALHOST", "127.0.0.1:" + port, "[::1]:" + port, "localhost:9000", "gw-1.example.net:" + port} {
@@ -144,8 +146,8 @@ func TestReadOnlyEndpointsCheckHostOnly(t *testing.T) {
 func TestAPITokenWrittenOnceAndFoundByTheCLI(t *testing.T) {
 	dir := t.TempDir()
 	t.Chdir(dir)
-	d := clusterGateway(t, "gw-1", func(c *Config) { c.Node.DataDir = DefaultConfig().Node.DataDir })
-	path := filepath.Join(dir, DefaultConfig().Node.DataDir, apiTokenFile)
+	d := clusterGateway(t, "gw-1", func(c *config.Config) { c.Node.DataDir = config.DefaultConfig().Node.DataDir })
+	path := filepath.Join(dir, config.DefaultConfig().Node.DataDir, apiTokenFile)
 	fi, err := os.Stat(path)
 	if err != nil {
 		t.Fatal(err)
@@ -161,8 +163,8 @@ func TestAPITokenWrittenOnceAndFoundByTheCLI(t *testing.T) {
 
 	// The same token after a restart, and found through --config.
 	cfgFile := filepath.Join(dir, "tandem.yaml")
-	writeFile(t, cfgFile, "node:\n  name: gw-1\n  data_dir: "+DefaultConfig().Node.DataDir+"\nhttp:\n  listen: 127.0.0.1:0\n")
-	d2 := clusterGateway(t, "gw-1", func(c *Config) { c.Node.DataDir = DefaultConfig().Node.DataDir })
+	writeFile(t, cfgFile, "node:\n  name: gw-1\n  data_dir: "+config.DefaultConfig().Node.DataDir+"\nhttp:\n  listen: 127.0.0.1:0\n")
+	d2 := clusterGateway(t, "gw-1", func(c *config.Config) { c.Node.DataDir = config.DefaultConfig().Node.DataDir })
 	if got := apiToken(t, d2); got != tok {
 		t.Fatalf("token changed on restart: %q → %q", tok, got)
 	}
@@ -196,7 +198,7 @@ func TestConfiguredTokenFile(t *testing.T) {
 	if err := os.Chmod(users, 0o604); err != nil {
 		t.Fatal(err)
 	}
-	d, logs := startGateway(t, func(c *Config) { c.HTTP.TokenFile = tf; c.MQTT.UsersFile = users })
+	d, logs := startGateway(t, func(c *config.Config) { c.HTTP.TokenFile = tf; c.MQTT.UsersFile = users })
 	for _, what := range []string{"http token file is open to other users", "mqtt.users_file is open to other users"} {
 		if !strings.Contains(logs.String(), what) {
 			t.Fatalf("no warning %q:\n%s", what, logs)
@@ -206,7 +208,7 @@ func TestConfiguredTokenFile(t *testing.T) {
 	if err := os.Chmod(tf, 0o640); err != nil {
 		t.Fatal(err)
 	}
-	_, logs2 := startGateway(t, func(c *Config) { c.HTTP.TokenFile = tf })
+	_, logs2 := startGateway(t, func(c *config.Config) { c.HTTP.TokenFile = tf })
 	if strings.Contains(logs2.String(), "open to other users") {
 		t.Fatalf("warned of a 0640 file of the daemon's own group:\n%s", logs2)
 	}
@@ -219,7 +221,7 @@ func TestConfiguredTokenFile(t *testing.T) {
 		t.Fatalf("invite with the configured token: %d %s", code, body)
 	}
 
-	cfg := DefaultConfig()
+	cfg := config.DefaultConfig()
 	cfg.Node.DataDir = t.TempDir()
 	cfg.MQTT.Listen, cfg.HTTP.Listen, cfg.Peer.Listen = "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0"
 	cfg.HTTP.TokenFile = filepath.Join(dir, "missing")

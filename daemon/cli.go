@@ -18,6 +18,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/internal/version"
 )
 
@@ -55,7 +56,7 @@ func Main(args []string, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprintln(stderr, "tandem:", err)
 	var ue usageError
-	var ce *ConfigError
+	var ce *config.ConfigError
 	if errors.As(err, &ue) || errors.As(err, &ce) || strings.HasPrefix(err.Error(), "unknown command") {
 		return ExitUsage
 	}
@@ -111,7 +112,7 @@ func newCheckCmd() *cobra.Command {
 			if path == "" {
 				return usageError{errors.New("check needs --config FILE")}
 			}
-			if _, err := LoadConfig(path); err != nil {
+			if _, err := config.Load(path); err != nil {
 				return usageError{err}
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "%s: ok\n", path)
@@ -158,11 +159,11 @@ func newRunCmd() *cobra.Command {
 	return cmd
 }
 
-func (f *runFlags) load(cmd *cobra.Command) (*Config, error) {
-	cfg := DefaultConfig()
+func (f *runFlags) load(cmd *cobra.Command) (*config.Config, error) {
+	cfg := config.DefaultConfig()
 	if f.config != "" {
 		var err error
-		if cfg, err = LoadConfig(f.config); err != nil {
+		if cfg, err = config.Load(f.config); err != nil {
 			return nil, err
 		}
 	}
@@ -183,7 +184,7 @@ func (f *runFlags) load(cmd *cobra.Command) (*Config, error) {
 }
 
 // newLogger builds the daemon's slog handler: text or JSON, at the level set.
-func newLogger(cfg LogConfig, w io.Writer) *slog.Logger {
+func newLogger(cfg config.LogConfig, w io.Writer) *slog.Logger {
 	var lvl slog.Level
 	_ = lvl.UnmarshalText([]byte(cfg.Level))
 	opts := &slog.HandlerOptions{Level: lvl}
@@ -194,7 +195,7 @@ func newLogger(cfg LogConfig, w io.Writer) *slog.Logger {
 }
 
 // runDaemon runs until SIGTERM/SIGINT (clean stop, nil) or a failure.
-func runDaemon(cfg *Config, logw io.Writer) error {
+func runDaemon(cfg *config.Config, logw io.Writer) error {
 	// Signals first: a reload or stop that arrives while the daemon starts
 	// is handled once it has, not fatal (SIGHUP's default is to exit).
 	sigc := make(chan os.Signal, 4)

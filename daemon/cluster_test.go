@@ -10,13 +10,15 @@ import (
 	"time"
 
 	"github.com/eclipse/paho.golang/paho"
+
+	"github.com/tandem-edge/tandem/config"
 )
 
 // clusterGateway starts an in-process gateway named name, with the topics
 // under s/ acked sync and fast raft timing.
-func clusterGateway(t *testing.T, name string, mutate func(*Config)) *Daemon {
+func clusterGateway(t *testing.T, name string, mutate func(*config.Config)) *Daemon {
 	t.Helper()
-	return testGateway(t, t.TempDir(), func(c *Config) {
+	return testGateway(t, t.TempDir(), func(c *config.Config) {
 		clusterTestConfig(c, name)
 		if mutate != nil {
 			mutate(c)
@@ -25,12 +27,12 @@ func clusterGateway(t *testing.T, name string, mutate func(*Config)) *Daemon {
 }
 
 // clusterTestConfig names a test gateway, makes s/# sync and raft fast.
-func clusterTestConfig(c *Config, name string) {
+func clusterTestConfig(c *config.Config, name string) {
 	c.Node.Name = name
-	c.Topics = []TopicRule{{Match: "s/#", Ack: "sync"}}
-	c.Cluster.Heartbeat = Duration(50 * time.Millisecond)
-	c.Cluster.ElectionTimeout = Duration(500 * time.Millisecond)
-	c.Cluster.SyncTimeout = Duration(3 * time.Second)
+	c.Topics = []config.TopicRule{{Match: "s/#", Ack: "sync"}}
+	c.Cluster.Heartbeat = config.Duration(50 * time.Millisecond)
+	c.Cluster.ElectionTimeout = config.Duration(500 * time.Millisecond)
+	c.Cluster.SyncTimeout = config.Duration(3 * time.Second)
 }
 
 // api POSTs req to a gateway's cluster API as the CLI does (JSON, the
@@ -310,7 +312,7 @@ func TestInviteBookRefusesExpiredAndReused(t *testing.T) {
 
 func TestTopicRuleMismatchShownInStatus(t *testing.T) {
 	g1 := clusterGateway(t, "gw-1", nil)
-	g2 := clusterGateway(t, "gw-2", func(c *Config) { c.Topics = []TopicRule{{Match: "other/#", Ack: "sync"}} })
+	g2 := clusterGateway(t, "gw-2", func(c *config.Config) { c.Topics = []config.TopicRule{{Match: "other/#", Ack: "sync"}} })
 	joinWith(t, g2, inviteToken(t, g1))
 	for _, g := range []*Daemon{g1, g2} {
 		waitFor(t, 15*time.Second, g.cfg.Node.Name+" seeing the other's rules differ", func() bool {

@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/mqtt"
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
@@ -21,7 +22,7 @@ import (
 // Daemon is one running gateway: storage, replication, broker and the HTTP
 // listener, started in that order and stopped in reverse.
 type Daemon struct {
-	cfg    *Config
+	cfg    *config.Config
 	log    *slog.Logger
 	id     *replication.Identity
 	db     *storage.DB
@@ -47,8 +48,8 @@ type Daemon struct {
 	// mutatingPaths lists the endpoints registered behind guard.mutating.
 	mutatingPaths []string
 
-	reloadMu sync.Mutex // serialises Reload; guards live
-	live     *Config    // the configuration in force: cfg, then each reload's
+	reloadMu sync.Mutex     // serialises Reload; guards live
+	live     *config.Config // the configuration in force: cfg, then each reload's
 
 	stopOnce sync.Once
 
@@ -56,7 +57,7 @@ type Daemon struct {
 }
 
 // New validates cfg; Start does the work.
-func New(cfg *Config, log *slog.Logger) (*Daemon, error) {
+func New(cfg *config.Config, log *slog.Logger) (*Daemon, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -381,7 +382,7 @@ func (d *Daemon) startHTTP() error {
 
 // flushInterval is storage.Options.FlushInterval for the config: zero
 // (fsync before every ack) unless flush is interval.
-func flushInterval(c StorageConfig) time.Duration {
+func flushInterval(c config.StorageConfig) time.Duration {
 	if c.Flush != "interval" {
 		return 0
 	}

@@ -6,6 +6,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/replication"
 )
 
@@ -37,12 +38,12 @@ type history struct {
 	// they were counted under (a reload renumbers the rules), nil before
 	// the first interval.
 	ruleRates []float64
-	rulesOf   *Config
+	rulesOf   *config.Config
 }
 
 func newHistory(size int) *history { return &history{buf: make([]sample, size)} }
 
-func (h *history) add(s sample, ruleRates []float64, rulesOf *Config) {
+func (h *history) add(s sample, ruleRates []float64, rulesOf *config.Config) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.buf[h.end] = s
@@ -64,7 +65,7 @@ func (h *history) samples() []sample {
 
 // rates returns the per-rule rates if they were counted under the config
 // live is, nil otherwise.
-func (h *history) rates(live *Config) []float64 {
+func (h *history) rates(live *config.Config) []float64 {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.rulesOf != live {
@@ -78,7 +79,7 @@ type sampler struct {
 	at      time.Time
 	rules   [maxRuleCounts + 1]uint64
 	acks    uint64
-	live    *Config
+	live    *config.Config
 	stopped int // samples in a row that found the node stopped
 }
 

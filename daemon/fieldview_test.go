@@ -25,6 +25,7 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/mqtt"
 	"github.com/tandem-edge/tandem/replication"
 )
@@ -107,10 +108,10 @@ func requireWired(t *testing.T, d *Daemon) {
 }
 
 func TestMetricsMoveWithPublishes(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) {
+	d := testGateway(t, t.TempDir(), func(c *config.Config) {
 		c.Node.Name = "gw-metrics"
-		c.Cluster.SyncTimeout = Duration(200 * time.Millisecond)
-		c.Topics = []TopicRule{{Match: "s/#", Ack: "sync"}}
+		c.Cluster.SyncTimeout = config.Duration(200 * time.Millisecond)
+		c.Topics = []config.TopicRule{{Match: "s/#", Ack: "sync"}}
 	})
 	pub, _ := v5(t, d.MQTTAddr(), "metrics-pub", nil)
 	const n1, n2, n0 = 20, 5, 3
@@ -371,7 +372,9 @@ func loadPage(t *testing.T, url, shot string) ([]renderedNode, string) {
 // gw-2 its learner slave, caught up.
 func twoGateways(t *testing.T, prefix string) (master, slave *Daemon) {
 	t.Helper()
-	topics := func(c *Config) { c.Topics = append(c.Topics, TopicRule{Match: "telemetry/+", Ack: "async"}) }
+	topics := func(c *config.Config) {
+		c.Topics = append(c.Topics, config.TopicRule{Match: "telemetry/+", Ack: "async"})
+	}
 	master = clusterGateway(t, prefix+"-1", topics)
 	slave = clusterGateway(t, prefix+"-2", topics)
 	joinWith(t, slave, inviteToken(t, master))
@@ -479,7 +482,7 @@ func TestMetricsOfATwoGatewayCluster(t *testing.T) {
 }
 
 func TestStatusCommand(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) { c.Node.Name = "gw-cli" })
+	d := testGateway(t, t.TempDir(), func(c *config.Config) { c.Node.Name = "gw-cli" })
 	pub, _ := v5(t, d.MQTTAddr(), "cli-pub", nil)
 	publish(t, pub, &paho.Publish{Topic: "a/b", QoS: 1, Payload: []byte("x")})
 

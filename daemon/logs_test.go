@@ -8,6 +8,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/tandem-edge/tandem/config"
 )
 
 // lockedBuffer is a log sink the daemon's goroutines may share.
@@ -34,7 +36,7 @@ func (l *lockedBuffer) String() string {
 // component=raft").
 func TestStartLogsAreForPeople(t *testing.T) {
 	var buf lockedBuffer
-	cfg := DefaultConfig()
+	cfg := config.DefaultConfig()
 	cfg.Node.DataDir, cfg.Node.Name = t.TempDir(), "test"
 	cfg.MQTT.Listen, cfg.HTTP.Listen, cfg.Peer.Listen = "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0"
 	d, err := New(cfg, slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelInfo})))

@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/tandem-edge/tandem/config"
 )
 
 // registerFieldView adds the field view's endpoints (status page, metrics)
@@ -176,7 +178,7 @@ func (d *Daemon) peerAddr(s *Status) string {
 // topicRows lists the topic rules in force with their rates, then the
 // default for topics no rule matches. counted is false when the rates are
 // not known for these rules yet (just started, or just reloaded).
-func topicRows(live *Config, rates []float64) (rows []topicRow, counted bool) {
+func topicRows(live *config.Config, rates []float64) (rows []topicRow, counted bool) {
 	counted = rates != nil
 	r := func(i int) string {
 		if i+1 < len(rates) {

@@ -1,6 +1,10 @@
 package daemon
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/tandem-edge/tandem/config"
+)
 
 // The status page's "everything else" row is the default for topics no
 // rule matches; behind a "#" rule there are none, so it is left out.
@@ -11,11 +15,11 @@ func TestTopicRowsLeaveOutTheDefaultBehindACatchAll(t *testing.T) {
 		}
 		return out
 	}
-	some := &Config{Topics: []TopicRule{{Match: "s/#", Ack: "sync"}, {Match: "telemetry/+"}}}
+	some := &config.Config{Topics: []config.TopicRule{{Match: "s/#", Ack: "sync"}, {Match: "telemetry/+"}}}
 	if got := names(mustRows(topicRows(some, nil))); len(got) != 3 || got[2] != "everything else" {
 		t.Errorf("rules without #: rows %v", got)
 	}
-	all := &Config{Topics: []TopicRule{{Match: "s/#", Ack: "sync"}, {Match: "#"}}}
+	all := &config.Config{Topics: []config.TopicRule{{Match: "s/#", Ack: "sync"}, {Match: "#"}}}
 	if got := names(mustRows(topicRows(all, nil))); len(got) != 2 || got[1] != "#" {
 		t.Errorf("rules ending in #: rows %v, want no everything-else row", got)
 	}

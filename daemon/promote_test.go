@@ -11,6 +11,7 @@ import (
 
 	"github.com/eclipse/paho.golang/paho"
 
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/replication"
 )
 
@@ -21,9 +22,9 @@ type fixedGateway struct {
 	d               *Daemon
 }
 
-func (g *fixedGateway) start(t *testing.T, mutate func(*Config)) {
+func (g *fixedGateway) start(t *testing.T, mutate func(*config.Config)) {
 	t.Helper()
-	g.d = testGateway(t, g.dir, func(c *Config) {
+	g.d = testGateway(t, g.dir, func(c *config.Config) {
 		clusterTestConfig(c, g.name)
 		c.Peer.Listen = g.peer
 		if mutate != nil {
@@ -255,9 +256,9 @@ func TestRejoinKnockIsAnsweredAlikeUntilTheDeposedMasterRejoined(t *testing.T) {
 // probe is alive however long its raft link has been silent; a stopped one
 // is not.
 func TestAutoFailoverPromotesOnlyAMasterThatDoesNotAnswer(t *testing.T) {
-	auto := func(c *Config) {
+	auto := func(c *config.Config) {
 		c.Cluster.Failover = "auto"
-		c.Cluster.FailoverAfter = Duration(time.Hour) // the keeper stays out of it: the test drives the rounds
+		c.Cluster.FailoverAfter = config.Duration(time.Hour) // the keeper stays out of it: the test drives the rounds
 	}
 	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: unusedAddr(t)}
 	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: unusedAddr(t)}

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/crypto/bcrypt"
 	"golang.org/x/term"
 
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/mqtt"
 )
 
@@ -30,8 +31,8 @@ func (d *Daemon) Reload() error {
 		return errors.New("reload: the gateway is not running")
 	}
 	next := *d.live
-	if d.cfg.file != "" {
-		fresh, err := LoadConfig(d.cfg.file)
+	if d.cfg.Path() != "" {
+		fresh, err := config.Load(d.cfg.Path())
 		if err != nil {
 			return err
 		}
@@ -65,7 +66,7 @@ func (d *Daemon) Reload() error {
 
 // topicPolicies turns the config's topic rules into the broker's, warning
 // about sync rules, which a lone gateway cannot satisfy.
-func (d *Daemon) topicPolicies(rules []TopicRule) ([]mqtt.TopicPolicy, error) {
+func (d *Daemon) topicPolicies(rules []config.TopicRule) ([]mqtt.TopicPolicy, error) {
 	var topics []mqtt.TopicPolicy
 	for _, t := range rules {
 		mode, err := mqtt.ParseAckMode(t.Ack)
@@ -81,7 +82,7 @@ func (d *Daemon) topicPolicies(rules []TopicRule) ([]mqtt.TopicPolicy, error) {
 }
 
 // loadAccess reads the users and ACL files m names.
-func loadAccess(m MQTTConfig) (mqtt.Access, error) {
+func loadAccess(m config.MQTTConfig) (mqtt.Access, error) {
 	a := mqtt.Access{AllowAnonymous: m.AnonymousAllowed()}
 	var err error
 	if m.UsersFile != "" {
@@ -100,7 +101,7 @@ func loadAccess(m MQTTConfig) (mqtt.Access, error) {
 // mqttTLS converts the TLS settings, nil when the listener is off, and
 // reads the files once so that a missing or broken one stops the start
 // with its name (exit 2) rather than later.
-func mqttTLS(t TLSConfig) (*mqtt.TLSConfig, error) {
+func mqttTLS(t config.TLSConfig) (*mqtt.TLSConfig, error) {
 	if !t.Enabled() {
 		return nil, nil
 	}
@@ -117,7 +118,7 @@ func mqttTLS(t TLSConfig) (*mqtt.TLSConfig, error) {
 
 // mqttWebSocket converts the websocket settings, nil when the listener is
 // off.
-func mqttWebSocket(w WebSocketConfig) *mqtt.WebSocketConfig {
+func mqttWebSocket(w config.WebSocketConfig) *mqtt.WebSocketConfig {
 	if w.Listen == "" {
 		return nil
 	}
@@ -125,7 +126,7 @@ func mqttWebSocket(w WebSocketConfig) *mqtt.WebSocketConfig {
 }
 
 // mqttLimits converts the limits of the mqtt section.
-func mqttLimits(m MQTTConfig) mqtt.Limits {
+func mqttLimits(m config.MQTTConfig) mqtt.Limits {
 	return mqtt.Limits{
 		MaxClients:     m.MaxClients,
 		MaxTopicLength: m.MaxTopicLength,

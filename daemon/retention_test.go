@@ -16,6 +16,7 @@ import (
 
 	"github.com/eclipse/paho.golang/paho"
 
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/storage"
 )
 
@@ -47,7 +48,7 @@ func TestRetentionKeepsTheDataDirWithinBudget(t *testing.T) {
 	const budget = 8 << 20
 	const clients, each, size = 4, 6144, 1 << 10 // 24MiB in all
 	dir := t.TempDir()
-	withBudget := func(c *Config) { c.Storage.MaxBytes = budget }
+	withBudget := func(c *config.Config) { c.Storage.MaxBytes = budget }
 	d := testGateway(t, dir, withBudget)
 
 	var peak atomic.Int64
@@ -176,7 +177,7 @@ func TestRetentionKeepsTheDataDirWithinBudget(t *testing.T) {
 // max_age drops records older than it even with no publish to trigger a
 // checkpoint, and keeps the younger ones.
 func TestRetentionDropsRecordsPastMaxAge(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) { c.Storage.MaxAge = Duration(time.Second) })
+	d := testGateway(t, t.TempDir(), func(c *config.Config) { c.Storage.MaxAge = config.Duration(time.Second) })
 	pub, _ := v5(t, d.MQTTAddr(), "aging", nil)
 	for i := range 50 {
 		publish(t, pub, &paho.Publish{Topic: "age/old", QoS: 1, Payload: fmt.Appendf(nil, "old %d", i)})
@@ -206,7 +207,7 @@ func TestRetentionDropsRecordsPastMaxAge(t *testing.T) {
 // it drops and takes publishes again.
 func TestRetentionRefusesWhatAStoppedSlaveLacks(t *testing.T) {
 	const budget = 8 << 20
-	withBudget := func(c *Config) { c.Storage.MaxBytes = budget }
+	withBudget := func(c *config.Config) { c.Storage.MaxBytes = budget }
 	g1 := clusterGateway(t, "gw-1", withBudget)
 	g2 := clusterGateway(t, "gw-2", withBudget)
 	joinWith(t, g2, inviteToken(t, g1))
@@ -256,7 +257,7 @@ func TestRetentionRefusesWhatAStoppedSlaveLacks(t *testing.T) {
 
 	// The slave comes back: it catches up, the master drops and takes
 	// publishes again.
-	g2 = testGateway(t, slaveDir, func(c *Config) { clusterTestConfig(c, "gw-2"); withBudget(c) })
+	g2 = testGateway(t, slaveDir, func(c *config.Config) { clusterTestConfig(c, "gw-2"); withBudget(c) })
 	waitFor(t, 30*time.Second, "the master to drop once the slave caught up", func() bool {
 		s := statusOfGW(t, g1)
 		return !s.Storage.Refusing && s.Log.FirstIndex > slaveLast+1

@@ -33,6 +33,7 @@ import (
 	"github.com/eclipse/paho.golang/paho"
 	"golang.org/x/crypto/bcrypt"
 
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/mqtt"
 	"github.com/tandem-edge/tandem/storage"
 )
@@ -70,9 +71,9 @@ func (l *logBuf) count(s string) int { return strings.Count(l.String(), s) }
 
 // startGateway is testGateway for any testing.TB (the fuzz target's F
 // too), with the log captured.
-func startGateway(tb testing.TB, mutate func(*Config)) (*Daemon, *logBuf) {
+func startGateway(tb testing.TB, mutate func(*config.Config)) (*Daemon, *logBuf) {
 	tb.Helper()
-	cfg := DefaultConfig()
+	cfg := config.DefaultConfig()
 	cfg.Node.DataDir = tb.TempDir()
 	cfg.Node.Name = "test"
 	cfg.MQTT.Listen = "127.0.0.1:0"
@@ -82,7 +83,7 @@ func startGateway(tb testing.TB, mutate func(*Config)) (*Daemon, *logBuf) {
 		mutate(cfg)
 	}
 	logs := &logBuf{}
-	d, err := New(cfg, newLogger(LogConfig{Level: "info", Format: "text"}, logs))
+	d, err := New(cfg, newLogger(config.LogConfig{Level: "info", Format: "text"}, logs))
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -357,7 +358,7 @@ func noRecordFrom(t *testing.T, recs []storage.Record, clients ...string) {
 func TestWrongPasswordAndUnknownUserRefused(t *testing.T) {
 	dir := t.TempDir()
 	users := usersFile(t, filepath.Join(dir, "users"), "alice", "wonderland", "bob", "builder")
-	d, logs := startGateway(t, func(c *Config) { c.MQTT.UsersFile = users })
+	d, logs := startGateway(t, func(c *config.Config) { c.MQTT.UsersFile = users })
 	// A client connected before the refusals must stay served.
 	early := mustConnect(t, d.MQTTAddr(), connOpts{version: 4, id: "early", user: ptr("bob"), pass: ptr("builder")})
 
@@ -421,7 +422,7 @@ func TestWrongPasswordAndUnknownUserRefused(t *testing.T) {
 func TestUnverifiedUserNameIsAnonymousForACL(t *testing.T) {
 	dir := t.TempDir()
 	acl := writeFile(t, filepath.Join(dir, "acl"), "topic readwrite public/#\nuser admin\ntopic readwrite #\n")
-	d, _ := startGateway(t, func(c *Config) { c.MQTT.ACLFile = acl })
+	d, _ := startGateway(t, func(c *config.Config) { c.MQTT.ACLFile = acl })
 	c := mustConnect(t, d.MQTTAddr(), connOpts{version: 5, id: "claims-admin", user: ptr("admin"), pass: ptr("whatever")})
 	c.pub("secret/x", 1, false, 1, nil, "x")
 	if r := c.ack(0x40, 1); r != 0x87 {
@@ -450,7 +451,7 @@ func aclGateway(t *testing.T) (*Daemon, *logBuf) {
 	dir := t.TempDir()
 	users := usersFile(t, filepath.Join(dir, "users"), "alice", "a", "bob", "b")
 	acl := writeFile(t, filepath.Join(dir, "acl"), aclText)
-	return startGateway(t, func(c *Config) { c.MQTT.UsersFile, c.MQTT.ACLFile = users, acl })
+	return startGateway(t, func(c *config.Config) { c.MQTT.UsersFile, c.MQTT.ACLFile = users, acl })
 }
 
 func TestACLDeniedPublishMQTT5AckedInOrder(t *testing.T) {
@@ -690,8 +691,8 @@ func TestTLSClientCertificates(t *testing.T) {
 	dir := t.TempDir()
 	pki := newTestPKI(t, dir)
 	acl := writeFile(t, filepath.Join(dir, "acl"), "topic readwrite ok/#\nuser sensor-1\ntopic readwrite sensors/sensor-1/#\n")
-	d, logs := startGateway(t, func(c *Config) {
-		c.MQTT.TLS = TLSConfig{Listen: "127.0.0.1:0", CertFile: pki.certFile, KeyFile: pki.keyFile, CAFile: pki.caFile,
+	d, logs := startGateway(t, func(c *config.Config) {
+		c.MQTT.TLS = config.TLSConfig{Listen: "127.0.0.1:0", CertFile: pki.certFile, KeyFile: pki.keyFile, CAFile: pki.caFile,
 			RequireClientCert: true, UseIdentityAsUsername: true}
 		c.MQTT.ACLFile = acl
 	})
@@ -759,7 +760,7 @@ func TestTLSClientCertificates(t *testing.T) {
 // Limits.
 
 func TestOversizePacketDisconnectsOnlyItsClient(t *testing.T) {
-	d, logs := startGateway(t, func(c *Config) { c.MQTT.MaxPacketSize = 2 << 10 })
+	d, logs := startGateway(t, func(c *config.Config) { c.MQTT.MaxPacketSize = 2 << 10 })
 	for _, version := range []byte{5, 4} {
 		c := mustConnect(t, d.MQTTAddr(), connOpts{version: version, id: fmt.Sprint("big", version)})
 		c.pub("ok/small", 1, false, 1, nil, strings.Repeat("s", 1000))
@@ -794,7 +795,7 @@ func dialFrom(t *testing.T, local, addr string) net.Conn {
 }
 
 func TestConnectionFloodFromOneAddressRefused(t *testing.T) {
-	d, logs := startGateway(t, func(c *Config) {
+	d, logs := startGateway(t, func(c *config.Config) {
 		c.MQTT.ConnectRate = 0.1 // one every 10 s, after the burst
 		c.MQTT.ConnectBurst = 5
 	})
@@ -843,7 +844,7 @@ func TestConnectionFloodFromOneAddressRefused(t *testing.T) {
 }
 
 func TestTopicLimits(t *testing.T) {
-	d, logs := startGateway(t, func(c *Config) {
+	d, logs := startGateway(t, func(c *config.Config) {
 		c.MQTT.MaxTopicLength = 32
 		c.MQTT.MaxTopicLevels = 4
 	})
@@ -893,9 +894,9 @@ func TestTopicLimits(t *testing.T) {
 }
 
 func TestKeepAliveBounds(t *testing.T) {
-	d, _ := startGateway(t, func(c *Config) {
-		c.MQTT.KeepAliveMin = Duration(10 * time.Second)
-		c.MQTT.KeepAliveMax = Duration(120 * time.Second)
+	d, _ := startGateway(t, func(c *config.Config) {
+		c.MQTT.KeepAliveMin = config.Duration(10 * time.Second)
+		c.MQTT.KeepAliveMax = config.Duration(120 * time.Second)
 	})
 	for _, tt := range []struct {
 		version byte
@@ -933,7 +934,7 @@ func TestKeepAliveBounds(t *testing.T) {
 }
 
 func TestMaxClients(t *testing.T) {
-	d, _ := startGateway(t, func(c *Config) { c.MQTT.MaxClients = 3 })
+	d, _ := startGateway(t, func(c *config.Config) { c.MQTT.MaxClients = 3 })
 	a := mustConnect(t, d.MQTTAddr(), connOpts{version: 5, id: "a"})
 	mustConnect(t, d.MQTTAddr(), connOpts{version: 5, id: "b"})
 	mustConnect(t, d.MQTTAddr(), connOpts{version: 4, id: "c"})
@@ -989,11 +990,11 @@ func TestStopWhileClientsLeave(t *testing.T) {
 func reloadGateway(t *testing.T, dir, yaml string) (*Daemon, *logBuf) {
 	t.Helper()
 	path := writeFile(t, filepath.Join(dir, "tandem.yaml"), yaml)
-	cfg, err := LoadConfig(path)
+	cfg, err := config.Load(path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return startGateway(t, func(c *Config) {
+	return startGateway(t, func(c *config.Config) {
 		cfg.Node, cfg.HTTP, cfg.Peer = c.Node, c.HTTP, c.Peer
 		cfg.MQTT.Listen = c.MQTT.Listen
 		*c = *cfg
@@ -1233,15 +1234,15 @@ func TestSecurityConfigValidation(t *testing.T) {
 		{"mqtt:\n  keepalive_max: 20h\n", "mqtt.keepalive_max", "at most 65535s"},
 		{"mqtt:\n  keepalive_min: 2m\n  keepalive_max: 1m\n", "mqtt.keepalive_min", "more than mqtt.keepalive_max"},
 	} {
-		_, err := ParseConfig([]byte(tt.yaml), "t.yaml")
-		var ce *ConfigError
+		_, err := config.Parse([]byte(tt.yaml), "t.yaml")
+		var ce *config.ConfigError
 		if !errors.As(err, &ce) || ce.Key != tt.key || ce.Line == 0 || !strings.Contains(err.Error(), tt.contains) {
 			t.Errorf("%q: %v, want key %s with a line, and %q", tt.yaml, err, tt.key, tt.contains)
 		}
 	}
 	// TLS on by its certificate alone, with the default port; a listener
 	// that requires client certificates needs no users file.
-	c, err := ParseConfig([]byte("mqtt:\n  tls:\n    cert_file: /c\n    key_file: /k\n    ca_file: /ca\n    require_client_cert: true\n"), "t.yaml")
+	c, err := config.Parse([]byte("mqtt:\n  tls:\n    cert_file: /c\n    key_file: /k\n    ca_file: /ca\n    require_client_cert: true\n"), "t.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1275,7 +1276,7 @@ func TestBadSecurityFilesRefusedAtStart(t *testing.T) {
 // PUBACK) and that the log still decodes. One gateway serves every input of
 // a fuzzing process.
 func FuzzInboundStream(f *testing.F) {
-	d, _ := startGateway(f, func(c *Config) {
+	d, _ := startGateway(f, func(c *config.Config) {
 		c.MQTT.ConnectRate = 1e9 // the fuzzer connects far faster than any device
 		c.MQTT.ConnectBurst = 1 << 30
 		c.MQTT.MaxPacketSize = 64 << 10

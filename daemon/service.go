@@ -18,6 +18,7 @@ import (
 	"github.com/kardianos/service"
 	"github.com/spf13/cobra"
 
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/packaging"
 )
 
@@ -273,13 +274,13 @@ func checkServiceConfig(p string) (string, bool, error) {
 	if err := visibleToService("--config", abs); err != nil {
 		return "", false, usageError{fmt.Errorf("service install: %w", err)}
 	}
-	var cfg *Config
+	var cfg *config.Config
 	writeDefault := false
 	if _, statErr := os.Stat(abs); errors.Is(statErr, os.ErrNotExist) && abs == DefaultServiceConfig {
 		writeDefault = true
-		cfg, err = ParseConfig([]byte(packaging.Config), abs)
+		cfg, err = config.Parse([]byte(packaging.Config), abs)
 	} else {
-		cfg, err = LoadConfig(abs)
+		cfg, err = config.Load(abs)
 	}
 	if err != nil {
 		return "", false, usageError{err}
@@ -294,7 +295,7 @@ func checkServiceConfig(p string) (string, bool, error) {
 // restart in vain: a data dir its sandbox makes read-only (exit 2, which
 // the unit does not restart). A relative data_dir is fine: it lands under
 // WorkingDirectory.
-func checkServiceSettings(cfg *Config) error {
+func checkServiceSettings(cfg *config.Config) error {
 	if d := filepath.Clean(cfg.Node.DataDir); filepath.IsAbs(d) && d != serviceStateDir && !strings.HasPrefix(d, serviceStateDir+"/") {
 		return usageError{fmt.Errorf("node.data_dir %s is read-only to the service "+
 			"(ProtectSystem=strict leaves only %s writable): use a data_dir under %s", d, serviceStateDir, serviceStateDir)}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kardianos/service"
 
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/packaging"
 )
 
@@ -161,7 +162,7 @@ func TestServiceConfigChecks(t *testing.T) {
 		{"node:\n  data_dir: /var/lib/tandem/gw\n", ""},
 		{"node:\n  data_dir: ./data\n", ""},
 	} {
-		cfg, err := ParseConfig([]byte(tc.yaml), "t.yaml")
+		cfg, err := config.Parse([]byte(tc.yaml), "t.yaml")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -170,7 +171,7 @@ func TestServiceConfigChecks(t *testing.T) {
 			t.Errorf("%q: %v, want %q", tc.yaml, err, tc.want)
 		}
 	}
-	cfg, err := ParseConfig([]byte(packaging.Config), "packaging/tandem.yaml")
+	cfg, err := config.Parse([]byte(packaging.Config), "packaging/tandem.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -15,6 +15,8 @@ import (
 
 	"github.com/coder/websocket"
 	"github.com/eclipse/paho.golang/paho"
+
+	"github.com/tandem-edge/tandem/config"
 )
 
 // countingSub is an MQTT 5 subscriber with a given Receive Maximum that
@@ -146,7 +148,7 @@ func assertAnswersAndStops(t *testing.T, d *Daemon) {
 // window of 64, stopped every ack and delivery within a few hundred
 // messages. Here it takes every message, and the gateway still answers.
 func TestSmallReceiveMaximumSubscriberDoesNotStopTheGateway(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) { c.MQTT.MaxInflight = 1024 })
+	d := testGateway(t, t.TempDir(), func(c *config.Config) { c.MQTT.MaxInflight = 1024 })
 	total := 100_000
 	if raceEnabled {
 		total = 20_000 // the race detector's cost; the same paths run
@@ -217,7 +219,7 @@ func TestPublishingToOwnSubscriptionAtWindow64(t *testing.T) {
 // MQTT 5 and 3.1.1; afterwards the gateway still acks, delivers, answers
 // status and stops.
 func TestClientChaos(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) {
+	d := testGateway(t, t.TempDir(), func(c *config.Config) {
 		c.MQTT.ConnectRate, c.MQTT.ConnectBurst = 10000, 10000 // the chaos connects faster than a device
 	})
 	seed := time.Now().UnixNano()
@@ -296,7 +298,7 @@ func chaosRound(addr string, rng *rand.Rand, ops *atomic.Int64) {
 // and log: a publish over it is acked, logged and delivered to a TCP
 // subscriber.
 func TestWebSocketListenerFromConfig(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) { c.MQTT.WebSocket.Listen = "127.0.0.1:0" })
+	d := testGateway(t, t.TempDir(), func(c *config.Config) { c.MQTT.WebSocket.Listen = "127.0.0.1:0" })
 	if d.MQTTWSAddr() == "" {
 		t.Fatal("no websocket listener")
 	}

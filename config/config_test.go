@@ -1,4 +1,4 @@
-package daemon
+package config
 
 import (
 	"errors"
@@ -61,7 +61,7 @@ func TestConfigValidateFillsZeroFields(t *testing.T) {
 
 func TestParseConfigEmptyMeansDefaults(t *testing.T) {
 	for _, in := range []string{"", "\n", "# only a comment\n", "---\n", "~\n", "mqtt:\n", "cluster:\n  sync_timeout:\n", "topics: []\n"} {
-		c, err := ParseConfig([]byte(in), "tandem.yaml")
+		c, err := Parse([]byte(in), "tandem.yaml")
 		if err != nil {
 			t.Errorf("%q: %v", in, err)
 			continue
@@ -132,7 +132,7 @@ func fullConfig() *Config {
 }
 
 func TestLoadConfigFull(t *testing.T) {
-	c, err := LoadConfig(configTestdata("full.yaml"))
+	c, err := Load(configTestdata("full.yaml"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -179,7 +179,7 @@ func TestConfigRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err := ParseConfig(data, "marshalled")
+	got, err := Parse(data, "marshalled")
 	if err != nil {
 		t.Fatalf("%v\n%s", err, data)
 	}
@@ -190,7 +190,7 @@ func TestConfigRoundTrip(t *testing.T) {
 
 func TestLoadConfigMissingFile(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "nope.yaml")
-	_, err := LoadConfig(path)
+	_, err := Load(path)
 	var ce *ConfigError
 	if !errors.As(err, &ce) || ce.File != path {
 		t.Fatalf("err = %#v, want a *ConfigError naming %s", err, path)
@@ -286,7 +286,7 @@ func TestParseConfigErrors(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			c, err := ParseConfig([]byte(tt.in), "tandem.yaml")
+			c, err := Parse([]byte(tt.in), "tandem.yaml")
 			if err == nil {
 				t.Fatalf("no error; config %+v", c)
 			}
@@ -315,7 +315,7 @@ func TestLoadConfigBadFiles(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.file, func(t *testing.T) {
 			path := configTestdata(tt.file)
-			_, err := LoadConfig(path)
+			_, err := Load(path)
 			wantConfigError(t, err, path, tt.line, tt.key, path+":", tt.contains)
 		})
 	}
@@ -373,22 +373,22 @@ func TestConfigAnonymousAllowed(t *testing.T) {
 
 func TestParseConfigAliases(t *testing.T) {
 	in := "x: &t 2s\n"
-	if _, err := ParseConfig([]byte(in), "a.yaml"); err == nil {
+	if _, err := Parse([]byte(in), "a.yaml"); err == nil {
 		t.Fatal("unknown top-level key x accepted")
 	}
 	in = "cluster:\n  sync_timeout: &t 2s\n  failover_after: *t\n" +
 		"topics:\n  - &r {match: a/#, ack: sync}\n" +
 		"storage:\n  max_age: &bad 5\nlog:\n  level: info\n"
-	_, err := ParseConfig([]byte(in), "a.yaml")
+	_, err := Parse([]byte(in), "a.yaml")
 	wantConfigError(t, err, "a.yaml", 7, "storage.max_age", "use a unit")
 
 	in = "cluster:\n  sync_timeout: &t 2s\n  failover_after: *t\n" +
 		"topics:\n  - &r {match: a/#, ack: sync}\n  - *r\n"
-	_, err = ParseConfig([]byte(in), "a.yaml")
+	_, err = Parse([]byte(in), "a.yaml")
 	wantConfigError(t, err, "a.yaml", 6, "topics[1].match", "repeats topics[0] (line 5)")
 
 	in = "cluster:\n  sync_timeout: &t 2s\n  failover_after: *t\n"
-	c, err := ParseConfig([]byte(in), "a.yaml")
+	c, err := Parse([]byte(in), "a.yaml")
 	if err != nil || c.Cluster.FailoverAfter != Duration(2*time.Second) {
 		t.Fatalf("alias: %v, %v", c, err)
 	}
@@ -502,7 +502,7 @@ func FuzzParseConfig(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
-		c, err := ParseConfig(data, "fuzz.yaml")
+		c, err := Parse(data, "fuzz.yaml")
 		if err != nil {
 			var ce *ConfigError
 			if !errors.As(err, &ce) {
@@ -521,7 +521,7 @@ func FuzzParseConfig(f *testing.F) {
 		if err != nil {
 			t.Fatalf("marshal: %v", err)
 		}
-		back, err := ParseConfig(out, "marshalled")
+		back, err := Parse(out, "marshalled")
 		if err != nil {
 			t.Fatalf("marshalled config does not parse: %v\n%s", err, out)
 		}
