@@ -5,7 +5,7 @@ GO       ?= go
 PKG      := github.com/tandem-edge/tandem
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 COMMIT   ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
-LDFLAGS  := -s -w -X $(PKG)/daemon.Version=$(VERSION) -X $(PKG)/daemon.Commit=$(COMMIT)
+LDFLAGS  := -s -w -X $(PKG)/internal/version.Version=$(VERSION) -X $(PKG)/internal/version.Commit=$(COMMIT)
 # Packages with goroutines of their own run under the race detector.
 RACE_PKGS := ./storage/ ./replication/ ./mqtt/ ./daemon/
 # Packages whose tests also run on ARM under qemu-user (make test-arm).

@@ -460,3 +460,16 @@ func (e *ConfigError) Error() string {
 
 // Unwrap returns Err.
 func (e *ConfigError) Unwrap() error { return e.Err }
+
+// UsageError marks an error the caller made rather than the gateway: a bad
+// flag, a bad config value, a bad API request. The CLI exits 2 for it (as
+// for a ConfigError) and the admin API answers 400. It lives here, beside
+// ConfigError, because every layer that checks input (cli, admin, daemon,
+// cluster) imports config.
+type UsageError struct{ Err error }
+
+// Error returns Err's message.
+func (e UsageError) Error() string { return e.Err.Error() }
+
+// Unwrap returns Err.
+func (e UsageError) Unwrap() error { return e.Err }

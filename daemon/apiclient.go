@@ -9,13 +9,12 @@ import (
 	"io/fs"
 	"net"
 	"net/http"
-	"os"
-	"path/filepath"
 	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 
+	"github.com/tandem-edge/tandem/admin"
 	"github.com/tandem-edge/tandem/config"
 )
 
@@ -49,7 +48,7 @@ func (f *apiFlags) endpoint() (addr string, tokenFiles []string, err error) {
 		addr = dialable(cfg.HTTP.Listen)
 	}
 	if _, _, err := net.SplitHostPort(addr); err != nil {
-		return "", nil, usageError{fmt.Errorf("--http %q: want host:port", addr)}
+		return "", nil, config.UsageError{Err: fmt.Errorf("--http %q: want host:port", addr)}
 	}
 	if f.data != "" {
 		cfg.Node.DataDir = f.data
@@ -58,21 +57,13 @@ func (f *apiFlags) endpoint() (addr string, tokenFiles []string, err error) {
 	case f.tokenFile != "":
 		return addr, []string{f.tokenFile}, nil
 	case f.config != "" || f.data != "":
-		return addr, []string{cfgTokenFile(cfg)}, nil
+		return addr, []string{admin.TokenFile(cfg)}, nil
 	}
-	tokenFiles = []string{cfgTokenFile(cfg)}
+	tokenFiles = []string{admin.TokenFile(cfg)}
 	if pc, err := config.Load(DefaultServiceConfig); err == nil {
-		tokenFiles = append(tokenFiles, cfgTokenFile(pc))
+		tokenFiles = append(tokenFiles, admin.TokenFile(pc))
 	}
 	return addr, tokenFiles, nil
-}
-
-// cfgTokenFile is where the daemon run with c keeps its API token.
-func cfgTokenFile(c *config.Config) string {
-	if c.HTTP.TokenFile != "" {
-		return c.HTTP.TokenFile
-	}
-	return filepath.Join(c.Node.DataDir, apiTokenFile)
 }
 
 // do sends one request to the daemon and returns the status and body. The
@@ -85,7 +76,7 @@ func (f *apiFlags) do(method, path string, body []byte, timeout time.Duration) (
 	var tokens []string
 	var unreadable []string
 	for _, tf := range files {
-		tok, err := readToken(tf)
+		tok, err := admin.ReadToken(tf)
 		switch {
 		case err == nil:
 			tokens = append(tokens, tok)
@@ -106,7 +97,7 @@ func (f *apiFlags) do(method, path string, body []byte, timeout time.Duration) (
 		}
 		hr, err := http.NewRequest(method, "http://"+addr+path, rd)
 		if err != nil {
-			return addr, 0, nil, usageError{err}
+			return addr, 0, nil, config.UsageError{Err: err}
 		}
 		if body != nil {
 			hr.Header.Set("Content-Type", "application/json")
@@ -131,7 +122,7 @@ func (f *apiFlags) do(method, path string, body []byte, timeout time.Duration) (
 	if len(unreadable) > 0 {
 		hint = strings.Join(unreadable, "; ") + ": " + hint
 	}
-	return addr, code, b, usageError{fmt.Errorf("the daemon at %s wants its API token: %s", addr, hint)}
+	return addr, code, b, config.UsageError{Err: fmt.Errorf("the daemon at %s wants its API token: %s", addr, hint)}
 }
 
 // call POSTs req to the daemon's path and decodes the answer into out.
@@ -142,12 +133,12 @@ func (f *apiFlags) call(path string, req, out any) error {
 		return err
 	}
 	if code != http.StatusOK {
-		var ae apiError
+		var ae admin.ErrorResponse
 		if json.Unmarshal(b, &ae) != nil || ae.Error == "" {
 			ae.Error = strings.TrimSpace(string(b))
 		}
 		if code == http.StatusBadRequest {
-			return usageError{errors.New(ae.Error)}
+			return config.UsageError{Err: errors.New(ae.Error)}
 		}
 		return errors.New(ae.Error)
 	}
@@ -187,18 +178,4 @@ func unwrapURL(err error) error {
 		return ue.Unwrap()
 	}
 	return err
-}
-
-// readToken reads a token file: its first line, trimmed.
-func readToken(path string) (string, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return "", err
-	}
-	tok, _, _ := strings.Cut(string(b), "\n")
-	tok = strings.TrimSpace(tok)
-	if tok == "" {
-		return "", fmt.Errorf("%s: empty token", path)
-	}
-	return tok, nil
 }

@@ -4,14 +4,13 @@ import (
 	"bytes"
 	"encoding/json"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
+	"github.com/tandem-edge/tandem/admin"
 	"github.com/tandem-edge/tandem/config"
 )
 
@@ -50,8 +49,8 @@ func rawAPI(t *testing.T, d *Daemon, method, path, host string, hdr map[string]s
 // and the gateway is unchanged afterwards.
 func TestAdminAPIRefusesCrossSiteRebindingAndTokenless(t *testing.T) {
 	d := clusterGateway(t, "gw-1", nil)
-	if len(d.mutatingPaths) < 6 {
-		t.Fatalf("mutating routes %v: want invite, join, remove, promote, pair open, pair join", d.mutatingPaths)
+	if len(d.http.MutatingPaths()) < 6 {
+		t.Fatalf("mutating routes %v: want invite, join, remove, promote, pair open, pair join", d.http.MutatingPaths())
 	}
 	tok := apiToken(t, d)
 	good := func() map[string]string {
@@ -91,7 +90,7 @@ func TestAdminAPIRefusesCrossSiteRebindingAndTokenless(t *testing.T) {
 		{"unknown field", "", good(), `{"x":"="}`, http.StatusBadRequest},
 		{"two values", "", good(), `{} {}`, http.StatusBadRequest},
 	}
-	for _, path := range d.mutatingPaths {
+	for _, path := range d.http.MutatingPaths() {
 		for _, c := range cases {
 			if code, body := rawAPI(t, d, http.MethodPost, path, c.host, c.hdr, c.body); code != c.want {
 				t.Errorf("%s %s: %d %s, want %d", path, c.name, code, strings.TrimSpace(body), c.want)
@@ -147,7 +146,7 @@ func TestAPITokenWrittenOnceAndFoundByTheCLI(t *testing.T) {
 	dir := t.TempDir()
 	t.Chdir(dir)
 	d := clusterGateway(t, "gw-1", func(c *config.Config) { c.Node.DataDir = config.DefaultConfig().Node.DataDir })
-	path := filepath.Join(dir, config.DefaultConfig().Node.DataDir, apiTokenFile)
+	path := filepath.Join(dir, config.DefaultConfig().Node.DataDir, "http-token")
 	fi, err := os.Stat(path)
 	if err != nil {
 		t.Fatal(err)
@@ -168,9 +167,9 @@ func TestAPITokenWrittenOnceAndFoundByTheCLI(t *testing.T) {
 	if got := apiToken(t, d2); got != tok {
 		t.Fatalf("token changed on restart: %q → %q", tok, got)
 	}
-	var out inviteResponse
+	var out admin.InviteResponse
 	af := apiFlags{http: d2.HTTPAddr(), config: cfgFile}
-	if err := af.call("/v1/cluster/invite", inviteRequest{}, &out); err != nil || out.Token == "" {
+	if err := af.call("/v1/cluster/invite", admin.InviteRequest{}, &out); err != nil || out.Token == "" {
 		t.Fatalf("invite through --config: %v %+v", err, out)
 	}
 	// A wrong token file says what to do.
@@ -212,10 +211,10 @@ func TestConfiguredTokenFile(t *testing.T) {
 	if strings.Contains(logs2.String(), "open to other users") {
 		t.Fatalf("warned of a 0640 file of the daemon's own group:\n%s", logs2)
 	}
-	if _, err := os.Stat(filepath.Join(d.cfg.Node.DataDir, apiTokenFile)); err == nil {
+	if _, err := os.Stat(filepath.Join(d.cfg.Node.DataDir, "http-token")); err == nil {
 		t.Fatal("a data-dir token was written although http.token_file is set")
 	}
-	b, _ := json.Marshal(inviteRequest{})
+	b, _ := json.Marshal(admin.InviteRequest{})
 	code, body := rawAPI(t, d, http.MethodPost, "/v1/cluster/invite", "", map[string]string{"Content-Type": "application/json", "Authorization": "Bearer s3cret-token"}, string(bytes.TrimSpace(b)))
 	if code != http.StatusOK {
 		t.Fatalf("invite with the configured token: %d %s", code, body)
@@ -232,53 +231,5 @@ func TestConfiguredTokenFile(t *testing.T) {
 	if err := d2.Start(t.Context()); err == nil || !strings.Contains(err.Error(), "token_file") {
 		d2.Stop()
 		t.Fatalf("start with a missing token file: %v", err)
-	}
-}
-
-// TestLimitListener: past its cap, a connection waits in the backlog until
-// one of the accepted ones closes; Close ends a waiting Accept.
-func TestLimitListener(t *testing.T) {
-	inner, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln := newLimitListener(inner, 2)
-	accepted := make(chan net.Conn, 3)
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				close(accepted)
-				return
-			}
-			accepted <- c
-		}
-	}()
-	for range 3 {
-		c, err := net.Dial("tcp", inner.Addr().String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-	}
-	first, second := <-accepted, <-accepted
-	if l := ln.(*limitListener); len(l.sem) != cap(l.sem) {
-		t.Fatalf("%d of %d slots held with two connections open", len(l.sem), cap(l.sem))
-	}
-	select {
-	case <-accepted:
-		t.Fatal("a third connection accepted past the cap of 2")
-	default:
-	}
-	first.Close()
-	select {
-	case c := <-accepted:
-		c.Close()
-	case <-time.After(5 * time.Second):
-		t.Fatal("the third connection not accepted after one closed")
-	}
-	second.Close()
-	ln.Close()
-	for range accepted {
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/term"
 
 	"github.com/tandem-edge/tandem/bench"
+	"github.com/tandem-edge/tandem/config"
 )
 
 // barAfter is how long a run goes before it shows a progress bar.
@@ -40,7 +41,7 @@ broker.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if qos < 0 || qos > 2 {
-				return usageError{fmt.Errorf("--qos must be 0, 1 or 2")}
+				return config.UsageError{Err: fmt.Errorf("--qos must be 0, 1 or 2")}
 			}
 			o.QoS = byte(qos)
 			if !cmd.Flags().Changed("subscribe-qos") {
@@ -48,19 +49,19 @@ broker.`,
 			}
 			switch {
 			case o.SubscribeQoS < 0 || o.SubscribeQoS > 2:
-				return usageError{fmt.Errorf("--subscribe-qos must be 0, 1 or 2")}
+				return config.UsageError{Err: fmt.Errorf("--subscribe-qos must be 0, 1 or 2")}
 			case o.SubscriberReceiveMax < 1 || o.SubscriberReceiveMax > 65535:
-				return usageError{fmt.Errorf("--subscriber-receive-max must be 1 to 65535")}
+				return config.UsageError{Err: fmt.Errorf("--subscriber-receive-max must be 1 to 65535")}
 			case o.Clients < 0 || o.Subscribers < 0 || o.Idle < 0:
-				return usageError{fmt.Errorf("--clients, --subscribers and --idle cannot be negative")}
+				return config.UsageError{Err: fmt.Errorf("--clients, --subscribers and --idle cannot be negative")}
 			case o.Clients == 0 && o.Idle == 0:
-				return usageError{fmt.Errorf("--clients 0 needs --idle")}
+				return config.UsageError{Err: fmt.Errorf("--clients 0 needs --idle")}
 			case o.Count < 0 || o.Duration < 0:
-				return usageError{fmt.Errorf("--count and --duration cannot be negative")}
+				return config.UsageError{Err: fmt.Errorf("--count and --duration cannot be negative")}
 			case o.Clients > 0 && o.Count == 0 && o.Duration == 0:
 				// bench.Run would fall back to 1000 publishes: not
 				// what "--count 0" asked for.
-				return usageError{fmt.Errorf("--count 0 runs for a time: add --duration (e.g. --duration 30s)")}
+				return config.UsageError{Err: fmt.Errorf("--count 0 runs for a time: add --duration (e.g. --duration 30s)")}
 			}
 			out := cmd.OutOrStdout()
 			if f, ok := out.(*os.File); ok && !asJSON && o.Clients > 0 && term.IsTerminal(int(f.Fd())) {

@@ -17,6 +17,7 @@ import (
 	"github.com/eclipse/paho.golang/paho"
 	raftpb "go.etcd.io/raft/v3/raftpb"
 
+	"github.com/tandem-edge/tandem/admin"
 	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/storage"
 )
@@ -500,7 +501,7 @@ func TestStatusOfALoneGateway(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	var s Status
+	var s admin.Status
 	if err := json.NewDecoder(resp.Body).Decode(&s); err != nil {
 		t.Fatal(err)
 	}

@@ -6,32 +6,18 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
-	"net/http"
-	"net/http/pprof"
 	"os"
 	"os/signal"
 	"runtime"
 	"strings"
 	"syscall"
-	"time"
 
 	"github.com/spf13/cobra"
 
+	"github.com/tandem-edge/tandem/admin"
 	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/internal/version"
 )
-
-// Build information, set with -ldflags -X by the Makefile (git describe
-// and the short commit). init turns them into the package version scheme
-// and, for a plain go build that set neither, takes them from the VCS
-// stamp Go embeds, so that every build of one tree reports one version.
-var (
-	Version = version.UnsetVersion
-	Commit  = version.UnsetCommit
-)
-
-func init() { Version, Commit = version.Resolve(Version, Commit) }
 
 // Exit codes of the contract.
 const (
@@ -39,12 +25,6 @@ const (
 	ExitFailure = 1
 	ExitUsage   = 2
 )
-
-// usageError marks errors that exit 2: bad flags, bad config.
-type usageError struct{ err error }
-
-func (e usageError) Error() string { return e.err.Error() }
-func (e usageError) Unwrap() error { return e.err }
 
 // Main runs the tandem command line and returns the process exit code.
 func Main(args []string, stdout, stderr io.Writer) int {
@@ -55,7 +35,7 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		return ExitOK
 	}
 	fmt.Fprintln(stderr, "tandem:", err)
-	var ue usageError
+	var ue config.UsageError
 	var ce *config.ConfigError
 	if errors.As(err, &ue) || errors.As(err, &ce) || strings.HasPrefix(err.Error(), "unknown command") {
 		return ExitUsage
@@ -73,7 +53,7 @@ func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	}
 	root.SetOut(stdout)
 	root.SetErr(stderr)
-	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return config.UsageError{Err: err} })
 	root.AddCommand(newRunCmd(), newVersionCmd(), newCheckCmd(), newInspectCmd(), newBenchCmd(), newServiceCmd(), newPasswdCmd(),
 		newStatusCmd(), newPeersCmd(), newClusterCmd(), newPairCmd(), newPromoteCmd(), newManCmd())
 	for _, c := range root.Commands() {
@@ -81,7 +61,7 @@ func newRoot(stdout, stderr io.Writer) *cobra.Command {
 			args := c.Args
 			c.Args = func(cmd *cobra.Command, a []string) error {
 				if err := args(cmd, a); err != nil {
-					return usageError{err}
+					return config.UsageError{Err: err}
 				}
 				return nil
 			}
@@ -96,7 +76,7 @@ func newVersionCmd() *cobra.Command {
 		Short: "Print version, commit, Go version and platform",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			fmt.Fprintf(cmd.OutOrStdout(), "tandem %s (commit %s, %s, %s/%s)\n", Version, Commit, runtime.Version(), runtime.GOOS, runtime.GOARCH)
+			fmt.Fprintf(cmd.OutOrStdout(), "tandem %s (commit %s, %s, %s/%s)\n", version.Version, version.Commit, runtime.Version(), runtime.GOOS, runtime.GOARCH)
 			return nil
 		},
 	}
@@ -110,10 +90,10 @@ func newCheckCmd() *cobra.Command {
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if path == "" {
-				return usageError{errors.New("check needs --config FILE")}
+				return config.UsageError{Err: errors.New("check needs --config FILE")}
 			}
 			if _, err := config.Load(path); err != nil {
-				return usageError{err}
+				return config.UsageError{Err: err}
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "%s: ok\n", path)
 			return nil
@@ -138,11 +118,11 @@ func newRunCmd() *cobra.Command {
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cfg, err := f.load(cmd)
 			if err != nil {
-				return usageError{err}
+				return config.UsageError{Err: err}
 			}
 			if f.pprof != "" {
-				if err := servePprof(f.pprof); err != nil {
-					return err
+				if err := admin.ServePprof(f.pprof); err != nil {
+					return fmt.Errorf("--pprof: %w", err)
 				}
 			}
 			return runDaemon(cfg, cmd.ErrOrStderr())
@@ -204,7 +184,7 @@ func runDaemon(cfg *config.Config, logw io.Writer) error {
 	log := newLogger(cfg.Log, logw)
 	d, err := New(cfg, log)
 	if err != nil {
-		return usageError{err}
+		return config.UsageError{Err: err}
 	}
 	if err := d.Start(context.Background()); err != nil {
 		return err
@@ -228,23 +208,4 @@ func runDaemon(cfg *config.Config, logw io.Writer) error {
 			return err
 		}
 	}
-}
-
-// servePprof serves net/http/pprof's handlers on addr, apart from the API.
-func servePprof(addr string) error {
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return fmt.Errorf("--pprof: %w", err)
-	}
-	mux := http.NewServeMux()
-	mux.HandleFunc("/debug/pprof/", pprof.Index)
-	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
-	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
-	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-	// Profiles show what the process holds; a DNS-rebinding page must not
-	// read them either (apiguard.go), so Host is checked here too.
-	g := &apiGuard{hosts: map[string]bool{"localhost": true}}
-	srv := &http.Server{Handler: g.readOnly(mux), ReadHeaderTimeout: 5 * time.Second, MaxHeaderBytes: httpMaxHeaderBytes}
-	go srv.Serve(ln)
-	return nil
 }

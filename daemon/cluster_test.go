@@ -11,6 +11,7 @@ import (
 
 	"github.com/eclipse/paho.golang/paho"
 
+	"github.com/tandem-edge/tandem/admin"
 	"github.com/tandem-edge/tandem/config"
 )
 
@@ -53,7 +54,7 @@ func api(t *testing.T, d *Daemon, path string, req, out any) (int, string) {
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		var ae apiError
+		var ae admin.ErrorResponse
 		_ = json.NewDecoder(resp.Body).Decode(&ae)
 		return resp.StatusCode, ae.Error
 	}
@@ -68,7 +69,7 @@ func api(t *testing.T, d *Daemon, path string, req, out any) (int, string) {
 // apiToken is the API token d wrote into its data dir.
 func apiToken(t *testing.T, d *Daemon) string {
 	t.Helper()
-	tok, err := readToken(cfgTokenFile(d.cfg))
+	tok, err := admin.ReadToken(admin.TokenFile(d.cfg))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -94,7 +95,7 @@ func joinWith(t *testing.T, d *Daemon, token string, extra ...string) {
 	}
 }
 
-func statusOfGW(t *testing.T, d *Daemon) *Status {
+func statusOfGW(t *testing.T, d *Daemon) *admin.Status {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
@@ -107,7 +108,7 @@ func statusOfGW(t *testing.T, d *Daemon) *Status {
 
 // shape reports a master's view: how many members besides itself are
 // voters and learners, and whether all have caught up.
-func shape(s *Status) (voters, learners int, caughtUp bool) {
+func shape(s *admin.Status) (voters, learners int, caughtUp bool) {
 	caughtUp = s.Role == "master"
 	for _, m := range s.Members {
 		if m.Voter {
@@ -187,14 +188,14 @@ func TestClusterInviteJoinReplicateAndShrink(t *testing.T) {
 		return v == 2 && l == 0 && ok
 	})
 	// A fourth is refused.
-	if code, msg := api(t, g1, "/v1/cluster/invite", inviteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "at most") && !strings.Contains(msg, "most tandem runs") {
+	if code, msg := api(t, g1, "/v1/cluster/invite", admin.InviteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "at most") && !strings.Contains(msg, "most tandem runs") {
 		t.Fatalf("invite in a full cluster: %d %q", code, msg)
 	}
 
 	// 3 → 2, asked on a slave: the removed node goes, the remaining
 	// slave is demoted to learner, and the removed one runs alone.
-	var rr removeResponse
-	if code, msg := api(t, g2, "/v1/cluster/remove", removeRequest{Node: "gw-3"}, &rr); code != 200 || rr.Removed != "gw-3" {
+	var rr admin.RemoveResponse
+	if code, msg := api(t, g2, "/v1/cluster/remove", admin.RemoveRequest{Node: "gw-3"}, &rr); code != 200 || rr.Removed != "gw-3" {
 		t.Fatalf("remove gw-3: %d %q", code, msg)
 	}
 	waitFor(t, 10*time.Second, "voter + learner", func() bool {
@@ -212,13 +213,13 @@ func TestClusterInviteJoinReplicateAndShrink(t *testing.T) {
 
 	// Removing the slave would leave sync topics unackable: refused
 	// without --force; the master cannot remove itself.
-	if code, msg := api(t, g1, "/v1/cluster/remove", removeRequest{Node: "gw-2"}, nil); code != http.StatusConflict || !strings.Contains(msg, "min_sync_replicas") {
+	if code, msg := api(t, g1, "/v1/cluster/remove", admin.RemoveRequest{Node: "gw-2"}, nil); code != http.StatusConflict || !strings.Contains(msg, "min_sync_replicas") {
 		t.Fatalf("remove the only slave: %d %q", code, msg)
 	}
-	if code, msg := api(t, g1, "/v1/cluster/remove", removeRequest{Node: "gw-1"}, nil); code != http.StatusConflict || !strings.Contains(msg, "master") {
+	if code, msg := api(t, g1, "/v1/cluster/remove", admin.RemoveRequest{Node: "gw-1"}, nil); code != http.StatusConflict || !strings.Contains(msg, "master") {
 		t.Fatalf("remove the master: %d %q", code, msg)
 	}
-	if code, msg := api(t, g1, "/v1/cluster/remove", removeRequest{Node: "gw-9"}, nil); code != http.StatusConflict || !strings.Contains(msg, "not a member") {
+	if code, msg := api(t, g1, "/v1/cluster/remove", admin.RemoveRequest{Node: "gw-9"}, nil); code != http.StatusConflict || !strings.Contains(msg, "not a member") {
 		t.Fatalf("remove a stranger: %d %q", code, msg)
 	}
 	if v, l, _ := shape(statusOfGW(t, g1)); v != 0 || l != 1 {
@@ -273,7 +274,7 @@ func TestClusterJoinRefusals(t *testing.T) {
 		t.Fatalf("the cluster changed: %+v", s.Members)
 	}
 	// Removing the last voter of a lone gateway is refused.
-	if code, msg := api(t, other, "/v1/cluster/remove", removeRequest{Node: "other"}, nil); code == 200 || !strings.Contains(msg, "last voter") {
+	if code, msg := api(t, other, "/v1/cluster/remove", admin.RemoveRequest{Node: "other"}, nil); code == 200 || !strings.Contains(msg, "last voter") {
 		t.Fatalf("remove the last voter: %d %q", code, msg)
 	}
 }

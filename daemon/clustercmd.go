@@ -2,86 +2,35 @@ package daemon
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 
+	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/replication"
 )
 
-// The cluster API: what `tandem cluster ...` asks of the running daemon.
-// Answers are JSON; an error is {"error": "..."} with a status saying whose
-// fault it is (400: the request, 409: refused as things stand, 503: no
-// master now).
+// The cluster API: what `tandem cluster ...` asks of the running daemon
+// (the requests and answers are admin's; see admin/api.go).
 
-type inviteRequest struct {
-	TTL string `json:"ttl,omitempty"`
-}
-
-type inviteResponse struct {
-	Token   string `json:"token"`
-	Expires string `json:"expires"`
-}
-
-type joinAPIRequest struct {
-	Token string `json:"token"`
-	Mode  string `json:"mode,omitempty"` // "", "requeue" or "discard"
-}
-
-type joinAPIResponse struct {
-	Cluster string   `json:"cluster"`
-	Master  string   `json:"master"`
-	Members []string `json:"members"`
-}
-
-type removeRequest struct {
-	Node  string `json:"node"`
-	Force bool   `json:"force,omitempty"`
-}
-
-type removeResponse struct {
-	Removed string `json:"removed"`
-}
-
-type apiError struct {
-	Error string `json:"error"`
-}
-
-// registerClusterAPI adds the cluster commands' endpoints.
-func (d *Daemon) registerClusterAPI(mux *http.ServeMux) {
-	d.post(mux, "/v1/cluster/invite", d.handleInvite)
-	d.post(mux, "/v1/cluster/join", d.handleJoin)
-	d.post(mux, "/v1/cluster/remove", d.handleRemove)
-	d.post(mux, "/v1/cluster/promote", d.handlePromote)
-	d.registerPairAPI(mux)
-}
-
-// post registers a mutating endpoint behind the guard (apiguard.go) and
-// lists it in mutatingPaths, so that a test can try every one of them.
-func (d *Daemon) post(mux *http.ServeMux, path string, h http.HandlerFunc) {
-	mux.HandleFunc("POST "+path, d.guard.mutating(h))
-	d.mutatingPaths = append(d.mutatingPaths, path)
-}
-
-func writeJSON(w http.ResponseWriter, code int, v any) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(code)
-	_ = json.NewEncoder(w).Encode(v)
-}
-
-func writeAPIError(w http.ResponseWriter, code int, err error) {
-	writeJSON(w, code, apiError{Error: err.Error()})
+// registerClusterAPI adds the cluster commands' endpoints, behind the admin
+// server's guard for endpoints that change the gateway.
+func (d *Daemon) registerClusterAPI(srv *admin.Server) {
+	srv.HandleMutating("/v1/cluster/invite", d.handleInvite)
+	srv.HandleMutating("/v1/cluster/join", d.handleJoin)
+	srv.HandleMutating("/v1/cluster/remove", d.handleRemove)
+	srv.HandleMutating("/v1/cluster/promote", d.handlePromote)
+	d.registerPairAPI(srv)
 }
 
 // statusOf maps an error to the status of its answer.
 func statusOf(err error) int {
-	var ue usageError
+	var ue config.UsageError
 	switch {
 	case errors.As(err, &ue):
 		return http.StatusBadRequest
@@ -91,36 +40,17 @@ func statusOf(err error) int {
 	return http.StatusConflict
 }
 
-// decodeBody reads a request's JSON object into v. It is strict, so that
-// nothing but a client that means this API gets through: an empty body,
-// an unknown field or anything after the object is refused (an HTML form
-// posted as text/plain carries an extra "=" field).
-func decodeBody(r *http.Request, v any) error {
-	dec := json.NewDecoder(r.Body)
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(v); err != nil {
-		if errors.Is(err, io.EOF) {
-			return usageError{errors.New("request body: empty (send a JSON object, {} at least)")}
-		}
-		return usageError{fmt.Errorf("request body: %w", err)}
-	}
-	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
-		return usageError{errors.New("request body: more than one JSON value")}
-	}
-	return nil
-}
-
 func (d *Daemon) handleInvite(w http.ResponseWriter, r *http.Request) {
-	var req inviteRequest
-	if err := decodeBody(r, &req); err != nil {
-		writeAPIError(w, statusOf(err), err)
+	var req admin.InviteRequest
+	if err := admin.DecodeBody(r, &req); err != nil {
+		admin.WriteError(w, statusOf(err), err)
 		return
 	}
 	var ttl time.Duration
 	if req.TTL != "" {
 		var err error
 		if ttl, err = time.ParseDuration(req.TTL); err != nil || ttl <= 0 || ttl > 7*24*time.Hour {
-			writeAPIError(w, http.StatusBadRequest, fmt.Errorf("ttl %q: a duration up to 168h", req.TTL))
+			admin.WriteError(w, http.StatusBadRequest, fmt.Errorf("ttl %q: a duration up to 168h", req.TTL))
 			return
 		}
 	}
@@ -128,40 +58,40 @@ func (d *Daemon) handleInvite(w http.ResponseWriter, r *http.Request) {
 	defer cancel()
 	rep, err := d.cl.admin(ctx, adminRequest{Op: "invite", TTL: ttl})
 	if err != nil {
-		writeAPIError(w, statusOf(err), err)
+		admin.WriteError(w, statusOf(err), err)
 		return
 	}
 	tok, _, err := parseToken(rep.Token, time.Now())
 	if err != nil {
-		writeAPIError(w, http.StatusInternalServerError, err)
+		admin.WriteError(w, http.StatusInternalServerError, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, inviteResponse{Token: rep.Token, Expires: time.Unix(tok.Expires, 0).UTC().Format(time.RFC3339)})
+	admin.WriteJSON(w, http.StatusOK, admin.InviteResponse{Token: rep.Token, Expires: time.Unix(tok.Expires, 0).UTC().Format(time.RFC3339)})
 }
 
 func (d *Daemon) handleJoin(w http.ResponseWriter, r *http.Request) {
-	var req joinAPIRequest
-	if err := decodeBody(r, &req); err != nil {
-		writeAPIError(w, statusOf(err), err)
+	var req admin.JoinRequest
+	if err := admin.DecodeBody(r, &req); err != nil {
+		admin.WriteError(w, statusOf(err), err)
 		return
 	}
 	mode, err := parseJoinMode(req.Mode)
 	if err != nil {
-		writeAPIError(w, http.StatusBadRequest, err)
+		admin.WriteError(w, http.StatusBadRequest, err)
 		return
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), 60*time.Second)
 	defer cancel()
 	rep, err := d.cl.join(ctx, req.Token, mode)
 	if err != nil {
-		writeAPIError(w, statusOf(err), err)
+		admin.WriteError(w, statusOf(err), err)
 		return
 	}
-	out := joinAPIResponse{Cluster: rep.Cluster, Master: rep.Master}
+	out := admin.JoinResponse{Cluster: rep.Cluster, Master: rep.Master}
 	for _, m := range rep.Members {
 		out.Members = append(out.Members, m.Name)
 	}
-	writeJSON(w, http.StatusOK, out)
+	admin.WriteJSON(w, http.StatusOK, out)
 }
 
 // parseJoinMode reads the mode of a join request.
@@ -174,13 +104,13 @@ func parseJoinMode(s string) (joinMode, error) {
 }
 
 func (d *Daemon) handleRemove(w http.ResponseWriter, r *http.Request) {
-	var req removeRequest
-	if err := decodeBody(r, &req); err != nil {
-		writeAPIError(w, statusOf(err), err)
+	var req admin.RemoveRequest
+	if err := admin.DecodeBody(r, &req); err != nil {
+		admin.WriteError(w, statusOf(err), err)
 		return
 	}
 	if req.Node == "" {
-		writeAPIError(w, http.StatusBadRequest, errors.New("which node? give its name or id"))
+		admin.WriteError(w, http.StatusBadRequest, errors.New("which node? give its name or id"))
 		return
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
@@ -190,10 +120,10 @@ func (d *Daemon) handleRemove(w http.ResponseWriter, r *http.Request) {
 		if errors.Is(err, replication.ErrLastVoter) {
 			err = errors.New("cannot remove the last voter of the cluster")
 		}
-		writeAPIError(w, statusOf(err), err)
+		admin.WriteError(w, statusOf(err), err)
 		return
 	}
-	writeJSON(w, http.StatusOK, removeResponse{Removed: rep.Removed})
+	admin.WriteJSON(w, http.StatusOK, admin.RemoveResponse{Removed: rep.Removed})
 }
 
 // newClusterCmd is `tandem cluster invite|join|remove`.
@@ -210,8 +140,8 @@ func newClusterCmd() *cobra.Command {
 		Short: "Print a one-time join token for a new gateway (run on any member; the master issues it)",
 		Args:  cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
-			var out inviteResponse
-			req := inviteRequest{}
+			var out admin.InviteResponse
+			req := admin.InviteRequest{}
 			if ttl != 0 {
 				req.TTL = ttl.String()
 			}
@@ -244,18 +174,18 @@ func newClusterCmd() *cobra.Command {
 		Args: cobra.ExactArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
 			if requeue && discard {
-				return usageError{errors.New("--requeue and --discard exclude each other")}
+				return config.UsageError{Err: errors.New("--requeue and --discard exclude each other")}
 			}
-			req := joinAPIRequest{Token: args[0]}
+			req := admin.JoinRequest{Token: args[0]}
 			if requeue {
 				req.Mode = string(joinRequeue)
 			} else if discard {
 				req.Mode = string(joinDiscard)
 			}
 			if _, _, err := parseToken(args[0], time.Now()); err != nil {
-				return usageError{err}
+				return config.UsageError{Err: err}
 			}
-			var out joinAPIResponse
+			var out admin.JoinResponse
 			if err := jf.call("/v1/cluster/join", req, &out); err != nil {
 				return err
 			}
@@ -280,8 +210,8 @@ invite. Refused: removing the master itself, the last voter, or, without
 --force, the only slave while sync topics exist.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
-			var out removeResponse
-			if err := rf.call("/v1/cluster/remove", removeRequest{Node: args[0], Force: force}, &out); err != nil {
+			var out admin.RemoveResponse
+			if err := rf.call("/v1/cluster/remove", admin.RemoveRequest{Node: args[0], Force: force}, &out); err != nil {
 				return err
 			}
 			fmt.Fprintf(c.OutOrStdout(), "removed %s\n", out.Removed)
@@ -296,7 +226,7 @@ invite. Refused: removing the master itself, the last voter, or, without
 		args := sub.Args
 		sub.Args = func(c *cobra.Command, a []string) error {
 			if err := args(c, a); err != nil {
-				return usageError{err}
+				return config.UsageError{Err: err}
 			}
 			return nil
 		}

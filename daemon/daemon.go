@@ -6,13 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
-	"net/http"
 	"os"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/tandem-edge/tandem/admin"
 	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/mqtt"
 	"github.com/tandem-edge/tandem/replication"
@@ -42,18 +41,14 @@ type Daemon struct {
 	failErr  atomic.Pointer[error]
 	failOnce sync.Once
 
-	httpSrv *http.Server
-	httpLn  net.Listener
-	guard   *apiGuard // the admin API's checks, made by startHTTP
-	// mutatingPaths lists the endpoints registered behind guard.mutating.
-	mutatingPaths []string
+	http *admin.Server // the admin API, metrics and page, made by startHTTP
 
 	reloadMu sync.Mutex     // serialises Reload; guards live
 	live     *config.Config // the configuration in force: cfg, then each reload's
 
 	stopOnce sync.Once
 
-	fv *fieldView // metrics and status page, made by fieldView()
+	fv *admin.FieldView // metrics and the page's history, made by fieldView()
 }
 
 // New validates cfg; Start does the work.
@@ -84,14 +79,14 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	// 2, before the data dir is touched.
 	access, err := loadAccess(c.MQTT)
 	if err != nil {
-		return usageError{err}
+		return config.UsageError{Err: err}
 	}
 	tlsCfg, err := mqttTLS(c.MQTT.TLS)
 	if err != nil {
-		return usageError{err}
+		return config.UsageError{Err: err}
 	}
-	warnLooseMode(d.log, "mqtt.users_file", c.MQTT.UsersFile)
-	warnLooseMode(d.log, "mqtt.tls.key_file", c.MQTT.TLS.KeyFile)
+	admin.WarnLooseMode(d.log, "mqtt.users_file", c.MQTT.UsersFile)
+	admin.WarnLooseMode(d.log, "mqtt.tls.key_file", c.MQTT.TLS.KeyFile)
 	d.live = c
 	if err = os.MkdirAll(c.Node.DataDir, 0o750); err != nil {
 		return mkdirError(c.Node.DataDir, err)
@@ -103,7 +98,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return err
 	}
 	d.log = d.log.With("node", replication.ShortID(d.id.ID))
-	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log, SyncDelay: benchSyncDelay(), OnCommit: d.fieldView().onCommit,
+	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log, SyncDelay: benchSyncDelay(), OnCommit: d.fieldView().OnCommit,
 		MaxBytes: int64(c.Storage.MaxBytes), MaxAge: time.Duration(c.Storage.MaxAge), FlushInterval: flushInterval(c.Storage)}); err != nil {
 		return err
 	}
@@ -285,10 +280,10 @@ func (d *Daemon) MQTTTLSAddr() string { return d.broker.TLSAddr() }
 
 // HTTPAddr returns the HTTP listener's address.
 func (d *Daemon) HTTPAddr() string {
-	if d.httpLn == nil {
+	if d.http == nil {
 		return ""
 	}
-	return d.httpLn.Addr().String()
+	return d.http.Addr()
 }
 
 // Stop stops the gateway: HTTP, broker (its clients' wills are logged),
@@ -297,12 +292,10 @@ func (d *Daemon) Stop() error {
 	var errs []error
 	d.stopOnce.Do(func() {
 		if d.fv != nil {
-			d.fv.stop()
+			d.fv.Stop()
 		}
-		if d.httpSrv != nil {
-			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			_ = d.httpSrv.Shutdown(ctx)
-			cancel()
+		if d.http != nil {
+			d.http.Stop()
 		}
 		if d.broker != nil {
 			if d.apply != nil {
@@ -338,45 +331,18 @@ func (d *Daemon) Stop() error {
 	return errors.Join(errs...)
 }
 
-// startHTTP serves the admin API, the metrics and the status page, behind
-// the guard of apiguard.go and with bounds on time, header size and
-// connections, so a slow or flooding client cannot hold the daemon's memory.
+// startHTTP serves the admin API, the metrics and the status page (admin/),
+// with the cluster's endpoints added.
 func (d *Daemon) startHTTP() error {
-	g, err := newAPIGuard(d.cfg, d.log)
+	srv, err := admin.NewServer(d.cfg, d.log, adminGateway{d}, d.fieldView())
 	if err != nil {
 		return err
 	}
-	d.guard = g
-	ln, err := net.Listen("tcp", d.cfg.HTTP.Listen)
-	if err != nil {
+	d.registerClusterAPI(srv)
+	if err := srv.Start(d.cfg.HTTP.Listen); err != nil {
 		return fmt.Errorf("http: %w", inUse(err, "HTTP address", d.cfg.HTTP.Listen, "--http", "http.listen"))
 	}
-	d.httpLn = ln
-	mux := http.NewServeMux()
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
-		if err := d.Err(); err != nil {
-			http.Error(w, err.Error(), http.StatusServiceUnavailable)
-			return
-		}
-		fmt.Fprintln(w, "ok")
-	})
-	mux.HandleFunc("GET /v1/status", d.handleStatus)
-	d.registerClusterAPI(mux)
-	d.registerFieldView(mux)
-	d.httpSrv = &http.Server{
-		Handler:           g.readOnly(mux),
-		ReadHeaderTimeout: 5 * time.Second,
-		ReadTimeout:       httpReadTimeout,
-		WriteTimeout:      httpWriteTimeout,
-		IdleTimeout:       httpIdleTimeout,
-		MaxHeaderBytes:    httpMaxHeaderBytes,
-		ErrorLog:          slog.NewLogLogger(d.log.Handler(), slog.LevelDebug),
-	}
-	go func() {
-		if err := d.httpSrv.Serve(newLimitListener(ln, httpMaxConns)); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			d.log.Error("http server stopped", "error", err)
-		}
-	}()
+	d.http = srv
 	return nil
 }
 

@@ -13,6 +13,7 @@ import (
 	"github.com/spf13/cobra"
 	pb "go.etcd.io/raft/v3/raftpb"
 
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
 )
@@ -84,11 +85,11 @@ base64, marked "payload_encoding": "base64") or hex.`,
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if dir == "" {
-				return usageError{errors.New("inspect needs --data DIR")}
+				return config.UsageError{Err: errors.New("inspect needs --data DIR")}
 			}
 			enc, ok := payloadEncoders[payload]
 			if !ok {
-				return usageError{fmt.Errorf("--payload %q: base64, text or hex", payload)}
+				return config.UsageError{Err: fmt.Errorf("--payload %q: base64, text or hex", payload)}
 			}
 			return inspect(cmd.OutOrStdout(), dir, from, limit, all, enc)
 		},

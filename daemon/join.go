@@ -17,6 +17,7 @@ import (
 
 	raftpb "go.etcd.io/raft/v3/raftpb"
 
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/replication"
 )
 
@@ -361,7 +362,7 @@ func (c *cluster) join(ctx context.Context, token string, mode joinMode) (joinRe
 	d := c.d
 	tok, fp, err := parseToken(token, time.Now())
 	if err != nil {
-		return joinReply{}, usageError{err}
+		return joinReply{}, config.UsageError{Err: err}
 	}
 	recs, err := c.joinable(tok.Cluster, mode)
 	if err != nil {
@@ -419,7 +420,7 @@ func (c *cluster) joinable(cluster string, mode joinMode) (int, error) {
 		return 0, err
 	}
 	if recs > 0 && mode == joinFresh {
-		return 0, usageError{fmt.Errorf("this gateway's log holds %s: join with --requeue to publish them into the cluster, or with --discard to drop them", plural(recs, "record"))}
+		return 0, config.UsageError{Err: fmt.Errorf("this gateway's log holds %s: join with --requeue to publish them into the cluster, or with --discard to drop them", plural(recs, "record"))}
 	}
 	return recs, nil
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/tandem-edge/tandem/discovery"
+	"github.com/tandem-edge/tandem/internal/version"
 	"github.com/tandem-edge/tandem/replication"
 )
 
@@ -54,7 +55,7 @@ func (c *cluster) discoveryInfo() discovery.Info {
 	open, _ := c.pairState()
 	info := discovery.Info{
 		ID: replication.IDString(d.id.ID), Name: d.cfg.Node.Name, Cluster: c.clusterID(),
-		Role: role, Version: Version, Gen: c.generation(), Term: n.Term(),
+		Role: role, Version: version.Version, Gen: c.generation(), Term: n.Term(),
 		PeerPort: portOf(c.tr.Addr().String()), PairOpen: open,
 	}
 	// Devices are told of MQTT only where it listens beyond loopback.

@@ -37,6 +37,7 @@ import (
 
 	"golang.org/x/crypto/scrypt"
 
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/discovery"
 	"github.com/tandem-edge/tandem/replication"
 )
@@ -375,7 +376,7 @@ type pairTarget struct {
 func (c *cluster) findPairTargets(ctx context.Context, within time.Duration) ([]pairTarget, error) {
 	d := c.d
 	if !d.cfg.Discovery.MDNS {
-		return nil, usageError{errors.New("discovery.mdns is off on this gateway: pairing finds the other gateway over mDNS (turn it on in the config, or use --addr HOST:PORT)")}
+		return nil, config.UsageError{Err: errors.New("discovery.mdns is off on this gateway: pairing finds the other gateway over mDNS (turn it on in the config, or use --addr HOST:PORT)")}
 	}
 	self := replication.IDString(d.id.ID)
 	deadline := time.Now().Add(within)
@@ -418,7 +419,7 @@ func (c *cluster) pairJoin(ctx context.Context, code string, mode joinMode, with
 	d := c.d
 	canon, err := parsePairCode(code)
 	if err != nil {
-		return joinReply{}, usageError{err}
+		return joinReply{}, config.UsageError{Err: err}
 	}
 	recs, err := c.joinable("", mode)
 	if err != nil {

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/config"
 )
 
 // The pairing API: what `tandem pair ...` asks of the running daemon. Same
@@ -39,22 +41,22 @@ const maxPairBrowse = 30 * time.Second
 const defaultPairBrowse = 10 * time.Second
 
 // registerPairAPI adds the pairing commands' endpoints.
-func (d *Daemon) registerPairAPI(mux *http.ServeMux) {
-	d.post(mux, "/v1/pair/open", d.handlePairOpen)
-	d.post(mux, "/v1/pair/join", d.handlePairJoin)
+func (d *Daemon) registerPairAPI(srv *admin.Server) {
+	srv.HandleMutating("/v1/pair/open", d.handlePairOpen)
+	srv.HandleMutating("/v1/pair/join", d.handlePairJoin)
 }
 
 func (d *Daemon) handlePairOpen(w http.ResponseWriter, r *http.Request) {
 	var req pairOpenRequest
-	if err := decodeBody(r, &req); err != nil {
-		writeAPIError(w, statusOf(err), err)
+	if err := admin.DecodeBody(r, &req); err != nil {
+		admin.WriteError(w, statusOf(err), err)
 		return
 	}
 	var ttl time.Duration
 	if req.TTL != "" {
 		var err error
 		if ttl, err = time.ParseDuration(req.TTL); err != nil || ttl <= 0 || ttl > maxPairTTL {
-			writeAPIError(w, http.StatusBadRequest, fmt.Errorf("ttl %q: a duration up to %v", req.TTL, maxPairTTL))
+			admin.WriteError(w, http.StatusBadRequest, fmt.Errorf("ttl %q: a duration up to %v", req.TTL, maxPairTTL))
 			return
 		}
 	}
@@ -62,38 +64,38 @@ func (d *Daemon) handlePairOpen(w http.ResponseWriter, r *http.Request) {
 	defer cancel()
 	rep, err := d.cl.admin(ctx, adminRequest{Op: "pair", TTL: ttl})
 	if err != nil {
-		writeAPIError(w, statusOf(err), err)
+		admin.WriteError(w, statusOf(err), err)
 		return
 	}
 	if rep.Code == "" {
-		writeAPIError(w, http.StatusConflict, errors.New("the master does not know pairing (an older version?): use tandem cluster invite"))
+		admin.WriteError(w, http.StatusConflict, errors.New("the master does not know pairing (an older version?): use tandem cluster invite"))
 		return
 	}
-	writeJSON(w, http.StatusOK, pairOpenResponse{Code: rep.Code, Expires: rep.Expires.UTC().Format(time.RFC3339)})
+	admin.WriteJSON(w, http.StatusOK, pairOpenResponse{Code: rep.Code, Expires: rep.Expires.UTC().Format(time.RFC3339)})
 }
 
 func (d *Daemon) handlePairJoin(w http.ResponseWriter, r *http.Request) {
 	var req pairJoinRequest
-	if err := decodeBody(r, &req); err != nil {
-		writeAPIError(w, statusOf(err), err)
+	if err := admin.DecodeBody(r, &req); err != nil {
+		admin.WriteError(w, statusOf(err), err)
 		return
 	}
 	mode, err := parseJoinMode(req.Mode)
 	if err != nil {
-		writeAPIError(w, http.StatusBadRequest, err)
+		admin.WriteError(w, http.StatusBadRequest, err)
 		return
 	}
 	within := defaultPairBrowse
 	if req.Timeout != "" {
 		var err error
 		if within, err = time.ParseDuration(req.Timeout); err != nil || within <= 0 || within > maxPairBrowse {
-			writeAPIError(w, http.StatusBadRequest, fmt.Errorf("timeout %q: a duration up to %v", req.Timeout, maxPairBrowse))
+			admin.WriteError(w, http.StatusBadRequest, fmt.Errorf("timeout %q: a duration up to %v", req.Timeout, maxPairBrowse))
 			return
 		}
 	}
 	if req.Addr != "" {
 		if _, _, err := net.SplitHostPort(req.Addr); err != nil {
-			writeAPIError(w, http.StatusBadRequest, fmt.Errorf("addr %q: want HOST:PORT (the other gateway's peer port)", req.Addr))
+			admin.WriteError(w, http.StatusBadRequest, fmt.Errorf("addr %q: want HOST:PORT (the other gateway's peer port)", req.Addr))
 			return
 		}
 	}
@@ -101,14 +103,14 @@ func (d *Daemon) handlePairJoin(w http.ResponseWriter, r *http.Request) {
 	defer cancel()
 	rep, err := d.cl.pairJoin(ctx, req.Code, mode, within, req.Addr)
 	if err != nil {
-		writeAPIError(w, statusOf(err), err)
+		admin.WriteError(w, statusOf(err), err)
 		return
 	}
-	out := joinAPIResponse{Cluster: rep.Cluster, Master: rep.Master}
+	out := admin.JoinResponse{Cluster: rep.Cluster, Master: rep.Master}
 	for _, m := range rep.Members {
 		out.Members = append(out.Members, m.Name)
 	}
-	writeJSON(w, http.StatusOK, out)
+	admin.WriteJSON(w, http.StatusOK, out)
 }
 
 // newPairCmd is `tandem pair open|join`.
@@ -127,7 +129,7 @@ func newPairCmd() *cobra.Command {
 		Args:  cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			if ttl <= 0 || ttl > maxPairTTL {
-				return usageError{fmt.Errorf("--ttl %v: a duration up to %v", ttl, maxPairTTL)}
+				return config.UsageError{Err: fmt.Errorf("--ttl %v: a duration up to %v", ttl, maxPairTTL)}
 			}
 			var out pairOpenResponse
 			if err := of.call("/v1/pair/open", pairOpenRequest{TTL: ttl.String()}, &out); err != nil {
@@ -154,13 +156,13 @@ func newPairCmd() *cobra.Command {
 		Args: cobra.ExactArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
 			if requeue && discard {
-				return usageError{errors.New("--requeue and --discard exclude each other")}
+				return config.UsageError{Err: errors.New("--requeue and --discard exclude each other")}
 			}
 			if timeout <= 0 || timeout > maxPairBrowse {
-				return usageError{fmt.Errorf("--timeout %v: a duration up to %v", timeout, maxPairBrowse)}
+				return config.UsageError{Err: fmt.Errorf("--timeout %v: a duration up to %v", timeout, maxPairBrowse)}
 			}
 			if _, err := parsePairCode(args[0]); err != nil {
-				return usageError{err}
+				return config.UsageError{Err: err}
 			}
 			req := pairJoinRequest{Code: args[0], Timeout: timeout.String(), Addr: addr}
 			if requeue {
@@ -168,7 +170,7 @@ func newPairCmd() *cobra.Command {
 			} else if discard {
 				req.Mode = string(joinDiscard)
 			}
-			var out joinAPIResponse
+			var out admin.JoinResponse
 			if err := jf.call("/v1/pair/join", req, &out); err != nil {
 				return err
 			}
@@ -187,7 +189,7 @@ func newPairCmd() *cobra.Command {
 		args := sub.Args
 		sub.Args = func(c *cobra.Command, a []string) error {
 			if err := args(c, a); err != nil {
-				return usageError{err}
+				return config.UsageError{Err: err}
 			}
 			return nil
 		}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/discovery"
 )
 
@@ -28,7 +29,7 @@ func newPeersCmd() *cobra.Command {
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if timeout <= 0 {
-				return usageError{errors.New("--timeout must be positive")}
+				return config.UsageError{Err: errors.New("--timeout must be positive")}
 			}
 			peers, err := discovery.Browse(cmd.Context(), discovery.BrowseOptions{Interface: iface, Timeout: timeout})
 			if err != nil {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/tandem-edge/tandem/admin"
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
 )
@@ -318,18 +319,18 @@ type promoteResponse struct {
 
 func (d *Daemon) handlePromote(w http.ResponseWriter, r *http.Request) {
 	var req promoteRequest
-	if err := decodeBody(r, &req); err != nil {
-		writeAPIError(w, statusOf(err), err)
+	if err := admin.DecodeBody(r, &req); err != nil {
+		admin.WriteError(w, statusOf(err), err)
 		return
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
 	defer cancel()
 	old, err := d.cl.promote(ctx, req.Force, "tandem promote")
 	if err != nil {
-		writeAPIError(w, statusOf(err), err)
+		admin.WriteError(w, statusOf(err), err)
 		return
 	}
-	writeJSON(w, 200, promoteResponse{Deposed: old.Name, Generation: d.cl.generation()})
+	admin.WriteJSON(w, 200, promoteResponse{Deposed: old.Name, Generation: d.cl.generation()})
 }
 
 // newPromoteCmd is `tandem promote`: the manual failover of a 2-gateway

@@ -153,15 +153,15 @@ func newPasswdCmd() *cobra.Command {
 		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := mqtt.CheckUserName(args[0]); err != nil {
-				return usageError{err}
+				return config.UsageError{Err: err}
 			}
 			pw, err := readPassword(cmd.InOrStdin(), cmd.ErrOrStderr())
 			if err != nil {
-				return usageError{err}
+				return config.UsageError{Err: err}
 			}
 			line, err := mqtt.HashPassword(args[0], pw, cost)
 			if err != nil {
-				return usageError{err}
+				return config.UsageError{Err: err}
 			}
 			fmt.Fprintln(cmd.OutOrStdout(), line)
 			return nil

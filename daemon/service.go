@@ -82,9 +82,9 @@ service runs. Where systemd is not the running init nothing is done and the
 command exits 1. When the tandem package is installed, use systemctl.`,
 		Args: func(_ *cobra.Command, args []string) error {
 			if len(args) > 0 {
-				return usageError{fmt.Errorf("unknown service action %q (install, uninstall, start, stop, restart, status)", args[0])}
+				return config.UsageError{Err: fmt.Errorf("unknown service action %q (install, uninstall, start, stop, restart, status)", args[0])}
 			}
-			return usageError{errors.New("service needs an action: install, uninstall, start, stop, restart or status")}
+			return config.UsageError{Err: errors.New("service needs an action: install, uninstall, start, stop, restart or status")}
 		},
 		RunE: func(*cobra.Command, []string) error { return nil },
 	}
@@ -104,7 +104,7 @@ command exits 1. When the tandem package is installed, use systemctl.`,
 			Short: a.short,
 			Args: func(c *cobra.Command, args []string) error {
 				if err := cobra.NoArgs(c, args); err != nil {
-					return usageError{err}
+					return config.UsageError{Err: err}
 				}
 				return nil
 			},
@@ -131,7 +131,7 @@ func runService(out io.Writer, action, configPath string, configGiven bool) erro
 		return fmt.Errorf("service %s: needs root (try sudo)", action)
 	}
 	if configGiven && action != "install" {
-		return usageError{fmt.Errorf("service %s: --config only applies to install", action)}
+		return config.UsageError{Err: fmt.Errorf("service %s: --config only applies to install", action)}
 	}
 	switch action {
 	case "install":
@@ -153,7 +153,7 @@ func runService(out io.Writer, action, configPath string, configGiven bool) erro
 	case "status":
 		return printServiceStatus(out, s)
 	default:
-		return usageError{fmt.Errorf("unknown service action %q", action)}
+		return config.UsageError{Err: fmt.Errorf("unknown service action %q", action)}
 	}
 	if err != nil {
 		return fmt.Errorf("service %s: %w", action, err)
@@ -265,14 +265,14 @@ func installService(out io.Writer, configPath string) error {
 func checkServiceConfig(p string) (string, bool, error) {
 	abs, err := filepath.Abs(p)
 	if err != nil {
-		return "", false, usageError{err}
+		return "", false, config.UsageError{Err: err}
 	}
 	if strings.ContainsAny(abs, "$%\"\\\n") {
 		// systemd would expand these in ExecStart.
-		return "", false, usageError{fmt.Errorf("service install: --config %q: the path may not contain $, %%, \", \\ or a newline", abs)}
+		return "", false, config.UsageError{Err: fmt.Errorf("service install: --config %q: the path may not contain $, %%, \", \\ or a newline", abs)}
 	}
 	if err := visibleToService("--config", abs); err != nil {
-		return "", false, usageError{fmt.Errorf("service install: %w", err)}
+		return "", false, config.UsageError{Err: fmt.Errorf("service install: %w", err)}
 	}
 	var cfg *config.Config
 	writeDefault := false
@@ -283,7 +283,7 @@ func checkServiceConfig(p string) (string, bool, error) {
 		cfg, err = config.Load(abs)
 	}
 	if err != nil {
-		return "", false, usageError{err}
+		return "", false, config.UsageError{Err: err}
 	}
 	if err := checkServiceSettings(cfg); err != nil {
 		return "", false, fmt.Errorf("service install: %s: %w", abs, err)
@@ -297,8 +297,9 @@ func checkServiceConfig(p string) (string, bool, error) {
 // WorkingDirectory.
 func checkServiceSettings(cfg *config.Config) error {
 	if d := filepath.Clean(cfg.Node.DataDir); filepath.IsAbs(d) && d != serviceStateDir && !strings.HasPrefix(d, serviceStateDir+"/") {
-		return usageError{fmt.Errorf("node.data_dir %s is read-only to the service "+
+		return config.UsageError{Err: fmt.Errorf("node.data_dir %s is read-only to the service "+
 			"(ProtectSystem=strict leaves only %s writable): use a data_dir under %s", d, serviceStateDir, serviceStateDir)}
+
 	}
 	return nil
 }

@@ -147,7 +147,7 @@ func TestServiceUnitTemplate(t *testing.T) {
 func TestServiceConfigChecks(t *testing.T) {
 	for _, p := range []string{"/tmp/tandem.yaml", "/home/pi/tandem.yaml", "/root/t.yaml", "/etc/tandem/$x.yaml", "/etc/tandem/50%.yaml"} {
 		_, _, err := checkServiceConfig(p)
-		var ue usageError
+		var ue config.UsageError
 		if err == nil || !errors.As(err, &ue) {
 			t.Errorf("--config %s: %v, want a usage error", p, err)
 		}

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/tandem-edge/tandem/admin"
 )
 
 // defaultHTTP is where the CLI finds the daemon when told nothing else:
@@ -34,7 +35,7 @@ func newStatusCmd() *cobra.Command {
 				_, err = cmd.OutOrStdout().Write(body)
 				return err
 			}
-			var s Status
+			var s admin.Status
 			if err := json.Unmarshal(body, &s); err != nil {
 				return fmt.Errorf("the daemon at %s answered with a status this version cannot read: %w", addr, err)
 			}
@@ -47,19 +48,19 @@ func newStatusCmd() *cobra.Command {
 }
 
 // writeStatus prints s for a person: this node first, then the members.
-func writeStatus(w io.Writer, s *Status) error {
+func writeStatus(w io.Writer, s *admin.Status) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	leader := "none"
 	if s.Leader != nil {
-		leader = nameOr(s.Leader.Name, s.Leader.ID) + " (" + short(s.Leader.ID) + ")"
+		leader = admin.NameOr(s.Leader.Name, s.Leader.ID) + " (" + admin.ShortID(s.Leader.ID) + ")"
 	}
-	fmt.Fprintf(tw, "node\t%s (%s), tandem %s\n", s.Node.Name, short(s.Node.ID), s.Node.Version)
+	fmt.Fprintf(tw, "node\t%s (%s), tandem %s\n", s.Node.Name, admin.ShortID(s.Node.ID), s.Node.Version)
 	fmt.Fprintf(tw, "role\t%s, term %d\n", s.Role, s.Term)
 	fmt.Fprintf(tw, "master\t%s\n", leader)
 	fmt.Fprintf(tw, "log\tfirst %d, last %d, committed %d, applied %d\n", s.Log.FirstIndex, s.Log.LastIndex, s.Log.CommitIndex, s.Log.AppliedIndex)
-	disk := fmt.Sprintf("%s used, %s free", bytesIEC(uint64(max(s.Disk.UsedBytes, 0))), bytesIEC(s.Disk.FreeBytes))
+	disk := fmt.Sprintf("%s used, %s free", admin.FormatBytes(uint64(max(s.Disk.UsedBytes, 0))), admin.FormatBytes(s.Disk.FreeBytes))
 	if s.Disk.BudgetBytes > 0 {
-		disk += ", budget " + bytesIEC(s.Disk.BudgetBytes)
+		disk += ", budget " + admin.FormatBytes(s.Disk.BudgetBytes)
 	}
 	if s.Storage.OldestAgeSeconds > 0 {
 		disk += ", oldest record " + (time.Duration(s.Storage.OldestAgeSeconds) * time.Second).String() + " old"
@@ -98,8 +99,8 @@ func writeStatus(w io.Writer, s *Status) error {
 				reach = "?" // only the master hears from every member
 			}
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%.2f\n", nameOr(m.Name, m.ID), short(m.ID), m.Role, yesNo(m.Voter),
-			orDash(m.Addr), reach, m.MatchIndex, m.LagRecords, m.LagSeconds)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%.2f\n", admin.NameOr(m.Name, m.ID), admin.ShortID(m.ID), m.Role, yesNo(m.Voter),
+			admin.OrDash(m.Addr), reach, m.MatchIndex, m.LagRecords, m.LagSeconds)
 	}
 	return tw.Flush()
 }
@@ -109,11 +110,4 @@ func yesNo(b bool) string {
 		return "yes"
 	}
 	return "no"
-}
-
-func orDash(s string) string {
-	if s == "" {
-		return "-"
-	}
-	return s
 }

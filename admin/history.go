@@ -1,4 +1,4 @@
-package daemon
+package admin
 
 import (
 	"context"
@@ -89,21 +89,21 @@ type sampler struct {
 const stoppedFor = 3
 
 // start starts the sampler, once.
-func (fv *fieldView) start() {
+func (fv *FieldView) start() {
 	fv.startOnce.Do(func() {
 		fv.wg.Add(1)
 		go fv.sampleLoop()
 	})
 }
 
-// stop stops the sampler and waits for it. Daemon.Stop calls it; safe to
+// Stop stops the sampler and waits for it. Daemon.Stop calls it; safe to
 // call more than once, and before start.
-func (fv *fieldView) stop() {
+func (fv *FieldView) Stop() {
 	fv.stopOnce.Do(func() { close(fv.stopc) })
 	fv.wg.Wait()
 }
 
-func (fv *fieldView) sampleLoop() {
+func (fv *FieldView) sampleLoop() {
 	defer fv.wg.Done()
 	t := time.NewTicker(sampleEvery)
 	defer t.Stop()
@@ -124,11 +124,8 @@ func (fv *fieldView) sampleLoop() {
 
 // sample takes one sample: counter deltas become rates, the status gives
 // the lag. The first call only sets the baseline.
-func (fv *fieldView) sample(sm *sampler, now time.Time) {
-	d := fv.d
-	d.reloadMu.Lock()
-	live := d.live
-	d.reloadMu.Unlock()
+func (fv *FieldView) sample(sm *sampler, now time.Time) {
+	live := fv.gw.Live()
 	var rules [maxRuleCounts + 1]uint64
 	for i := range rules {
 		rules[i] = fv.ruleCounts[i].Load()
@@ -136,7 +133,7 @@ func (fv *fieldView) sample(sm *sampler, now time.Time) {
 	acks := fv.acksOK.Load()
 	s := sample{At: now}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	st, err := d.status(ctx)
+	st, err := fv.gw.Status(ctx)
 	cancel()
 	if err == nil {
 		for _, m := range st.Members {

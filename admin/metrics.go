@@ -1,8 +1,9 @@
-package daemon
+package admin
 
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"net/http"
 	"runtime"
 	"sync"
@@ -13,6 +14,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/version"
 	"github.com/tandem-edge/tandem/mqtt"
 	"github.com/tandem-edge/tandem/replication"
 )
@@ -61,12 +64,15 @@ const (
 	slowFsyncEvery = 30 * time.Second
 )
 
-// fieldView is the daemon's field view: the Prometheus registry, the hot
+// FieldView is the gateway's field view: the Prometheus registry, the hot
 // path's counters (it is the broker's mqtt.Observer and the storage's
-// OnCommit), and the history the status page draws. Created by
-// Daemon.fieldView, once, while the daemon starts.
-type fieldView struct {
-	d   *Daemon
+// OnCommit), and the history the status page draws. The daemon makes one
+// while it starts, before the storage and the broker, which report to it
+// from their first commit and publish.
+type FieldView struct {
+	gw  Gateway
+	cfg *config.Config // as started: the node's name and peer address
+	log *slog.Logger
 	reg *prometheus.Registry
 
 	// Children resolved once, so the hot path does no label lookup:
@@ -99,18 +105,11 @@ type fieldView struct {
 	wg        sync.WaitGroup
 }
 
-// fieldView returns the daemon's field view, creating it on first use: the
-// storage options, the broker config and the HTTP listener all need it
-// during Start, which runs on one goroutine.
-func (d *Daemon) fieldView() *fieldView {
-	if d.fv == nil {
-		d.fv = newFieldView(d)
-	}
-	return d.fv
-}
-
-func newFieldView(d *Daemon) *fieldView {
-	fv := &fieldView{d: d, reg: prometheus.NewRegistry(), hist: newHistory(historySize), stopc: make(chan struct{})}
+// NewFieldView makes the field view of the gateway gw started with cfg.
+// gw is read only at scrapes, page views and samples, so it may be still
+// starting when NewFieldView is called.
+func NewFieldView(gw Gateway, cfg *config.Config, log *slog.Logger) *FieldView {
+	fv := &FieldView{gw: gw, cfg: cfg, log: log, reg: prometheus.NewRegistry(), hist: newHistory(historySize), stopc: make(chan struct{})}
 	published := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "tandem_mqtt_publishes_received_total",
 		Help: "PUBLISH packets taken into the log by this gateway, by the topic's ack mode and the QoS.",
@@ -147,7 +146,7 @@ func newFieldView(d *Daemon) *fieldView {
 	build := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name:        "tandem_build_info",
 		Help:        "Always 1; the labels give the version running.",
-		ConstLabels: prometheus.Labels{"version": Version, "commit": Commit, "goversion": runtime.Version()},
+		ConstLabels: prometheus.Labels{"version": version.Version, "commit": version.Commit, "goversion": runtime.Version()},
 	})
 	build.Set(1)
 	fv.refused = prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -164,7 +163,7 @@ func newFieldView(d *Daemon) *fieldView {
 }
 
 // Published implements mqtt.Observer.
-func (fv *fieldView) Published(mode mqtt.AckMode, qos byte, rule int) {
+func (fv *FieldView) Published(mode mqtt.AckMode, qos byte, rule int) {
 	fv.published[mode&1][min(qos, 2)].Inc()
 	if r := uint(rule + 1); r < uint(len(fv.ruleCounts)) {
 		fv.ruleCounts[r].Add(1)
@@ -172,15 +171,15 @@ func (fv *fieldView) Published(mode mqtt.AckMode, qos byte, rule int) {
 }
 
 // Dropped implements mqtt.Observer.
-func (fv *fieldView) Dropped(n uint64) { fv.sessionDropped.Add(float64(n)) }
+func (fv *FieldView) Dropped(n uint64) { fv.sessionDropped.Add(float64(n)) }
 
 // Refused implements mqtt.Observer.
-func (fv *fieldView) Refused(reason string) { fv.refused.WithLabelValues(reason).Inc() }
+func (fv *FieldView) Refused(reason string) { fv.refused.WithLabelValues(reason).Inc() }
 
 // Acked implements mqtt.Observer. Only successful acks go into the latency
 // histogram: a refusal's latency is sync_timeout or nothing, and would hide
 // how fast acks really are; refusals are counted by outcome.
-func (fv *fieldView) Acked(mode mqtt.AckMode, err error, latency time.Duration) {
+func (fv *FieldView) Acked(mode mqtt.AckMode, err error, latency time.Duration) {
 	o := ackOutcome(err)
 	fv.acked[mode&1][o].Inc()
 	if o == outcomeOK {
@@ -189,9 +188,9 @@ func (fv *fieldView) Acked(mode mqtt.AckMode, err error, latency time.Duration) 
 	}
 }
 
-// onCommit is the storage's OnCommit: fsync latency, batch size, and a
+// OnCommit is the storage's OnCommit: fsync latency, batch size, and a
 // rate-limited warning when the disk is slow.
-func (fv *fieldView) onCommit(sync time.Duration, entries int) {
+func (fv *FieldView) OnCommit(sync time.Duration, entries int) {
 	fv.fsync.Observe(sync.Seconds())
 	if !fv.fsyncSeen.Load() {
 		fv.fsyncSeen.Store(true)
@@ -209,20 +208,35 @@ func (fv *fieldView) onCommit(sync time.Duration, entries int) {
 		return
 	}
 	fv.slowCount.Add(-n)
-	fv.d.log.Warn("slow fsync: the disk took long to make a commit durable; acks wait for it",
+	fv.log.Warn("slow fsync: the disk took long to make a commit durable; acks wait for it",
 		"duration", sync.Round(time.Millisecond), "entries", entries, "slow_commits", n, "within", slowFsyncEvery)
+}
+
+// Wired reports whether both the storage (a commit) and the broker (a
+// publish) have reported to the field view: a daemon that forgot to hand
+// it over would ship without its hot-path metrics.
+func (fv *FieldView) Wired() bool {
+	if !fv.fsyncSeen.Load() {
+		return false
+	}
+	for i := range fv.ruleCounts {
+		if fv.ruleCounts[i].Load() > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // metricsHandler serves the registry in the Prometheus text format. It
 // goes on with what it has when one collector fails, so a status that
 // times out does not blank the hot-path counters.
-func (fv *fieldView) metricsHandler() http.Handler {
+func (fv *FieldView) metricsHandler() http.Handler {
 	return promhttp.HandlerFor(fv.reg, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError, Registry: fv.reg})
 }
 
 // statusCollector reads the gauges that describe state from the status
 // JSON at scrape time, so they cannot drift from what /v1/status says.
-type statusCollector struct{ fv *fieldView }
+type statusCollector struct{ fv *FieldView }
 
 func desc(name, help string, labels ...string) *prometheus.Desc {
 	return prometheus.NewDesc(name, help, labels, nil)
@@ -282,12 +296,12 @@ func (statusCollector) Describe(ch chan<- *prometheus.Desc) {
 
 // Collect implements prometheus.Collector.
 func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
-	d := c.fv.d
+	gw := c.fv.gw
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
-	s, err := d.status(ctx)
+	s, err := gw.Status(ctx)
 	if err != nil {
-		d.log.Debug("metrics: status unavailable", "error", err)
+		c.fv.log.Debug("metrics: status unavailable", "error", err)
 		ch <- gauge(descStatusUp, 0)
 		return
 	}
@@ -298,7 +312,7 @@ func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- gauge(descRole, b2f(s.Role == r), r)
 	}
 	ch <- gauge(descHasLeader, b2f(s.Leader != nil))
-	if n, err := d.leaderChanges(ctx); err == nil {
+	if n, err := gw.LeaderChanges(ctx); err == nil {
 		ch <- prometheus.MustNewConstMetric(descLeaderChanges, prometheus.CounterValue, float64(n))
 	}
 	ch <- gauge(descMembers, float64(1+len(s.Members)))
@@ -313,8 +327,8 @@ func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 	}
 	ch <- gauge(descGeneration, float64(s.Cluster.Generation))
-	ch <- prometheus.MustNewConstMetric(descPromotions, prometheus.CounterValue, float64(d.cl.promotions.Load()))
-	ch <- prometheus.MustNewConstMetric(descDeposed, prometheus.CounterValue, float64(d.cl.depositions.Load()))
+	ch <- prometheus.MustNewConstMetric(descPromotions, prometheus.CounterValue, float64(gw.Promotions()))
+	ch <- prometheus.MustNewConstMetric(descDeposed, prometheus.CounterValue, float64(gw.Depositions()))
 	ch <- prometheus.MustNewConstMetric(descRequeued, prometheus.CounterValue, float64(s.Cluster.Requeued))
 	ch <- gauge(descRequeuePend, float64(s.Cluster.RequeuePending))
 	ch <- gauge(descFirstIndex, float64(s.Log.FirstIndex))
@@ -333,14 +347,7 @@ func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- gauge(descStoreRefusing, b2f(s.Storage.Refusing))
 	ch <- gauge(descClients, float64(s.MQTT.Clients))
 	ch <- gauge(descInflight, float64(s.MQTT.Inflight))
-	ch <- gauge(descRetained, float64(d.broker.Retained()))
-}
-
-// leaderChanges reads replication's count of master changes, which the
-// status JSON does not carry.
-func (d *Daemon) leaderChanges(ctx context.Context) (uint64, error) {
-	rs, err := d.node().Status(ctx)
-	return rs.LeaderChanges, err
+	ch <- gauge(descRetained, float64(gw.Retained()))
 }
 
 func gauge(d *prometheus.Desc, v float64, labels ...string) prometheus.Metric {

@@ -1,4 +1,4 @@
-package daemon
+package admin
 
 import (
 	"bytes"
@@ -13,17 +13,8 @@ import (
 	"time"
 
 	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/version"
 )
-
-// registerFieldView adds the field view's endpoints (status page, metrics)
-// to the HTTP listener's mux and starts the sampler behind the page's
-// sparklines.
-func (d *Daemon) registerFieldView(mux *http.ServeMux) {
-	fv := d.fieldView()
-	mux.Handle("GET /metrics", fv.metricsHandler())
-	mux.HandleFunc("GET /{$}", fv.servePage)
-	fv.start()
-}
 
 //go:embed page.html
 var pageHTML string
@@ -76,7 +67,7 @@ type sparkline struct {
 	Collecting bool
 }
 
-func (fv *fieldView) servePage(w http.ResponseWriter, r *http.Request) {
+func (fv *FieldView) servePage(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
 	defer cancel()
 	data := fv.pageData(ctx)
@@ -90,12 +81,9 @@ func (fv *fieldView) servePage(w http.ResponseWriter, r *http.Request) {
 	_, _ = w.Write(buf.Bytes())
 }
 
-func (fv *fieldView) pageData(ctx context.Context) *pageData {
-	d := fv.d
-	p := &pageData{Name: d.cfg.Node.Name, Version: Version, Refresh: pageRefresh, Updated: time.Now().Format("15:04:05")}
-	d.reloadMu.Lock()
-	live := d.live
-	d.reloadMu.Unlock()
+func (fv *FieldView) pageData(ctx context.Context) *pageData {
+	p := &pageData{Name: fv.cfg.Node.Name, Version: version.Version, Refresh: pageRefresh, Updated: time.Now().Format("15:04:05")}
+	live := fv.gw.Live()
 	p.Topics, p.TopicsCounted = topicRows(live, fv.hist.rates(live))
 	samples := fv.hist.samples()
 	p.Throughput = newSparkline(samples, func(s sample) float64 { return s.In }, "/s")
@@ -106,25 +94,25 @@ func (fv *fieldView) pageData(ctx context.Context) *pageData {
 	} else {
 		p.InRate, p.AckRate = "…", "…"
 	}
-	s, err := d.status(ctx)
+	s, err := fv.gw.Status(ctx)
 	if err != nil {
 		p.Err = err.Error()
 		p.Role = "unknown"
 		return p
 	}
 	p.Name, p.Role, p.Term = s.Node.Name, s.Role, strconv.FormatUint(s.Term, 10)
-	p.Cluster = short(s.Cluster.ID)
+	p.Cluster = ShortID(s.Cluster.ID)
 	p.Leader = "none"
 	if s.Leader != nil {
-		p.Leader = nameOr(s.Leader.Name, s.Leader.ID)
+		p.Leader = NameOr(s.Leader.Name, s.Leader.ID)
 	}
-	self := nodeRow{Name: s.Node.Name, ID: short(s.Node.ID), Role: s.Role, Term: p.Term, Addr: d.peerAddr(s), Self: true, OK: true, Health: "serving", Lag: "—"}
-	if err := d.Err(); err != nil {
+	self := nodeRow{Name: s.Node.Name, ID: ShortID(s.Node.ID), Role: s.Role, Term: p.Term, Addr: fv.peerAddr(s), Self: true, OK: true, Health: "serving", Lag: "—"}
+	if err := fv.gw.Err(); err != nil {
 		self.OK, self.Health = false, err.Error()
 	}
 	p.Nodes = append(p.Nodes, self)
 	for _, m := range s.Members {
-		row := nodeRow{Name: nameOr(m.Name, m.ID), ID: short(m.ID), Role: m.Role, Term: "—", Addr: orDash(m.Addr), OK: m.Reachable, Learner: !m.Voter}
+		row := nodeRow{Name: NameOr(m.Name, m.ID), ID: ShortID(m.ID), Role: m.Role, Term: "—", Addr: OrDash(m.Addr), OK: m.Reachable, Learner: !m.Voter}
 		row.Health, row.Lag = "unreachable", "—"
 		if m.Reachable {
 			row.Health = "reachable"
@@ -139,10 +127,10 @@ func (fv *fieldView) pageData(ctx context.Context) *pageData {
 		}
 		p.Nodes = append(p.Nodes, row)
 	}
-	p.Disk = diskView{Used: bytesIEC(uint64(max(s.Disk.UsedBytes, 0))), Free: bytesIEC(s.Disk.FreeBytes), Budget: "none"}
+	p.Disk = diskView{Used: FormatBytes(uint64(max(s.Disk.UsedBytes, 0))), Free: FormatBytes(s.Disk.FreeBytes), Budget: "none"}
 	whole := uint64(max(s.Disk.UsedBytes, 0)) + s.Disk.FreeBytes
 	if s.Disk.BudgetBytes > 0 {
-		p.Disk.Budget = bytesIEC(s.Disk.BudgetBytes)
+		p.Disk.Budget = FormatBytes(s.Disk.BudgetBytes)
 		whole = s.Disk.BudgetBytes
 	}
 	if s.Storage.OldestAgeSeconds > 0 {
@@ -154,7 +142,7 @@ func (fv *fieldView) pageData(ctx context.Context) *pageData {
 	}
 	p.Clients = strconv.FormatInt(s.MQTT.Clients, 10)
 	p.Inflight = strconv.FormatInt(s.MQTT.Inflight, 10)
-	p.Retained = strconv.FormatInt(d.broker.Retained(), 10)
+	p.Retained = strconv.FormatInt(fv.gw.Retained(), 10)
 	p.Log = [4]string{strconv.FormatUint(s.Log.FirstIndex, 10), strconv.FormatUint(s.Log.LastIndex, 10),
 		strconv.FormatUint(s.Log.CommitIndex, 10), strconv.FormatUint(s.Log.AppliedIndex, 10)}
 	p.Pairing, p.PairingOpen = "closed", s.Pairing.Open
@@ -168,11 +156,11 @@ func (fv *fieldView) pageData(ctx context.Context) *pageData {
 }
 
 // peerAddr is the address other gateways reach this one at.
-func (d *Daemon) peerAddr(s *Status) string {
+func (fv *FieldView) peerAddr(s *Status) string {
 	if len(s.Cluster.PeerAddrs) > 0 {
 		return strings.Join(s.Cluster.PeerAddrs, ", ")
 	}
-	return d.cfg.Peer.Listen
+	return fv.cfg.Peer.Listen
 }
 
 // topicRows lists the topic rules in force with their rates, then the
@@ -249,8 +237,8 @@ func compact(v float64) string {
 	return strconv.FormatFloat(math.Round(v*10)/10, 'f', -1, 64)
 }
 
-// bytesIEC formats a size with binary units, as the config takes them.
-func bytesIEC(n uint64) string {
+// FormatBytes formats a size with binary units, as the config takes them.
+func FormatBytes(n uint64) string {
 	const unit = 1024
 	if n < unit {
 		return strconv.FormatUint(n, 10) + " B"
@@ -263,17 +251,26 @@ func bytesIEC(n uint64) string {
 	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
 }
 
-// short is the human form of a node id (DESIGN.md: its first 8 digits).
-func short(id string) string {
+// ShortID is the human form of a node id (DESIGN.md: its first 8 digits).
+func ShortID(id string) string {
 	if len(id) > 8 {
 		return id[:8]
 	}
 	return id
 }
 
-func nameOr(name, id string) string {
+// NameOr is a member's name, or its short id when it has none.
+func NameOr(name, id string) string {
 	if name != "" {
 		return name
 	}
-	return short(id)
+	return ShortID(id)
+}
+
+// OrDash is s, or "-" for an empty one: a table cell that is never blank.
+func OrDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
 }

@@ -1,4 +1,4 @@
-package daemon
+package admin
 
 import (
 	"crypto/rand"
@@ -70,16 +70,15 @@ type apiGuard struct {
 // newAPIGuard finds or makes the API token and lists the host names the
 // listener answers to. A missing http.token_file is a configuration error.
 func newAPIGuard(c *config.Config, log *slog.Logger) (*apiGuard, error) {
-	g := &apiGuard{tokenFile: c.HTTP.TokenFile, hosts: map[string]bool{"localhost": true}}
-	if g.tokenFile == "" {
-		g.tokenFile = filepath.Join(c.Node.DataDir, apiTokenFile)
+	g := &apiGuard{tokenFile: TokenFile(c), hosts: map[string]bool{"localhost": true}}
+	if c.HTTP.TokenFile == "" {
 		if err := ensureToken(g.tokenFile); err != nil {
 			return nil, fmt.Errorf("http token: %w", err)
 		}
-	} else if _, err := readToken(g.tokenFile); err != nil {
-		return nil, usageError{fmt.Errorf("http.token_file: %w", err)}
+	} else if _, err := ReadToken(g.tokenFile); err != nil {
+		return nil, config.UsageError{Err: fmt.Errorf("http.token_file: %w", err)}
 	}
-	warnLooseMode(log, "http token file", g.tokenFile)
+	WarnLooseMode(log, "http token file", g.tokenFile)
 	if host, _, err := net.SplitHostPort(c.HTTP.Listen); err == nil && host != "" {
 		// A wildcard is no name a request should use: browsers take
 		// 0.0.0.0 for loopback, so it would only widen what pages reach.
@@ -101,7 +100,7 @@ func newAPIGuard(c *config.Config, log *slog.Logger) (*apiGuard, error) {
 
 // ensureToken creates path with a fresh random token unless it exists.
 func ensureToken(path string) error {
-	if _, err := readToken(path); err == nil {
+	if _, err := ReadToken(path); err == nil {
 		return nil
 	} else if !errors.Is(err, fs.ErrNotExist) {
 		return err
@@ -118,11 +117,11 @@ func ensureToken(path string) error {
 	return os.Rename(tmp, path)
 }
 
-// warnLooseMode logs a warning when a secret file (a token, the users'
+// WarnLooseMode logs a warning when a secret file (a token, the users'
 // hashes, a key) can be read or changed by other users: what is in it then
 // gives them access too. A group that is the daemon's own is fine: the
 // packaged way is root:tandem 0640.
-func warnLooseMode(log *slog.Logger, what, path string) {
+func WarnLooseMode(log *slog.Logger, what, path string) {
 	if path == "" || log == nil {
 		return
 	}
@@ -209,7 +208,7 @@ func jsonBody(r *http.Request) bool {
 
 // tokenOK reports whether r carries the API token.
 func (g *apiGuard) tokenOK(r *http.Request) bool {
-	want, err := readToken(g.tokenFile)
+	want, err := ReadToken(g.tokenFile)
 	if err != nil {
 		return false
 	}
@@ -234,13 +233,13 @@ func (g *apiGuard) mutating(h http.HandlerFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		switch {
 		case !g.hostOK(r):
-			writeAPIError(w, http.StatusForbidden, fmt.Errorf("Host %s is not this gateway's (add it to http.allowed_hosts)", r.Host))
+			WriteError(w, http.StatusForbidden, fmt.Errorf("Host %s is not this gateway's (add it to http.allowed_hosts)", r.Host))
 		case !originOK(r):
-			writeAPIError(w, http.StatusForbidden, errors.New("cross-origin requests are refused"))
+			WriteError(w, http.StatusForbidden, errors.New("cross-origin requests are refused"))
 		case !jsonBody(r):
-			writeAPIError(w, http.StatusUnsupportedMediaType, errors.New("send Content-Type: application/json"))
+			WriteError(w, http.StatusUnsupportedMediaType, errors.New("send Content-Type: application/json"))
 		case !g.tokenOK(r):
-			writeAPIError(w, http.StatusUnauthorized, fmt.Errorf("a valid bearer token is required (the daemon's %s; the CLI reads it with --config, --data or --token-file)", g.tokenFile))
+			WriteError(w, http.StatusUnauthorized, fmt.Errorf("a valid bearer token is required (the daemon's %s; the CLI reads it with --config, --data or --token-file)", g.tokenFile))
 		default:
 			r.Body = http.MaxBytesReader(w, r.Body, apiMaxBody)
 			h(w, r)
@@ -293,4 +292,28 @@ func (c *limitConn) Close() error {
 	err := c.Conn.Close()
 	c.once.Do(c.release)
 	return err
+}
+
+// TokenFile is where the daemon run with c keeps its API token:
+// http.token_file, or the data dir's http-token.
+func TokenFile(c *config.Config) string {
+	if c.HTTP.TokenFile != "" {
+		return c.HTTP.TokenFile
+	}
+	return filepath.Join(c.Node.DataDir, apiTokenFile)
+}
+
+// ReadToken reads a token file: its first line, trimmed. The CLI reads
+// the daemon's token with it, the guard a configured http.token_file.
+func ReadToken(path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	tok, _, _ := strings.Cut(string(b), "\n")
+	tok = strings.TrimSpace(tok)
+	if tok == "" {
+		return "", fmt.Errorf("%s: empty token", path)
+	}
+	return tok, nil
 }
