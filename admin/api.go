@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"time"
 
 	"github.com/tandem-edge/tandem/config"
 )
@@ -53,6 +54,43 @@ type RemoveResponse struct {
 // ErrorResponse is every error answer of the API: {"error": "..."}.
 type ErrorResponse struct {
 	Error string `json:"error"`
+}
+
+// PairOpenRequest is the body of POST /v1/pair/open.
+type PairOpenRequest struct {
+	TTL string `json:"ttl,omitempty"`
+}
+
+// PairOpenResponse answers with the pairing code and its expiry.
+type PairOpenResponse struct {
+	Code    string `json:"code"`
+	Expires string `json:"expires"`
+}
+
+// PairJoinRequest is the body of POST /v1/pair/join.
+type PairJoinRequest struct {
+	Code    string `json:"code"`
+	Mode    string `json:"mode,omitempty"`    // "", "requeue" or "discard"
+	Timeout string `json:"timeout,omitempty"` // how long to look for the open gateway
+	Addr    string `json:"addr,omitempty"`    // knock here instead of browsing
+}
+
+// MaxPairBrowse bounds pair join's --timeout, so that browsing plus the
+// join itself fit in the CLI's wait for the daemon's answer.
+const MaxPairBrowse = 30 * time.Second
+
+// DefaultPairBrowse is how long pair join looks for the open gateway.
+const DefaultPairBrowse = 10 * time.Second
+
+// PromoteRequest is the body of POST /v1/cluster/promote.
+type PromoteRequest struct {
+	Force bool `json:"force,omitempty"`
+}
+
+// PromoteResponse names the master this gateway replaced.
+type PromoteResponse struct {
+	Deposed    string `json:"deposed"`
+	Generation uint64 `json:"generation"`
 }
 
 // WriteJSON answers with code and v as JSON.

@@ -167,10 +167,8 @@ func TestAPITokenWrittenOnceAndFoundByTheCLI(t *testing.T) {
 	if got := apiToken(t, d2); got != tok {
 		t.Fatalf("token changed on restart: %q → %q", tok, got)
 	}
-	var out admin.InviteResponse
-	af := apiFlags{http: d2.HTTPAddr(), config: cfgFile}
-	if err := af.call("/v1/cluster/invite", admin.InviteRequest{}, &out); err != nil || out.Token == "" {
-		t.Fatalf("invite through --config: %v %+v", err, out)
+	if code, out, errOut := runMain(t, "cluster", "invite", "--loopback", "--http", d2.HTTPAddr(), "--config", cfgFile); code != ExitOK || !strings.HasPrefix(out, "tandem1.") {
+		t.Fatalf("invite through --config: exit %d %q %s", code, out, errOut)
 	}
 	// A wrong token file says what to do.
 	bad := writeFile(t, filepath.Join(dir, "bad-token"), "nope\n")

@@ -282,7 +282,7 @@ func TestClusterJoinRefusals(t *testing.T) {
 // expiredToken rewrites tok's expiry into the past.
 func expiredToken(t *testing.T, tok string) string {
 	t.Helper()
-	jt, _, err := parseToken(tok, time.Now())
+	jt, _, err := ParseToken(tok, time.Now())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -25,8 +25,8 @@ import (
 // place (or a pairing code into `cluster join`) is recognised as such.
 const tokenPrefix = "tandem1."
 
-// defaultInviteTTL is how long a join token stays valid.
-const defaultInviteTTL = time.Hour
+// DefaultInviteTTL is how long a join token stays valid.
+const DefaultInviteTTL = time.Hour
 
 // joinToken is what `tandem cluster invite` prints: where the master is,
 // which certificate it must present, a one-time secret and an expiry.
@@ -44,8 +44,8 @@ func (t joinToken) encode() string {
 	return tokenPrefix + base64.RawURLEncoding.EncodeToString(b)
 }
 
-// parseToken reads a token's text form and checks its shape and expiry.
-func parseToken(s string, now time.Time) (joinToken, [32]byte, error) {
+// ParseToken reads a token's text form and checks its shape and expiry.
+func ParseToken(s string, now time.Time) (joinToken, [32]byte, error) {
 	var t joinToken
 	var fp [32]byte
 	s = strings.TrimSpace(s)
@@ -246,7 +246,7 @@ func (c *cluster) adminLocal(ctx context.Context, req adminRequest) (adminReply,
 // newInvite makes a join token on the master.
 func (c *cluster) newInvite(ttl time.Duration) (string, error) {
 	if ttl <= 0 {
-		ttl = defaultInviteTTL
+		ttl = DefaultInviteTTL
 	}
 	if len(c.d.node().Members()) >= replication.MaxMembers {
 		return "", fmt.Errorf("the cluster already has %d gateways, the most tandem runs: remove one first", replication.MaxMembers)
@@ -353,14 +353,14 @@ type joinMode string
 // Join modes of `tandem cluster join`.
 const (
 	joinFresh   joinMode = ""
-	joinRequeue joinMode = "requeue"
-	joinDiscard joinMode = "discard"
+	JoinRequeue joinMode = "requeue"
+	JoinDiscard joinMode = "discard"
 )
 
 // join makes this node a member of the cluster token names.
 func (c *cluster) join(ctx context.Context, token string, mode joinMode) (joinReply, error) {
 	d := c.d
-	tok, fp, err := parseToken(token, time.Now())
+	tok, fp, err := ParseToken(token, time.Now())
 	if err != nil {
 		return joinReply{}, config.UsageError{Err: err}
 	}
@@ -434,7 +434,7 @@ func (c *cluster) becomeMember(ctx context.Context, rep joinReply, mode joinMode
 	// goes (its records to the requeue bucket, if asked), and the
 	// master's log brings it up to date, membership included.
 	if err := d.restartNode(func() error {
-		if err := d.db.ResetRaft(mode == joinRequeue); err != nil {
+		if err := d.db.ResetRaft(mode == JoinRequeue); err != nil {
 			return err
 		}
 		if err := c.startCatchUp(rep); err != nil {

@@ -46,8 +46,8 @@ func TestInviteOnLoopbackPeerPortSaysHowToOpenIt(t *testing.T) {
 		{[]string{"gw-1.local:7883"}, false},
 		{nil, false},
 	} {
-		if got := loopbackOnly(tc.addrs); got != tc.want {
-			t.Errorf("loopbackOnly(%v) = %v", tc.addrs, got)
+		if got := LoopbackOnly(tc.addrs); got != tc.want {
+			t.Errorf("LoopbackOnly(%v) = %v", tc.addrs, got)
 		}
 	}
 }

@@ -43,10 +43,10 @@ import (
 )
 
 const (
-	// defaultPairTTL is how long a pairing code stays valid.
-	defaultPairTTL = 10 * time.Minute
-	// maxPairTTL bounds --ttl: a code is meant for someone on site now.
-	maxPairTTL = time.Hour
+	// DefaultPairTTL is how long a pairing code stays valid.
+	DefaultPairTTL = 10 * time.Minute
+	// MaxPairTTL bounds --ttl: a code is meant for someone on site now.
+	MaxPairTTL = time.Hour
 	// pairCodeLen is the number of symbols in a code: 5 bits each.
 	pairCodeLen = 12
 	// pairMaxFailures wrong proofs from one source address end that
@@ -105,10 +105,10 @@ func formatPairCode(canon string) string {
 	return sb.String()
 }
 
-// parsePairCode reads a code as a person may type it: any case, with or
+// ParsePairCode reads a code as a person may type it: any case, with or
 // without dashes or spaces, O for 0 and I or L for 1. It returns the
 // canonical form (12 symbols, no dashes) that the key is derived from.
-func parsePairCode(s string) (string, error) {
+func ParsePairCode(s string) (string, error) {
 	var sb strings.Builder
 	for _, r := range strings.ToUpper(s) {
 		switch {
@@ -298,7 +298,7 @@ func (b *pairBook) release(p *pairing) {
 // openPairing opens pairing on this node, the master, and returns the code.
 func (c *cluster) openPairing(ttl time.Duration) (string, time.Time, error) {
 	if ttl <= 0 {
-		ttl = defaultPairTTL
+		ttl = DefaultPairTTL
 	}
 	if len(c.d.node().Members()) >= replication.MaxMembers {
 		return "", time.Time{}, fmt.Errorf("the cluster already has %d gateways, the most tandem runs: remove one first", replication.MaxMembers)
@@ -307,7 +307,7 @@ func (c *cluster) openPairing(ttl time.Duration) (string, time.Time, error) {
 	if err != nil {
 		return "", time.Time{}, err
 	}
-	canon, _ := parsePairCode(code)
+	canon, _ := ParsePairCode(code)
 	exp := c.invites.pair.now().Add(ttl)
 	c.invites.pair.open(pairKey(canon), exp)
 	// Never the code: the journal is readable by more people than the LAN.
@@ -417,7 +417,7 @@ func (c *cluster) findPairTargets(ctx context.Context, within time.Duration) ([]
 // holds code: found over mDNS, or at addr when given.
 func (c *cluster) pairJoin(ctx context.Context, code string, mode joinMode, within time.Duration, addr string) (joinReply, error) {
 	d := c.d
-	canon, err := parsePairCode(code)
+	canon, err := ParsePairCode(code)
 	if err != nil {
 		return joinReply{}, config.UsageError{Err: err}
 	}

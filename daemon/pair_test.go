@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tandem-edge/tandem/admin"
 	"github.com/tandem-edge/tandem/replication"
 )
 
@@ -36,7 +37,7 @@ func TestPairCodeFormat(t *testing.T) {
 		if len(code) != 14 || code[4] != '-' || code[9] != '-' {
 			t.Fatalf("code %q is not grouped XXXX-XXXX-XXXX", code)
 		}
-		canon, err := parsePairCode(code)
+		canon, err := ParsePairCode(code)
 		if err != nil || formatPairCode(canon) != code {
 			t.Fatalf("code %q does not parse back: %q %v", code, canon, err)
 		}
@@ -64,18 +65,18 @@ func TestPairCodeFormat(t *testing.T) {
 
 func TestParsePairCode(t *testing.T) {
 	for _, in := range []string{"7KQF-M2XA-9RTD", "7kqf-m2xa-9rtd", "7KQFM2XA9RTD", " 7KQF M2XA 9RTD ", "7kqF-m2Xa-9RTd"} {
-		if got, err := parsePairCode(in); err != nil || got != "7KQFM2XA9RTD" {
+		if got, err := ParsePairCode(in); err != nil || got != "7KQFM2XA9RTD" {
 			t.Errorf("parse %q: %q %v", in, got, err)
 		}
 	}
 	// Confusables read as the digit they look like.
 	for in, want := range map[string]string{"O0O0-IiLl-1111": "000011111111", "oooo-AAAA-BBBB": "0000AAAABBBB"} {
-		if got, err := parsePairCode(in); err != nil || got != want {
+		if got, err := ParsePairCode(in); err != nil || got != want {
 			t.Errorf("parse %q: %q %v, want %q", in, got, err, want)
 		}
 	}
 	for _, bad := range []string{"", "7KQF-M2XA-9RT", "7KQF-M2XA-9RTDX", "7KQF-M2XA-9RTU", "7KQF-M2XA-9RT!", "7KQF-M2XA-9RTÉ", "tandem1.abcdef"} {
-		if got, err := parsePairCode(bad); err == nil {
+		if got, err := ParsePairCode(bad); err == nil {
 			t.Errorf("parse %q accepted as %q", bad, got)
 		}
 	}
@@ -227,7 +228,7 @@ func pairOpen(t *testing.T, d *Daemon, extra ...string) string {
 		t.Fatalf("pair open: exit %d: %s", code, errOut)
 	}
 	first, _, _ := strings.Cut(out, "\n")
-	if _, err := parsePairCode(first); err != nil {
+	if _, err := ParsePairCode(first); err != nil {
 		t.Fatalf("pair open printed %q first: %v", first, err)
 	}
 	return first
@@ -303,7 +304,7 @@ func TestPairInProcess(t *testing.T) {
 	if exit, out := pairJoin(t, g3, "7KQF-M2XA-9RTD", g1.PeerAddr()); exit == 0 || !strings.Contains(out, "member") {
 		t.Fatalf("a member pairing: exit %d: %s", exit, out)
 	}
-	if code, msg := api(t, g1, "/v1/pair/open", pairOpenRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "most tandem runs") {
+	if code, msg := api(t, g1, "/v1/pair/open", admin.PairOpenRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "most tandem runs") {
 		t.Fatalf("pair open in a full cluster: %d %q", code, msg)
 	}
 }

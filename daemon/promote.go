@@ -5,15 +5,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net/http"
 	"slices"
 	"strconv"
 	"sync/atomic"
 	"time"
 
-	"github.com/spf13/cobra"
-
-	"github.com/tandem-edge/tandem/admin"
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
 )
@@ -305,59 +301,6 @@ func failoverMaster(n *replication.Node) (replication.Member, bool) {
 		}
 	}
 	return master, master.ID != 0
-}
-
-// promoteRequest and promoteResponse are POST /v1/cluster/promote.
-type promoteRequest struct {
-	Force bool `json:"force,omitempty"`
-}
-
-type promoteResponse struct {
-	Deposed    string `json:"deposed"`
-	Generation uint64 `json:"generation"`
-}
-
-func (d *Daemon) handlePromote(w http.ResponseWriter, r *http.Request) {
-	var req promoteRequest
-	if err := admin.DecodeBody(r, &req); err != nil {
-		admin.WriteError(w, statusOf(err), err)
-		return
-	}
-	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
-	defer cancel()
-	old, err := d.cl.promote(ctx, req.Force, "tandem promote")
-	if err != nil {
-		admin.WriteError(w, statusOf(err), err)
-		return
-	}
-	admin.WriteJSON(w, 200, promoteResponse{Deposed: old.Name, Generation: d.cl.generation()})
-}
-
-// newPromoteCmd is `tandem promote`: the manual failover of a 2-gateway
-// cluster, run on the slave.
-func newPromoteCmd() *cobra.Command {
-	var af apiFlags
-	var force bool
-	cmd := &cobra.Command{
-		Use:   "promote",
-		Short: "Make this slave the master of its 2-gateway cluster (the master is dead or gone)",
-		Long: "Make this gateway, the slave of a 2-gateway cluster, its master: it becomes the only voter and the " +
-			"cluster generation goes up. When the old master comes back it finds it was replaced, re-publishes " +
-			"what it took after the fork on the new master, and rejoins as the slave. Refused while the master " +
-			"is still in contact, unless --force.",
-		Args: cobra.NoArgs,
-		RunE: func(c *cobra.Command, _ []string) error {
-			var out promoteResponse
-			if err := af.call("/v1/cluster/promote", promoteRequest{Force: force}, &out); err != nil {
-				return err
-			}
-			fmt.Fprintf(c.OutOrStdout(), "promoted: this gateway is the master (generation %d); %s is deposed and rejoins as slave when it returns\n", out.Generation, out.Deposed)
-			return nil
-		},
-	}
-	cmd.Flags().BoolVar(&force, "force", false, "promote even though the master is still in contact (two masters until it learns)")
-	af.add(cmd)
-	return cmd
 }
 
 // peerAddrs returns where to reach m: the addresses mDNS last found it at

@@ -11,6 +11,7 @@ import (
 
 	"github.com/eclipse/paho.golang/paho"
 
+	"github.com/tandem-edge/tandem/admin"
 	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/replication"
 )
@@ -53,7 +54,7 @@ func TestPromoteAndTheDeposedMasterRejoins(t *testing.T) {
 		return v == 0 && l == 1 && ok
 	})
 	// While the master is alive, promote is refused.
-	if code, msg := api(t, g2.d, "/v1/cluster/promote", promoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "alive") {
+	if code, msg := api(t, g2.d, "/v1/cluster/promote", admin.PromoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "alive") {
 		t.Fatalf("promote with a live master: %d %q", code, msg)
 	}
 	pub1, _ := v5(t, g1.d.MQTTAddr(), "pub1", nil)
@@ -72,8 +73,8 @@ func TestPromoteAndTheDeposedMasterRejoins(t *testing.T) {
 
 	// The slave comes back alone and is promoted; it takes publishes.
 	g2.start(t, nil)
-	var pr promoteResponse
-	if code, msg := api(t, g2.d, "/v1/cluster/promote", promoteRequest{}, &pr); code != 200 || pr.Deposed != "gw-1" || pr.Generation != 1 {
+	var pr admin.PromoteResponse
+	if code, msg := api(t, g2.d, "/v1/cluster/promote", admin.PromoteRequest{}, &pr); code != 200 || pr.Deposed != "gw-1" || pr.Generation != 1 {
 		t.Fatalf("promote: %d %q %+v", code, msg, pr)
 	}
 	waitFor(t, 5*time.Second, "gw-2 master", func() bool { return statusOfGW(t, g2.d).Role == "master" })
@@ -134,14 +135,14 @@ func TestPromoteAndTheDeposedMasterRejoins(t *testing.T) {
 
 func TestPromoteRefusals(t *testing.T) {
 	lone := clusterGateway(t, "lone", nil)
-	if code, msg := api(t, lone, "/v1/cluster/promote", promoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "not in a cluster") {
+	if code, msg := api(t, lone, "/v1/cluster/promote", admin.PromoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "not in a cluster") {
 		t.Fatalf("promote a lone gateway: %d %q", code, msg)
 	}
 	g1 := clusterGateway(t, "gw-1", nil)
 	g2 := clusterGateway(t, "gw-2", nil)
 	joinWith(t, g2, inviteToken(t, g1))
 	waitFor(t, 10*time.Second, "gw-2 knowing the cluster", func() bool { return len(statusOfGW(t, g2).Members) == 1 })
-	if code, msg := api(t, g1, "/v1/cluster/promote", promoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "master already") {
+	if code, msg := api(t, g1, "/v1/cluster/promote", admin.PromoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "master already") {
 		t.Fatalf("promote the master: %d %q", code, msg)
 	}
 	code, _, errOut := runMain(t, "promote", "--http", g2.HTTPAddr(), "--data", g2.cfg.Node.DataDir)
@@ -173,7 +174,7 @@ func TestJoinAfterAPromotionCatchesUp(t *testing.T) {
 	g1.d.Stop()
 	g2.d.Stop()
 	g2.start(t, nil)
-	if code, msg := api(t, g2.d, "/v1/cluster/promote", promoteRequest{}, nil); code != 200 {
+	if code, msg := api(t, g2.d, "/v1/cluster/promote", admin.PromoteRequest{}, nil); code != 200 {
 		t.Fatalf("promote: %d %q", code, msg)
 	}
 	waitFor(t, 5*time.Second, "gw-2 master", func() bool { return statusOfGW(t, g2.d).Role == "master" })
@@ -205,7 +206,7 @@ func TestRejoinKnockIsAnsweredAlikeUntilTheDeposedMasterRejoined(t *testing.T) {
 	g1.d.Stop()
 	g2.d.Stop()
 	g2.start(t, nil)
-	if code, msg := api(t, g2.d, "/v1/cluster/promote", promoteRequest{}, nil); code != 200 {
+	if code, msg := api(t, g2.d, "/v1/cluster/promote", admin.PromoteRequest{}, nil); code != 200 {
 		t.Fatalf("promote: %d %q", code, msg)
 	}
 	waitFor(t, 5*time.Second, "gw-2 master", func() bool { return statusOfGW(t, g2.d).Role == "master" })

@@ -11,13 +11,14 @@ import (
 
 	"github.com/eclipse/paho.golang/paho"
 	pahomqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // The reproduction with the real client: mosquitto_sub over MQTT
 // 5 at QoS 1 (its Receive Maximum is 20) takes every message of a
 // pipelined publisher, and the gateway still answers.
 func TestMosquittoSubV5QoS1TakesEveryMessage(t *testing.T) {
-	needTool(t, "mosquitto_sub")
+	testutil.NeedTool(t, "mosquitto_sub")
 	d := testGateway(t, t.TempDir(), nil)
 	host, port := splitAddr(t, d.MQTTAddr())
 	const n = 5000
@@ -48,8 +49,8 @@ func TestMosquittoSubV5QoS1TakesEveryMessage(t *testing.T) {
 // packet id is one the server used for a delivery (the mochi-based layer
 // answered 0x91, not even a 3.1.1 code).
 func TestMosquittoPersistentSessionResumes(t *testing.T) {
-	needTool(t, "mosquitto_sub")
-	needTool(t, "mosquitto_pub")
+	testutil.NeedTool(t, "mosquitto_sub")
+	testutil.NeedTool(t, "mosquitto_pub")
 	d := testGateway(t, t.TempDir(), nil)
 	host, port := splitAddr(t, d.MQTTAddr())
 	run := func(args ...string) string {

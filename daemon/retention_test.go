@@ -21,17 +21,17 @@ import (
 )
 
 // inspectLog runs `tandem inspect` on a stopped gateway's data dir.
-func inspectLog(t *testing.T, dir string) []InspectRecord {
+func inspectLog(t *testing.T, dir string) []inspectLine {
 	t.Helper()
 	code, out, errOut := runMain(t, "inspect", "--data", dir)
 	if code != 0 {
 		t.Fatalf("inspect: exit %d: %s", code, errOut)
 	}
-	var recs []InspectRecord
+	var recs []inspectLine
 	sc := bufio.NewScanner(strings.NewReader(out))
 	sc.Buffer(nil, 1<<20)
 	for sc.Scan() {
-		var r InspectRecord
+		var r inspectLine
 		if err := json.Unmarshal(sc.Bytes(), &r); err != nil {
 			t.Fatalf("inspect line %q: %v", sc.Text(), err)
 		}
@@ -112,9 +112,8 @@ func TestRetentionKeepsTheDataDirWithinBudget(t *testing.T) {
 	if s.Storage.OldestAgeSeconds <= 0 || s.Storage.OldestAgeSeconds > 600 {
 		t.Errorf("oldest_age_seconds %v", s.Storage.OldestAgeSeconds)
 	}
-	var out strings.Builder
-	if err := writeStatus(&out, s); err != nil || !strings.Contains(out.String(), "budget 8.0 MiB") || !strings.Contains(out.String(), "records dropped") {
-		t.Errorf("tandem status: %v\n%s", err, out.String())
+	if code, out, errOut := runMain(t, "status", "--http", d.HTTPAddr()); code != ExitOK || !strings.Contains(out, "budget 8.0 MiB") || !strings.Contains(out, "records dropped") {
+		t.Errorf("tandem status: exit %d %s\n%s", code, errOut, out)
 	}
 	first := s.Log.FirstIndex
 	d.Stop()

@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"math/big"
 	"net"
 	"net/http"
@@ -37,16 +38,6 @@ import (
 	"github.com/tandem-edge/tandem/mqtt"
 	"github.com/tandem-edge/tandem/storage"
 )
-
-// The test binary doubles as `tandem` for the SIGHUP test: with this
-// variable set it runs the CLI instead of the tests.
-const childEnv = "TANDEM_SECURITY_TEST_CHILD"
-
-func init() {
-	if os.Getenv(childEnv) == "1" {
-		os.Exit(Main(os.Args[1:], os.Stdout, os.Stderr))
-	}
-}
 
 // logBuf collects a gateway's log lines.
 type logBuf struct {
@@ -83,7 +74,7 @@ func startGateway(tb testing.TB, mutate func(*config.Config)) (*Daemon, *logBuf)
 		mutate(cfg)
 	}
 	logs := &logBuf{}
-	d, err := New(cfg, newLogger(config.LogConfig{Level: "info", Format: "text"}, logs))
+	d, err := New(cfg, slog.New(slog.NewTextHandler(logs, nil)))
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -1111,7 +1102,7 @@ func TestSIGHUPReloadsRunningDaemon(t *testing.T) {
 		"node:\n  data_dir: %s\nmqtt:\n  listen: %s\n  users_file: %s\n  acl_file: %s\nhttp:\n  listen: %s\npeer:\n  listen: 127.0.0.1:0\n",
 		filepath.Join(dir, "data"), mqttAddr, users, acl, httpAddr))
 	cmd := exec.Command(os.Args[0], "run", "--config", cfgPath)
-	cmd.Env = append(os.Environ(), childEnv+"=1")
+	cmd.Env = append(os.Environ(), ChildEnv+"=1")
 	out := &logBuf{}
 	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
@@ -1168,50 +1159,6 @@ func freePort(t *testing.T) string {
 	}
 	defer ln.Close()
 	return ln.Addr().String()
-}
-
-// ---------------------------------------------------------------------------
-// tandem passwd.
-
-func TestPasswdPrintsAUsersFileLine(t *testing.T) {
-	run := func(stdin string, args ...string) (string, error) {
-		cmd := newPasswdCmd()
-		var out, errb bytes.Buffer
-		cmd.SetIn(strings.NewReader(stdin))
-		cmd.SetOut(&out)
-		cmd.SetErr(&errb)
-		cmd.SetArgs(args)
-		err := cmd.Execute()
-		return out.String(), err
-	}
-	line, err := run("s3cret\n", "sensor-12", "--cost", "4")
-	if err != nil {
-		t.Fatal(err)
-	}
-	u, err := mqtt.ParseUsers(strings.NewReader(line), "stdout")
-	if err != nil {
-		t.Fatalf("%q: %v", line, err)
-	}
-	if !u.Check("sensor-12", []byte("s3cret")) || u.Check("sensor-12", []byte("s3cret\n")) {
-		t.Fatalf("the printed line %q does not check the password", line)
-	}
-	if !strings.HasPrefix(line, "sensor-12:$2a$04$") {
-		t.Fatalf("line %q: want user:bcrypt-hash at cost 4", line)
-	}
-	for _, tt := range []struct {
-		stdin string
-		args  []string
-	}{
-		{"x\n", []string{"a:b"}},
-		{"", []string{"alice"}},
-		{"\n", []string{"alice"}},
-		{strings.Repeat("x", 73) + "\n", []string{"alice"}},
-		{"x\n", []string{"alice", "--cost", "99"}},
-	} {
-		if out, err := run(tt.stdin, tt.args...); err == nil {
-			t.Errorf("passwd %v with %q on stdin printed %q", tt.args, tt.stdin, out)
-		}
-	}
 }
 
 // ---------------------------------------------------------------------------

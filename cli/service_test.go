@@ -1,4 +1,4 @@
-package daemon
+package cli
 
 import (
 	"errors"
@@ -14,6 +14,7 @@ import (
 	"github.com/kardianos/service"
 
 	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/packaging"
 )
 
@@ -201,19 +202,6 @@ func systemTest(t *testing.T) {
 	t.Cleanup(func() { f.Close() })
 }
 
-// needTool fails in CI (which installs it) and skips elsewhere.
-func needTool(t *testing.T, name string) string {
-	t.Helper()
-	p, err := exec.LookPath(name)
-	if err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("%s not found: .ci/run should have installed it", name)
-		}
-		t.Skipf("%s not found", name)
-	}
-	return p
-}
-
 // fakeSystemctl puts a systemctl on PATH that logs its arguments and
 // answers is-active with $FAKE_SYSTEMCTL_ACTIVE (default "active"); it
 // returns the log's path.
@@ -259,7 +247,7 @@ func readLog(t *testing.T, p string) []string {
 // created, and uninstall keeps configuration, data and user.
 func TestServiceInstallOnSystemd(t *testing.T) {
 	systemTest(t)
-	analyze := needTool(t, "systemd-analyze")
+	analyze := testutil.NeedTool(t, "systemd-analyze")
 	chooseServiceSystem(t, systemdPlatform)
 	log := fakeSystemctl(t)
 

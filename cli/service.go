@@ -1,4 +1,4 @@
-package daemon
+package cli
 
 // `tandem service install|uninstall|start|stop|restart|status`: tandem as a
 // systemd service through github.com/kardianos/service, with the unit the

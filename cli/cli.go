@@ -1,4 +1,4 @@
-package daemon
+package cli
 
 import (
 	"context"
@@ -16,6 +16,7 @@ import (
 
 	"github.com/tandem-edge/tandem/admin"
 	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/daemon"
 	"github.com/tandem-edge/tandem/internal/version"
 )
 
@@ -182,7 +183,7 @@ func runDaemon(cfg *config.Config, logw io.Writer) error {
 	signal.Notify(sigc, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
 	defer signal.Stop(sigc)
 	log := newLogger(cfg.Log, logw)
-	d, err := New(cfg, log)
+	d, err := daemon.New(cfg, log)
 	if err != nil {
 		return config.UsageError{Err: err}
 	}
