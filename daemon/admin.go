@@ -24,16 +24,12 @@ type adminGateway struct{ d *Daemon }
 func (g adminGateway) Status(ctx context.Context) (*admin.Status, error) { return g.d.status(ctx) }
 func (g adminGateway) Err() error                                        { return g.d.Err() }
 func (g adminGateway) Retained() int64                                   { return g.d.broker.Retained() }
-func (g adminGateway) Promotions() uint64                                { return g.d.cl.promotions.Load() }
-func (g adminGateway) Depositions() uint64                               { return g.d.cl.depositions.Load() }
+func (g adminGateway) Promotions() uint64                                { return g.d.gw.Promotions() }
+func (g adminGateway) Depositions() uint64                               { return g.d.gw.Depositions() }
 
-func (g adminGateway) Live() *config.Config {
-	g.d.reloadMu.Lock()
-	defer g.d.reloadMu.Unlock()
-	return g.d.live
-}
+func (g adminGateway) Live() *config.Config { return g.d.liveConfig() }
 
 func (g adminGateway) LeaderChanges(ctx context.Context) (uint64, error) {
-	rs, err := g.d.node().Status(ctx)
+	rs, err := g.d.gw.Node().Status(ctx)
 	return rs.LeaderChanges, err
 }

@@ -60,7 +60,7 @@ const (
 // membership in the shape DESIGN.md gives (2 gateways: voter + learner; 3:
 // three voters).
 type cluster struct {
-	d  *Daemon
+	d  *Gateway
 	tr *replication.PeerTransport
 
 	id  sync.Mutex // guards clusterID
@@ -269,7 +269,7 @@ func advertised(cfg []string, ln net.Addr) []string {
 }
 
 // self is this node's member entry as it should be in the cluster.
-func (d *Daemon) self() replication.Member {
+func (d *Gateway) self() replication.Member {
 	return replication.Member{ID: d.id.ID, Name: d.cfg.Node.Name, Addrs: d.cl.myAddrs(), Fingerprint: d.id.Fingerprint}
 }
 
@@ -630,7 +630,7 @@ func (c *cluster) keeper() {
 			continue
 		}
 		select {
-		case <-c.d.apply.ready: // the broker serves: its address is known
+		case <-c.d.host.Serving(): // the broker serves: its address is known
 			c.startDiscovery()
 		default:
 		}
@@ -829,10 +829,8 @@ func (c *cluster) shape(ctx context.Context, n *replication.Node) {
 }
 
 // topicsHash is the hash of this node's topic rules, in order.
-func (d *Daemon) topicsHash() string {
-	d.reloadMu.Lock()
-	rules := d.live.Topics
-	d.reloadMu.Unlock()
+func (d *Gateway) topicsHash() string {
+	rules := d.host.Live().Topics
 	h := sha256.New()
 	for _, r := range rules {
 		fmt.Fprintf(h, "%q %q\n", r.Match, r.Ack)

@@ -290,27 +290,6 @@ func expiredToken(t *testing.T, tok string) string {
 	return jt.encode()
 }
 
-func TestInviteBookRefusesExpiredAndReused(t *testing.T) {
-	var b inviteBook
-	now := time.Now()
-	b.add([]byte("0123456789abcdef"), now.Add(time.Minute))
-	if _, err := b.claim([]byte("0123456789abcdeX"), 1, now); err == nil {
-		t.Fatal("an unknown secret was accepted")
-	}
-	if _, err := b.claim([]byte("0123456789abcdef"), 1, now.Add(2*time.Minute)); err == nil || !strings.Contains(err.Error(), "expired") {
-		t.Fatalf("expired secret: %v", err)
-	}
-	if _, err := b.claim([]byte("0123456789abcdef"), 1, now); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := b.claim([]byte("0123456789abcdef"), 1, now); err != nil {
-		t.Fatalf("the same node retrying: %v", err)
-	}
-	if _, err := b.claim([]byte("0123456789abcdef"), 2, now); err == nil || !strings.Contains(err.Error(), "already used") {
-		t.Fatalf("reused secret: %v", err)
-	}
-}
-
 func TestTopicRuleMismatchShownInStatus(t *testing.T) {
 	g1 := clusterGateway(t, "gw-1", nil)
 	g2 := clusterGateway(t, "gw-2", func(c *config.Config) { c.Topics = []config.TopicRule{{Match: "other/#", Ack: "sync"}} })

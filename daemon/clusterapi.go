@@ -56,17 +56,17 @@ func (d *Daemon) handleInvite(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), 10*time.Second)
 	defer cancel()
-	rep, err := d.cl.admin(ctx, adminRequest{Op: "invite", TTL: ttl})
+	token, err := d.gw.Invite(ctx, ttl)
 	if err != nil {
 		admin.WriteError(w, statusOf(err), err)
 		return
 	}
-	tok, _, err := ParseToken(rep.Token, time.Now())
+	tok, _, err := ParseToken(token, time.Now())
 	if err != nil {
 		admin.WriteError(w, http.StatusInternalServerError, err)
 		return
 	}
-	admin.WriteJSON(w, http.StatusOK, admin.InviteResponse{Token: rep.Token, Expires: time.Unix(tok.Expires, 0).UTC().Format(time.RFC3339)})
+	admin.WriteJSON(w, http.StatusOK, admin.InviteResponse{Token: token, Expires: time.Unix(tok.Expires, 0).UTC().Format(time.RFC3339)})
 }
 
 func (d *Daemon) handleJoin(w http.ResponseWriter, r *http.Request) {
@@ -82,22 +82,18 @@ func (d *Daemon) handleJoin(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), 60*time.Second)
 	defer cancel()
-	rep, err := d.cl.join(ctx, req.Token, mode)
+	j, err := d.gw.Join(ctx, req.Token, mode)
 	if err != nil {
 		admin.WriteError(w, statusOf(err), err)
 		return
 	}
-	out := admin.JoinResponse{Cluster: rep.Cluster, Master: rep.Master}
-	for _, m := range rep.Members {
-		out.Members = append(out.Members, m.Name)
-	}
-	admin.WriteJSON(w, http.StatusOK, out)
+	admin.WriteJSON(w, http.StatusOK, admin.JoinResponse{Cluster: j.Cluster, Master: j.Master, Members: j.Members})
 }
 
 // parseJoinMode reads the mode of a join request.
-func parseJoinMode(s string) (joinMode, error) {
-	switch m := joinMode(s); m {
-	case joinFresh, JoinRequeue, JoinDiscard:
+func parseJoinMode(s string) (JoinMode, error) {
+	switch m := JoinMode(s); m {
+	case JoinFresh, JoinRequeue, JoinDiscard:
 		return m, nil
 	}
 	return "", fmt.Errorf("mode %q: requeue or discard", s)
@@ -115,7 +111,7 @@ func (d *Daemon) handleRemove(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
 	defer cancel()
-	rep, err := d.cl.admin(ctx, adminRequest{Op: "remove", Node: req.Node, Force: req.Force})
+	removed, err := d.gw.Remove(ctx, req.Node, req.Force)
 	if err != nil {
 		if errors.Is(err, replication.ErrLastVoter) {
 			err = errors.New("cannot remove the last voter of the cluster")
@@ -123,7 +119,7 @@ func (d *Daemon) handleRemove(w http.ResponseWriter, r *http.Request) {
 		admin.WriteError(w, statusOf(err), err)
 		return
 	}
-	admin.WriteJSON(w, http.StatusOK, admin.RemoveResponse{Removed: rep.Removed})
+	admin.WriteJSON(w, http.StatusOK, admin.RemoveResponse{Removed: removed})
 }
 
 // registerPairAPI adds the pairing commands' endpoints.
@@ -148,16 +144,16 @@ func (d *Daemon) handlePairOpen(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), 10*time.Second)
 	defer cancel()
-	rep, err := d.cl.admin(ctx, adminRequest{Op: "pair", TTL: ttl})
+	code, expires, err := d.gw.OpenPairing(ctx, ttl)
 	if err != nil {
 		admin.WriteError(w, statusOf(err), err)
 		return
 	}
-	if rep.Code == "" {
+	if code == "" {
 		admin.WriteError(w, http.StatusConflict, errors.New("the master does not know pairing (an older version?): use tandem cluster invite"))
 		return
 	}
-	admin.WriteJSON(w, http.StatusOK, admin.PairOpenResponse{Code: rep.Code, Expires: rep.Expires.UTC().Format(time.RFC3339)})
+	admin.WriteJSON(w, http.StatusOK, admin.PairOpenResponse{Code: code, Expires: expires.UTC().Format(time.RFC3339)})
 }
 
 func (d *Daemon) handlePairJoin(w http.ResponseWriter, r *http.Request) {
@@ -187,16 +183,12 @@ func (d *Daemon) handlePairJoin(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), within+55*time.Second)
 	defer cancel()
-	rep, err := d.cl.pairJoin(ctx, req.Code, mode, within, req.Addr)
+	j, err := d.gw.PairJoin(ctx, req.Code, mode, within, req.Addr)
 	if err != nil {
 		admin.WriteError(w, statusOf(err), err)
 		return
 	}
-	out := admin.JoinResponse{Cluster: rep.Cluster, Master: rep.Master}
-	for _, m := range rep.Members {
-		out.Members = append(out.Members, m.Name)
-	}
-	admin.WriteJSON(w, http.StatusOK, out)
+	admin.WriteJSON(w, http.StatusOK, admin.JoinResponse{Cluster: j.Cluster, Master: j.Master, Members: j.Members})
 }
 
 func (d *Daemon) handlePromote(w http.ResponseWriter, r *http.Request) {
@@ -207,10 +199,10 @@ func (d *Daemon) handlePromote(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
 	defer cancel()
-	old, err := d.cl.promote(ctx, req.Force, "tandem promote")
+	deposed, gen, err := d.gw.Promote(ctx, req.Force)
 	if err != nil {
 		admin.WriteError(w, statusOf(err), err)
 		return
 	}
-	admin.WriteJSON(w, 200, admin.PromoteResponse{Deposed: old.Name, Generation: d.cl.generation()})
+	admin.WriteJSON(w, 200, admin.PromoteResponse{Deposed: deposed, Generation: gen})
 }

@@ -2,7 +2,6 @@ package daemon
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -25,16 +24,13 @@ type Daemon struct {
 	log    *slog.Logger
 	id     *replication.Identity
 	db     *storage.DB
-	nodeP  atomic.Pointer[replication.Node]
 	broker *mqtt.Server
 	apply  *applier
-	cl     *cluster
+	gw     *Gateway // the control plane: the node in force and the cluster
 	// redeliver keeps a deposed master's subscribers from getting its
 	// tail twice; it sits in front of apply (redeliver.go).
 	redeliver *redeliverer
 
-	// swapMu serialises the node replacements of a join or a removal.
-	swapMu sync.Mutex
 	// failc is closed when the gateway can no longer serve: the node
 	// in force failed (storage, corruption) or could not be replaced.
 	failc    chan struct{}
@@ -61,10 +57,6 @@ func New(cfg *config.Config, log *slog.Logger) (*Daemon, error) {
 	}
 	return &Daemon{cfg: cfg, log: log, failc: make(chan struct{})}, nil
 }
-
-// node returns the replication node in force: a join or a removal replaces
-// it.
-func (d *Daemon) node() *replication.Node { return d.nodeP.Load() }
 
 // Start opens the data dir and starts serving. On error everything started
 // so far is stopped again.
@@ -106,12 +98,10 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
-	d.cl = &cluster{d: d, invites: &inviteBook{}, peerTopics: map[uint64]string{}, warned: map[uint64]string{}, stopc: make(chan struct{})}
-	d.cl.failover.heard.Store(time.Now().UnixNano()) // silence counts from the start
-	if err = d.cl.loadMeta(d.db); err != nil {
+	if d.gw, err = newGateway(c, d.log, d.id, d.db, clusterHost{d}); err != nil {
 		return err
 	}
-	if err = d.cl.startTransport(); err != nil {
+	if err = d.gw.startTransport(); err != nil {
 		return fmt.Errorf("peer port: %w", inUse(err, "peer address", c.Peer.Listen, "--peer", "peer.listen"))
 	}
 	la := &logAdapter{d: d}
@@ -142,11 +132,10 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	}
 	d.apply = &applier{ready: make(chan struct{}), broker: d.broker}
 	d.redeliver = &redeliverer{d: d}
-	if err = d.startNode(false); err != nil {
+	if err = d.gw.StartNode(); err != nil {
 		return err
 	}
-	n := d.node()
-	d.cl.setMembers(n.Members())
+	n := d.gw.Node()
 	if len(n.Members()) <= 1 {
 		// A lone gateway leads at once; wait for it so the first
 		// publishes do not meet a node still campaigning. A member of a
@@ -158,14 +147,13 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		if err != nil {
 			return fmt.Errorf("waiting for a master: %w", err)
 		}
-	} else if c.Cluster.MinSyncReplicas > len(n.Members())-1 && d.hasSyncTopics() {
+	} else if c.Cluster.MinSyncReplicas > len(n.Members())-1 && d.gw.HasSyncTopics() {
 		d.log.Warn("min_sync_replicas is larger than the number of other members: sync topics cannot be acked", "min_sync_replicas", c.Cluster.MinSyncReplicas, "members", len(n.Members()))
 	}
-	if len(n.Members()) <= 1 && d.hasSyncTopics() {
+	if len(n.Members()) <= 1 && d.gw.HasSyncTopics() {
 		d.log.Warn("this gateway has no slave: publishes on sync topics will get the sync_timeout outcome until one joins")
 	}
-	d.cl.wg.Add(1)
-	go d.cl.keeper()
+	d.gw.startKeeper()
 	d.broker.Applied(d.db.Applied())
 	if err = d.broker.Start(); err != nil {
 		return inUse(err, "MQTT address", c.MQTT.Listen, "--mqtt", "mqtt.listen")
@@ -174,7 +162,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err = d.startHTTP(); err != nil {
 		return err
 	}
-	d.log.Info("gateway started", "id", replication.IDString(d.id.ID), "name", c.Node.Name, "mqtt", d.broker.Addr(), "http", d.HTTPAddr(), "peer", d.cl.tr.Addr().String(), "cluster", d.cl.clusterID(), "members", len(n.Members()), "data", c.Node.DataDir)
+	d.log.Info("gateway started", "id", replication.IDString(d.id.ID), "name", c.Node.Name, "mqtt", d.broker.Addr(), "http", d.HTTPAddr(), "peer", d.gw.PeerAddr(), "cluster", d.gw.ClusterID(), "members", len(n.Members()), "data", c.Node.DataDir)
 	return nil
 }
 
@@ -199,75 +187,7 @@ func (d *Daemon) fail(err error) {
 }
 
 // PeerAddr returns the peer listener's address.
-func (d *Daemon) PeerAddr() string { return d.cl.tr.Addr().String() }
-
-// nodeConfig is the replication config of this gateway.
-func (d *Daemon) nodeConfig(join bool) replication.Config {
-	c := d.cfg
-	self, _ := json.Marshal(d.self())
-	return replication.Config{
-		Identity:        d.id,
-		Storage:         d.db,
-		Applier:         d.redeliver.wrap(d.apply),
-		Transport:       d.cl.tr,
-		Logger:          d.log, // the node adds its component
-		Heartbeat:       c.Cluster.Heartbeat.Duration(),
-		ElectionTimeout: c.Cluster.ElectionTimeout.Duration(),
-		SyncTimeout:     c.Cluster.SyncTimeout.Duration(),
-		MinSyncReplicas: c.Cluster.MinSyncReplicas,
-		MemberContext:   self,
-		Join:            join,
-		CatchUpTo:       d.cl.catchUpTo,
-		OnMembership:    d.cl.onMembership,
-		Forwarder:       forwarder{d.cl},
-		AfterResolve:    d.broker.ReleaseAcks,
-	}
-}
-
-// startNode starts the replication node on the data file as it is and
-// makes it the one in force.
-func (d *Daemon) startNode(join bool) error {
-	n, err := replication.NewNode(d.nodeConfig(join))
-	if err != nil {
-		return err
-	}
-	d.nodeP.Store(n)
-	go func() {
-		<-n.Failed()
-		if d.node() == n {
-			d.fail(n.Err())
-		}
-	}()
-	return nil
-}
-
-// restartNode stops the node in force, runs prep on the stopped data file
-// (a raft reset), and starts a new node: how a gateway joins a cluster or
-// leaves one. Deliveries of records up to quietUntil only update the
-// retained store: they are the history of a cluster this node joins. A
-// failure after the stop leaves the gateway unable to serve: it fails.
-func (d *Daemon) restartNode(prep func() error, join bool, quietUntil uint64) error {
-	d.swapMu.Lock()
-	defer d.swapMu.Unlock()
-	d.node().Stop()
-	if err := prep(); err != nil {
-		// prep changes the data file in one transaction or not at all
-		// (or the disk failed): serve on with the node as it was.
-		if serr := d.startNode(false); serr != nil {
-			d.fail(fmt.Errorf("restarting replication: %w", serr))
-		}
-		return err
-	}
-	d.apply.quietUntil.Store(quietUntil)
-	d.broker.Rewind(d.db.Applied(), quietUntil)
-	d.cl.failover.heard.Store(time.Now().UnixNano()) // a new membership: silence counts from now
-	if err := d.startNode(join); err != nil {
-		err = fmt.Errorf("restarting replication: %w", err)
-		d.fail(err)
-		return err
-	}
-	return nil
-}
+func (d *Daemon) PeerAddr() string { return d.gw.PeerAddr() }
 
 // MQTTAddr returns the MQTT listener's address.
 func (d *Daemon) MQTTAddr() string { return d.broker.Addr() }
@@ -309,18 +229,9 @@ func (d *Daemon) Stop() error {
 				errs = append(errs, err)
 			}
 		}
-		if d.cl != nil {
-			close(d.cl.stopc)
-			d.cl.wg.Wait()
-			if d.cl.tr != nil {
-				d.cl.tr.Close()
-			}
+		if d.gw != nil {
+			d.gw.stop()
 		}
-		d.swapMu.Lock()
-		if n := d.node(); n != nil {
-			n.Stop()
-		}
-		d.swapMu.Unlock()
 		if d.db != nil {
 			if err := d.db.Close(); err != nil {
 				errs = append(errs, err)

@@ -347,18 +347,18 @@ func (c *cluster) addMember(ctx context.Context, m replication.Member, release f
 	return joinReply{Cluster: c.clusterID(), Generation: c.generation(), Members: n.Members(), Commit: st.Commit, Master: c.d.cfg.Node.Name}, nil
 }
 
-// joinMode says what a joining node does with the records it holds.
-type joinMode string
+// JoinMode says what a joining node does with the records it holds.
+type JoinMode string
 
 // Join modes of `tandem cluster join`.
 const (
-	joinFresh   joinMode = ""
-	JoinRequeue joinMode = "requeue"
-	JoinDiscard joinMode = "discard"
+	JoinFresh   JoinMode = ""
+	JoinRequeue JoinMode = "requeue"
+	JoinDiscard JoinMode = "discard"
 )
 
 // join makes this node a member of the cluster token names.
-func (c *cluster) join(ctx context.Context, token string, mode joinMode) (joinReply, error) {
+func (c *cluster) join(ctx context.Context, token string, mode JoinMode) (joinReply, error) {
 	d := c.d
 	tok, fp, err := ParseToken(token, time.Now())
 	if err != nil {
@@ -398,7 +398,7 @@ func (c *cluster) join(ctx context.Context, token string, mode joinMode) (joinRe
 // known yet, as in pairing) with mode: it is in no cluster of more than
 // itself, and a log holding records needs --requeue or --discard. It
 // returns how many records the log holds.
-func (c *cluster) joinable(cluster string, mode joinMode) (int, error) {
+func (c *cluster) joinable(cluster string, mode JoinMode) (int, error) {
 	d := c.d
 	n := d.node()
 	members := n.Members()
@@ -419,7 +419,7 @@ func (c *cluster) joinable(cluster string, mode joinMode) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	if recs > 0 && mode == joinFresh {
+	if recs > 0 && mode == JoinFresh {
 		return 0, config.UsageError{Err: fmt.Errorf("this gateway's log holds %s: join with --requeue to publish them into the cluster, or with --discard to drop them", plural(recs, "record"))}
 	}
 	return recs, nil
@@ -428,7 +428,7 @@ func (c *cluster) joinable(cluster string, mode joinMode) (int, error) {
 // becomeMember makes this node a member of the cluster rep describes, once
 // the master admitted it: rep must already be authenticated (a pinned
 // certificate, or a pairing proof). recs is what joinable counted.
-func (c *cluster) becomeMember(ctx context.Context, rep joinReply, mode joinMode, recs int) (joinReply, error) {
+func (c *cluster) becomeMember(ctx context.Context, rep joinReply, mode JoinMode, recs int) (joinReply, error) {
 	d := c.d
 	// From here on this node belongs to the cluster: its own raft state
 	// goes (its records to the requeue bucket, if asked), and the
@@ -453,7 +453,7 @@ func (c *cluster) becomeMember(ctx context.Context, rep joinReply, mode joinMode
 	_ = d.node().WaitLeader(wctx)
 	cancel()
 	attrs := []any{"cluster", rep.Cluster, "master", rep.Master}
-	if mode != joinFresh { // a fresh gateway had no records to requeue or discard: no mode=""
+	if mode != JoinFresh { // a fresh gateway had no records to requeue or discard: no mode=""
 		attrs = append(attrs, "mode", string(mode), "records", recs)
 	}
 	d.log.Info("joined the cluster", attrs...)
@@ -497,10 +497,8 @@ func (c *cluster) remove(ctx context.Context, which string, force bool) (string,
 }
 
 // hasSyncTopics reports whether any topic rule in force asks for sync acks.
-func (d *Daemon) hasSyncTopics() bool {
-	d.reloadMu.Lock()
-	defer d.reloadMu.Unlock()
-	for _, r := range d.live.Topics {
+func (d *Gateway) hasSyncTopics() bool {
+	for _, r := range d.host.Live().Topics {
 		if r.Ack == "sync" {
 			return true
 		}

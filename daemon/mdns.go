@@ -59,7 +59,7 @@ func (c *cluster) discoveryInfo() discovery.Info {
 		PeerPort: portOf(c.tr.Addr().String()), PairOpen: open,
 	}
 	// Devices are told of MQTT only where it listens beyond loopback.
-	if host, port, err := net.SplitHostPort(d.broker.Addr()); err == nil {
+	if host, port, err := net.SplitHostPort(d.host.MQTTAddr()); err == nil {
 		if ip := net.ParseIP(host); ip == nil || !ip.IsLoopback() {
 			info.MQTTPort, _ = strconv.Atoi(port)
 		}

@@ -415,7 +415,7 @@ func (c *cluster) findPairTargets(ctx context.Context, within time.Duration) ([]
 
 // pairJoin makes this (fresh) node a member of the cluster whose master
 // holds code: found over mDNS, or at addr when given.
-func (c *cluster) pairJoin(ctx context.Context, code string, mode joinMode, within time.Duration, addr string) (joinReply, error) {
+func (c *cluster) pairJoin(ctx context.Context, code string, mode JoinMode, within time.Duration, addr string) (joinReply, error) {
 	d := c.d
 	canon, err := ParsePairCode(code)
 	if err != nil {

@@ -184,7 +184,7 @@ func (c *cluster) rejoin(rep joinReply, by replication.Member) {
 		from := forkFrom(d.db, rep)
 		// Applied now, with the node stopped: every record up to here
 		// reached this node's subscribers.
-		if err := d.redeliver.remember(d.db, from, d.db.Applied()); err != nil {
+		if err := d.host.Remember(from); err != nil {
 			return err
 		}
 		if err := d.db.ResetRaftFrom(from); err != nil {

@@ -129,3 +129,10 @@ func mqttLimits(m config.MQTTConfig) mqtt.Limits {
 		KeepAliveMax:   uint16(m.KeepAliveMax.Duration().Seconds()),
 	}
 }
+
+// liveConfig is the configuration in force: cfg, then each reload's.
+func (d *Daemon) liveConfig() *config.Config {
+	d.reloadMu.Lock()
+	defer d.reloadMu.Unlock()
+	return d.live
+}

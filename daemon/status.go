@@ -16,14 +16,12 @@ import (
 
 // status assembles the status JSON.
 func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
-	n := d.node()
+	n := d.gw.Node()
 	rs, err := n.Status(ctx)
 	if errors.Is(err, replication.ErrStopped) {
 		// A join, rejoin or promotion is replacing the node: wait for
 		// it (the swap holds swapMu) and ask the new one.
-		d.swapMu.Lock()
-		n = d.node()
-		d.swapMu.Unlock()
+		n = d.gw.NodeAfterSwap()
 		rs, err = n.Status(ctx)
 	}
 	if err != nil {
@@ -39,7 +37,7 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 		Disk:    admin.StatusDisk{BudgetBytes: uint64(d.cfg.Storage.MaxBytes)},
 		MQTT:    admin.StatusMQTT{Clients: d.broker.Clients(), Inflight: d.broker.Inflight()},
 		Storage: admin.StatusStorage{Commits: d.db.Commits(), Fsyncs: d.db.Syncs()},
-		Cluster: admin.StatusCluster{ID: d.cl.clusterID(), Generation: d.cl.generation(), TopicsHash: d.topicsHash(), PeerAddrs: d.cl.myAddrs(), Requeued: n.Requeued()},
+		Cluster: admin.StatusCluster{ID: d.gw.ClusterID(), Generation: d.gw.Generation(), TopicsHash: d.gw.TopicsHash(), PeerAddrs: d.gw.PeerAddrs(), Requeued: n.Requeued()},
 	}
 	rt := d.db.RetentionStats()
 	s.Storage.UsedBytes, s.Storage.BudgetBytes = rt.UsedBytes, rt.BudgetBytes
@@ -73,8 +71,8 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 		if m.ID == rs.Leader {
 			sm.Role = "master"
 		}
-		sm.Reachable = d.cl.tr.Reachable(m.ID)
-		if h := d.cl.topicsOf(m.ID); h != "" {
+		sm.Reachable = d.gw.Reachable(m.ID)
+		if h := d.gw.TopicsOf(m.ID); h != "" {
 			same := h == s.Cluster.TopicsHash
 			sm.TopicsMatch = &same
 		}
@@ -91,7 +89,7 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 	if rs.Leader != 0 {
 		s.Leader = &admin.StatusNodeRef{ID: replication.IDString(rs.Leader), Name: names[rs.Leader]}
 	}
-	if open, exp := d.cl.pairState(); open {
+	if open, exp := d.gw.PairState(); open {
 		s.Pairing = admin.StatusPairing{Open: true, Expires: &exp}
 	}
 	var fs syscall.Statfs_t
