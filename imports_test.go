@@ -29,8 +29,10 @@ var importRules = map[string][]string{
 	"daemon":      {"admin", "cluster", "config", "mqtt", "replication", "storage", "discovery", "uplink"},
 	// The commands that work without a daemon use the packages below it
 	// directly: inspect reads a stopped gateway's storage, peers browses
-	// mDNS, passwd hashes as mqtt checks, bench and service use theirs.
-	"cli": {"daemon", "admin", "config", "storage", "replication", "discovery", "mqtt", "bench", "packaging"},
+	// mDNS, passwd hashes as mqtt checks, bench and service use theirs;
+	// cluster join and pair join check a token or code (cluster) before
+	// they ask the daemon.
+	"cli": {"daemon", "admin", "cluster", "config", "storage", "replication", "discovery", "mqtt", "bench", "packaging"},
 }
 
 // leaves import no package of ours, internal/ ones included.

@@ -9,6 +9,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/cluster"
 	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/daemon"
 )
@@ -39,7 +40,7 @@ func newClusterCmd() *cobra.Command {
 			// token naming only 127.0.0.1 is of no use to the gateway
 			// on another machine it is usually meant for. (It expires
 			// unused.)
-			if tok, _, err := daemon.ParseToken(out.Token, time.Now()); err == nil && daemon.LoopbackOnly(tok.Addrs) && !loopback {
+			if tok, _, err := cluster.ParseToken(out.Token, time.Now()); err == nil && daemon.LoopbackOnly(tok.Addrs) && !loopback {
 				return daemon.LoopbackPeerError(tok.Addrs)
 			}
 			fmt.Fprintln(c.OutOrStdout(), out.Token)
@@ -47,7 +48,7 @@ func newClusterCmd() *cobra.Command {
 			return nil
 		},
 	}
-	invite.Flags().DurationVar(&ttl, "ttl", daemon.DefaultInviteTTL, "how long the token stays valid")
+	invite.Flags().DurationVar(&ttl, "ttl", cluster.DefaultInviteTTL, "how long the token stays valid")
 	invite.Flags().BoolVar(&loopback, "loopback", false, "print the token even when the peer port is on loopback only (a second gateway on this machine)")
 	af.add(invite)
 
@@ -65,11 +66,11 @@ func newClusterCmd() *cobra.Command {
 			}
 			req := admin.JoinRequest{Token: args[0]}
 			if requeue {
-				req.Mode = string(daemon.JoinRequeue)
+				req.Mode = string(cluster.JoinRequeue)
 			} else if discard {
-				req.Mode = string(daemon.JoinDiscard)
+				req.Mode = string(cluster.JoinDiscard)
 			}
-			if _, _, err := daemon.ParseToken(args[0], time.Now()); err != nil {
+			if _, _, err := cluster.ParseToken(args[0], time.Now()); err != nil {
 				return config.UsageError{Err: err}
 			}
 			var out admin.JoinResponse

@@ -8,8 +8,8 @@ import (
 
 	"github.com/spf13/cobra"
 	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/cluster"
 	"github.com/tandem-edge/tandem/config"
-	"github.com/tandem-edge/tandem/daemon"
 )
 
 // newPairCmd is `tandem pair open|join`.
@@ -27,8 +27,8 @@ func newPairCmd() *cobra.Command {
 		Short: "Print a one-time pairing code (run on any member; the master holds it)",
 		Args:  cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
-			if ttl <= 0 || ttl > daemon.MaxPairTTL {
-				return config.UsageError{Err: fmt.Errorf("--ttl %v: a duration up to %v", ttl, daemon.MaxPairTTL)}
+			if ttl <= 0 || ttl > cluster.MaxPairTTL {
+				return config.UsageError{Err: fmt.Errorf("--ttl %v: a duration up to %v", ttl, cluster.MaxPairTTL)}
 			}
 			var out admin.PairOpenResponse
 			if err := of.call("/v1/pair/open", admin.PairOpenRequest{TTL: ttl.String()}, &out); err != nil {
@@ -39,7 +39,7 @@ func newPairCmd() *cobra.Command {
 			return nil
 		},
 	}
-	open.Flags().DurationVar(&ttl, "ttl", daemon.DefaultPairTTL, "how long the code stays valid")
+	open.Flags().DurationVar(&ttl, "ttl", cluster.DefaultPairTTL, "how long the code stays valid")
 	of.add(open)
 
 	var jf apiFlags
@@ -60,14 +60,14 @@ func newPairCmd() *cobra.Command {
 			if timeout <= 0 || timeout > admin.MaxPairBrowse {
 				return config.UsageError{Err: fmt.Errorf("--timeout %v: a duration up to %v", timeout, admin.MaxPairBrowse)}
 			}
-			if _, err := daemon.ParsePairCode(args[0]); err != nil {
+			if _, err := cluster.ParsePairCode(args[0]); err != nil {
 				return config.UsageError{Err: err}
 			}
 			req := admin.PairJoinRequest{Code: args[0], Timeout: timeout.String(), Addr: addr}
 			if requeue {
-				req.Mode = string(daemon.JoinRequeue)
+				req.Mode = string(cluster.JoinRequeue)
 			} else if discard {
-				req.Mode = string(daemon.JoinDiscard)
+				req.Mode = string(cluster.JoinDiscard)
 			}
 			var out admin.JoinResponse
 			if err := jf.call("/v1/pair/join", req, &out); err != nil {

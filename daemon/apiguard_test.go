@@ -102,9 +102,7 @@ func TestAdminAPIRefusesCrossSiteRebindingAndTokenless(t *testing.T) {
 	if len(s.Members) > 1 || s.Pairing.Open {
 		t.Fatalf("the gateway changed: members %+v, pairing %+v", s.Members, s.Pairing)
 	}
-	d.gw.cl.invites.mu.Lock()
-	n := len(d.gw.cl.invites.list)
-	d.gw.cl.invites.mu.Unlock()
+	n := d.gw.Internals().PendingInvites()
 	if n != 0 {
 		t.Fatalf("%d invites issued", n)
 	}

@@ -137,18 +137,6 @@ func logRecords(t *testing.T, d *Daemon) []storage.Record {
 	return out
 }
 
-// waitFor polls cond until it holds or the deadline passes.
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 func TestPublishKeepsEveryPropertyToSubscribersAndLog(t *testing.T) {
 	d := testGateway(t, t.TempDir(), nil)
 	sub, got := v5(t, d.MQTTAddr(), "sub", nil)

@@ -12,7 +12,9 @@ import (
 	"github.com/eclipse/paho.golang/paho"
 
 	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/cluster"
 	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // clusterGateway starts an in-process gateway named name, with the topics
@@ -138,7 +140,7 @@ func TestClusterInviteJoinReplicateAndShrink(t *testing.T) {
 
 	// 1 → 2: the slave is a learner; it replays the history quietly.
 	joinWith(t, g2, inviteToken(t, g1))
-	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
 		v, l, ok := shape(statusOfGW(t, g1))
 		return v == 0 && l == 1 && ok
 	})
@@ -183,7 +185,7 @@ func TestClusterInviteJoinReplicateAndShrink(t *testing.T) {
 
 	// 2 → 3: the third joins as a learner, then all three are voters.
 	joinWith(t, g3, inviteToken(t, g2)) // a slave passes the invite to the master
-	waitFor(t, 15*time.Second, "three voters", func() bool {
+	testutil.WaitFor(t, 15*time.Second, "three voters", func() bool {
 		v, l, ok := shape(statusOfGW(t, g1))
 		return v == 2 && l == 0 && ok
 	})
@@ -198,12 +200,12 @@ func TestClusterInviteJoinReplicateAndShrink(t *testing.T) {
 	if code, msg := api(t, g2, "/v1/cluster/remove", admin.RemoveRequest{Node: "gw-3"}, &rr); code != 200 || rr.Removed != "gw-3" {
 		t.Fatalf("remove gw-3: %d %q", code, msg)
 	}
-	waitFor(t, 10*time.Second, "voter + learner", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "voter + learner", func() bool {
 		s := statusOfGW(t, g1)
 		v, l, _ := shape(s)
 		return v == 0 && l == 1 && len(s.Members) == 1
 	})
-	waitFor(t, 10*time.Second, "gw-3 alone", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "gw-3 alone", func() bool {
 		s := statusOfGW(t, g3)
 		return s.Role == "master" && len(s.Members) == 0 && s.Cluster.ID != statusOfGW(t, g1).Cluster.ID
 	})
@@ -249,7 +251,7 @@ func TestClusterJoinRefusals(t *testing.T) {
 	}
 	// --requeue: its record is published into the cluster.
 	joinWith(t, g2, tok, "--requeue")
-	waitFor(t, 10*time.Second, "the requeued record on the master", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "the requeued record on the master", func() bool {
 		for _, r := range logRecords(t, g1) {
 			if r.Topic == "a/x" && string(r.Payload) == "kept" && r.Republished {
 				return true
@@ -282,12 +284,12 @@ func TestClusterJoinRefusals(t *testing.T) {
 // expiredToken rewrites tok's expiry into the past.
 func expiredToken(t *testing.T, tok string) string {
 	t.Helper()
-	jt, _, err := ParseToken(tok, time.Now())
+	jt, _, err := cluster.ParseToken(tok, time.Now())
 	if err != nil {
 		t.Fatal(err)
 	}
 	jt.Expires = time.Now().Add(-time.Minute).Unix()
-	return jt.encode()
+	return jt.Encode()
 }
 
 func TestTopicRuleMismatchShownInStatus(t *testing.T) {
@@ -295,14 +297,14 @@ func TestTopicRuleMismatchShownInStatus(t *testing.T) {
 	g2 := clusterGateway(t, "gw-2", func(c *config.Config) { c.Topics = []config.TopicRule{{Match: "other/#", Ack: "sync"}} })
 	joinWith(t, g2, inviteToken(t, g1))
 	for _, g := range []*Daemon{g1, g2} {
-		waitFor(t, 15*time.Second, g.cfg.Node.Name+" seeing the other's rules differ", func() bool {
+		testutil.WaitFor(t, 15*time.Second, g.cfg.Node.Name+" seeing the other's rules differ", func() bool {
 			s := statusOfGW(t, g)
 			return len(s.Members) == 1 && s.Members[0].TopicsMatch != nil && !*s.Members[0].TopicsMatch
 		})
 	}
 	g3 := clusterGateway(t, "gw-3", nil)
 	joinWith(t, g3, inviteToken(t, g1))
-	waitFor(t, 15*time.Second, "gw-1 seeing gw-3's rules match", func() bool {
+	testutil.WaitFor(t, 15*time.Second, "gw-1 seeing gw-3's rules match", func() bool {
 		for _, m := range statusOfGW(t, g1).Members {
 			if m.Name == "gw-3" {
 				return m.TopicsMatch != nil && *m.TopicsMatch

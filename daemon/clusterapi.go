@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/cluster"
 	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/replication"
 )
@@ -34,7 +35,7 @@ func statusOf(err error) int {
 	switch {
 	case errors.As(err, &ue):
 		return http.StatusBadRequest
-	case errors.Is(err, errNoMaster):
+	case errors.Is(err, cluster.ErrNoMaster):
 		return http.StatusServiceUnavailable
 	}
 	return http.StatusConflict
@@ -61,7 +62,7 @@ func (d *Daemon) handleInvite(w http.ResponseWriter, r *http.Request) {
 		admin.WriteError(w, statusOf(err), err)
 		return
 	}
-	tok, _, err := ParseToken(token, time.Now())
+	tok, _, err := cluster.ParseToken(token, time.Now())
 	if err != nil {
 		admin.WriteError(w, http.StatusInternalServerError, err)
 		return
@@ -91,9 +92,9 @@ func (d *Daemon) handleJoin(w http.ResponseWriter, r *http.Request) {
 }
 
 // parseJoinMode reads the mode of a join request.
-func parseJoinMode(s string) (JoinMode, error) {
-	switch m := JoinMode(s); m {
-	case JoinFresh, JoinRequeue, JoinDiscard:
+func parseJoinMode(s string) (cluster.JoinMode, error) {
+	switch m := cluster.JoinMode(s); m {
+	case cluster.JoinFresh, cluster.JoinRequeue, cluster.JoinDiscard:
 		return m, nil
 	}
 	return "", fmt.Errorf("mode %q: requeue or discard", s)
@@ -137,8 +138,8 @@ func (d *Daemon) handlePairOpen(w http.ResponseWriter, r *http.Request) {
 	var ttl time.Duration
 	if req.TTL != "" {
 		var err error
-		if ttl, err = time.ParseDuration(req.TTL); err != nil || ttl <= 0 || ttl > MaxPairTTL {
-			admin.WriteError(w, http.StatusBadRequest, fmt.Errorf("ttl %q: a duration up to %v", req.TTL, MaxPairTTL))
+		if ttl, err = time.ParseDuration(req.TTL); err != nil || ttl <= 0 || ttl > cluster.MaxPairTTL {
+			admin.WriteError(w, http.StatusBadRequest, fmt.Errorf("ttl %q: a duration up to %v", req.TTL, cluster.MaxPairTTL))
 			return
 		}
 	}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/cluster"
 	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/mqtt"
 	"github.com/tandem-edge/tandem/replication"
@@ -26,7 +27,7 @@ type Daemon struct {
 	db     *storage.DB
 	broker *mqtt.Server
 	apply  *applier
-	gw     *Gateway // the control plane: the node in force and the cluster
+	gw     *cluster.Gateway // the control plane: the node in force and the cluster
 	// redeliver keeps a deposed master's subscribers from getting its
 	// tail twice; it sits in front of apply (redeliver.go).
 	redeliver *redeliverer
@@ -98,10 +99,10 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
-	if d.gw, err = newGateway(c, d.log, d.id, d.db, clusterHost{d}); err != nil {
+	if d.gw, err = cluster.NewGateway(c, d.log, d.id, d.db, clusterHost{d}); err != nil {
 		return err
 	}
-	if err = d.gw.startTransport(); err != nil {
+	if err = d.gw.StartTransport(); err != nil {
 		return fmt.Errorf("peer port: %w", inUse(err, "peer address", c.Peer.Listen, "--peer", "peer.listen"))
 	}
 	la := &logAdapter{d: d}
@@ -153,7 +154,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if len(n.Members()) <= 1 && d.gw.HasSyncTopics() {
 		d.log.Warn("this gateway has no slave: publishes on sync topics will get the sync_timeout outcome until one joins")
 	}
-	d.gw.startKeeper()
+	d.gw.StartKeeper()
 	d.broker.Applied(d.db.Applied())
 	if err = d.broker.Start(); err != nil {
 		return inUse(err, "MQTT address", c.MQTT.Listen, "--mqtt", "mqtt.listen")
@@ -230,7 +231,7 @@ func (d *Daemon) Stop() error {
 			}
 		}
 		if d.gw != nil {
-			d.gw.stop()
+			d.gw.Stop()
 		}
 		if d.db != nil {
 			if err := d.db.Close(); err != nil {

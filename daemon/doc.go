@@ -4,30 +4,26 @@
 // imports it.
 //
 // What lives where:
-//   - daemon.go: Daemon, New, Start (data dir → storage → peer transport →
-//     broker → replication node → keeper → MQTT listener → HTTP), Stop (the
-//     reverse), and the node in force: startNode, restartNode (how a join,
-//     a removal or a rejoin swaps the replication node under swapMu).
+//   - daemon.go: Daemon, New, Start (data dir → storage → the control
+//     plane and its peer transport → broker → replication node → keeper →
+//     MQTT listener → HTTP) and Stop (the reverse).
+//   - clusterhost.go: the daemon as cluster.Host, the broker's side of
+//     the node swaps the control plane makes (package cluster).
 //   - reload.go: Reload (SIGHUP): topic rules, users and ACL files, and the
 //     translation of config sections into mqtt's.
 //   - adapters.go: the broker's log interface onto replication (Message ↔
 //     storage.Record), the applier, the session store.
 //   - admin.go, status.go, clusterapi.go: the daemon as admin.Gateway, the
 //     status JSON it assembles, and the cluster endpoints it registers.
-//   - cluster.go, join.go, pair.go, promote.go, rejoin.go, redeliver.go,
-//     mdns.go: the control plane (keeper, join, pairing, promotion,
-//     rejoin, forwarding from slaves, mDNS), due to move to cluster/.
+//   - redeliver.go: what a deposed master's subscribers already got, so
+//     that its rejoin does not deliver it twice.
 //   - datadir.go, listenhint.go: checks and hints for the errors an
 //     installer meets first (data dir, addresses in use).
 //
-// Locks: swapMu serialises node swaps and guards the pointer in force
-// against a swap half done; reloadMu serialises Reload and guards live,
-// the config in force. The cluster's own state is guarded by its locks
-// (cluster.go).
+// Locks: reloadMu serialises Reload and guards live, the config in force;
+// node swaps are the control plane's (cluster.Gateway).
 //
-// Goroutines: the keeper and the cluster's background rounds run on the
-// cluster's WaitGroup, which Stop waits for; the admin server and the field
-// view's sampler are admin's and are stopped and waited for by Stop. The
-// watcher that fails the gateway when the node in force fails (startNode)
-// is not yet tracked.
+// Goroutines: none of its own. Stop stops and waits for those of the admin
+// server and its field view (admin), of the control plane (cluster) and of
+// the broker (mqtt), in the reverse of the start order.
 package daemon

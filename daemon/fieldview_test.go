@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -24,6 +23,7 @@ import (
 
 	"github.com/tandem-edge/tandem/admin"
 	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/replication"
 )
 
@@ -129,7 +129,7 @@ func TestMetricsMoveWithPublishes(t *testing.T) {
 	requireWired(t, d)
 
 	var mfs map[string]*dto.MetricFamily
-	waitFor(t, 5*time.Second, "the retained message applied", func() bool {
+	testutil.WaitFor(t, 5*time.Second, "the retained message applied", func() bool {
 		mfs = scrape(t, d)
 		return value(mfs, "tandem_mqtt_retained_messages") == 1
 	})
@@ -279,7 +279,7 @@ func twoGateways(t *testing.T, prefix string) (master, slave *Daemon) {
 	master = clusterGateway(t, prefix+"-1", topics)
 	slave = clusterGateway(t, prefix+"-2", topics)
 	joinWith(t, slave, inviteToken(t, master))
-	waitFor(t, 10*time.Second, prefix+"-2 a caught-up learner", func() bool {
+	testutil.WaitFor(t, 10*time.Second, prefix+"-2 a caught-up learner", func() bool {
 		v, l, ok := shape(statusOfGW(t, master))
 		return v == 0 && l == 1 && ok && statusOfGW(t, slave).Role == "slave"
 	})
@@ -415,22 +415,11 @@ func TestStatusCommand(t *testing.T) {
 	}
 
 	// Nobody listening: a clear message, exit 1.
-	code, _, errOut = runMain(t, "status", "--http", unusedAddr(t))
+	code, _, errOut = runMain(t, "status", "--http", testutil.FreeAddr(t))
 	if code != ExitFailure || !strings.Contains(errOut, "no tandem daemon answers at") {
 		t.Fatalf("tandem status without a daemon: exit %d: %s", code, errOut)
 	}
 	if code, _, _ := runMain(t, "status", "--http", "nonsense"); code != ExitUsage {
 		t.Fatalf("tandem status --http nonsense: exit %d, want %d", code, ExitUsage)
 	}
-}
-
-// unusedAddr returns a loopback address nobody listened on a moment ago.
-func unusedAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
 }

@@ -12,13 +12,15 @@ import (
 	"time"
 
 	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/cluster"
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/replication"
 )
 
 func init() {
 	// The gateways of these tests derive keys often; the real cost is
 	// checked once, in TestPairKey.
-	pairKDFCost = 1 << 10
+	cluster.PairKDFCost = 1 << 10
 }
 
 // pairOpen runs `tandem pair open` against d and returns the code from
@@ -30,7 +32,7 @@ func pairOpen(t *testing.T, d *Daemon, extra ...string) string {
 		t.Fatalf("pair open: exit %d: %s", code, errOut)
 	}
 	first, _, _ := strings.Cut(out, "\n")
-	if _, err := ParsePairCode(first); err != nil {
+	if _, err := cluster.ParsePairCode(first); err != nil {
 		t.Fatalf("pair open printed %q first: %v", first, err)
 	}
 	return first
@@ -74,7 +76,7 @@ func TestPairInProcess(t *testing.T) {
 	if exit, out := pairJoin(t, g2, strings.ToLower(strings.ReplaceAll(code, "-", "")), g1.PeerAddr()); exit != 0 || !strings.Contains(out, "paired") {
 		t.Fatalf("pair join: exit %d: %s", exit, out)
 	}
-	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
 		v, l, ok := shape(statusOfGW(t, g1))
 		return v == 0 && l == 1 && ok
 	})
@@ -87,7 +89,7 @@ func TestPairInProcess(t *testing.T) {
 	}
 	// Expired: refused.
 	short := pairOpen(t, g2, "--ttl", "1s") // on a slave: the master holds it
-	waitFor(t, 5*time.Second, "the short code to expire", func() bool { return !statusOfGW(t, g1).Pairing.Open })
+	testutil.WaitFor(t, 5*time.Second, "the short code to expire", func() bool { return !statusOfGW(t, g1).Pairing.Open })
 	if exit, out := pairJoin(t, g3, short, g1.PeerAddr()); exit == 0 || !strings.Contains(out, "expired") && !strings.Contains(out, "not open") {
 		t.Fatalf("expired code: exit %d: %s", exit, out)
 	}
@@ -98,7 +100,7 @@ func TestPairInProcess(t *testing.T) {
 	if exit, out := pairJoin(t, g3, pairOpen(t, g2), g1.PeerAddr()); exit != 0 {
 		t.Fatalf("third gateway: exit %d: %s", exit, out)
 	}
-	waitFor(t, 15*time.Second, "three voters", func() bool {
+	testutil.WaitFor(t, 15*time.Second, "three voters", func() bool {
 		v, l, ok := shape(statusOfGW(t, g1))
 		return v == 2 && l == 0 && ok
 	})
@@ -121,9 +123,7 @@ func TestPairStrangerCannotCloseThePairing(t *testing.T) {
 	// stranger's attempts pass the rate limit without the test waiting.
 	base := time.Now()
 	var ticks atomic.Int64
-	g1.gw.cl.invites.pair.mu.Lock()
-	g1.gw.cl.invites.pair.clock = func() time.Time { return base.Add(time.Duration(ticks.Add(1)) * 1100 * time.Millisecond) }
-	g1.gw.cl.invites.pair.mu.Unlock()
+	g1.gw.Internals().SetPairClock(func() time.Time { return base.Add(time.Duration(ticks.Add(1)) * 1100 * time.Millisecond) })
 	code := pairOpen(t, g1)
 
 	sid, err := replication.LoadOrCreateIdentity(t.TempDir())
@@ -132,13 +132,13 @@ func TestPairStrangerCannotCloseThePairing(t *testing.T) {
 	}
 	stranger := replication.Member{ID: sid.ID, Name: "stranger", Fingerprint: sid.Fingerprint}
 	r := replication.Remote{ID: sid.ID, Fingerprint: sid.Fingerprint, Addr: "127.0.0.2:40000", Binding: make([]byte, 32)}
-	wrongKey := pairKey("000000000000")
-	proof, _ := json.Marshal(pairRequest{Member: stranger, MAC: pairMAC(wrongKey, pairRoleJoiner, sid.Fingerprint, g1.gw.self().Fingerprint, r.Binding, nil)})
-	for i := range pairMaxFailures + 2 {
-		_, err := g1.gw.cl.onPair(t.Context(), r, proof)
-		want := errPairWrong
-		if i >= pairMaxFailures {
-			want = errPairLocked
+	wrongKey := cluster.PairKey("000000000000")
+	proof, _ := json.Marshal(cluster.PairRequest{Member: stranger, MAC: cluster.PairMAC(wrongKey, cluster.PairRoleJoiner, sid.Fingerprint, g1.gw.Self().Fingerprint, r.Binding, nil)})
+	for i := range cluster.PairMaxFailures + 2 {
+		_, err := g1.gw.Internals().OnPair(t.Context(), r, proof)
+		want := cluster.ErrPairWrong
+		if i >= cluster.PairMaxFailures {
+			want = cluster.ErrPairLocked
 		}
 		if !errors.Is(err, want) {
 			t.Fatalf("stranger's attempt %d: %v, want %v", i+1, err, want)
@@ -165,7 +165,7 @@ func relay(t *testing.T, master string, asJoiner bool) *replication.PeerTranspor
 	tr, err = replication.NewPeerTransport(replication.TransportConfig{Identity: id, Listen: "127.0.0.1:0",
 		OnStranger: func(ctx context.Context, r replication.Remote, kind byte, payload []byte) ([]byte, error) {
 			if !asJoiner {
-				var req pairRequest
+				var req cluster.PairRequest
 				if err := json.Unmarshal(payload, &req); err != nil {
 					return nil, err
 				}
@@ -214,8 +214,8 @@ func TestPairRelayFails(t *testing.T) {
 	}
 	fake, err := replication.NewPeerTransport(replication.TransportConfig{Identity: id, Listen: "127.0.0.1:0",
 		OnStranger: func(context.Context, replication.Remote, byte, []byte) ([]byte, error) {
-			rep, _ := json.Marshal(joinReply{Cluster: "evil", Members: []replication.Member{{ID: id.ID, Name: "evil", Fingerprint: id.Fingerprint, Voter: true}}, Master: "evil"})
-			return json.Marshal(pairReply{Reply: rep, MAC: bytes.Repeat([]byte{1}, 32)})
+			rep, _ := json.Marshal(cluster.JoinReply{Cluster: "evil", Members: []replication.Member{{ID: id.ID, Name: "evil", Fingerprint: id.Fingerprint, Voter: true}}, Master: "evil"})
+			return json.Marshal(cluster.PairReply{Reply: rep, MAC: bytes.Repeat([]byte{1}, 32)})
 		}})
 	if err != nil {
 		t.Fatal(err)

@@ -30,7 +30,7 @@ func TestMosquittoSubV5QoS1TakesEveryMessage(t *testing.T) {
 	if err := sub.Start(); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 10*time.Second, "mosquitto_sub to subscribe", func() bool { return !d.broker.Unrouted([]byte("bench/x")) })
+	testutil.WaitFor(t, 10*time.Second, "mosquitto_sub to subscribe", func() bool { return !d.broker.Unrouted([]byte("bench/x")) })
 	pub, _ := v5(t, d.MQTTAddr(), "pub", nil)
 	if err := pipelinedPublisher(pub, "bench/x", 1, 64, 0, n); err != nil {
 		t.Fatal(err)
@@ -77,7 +77,7 @@ func TestMosquittoPersistentSessionResumes(t *testing.T) {
 	if err := back.Start(); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 10*time.Second, "the new filter to take effect", func() bool { return !d.broker.Unrouted([]byte("pz2/x")) })
+	testutil.WaitFor(t, 10*time.Second, "the new filter to take effect", func() bool { return !d.broker.Unrouted([]byte("pz2/x")) })
 	run("mosquitto_pub", "-V", "mqttv311", "-q", "1", "-t", "pz2/x", "-m", "new-filter")
 	if err := back.Wait(); err != nil {
 		t.Fatalf("mosquitto_sub: %v\n%s", err, out.String())

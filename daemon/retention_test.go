@@ -17,6 +17,7 @@ import (
 	"github.com/eclipse/paho.golang/paho"
 
 	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/storage"
 )
 
@@ -96,7 +97,7 @@ func TestRetentionKeepsTheDataDirWithinBudget(t *testing.T) {
 	}
 	// One more checkpoint's worth of time for the last drops: wait for
 	// the first index to settle past the start rather than sleeping.
-	waitFor(t, 10*time.Second, "records dropped", func() bool { return statusOfGW(t, d).Log.FirstIndex > 1 })
+	testutil.WaitFor(t, 10*time.Second, "records dropped", func() bool { return statusOfGW(t, d).Log.FirstIndex > 1 })
 	close(stop)
 	<-sampled
 	s := statusOfGW(t, d)
@@ -182,7 +183,7 @@ func TestRetentionDropsRecordsPastMaxAge(t *testing.T) {
 		publish(t, pub, &paho.Publish{Topic: "age/old", QoS: 1, Payload: fmt.Appendf(nil, "old %d", i)})
 	}
 	oldLast := statusOfGW(t, d).Log.LastIndex
-	waitFor(t, 15*time.Second, "records past max_age dropped", func() bool {
+	testutil.WaitFor(t, 15*time.Second, "records past max_age dropped", func() bool {
 		return statusOfGW(t, d).Log.FirstIndex > oldLast
 	})
 	for _, r := range logRecords(t, d) {
@@ -210,7 +211,7 @@ func TestRetentionRefusesWhatAStoppedSlaveLacks(t *testing.T) {
 	g1 := clusterGateway(t, "gw-1", withBudget)
 	g2 := clusterGateway(t, "gw-2", withBudget)
 	joinWith(t, g2, inviteToken(t, g1))
-	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
 		v, l, ok := shape(statusOfGW(t, g1))
 		return v == 0 && l == 1 && ok
 	})
@@ -257,7 +258,7 @@ func TestRetentionRefusesWhatAStoppedSlaveLacks(t *testing.T) {
 	// The slave comes back: it catches up, the master drops and takes
 	// publishes again.
 	g2 = testGateway(t, slaveDir, func(c *config.Config) { clusterTestConfig(c, "gw-2"); withBudget(c) })
-	waitFor(t, 30*time.Second, "the master to drop once the slave caught up", func() bool {
+	testutil.WaitFor(t, 30*time.Second, "the master to drop once the slave caught up", func() bool {
 		s := statusOfGW(t, g1)
 		return !s.Storage.Refusing && s.Log.FirstIndex > slaveLast+1
 	})

@@ -1,4 +1,4 @@
-package daemon
+package cluster
 
 import (
 	"context"
@@ -21,8 +21,8 @@ const (
 	metaDeposed = "cluster.deposed" // the removed master's Member JSON
 )
 
-// errNotDeposed answers a rejoin knock from a node this one did not depose.
-const errNotDeposed = "not deposed by this node"
+// ErrNotDeposed answers a rejoin knock from a node this one did not depose.
+const ErrNotDeposed = "not deposed by this node"
 
 // failoverState is the keeper's view of the master's silence, for
 // failover: auto.
@@ -104,24 +104,24 @@ func (c *cluster) promote(ctx context.Context, force bool, reason string) (repli
 // master has not rejoined: an answer lost on a slow link must not turn the
 // next knock away. settleDeposed drops the record once the old master is a
 // member again and has caught up past the fork.
-func (c *cluster) admitRejoin(ctx context.Context, r replication.Remote, req joinRequest) (joinReply, error) {
+func (c *cluster) admitRejoin(ctx context.Context, r replication.Remote, req JoinRequest) (JoinReply, error) {
 	d := c.d
 	old, fork, ok, err := c.deposedRecord()
 	if err != nil {
-		return joinReply{}, err
+		return JoinReply{}, err
 	}
 	if !ok || old.Fingerprint != r.Fingerprint || req.Member.ID != r.ID || req.Member.Fingerprint != r.Fingerprint || req.Gen >= c.generation() {
-		return joinReply{}, errors.New(errNotDeposed)
+		return JoinReply{}, errors.New(ErrNotDeposed)
 	}
 	n := d.node()
 	if n.Leader() != n.ID() {
-		return joinReply{}, errors.New("this gateway is not the master now")
+		return JoinReply{}, errors.New("this gateway is not the master now")
 	}
 	// Already a member (an earlier answer was lost): addMember changes
 	// nothing and answers as it did.
 	rep, err := c.addMember(ctx, req.Member, func() {})
 	if err != nil {
-		return joinReply{}, err
+		return JoinReply{}, err
 	}
 	rep.Fork = fork
 	if t, err := d.db.Term(fork); err == nil {
@@ -177,7 +177,7 @@ func (c *cluster) settleDeposed(ctx context.Context, n *replication.Node) {
 // to be re-published on the new master; those it delivered to its own
 // subscribers already are remembered, so they are not delivered again when
 // they come back (redeliver.go).
-func (c *cluster) rejoin(rep joinReply, by replication.Member) {
+func (c *cluster) rejoin(rep JoinReply, by replication.Member) {
 	d := c.d
 	applied := d.db.Applied()
 	err := d.restartNode(func() error {
@@ -212,7 +212,7 @@ func (c *cluster) rejoin(rep joinReply, by replication.Member) {
 // reportDeposed waits for the requeued tail to be re-published, then logs
 // the deposition with the count status gives (cluster.requeued), so the
 // journal and status agree.
-func (c *cluster) reportDeposed(by replication.Member, rep joinReply, requeued int) {
+func (c *cluster) reportDeposed(by replication.Member, rep JoinReply, requeued int) {
 	d := c.d
 	t := time.NewTicker(250 * time.Millisecond)
 	defer t.Stop()
@@ -241,7 +241,7 @@ func (c *cluster) checkFailover(n *replication.Node) {
 	if d.cfg.Cluster.Failover != "auto" {
 		return
 	}
-	master, ok := failoverMaster(n)
+	master, ok := FailoverMaster(n)
 	if !ok {
 		return
 	}
@@ -284,9 +284,9 @@ func (c *cluster) failoverRound(master replication.Member, after time.Duration) 
 	return true
 }
 
-// failoverMaster returns the master of n's cluster if n is the slave of a
+// FailoverMaster returns the master of n's cluster if n is the slave of a
 // 2-gateway cluster.
-func failoverMaster(n *replication.Node) (replication.Member, bool) {
+func FailoverMaster(n *replication.Node) (replication.Member, bool) {
 	ms := n.Members()
 	if len(ms) != 2 {
 		return replication.Member{}, false
@@ -328,7 +328,7 @@ func (c *cluster) peerAddrs(m replication.Member) []string {
 // before its own fsync finished (a crash), then logged others at those
 // indexes in a later term: every entry of a term above the promoted
 // node's term at the fork is this node's alone.
-func forkFrom(db *storage.DB, rep joinReply) uint64 {
+func forkFrom(db *storage.DB, rep JoinReply) uint64 {
 	from := rep.Fork + 1
 	if rep.ForkTerm == 0 {
 		return from

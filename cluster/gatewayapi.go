@@ -1,4 +1,4 @@
-package daemon
+package cluster
 
 import (
 	"context"
@@ -91,7 +91,7 @@ type Joined struct {
 	Members         []string // names
 }
 
-func joinedOf(rep joinReply) Joined {
+func joinedOf(rep JoinReply) Joined {
 	out := Joined{Cluster: rep.Cluster, Master: rep.Master}
 	for _, m := range rep.Members {
 		out.Members = append(out.Members, m.Name)
@@ -118,3 +118,6 @@ func (d *Gateway) Promote(ctx context.Context, force bool) (deposed string, gene
 	old, err := d.cl.promote(ctx, force, "tandem promote")
 	return old.Name, d.cl.generation(), err
 }
+
+// Self is this gateway as a member: id, name, peer addresses, fingerprint.
+func (d *Gateway) Self() replication.Member { return d.self() }

@@ -1,4 +1,4 @@
-package daemon
+package cluster
 
 import (
 	"context"
@@ -21,9 +21,9 @@ import (
 	"github.com/tandem-edge/tandem/replication"
 )
 
-// tokenPrefix starts every join token, so a token pasted into the wrong
+// TokenPrefix starts every join token, so a token pasted into the wrong
 // place (or a pairing code into `cluster join`) is recognised as such.
-const tokenPrefix = "tandem1."
+const TokenPrefix = "tandem1."
 
 // DefaultInviteTTL is how long a join token stays valid.
 const DefaultInviteTTL = time.Hour
@@ -38,10 +38,10 @@ type joinToken struct {
 	Expires int64    `json:"e"` // Unix seconds
 }
 
-// encode gives the token's one-line text form.
-func (t joinToken) encode() string {
+// Encode gives the token's one-line text form.
+func (t joinToken) Encode() string {
 	b, _ := json.Marshal(t)
-	return tokenPrefix + base64.RawURLEncoding.EncodeToString(b)
+	return TokenPrefix + base64.RawURLEncoding.EncodeToString(b)
 }
 
 // ParseToken reads a token's text form and checks its shape and expiry.
@@ -49,10 +49,10 @@ func ParseToken(s string, now time.Time) (joinToken, [32]byte, error) {
 	var t joinToken
 	var fp [32]byte
 	s = strings.TrimSpace(s)
-	if !strings.HasPrefix(s, tokenPrefix) {
-		return t, fp, errors.New("invalid join token: it does not start with " + tokenPrefix + " (copy the whole line `tandem cluster invite` printed)")
+	if !strings.HasPrefix(s, TokenPrefix) {
+		return t, fp, errors.New("invalid join token: it does not start with " + TokenPrefix + " (copy the whole line `tandem cluster invite` printed)")
 	}
-	b, err := base64.RawURLEncoding.DecodeString(s[len(tokenPrefix):])
+	b, err := base64.RawURLEncoding.DecodeString(s[len(TokenPrefix):])
 	if err == nil {
 		err = json.Unmarshal(b, &t)
 	}
@@ -132,8 +132,8 @@ func (b *inviteBook) release(in *invite) {
 	b.mu.Unlock()
 }
 
-// joinRequest is the knock a joining node makes on the master's peer port.
-type joinRequest struct {
+// JoinRequest is the knock a joining node makes on the master's peer port.
+type JoinRequest struct {
 	Secret []byte             `json:"secret"`
 	Member replication.Member `json:"member"`
 	// Rejoin asks, instead, whether the knocked node promoted itself over
@@ -146,8 +146,8 @@ type joinRequest struct {
 	Probe bool `json:"probe,omitempty"`
 }
 
-// joinReply is the master's answer: the cluster the joiner now belongs to.
-type joinReply struct {
+// JoinReply is the master's answer: the cluster the joiner now belongs to.
+type JoinReply struct {
 	Cluster    string               `json:"cluster"`
 	Generation uint64               `json:"gen"`
 	Members    []replication.Member `json:"members"`
@@ -175,8 +175,8 @@ type adminReply struct {
 	Expires time.Time `json:"expires,omitzero"` // "pair": when it expires
 }
 
-// errNoMaster is the answer to a cluster command while no master is known.
-var errNoMaster = errors.New("no master known right now: try again once the cluster has elected one (tandem status)")
+// ErrNoMaster is the answer to a cluster command while no master is known.
+var ErrNoMaster = errors.New("no master known right now: try again once the cluster has elected one (tandem status)")
 
 // admin runs a cluster command on the master: here if this node is the
 // master, else by asking it over the peer link.
@@ -185,7 +185,7 @@ func (c *cluster) admin(ctx context.Context, req adminRequest) (adminReply, erro
 	lead := n.Leader()
 	switch lead {
 	case 0:
-		return adminReply{}, errNoMaster
+		return adminReply{}, ErrNoMaster
 	case n.ID():
 		return c.adminLocal(ctx, req)
 	}
@@ -260,7 +260,7 @@ func (c *cluster) newInvite(ttl time.Duration) (string, error) {
 	self := c.d.self()
 	tok := joinToken{Cluster: c.clusterID(), Addrs: self.Addrs, FP: hex.EncodeToString(self.Fingerprint[:]), Secret: secret, Expires: exp.Unix()}
 	c.d.log.Info("join token issued", "expires", exp.UTC().Format(time.RFC3339))
-	return tok.encode(), nil
+	return tok.Encode(), nil
 }
 
 // onStranger answers a knock on the peer port: a join token's secret. A
@@ -275,7 +275,7 @@ func (c *cluster) onStranger(ctx context.Context, r replication.Remote, kind byt
 	if kind != replication.KnockJoin {
 		return nil, errors.New("unknown knock")
 	}
-	var req joinRequest
+	var req JoinRequest
 	if err := json.Unmarshal(payload, &req); err != nil {
 		return nil, errors.New("malformed join request")
 	}
@@ -300,18 +300,18 @@ func (c *cluster) onStranger(ctx context.Context, r replication.Remote, kind byt
 }
 
 // admit adds a joining node as a learner once its secret checks out.
-func (c *cluster) admit(ctx context.Context, r replication.Remote, req joinRequest) (joinReply, error) {
+func (c *cluster) admit(ctx context.Context, r replication.Remote, req JoinRequest) (JoinReply, error) {
 	m := req.Member
 	if m.ID != r.ID || m.Fingerprint != r.Fingerprint {
-		return joinReply{}, errors.New("the joining node's details do not match its certificate")
+		return JoinReply{}, errors.New("the joining node's details do not match its certificate")
 	}
 	n := c.d.node()
 	if n.Leader() != n.ID() {
-		return joinReply{}, errors.New("this gateway is not the master (the token names the master at the time of the invite): ask the current master for a new token")
+		return JoinReply{}, errors.New("this gateway is not the master (the token names the master at the time of the invite): ask the current master for a new token")
 	}
 	in, err := c.invites.claim(req.Secret, m.ID, time.Now())
 	if err != nil {
-		return joinReply{}, err
+		return JoinReply{}, err
 	}
 	return c.addMember(ctx, m, func() { c.invites.release(in) })
 }
@@ -320,7 +320,7 @@ func (c *cluster) admit(ctx context.Context, r replication.Remote, req joinReque
 // pairing proof), as a learner unless it is a member already, and answers
 // with the cluster it joined. release gives the right back when m could
 // not be added.
-func (c *cluster) addMember(ctx context.Context, m replication.Member, release func()) (joinReply, error) {
+func (c *cluster) addMember(ctx context.Context, m replication.Member, release func()) (JoinReply, error) {
 	n := c.d.node()
 	already := false
 	for _, x := range n.Members() {
@@ -331,20 +331,20 @@ func (c *cluster) addMember(ctx context.Context, m replication.Member, release f
 	if !already {
 		if len(n.Members()) >= replication.MaxMembers {
 			release()
-			return joinReply{}, replication.ErrClusterFull
+			return JoinReply{}, replication.ErrClusterFull
 		}
 		m.Voter = false
 		if err := n.ChangeMember(ctx, raftpb.ConfChangeAddLearnerNode, m); err != nil {
 			release()
-			return joinReply{}, fmt.Errorf("adding the node: %w", err)
+			return JoinReply{}, fmt.Errorf("adding the node: %w", err)
 		}
 		c.d.log.Info("gateway joined the cluster", "peer", m.Name, "id", replication.IDString(m.ID), "addrs", m.Addrs)
 	}
 	st, err := n.Status(ctx)
 	if err != nil {
-		return joinReply{}, err
+		return JoinReply{}, err
 	}
-	return joinReply{Cluster: c.clusterID(), Generation: c.generation(), Members: n.Members(), Commit: st.Commit, Master: c.d.cfg.Node.Name}, nil
+	return JoinReply{Cluster: c.clusterID(), Generation: c.generation(), Members: n.Members(), Commit: st.Commit, Master: c.d.cfg.Node.Name}, nil
 }
 
 // JoinMode says what a joining node does with the records it holds.
@@ -358,17 +358,17 @@ const (
 )
 
 // join makes this node a member of the cluster token names.
-func (c *cluster) join(ctx context.Context, token string, mode JoinMode) (joinReply, error) {
+func (c *cluster) join(ctx context.Context, token string, mode JoinMode) (JoinReply, error) {
 	d := c.d
 	tok, fp, err := ParseToken(token, time.Now())
 	if err != nil {
-		return joinReply{}, config.UsageError{Err: err}
+		return JoinReply{}, config.UsageError{Err: err}
 	}
 	recs, err := c.joinable(tok.Cluster, mode)
 	if err != nil {
-		return joinReply{}, err
+		return JoinReply{}, err
 	}
-	payload, _ := json.Marshal(joinRequest{Secret: tok.Secret, Member: d.self()})
+	payload, _ := json.Marshal(JoinRequest{Secret: tok.Secret, Member: d.self()})
 	var reply []byte
 	var errs []error
 	for _, addr := range tok.Addrs {
@@ -377,19 +377,19 @@ func (c *cluster) join(ctx context.Context, token string, mode JoinMode) (joinRe
 			break
 		}
 		if errors.Is(err, replication.ErrRemote) {
-			return joinReply{}, fmt.Errorf("the master refused: %w", unwrapRemote(err))
+			return JoinReply{}, fmt.Errorf("the master refused: %w", unwrapRemote(err))
 		}
 		errs = append(errs, fmt.Errorf("%s: %w", addr, err))
 	}
 	if err != nil {
-		return joinReply{}, fmt.Errorf("cannot reach the master: %w", errors.Join(errs...))
+		return JoinReply{}, fmt.Errorf("cannot reach the master: %w", errors.Join(errs...))
 	}
-	var rep joinReply
+	var rep JoinReply
 	if err := json.Unmarshal(reply, &rep); err != nil {
-		return joinReply{}, fmt.Errorf("the master's answer: %w", err)
+		return JoinReply{}, fmt.Errorf("the master's answer: %w", err)
 	}
 	if rep.Cluster != tok.Cluster {
-		return joinReply{}, fmt.Errorf("the master answered for cluster %s, the token names %s", rep.Cluster, tok.Cluster)
+		return JoinReply{}, fmt.Errorf("the master answered for cluster %s, the token names %s", rep.Cluster, tok.Cluster)
 	}
 	return c.becomeMember(ctx, rep, mode, recs)
 }
@@ -428,7 +428,7 @@ func (c *cluster) joinable(cluster string, mode JoinMode) (int, error) {
 // becomeMember makes this node a member of the cluster rep describes, once
 // the master admitted it: rep must already be authenticated (a pinned
 // certificate, or a pairing proof). recs is what joinable counted.
-func (c *cluster) becomeMember(ctx context.Context, rep joinReply, mode JoinMode, recs int) (joinReply, error) {
+func (c *cluster) becomeMember(ctx context.Context, rep JoinReply, mode JoinMode, recs int) (JoinReply, error) {
 	d := c.d
 	// From here on this node belongs to the cluster: its own raft state
 	// goes (its records to the requeue bucket, if asked), and the
@@ -442,7 +442,7 @@ func (c *cluster) becomeMember(ctx context.Context, rep joinReply, mode JoinMode
 		}
 		return c.setMeta(d.db, rep.Cluster, rep.Generation)
 	}, true, rep.Commit); err != nil {
-		return joinReply{}, err
+		return JoinReply{}, err
 	}
 	c.setFloor(rep.Members)
 	c.tr.Reconnect()

@@ -1,4 +1,4 @@
-package daemon
+package cluster
 
 // Pairing: `tandem pair open` on a member makes the master hold a short
 // code; `tandem pair join CODE` on a fresh gateway finds that master over
@@ -49,9 +49,9 @@ const (
 	MaxPairTTL = time.Hour
 	// pairCodeLen is the number of symbols in a code: 5 bits each.
 	pairCodeLen = 12
-	// pairMaxFailures wrong proofs from one source address end that
+	// PairMaxFailures wrong proofs from one source address end that
 	// address's attempts on this code.
-	pairMaxFailures = 5
+	PairMaxFailures = 5
 	// pairMinInterval is the least time between two checked attempts
 	// from one source address.
 	pairMinInterval = time.Second
@@ -65,11 +65,11 @@ const (
 // and U, which read like 1, 1, 0 and V (or spell words) when read aloud.
 const pairAlphabet = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
-// pairKDFCost is scrypt's N for the code's key. A 60-bit code is out of
+// PairKDFCost is scrypt's N for the code's key. A 60-bit code is out of
 // reach online; scrypt makes a captured proof costly to attack offline
 // too (32 MiB, well under a second on a gateway-class core); tests lower
 // it.
-var pairKDFCost = 1 << 15
+var PairKDFCost = 1 << 15
 
 // Stable phrases of the master's refusals: the joiner reads errBusy's.
 var (
@@ -77,8 +77,8 @@ var (
 	errPairExpired = errors.New("the pairing code expired: open a new one (tandem pair open)")
 	errPairUsed    = errors.New("the pairing code was already used: each code pairs one gateway")
 	errPairBusy    = errors.New("pairing attempts are limited to one a second: try again in a second")
-	errPairWrong   = errors.New("wrong pairing code")
-	errPairLocked  = errors.New("too many wrong pairing codes from this address: open a new pairing (tandem pair open)")
+	ErrPairWrong   = errors.New("wrong pairing code")
+	ErrPairLocked  = errors.New("too many wrong pairing codes from this address: open a new pairing (tandem pair open)")
 )
 
 // newPairCode returns a fresh random code in its grouped form.
@@ -130,9 +130,9 @@ func ParsePairCode(s string) (string, error) {
 	return sb.String(), nil
 }
 
-// pairKey derives the MAC key from a canonical code.
-func pairKey(canon string) []byte {
-	k, err := scrypt.Key([]byte(canon), []byte("tandem-pair-v1"), pairKDFCost, 8, 1, 32)
+// PairKey derives the MAC key from a canonical code.
+func PairKey(canon string) []byte {
+	k, err := scrypt.Key([]byte(canon), []byte("tandem-pair-v1"), PairKDFCost, 8, 1, 32)
 	if err != nil {
 		panic(err) // only for parameters out of range: a constant here
 	}
@@ -142,14 +142,14 @@ func pairKey(canon string) []byte {
 // Roles of a pairing MAC: which side computed it, so one side's proof is
 // never valid as the other's.
 const (
-	pairRoleJoiner byte = 'J'
+	PairRoleJoiner byte = 'J'
 	pairRoleMaster byte = 'M'
 )
 
-// pairMAC is HMAC-SHA256(key, "tandem-pair" || role || fpJoiner ||
+// PairMAC is HMAC-SHA256(key, "tandem-pair" || role || fpJoiner ||
 // fpMaster || binding || extra). The fixed-size fields come first, so the
 // encoding is unambiguous; extra is the master's reply.
-func pairMAC(key []byte, role byte, fpJoiner, fpMaster [32]byte, binding, extra []byte) []byte {
+func PairMAC(key []byte, role byte, fpJoiner, fpMaster [32]byte, binding, extra []byte) []byte {
 	m := hmac.New(sha256.New, key)
 	m.Write([]byte("tandem-pair"))
 	m.Write([]byte{role})
@@ -160,15 +160,15 @@ func pairMAC(key []byte, role byte, fpJoiner, fpMaster [32]byte, binding, extra 
 	return m.Sum(nil)
 }
 
-// pairRequest is the joiner's knock: who it is and its proof.
-type pairRequest struct {
+// PairRequest is the joiner's knock: who it is and its proof.
+type PairRequest struct {
 	Member replication.Member `json:"member"`
 	MAC    []byte             `json:"mac"`
 }
 
-// pairReply is the master's answer: the join reply as sent, and its proof
+// PairReply is the master's answer: the join reply as sent, and its proof
 // over it.
-type pairReply struct {
+type PairReply struct {
 	Reply json.RawMessage `json:"reply"`
 	MAC   []byte          `json:"mac"`
 }
@@ -256,8 +256,8 @@ func (b *pairBook) try(src string, node uint64, mac []byte, macOf func(key []byt
 		p.bySrc[src] = s
 	}
 	switch {
-	case s.failures >= pairMaxFailures:
-		return nil, p.failures, errPairLocked
+	case s.failures >= PairMaxFailures:
+		return nil, p.failures, ErrPairLocked
 	case now.Sub(s.lastTry) < pairMinInterval:
 		return nil, p.failures, errPairBusy
 	}
@@ -265,10 +265,10 @@ func (b *pairBook) try(src string, node uint64, mac []byte, macOf func(key []byt
 	if !hmac.Equal(mac, macOf(p.key)) {
 		s.failures++
 		p.failures++
-		if s.failures >= pairMaxFailures {
-			return nil, p.failures, fmt.Errorf("%w: no more attempts from this address after %d (the pairing stays open for others)", errPairWrong, s.failures)
+		if s.failures >= PairMaxFailures {
+			return nil, p.failures, fmt.Errorf("%w: no more attempts from this address after %d (the pairing stays open for others)", ErrPairWrong, s.failures)
 		}
-		return nil, p.failures, errPairWrong
+		return nil, p.failures, ErrPairWrong
 	}
 	p.usedBy = node
 	return p, p.failures, nil
@@ -309,7 +309,7 @@ func (c *cluster) openPairing(ttl time.Duration) (string, time.Time, error) {
 	}
 	canon, _ := ParsePairCode(code)
 	exp := c.invites.pair.now().Add(ttl)
-	c.invites.pair.open(pairKey(canon), exp)
+	c.invites.pair.open(PairKey(canon), exp)
 	// Never the code: the journal is readable by more people than the LAN.
 	c.d.log.Info("pairing open", "expires", exp.UTC().Format(time.RFC3339))
 	return code, exp, nil
@@ -317,7 +317,7 @@ func (c *cluster) openPairing(ttl time.Duration) (string, time.Time, error) {
 
 // onPair answers a pairing knock on the peer port, on the master.
 func (c *cluster) onPair(ctx context.Context, r replication.Remote, payload []byte) ([]byte, error) {
-	var req pairRequest
+	var req PairRequest
 	if err := json.Unmarshal(payload, &req); err != nil {
 		c.d.log.Warn("pairing attempt refused", "from", r.Addr, "peer", replication.IDString(r.ID), "reason", "malformed request")
 		return nil, errors.New("malformed pairing request")
@@ -336,11 +336,11 @@ func (c *cluster) onPair(ctx context.Context, r replication.Remote, payload []by
 		src = r.Addr
 	}
 	p, failures, err := c.invites.pair.try(src, m.ID, req.MAC, func(key []byte) []byte {
-		return pairMAC(key, pairRoleJoiner, r.Fingerprint, self, r.Binding, nil)
+		return PairMAC(key, PairRoleJoiner, r.Fingerprint, self, r.Binding, nil)
 	}, c.invites.pair.now())
 	if err != nil {
 		level := slog.LevelWarn
-		if errors.Is(err, errPairBusy) || errors.Is(err, errPairLocked) {
+		if errors.Is(err, errPairBusy) || errors.Is(err, ErrPairLocked) {
 			// Not checked: a stranger knocking in a loop must not
 			// flood the journal; its wrong proofs were logged.
 			level = slog.LevelDebug
@@ -357,7 +357,7 @@ func (c *cluster) onPair(ctx context.Context, r replication.Remote, payload []by
 		return nil, err
 	}
 	c.d.log.Info("gateway paired", "from", r.Addr, "peer", m.Name, "id", replication.IDString(m.ID))
-	return json.Marshal(pairReply{Reply: b, MAC: pairMAC(p.key, pairRoleMaster, r.Fingerprint, self, r.Binding, b)})
+	return json.Marshal(PairReply{Reply: b, MAC: PairMAC(p.key, pairRoleMaster, r.Fingerprint, self, r.Binding, b)})
 }
 
 // pairState says whether pairing is open for a new gateway, and until when.
@@ -415,23 +415,23 @@ func (c *cluster) findPairTargets(ctx context.Context, within time.Duration) ([]
 
 // pairJoin makes this (fresh) node a member of the cluster whose master
 // holds code: found over mDNS, or at addr when given.
-func (c *cluster) pairJoin(ctx context.Context, code string, mode JoinMode, within time.Duration, addr string) (joinReply, error) {
+func (c *cluster) pairJoin(ctx context.Context, code string, mode JoinMode, within time.Duration, addr string) (JoinReply, error) {
 	d := c.d
 	canon, err := ParsePairCode(code)
 	if err != nil {
-		return joinReply{}, config.UsageError{Err: err}
+		return JoinReply{}, config.UsageError{Err: err}
 	}
 	recs, err := c.joinable("", mode)
 	if err != nil {
-		return joinReply{}, err
+		return JoinReply{}, err
 	}
 	var targets []pairTarget
 	if addr != "" {
 		targets = []pairTarget{{name: addr, addrs: []string{addr}}}
 	} else if targets, err = c.findPairTargets(ctx, within); err != nil {
-		return joinReply{}, err
+		return JoinReply{}, err
 	}
-	key := pairKey(canon)
+	key := PairKey(canon)
 	me := d.self()
 	var errs []error
 	for _, tg := range targets {
@@ -441,12 +441,12 @@ func (c *cluster) pairJoin(ctx context.Context, code string, mode JoinMode, with
 		}
 		errs = append(errs, fmt.Errorf("%s: %w", tg.name, err))
 	}
-	return joinReply{}, fmt.Errorf("pairing failed: %w", errors.Join(errs...))
+	return JoinReply{}, fmt.Errorf("pairing failed: %w", errors.Join(errs...))
 }
 
 // pairWith knocks on one gateway with this node's proof and checks the
 // master's. A refusal for the rate limit is retried a few times.
-func (c *cluster) pairWith(ctx context.Context, tg pairTarget, key []byte, me replication.Member) (joinReply, error) {
+func (c *cluster) pairWith(ctx context.Context, tg pairTarget, key []byte, me replication.Member) (JoinReply, error) {
 	var errs []error
 	for _, addr := range tg.addrs {
 		for try := 0; ; try++ {
@@ -459,50 +459,50 @@ func (c *cluster) pairWith(ctx context.Context, tg pairTarget, key []byte, me re
 				case <-time.After(pairMinInterval + 100*time.Millisecond):
 					continue
 				case <-ctx.Done():
-					return joinReply{}, ctx.Err()
+					return JoinReply{}, ctx.Err()
 				}
 			}
 			if errors.Is(err, replication.ErrRemote) {
 				// The master answered and refused: another
 				// address of it would answer the same.
-				return joinReply{}, fmt.Errorf("refused: %w", unwrapRemote(err))
+				return JoinReply{}, fmt.Errorf("refused: %w", unwrapRemote(err))
 			}
 			errs = append(errs, fmt.Errorf("%s: %w", addr, err))
 			break
 		}
 	}
-	return joinReply{}, errors.Join(errs...)
+	return JoinReply{}, errors.Join(errs...)
 }
 
 // pairKnock is one attempt at addr.
-func (c *cluster) pairKnock(ctx context.Context, addr string, key []byte, me replication.Member) (joinReply, error) {
+func (c *cluster) pairKnock(ctx context.Context, addr string, key []byte, me replication.Member) (JoinReply, error) {
 	// No pin: the gateway is known only from mDNS. Its certificate is
 	// authenticated by its proof below, which covers its fingerprint.
 	reply, r, err := c.tr.KnockWith(ctx, addr, [32]byte{}, replication.KnockPair, func(r replication.Remote) ([]byte, error) {
 		if r.ID == me.ID {
 			return nil, errors.New("that is this gateway itself")
 		}
-		return json.Marshal(pairRequest{Member: me, MAC: pairMAC(key, pairRoleJoiner, me.Fingerprint, r.Fingerprint, r.Binding, nil)})
+		return json.Marshal(PairRequest{Member: me, MAC: PairMAC(key, PairRoleJoiner, me.Fingerprint, r.Fingerprint, r.Binding, nil)})
 	})
 	if err != nil {
-		return joinReply{}, err
+		return JoinReply{}, err
 	}
-	var pr pairReply
+	var pr PairReply
 	if err := json.Unmarshal(reply, &pr); err != nil {
-		return joinReply{}, fmt.Errorf("malformed answer: %w", err)
+		return JoinReply{}, fmt.Errorf("malformed answer: %w", err)
 	}
-	if !hmac.Equal(pr.MAC, pairMAC(key, pairRoleMaster, me.Fingerprint, r.Fingerprint, r.Binding, pr.Reply)) {
+	if !hmac.Equal(pr.MAC, PairMAC(key, pairRoleMaster, me.Fingerprint, r.Fingerprint, r.Binding, pr.Reply)) {
 		c.d.log.Warn("pairing: the answering gateway did not prove it knows the code", "addr", addr, "peer", replication.IDString(r.ID))
-		return joinReply{}, errors.New("the gateway there did not prove it knows the code (a relay or an impostor?): not joining it")
+		return JoinReply{}, errors.New("the gateway there did not prove it knows the code (a relay or an impostor?): not joining it")
 	}
-	var rep joinReply
+	var rep JoinReply
 	if err := json.Unmarshal(pr.Reply, &rep); err != nil {
-		return joinReply{}, fmt.Errorf("malformed join reply: %w", err)
+		return JoinReply{}, fmt.Errorf("malformed join reply: %w", err)
 	}
 	// The members become pinned peers: the master that proved the code
 	// must be among them with the certificate it showed.
 	if !slices.ContainsFunc(rep.Members, func(m replication.Member) bool { return m.ID == r.ID && m.Fingerprint == r.Fingerprint }) {
-		return joinReply{}, errors.New("the master's answer does not list the master itself")
+		return JoinReply{}, errors.New("the master's answer does not list the master itself")
 	}
 	return rep, nil
 }

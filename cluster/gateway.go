@@ -1,4 +1,4 @@
-package daemon
+package cluster
 
 import (
 	"encoding/json"
@@ -133,9 +133,9 @@ func (d *Gateway) restartNode(prep func() error, join bool, quietUntil uint64) e
 	return nil
 }
 
-// newGateway makes the control plane of the gateway started with cfg, on
+// NewGateway makes the control plane of the gateway started with cfg, on
 // its identity and data file, and loads the cluster it belongs to.
-func newGateway(cfg *config.Config, log *slog.Logger, id *replication.Identity, db *storage.DB, host Host) (*Gateway, error) {
+func NewGateway(cfg *config.Config, log *slog.Logger, id *replication.Identity, db *storage.DB, host Host) (*Gateway, error) {
 	d := &Gateway{cfg: cfg, log: log, id: id, db: db, host: host}
 	d.cl = &cluster{d: d, invites: &inviteBook{}, peerTopics: map[uint64]string{}, warned: map[uint64]string{}, stopc: make(chan struct{})}
 	d.cl.failover.heard.Store(time.Now().UnixNano()) // silence counts from the start
@@ -145,19 +145,19 @@ func newGateway(cfg *config.Config, log *slog.Logger, id *replication.Identity, 
 	return d, nil
 }
 
-// startTransport listens on peer.listen.
-func (d *Gateway) startTransport() error { return d.cl.startTransport() }
+// StartTransport listens on peer.listen.
+func (d *Gateway) StartTransport() error { return d.cl.startTransport() }
 
-// startKeeper starts the keeper, which keeps the membership in shape; stop
+// StartKeeper starts the keeper, which keeps the membership in shape; stop
 // waits for it and for every background round it started.
-func (d *Gateway) startKeeper() {
+func (d *Gateway) StartKeeper() {
 	d.cl.wg.Add(1)
 	go d.cl.keeper()
 }
 
-// stop stops the keeper and its rounds, the peer transport and the node in
+// Stop stops the keeper and its rounds, the peer transport and the node in
 // force, in that order.
-func (d *Gateway) stop() {
+func (d *Gateway) Stop() {
 	close(d.cl.stopc)
 	d.cl.wg.Wait()
 	if d.cl.tr != nil {

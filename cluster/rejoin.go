@@ -1,4 +1,4 @@
-package daemon
+package cluster
 
 import (
 	"context"
@@ -168,7 +168,7 @@ func (c *cluster) knockRound(ctx context.Context, lost []replication.Member) {
 // not talk raft to the new one before that wipe; it never does, as it
 // refuses member links from a higher generation).
 func (c *cluster) checkDeposed(ctx context.Context, lost []replication.Member) {
-	payload, _ := json.Marshal(joinRequest{Rejoin: true, Member: c.d.self(), Gen: c.generation()})
+	payload, _ := json.Marshal(JoinRequest{Rejoin: true, Member: c.d.self(), Gen: c.generation()})
 	answered := false
 	var lastErr error
 	var lastAddr string
@@ -191,7 +191,7 @@ func (c *cluster) checkDeposed(ctx context.Context, lost []replication.Member) {
 				lastErr, lastAddr = err, addr
 				continue
 			}
-			var rep joinReply
+			var rep JoinReply
 			if json.Unmarshal(reply, &rep) != nil || rep.Generation <= c.generation() || remote.ID != m.ID {
 				continue
 			}
@@ -213,7 +213,7 @@ func (c *cluster) checkDeposed(ctx context.Context, lost []replication.Member) {
 
 // stepDown rejoins as the slave of by, unless another knock round did
 // meanwhile (rounds overlap, and the promoted node answers each alike).
-func (c *cluster) stepDown(rep joinReply, by replication.Member) {
+func (c *cluster) stepDown(rep JoinReply, by replication.Member) {
 	c.rejoins.stepMu.Lock()
 	defer c.rejoins.stepMu.Unlock()
 	if rep.Generation <= c.generation() {
@@ -304,7 +304,7 @@ func (c *cluster) masterAnswers(ctx context.Context, master replication.Member) 
 			return err
 		}})
 	}
-	payload, _ := json.Marshal(joinRequest{Probe: true, Member: c.d.self()})
+	payload, _ := json.Marshal(JoinRequest{Probe: true, Member: c.d.self()})
 	for _, addr := range c.peerAddrs(master) {
 		probes = append(probes, probe{4, func() error {
 			_, _, err := c.tr.Knock(ctx, addr, master.Fingerprint, replication.KnockJoin, payload)

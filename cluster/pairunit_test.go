@@ -1,4 +1,4 @@
-package daemon
+package cluster
 
 import (
 	"bytes"
@@ -70,35 +70,35 @@ func TestParsePairCode(t *testing.T) {
 }
 
 func TestPairKey(t *testing.T) {
-	saved := pairKDFCost
-	pairKDFCost = 1 << 15
-	defer func() { pairKDFCost = saved }()
+	saved := PairKDFCost
+	PairKDFCost = 1 << 15
+	defer func() { PairKDFCost = saved }()
 	start := time.Now()
-	k1 := pairKey("7KQFM2XA9RTD")
+	k1 := PairKey("7KQFM2XA9RTD")
 	took := time.Since(start)
-	if len(k1) != 32 || bytes.Equal(k1, pairKey("7KQFM2XA9RTE")) || !bytes.Equal(k1, pairKey("7KQFM2XA9RTD")) {
+	if len(k1) != 32 || bytes.Equal(k1, PairKey("7KQFM2XA9RTE")) || !bytes.Equal(k1, PairKey("7KQFM2XA9RTD")) {
 		t.Fatal("pairKey is not a 32-byte function of the code")
 	}
 	t.Logf("key derivation at the real cost: %v", took)
 }
 
 func TestPairMACBinding(t *testing.T) {
-	key := pairKey("7KQFM2XA9RTD")
+	key := PairKey("7KQFM2XA9RTD")
 	fpJ, fpM := [32]byte{1}, [32]byte{2}
 	bind := bytes.Repeat([]byte{3}, 32)
-	good := pairMAC(key, pairRoleJoiner, fpJ, fpM, bind, nil)
-	if !bytes.Equal(good, pairMAC(key, pairRoleJoiner, fpJ, fpM, bind, nil)) {
+	good := PairMAC(key, PairRoleJoiner, fpJ, fpM, bind, nil)
+	if !bytes.Equal(good, PairMAC(key, PairRoleJoiner, fpJ, fpM, bind, nil)) {
 		t.Fatal("MAC not deterministic")
 	}
 	other := bytes.Repeat([]byte{4}, 32)
 	for name, mac := range map[string][]byte{
-		"another code":         pairMAC(pairKey("7KQFM2XA9RTE"), pairRoleJoiner, fpJ, fpM, bind, nil),
-		"the other role":       pairMAC(key, pairRoleMaster, fpJ, fpM, bind, nil),
-		"another joiner":       pairMAC(key, pairRoleJoiner, [32]byte{9}, fpM, bind, nil),
-		"another master":       pairMAC(key, pairRoleJoiner, fpJ, [32]byte{9}, bind, nil),
-		"fingerprints swapped": pairMAC(key, pairRoleJoiner, fpM, fpJ, bind, nil),
-		"another connection":   pairMAC(key, pairRoleJoiner, fpJ, fpM, other, nil),
-		"another reply":        pairMAC(key, pairRoleJoiner, fpJ, fpM, bind, []byte("x")),
+		"another code":         PairMAC(PairKey("7KQFM2XA9RTE"), PairRoleJoiner, fpJ, fpM, bind, nil),
+		"the other role":       PairMAC(key, pairRoleMaster, fpJ, fpM, bind, nil),
+		"another joiner":       PairMAC(key, PairRoleJoiner, [32]byte{9}, fpM, bind, nil),
+		"another master":       PairMAC(key, PairRoleJoiner, fpJ, [32]byte{9}, bind, nil),
+		"fingerprints swapped": PairMAC(key, PairRoleJoiner, fpM, fpJ, bind, nil),
+		"another connection":   PairMAC(key, PairRoleJoiner, fpJ, fpM, other, nil),
+		"another reply":        PairMAC(key, PairRoleJoiner, fpJ, fpM, bind, []byte("x")),
 	} {
 		if bytes.Equal(mac, good) {
 			t.Errorf("%s gives the same MAC", name)
@@ -108,7 +108,7 @@ func TestPairMACBinding(t *testing.T) {
 
 func TestPairBookLimits(t *testing.T) {
 	key := []byte("key")
-	macOf := func(k []byte) []byte { return pairMAC(k, pairRoleJoiner, [32]byte{}, [32]byte{}, nil, nil) }
+	macOf := func(k []byte) []byte { return PairMAC(k, PairRoleJoiner, [32]byte{}, [32]byte{}, nil, nil) }
 	right, wrong := macOf(key), macOf([]byte("guess"))
 	now := time.Unix(1_000_000, 0)
 	var b pairBook
@@ -127,27 +127,27 @@ func TestPairBookLimits(t *testing.T) {
 	if open, exp := b.state(now); !open || !exp.Equal(now.Add(10*time.Minute)) {
 		t.Fatalf("state after open: %v %v", open, exp)
 	}
-	if _, n, err := b.try("a", 7, wrong, macOf, now); !errors.Is(err, errPairWrong) || n != 1 {
+	if _, n, err := b.try("a", 7, wrong, macOf, now); !errors.Is(err, ErrPairWrong) || n != 1 {
 		t.Fatalf("wrong code: %v (%d failures)", err, n)
 	}
 	if _, n, err := b.try("a", 7, right, macOf, now.Add(500*time.Millisecond)); !errors.Is(err, errPairBusy) || n != 1 {
 		t.Fatalf("second attempt within a second: %v (%d failures)", err, n)
 	}
-	for i := 2; i <= pairMaxFailures; i++ {
+	for i := 2; i <= PairMaxFailures; i++ {
 		now = now.Add(pairMinInterval)
 		_, n, err := b.try("a", 7, wrong, macOf, now)
-		if !errors.Is(err, errPairWrong) || n != i {
+		if !errors.Is(err, ErrPairWrong) || n != i {
 			t.Fatalf("wrong code %d: %v (%d failures)", i, err, n)
 		}
 	}
 	now = now.Add(pairMinInterval)
-	if _, _, err := b.try("a", 7, right, macOf, now); !errors.Is(err, errPairLocked) {
-		t.Fatalf("right code after %d failures from one address: %v, want locked", pairMaxFailures, err)
+	if _, _, err := b.try("a", 7, right, macOf, now); !errors.Is(err, ErrPairLocked) {
+		t.Fatalf("right code after %d failures from one address: %v, want locked", PairMaxFailures, err)
 	}
 	if open, _ := b.state(now); !open {
 		t.Fatal("a stranger's failures closed the pairing")
 	}
-	if _, _, err := b.try("b", 7, wrong, macOf, now); !errors.Is(err, errPairWrong) {
+	if _, _, err := b.try("b", 7, wrong, macOf, now); !errors.Is(err, ErrPairWrong) {
 		t.Fatalf("wrong code from another address: %v", err)
 	}
 	if _, _, err := b.try("c", 7, right, macOf, now); err != nil {
@@ -157,7 +157,7 @@ func TestPairBookLimits(t *testing.T) {
 	// crowd nobody out: the one idle longest is forgotten.
 	b.open(key, now.Add(10*time.Minute))
 	for i := range pairMaxSources + 10 {
-		if _, _, err := b.try(fmt.Sprint("s", i), 7, wrong, macOf, now.Add(time.Duration(i)*time.Millisecond)); !errors.Is(err, errPairWrong) {
+		if _, _, err := b.try(fmt.Sprint("s", i), 7, wrong, macOf, now.Add(time.Duration(i)*time.Millisecond)); !errors.Is(err, ErrPairWrong) {
 			t.Fatalf("source %d: %v", i, err)
 		}
 	}
