@@ -1,10 +1,9 @@
 // Package admin is the gateway's HTTP side (http.listen): the /v1 API,
 // /healthz, /metrics and the status page a field engineer opens on a phone.
 // It reads the running gateway through the Gateway interface it declares
-// (status, health, the config in force, a few counters), so it knows
-// nothing of storage, replication or the broker; the daemon implements
-// Gateway and registers the cluster's mutating endpoints with
-// Server.HandleMutating.
+// (status, health, the config in force, a few counters) and the cluster
+// commands through the Cluster interface, so it knows nothing of storage,
+// the control plane or the broker; the daemon implements both.
 //
 // What lives where:
 //   - server.go: Server (the listener, its bounds, /healthz, /v1/status)
@@ -15,6 +14,8 @@
 //     way). The listener holds at most a handful of connections.
 //   - api.go: the JSON requests and answers of the cluster API shared with
 //     the CLI, and the helpers that read and write them.
+//   - clusterapi.go: Cluster and the endpoints that change the cluster
+//     (/v1/cluster/invite, join, remove, promote; /v1/pair/open, join).
 //   - status.go: Status, the status JSON of the contract.
 //   - metrics.go: FieldView, the Prometheus registry and the hot path's
 //     counters (the broker's mqtt.Observer, the storage's OnCommit), and

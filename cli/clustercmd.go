@@ -66,9 +66,9 @@ func newClusterCmd() *cobra.Command {
 			}
 			req := admin.JoinRequest{Token: args[0]}
 			if requeue {
-				req.Mode = string(cluster.JoinRequeue)
+				req.Mode = admin.JoinRequeue
 			} else if discard {
-				req.Mode = string(cluster.JoinDiscard)
+				req.Mode = admin.JoinDiscard
 			}
 			if _, _, err := cluster.ParseToken(args[0], time.Now()); err != nil {
 				return config.UsageError{Err: err}

@@ -27,8 +27,8 @@ func newPairCmd() *cobra.Command {
 		Short: "Print a one-time pairing code (run on any member; the master holds it)",
 		Args:  cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
-			if ttl <= 0 || ttl > cluster.MaxPairTTL {
-				return config.UsageError{Err: fmt.Errorf("--ttl %v: a duration up to %v", ttl, cluster.MaxPairTTL)}
+			if ttl <= 0 || ttl > admin.MaxPairTTL {
+				return config.UsageError{Err: fmt.Errorf("--ttl %v: a duration up to %v", ttl, admin.MaxPairTTL)}
 			}
 			var out admin.PairOpenResponse
 			if err := of.call("/v1/pair/open", admin.PairOpenRequest{TTL: ttl.String()}, &out); err != nil {
@@ -65,9 +65,9 @@ func newPairCmd() *cobra.Command {
 			}
 			req := admin.PairJoinRequest{Code: args[0], Timeout: timeout.String(), Addr: addr}
 			if requeue {
-				req.Mode = string(cluster.JoinRequeue)
+				req.Mode = admin.JoinRequeue
 			} else if discard {
-				req.Mode = string(cluster.JoinDiscard)
+				req.Mode = admin.JoinDiscard
 			}
 			var out admin.JoinResponse
 			if err := jf.call("/v1/pair/join", req, &out); err != nil {

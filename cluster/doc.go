@@ -34,6 +34,6 @@
 // starts run on the cluster's WaitGroup, which Stop waits for before it
 // closes the transport and stops the node. A forwarded publish watches for
 // a change of master on a goroutine of its own that ends with the forward.
-// The watcher that fails the gateway when the node in force fails
-// (startNode) is not tracked yet.
+// startNode's watcher, which fails the gateway when the node in force
+// fails, runs on the same WaitGroup.
 package cluster

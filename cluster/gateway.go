@@ -97,8 +97,16 @@ func (d *Gateway) startNode(join bool) error {
 		return err
 	}
 	d.nodeP.Store(n)
+	// The watcher ends with the cluster (Stop waits for it): a node that
+	// was replaced without failing leaves it waiting until then.
+	d.cl.wg.Add(1)
 	go func() {
-		<-n.Failed()
+		defer d.cl.wg.Done()
+		select {
+		case <-n.Failed():
+		case <-d.cl.stopc:
+			return
+		}
 		if d.node() == n {
 			d.host.Fail(n.Err())
 		}

@@ -45,8 +45,6 @@ import (
 const (
 	// DefaultPairTTL is how long a pairing code stays valid.
 	DefaultPairTTL = 10 * time.Minute
-	// MaxPairTTL bounds --ttl: a code is meant for someone on site now.
-	MaxPairTTL = time.Hour
 	// pairCodeLen is the number of symbols in a code: 5 bits each.
 	pairCodeLen = 12
 	// PairMaxFailures wrong proofs from one source address end that

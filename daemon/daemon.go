@@ -250,7 +250,7 @@ func (d *Daemon) startHTTP() error {
 	if err != nil {
 		return err
 	}
-	d.registerClusterAPI(srv)
+	srv.HandleCluster(clusterAPI{d.gw})
 	if err := srv.Start(d.cfg.HTTP.Listen); err != nil {
 		return fmt.Errorf("http: %w", inUse(err, "HTTP address", d.cfg.HTTP.Listen, "--http", "http.listen"))
 	}

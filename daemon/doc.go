@@ -13,8 +13,8 @@
 //     translation of config sections into mqtt's.
 //   - adapters.go: the broker's log interface onto replication (Message ↔
 //     storage.Record), the applier, the session store.
-//   - admin.go, status.go, clusterapi.go: the daemon as admin.Gateway, the
-//     status JSON it assembles, and the cluster endpoints it registers.
+//   - admin.go, status.go, clusterapi.go: the daemon as admin.Gateway and
+//     admin.Cluster, and the status JSON it assembles.
 //   - redeliver.go: what a deposed master's subscribers already got, so
 //     that its rejoin does not deliver it twice.
 //   - datadir.go, listenhint.go: checks and hints for the errors an
