@@ -17,8 +17,10 @@
 //
 // What lives where:
 //   - gateway.go, gatewayapi.go: Gateway, Host, the node in force.
-//   - cluster.go: the cluster's state, the keeper, peer requests,
-//     forwarding from slaves, topic-rule hashes.
+//   - cluster.go: the cluster's state, peer requests, forwarding from
+//     slaves with its outcome codes.
+//   - keeper.go: the keeper (own details, the membership's shape) and the
+//     topic-rule hashes members exchange.
 //   - join.go: join tokens, invites, join and removal.
 //   - pair.go: pairing codes and the pairing handshake.
 //   - promote.go, rejoin.go: promotion, automatic failover, the deposed

@@ -176,7 +176,7 @@ func (c *cluster) settleDeposed(ctx context.Context, n *replication.Node) {
 // over it. The records it logged after the fork go to the requeue bucket,
 // to be re-published on the new master; those it delivered to its own
 // subscribers already are remembered, so they are not delivered again when
-// they come back (redeliver.go).
+// they come back (daemon/redeliver.go, through Host.Remember).
 func (c *cluster) rejoin(rep JoinReply, by replication.Member) {
 	d := c.d
 	applied := d.db.Applied()

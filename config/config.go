@@ -246,7 +246,7 @@ type ClusterConfig struct {
 	// FailoverAfter is how long nothing at all (no append, heartbeat or
 	// request) must arrive from the master before an auto failover probes
 	// it; only a master that does not answer the probe is replaced
-	// (promote.go: checkFailover). Default 10s.
+	// (cluster/promote.go: checkFailover). Default 10s.
 	FailoverAfter Duration `yaml:"failover_after"`
 	// SyncTimeout is how long a sync publish waits for its replicas before
 	// it is refused (MQTT 5) or its client disconnected (MQTT 3.1.1).
