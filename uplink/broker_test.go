@@ -256,21 +256,27 @@ func publishAtCloud(t *testing.T, c *cloud, topic, payload string) {
 	_ = cl.Disconnect(&paho.Disconnect{})
 }
 
-// missing summarises the records of l that did not reach the cloud.
-func (r *recorder) missing(l *memLog) string {
+// missingAbove lists the forwarded records above index floor that did
+// not reach the cloud.
+func (r *recorder) missingAbove(l *memLog, floor uint64) []uint64 {
 	seen := map[string]bool{}
 	for _, g := range r.all() {
 		seen[g.payload] = true
 	}
-	var n int
-	var first, last uint64
-	for i := uint64(1); i <= l.last(); i++ {
+	var miss []uint64
+	for i := floor + 1; i <= l.last(); i++ {
 		if rec := l.get(i); strings.HasPrefix(rec.Topic, "dev/") && !seen[string(rec.Payload)] {
-			if n == 0 {
-				first = i
-			}
-			n, last = n+1, i
+			miss = append(miss, i)
 		}
 	}
-	return fmt.Sprintf("%d records missing at the cloud, indexes %d..%d", n, first, last)
+	return miss
+}
+
+// missing summarises what did not reach the cloud, for failures.
+func (r *recorder) missing(l *memLog) string {
+	miss := r.missingAbove(l, 0)
+	if len(miss) == 0 {
+		return "no record missing at the cloud"
+	}
+	return fmt.Sprintf("%d records missing at the cloud, indexes %d..%d", len(miss), miss[0], miss[len(miss)-1])
 }

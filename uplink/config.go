@@ -142,9 +142,17 @@ func (c Config) withDefaults() Config {
 	return c
 }
 
+// Filters is the gateway's one meaning of MQTT topic filters. The daemon
+// passes mqtt's (mqtt.MatchTopic, mqtt.ValidFilter), so that an uplink's
+// topics, the broker's subscriptions and the topic rules agree.
+type Filters struct {
+	Match func(filter, topic string) bool
+	Valid func(filter string) error // nil: filters are not checked
+}
+
 // Validate reports the first thing wrong with c (after defaults), naming
-// the key as the YAML spells it.
-func (c Config) Validate() error {
+// the key as the YAML spells it; f.Valid checks the filters.
+func (c Config) Validate(f Filters) error {
 	c = c.withDefaults()
 	if c.Name == "" {
 		return errors.New("name: required")
@@ -164,7 +172,7 @@ func (c Config) Validate() error {
 	}
 	qos2 := false
 	for i, t := range c.Topics {
-		if err := validFilter(t.Match); err != nil {
+		if err := f.valid(t.Match); err != nil {
 			return fmt.Errorf("topics[%d].match: %w", i, err)
 		}
 		if strings.ContainsAny(t.RemotePrefix, "+#") {
@@ -177,7 +185,7 @@ func (c Config) Validate() error {
 		}
 	}
 	for i, d := range c.Downlink {
-		if err := validFilter(d.Remote); err != nil {
+		if err := f.valid(d.Remote); err != nil {
 			return fmt.Errorf("downlink[%d].remote: %w", i, err)
 		}
 		if strings.ContainsAny(d.LocalPrefix, "+#") || strings.HasPrefix(d.LocalPrefix, "$") {
@@ -248,43 +256,13 @@ func brokerAddr(broker string) (scheme, addr string, err error) {
 	return u.Scheme, u.Host, nil
 }
 
-// validFilter checks an MQTT topic filter: '#' only last and alone in its
-// level, '+' alone in its level.
-func validFilter(f string) error {
-	if f == "" {
+// valid checks a filter with f.Valid, if there is one.
+func (f Filters) valid(filter string) error {
+	if filter == "" {
 		return errors.New("empty filter")
 	}
-	levels := strings.Split(f, "/")
-	for i, l := range levels {
-		if strings.Contains(l, "#") && (l != "#" || i != len(levels)-1) {
-			return fmt.Errorf("%q: '#' must be a whole last level", f)
-		}
-		if strings.Contains(l, "+") && l != "+" {
-			return fmt.Errorf("%q: '+' must be a whole level", f)
-		}
+	if f.Valid == nil {
+		return nil
 	}
-	return nil
-}
-
-// matches reports whether topic matches filter. Topics starting with '$'
-// match no filter starting with a wildcard (MQTT 4.7.2).
-func matches(filter, topic string) bool {
-	if strings.HasPrefix(topic, "$") && (strings.HasPrefix(filter, "+") || strings.HasPrefix(filter, "#")) {
-		return false
-	}
-	for {
-		fl, frest, fmore := strings.Cut(filter, "/")
-		if fl == "#" {
-			return true
-		}
-		tl, trest, tmore := strings.Cut(topic, "/")
-		if fl != "+" && fl != tl {
-			return false
-		}
-		if !fmore || !tmore {
-			// "a/#" matches "a" too: the parent level.
-			return fmore == tmore || (fmore && frest == "#")
-		}
-		filter, topic = frest, trest
-	}
+	return f.Valid(filter)
 }

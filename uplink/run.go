@@ -36,6 +36,11 @@ func (u *Uplink) run(stopc chan struct{}) {
 		if errors.Is(err, errPaused) {
 			continue
 		}
+		select {
+		case <-stopc:
+			err = nil // an attempt that Stop cut short is no error
+		default:
+		}
 		u.mu.Lock()
 		if established {
 			u.c.Disconnects++
@@ -369,8 +374,15 @@ func (u *Uplink) connection(stopc chan struct{}) (established bool, err error) {
 		}
 		retainOK = ca.Properties.RetainAvailable
 	}
-	fifo := make(chan *entry, u.cfg.MaxInflight)
-	slots := make(chan struct{}, u.cfg.MaxInflight)
+	// The window is the smaller of ours and the cloud's Receive Maximum:
+	// past the latter paho would hold the sender for up to its packet
+	// timeout and then fail the publish.
+	window := u.cfg.MaxInflight
+	if ca.Properties != nil && ca.Properties.ReceiveMaximum != nil {
+		window = max(1, min(window, int(*ca.Properties.ReceiveMaximum)))
+	}
+	fifo := make(chan *entry, window)
+	slots := make(chan struct{}, window)
 	wg.Add(2)
 	go func() {
 		defer wg.Done()
@@ -642,7 +654,7 @@ func (u *Uplink) downlink(ctx context.Context, sess *ackSession, pr paho.Publish
 	p := pr.Packet
 	var rule *DownlinkRule
 	for i := range u.cfg.Downlink {
-		if matches(u.cfg.Downlink[i].Remote, p.Topic) {
+		if u.match(u.cfg.Downlink[i].Remote, p.Topic) {
 			rule = &u.cfg.Downlink[i]
 			break
 		}

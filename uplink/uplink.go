@@ -34,6 +34,7 @@ const oldestScanLimit = 10000
 type Deps struct {
 	Log       Log
 	Positions PositionSink
+	Filters   Filters // Match is required
 	// Local takes downlink messages; required when the config has a
 	// downlink.
 	Local  LocalPublisher
@@ -44,6 +45,7 @@ type Deps struct {
 // downlink in. See doc.go.
 type Uplink struct {
 	cfg      Config
+	match    func(filter, topic string) bool
 	log      Log
 	sink     PositionSink
 	local    LocalPublisher
@@ -118,18 +120,19 @@ type Status struct {
 // New checks cfg and reads its password and TLS files; the uplink runs
 // once Start is called.
 func New(cfg Config, deps Deps) (*Uplink, error) {
-	if err := cfg.Validate(); err != nil {
+	if err := cfg.Validate(deps.Filters); err != nil {
 		return nil, fmt.Errorf("uplink %q: %w", cfg.Name, err)
 	}
 	cfg = cfg.withDefaults()
-	if deps.Log == nil || deps.Positions == nil {
-		return nil, fmt.Errorf("uplink %q: a log and a position sink are required", cfg.Name)
+	if deps.Log == nil || deps.Positions == nil || deps.Filters.Match == nil {
+		return nil, fmt.Errorf("uplink %q: a log, a position sink and a filter matcher are required", cfg.Name)
 	}
 	if len(cfg.Downlink) > 0 && deps.Local == nil {
 		return nil, fmt.Errorf("uplink %q: a downlink needs a local publisher", cfg.Name)
 	}
 	u := &Uplink{
 		cfg:    cfg,
+		match:  deps.Filters.Match,
 		log:    deps.Log,
 		sink:   deps.Positions,
 		local:  deps.Local,
@@ -375,7 +378,7 @@ func (u *Uplink) ruleFor(topic string) *TopicRule {
 		}
 	}
 	for i := range u.cfg.Topics {
-		if matches(u.cfg.Topics[i].Match, topic) {
+		if u.match(u.cfg.Topics[i].Match, topic) {
 			return &u.cfg.Topics[i]
 		}
 	}
