@@ -48,6 +48,13 @@ func mosquittoPath(t *testing.T) string {
 
 func startCloud(t *testing.T) *cloud {
 	t.Helper()
+	return startCloudWith(t, func(string) string { return "" })
+}
+
+// startCloudWith runs a cloud whose config ends with what extra returns
+// (given the cloud's directory): more listeners.
+func startCloudWith(t *testing.T, extra func(dir string) string) *cloud {
+	t.Helper()
 	c := &cloud{t: t, dir: t.TempDir(), port: freePort(t)}
 	// As root, mosquitto switches to its own user, which cannot write the
 	// test's directory (persistence, log) unless told to stay.
@@ -55,9 +62,11 @@ func startCloud(t *testing.T) *cloud {
 	if os.Geteuid() == 0 {
 		conf = "user root\n"
 	}
-	conf += fmt.Sprintf("listener %d 127.0.0.1\nallow_anonymous true\npersistence true\npersistence_location %s/\n"+
-		"max_queued_messages 0\nmax_inflight_messages 0\nlog_dest file %s/mosquitto.log\n",
-		c.port, c.dir, c.dir)
+	conf += fmt.Sprintf("per_listener_settings true\npersistence true\npersistence_location %s/\n"+
+		"max_queued_messages 0\nmax_inflight_messages 0\nlog_dest file %s/mosquitto.log\n"+
+		"listener %d 127.0.0.1\nallow_anonymous true\n",
+		c.dir, c.dir, c.port)
+	conf += extra(c.dir)
 	if err := os.WriteFile(filepath.Join(c.dir, "mosquitto.conf"), []byte(conf), 0o600); err != nil {
 		t.Fatal(err)
 	}
