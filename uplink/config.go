@@ -17,8 +17,8 @@ type Config struct {
 	Name string
 	// Broker is tcp://host:port or tls://host:port.
 	Broker string
-	// Protocol is "5" (default) or "3.1.1". Only 5 is implemented: the
-	// tandem-id user property needs MQTT 5.
+	// Protocol is "5" (default) or "3.1.1" (for clouds that speak only
+	// that: its messages cannot carry the tandem-id user property).
 	Protocol string
 	// ClientID at the cloud; default "tandem-" + Name.
 	ClientID string
@@ -161,9 +161,7 @@ func (c Config) Validate(f Filters) error {
 		return fmt.Errorf("broker: %w", err)
 	}
 	switch c.Protocol {
-	case "5":
-	case "3.1.1":
-		return errors.New(`protocol: "3.1.1" is not supported yet (use 5)`)
+	case "5", "3.1.1":
 	default:
 		return fmt.Errorf("protocol: %q is not 5 or 3.1.1", c.Protocol)
 	}

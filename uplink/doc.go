@@ -7,11 +7,14 @@
 // a persistent session: it holds a position, the highest index up to which
 // every record is dealt with (acked by the cloud, dropped by drop_oldest,
 // or not one of its topics), and reads forward from there through the Log
-// interface. Records go up in log order on one MQTT 5 connection
-// (eclipse/paho.golang) with at most max_inflight awaiting their ack, so
-// per-publisher order holds; each carries the user property tandem-id (the
-// record id, origin-seq) so that a consumer can drop duplicates. Topics
-// under $tandem/ (the cluster's own records) never go up.
+// interface. Records go up in log order on one connection with at most
+// max_inflight awaiting their ack, so per-publisher order holds. MQTT 5
+// (eclipse/paho.golang) is the default, and each message carries the user
+// property tandem-id (the record id, origin-seq) so that a consumer can
+// drop duplicates; protocol 3.1.1 (eclipse/paho.mqtt.golang) is there for
+// clouds that speak nothing newer, and cannot carry it. Topics under
+// $tandem/ (the cluster's own records) never go up, nor what the uplink's
+// own downlink brought in (its local_prefix): no loops.
 //
 // # Durability
 //

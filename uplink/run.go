@@ -9,10 +9,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/eclipse/paho.golang/packets"
-	"github.com/eclipse/paho.golang/paho"
-	"github.com/eclipse/paho.golang/paho/session"
-	"github.com/eclipse/paho.golang/paho/session/state"
 	"golang.org/x/time/rate"
 )
 
@@ -240,17 +236,31 @@ func (u *Uplink) skipLost(from uint64) uint64 {
 	return first
 }
 
+// link is one established connection to the cloud, over the client
+// library its protocol needs (paho.golang for 5, paho.mqtt.golang for
+// 3.1.1).
+type link interface {
+	// publish sends r under rule, in call order on the wire; wait then
+	// blocks until the cloud acks it (nil), refuses it, or ctx ends.
+	publish(ctx context.Context, r *Record, rule *TopicRule) (wait func(context.Context) error, err error)
+	// window is how many messages may await their ack.
+	window() int
+	// done is closed when the connection is gone.
+	done() <-chan struct{}
+	// close disconnects and waits for the library's goroutines.
+	close()
+}
+
 // entry is a message awaiting the cloud's ack.
 type entry struct {
 	index uint64
 	size  int
 	bytes int
-	qos   byte
-	resp  chan packets.ControlPacket // the ack, from the session
+	wait  func(context.Context) error
 }
 
-// connection dials, connects, forwards and brings the downlink in until
-// the connection ends. established says whether CONNACK came.
+// connection connects, forwards and brings the downlink in until the
+// connection ends. established says whether the broker accepted it.
 func (u *Uplink) connection(stopc chan struct{}) (established bool, err error) {
 	// Every goroutine started here is waited for, after cancel.
 	var wg sync.WaitGroup
@@ -274,12 +284,6 @@ func (u *Uplink) connection(stopc chan struct{}) (established bool, err error) {
 		}
 	}()
 
-	conn, err := u.dial(ctx)
-	if err != nil {
-		return false, err
-	}
-	sess := &ackSession{SessionManager: state.NewInMemory()}
-	defer sess.Close()
 	errc := make(chan error, 4)
 	fail := func(err error) {
 		select {
@@ -288,101 +292,30 @@ func (u *Uplink) connection(stopc chan struct{}) (established bool, err error) {
 		}
 		cancel()
 	}
-	cc := paho.ClientConfig{
-		ClientID:      u.cfg.ClientID,
-		Conn:          conn,
-		Session:       sess,
-		PacketTimeout: u.cfg.ConnectTimeout,
-		OnClientError: func(err error) { fail(fmt.Errorf("connection lost: %w", err)) },
-		OnServerDisconnect: func(d *paho.Disconnect) {
-			msg := fmt.Sprintf("the broker disconnected (reason 0x%02x)", d.ReasonCode)
-			if d.Properties != nil && d.Properties.ReasonString != "" {
-				msg += ": " + d.Properties.ReasonString
-			}
-			fail(errors.New(msg))
-		},
+	var l link
+	if u.cfg.Protocol == "3.1.1" {
+		l, err = u.connect311(ctx, fail)
+	} else {
+		l, err = u.connect5(ctx, fail)
 	}
-	if len(u.cfg.Downlink) > 0 {
-		cc.OnPublishReceived = []func(paho.PublishReceived) (bool, error){
-			func(pr paho.PublishReceived) (bool, error) { return true, u.downlink(ctx, sess, pr, fail) },
-		}
-	}
-	client := paho.NewClient(cc)
-	cp := &paho.Connect{
-		ClientID:   u.cfg.ClientID,
-		KeepAlive:  uint16(u.cfg.KeepAlive / time.Second),
-		CleanStart: len(u.cfg.Downlink) == 0,
-		Properties: &paho.ConnectProperties{},
-	}
-	if len(u.cfg.Downlink) > 0 {
-		exp := uint32(u.cfg.SessionExpiry / time.Second)
-		rm := uint16(u.cfg.MaxInflight)
-		cp.Properties.SessionExpiryInterval = &exp
-		cp.Properties.ReceiveMaximum = &rm
-	}
-	if u.cfg.Username != "" {
-		cp.Username, cp.UsernameFlag = u.cfg.Username, true
-	}
-	if u.password != nil {
-		cp.Password, cp.PasswordFlag = u.password, true
-	}
-	cctx, ccancel := context.WithTimeout(ctx, u.cfg.ConnectTimeout)
-	ca, err := client.Connect(cctx, cp)
-	ccancel()
 	if err != nil {
-		conn.Close()
-		if ca != nil {
-			msg := fmt.Sprintf("CONNACK reason 0x%02x", ca.ReasonCode)
-			if ca.Properties != nil && ca.Properties.ReasonString != "" {
-				msg += ": " + ca.Properties.ReasonString
-			}
-			return false, errors.New(msg)
-		}
-		if cctx.Err() != nil && ctx.Err() == nil {
-			return false, fmt.Errorf("no CONNACK within %v", u.cfg.ConnectTimeout)
-		}
-		return false, fmt.Errorf("connect: %w", err)
+		return false, err
 	}
 	defer func() {
 		// cancel first: a downlink handler waiting on a local publish
 		// holds up the client's shutdown.
 		cancel()
-		_ = client.Disconnect(&paho.Disconnect{ReasonCode: 0})
-		<-client.Done()
+		l.close()
 	}()
-
-	for _, d := range u.cfg.Downlink {
-		sa, err := client.Subscribe(ctx, &paho.Subscribe{Subscriptions: []paho.SubscribeOptions{{Topic: d.Remote, QoS: byte(ruleQoS(d.QoS))}}})
-		if err == nil && len(sa.Reasons) == 1 && sa.Reasons[0] >= 0x80 {
-			err = fmt.Errorf("SUBACK reason 0x%02x", sa.Reasons[0])
-		}
-		if err != nil {
-			return true, fmt.Errorf("downlink subscribe %s: %w", d.Remote, err)
-		}
-	}
 
 	u.mu.Lock()
 	u.connected, u.since, u.lastErr = true, time.Now(), ""
 	u.c.Connects++
 	u.mu.Unlock()
-	u.logger.Info("uplink connected", "broker", u.cfg.Broker)
+	u.logger.Info("uplink connected", "broker", u.cfg.Broker, "protocol", u.cfg.Protocol)
 
-	maxQoS, retainOK := byte(2), true
-	if ca.Properties != nil {
-		if ca.Properties.MaximumQoS != nil {
-			maxQoS = *ca.Properties.MaximumQoS
-		}
-		retainOK = ca.Properties.RetainAvailable
-	}
-	// The window is the smaller of ours and the cloud's Receive Maximum:
-	// past the latter paho would hold the sender for up to its packet
-	// timeout and then fail the publish.
-	window := u.cfg.MaxInflight
-	if ca.Properties != nil && ca.Properties.ReceiveMaximum != nil {
-		window = max(1, min(window, int(*ca.Properties.ReceiveMaximum)))
-	}
-	fifo := make(chan *entry, window)
-	slots := make(chan struct{}, window)
+	fifo := make(chan *entry, l.window())
+	slots := make(chan struct{}, l.window())
 	wg.Add(2)
 	go func() {
 		defer wg.Done()
@@ -390,18 +323,18 @@ func (u *Uplink) connection(stopc chan struct{}) (established bool, err error) {
 	}()
 	go func() {
 		defer wg.Done()
-		u.sender(ctx, client, sess, fifo, slots, maxQoS, retainOK, fail)
+		u.sender(ctx, l, fifo, slots, fail)
 	}()
 	select {
 	case <-ctx.Done():
-	case <-client.Done():
+	case <-l.done():
 	}
-	// paho reports why only after the client is done, and a failed ping
-	// races the read loop's "use of closed network connection" that its
-	// own close causes: prefer the cause.
+	// The libraries report why only after the connection is gone, and a
+	// failed ping races the read loop's "use of closed network
+	// connection" that its own close causes: prefer the cause.
 	var wait <-chan time.Time
 	if ctx.Err() == nil {
-		err = errors.New("connection lost")
+		err = errLost
 		wait = time.After(time.Second)
 	} else if len(errc) == 0 {
 		return true, nil // stopped or paused
@@ -409,10 +342,10 @@ func (u *Uplink) connection(stopc chan struct{}) (established bool, err error) {
 	for {
 		select {
 		case e := <-errc:
-			if err == nil || errors.Is(err, net.ErrClosed) || err.Error() == "connection lost" {
+			if err == nil || consequence(err) {
 				err = e
 			}
-			if !errors.Is(err, net.ErrClosed) {
+			if !consequence(err) {
 				return true, err
 			}
 			wait = time.After(200 * time.Millisecond)
@@ -422,31 +355,31 @@ func (u *Uplink) connection(stopc chan struct{}) (established bool, err error) {
 	}
 }
 
+// errLost is a connection's end as a consequence: its cause, if one is
+// reported, says more.
+var errLost = errors.New("connection lost")
+
+// consequence reports whether err only follows from the connection's end
+// (a closed socket, a publish that lost its connection) rather than
+// causing it.
+func consequence(err error) bool {
+	return errors.Is(err, net.ErrClosed) || errors.Is(err, errLost)
+}
+
 // dial opens the network connection to the broker.
 func (u *Uplink) dial(ctx context.Context) (net.Conn, error) {
 	_, addr, _ := brokerAddr(u.cfg.Broker)
 	d := &net.Dialer{Timeout: u.cfg.ConnectTimeout}
 	if u.tlsConf == nil {
-		c, err := d.DialContext(ctx, "tcp", addr)
-		if err != nil {
-			return nil, err
-		}
-		return packets.NewThreadSafeConn(c), nil
+		return d.DialContext(ctx, "tcp", addr)
 	}
 	td := &tls.Dialer{NetDialer: d, Config: u.tlsConf}
-	c, err := td.DialContext(ctx, "tcp", addr)
-	if err != nil {
-		return nil, err
-	}
-	// tls.Conn is not safe for concurrent writes: paho writes from the
-	// sender, the pinger and the ack tracker.
-	return packets.NewThreadSafeConn(c), nil
+	return td.DialContext(ctx, "tcp", addr)
 }
 
 // sender reads the log from the position and publishes, in log order,
 // within the in-flight window and the rate cap.
-func (u *Uplink) sender(ctx context.Context, client *paho.Client, sess *ackSession,
-	fifo chan<- *entry, slots chan struct{}, maxQoS byte, retainOK bool, fail func(error)) {
+func (u *Uplink) sender(ctx context.Context, l link, fifo chan<- *entry, slots chan struct{}, fail func(error)) {
 	var lim *rate.Limiter
 	if u.cfg.Rate > 0 {
 		lim = rate.NewLimiter(rate.Limit(u.cfg.Rate), 1)
@@ -494,7 +427,7 @@ func (u *Uplink) sender(ctx context.Context, client *paho.Client, sess *ackSessi
 				complete = false
 				return false
 			}
-			if !u.publish(ctx, client, sess, fifo, r, rule, maxQoS, retainOK, fail) {
+			if !u.publish(ctx, l, fifo, r, rule, fail) {
 				complete = false
 				return false
 			}
@@ -515,17 +448,7 @@ func (u *Uplink) sender(ctx context.Context, client *paho.Client, sess *ackSessi
 }
 
 // publish sends r and queues its entry for the acker.
-func (u *Uplink) publish(ctx context.Context, client *paho.Client, sess *ackSession, fifo chan<- *entry,
-	r *Record, rule *TopicRule, maxQoS byte, retainOK bool, fail func(error)) bool {
-	qos := min(byte(ruleQoS(rule.QoS)), maxQoS)
-	e := &entry{index: r.Index, size: r.Size, bytes: len(r.Payload), qos: qos, resp: make(chan packets.ControlPacket, 1)}
-	p := &paho.Publish{
-		QoS:        qos,
-		Retain:     r.Retain && retainOK,
-		Topic:      rule.RemotePrefix + r.Topic,
-		Payload:    r.Payload,
-		Properties: publishProps(r),
-	}
+func (u *Uplink) publish(ctx context.Context, l link, fifo chan<- *entry, r *Record, rule *TopicRule, fail func(error)) bool {
 	u.mu.Lock()
 	u.readUpTo = r.Index
 	u.inflight++
@@ -535,43 +458,13 @@ func (u *Uplink) publish(ctx context.Context, client *paho.Client, sess *ackSess
 		u.highSent = r.Index
 	}
 	u.mu.Unlock()
-	fifo <- e // never blocks: the slot taken bounds the entries
-	sess.next(e.resp)
-	_, err := client.PublishWithOptions(ctx, p, paho.PublishOptions{Method: paho.PublishMethod_AsyncSend})
-	sess.next(nil)
+	wait, err := l.publish(ctx, r, rule)
 	if err != nil {
-		fail(fmt.Errorf("publish %s: %w", p.Topic, err))
+		fail(fmt.Errorf("publish %s: %w", rule.RemotePrefix+r.Topic, err))
 		return false
 	}
-	if qos == 0 {
-		e.resp <- packets.ControlPacket{FixedHeader: packets.FixedHeader{Type: packets.PUBACK}, Content: &packets.Puback{}}
-	}
+	fifo <- &entry{index: r.Index, size: r.Size, bytes: len(r.Payload), wait: wait} // never blocks: the slot taken bounds the entries
 	return true
-}
-
-// publishProps carries a record's MQTT 5 properties up, with tandem-id.
-func publishProps(r *Record) *paho.PublishProperties {
-	pr := &paho.PublishProperties{
-		ContentType:     r.Props.ContentType,
-		ResponseTopic:   r.Props.ResponseTopic,
-		CorrelationData: r.Props.CorrelationData,
-	}
-	if r.Props.PayloadFormatSet {
-		v := r.Props.PayloadFormat
-		pr.PayloadFormat = &v
-	}
-	if r.Props.MessageExpirySet {
-		// The time the record waited in the log counts against its expiry.
-		left := int64(r.Props.MessageExpiry) - (time.Now().UnixNano()-r.Time)/int64(time.Second)
-		v := uint32(max(left, 1))
-		pr.MessageExpiry = &v
-	}
-	pr.User = make(paho.UserProperties, 0, len(r.Props.User)+1)
-	for _, up := range r.Props.User {
-		pr.User = append(pr.User, paho.UserProperty{Key: up.Key, Value: up.Value})
-	}
-	pr.User = append(pr.User, paho.UserProperty{Key: "tandem-id", Value: r.ID()})
-	return pr
 }
 
 // acker takes the cloud's acks in send order and moves the position.
@@ -583,14 +476,10 @@ func (u *Uplink) acker(ctx context.Context, fifo <-chan *entry, slots chan struc
 			return
 		case e = <-fifo:
 		}
-		var resp packets.ControlPacket
-		select {
-		case <-ctx.Done():
-			return
-		case resp = <-e.resp:
-		}
-		if err := ackError(e.qos, resp); err != nil {
-			fail(fmt.Errorf("record %d: %w", e.index, err))
+		if err := e.wait(ctx); err != nil {
+			if ctx.Err() == nil {
+				fail(fmt.Errorf("record %d: %w", e.index, err))
+			}
 			return
 		}
 		<-slots
@@ -617,132 +506,31 @@ func (u *Uplink) acker(ctx context.Context, fifo <-chan *entry, slots chan struc
 	}
 }
 
-// ackError says what is wrong with the response to a publish at qos. A
-// refusal keeps the record unacked: the connection is dropped and the
-// record sent again after the backoff, so nothing refused is lost.
-func ackError(qos byte, resp packets.ControlPacket) error {
-	switch c := resp.Content.(type) {
-	case *packets.Puback:
-		if qos == 1 || qos == 0 {
-			if c.ReasonCode >= 0x80 {
-				return fmt.Errorf("PUBACK reason 0x%02x", c.ReasonCode)
-			}
-			return nil
-		}
-	case *packets.Pubcomp:
-		if qos == 2 {
-			if c.ReasonCode >= 0x80 {
-				return fmt.Errorf("PUBCOMP reason 0x%02x", c.ReasonCode)
-			}
-			return nil
-		}
-	case *packets.Pubrec:
-		if c.ReasonCode >= 0x80 {
-			return fmt.Errorf("PUBREC reason 0x%02x", c.ReasonCode)
+// downlinkRule is the downlink rule a message from the cloud on topic
+// falls under, nil for none (a subscription of an earlier config, kept in
+// the cloud session).
+func (u *Uplink) downlinkRule(topic string) *DownlinkRule {
+	for i := range u.cfg.Downlink {
+		if u.match(u.cfg.Downlink[i].Remote, topic) {
+			return &u.cfg.Downlink[i]
 		}
 	}
-	return fmt.Errorf("no ack (packet type %d)", resp.Type)
+	return nil
 }
 
-// downlink publishes a message from the cloud locally. paho acks it at the
-// cloud when this returns (handlers run one at a time, in arrival order, so
-// acks go out in order and at once, where paho's manual acks would wait
-// for a 50 ms flush that a reconnect can overtake, a duplicate). A failed
-// local publish vetoes that ack and ends the connection: the cloud sends
-// the message again on the next one.
-func (u *Uplink) downlink(ctx context.Context, sess *ackSession, pr paho.PublishReceived, fail func(error)) error {
-	p := pr.Packet
-	var rule *DownlinkRule
-	for i := range u.cfg.Downlink {
-		if u.match(u.cfg.Downlink[i].Remote, p.Topic) {
-			rule = &u.cfg.Downlink[i]
-			break
-		}
-	}
-	if rule == nil {
-		// A subscription of an earlier config, kept in the cloud session:
-		// acked and dropped.
-		return nil
-	}
-	m := &Message{Topic: rule.LocalPrefix + p.Topic, QoS: p.QoS, Retain: p.Retain, Payload: p.Payload}
-	if pp := p.Properties; pp != nil {
-		m.Props.ContentType, m.Props.ResponseTopic, m.Props.CorrelationData = pp.ContentType, pp.ResponseTopic, pp.CorrelationData
-		if pp.PayloadFormat != nil {
-			m.Props.PayloadFormat, m.Props.PayloadFormatSet = *pp.PayloadFormat, true
-		}
-		if pp.MessageExpiry != nil {
-			m.Props.MessageExpiry, m.Props.MessageExpirySet = *pp.MessageExpiry, true
-		}
-		for _, up := range pp.User {
-			m.Props.User = append(m.Props.User, UserProperty{Key: up.Key, Value: up.Value})
-		}
-	}
+// deliverDown publishes a downlink message locally; the caller acks it at
+// the cloud only on nil. A failure also ends the connection: the cloud
+// sends the message again on the next one.
+func (u *Uplink) deliverDown(ctx context.Context, m *Message, fail func(error)) error {
 	if err := u.local.Publish(ctx, m); err != nil {
-		sess.veto()
 		u.mu.Lock()
 		u.c.DownlinkFailed++
 		u.mu.Unlock()
-		fail(fmt.Errorf("downlink %s: local publish: %w", p.Topic, err))
+		fail(fmt.Errorf("downlink %s: local publish: %w", m.Topic, err))
 		return err
 	}
 	u.mu.Lock()
 	u.c.DownlinkReceived++
 	u.mu.Unlock()
 	return nil
-}
-
-// ackSession is paho's session state with one addition: the sender hands
-// it the channel on which the ack of the publish it is about to send must
-// arrive. paho's asynchronous publish gives no ack otherwise, and its
-// synchronous one holds the caller until the ack, which would allow one
-// message in flight, or lose the order on the wire with several callers.
-//
-// It also lets the downlink veto the ack of the message it failed to
-// publish locally.
-type ackSession struct {
-	session.SessionManager
-	mu       sync.Mutex
-	resp     chan packets.ControlPacket
-	vetoNext bool
-}
-
-// veto drops the ack paho sends next (for the message whose handler is
-// returning).
-func (s *ackSession) veto() {
-	s.mu.Lock()
-	s.vetoNext = true
-	s.mu.Unlock()
-}
-
-// Ack acks a downlink message at the cloud, unless vetoed.
-func (s *ackSession) Ack(pb *packets.Publish) error {
-	s.mu.Lock()
-	v := s.vetoNext
-	s.vetoNext = false
-	s.mu.Unlock()
-	if v {
-		return nil
-	}
-	return s.SessionManager.Ack(pb)
-}
-
-// next sets the ack channel of the next PUBLISH (nil: none).
-func (s *ackSession) next(c chan packets.ControlPacket) {
-	s.mu.Lock()
-	s.resp = c
-	s.mu.Unlock()
-}
-
-// AddToSession routes the ack of an uplink PUBLISH to the sender's
-// channel.
-func (s *ackSession) AddToSession(ctx context.Context, p session.Packet, resp chan<- packets.ControlPacket) error {
-	if p.Type() == packets.PUBLISH {
-		s.mu.Lock()
-		if s.resp != nil {
-			resp = s.resp
-			s.resp = nil
-		}
-		s.mu.Unlock()
-	}
-	return s.SessionManager.AddToSession(ctx, p, resp)
 }

@@ -279,19 +279,25 @@ func silentListener(t *testing.T) string {
 }
 
 func TestBrokerThatAnswersNothingIsReported(t *testing.T) {
-	cfg := DefaultConfig()
-	cfg.Name = "silent"
-	cfg.Broker = "tcp://" + silentListener(t)
-	cfg.Topics = []TopicRule{{Match: "#"}}
-	cfg.ConnectTimeout = 300 * time.Millisecond
-	cfg.ReconnectMin, cfg.ReconnectMax = 20*time.Millisecond, 100*time.Millisecond
-	l := newMemLog()
-	l.add("p", "dev/a", "x")
-	u := runUplink(t, cfg, l, &sink{}, nil, 0)
-	waitFor(t, 5*time.Second, "two failed attempts", func() bool { return u.Counters().ConnectFailures >= 2 })
-	st := u.Status()
-	if st.Connected || !strings.Contains(st.LastError, "CONNACK") || st.BacklogRecords != 1 || st.OldestAgeSeconds <= 0 {
-		t.Errorf("status: %+v", st)
+	addr := silentListener(t)
+	for _, proto := range []string{"5", "3.1.1"} {
+		t.Run(proto, func(t *testing.T) {
+			cfg := DefaultConfig()
+			cfg.Name = "silent"
+			cfg.Broker = "tcp://" + addr
+			cfg.Protocol = proto
+			cfg.Topics = []TopicRule{{Match: "#"}}
+			cfg.ConnectTimeout = 300 * time.Millisecond
+			cfg.ReconnectMin, cfg.ReconnectMax = 20*time.Millisecond, 100*time.Millisecond
+			l := newMemLog()
+			l.add("p", "dev/a", "x")
+			u := runUplink(t, cfg, l, &sink{}, nil, 0)
+			waitFor(t, 5*time.Second, "two failed attempts", func() bool { return u.Counters().ConnectFailures >= 2 })
+			st := u.Status()
+			if st.Connected || !strings.Contains(st.LastError, "CONNACK") || st.BacklogRecords != 1 || st.OldestAgeSeconds <= 0 {
+				t.Errorf("status: %+v", st)
+			}
+		})
 	}
 }
 
@@ -374,26 +380,31 @@ func startFreezer(t *testing.T, target string) (*freezer, string) {
 }
 
 func TestKeepAliveDetectsALinkThatGoesQuiet(t *testing.T) {
-	c := startCloud(t)
-	rec := newRecorder(t, c, "#")
-	f, addr := startFreezer(t, "127.0.0.1:"+strconv.Itoa(c.port))
-	cfg := testConfig(c)
-	cfg.Broker = "tcp://" + addr
-	l := newMemLog()
-	u := runUplink(t, cfg, l, &sink{}, nil, 0)
-	l.add("p", "dev/a", "p/1")
-	waitFor(t, 5*time.Second, "the first message", func() bool { return rec.distinct() == 1 })
-	f.setFrozen(true)
-	l.add("p", "dev/a", "p/2")
-	// Keep alive 1 s: the silence is noticed within a few seconds, with no
-	// help from TCP (the proxy keeps the socket open).
-	waitFor(t, 6*time.Second, "the quiet link to be given up", func() bool {
-		st := u.Status()
-		return !st.Connected && strings.Contains(st.LastError, "PINGRESP")
-	}, func() string { return fmt.Sprintf("status %+v", u.Status()) })
-	f.setFrozen(false)
-	waitFor(t, 10*time.Second, "the second message after the link heals", func() bool { return rec.distinct() == 2 })
-	checkPerPublisher(t, rec.all(), map[string]int{"p": 2})
+	for _, proto := range []string{"5", "3.1.1"} {
+		t.Run(proto, func(t *testing.T) {
+			c := startCloud(t)
+			rec := newRecorder(t, c, "#")
+			f, addr := startFreezer(t, "127.0.0.1:"+strconv.Itoa(c.port))
+			cfg := testConfig(c)
+			cfg.Broker = "tcp://" + addr
+			cfg.Protocol = proto
+			l := newMemLog()
+			u := runUplink(t, cfg, l, &sink{}, nil, 0)
+			l.add("p", "dev/a", "p/1")
+			waitFor(t, 5*time.Second, "the first message", func() bool { return rec.distinct() == 1 })
+			f.setFrozen(true)
+			l.add("p", "dev/a", "p/2")
+			// Keep alive 1 s: the silence is noticed within a few seconds,
+			// with no help from TCP (the proxy keeps the socket open).
+			waitFor(t, 6*time.Second, "the quiet link to be given up", func() bool {
+				st := u.Status()
+				return !st.Connected && strings.Contains(strings.ToUpper(st.LastError), "PINGRESP")
+			}, func() string { return fmt.Sprintf("status %+v", u.Status()) })
+			f.setFrozen(false)
+			waitFor(t, 10*time.Second, "the second message after the link heals", func() bool { return rec.distinct() == 2 })
+			checkPerPublisher(t, rec.all(), map[string]int{"p": 2})
+		})
+	}
 }
 
 func TestRateCapsTheReplay(t *testing.T) {
@@ -586,5 +597,41 @@ func TestConfigErrorsNameTheKey(t *testing.T) {
 func TestRecordID(t *testing.T) {
 	if id := RecordID(0xabc, 42); id != "0000000000000abc-42" {
 		t.Errorf("RecordID(0xabc, 42) = %s", id)
+	}
+}
+
+// A cloud that speaks only 3.1.1: the same order and no loss across a
+// broker restart, without tandem-id (3.1.1 has no user properties); and
+// the downlink acked only after the local publish.
+func TestProtocol311(t *testing.T) {
+	c := startCloud(t)
+	rec := newRecorder(t, c, "site7/#")
+	l := newMemLog()
+	cfg := testConfig(c)
+	cfg.Protocol = "3.1.1"
+	cfg.Downlink = []DownlinkRule{{Remote: "cmd/#", LocalPrefix: "cloud/"}}
+	local := &localPub{}
+	u := runUplink(t, cfg, l, &sink{}, local, 0)
+	for i := 1; i <= 300; i++ {
+		l.add("p", "dev/a", "p/"+strconv.Itoa(i))
+	}
+	waitFor(t, 10*time.Second, "100 messages", func() bool { return rec.distinct() >= 100 }, func() string { return fmt.Sprintf("%+v %+v %d", u.Status(), u.Counters(), rec.distinct()) })
+	c.stop(syscall.SIGTERM)
+	waitFor(t, 5*time.Second, "the link down", func() bool { return !u.Status().Connected })
+	u.Pause() // until the recorder is back (see the 5 test)
+	c.start()
+	waitFor(t, 5*time.Second, "the recorder back", func() bool { return rec.subscriptions() >= 2 })
+	u.Resume()
+	waitFor(t, 10*time.Second, "300 messages", func() bool { return rec.distinct() == 300 },
+		func() string { return rec.missing(l) })
+	checkPerPublisher(t, rec.all(), map[string]int{"p": 300})
+	if g := rec.all()[0]; g.id != "" || g.topic != "site7/dev/a" {
+		t.Errorf("a 3.1.1 message at the cloud: %+v", g)
+	}
+	waitFor(t, 5*time.Second, "the reconnect", func() bool { return u.Status().Connected })
+	publishAtCloud(t, c, "cmd/gw1", "reboot")
+	waitFor(t, 5*time.Second, "the command", func() bool { return len(local.all()) == 1 })
+	if m := local.all()[0]; m.Topic != "cloud/cmd/gw1" || string(m.Payload) != "reboot" {
+		t.Errorf("local publish %+v", m)
 	}
 }
