@@ -23,7 +23,7 @@ import (
 // port of its own, with persistence so that a restart keeps the recording
 // subscriber's queued messages.
 type cloud struct {
-	t    *testing.T
+	t    testing.TB
 	dir  string
 	port int
 	cmd  *exec.Cmd
@@ -32,7 +32,7 @@ type cloud struct {
 
 // mosquittoPath finds the broker binary; without it the test skips, and
 // fails under CI=true (.ci/run installs it).
-func mosquittoPath(t *testing.T) string {
+func mosquittoPath(t testing.TB) string {
 	t.Helper()
 	for _, p := range []string{"/usr/sbin/mosquitto", "mosquitto"} {
 		if path, err := exec.LookPath(p); err == nil {
@@ -46,14 +46,14 @@ func mosquittoPath(t *testing.T) string {
 	return ""
 }
 
-func startCloud(t *testing.T) *cloud {
+func startCloud(t testing.TB) *cloud {
 	t.Helper()
 	return startCloudWith(t, func(string) string { return "" })
 }
 
 // startCloudWith runs a cloud whose config ends with what extra returns
 // (given the cloud's directory): more listeners.
-func startCloudWith(t *testing.T, extra func(dir string) string) *cloud {
+func startCloudWith(t testing.TB, extra func(dir string) string) *cloud {
 	t.Helper()
 	c := &cloud{t: t, dir: t.TempDir(), port: freePort(t)}
 	// As root, mosquitto switches to its own user, which cannot write the
@@ -121,7 +121,7 @@ func (c *cloud) stop(sig syscall.Signal) {
 	c.cmd = nil
 }
 
-func freePort(t *testing.T) int {
+func freePort(t testing.TB) int {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -133,7 +133,7 @@ func freePort(t *testing.T) int {
 
 // waitFor polls cond until it holds or the deadline passes; diag, if
 // given, says what was seen instead.
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool, diag ...func() string) {
+func waitFor(t testing.TB, d time.Duration, what string, cond func() bool, diag ...func() string) {
 	t.Helper()
 	deadline := time.Now().Add(d)
 	for !cond() {
@@ -171,7 +171,7 @@ func (r *recorder) subscriptions() int {
 	return r.subs
 }
 
-func newRecorder(t *testing.T, c *cloud, filter string) *recorder {
+func newRecorder(t testing.TB, c *cloud, filter string) *recorder {
 	t.Helper()
 	r := &recorder{}
 	u, _ := url.Parse("mqtt://127.0.0.1:" + strconv.Itoa(c.port))
@@ -248,7 +248,7 @@ func (r *recorder) distinct() int {
 
 // publishAtCloud publishes one message at the cloud, as a cloud
 // application sending a command would.
-func publishAtCloud(t *testing.T, c *cloud, topic, payload string) {
+func publishAtCloud(t testing.TB, c *cloud, topic, payload string) {
 	t.Helper()
 	conn, err := net.Dial("tcp", "127.0.0.1:"+strconv.Itoa(c.port))
 	if err != nil {

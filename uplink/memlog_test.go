@@ -139,3 +139,11 @@ func (p *localPub) all() []Message {
 	defer p.mu.Unlock()
 	return append([]Message(nil), p.calls...)
 }
+
+// dropFront drops the n oldest records, as retention does.
+func (l *memLog) dropFront(n int) {
+	l.mu.Lock()
+	l.recs = l.recs[n:]
+	l.first += uint64(n)
+	l.mu.Unlock()
+}

@@ -33,7 +33,7 @@ func testConfig(c *cloud) Config {
 
 // runUplink starts an uplink on l from position and stops it at the end
 // of the test, checking that it stops within seconds.
-func runUplink(t *testing.T, cfg Config, l *memLog, s *sink, local LocalPublisher, position uint64) *Uplink {
+func runUplink(t testing.TB, cfg Config, l *memLog, s *sink, local LocalPublisher, position uint64) *Uplink {
 	t.Helper()
 	u, err := New(cfg, Deps{Log: l, Positions: s, Local: local, Filters: filters})
 	if err != nil {
@@ -45,7 +45,7 @@ func runUplink(t *testing.T, cfg Config, l *memLog, s *sink, local LocalPublishe
 	return u
 }
 
-func stopWithin(t *testing.T, u *Uplink, d time.Duration) {
+func stopWithin(t testing.TB, u *Uplink, d time.Duration) {
 	t.Helper()
 	done := make(chan struct{})
 	go func() { u.Stop(); close(done) }()
@@ -633,5 +633,65 @@ func TestProtocol311(t *testing.T) {
 	waitFor(t, 5*time.Second, "the command", func() bool { return len(local.all()) == 1 })
 	if m := local.all()[0]; m.Topic != "cloud/cmd/gw1" || string(m.Payload) != "reboot" {
 		t.Errorf("local publish %+v", m)
+	}
+}
+
+// Retention overtaking a stopped uplink (the daemon's floor should not let
+// it): what is gone is counted lost and the rest still goes up.
+func TestRecordsRetentionDroppedAreCountedLost(t *testing.T) {
+	c := startCloud(t)
+	rec := newRecorder(t, c, "#")
+	l := newMemLog()
+	u, err := New(testConfig(c), Deps{Log: l, Positions: &sink{}, Filters: filters})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.attach(u)
+	u.Pause()
+	u.Start(0, l.last())
+	t.Cleanup(func() { stopWithin(t, u, 5*time.Second) })
+	for i := 1; i <= 50; i++ {
+		l.add("p", "dev/a", "p/"+strconv.Itoa(i))
+	}
+	l.dropFront(20)
+	u.Resume()
+	waitFor(t, 10*time.Second, "the 30 records left", func() bool { return rec.distinct() == 30 })
+	for i, g := range rec.all() {
+		if want := "p/" + strconv.Itoa(21+i); g.payload != want {
+			t.Fatalf("message %d at the cloud is %s, want %s", i, g.payload, want)
+		}
+	}
+	if cs := u.Counters(); cs.Lost != 20 {
+		t.Errorf("lost %d, want 20", cs.Lost)
+	}
+	waitFor(t, 5*time.Second, "an empty backlog", func() bool { return u.Status().BacklogRecords == 0 })
+}
+
+// The daemon stops the uplink when this member stops being master and
+// starts it again when it is master again: the same Uplink resumes from
+// where it stopped, sending again at most its in-flight window.
+func TestStopAndStartAgainResumes(t *testing.T) {
+	c := startCloud(t)
+	rec := newRecorder(t, c, "#")
+	l := newMemLog()
+	s := &sink{}
+	cfg := testConfig(c)
+	cfg.MaxInflight = 8
+	u := runUplink(t, cfg, l, s, nil, 0)
+	for i := 1; i <= 400; i++ {
+		l.add("p", "dev/a", "p/"+strconv.Itoa(i))
+		if i == 200 {
+			waitFor(t, 5*time.Second, "some messages", func() bool { return rec.distinct() >= 50 })
+			stopWithin(t, u, 5*time.Second)
+			if s.lastSaved() != u.Position() {
+				t.Fatalf("Stop saved %d, the position is %d", s.lastSaved(), u.Position())
+			}
+			u.Start(s.lastSaved(), l.last())
+		}
+	}
+	waitFor(t, 10*time.Second, "400 messages", func() bool { return rec.distinct() == 400 }, func() string { return rec.missing(l) })
+	checkPerPublisher(t, rec.all(), map[string]int{"p": 400})
+	if dups := len(rec.all()) - 400; dups > cfg.MaxInflight {
+		t.Errorf("%d duplicates after a stop and start, more than the window of %d", dups, cfg.MaxInflight)
 	}
 }
