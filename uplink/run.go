@@ -38,10 +38,13 @@ func (u *Uplink) run(stopc chan struct{}) {
 		default:
 		}
 		u.mu.Lock()
+		if u.paused && !established {
+			err = nil // nor one that Pause did
+		}
 		if established {
 			u.c.Disconnects++
 			u.connected, u.since = false, time.Now()
-		} else {
+		} else if err != nil {
 			u.c.ConnectFailures++
 			if u.since.IsZero() {
 				u.since = time.Now()
@@ -400,7 +403,9 @@ func (u *Uplink) sender(ctx context.Context, l link, fifo chan<- *entry, slots c
 				continue
 			}
 		}
-		next = u.skipLost(next)
+		if next = u.skipLost(next); next > to {
+			continue
+		}
 		to = min(to, next+readBatch-1)
 		complete := true
 		err := u.log.Committed(next, to, func(r *Record) bool {
