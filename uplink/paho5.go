@@ -136,6 +136,9 @@ func (l *link5) publish(ctx context.Context, r *Record, rule *TopicRule) (func(c
 	l.sess.next(resp)
 	_, err := l.client.PublishWithOptions(ctx, p, paho.PublishOptions{Method: paho.PublishMethod_AsyncSend})
 	l.sess.next(nil)
+	if errors.Is(err, paho.ErrNetworkErrorAfterStored) {
+		return nil, fmt.Errorf("%w: %v", errLost, err) // the socket went: its cause says more
+	}
 	if err != nil {
 		return nil, err
 	}

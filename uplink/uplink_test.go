@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -486,7 +488,10 @@ func TestBacklogFullDropsTheOldestFirst(t *testing.T) {
 		t.Fatalf("backlog after dropping: %+v", st)
 	}
 	u.Resume()
-	waitFor(t, 10*time.Second, "the newest 30 at the cloud", func() bool { return rec.distinct() == 30 })
+	waitFor(t, 10*time.Second, "the newest 30 at the cloud", func() bool { return rec.distinct() == 30 },
+		func() string {
+			return fmt.Sprintf("%d at the cloud; %+v %+v", rec.distinct(), u.Status(), u.Counters())
+		})
 	for i, g := range rec.all() {
 		if want := fmt.Sprintf("p/%03d", 71+i); g.payload != want {
 			t.Fatalf("message %d at the cloud is %s, want %s: the oldest go first", i, g.payload, want)
@@ -694,4 +699,43 @@ func TestStopAndStartAgainResumes(t *testing.T) {
 	if dups := len(rec.all()) - 400; dups > cfg.MaxInflight {
 		t.Errorf("%d duplicates after a stop and start, more than the window of %d", dups, cfg.MaxInflight)
 	}
+}
+
+// A cloud that refuses a message (PUBACK reason >= 0x80, here its ACL)
+// has not acked it: the uplink keeps it, says why in status, holds back
+// what follows (order), and delivers it once the cloud takes it.
+func TestRefusedByTheCloudIsRetriedNotLost(t *testing.T) {
+	var aclFile string
+	writeACL := func(rules string) {
+		if err := os.WriteFile(aclFile, []byte(rules), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c := startCloudWith(t, func(dir string) string {
+		aclFile = filepath.Join(dir, "acl")
+		writeACL("topic readwrite #\ntopic deny site7/dev/secret\n")
+		return "acl_file " + aclFile + "\n" // on the default listener
+	})
+	rec := newRecorder(t, c, "#")
+	l := newMemLog()
+	u := runUplink(t, testConfig(c), l, &sink{}, nil, 0)
+	first := l.add("p", "dev/a", "p/1")
+	l.add("p", "dev/secret", "p/2")
+	l.add("p", "dev/a", "p/3")
+	waitFor(t, 5*time.Second, "p/1 at the cloud and the refusal in status", func() bool {
+		return rec.distinct() >= 1 && strings.Contains(u.Status().LastError, "0x87")
+	},
+		func() string { return fmt.Sprintf("status %+v", u.Status()) })
+	if got := rec.all(); rec.distinct() != 1 || got[0].payload != "p/1" {
+		t.Fatalf("the cloud got %+v: want p/1 alone (perhaps again), the rest held back behind the refusal", got)
+	}
+	if pos := u.Position(); pos != first.Index {
+		t.Errorf("position %d past the refused record %d", pos, first.Index+1)
+	}
+	writeACL("topic readwrite #\n")
+	if err := c.cmd.Process.Signal(syscall.SIGHUP); err != nil { // mosquitto reloads its ACL
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the refused record, once allowed", func() bool { return rec.distinct() == 3 })
+	checkPerPublisher(t, rec.all(), map[string]int{"p": 3})
 }
