@@ -59,6 +59,15 @@ func (u *Uplink) connect311(ctx context.Context, fail func(error)) (link, error)
 	// Our dialer, so that TLS and the connect timeout are the same as 5's
 	// and a Stop cuts a dial short.
 	opts.SetCustomOpenConnectionFn(func(*url.URL, mqtt3.ClientOptions) (net.Conn, error) { return u.dial(ctx) })
+	// Every downlink message goes through one handler, also those a kept
+	// session sends before our subscriptions are made again (they match
+	// no subscription's handler yet, and unhandled ones are never acked).
+	opts.SetDefaultPublishHandler(func(_ mqtt3.Client, m mqtt3.Message) {
+		select {
+		case l.downs <- m:
+		case <-ctx.Done(): // unacked: the cloud sends it again
+		}
+	})
 	opts.SetConnectionLostHandler(func(_ mqtt3.Client, err error) {
 		fail(fmt.Errorf("connection lost: %w", err))
 		l.once.Do(func() { close(l.gone) })
@@ -89,12 +98,7 @@ func (u *Uplink) connect311(ctx context.Context, fail func(error)) (link, error)
 		}()
 	}
 	for _, d := range u.cfg.Downlink {
-		st := l.client.Subscribe(d.Remote, byte(ruleQoS(d.QoS)), func(_ mqtt3.Client, m mqtt3.Message) {
-			select {
-			case l.downs <- m:
-			case <-ctx.Done(): // unacked: the cloud sends it again
-			}
-		})
+		st := l.client.Subscribe(d.Remote, byte(ruleQoS(d.QoS)), nil) // the default handler
 		err := waitToken(ctx, st, u.cfg.ConnectTimeout)
 		if err == nil {
 			if q := st.(*mqtt3.SubscribeToken).Result()[d.Remote]; q == 0x80 {

@@ -111,10 +111,13 @@ type Status struct {
 	BacklogBytes     int64      `json:"backlog_bytes"`
 	OldestAgeSeconds float64    `json:"oldest_age_seconds"`
 	Rate             float64    `json:"rate"` // forwarded messages per second
-	Running          bool       `json:"running"`
-	Paused           bool       `json:"paused"`
-	Position         uint64     `json:"position"`
-	Full             bool       `json:"full"`
+	// ReplayETASeconds is how long the backlog takes at the current rate:
+	// 0 with no backlog, null while nothing is being forwarded.
+	ReplayETASeconds *float64 `json:"replay_eta_seconds"`
+	Running          bool     `json:"running"`
+	Paused           bool     `json:"paused"`
+	Position         uint64   `json:"position"`
+	Full             bool     `json:"full"`
 }
 
 // New checks cfg and reads its password and TLS files; the uplink runs
@@ -348,6 +351,12 @@ func (u *Uplink) Status() Status {
 	if !u.since.IsZero() {
 		t := u.since
 		s.Since = &t
+	}
+	if eta := 0.0; s.BacklogRecords == 0 {
+		s.ReplayETASeconds = &eta
+	} else if u.rate > 0 {
+		eta = float64(s.BacklogRecords) / u.rate
+		s.ReplayETASeconds = &eta
 	}
 	from, to := u.pos+1, u.counted
 	u.mu.Unlock()

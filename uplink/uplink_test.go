@@ -2,6 +2,7 @@ package uplink
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -125,8 +126,18 @@ func TestForwardsEveryMatchingRecordInLogOrderWithItsID(t *testing.T) {
 	}
 	waitFor(t, 5*time.Second, "the position at the last record", func() bool { return s.lastSaved() == l.last() })
 	st := u.Status()
-	if !st.Connected || st.Since == nil || st.BacklogRecords != 0 || st.BacklogBytes != 0 || st.Name != "cloud" {
+	if !st.Connected || st.Since == nil || st.BacklogRecords != 0 || st.BacklogBytes != 0 || st.Name != "cloud" ||
+		st.ReplayETASeconds == nil || *st.ReplayETASeconds != 0 {
 		t.Errorf("status after draining: %+v", st)
+	}
+	// The contract's status names.
+	b, _ := json.Marshal(st)
+	var keys map[string]any
+	_ = json.Unmarshal(b, &keys)
+	for _, k := range []string{"name", "connected", "since", "last_error", "backlog_records", "backlog_bytes", "oldest_age_seconds", "rate"} {
+		if _, ok := keys[k]; !ok {
+			t.Errorf("status JSON %s lacks %q", b, k)
+		}
 	}
 	if n := u.Counters().Forwarded; n != uint64(len(want)) {
 		t.Errorf("forwarded counter %d, want %d", n, len(want))
@@ -503,54 +514,59 @@ func TestBacklogFullDropsTheOldestFirst(t *testing.T) {
 }
 
 func TestDownlinkIsAckedOnlyAfterTheLocalPublishReturns(t *testing.T) {
-	c := startCloud(t)
-	cfg := testConfig(c)
-	cfg.Topics = nil
-	cfg.Downlink = []DownlinkRule{{Remote: "cmd/#", LocalPrefix: "cloud/"}}
-	entered := make(chan struct{}, 4)
-	local := &localPub{answer: func(ctx context.Context, n int, m *Message) error {
-		entered <- struct{}{}
-		if n == 1 {
-			// The first attempt is held until the connection goes,
-			// as a sync publish with no slave would be.
-			<-ctx.Done()
-			return ctx.Err()
-		}
-		return nil
-	}}
-	l := newMemLog()
-	u := runUplink(t, cfg, l, &sink{}, local, 0)
-	waitFor(t, 5*time.Second, "the downlink connection", func() bool { return u.Status().Connected })
-	publishAtCloud(t, c, "cmd/gw1", "reboot")
-	select {
-	case <-entered:
-	case <-time.After(5 * time.Second):
-		t.Fatal("downlink message never reached the local publisher")
-	}
-	// The link goes while the local publish is pending: unacked, so the
-	// cloud hands it over again on the next connection.
-	u.Pause()
-	waitFor(t, 5*time.Second, "the pause", func() bool { return !u.Status().Connected })
-	u.Resume()
-	waitFor(t, 5*time.Second, "the redelivery", func() bool { return len(local.all()) == 2 })
-	// Acked now: another reconnect brings only the next message.
-	u.Pause()
-	waitFor(t, 5*time.Second, "the pause", func() bool { return !u.Status().Connected })
-	u.Resume()
-	waitFor(t, 5*time.Second, "the reconnect", func() bool { return u.Status().Connected })
-	publishAtCloud(t, c, "cmd/gw1", "status")
-	waitFor(t, 5*time.Second, "the second command", func() bool { return len(local.all()) == 3 })
-	calls := local.all()
-	var got []string
-	for _, m := range calls {
-		got = append(got, m.Topic+"="+string(m.Payload))
-	}
-	want := "cloud/cmd/gw1=reboot cloud/cmd/gw1=reboot cloud/cmd/gw1=status"
-	if strings.Join(got, " ") != want {
-		t.Errorf("local publishes %q, want %q", strings.Join(got, " "), want)
-	}
-	if cs := u.Counters(); cs.DownlinkReceived != 2 || cs.DownlinkFailed != 1 {
-		t.Errorf("downlink counters %+v: want 2 received, 1 failed", cs)
+	for _, proto := range []string{"5", "3.1.1"} {
+		t.Run(proto, func(t *testing.T) {
+			c := startCloud(t)
+			cfg := testConfig(c)
+			cfg.Topics = nil
+			cfg.Protocol = proto
+			cfg.Downlink = []DownlinkRule{{Remote: "cmd/#", LocalPrefix: "cloud/"}}
+			entered := make(chan struct{}, 4)
+			local := &localPub{answer: func(ctx context.Context, n int, m *Message) error {
+				entered <- struct{}{}
+				if n == 1 {
+					// The first attempt is held until the connection goes,
+					// as a sync publish with no slave would be.
+					<-ctx.Done()
+					return ctx.Err()
+				}
+				return nil
+			}}
+			l := newMemLog()
+			u := runUplink(t, cfg, l, &sink{}, local, 0)
+			waitFor(t, 5*time.Second, "the downlink connection", func() bool { return u.Status().Connected })
+			publishAtCloud(t, c, "cmd/gw1", "reboot")
+			select {
+			case <-entered:
+			case <-time.After(5 * time.Second):
+				t.Fatal("downlink message never reached the local publisher")
+			}
+			// The link goes while the local publish is pending: unacked, so the
+			// cloud hands it over again on the next connection.
+			u.Pause()
+			waitFor(t, 5*time.Second, "the pause", func() bool { return !u.Status().Connected })
+			u.Resume()
+			waitFor(t, 5*time.Second, "the redelivery", func() bool { return len(local.all()) == 2 })
+			// Acked now: another reconnect brings only the next message.
+			u.Pause()
+			waitFor(t, 5*time.Second, "the pause", func() bool { return !u.Status().Connected })
+			u.Resume()
+			waitFor(t, 5*time.Second, "the reconnect", func() bool { return u.Status().Connected })
+			publishAtCloud(t, c, "cmd/gw1", "status")
+			waitFor(t, 5*time.Second, "the second command", func() bool { return len(local.all()) == 3 })
+			calls := local.all()
+			var got []string
+			for _, m := range calls {
+				got = append(got, m.Topic+"="+string(m.Payload))
+			}
+			want := "cloud/cmd/gw1=reboot cloud/cmd/gw1=reboot cloud/cmd/gw1=status"
+			if strings.Join(got, " ") != want {
+				t.Errorf("local publishes %q, want %q", strings.Join(got, " "), want)
+			}
+			if cs := u.Counters(); cs.DownlinkReceived != 2 || cs.DownlinkFailed != 1 {
+				t.Errorf("downlink counters %+v: want 2 received, 1 failed", cs)
+			}
+		})
 	}
 }
 
