@@ -7,7 +7,7 @@ VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev
 COMMIT   ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
 LDFLAGS  := -s -w -X $(PKG)/internal/version.Version=$(VERSION) -X $(PKG)/internal/version.Commit=$(COMMIT)
 # Packages with goroutines of their own run under the race detector.
-RACE_PKGS := ./storage/ ./replication/ ./mqtt/ ./admin/ ./daemon/
+RACE_PKGS := ./storage/ ./replication/ ./mqtt/ ./admin/ ./daemon/ ./uplink/
 # Packages whose tests also run on ARM under qemu-user (make test-arm).
 ARM_TEST_PKGS := ./storage/ ./replication/
 # Every go test run of make test and make test-arm goes through
