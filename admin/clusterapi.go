@@ -107,32 +107,38 @@ func (h clusterAPI) handleInvite(w http.ResponseWriter, r *http.Request) {
 
 func (h clusterAPI) handleJoin(w http.ResponseWriter, r *http.Request) {
 	var req JoinRequest
-	if err := DecodeBody(r, &req); err != nil {
-		WriteError(w, statusOf(err), err)
-		return
-	}
-	mode, err := parseJoinMode(req.Mode)
-	if err != nil {
-		WriteError(w, http.StatusBadRequest, err)
+	if !decodeJoin(w, r, &req, &req.Mode) {
 		return
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), 60*time.Second)
 	defer cancel()
-	j, err := h.c.Join(ctx, req.Token, mode)
+	j, err := h.c.Join(ctx, req.Token, req.Mode)
+	answer(w, j, err)
+}
+
+// decodeJoin reads a join request's body into req, then checks its mode
+// (read from req after the decoding); false when it has answered with the
+// error already.
+func decodeJoin(w http.ResponseWriter, r *http.Request, req any, mode *string) bool {
+	if err := DecodeBody(r, req); err != nil {
+		WriteError(w, statusOf(err), err)
+		return false
+	}
+	switch *mode {
+	case "", JoinRequeue, JoinDiscard:
+		return true
+	}
+	WriteError(w, http.StatusBadRequest, fmt.Errorf("mode %q: requeue or discard", *mode))
+	return false
+}
+
+// answer writes v (200), or err with the status statusOf gives it.
+func answer(w http.ResponseWriter, v any, err error) {
 	if err != nil {
 		WriteError(w, statusOf(err), err)
 		return
 	}
-	WriteJSON(w, http.StatusOK, j)
-}
-
-// parseJoinMode checks the mode of a join request.
-func parseJoinMode(s string) (string, error) {
-	switch s {
-	case "", JoinRequeue, JoinDiscard:
-		return s, nil
-	}
-	return "", fmt.Errorf("mode %q: requeue or discard", s)
+	WriteJSON(w, http.StatusOK, v)
 }
 
 func (h clusterAPI) handleRemove(w http.ResponseWriter, r *http.Request) {
@@ -188,13 +194,7 @@ func (h clusterAPI) handlePairOpen(w http.ResponseWriter, r *http.Request) {
 
 func (h clusterAPI) handlePairJoin(w http.ResponseWriter, r *http.Request) {
 	var req PairJoinRequest
-	if err := DecodeBody(r, &req); err != nil {
-		WriteError(w, statusOf(err), err)
-		return
-	}
-	mode, err := parseJoinMode(req.Mode)
-	if err != nil {
-		WriteError(w, http.StatusBadRequest, err)
+	if !decodeJoin(w, r, &req, &req.Mode) {
 		return
 	}
 	within := DefaultPairBrowse
@@ -213,12 +213,8 @@ func (h clusterAPI) handlePairJoin(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), within+55*time.Second)
 	defer cancel()
-	j, err := h.c.PairJoin(ctx, req.Code, mode, within, req.Addr)
-	if err != nil {
-		WriteError(w, statusOf(err), err)
-		return
-	}
-	WriteJSON(w, http.StatusOK, j)
+	j, err := h.c.PairJoin(ctx, req.Code, req.Mode, within, req.Addr)
+	answer(w, j, err)
 }
 
 func (h clusterAPI) handlePromote(w http.ResponseWriter, r *http.Request) {
@@ -230,9 +226,5 @@ func (h clusterAPI) handlePromote(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
 	defer cancel()
 	out, err := h.c.Promote(ctx, req.Force)
-	if err != nil {
-		WriteError(w, statusOf(err), err)
-		return
-	}
-	WriteJSON(w, 200, out)
+	answer(w, out, err)
 }
