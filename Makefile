@@ -5,9 +5,9 @@ GO       ?= go
 PKG      := github.com/tandem-edge/tandem
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 COMMIT   ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
-LDFLAGS  := -s -w -X $(PKG)/daemon.Version=$(VERSION) -X $(PKG)/daemon.Commit=$(COMMIT)
+LDFLAGS  := -s -w -X $(PKG)/internal/version.Version=$(VERSION) -X $(PKG)/internal/version.Commit=$(COMMIT)
 # Packages with goroutines of their own run under the race detector.
-RACE_PKGS := ./storage/ ./replication/ ./mqtt/ ./daemon/
+RACE_PKGS := ./storage/ ./replication/ ./mqtt/ ./admin/ ./daemon/ ./uplink/
 # Packages whose tests also run on ARM under qemu-user (make test-arm).
 ARM_TEST_PKGS := ./storage/ ./replication/
 # Every go test run of make test and make test-arm goes through
@@ -58,7 +58,7 @@ test: vet build $(TESTSUM)
 	$(GO) test -json -count=1 -race -timeout 8m $(RACE_PKGS) | $(TESTSUM) -record $(TESTREC)
 	$(GO) test -json -run '^$$' -fuzz '^FuzzDecodeRecord$$' -fuzztime 60000x ./storage/ | $(TESTSUM) -record $(TESTREC)
 	$(GO) test -json -run '^$$' -fuzz '^FuzzDecodeFrame$$' -fuzztime 100000x ./storage/ | $(TESTSUM) -record $(TESTREC)
-	$(GO) test -json -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime 1000x ./daemon/ | $(TESTSUM) -record $(TESTREC)
+	$(GO) test -json -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime 1000x ./config/ | $(TESTSUM) -record $(TESTREC)
 	$(GO) test -json -run '^$$' -fuzz '^FuzzInboundStream$$' -fuzztime 2000x ./daemon/ | $(TESTSUM) -record $(TESTREC)
 	$(MAKE) test-arm TESTREC=$(TESTREC)
 	@echo; echo "make test:"; $(TESTSUM) -report $(TESTREC)
@@ -102,7 +102,7 @@ FUZZTIME ?= 30s
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeRecord$$' -fuzztime $(FUZZTIME) ./storage/
 	$(GO) test -run '^$$' -fuzz '^FuzzRecordRoundTrip$$' -fuzztime $(FUZZTIME) ./storage/
-	$(GO) test -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime $(FUZZTIME) ./daemon/
+	$(GO) test -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime $(FUZZTIME) ./config/
 	$(GO) test -run '^$$' -fuzz '^FuzzInboundStream$$' -fuzztime $(FUZZTIME) ./daemon/
 	$(GO) test -run '^$$' -fuzz '^FuzzACLCovers$$' -fuzztime $(FUZZTIME) ./mqtt/
 	$(GO) test -run '^$$' -fuzz '^FuzzFrameDecoder$$' -fuzztime $(FUZZTIME) ./replication/
@@ -111,7 +111,7 @@ clean:
 	rm -rf bin dist
 
 # tandem(1) is generated from the command tree by the hidden `tandem man`;
-# a daemon test fails when packaging/tandem.1 is not what it gives.
+# a cli test fails when packaging/tandem.1 is not what it gives.
 man:
 	$(GO) run . man > packaging/tandem.1
 

@@ -19,8 +19,8 @@ type logAdapter struct{ d *Daemon }
 
 // Reserve gives m this node's id and a fresh sequence number.
 func (a *logAdapter) Reserve(m *mqtt.Message) {
-	m.Origin = a.d.node().ID()
-	m.Seq = a.d.node().NextSeq()
+	m.Origin = a.d.gw.Node().ID()
+	m.Seq = a.d.gw.Node().NextSeq()
 }
 
 // Logged scans the log for the records of origin with the given sequence
@@ -52,7 +52,7 @@ func (a *logAdapter) Propose(m *mqtt.Message, mode mqtt.AckMode, done func(error
 	if mode == mqtt.Sync || (mode == mqtt.Replicated && a.d.otherMemberReachable()) {
 		rmode = replication.Sync
 	}
-	a.d.node().Propose(data, rmode, func(_ uint64, err error) {
+	a.d.gw.Node().Propose(data, rmode, func(_ uint64, err error) {
 		if errors.Is(err, replication.ErrStorage) {
 			err = errors.Join(mqtt.ErrQuota, err)
 		}

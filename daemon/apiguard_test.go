@@ -4,13 +4,14 @@ import (
 	"bytes"
 	"encoding/json"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
+
+	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/config"
 )
 
 // rawAPI sends one request to d's HTTP listener exactly as given: the
@@ -48,8 +49,8 @@ func rawAPI(t *testing.T, d *Daemon, method, path, host string, hdr map[string]s
 // and the gateway is unchanged afterwards.
 func TestAdminAPIRefusesCrossSiteRebindingAndTokenless(t *testing.T) {
 	d := clusterGateway(t, "gw-1", nil)
-	if len(d.mutatingPaths) < 6 {
-		t.Fatalf("mutating routes %v: want invite, join, remove, promote, pair open, pair join", d.mutatingPaths)
+	if len(d.http.MutatingPaths()) < 6 {
+		t.Fatalf("mutating routes %v: want invite, join, remove, promote, pair open, pair join", d.http.MutatingPaths())
 	}
 	tok := apiToken(t, d)
 	good := func() map[string]string {
@@ -89,7 +90,7 @@ func TestAdminAPIRefusesCrossSiteRebindingAndTokenless(t *testing.T) {
 		{"unknown field", "", good(), `{"x":"="}`, http.StatusBadRequest},
 		{"two values", "", good(), `{} {}`, http.StatusBadRequest},
 	}
-	for _, path := range d.mutatingPaths {
+	for _, path := range d.http.MutatingPaths() {
 		for _, c := range cases {
 			if code, body := rawAPI(t, d, http.MethodPost, path, c.host, c.hdr, c.body); code != c.want {
 				t.Errorf("%s %s: %d %s, want %d", path, c.name, code, strings.TrimSpace(body), c.want)
@@ -101,9 +102,7 @@ func TestAdminAPIRefusesCrossSiteRebindingAndTokenless(t *testing.T) {
 	if len(s.Members) > 1 || s.Pairing.Open {
 		t.Fatalf("the gateway changed: members %+v, pairing %+v", s.Members, s.Pairing)
 	}
-	d.cl.invites.mu.Lock()
-	n := len(d.cl.invites.list)
-	d.cl.invites.mu.Unlock()
+	n := d.gw.Internals().PendingInvites()
 	if n != 0 {
 		t.Fatalf("%d invites issued", n)
 	}
@@ -121,7 +120,7 @@ func TestAdminAPIRefusesCrossSiteRebindingAndTokenless(t *testing.T) {
 // page answer a browser on the gateway (no token) under any of the
 // listener's own names, and refuse a rebinding Host.
 func TestReadOnlyEndpointsCheckHostOnly(t *testing.T) {
-	d := clusterGateway(t, "gw-1", func(c *Config) { c.HTTP.AllowedHosts = []string{"GW-1.example.net"} })
+	d := clusterGateway(t, "gw-1", func(c *config.Config) { c.HTTP.AllowedHosts = []string{"GW-1.example.net"} })
 	_, port, _ := strings.Cut(d.HTTPAddr(), ":")
 	for _, path := range []string{"/", "/v1/status", "/metrics", "/healthz"} {
 		for _, host := range []string{"", "localhost:" + port, "LOCALHOST", "127.0.0.1:" + port, "[::1]:" + port, "localhost:9000", "gw-1.example.net:" + port} {
@@ -144,8 +143,8 @@ func TestReadOnlyEndpointsCheckHostOnly(t *testing.T) {
 func TestAPITokenWrittenOnceAndFoundByTheCLI(t *testing.T) {
 	dir := t.TempDir()
 	t.Chdir(dir)
-	d := clusterGateway(t, "gw-1", func(c *Config) { c.Node.DataDir = DefaultConfig().Node.DataDir })
-	path := filepath.Join(dir, DefaultConfig().Node.DataDir, apiTokenFile)
+	d := clusterGateway(t, "gw-1", func(c *config.Config) { c.Node.DataDir = config.DefaultConfig().Node.DataDir })
+	path := filepath.Join(dir, config.DefaultConfig().Node.DataDir, "http-token")
 	fi, err := os.Stat(path)
 	if err != nil {
 		t.Fatal(err)
@@ -161,15 +160,13 @@ func TestAPITokenWrittenOnceAndFoundByTheCLI(t *testing.T) {
 
 	// The same token after a restart, and found through --config.
 	cfgFile := filepath.Join(dir, "tandem.yaml")
-	writeFile(t, cfgFile, "node:\n  name: gw-1\n  data_dir: "+DefaultConfig().Node.DataDir+"\nhttp:\n  listen: 127.0.0.1:0\n")
-	d2 := clusterGateway(t, "gw-1", func(c *Config) { c.Node.DataDir = DefaultConfig().Node.DataDir })
+	writeFile(t, cfgFile, "node:\n  name: gw-1\n  data_dir: "+config.DefaultConfig().Node.DataDir+"\nhttp:\n  listen: 127.0.0.1:0\n")
+	d2 := clusterGateway(t, "gw-1", func(c *config.Config) { c.Node.DataDir = config.DefaultConfig().Node.DataDir })
 	if got := apiToken(t, d2); got != tok {
 		t.Fatalf("token changed on restart: %q → %q", tok, got)
 	}
-	var out inviteResponse
-	af := apiFlags{http: d2.HTTPAddr(), config: cfgFile}
-	if err := af.call("/v1/cluster/invite", inviteRequest{}, &out); err != nil || out.Token == "" {
-		t.Fatalf("invite through --config: %v %+v", err, out)
+	if code, out, errOut := runMain(t, "cluster", "invite", "--loopback", "--http", d2.HTTPAddr(), "--config", cfgFile); code != ExitOK || !strings.HasPrefix(out, "tandem1.") {
+		t.Fatalf("invite through --config: exit %d %q %s", code, out, errOut)
 	}
 	// A wrong token file says what to do.
 	bad := writeFile(t, filepath.Join(dir, "bad-token"), "nope\n")
@@ -196,7 +193,7 @@ func TestConfiguredTokenFile(t *testing.T) {
 	if err := os.Chmod(users, 0o604); err != nil {
 		t.Fatal(err)
 	}
-	d, logs := startGateway(t, func(c *Config) { c.HTTP.TokenFile = tf; c.MQTT.UsersFile = users })
+	d, logs := startGateway(t, func(c *config.Config) { c.HTTP.TokenFile = tf; c.MQTT.UsersFile = users })
 	for _, what := range []string{"http token file is open to other users", "mqtt.users_file is open to other users"} {
 		if !strings.Contains(logs.String(), what) {
 			t.Fatalf("no warning %q:\n%s", what, logs)
@@ -206,20 +203,20 @@ func TestConfiguredTokenFile(t *testing.T) {
 	if err := os.Chmod(tf, 0o640); err != nil {
 		t.Fatal(err)
 	}
-	_, logs2 := startGateway(t, func(c *Config) { c.HTTP.TokenFile = tf })
+	_, logs2 := startGateway(t, func(c *config.Config) { c.HTTP.TokenFile = tf })
 	if strings.Contains(logs2.String(), "open to other users") {
 		t.Fatalf("warned of a 0640 file of the daemon's own group:\n%s", logs2)
 	}
-	if _, err := os.Stat(filepath.Join(d.cfg.Node.DataDir, apiTokenFile)); err == nil {
+	if _, err := os.Stat(filepath.Join(d.cfg.Node.DataDir, "http-token")); err == nil {
 		t.Fatal("a data-dir token was written although http.token_file is set")
 	}
-	b, _ := json.Marshal(inviteRequest{})
+	b, _ := json.Marshal(admin.InviteRequest{})
 	code, body := rawAPI(t, d, http.MethodPost, "/v1/cluster/invite", "", map[string]string{"Content-Type": "application/json", "Authorization": "Bearer s3cret-token"}, string(bytes.TrimSpace(b)))
 	if code != http.StatusOK {
 		t.Fatalf("invite with the configured token: %d %s", code, body)
 	}
 
-	cfg := DefaultConfig()
+	cfg := config.DefaultConfig()
 	cfg.Node.DataDir = t.TempDir()
 	cfg.MQTT.Listen, cfg.HTTP.Listen, cfg.Peer.Listen = "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0"
 	cfg.HTTP.TokenFile = filepath.Join(dir, "missing")
@@ -230,53 +227,5 @@ func TestConfiguredTokenFile(t *testing.T) {
 	if err := d2.Start(t.Context()); err == nil || !strings.Contains(err.Error(), "token_file") {
 		d2.Stop()
 		t.Fatalf("start with a missing token file: %v", err)
-	}
-}
-
-// TestLimitListener: past its cap, a connection waits in the backlog until
-// one of the accepted ones closes; Close ends a waiting Accept.
-func TestLimitListener(t *testing.T) {
-	inner, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln := newLimitListener(inner, 2)
-	accepted := make(chan net.Conn, 3)
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				close(accepted)
-				return
-			}
-			accepted <- c
-		}
-	}()
-	for range 3 {
-		c, err := net.Dial("tcp", inner.Addr().String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-	}
-	first, second := <-accepted, <-accepted
-	if l := ln.(*limitListener); len(l.sem) != cap(l.sem) {
-		t.Fatalf("%d of %d slots held with two connections open", len(l.sem), cap(l.sem))
-	}
-	select {
-	case <-accepted:
-		t.Fatal("a third connection accepted past the cap of 2")
-	default:
-	}
-	first.Close()
-	select {
-	case c := <-accepted:
-		c.Close()
-	case <-time.After(5 * time.Second):
-		t.Fatal("the third connection not accepted after one closed")
-	}
-	second.Close()
-	ln.Close()
-	for range accepted {
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/tandem-edge/tandem/bench"
+	"github.com/tandem-edge/tandem/config"
 )
 
 func TestBenchAgainstAGateway(t *testing.T) {
@@ -78,7 +79,7 @@ func TestBenchFanOutAndIdleFlags(t *testing.T) {
 // An MQTT 3.1.1 client has no receive maximum to respect: one that keeps
 // more publishes in flight than max_inflight is slowed down, not dropped.
 func TestMQTT311ClientOverReceiveMaximumIsSlowedNotDropped(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) { c.MQTT.MaxInflight = 4 })
+	d := testGateway(t, t.TempDir(), func(c *config.Config) { c.MQTT.MaxInflight = 4 })
 	res, err := bench.Run(context.Background(), bench.Options{Broker: d.MQTTAddr(), Clients: 2, Count: 300, Window: 32, QoS: 1, Size: 16, Version: 3})
 	if err != nil {
 		t.Fatal(err)

@@ -17,13 +17,15 @@ import (
 	"github.com/eclipse/paho.golang/paho"
 	raftpb "go.etcd.io/raft/v3/raftpb"
 
+	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/storage"
 )
 
 // testGateway starts an in-process gateway on loopback with free ports.
-func testGateway(t *testing.T, dir string, mutate func(*Config)) *Daemon {
+func testGateway(t *testing.T, dir string, mutate func(*config.Config)) *Daemon {
 	t.Helper()
-	cfg := DefaultConfig()
+	cfg := config.DefaultConfig()
 	cfg.Node.DataDir = dir
 	cfg.Node.Name = "test"
 	cfg.MQTT.Listen = "127.0.0.1:0"
@@ -135,18 +137,6 @@ func logRecords(t *testing.T, d *Daemon) []storage.Record {
 	return out
 }
 
-// waitFor polls cond until it holds or the deadline passes.
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 func TestPublishKeepsEveryPropertyToSubscribersAndLog(t *testing.T) {
 	d := testGateway(t, t.TempDir(), nil)
 	sub, got := v5(t, d.MQTTAddr(), "sub", nil)
@@ -226,9 +216,9 @@ func TestPipelinedPublishesAllAckedInLog(t *testing.T) {
 }
 
 func TestSyncTopicOnLoneGatewayRefusedAfterTimeout(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) {
-		c.Cluster.SyncTimeout = Duration(300 * time.Millisecond)
-		c.Topics = []TopicRule{{Match: "s/#", Ack: "sync"}}
+	d := testGateway(t, t.TempDir(), func(c *config.Config) {
+		c.Cluster.SyncTimeout = config.Duration(300 * time.Millisecond)
+		c.Topics = []config.TopicRule{{Match: "s/#", Ack: "sync"}}
 	})
 	pub, _ := v5(t, d.MQTTAddr(), "syncpub", nil)
 	start := time.Now()
@@ -353,9 +343,9 @@ func (c *rawConn) publish(topic string, qos byte, pid uint16, payload string) {
 }
 
 func TestSyncTopicOnLoneGatewayDisconnectsMQTT311(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) {
-		c.Cluster.SyncTimeout = Duration(200 * time.Millisecond)
-		c.Topics = []TopicRule{{Match: "s/#", Ack: "sync"}}
+	d := testGateway(t, t.TempDir(), func(c *config.Config) {
+		c.Cluster.SyncTimeout = config.Duration(200 * time.Millisecond)
+		c.Topics = []config.TopicRule{{Match: "s/#", Ack: "sync"}}
 	})
 	c := dialRaw(t, d.MQTTAddr(), "v3sync", true)
 	c.publish("s/1", 1, 1, "x")
@@ -491,7 +481,7 @@ func pub2(t *testing.T, d *Daemon) *paho.Client {
 type pbEntry = raftpb.Entry
 
 func TestStatusOfALoneGateway(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) { c.Node.Name = "gw-1" })
+	d := testGateway(t, t.TempDir(), func(c *config.Config) { c.Node.Name = "gw-1" })
 	pub, _ := v5(t, d.MQTTAddr(), "st", nil)
 	publish(t, pub, &paho.Publish{Topic: "s/t", QoS: 1, Payload: []byte("x")})
 	resp, err := http.Get("http://" + d.HTTPAddr() + "/v1/status")
@@ -499,7 +489,7 @@ func TestStatusOfALoneGateway(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	var s Status
+	var s admin.Status
 	if err := json.NewDecoder(resp.Body).Decode(&s); err != nil {
 		t.Fatal(err)
 	}

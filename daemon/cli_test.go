@@ -1,7 +1,6 @@
 package daemon
 
 import (
-	"bytes"
 	"crypto/sha256"
 	"os"
 	"path/filepath"
@@ -11,13 +10,6 @@ import (
 
 	bolt "go.etcd.io/bbolt"
 )
-
-func runMain(t *testing.T, args ...string) (int, string, string) {
-	t.Helper()
-	var out, errb bytes.Buffer
-	code := Main(args, &out, &errb)
-	return code, out.String(), errb.String()
-}
 
 func TestCheckNamesKeyAndLine(t *testing.T) {
 	dir := t.TempDir()

@@ -10,13 +10,18 @@ import (
 	"time"
 
 	"github.com/eclipse/paho.golang/paho"
+
+	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/cluster"
+	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // clusterGateway starts an in-process gateway named name, with the topics
 // under s/ acked sync and fast raft timing.
-func clusterGateway(t *testing.T, name string, mutate func(*Config)) *Daemon {
+func clusterGateway(t *testing.T, name string, mutate func(*config.Config)) *Daemon {
 	t.Helper()
-	return testGateway(t, t.TempDir(), func(c *Config) {
+	return testGateway(t, t.TempDir(), func(c *config.Config) {
 		clusterTestConfig(c, name)
 		if mutate != nil {
 			mutate(c)
@@ -25,12 +30,12 @@ func clusterGateway(t *testing.T, name string, mutate func(*Config)) *Daemon {
 }
 
 // clusterTestConfig names a test gateway, makes s/# sync and raft fast.
-func clusterTestConfig(c *Config, name string) {
+func clusterTestConfig(c *config.Config, name string) {
 	c.Node.Name = name
-	c.Topics = []TopicRule{{Match: "s/#", Ack: "sync"}}
-	c.Cluster.Heartbeat = Duration(50 * time.Millisecond)
-	c.Cluster.ElectionTimeout = Duration(500 * time.Millisecond)
-	c.Cluster.SyncTimeout = Duration(3 * time.Second)
+	c.Topics = []config.TopicRule{{Match: "s/#", Ack: "sync"}}
+	c.Cluster.Heartbeat = config.Duration(50 * time.Millisecond)
+	c.Cluster.ElectionTimeout = config.Duration(500 * time.Millisecond)
+	c.Cluster.SyncTimeout = config.Duration(3 * time.Second)
 }
 
 // api POSTs req to a gateway's cluster API as the CLI does (JSON, the
@@ -51,7 +56,7 @@ func api(t *testing.T, d *Daemon, path string, req, out any) (int, string) {
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		var ae apiError
+		var ae admin.ErrorResponse
 		_ = json.NewDecoder(resp.Body).Decode(&ae)
 		return resp.StatusCode, ae.Error
 	}
@@ -66,7 +71,7 @@ func api(t *testing.T, d *Daemon, path string, req, out any) (int, string) {
 // apiToken is the API token d wrote into its data dir.
 func apiToken(t *testing.T, d *Daemon) string {
 	t.Helper()
-	tok, err := readToken(cfgTokenFile(d.cfg))
+	tok, err := admin.ReadToken(admin.TokenFile(d.cfg))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -92,7 +97,7 @@ func joinWith(t *testing.T, d *Daemon, token string, extra ...string) {
 	}
 }
 
-func statusOfGW(t *testing.T, d *Daemon) *Status {
+func statusOfGW(t *testing.T, d *Daemon) *admin.Status {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
@@ -105,7 +110,7 @@ func statusOfGW(t *testing.T, d *Daemon) *Status {
 
 // shape reports a master's view: how many members besides itself are
 // voters and learners, and whether all have caught up.
-func shape(s *Status) (voters, learners int, caughtUp bool) {
+func shape(s *admin.Status) (voters, learners int, caughtUp bool) {
 	caughtUp = s.Role == "master"
 	for _, m := range s.Members {
 		if m.Voter {
@@ -135,7 +140,7 @@ func TestClusterInviteJoinReplicateAndShrink(t *testing.T) {
 
 	// 1 → 2: the slave is a learner; it replays the history quietly.
 	joinWith(t, g2, inviteToken(t, g1))
-	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
 		v, l, ok := shape(statusOfGW(t, g1))
 		return v == 0 && l == 1 && ok
 	})
@@ -180,27 +185,27 @@ func TestClusterInviteJoinReplicateAndShrink(t *testing.T) {
 
 	// 2 → 3: the third joins as a learner, then all three are voters.
 	joinWith(t, g3, inviteToken(t, g2)) // a slave passes the invite to the master
-	waitFor(t, 15*time.Second, "three voters", func() bool {
+	testutil.WaitFor(t, 15*time.Second, "three voters", func() bool {
 		v, l, ok := shape(statusOfGW(t, g1))
 		return v == 2 && l == 0 && ok
 	})
 	// A fourth is refused.
-	if code, msg := api(t, g1, "/v1/cluster/invite", inviteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "at most") && !strings.Contains(msg, "most tandem runs") {
+	if code, msg := api(t, g1, "/v1/cluster/invite", admin.InviteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "at most") && !strings.Contains(msg, "most tandem runs") {
 		t.Fatalf("invite in a full cluster: %d %q", code, msg)
 	}
 
 	// 3 → 2, asked on a slave: the removed node goes, the remaining
 	// slave is demoted to learner, and the removed one runs alone.
-	var rr removeResponse
-	if code, msg := api(t, g2, "/v1/cluster/remove", removeRequest{Node: "gw-3"}, &rr); code != 200 || rr.Removed != "gw-3" {
+	var rr admin.RemoveResponse
+	if code, msg := api(t, g2, "/v1/cluster/remove", admin.RemoveRequest{Node: "gw-3"}, &rr); code != 200 || rr.Removed != "gw-3" {
 		t.Fatalf("remove gw-3: %d %q", code, msg)
 	}
-	waitFor(t, 10*time.Second, "voter + learner", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "voter + learner", func() bool {
 		s := statusOfGW(t, g1)
 		v, l, _ := shape(s)
 		return v == 0 && l == 1 && len(s.Members) == 1
 	})
-	waitFor(t, 10*time.Second, "gw-3 alone", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "gw-3 alone", func() bool {
 		s := statusOfGW(t, g3)
 		return s.Role == "master" && len(s.Members) == 0 && s.Cluster.ID != statusOfGW(t, g1).Cluster.ID
 	})
@@ -210,13 +215,13 @@ func TestClusterInviteJoinReplicateAndShrink(t *testing.T) {
 
 	// Removing the slave would leave sync topics unackable: refused
 	// without --force; the master cannot remove itself.
-	if code, msg := api(t, g1, "/v1/cluster/remove", removeRequest{Node: "gw-2"}, nil); code != http.StatusConflict || !strings.Contains(msg, "min_sync_replicas") {
+	if code, msg := api(t, g1, "/v1/cluster/remove", admin.RemoveRequest{Node: "gw-2"}, nil); code != http.StatusConflict || !strings.Contains(msg, "min_sync_replicas") {
 		t.Fatalf("remove the only slave: %d %q", code, msg)
 	}
-	if code, msg := api(t, g1, "/v1/cluster/remove", removeRequest{Node: "gw-1"}, nil); code != http.StatusConflict || !strings.Contains(msg, "master") {
+	if code, msg := api(t, g1, "/v1/cluster/remove", admin.RemoveRequest{Node: "gw-1"}, nil); code != http.StatusConflict || !strings.Contains(msg, "master") {
 		t.Fatalf("remove the master: %d %q", code, msg)
 	}
-	if code, msg := api(t, g1, "/v1/cluster/remove", removeRequest{Node: "gw-9"}, nil); code != http.StatusConflict || !strings.Contains(msg, "not a member") {
+	if code, msg := api(t, g1, "/v1/cluster/remove", admin.RemoveRequest{Node: "gw-9"}, nil); code != http.StatusConflict || !strings.Contains(msg, "not a member") {
 		t.Fatalf("remove a stranger: %d %q", code, msg)
 	}
 	if v, l, _ := shape(statusOfGW(t, g1)); v != 0 || l != 1 {
@@ -246,7 +251,7 @@ func TestClusterJoinRefusals(t *testing.T) {
 	}
 	// --requeue: its record is published into the cluster.
 	joinWith(t, g2, tok, "--requeue")
-	waitFor(t, 10*time.Second, "the requeued record on the master", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "the requeued record on the master", func() bool {
 		for _, r := range logRecords(t, g1) {
 			if r.Topic == "a/x" && string(r.Payload) == "kept" && r.Republished {
 				return true
@@ -271,7 +276,7 @@ func TestClusterJoinRefusals(t *testing.T) {
 		t.Fatalf("the cluster changed: %+v", s.Members)
 	}
 	// Removing the last voter of a lone gateway is refused.
-	if code, msg := api(t, other, "/v1/cluster/remove", removeRequest{Node: "other"}, nil); code == 200 || !strings.Contains(msg, "last voter") {
+	if code, msg := api(t, other, "/v1/cluster/remove", admin.RemoveRequest{Node: "other"}, nil); code == 200 || !strings.Contains(msg, "last voter") {
 		t.Fatalf("remove the last voter: %d %q", code, msg)
 	}
 }
@@ -279,48 +284,27 @@ func TestClusterJoinRefusals(t *testing.T) {
 // expiredToken rewrites tok's expiry into the past.
 func expiredToken(t *testing.T, tok string) string {
 	t.Helper()
-	jt, _, err := parseToken(tok, time.Now())
+	jt, _, err := cluster.ParseToken(tok, time.Now())
 	if err != nil {
 		t.Fatal(err)
 	}
 	jt.Expires = time.Now().Add(-time.Minute).Unix()
-	return jt.encode()
-}
-
-func TestInviteBookRefusesExpiredAndReused(t *testing.T) {
-	var b inviteBook
-	now := time.Now()
-	b.add([]byte("0123456789abcdef"), now.Add(time.Minute))
-	if _, err := b.claim([]byte("0123456789abcdeX"), 1, now); err == nil {
-		t.Fatal("an unknown secret was accepted")
-	}
-	if _, err := b.claim([]byte("0123456789abcdef"), 1, now.Add(2*time.Minute)); err == nil || !strings.Contains(err.Error(), "expired") {
-		t.Fatalf("expired secret: %v", err)
-	}
-	if _, err := b.claim([]byte("0123456789abcdef"), 1, now); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := b.claim([]byte("0123456789abcdef"), 1, now); err != nil {
-		t.Fatalf("the same node retrying: %v", err)
-	}
-	if _, err := b.claim([]byte("0123456789abcdef"), 2, now); err == nil || !strings.Contains(err.Error(), "already used") {
-		t.Fatalf("reused secret: %v", err)
-	}
+	return jt.Encode()
 }
 
 func TestTopicRuleMismatchShownInStatus(t *testing.T) {
 	g1 := clusterGateway(t, "gw-1", nil)
-	g2 := clusterGateway(t, "gw-2", func(c *Config) { c.Topics = []TopicRule{{Match: "other/#", Ack: "sync"}} })
+	g2 := clusterGateway(t, "gw-2", func(c *config.Config) { c.Topics = []config.TopicRule{{Match: "other/#", Ack: "sync"}} })
 	joinWith(t, g2, inviteToken(t, g1))
 	for _, g := range []*Daemon{g1, g2} {
-		waitFor(t, 15*time.Second, g.cfg.Node.Name+" seeing the other's rules differ", func() bool {
+		testutil.WaitFor(t, 15*time.Second, g.cfg.Node.Name+" seeing the other's rules differ", func() bool {
 			s := statusOfGW(t, g)
 			return len(s.Members) == 1 && s.Members[0].TopicsMatch != nil && !*s.Members[0].TopicsMatch
 		})
 	}
 	g3 := clusterGateway(t, "gw-3", nil)
 	joinWith(t, g3, inviteToken(t, g1))
-	waitFor(t, 15*time.Second, "gw-1 seeing gw-3's rules match", func() bool {
+	testutil.WaitFor(t, 15*time.Second, "gw-1 seeing gw-3's rules match", func() bool {
 		for _, m := range statusOfGW(t, g1).Members {
 			if m.Name == "gw-3" {
 				return m.TopicsMatch != nil && *m.TopicsMatch

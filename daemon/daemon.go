@@ -2,17 +2,17 @@ package daemon
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
-	"net/http"
 	"os"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/cluster"
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/mqtt"
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
@@ -21,42 +21,35 @@ import (
 // Daemon is one running gateway: storage, replication, broker and the HTTP
 // listener, started in that order and stopped in reverse.
 type Daemon struct {
-	cfg    *Config
+	cfg    *config.Config
 	log    *slog.Logger
 	id     *replication.Identity
 	db     *storage.DB
-	nodeP  atomic.Pointer[replication.Node]
 	broker *mqtt.Server
 	apply  *applier
-	cl     *cluster
+	gw     *cluster.Gateway // the control plane: the node in force and the cluster
 	// redeliver keeps a deposed master's subscribers from getting its
 	// tail twice; it sits in front of apply (redeliver.go).
 	redeliver *redeliverer
 
-	// swapMu serialises the node replacements of a join or a removal.
-	swapMu sync.Mutex
 	// failc is closed when the gateway can no longer serve: the node
 	// in force failed (storage, corruption) or could not be replaced.
 	failc    chan struct{}
 	failErr  atomic.Pointer[error]
 	failOnce sync.Once
 
-	httpSrv *http.Server
-	httpLn  net.Listener
-	guard   *apiGuard // the admin API's checks, made by startHTTP
-	// mutatingPaths lists the endpoints registered behind guard.mutating.
-	mutatingPaths []string
+	http *admin.Server // the admin API, metrics and page, made by startHTTP
 
-	reloadMu sync.Mutex // serialises Reload; guards live
-	live     *Config    // the configuration in force: cfg, then each reload's
+	reloadMu sync.Mutex     // serialises Reload; guards live
+	live     *config.Config // the configuration in force: cfg, then each reload's
 
 	stopOnce sync.Once
 
-	fv *fieldView // metrics and status page, made by fieldView()
+	fv *admin.FieldView // metrics and the page's history, made by fieldView()
 }
 
 // New validates cfg; Start does the work.
-func New(cfg *Config, log *slog.Logger) (*Daemon, error) {
+func New(cfg *config.Config, log *slog.Logger) (*Daemon, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -65,10 +58,6 @@ func New(cfg *Config, log *slog.Logger) (*Daemon, error) {
 	}
 	return &Daemon{cfg: cfg, log: log, failc: make(chan struct{})}, nil
 }
-
-// node returns the replication node in force: a join or a removal replaces
-// it.
-func (d *Daemon) node() *replication.Node { return d.nodeP.Load() }
 
 // Start opens the data dir and starts serving. On error everything started
 // so far is stopped again.
@@ -83,14 +72,14 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	// 2, before the data dir is touched.
 	access, err := loadAccess(c.MQTT)
 	if err != nil {
-		return usageError{err}
+		return config.UsageError{Err: err}
 	}
 	tlsCfg, err := mqttTLS(c.MQTT.TLS)
 	if err != nil {
-		return usageError{err}
+		return config.UsageError{Err: err}
 	}
-	warnLooseMode(d.log, "mqtt.users_file", c.MQTT.UsersFile)
-	warnLooseMode(d.log, "mqtt.tls.key_file", c.MQTT.TLS.KeyFile)
+	admin.WarnLooseMode(d.log, "mqtt.users_file", c.MQTT.UsersFile)
+	admin.WarnLooseMode(d.log, "mqtt.tls.key_file", c.MQTT.TLS.KeyFile)
 	d.live = c
 	if err = os.MkdirAll(c.Node.DataDir, 0o750); err != nil {
 		return mkdirError(c.Node.DataDir, err)
@@ -102,7 +91,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return err
 	}
 	d.log = d.log.With("node", replication.ShortID(d.id.ID))
-	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log, SyncDelay: benchSyncDelay(), OnCommit: d.fieldView().onCommit,
+	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log, SyncDelay: benchSyncDelay(), OnCommit: d.fieldView().OnCommit,
 		MaxBytes: int64(c.Storage.MaxBytes), MaxAge: time.Duration(c.Storage.MaxAge), FlushInterval: flushInterval(c.Storage)}); err != nil {
 		return err
 	}
@@ -110,12 +99,10 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
-	d.cl = &cluster{d: d, invites: &inviteBook{}, peerTopics: map[uint64]string{}, warned: map[uint64]string{}, stopc: make(chan struct{})}
-	d.cl.failover.heard.Store(time.Now().UnixNano()) // silence counts from the start
-	if err = d.cl.loadMeta(d.db); err != nil {
+	if d.gw, err = cluster.NewGateway(c, d.log, d.id, d.db, clusterHost{d}); err != nil {
 		return err
 	}
-	if err = d.cl.startTransport(); err != nil {
+	if err = d.gw.StartTransport(); err != nil {
 		return fmt.Errorf("peer port: %w", inUse(err, "peer address", c.Peer.Listen, "--peer", "peer.listen"))
 	}
 	la := &logAdapter{d: d}
@@ -146,11 +133,10 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	}
 	d.apply = &applier{ready: make(chan struct{}), broker: d.broker}
 	d.redeliver = &redeliverer{d: d}
-	if err = d.startNode(false); err != nil {
+	if err = d.gw.StartNode(); err != nil {
 		return err
 	}
-	n := d.node()
-	d.cl.setMembers(n.Members())
+	n := d.gw.Node()
 	if len(n.Members()) <= 1 {
 		// A lone gateway leads at once; wait for it so the first
 		// publishes do not meet a node still campaigning. A member of a
@@ -162,14 +148,13 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		if err != nil {
 			return fmt.Errorf("waiting for a master: %w", err)
 		}
-	} else if c.Cluster.MinSyncReplicas > len(n.Members())-1 && d.hasSyncTopics() {
+	} else if c.Cluster.MinSyncReplicas > len(n.Members())-1 && d.gw.HasSyncTopics() {
 		d.log.Warn("min_sync_replicas is larger than the number of other members: sync topics cannot be acked", "min_sync_replicas", c.Cluster.MinSyncReplicas, "members", len(n.Members()))
 	}
-	if len(n.Members()) <= 1 && d.hasSyncTopics() {
+	if len(n.Members()) <= 1 && d.gw.HasSyncTopics() {
 		d.log.Warn("this gateway has no slave: publishes on sync topics will get the sync_timeout outcome until one joins")
 	}
-	d.cl.wg.Add(1)
-	go d.cl.keeper()
+	d.gw.StartKeeper()
 	d.broker.Applied(d.db.Applied())
 	if err = d.broker.Start(); err != nil {
 		return inUse(err, "MQTT address", c.MQTT.Listen, "--mqtt", "mqtt.listen")
@@ -178,7 +163,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err = d.startHTTP(); err != nil {
 		return err
 	}
-	d.log.Info("gateway started", "id", replication.IDString(d.id.ID), "name", c.Node.Name, "mqtt", d.broker.Addr(), "http", d.HTTPAddr(), "peer", d.cl.tr.Addr().String(), "cluster", d.cl.clusterID(), "members", len(n.Members()), "data", c.Node.DataDir)
+	d.log.Info("gateway started", "id", replication.IDString(d.id.ID), "name", c.Node.Name, "mqtt", d.broker.Addr(), "http", d.HTTPAddr(), "peer", d.gw.PeerAddr(), "cluster", d.gw.ClusterID(), "members", len(n.Members()), "data", c.Node.DataDir)
 	return nil
 }
 
@@ -203,75 +188,7 @@ func (d *Daemon) fail(err error) {
 }
 
 // PeerAddr returns the peer listener's address.
-func (d *Daemon) PeerAddr() string { return d.cl.tr.Addr().String() }
-
-// nodeConfig is the replication config of this gateway.
-func (d *Daemon) nodeConfig(join bool) replication.Config {
-	c := d.cfg
-	self, _ := json.Marshal(d.self())
-	return replication.Config{
-		Identity:        d.id,
-		Storage:         d.db,
-		Applier:         d.redeliver.wrap(d.apply),
-		Transport:       d.cl.tr,
-		Logger:          d.log, // the node adds its component
-		Heartbeat:       c.Cluster.Heartbeat.Duration(),
-		ElectionTimeout: c.Cluster.ElectionTimeout.Duration(),
-		SyncTimeout:     c.Cluster.SyncTimeout.Duration(),
-		MinSyncReplicas: c.Cluster.MinSyncReplicas,
-		MemberContext:   self,
-		Join:            join,
-		CatchUpTo:       d.cl.catchUpTo,
-		OnMembership:    d.cl.onMembership,
-		Forwarder:       forwarder{d.cl},
-		AfterResolve:    d.broker.ReleaseAcks,
-	}
-}
-
-// startNode starts the replication node on the data file as it is and
-// makes it the one in force.
-func (d *Daemon) startNode(join bool) error {
-	n, err := replication.NewNode(d.nodeConfig(join))
-	if err != nil {
-		return err
-	}
-	d.nodeP.Store(n)
-	go func() {
-		<-n.Failed()
-		if d.node() == n {
-			d.fail(n.Err())
-		}
-	}()
-	return nil
-}
-
-// restartNode stops the node in force, runs prep on the stopped data file
-// (a raft reset), and starts a new node: how a gateway joins a cluster or
-// leaves one. Deliveries of records up to quietUntil only update the
-// retained store: they are the history of a cluster this node joins. A
-// failure after the stop leaves the gateway unable to serve: it fails.
-func (d *Daemon) restartNode(prep func() error, join bool, quietUntil uint64) error {
-	d.swapMu.Lock()
-	defer d.swapMu.Unlock()
-	d.node().Stop()
-	if err := prep(); err != nil {
-		// prep changes the data file in one transaction or not at all
-		// (or the disk failed): serve on with the node as it was.
-		if serr := d.startNode(false); serr != nil {
-			d.fail(fmt.Errorf("restarting replication: %w", serr))
-		}
-		return err
-	}
-	d.apply.quietUntil.Store(quietUntil)
-	d.broker.Rewind(d.db.Applied(), quietUntil)
-	d.cl.failover.heard.Store(time.Now().UnixNano()) // a new membership: silence counts from now
-	if err := d.startNode(join); err != nil {
-		err = fmt.Errorf("restarting replication: %w", err)
-		d.fail(err)
-		return err
-	}
-	return nil
-}
+func (d *Daemon) PeerAddr() string { return d.gw.PeerAddr() }
 
 // MQTTAddr returns the MQTT listener's address.
 func (d *Daemon) MQTTAddr() string { return d.broker.Addr() }
@@ -284,10 +201,10 @@ func (d *Daemon) MQTTTLSAddr() string { return d.broker.TLSAddr() }
 
 // HTTPAddr returns the HTTP listener's address.
 func (d *Daemon) HTTPAddr() string {
-	if d.httpLn == nil {
+	if d.http == nil {
 		return ""
 	}
-	return d.httpLn.Addr().String()
+	return d.http.Addr()
 }
 
 // Stop stops the gateway: HTTP, broker (its clients' wills are logged),
@@ -296,12 +213,10 @@ func (d *Daemon) Stop() error {
 	var errs []error
 	d.stopOnce.Do(func() {
 		if d.fv != nil {
-			d.fv.stop()
+			d.fv.Stop()
 		}
-		if d.httpSrv != nil {
-			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			_ = d.httpSrv.Shutdown(ctx)
-			cancel()
+		if d.http != nil {
+			d.http.Stop()
 		}
 		if d.broker != nil {
 			if d.apply != nil {
@@ -315,18 +230,9 @@ func (d *Daemon) Stop() error {
 				errs = append(errs, err)
 			}
 		}
-		if d.cl != nil {
-			close(d.cl.stopc)
-			d.cl.wg.Wait()
-			if d.cl.tr != nil {
-				d.cl.tr.Close()
-			}
+		if d.gw != nil {
+			d.gw.Stop()
 		}
-		d.swapMu.Lock()
-		if n := d.node(); n != nil {
-			n.Stop()
-		}
-		d.swapMu.Unlock()
 		if d.db != nil {
 			if err := d.db.Close(); err != nil {
 				errs = append(errs, err)
@@ -337,51 +243,24 @@ func (d *Daemon) Stop() error {
 	return errors.Join(errs...)
 }
 
-// startHTTP serves the admin API, the metrics and the status page, behind
-// the guard of apiguard.go and with bounds on time, header size and
-// connections, so a slow or flooding client cannot hold the daemon's memory.
+// startHTTP serves the admin API, the metrics and the status page (admin/),
+// with the cluster's endpoints added.
 func (d *Daemon) startHTTP() error {
-	g, err := newAPIGuard(d.cfg, d.log)
+	srv, err := admin.NewServer(d.cfg, d.log, adminGateway{d}, d.fieldView())
 	if err != nil {
 		return err
 	}
-	d.guard = g
-	ln, err := net.Listen("tcp", d.cfg.HTTP.Listen)
-	if err != nil {
+	srv.HandleCluster(clusterAPI{d.gw})
+	if err := srv.Start(d.cfg.HTTP.Listen); err != nil {
 		return fmt.Errorf("http: %w", inUse(err, "HTTP address", d.cfg.HTTP.Listen, "--http", "http.listen"))
 	}
-	d.httpLn = ln
-	mux := http.NewServeMux()
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
-		if err := d.Err(); err != nil {
-			http.Error(w, err.Error(), http.StatusServiceUnavailable)
-			return
-		}
-		fmt.Fprintln(w, "ok")
-	})
-	mux.HandleFunc("GET /v1/status", d.handleStatus)
-	d.registerClusterAPI(mux)
-	d.registerFieldView(mux)
-	d.httpSrv = &http.Server{
-		Handler:           g.readOnly(mux),
-		ReadHeaderTimeout: 5 * time.Second,
-		ReadTimeout:       httpReadTimeout,
-		WriteTimeout:      httpWriteTimeout,
-		IdleTimeout:       httpIdleTimeout,
-		MaxHeaderBytes:    httpMaxHeaderBytes,
-		ErrorLog:          slog.NewLogLogger(d.log.Handler(), slog.LevelDebug),
-	}
-	go func() {
-		if err := d.httpSrv.Serve(newLimitListener(ln, httpMaxConns)); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			d.log.Error("http server stopped", "error", err)
-		}
-	}()
+	d.http = srv
 	return nil
 }
 
 // flushInterval is storage.Options.FlushInterval for the config: zero
 // (fsync before every ack) unless flush is interval.
-func flushInterval(c StorageConfig) time.Duration {
+func flushInterval(c config.StorageConfig) time.Duration {
 	if c.Flush != "interval" {
 		return 0
 	}

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/eclipse/paho.golang/paho"
+
+	"github.com/tandem-edge/tandem/config"
 )
 
 // A full disk refuses publishes with 0x97 (quota exceeded), corrupts
@@ -23,7 +25,7 @@ func TestDiskFullRefusesThenRecovers(t *testing.T) {
 	}
 	t.Cleanup(func() { exec.Command("umount", "-l", dir).Run() })
 	data := filepath.Join(dir, "data")
-	d := testGateway(t, data, func(c *Config) { c.Cluster.SyncTimeout = Duration(2 * time.Second) })
+	d := testGateway(t, data, func(c *config.Config) { c.Cluster.SyncTimeout = config.Duration(2 * time.Second) })
 	pub, _ := v5(t, d.MQTTAddr(), "filler", nil)
 	if r := publish(t, pub, &paho.Publish{Topic: "before/full", QoS: 1, Payload: []byte("kept")}); r.ReasonCode != 0 {
 		t.Fatalf("reason %#x before the disk filled", r.ReasonCode)

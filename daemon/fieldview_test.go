@@ -4,11 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
-	"log/slog"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -16,7 +13,6 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -25,7 +21,9 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
-	"github.com/tandem-edge/tandem/mqtt"
+	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/replication"
 )
 
@@ -92,12 +90,8 @@ func value(mfs map[string]*dto.MetricFamily, name string, labels ...string) floa
 // without its hot-path metrics.
 func requireWired(t *testing.T, d *Daemon) {
 	t.Helper()
-	if d.fv != nil && d.fv.fsyncSeen.Load() {
-		for i := range d.fv.ruleCounts {
-			if d.fv.ruleCounts[i].Load() > 0 {
-				return
-			}
-		}
+	if d.fv != nil && d.fv.Wired() {
+		return
 	}
 	msg := "daemon.go does not pass the field view to storage.Options.OnCommit and mqtt.Config.Observer yet"
 	if os.Getenv("CI") == "true" {
@@ -107,10 +101,10 @@ func requireWired(t *testing.T, d *Daemon) {
 }
 
 func TestMetricsMoveWithPublishes(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) {
+	d := testGateway(t, t.TempDir(), func(c *config.Config) {
 		c.Node.Name = "gw-metrics"
-		c.Cluster.SyncTimeout = Duration(200 * time.Millisecond)
-		c.Topics = []TopicRule{{Match: "s/#", Ack: "sync"}}
+		c.Cluster.SyncTimeout = config.Duration(200 * time.Millisecond)
+		c.Topics = []config.TopicRule{{Match: "s/#", Ack: "sync"}}
 	})
 	pub, _ := v5(t, d.MQTTAddr(), "metrics-pub", nil)
 	const n1, n2, n0 = 20, 5, 3
@@ -135,7 +129,7 @@ func TestMetricsMoveWithPublishes(t *testing.T) {
 	requireWired(t, d)
 
 	var mfs map[string]*dto.MetricFamily
-	waitFor(t, 5*time.Second, "the retained message applied", func() bool {
+	testutil.WaitFor(t, 5*time.Second, "the retained message applied", func() bool {
 		mfs = scrape(t, d)
 		return value(mfs, "tandem_mqtt_retained_messages") == 1
 	})
@@ -222,98 +216,6 @@ func TestMetricsMoveWithPublishes(t *testing.T) {
 	}
 }
 
-func TestHotPathObserverDoesNotAllocate(t *testing.T) {
-	fv := newFieldView(&Daemon{log: slog.New(slog.DiscardHandler)})
-	var o mqtt.Observer = fv
-	timeout := errors.Join(replication.ErrAckTimeout)
-	allocs := testing.AllocsPerRun(1000, func() {
-		o.Published(mqtt.Sync, 1, 0)
-		o.Published(mqtt.Async, 2, -1)
-		o.Acked(mqtt.Async, nil, 300*time.Microsecond)
-		o.Acked(mqtt.Sync, timeout, 5*time.Second)
-		fv.onCommit(time.Millisecond, 64)
-	})
-	if allocs != 0 {
-		t.Fatalf("%v allocations per publish, ack and commit, want 0", allocs)
-	}
-	if got := fv.ruleCounts[1].Load(); got != 1001 {
-		t.Fatalf("rule 0 counted %d publishes, want 1001", got)
-	}
-}
-
-// logLines is a slog handler that keeps the messages logged.
-type logLines struct {
-	mu    sync.Mutex
-	lines []string
-}
-
-func (l *logLines) Enabled(context.Context, slog.Level) bool { return true }
-func (l *logLines) Handle(_ context.Context, r slog.Record) error {
-	var b strings.Builder
-	b.WriteString(r.Message)
-	r.Attrs(func(a slog.Attr) bool {
-		b.WriteString(" " + a.String())
-		return true
-	})
-	l.mu.Lock()
-	l.lines = append(l.lines, b.String())
-	l.mu.Unlock()
-	return nil
-}
-func (l *logLines) WithAttrs([]slog.Attr) slog.Handler { return l }
-func (l *logLines) WithGroup(string) slog.Handler      { return l }
-
-func TestSlowFsyncLoggedWithoutStorm(t *testing.T) {
-	var ll logLines
-	fv := newFieldView(&Daemon{log: slog.New(&ll)})
-	for range 500 {
-		fv.onCommit(10*time.Millisecond, 1) // fast: never logged
-	}
-	var wg sync.WaitGroup
-	for range 4 { // commits come from one goroutine, but the limit must not rely on it
-		wg.Go(func() {
-			for range 250 {
-				fv.onCommit(1500*time.Millisecond, 8)
-			}
-		})
-	}
-	wg.Wait()
-	if len(ll.lines) != 1 || !strings.Contains(ll.lines[0], "slow fsync") || !strings.Contains(ll.lines[0], "slow_commits=1") {
-		t.Fatalf("1000 slow commits at once logged %q, want one line", ll.lines)
-	}
-	// Once the interval has passed, the next slow commit is logged with
-	// the count of those kept quiet meanwhile.
-	fv.slowLogged.Add(-int64(slowFsyncEvery))
-	fv.onCommit(2*time.Second, 8)
-	if len(ll.lines) != 2 || !strings.Contains(ll.lines[1], "slow_commits=1000") {
-		t.Fatalf("after the interval: %q, want a second line counting 1000 slow commits", ll.lines)
-	}
-}
-
-func TestHistoryRingAndSparkline(t *testing.T) {
-	h := newHistory(4)
-	t0 := time.Unix(1700000000, 0)
-	for i := range 6 {
-		h.add(sample{At: t0.Add(time.Duration(i) * sampleEvery), In: float64(i)}, nil, nil)
-	}
-	got := h.samples()
-	if len(got) != 4 || got[0].In != 2 || got[3].In != 5 {
-		t.Fatalf("ring of 4 after 6 samples: %+v, want samples 2…5 oldest first", got)
-	}
-	sl := newSparkline(got, func(s sample) float64 { return s.In }, "/s")
-	pts := strings.Fields(sl.Points)
-	if sl.Collecting || len(pts) != 4 || sl.Max != "5/s" || sl.Last != "5/s" {
-		t.Fatalf("sparkline: %+v", sl)
-	}
-	// The newest point is at the right edge and at the top (the maximum).
-	if last := pts[3]; last != "240,1.0" {
-		t.Fatalf("newest point %q, want 240,1.0", last)
-	}
-	if sl := newSparkline(got[:1], func(s sample) float64 { return s.In }, ""); !sl.Collecting {
-		t.Fatalf("one sample drew a line: %+v", sl)
-	}
-}
-
 // chromium returns the headless browser to check pages with. It skips the
 // test without one, except in CI, which installs it (.ci/run).
 func chromium(t *testing.T) string {
@@ -371,11 +273,13 @@ func loadPage(t *testing.T, url, shot string) ([]renderedNode, string) {
 // gw-2 its learner slave, caught up.
 func twoGateways(t *testing.T, prefix string) (master, slave *Daemon) {
 	t.Helper()
-	topics := func(c *Config) { c.Topics = append(c.Topics, TopicRule{Match: "telemetry/+", Ack: "async"}) }
+	topics := func(c *config.Config) {
+		c.Topics = append(c.Topics, config.TopicRule{Match: "telemetry/+", Ack: "async"})
+	}
 	master = clusterGateway(t, prefix+"-1", topics)
 	slave = clusterGateway(t, prefix+"-2", topics)
 	joinWith(t, slave, inviteToken(t, master))
-	waitFor(t, 10*time.Second, prefix+"-2 a caught-up learner", func() bool {
+	testutil.WaitFor(t, 10*time.Second, prefix+"-2 a caught-up learner", func() bool {
 		v, l, ok := shape(statusOfGW(t, master))
 		return v == 0 && l == 1 && ok && statusOfGW(t, slave).Role == "slave"
 	})
@@ -479,7 +383,7 @@ func TestMetricsOfATwoGatewayCluster(t *testing.T) {
 }
 
 func TestStatusCommand(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) { c.Node.Name = "gw-cli" })
+	d := testGateway(t, t.TempDir(), func(c *config.Config) { c.Node.Name = "gw-cli" })
 	pub, _ := v5(t, d.MQTTAddr(), "cli-pub", nil)
 	publish(t, pub, &paho.Publish{Topic: "a/b", QoS: 1, Payload: []byte("x")})
 
@@ -494,7 +398,7 @@ func TestStatusCommand(t *testing.T) {
 	}
 
 	code, out, errOut = runMain(t, "status", "--http", d.HTTPAddr(), "--json")
-	var s Status
+	var s admin.Status
 	if code != ExitOK || json.Unmarshal([]byte(out), &s) != nil || s.Node.Name != "gw-cli" || s.Role != "master" {
 		t.Fatalf("tandem status --json: exit %d, %q, %s", code, out, errOut)
 	}
@@ -511,22 +415,11 @@ func TestStatusCommand(t *testing.T) {
 	}
 
 	// Nobody listening: a clear message, exit 1.
-	code, _, errOut = runMain(t, "status", "--http", unusedAddr(t))
+	code, _, errOut = runMain(t, "status", "--http", testutil.FreeAddr(t))
 	if code != ExitFailure || !strings.Contains(errOut, "no tandem daemon answers at") {
 		t.Fatalf("tandem status without a daemon: exit %d: %s", code, errOut)
 	}
 	if code, _, _ := runMain(t, "status", "--http", "nonsense"); code != ExitUsage {
 		t.Fatalf("tandem status --http nonsense: exit %d, want %d", code, ExitUsage)
 	}
-}
-
-// unusedAddr returns a loopback address nobody listened on a moment ago.
-func unusedAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
 }

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/eclipse/paho.golang/paho"
+
+	"github.com/tandem-edge/tandem/config"
 )
 
 // flush: interval acks a publish once it is written: one client publishing
@@ -13,9 +15,9 @@ import (
 // publish, and everything acked is in the log.
 func TestFlushIntervalAcksBeforeTheFsync(t *testing.T) {
 	const interval = 50 * time.Millisecond
-	d := testGateway(t, t.TempDir(), func(c *Config) {
+	d := testGateway(t, t.TempDir(), func(c *config.Config) {
 		c.Storage.Flush = "interval"
-		c.Storage.FlushInterval = Duration(interval)
+		c.Storage.FlushInterval = config.Duration(interval)
 	})
 	pub, _ := v5(t, d.MQTTAddr(), "fl", nil)
 	before := statusOfGW(t, d).Storage

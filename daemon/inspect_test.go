@@ -19,15 +19,15 @@ func TestInspectPayloadEncodings(t *testing.T) {
 	_ = c.Disconnect(&paho.Disconnect{})
 	d.Stop()
 
-	lines := func(args ...string) []InspectRecord {
+	lines := func(args ...string) []inspectLine {
 		t.Helper()
 		code, out, stderr := runMain(t, append([]string{"inspect", "--data", dir}, args...)...)
 		if code != 0 {
 			t.Fatalf("inspect %v: exit %d: %s", args, code, stderr)
 		}
-		var recs []InspectRecord
+		var recs []inspectLine
 		for _, l := range strings.Split(strings.TrimSpace(out), "\n") {
-			var r InspectRecord
+			var r inspectLine
 			if err := json.Unmarshal([]byte(l), &r); err != nil {
 				t.Fatalf("inspect %v printed %q: %v", args, l, err)
 			}

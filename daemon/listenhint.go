@@ -36,9 +36,9 @@ func nextPort(addr string) string {
 	return net.JoinHostPort(host, strconv.Itoa(p+1))
 }
 
-// loopbackOnly reports whether every address a join token carries is on
+// LoopbackOnly reports whether every address a join token carries is on
 // loopback: only a gateway on this same machine could use it.
-func loopbackOnly(addrs []string) bool {
+func LoopbackOnly(addrs []string) bool {
 	for _, a := range addrs {
 		host, _, err := net.SplitHostPort(a)
 		if err != nil {
@@ -51,9 +51,9 @@ func loopbackOnly(addrs []string) bool {
 	return len(addrs) > 0
 }
 
-// errLoopbackPeer is what `tandem cluster invite` says instead of printing
+// LoopbackPeerError is what `tandem cluster invite` says instead of printing
 // a token that names only loopback addresses.
-func errLoopbackPeer(addrs []string) error {
+func LoopbackPeerError(addrs []string) error {
 	return fmt.Errorf("the peer port listens on loopback only (%v), so a gateway on another machine cannot use a join token: "+
 		"open it to the LAN with `peer.listen: \":7883\"` in the config (the packaged /etc/tandem/tandem.yaml does) or `tandem run --peer :7883`, "+
 		"restart, and invite again; for a second gateway on this same machine, add --loopback", addrs)

@@ -3,6 +3,8 @@ package daemon
 import (
 	"strings"
 	"testing"
+
+	"github.com/tandem-edge/tandem/cluster"
 )
 
 // A second gateway started on one machine finds the first one's ports
@@ -33,7 +35,7 @@ func TestInviteOnLoopbackPeerPortSaysHowToOpenIt(t *testing.T) {
 		t.Fatalf("invite on loopback: exit %d, stdout %q, stderr %q", code, out, stderr)
 	}
 	code, out, stderr = runMain(t, "cluster", "invite", "--loopback", "--http", d.HTTPAddr(), "--data", d.cfg.Node.DataDir)
-	if code != 0 || !strings.HasPrefix(out, tokenPrefix) {
+	if code != 0 || !strings.HasPrefix(out, cluster.TokenPrefix) {
 		t.Fatalf("invite --loopback: exit %d, stdout %q, stderr %q", code, out, stderr)
 	}
 	for _, tc := range []struct {
@@ -46,8 +48,8 @@ func TestInviteOnLoopbackPeerPortSaysHowToOpenIt(t *testing.T) {
 		{[]string{"gw-1.local:7883"}, false},
 		{nil, false},
 	} {
-		if got := loopbackOnly(tc.addrs); got != tc.want {
-			t.Errorf("loopbackOnly(%v) = %v", tc.addrs, got)
+		if got := LoopbackOnly(tc.addrs); got != tc.want {
+			t.Errorf("LoopbackOnly(%v) = %v", tc.addrs, got)
 		}
 	}
 }

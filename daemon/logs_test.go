@@ -1,40 +1,23 @@
 package daemon
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
-
-// lockedBuffer is a log sink the daemon's goroutines may share.
-type lockedBuffer struct {
-	mu sync.Mutex // guards b
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // A gateway's start at the default level says what a person needs: no raw
 // etcd raft lines, and at most one component per line (it was
 // "component=peer component=peer" and "component=replication
 // component=raft").
 func TestStartLogsAreForPeople(t *testing.T) {
-	var buf lockedBuffer
-	cfg := DefaultConfig()
+	var buf testutil.Buffer
+	cfg := config.DefaultConfig()
 	cfg.Node.DataDir, cfg.Node.Name = t.TempDir(), "test"
 	cfg.MQTT.Listen, cfg.HTTP.Listen, cfg.Peer.Listen = "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0"
 	d, err := New(cfg, slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelInfo})))

@@ -5,217 +5,22 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
-	"math"
 	"net/http"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/cluster"
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/replication"
 )
 
 func init() {
 	// The gateways of these tests derive keys often; the real cost is
 	// checked once, in TestPairKey.
-	pairKDFCost = 1 << 10
-}
-
-func TestPairCodeFormat(t *testing.T) {
-	if bits := float64(pairCodeLen) * math.Log2(float64(len(pairAlphabet))); bits < 60 {
-		t.Fatalf("a code carries %.0f bits, want at least 60", bits)
-	}
-	counts := map[rune]int{}
-	seen := map[string]bool{}
-	for range 2000 {
-		code, err := newPairCode()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if len(code) != 14 || code[4] != '-' || code[9] != '-' {
-			t.Fatalf("code %q is not grouped XXXX-XXXX-XXXX", code)
-		}
-		canon, err := parsePairCode(code)
-		if err != nil || formatPairCode(canon) != code {
-			t.Fatalf("code %q does not parse back: %q %v", code, canon, err)
-		}
-		for _, r := range canon {
-			if strings.ContainsRune("ILOU", r) {
-				t.Fatalf("code %q holds a confusable letter", code)
-			}
-			counts[r]++
-		}
-		if seen[code] {
-			t.Fatalf("code %q drawn twice", code)
-		}
-		seen[code] = true
-	}
-	// 24000 symbols over 32: each about 750; a broken draw shows at once.
-	if len(counts) != 32 {
-		t.Fatalf("%d symbols used, want all 32", len(counts))
-	}
-	for r, n := range counts {
-		if n < 500 || n > 1000 {
-			t.Fatalf("symbol %c drawn %d times of 24000: biased", r, n)
-		}
-	}
-}
-
-func TestParsePairCode(t *testing.T) {
-	for _, in := range []string{"7KQF-M2XA-9RTD", "7kqf-m2xa-9rtd", "7KQFM2XA9RTD", " 7KQF M2XA 9RTD ", "7kqF-m2Xa-9RTd"} {
-		if got, err := parsePairCode(in); err != nil || got != "7KQFM2XA9RTD" {
-			t.Errorf("parse %q: %q %v", in, got, err)
-		}
-	}
-	// Confusables read as the digit they look like.
-	for in, want := range map[string]string{"O0O0-IiLl-1111": "000011111111", "oooo-AAAA-BBBB": "0000AAAABBBB"} {
-		if got, err := parsePairCode(in); err != nil || got != want {
-			t.Errorf("parse %q: %q %v, want %q", in, got, err, want)
-		}
-	}
-	for _, bad := range []string{"", "7KQF-M2XA-9RT", "7KQF-M2XA-9RTDX", "7KQF-M2XA-9RTU", "7KQF-M2XA-9RT!", "7KQF-M2XA-9RTÉ", "tandem1.abcdef"} {
-		if got, err := parsePairCode(bad); err == nil {
-			t.Errorf("parse %q accepted as %q", bad, got)
-		}
-	}
-}
-
-func TestPairKey(t *testing.T) {
-	saved := pairKDFCost
-	pairKDFCost = 1 << 15
-	defer func() { pairKDFCost = saved }()
-	start := time.Now()
-	k1 := pairKey("7KQFM2XA9RTD")
-	took := time.Since(start)
-	if len(k1) != 32 || bytes.Equal(k1, pairKey("7KQFM2XA9RTE")) || !bytes.Equal(k1, pairKey("7KQFM2XA9RTD")) {
-		t.Fatal("pairKey is not a 32-byte function of the code")
-	}
-	t.Logf("key derivation at the real cost: %v", took)
-}
-
-func TestPairMACBinding(t *testing.T) {
-	key := pairKey("7KQFM2XA9RTD")
-	fpJ, fpM := [32]byte{1}, [32]byte{2}
-	bind := bytes.Repeat([]byte{3}, 32)
-	good := pairMAC(key, pairRoleJoiner, fpJ, fpM, bind, nil)
-	if !bytes.Equal(good, pairMAC(key, pairRoleJoiner, fpJ, fpM, bind, nil)) {
-		t.Fatal("MAC not deterministic")
-	}
-	other := bytes.Repeat([]byte{4}, 32)
-	for name, mac := range map[string][]byte{
-		"another code":         pairMAC(pairKey("7KQFM2XA9RTE"), pairRoleJoiner, fpJ, fpM, bind, nil),
-		"the other role":       pairMAC(key, pairRoleMaster, fpJ, fpM, bind, nil),
-		"another joiner":       pairMAC(key, pairRoleJoiner, [32]byte{9}, fpM, bind, nil),
-		"another master":       pairMAC(key, pairRoleJoiner, fpJ, [32]byte{9}, bind, nil),
-		"fingerprints swapped": pairMAC(key, pairRoleJoiner, fpM, fpJ, bind, nil),
-		"another connection":   pairMAC(key, pairRoleJoiner, fpJ, fpM, other, nil),
-		"another reply":        pairMAC(key, pairRoleJoiner, fpJ, fpM, bind, []byte("x")),
-	} {
-		if bytes.Equal(mac, good) {
-			t.Errorf("%s gives the same MAC", name)
-		}
-	}
-}
-
-func TestPairBookLimits(t *testing.T) {
-	key := []byte("key")
-	macOf := func(k []byte) []byte { return pairMAC(k, pairRoleJoiner, [32]byte{}, [32]byte{}, nil, nil) }
-	right, wrong := macOf(key), macOf([]byte("guess"))
-	now := time.Unix(1_000_000, 0)
-	var b pairBook
-
-	if open, _ := b.state(now); open {
-		t.Fatal("open before pair open")
-	}
-	if _, _, err := b.try("a", 7, right, macOf, now); !errors.Is(err, errPairClosed) {
-		t.Fatalf("closed book: %v", err)
-	}
-
-	// Rate limit: a second attempt within a second from one address is
-	// not even checked (and not counted); five wrong ones end that
-	// address's attempts, not the pairing.
-	b.open(key, now.Add(10*time.Minute))
-	if open, exp := b.state(now); !open || !exp.Equal(now.Add(10*time.Minute)) {
-		t.Fatalf("state after open: %v %v", open, exp)
-	}
-	if _, n, err := b.try("a", 7, wrong, macOf, now); !errors.Is(err, errPairWrong) || n != 1 {
-		t.Fatalf("wrong code: %v (%d failures)", err, n)
-	}
-	if _, n, err := b.try("a", 7, right, macOf, now.Add(500*time.Millisecond)); !errors.Is(err, errPairBusy) || n != 1 {
-		t.Fatalf("second attempt within a second: %v (%d failures)", err, n)
-	}
-	for i := 2; i <= pairMaxFailures; i++ {
-		now = now.Add(pairMinInterval)
-		_, n, err := b.try("a", 7, wrong, macOf, now)
-		if !errors.Is(err, errPairWrong) || n != i {
-			t.Fatalf("wrong code %d: %v (%d failures)", i, err, n)
-		}
-	}
-	now = now.Add(pairMinInterval)
-	if _, _, err := b.try("a", 7, right, macOf, now); !errors.Is(err, errPairLocked) {
-		t.Fatalf("right code after %d failures from one address: %v, want locked", pairMaxFailures, err)
-	}
-	if open, _ := b.state(now); !open {
-		t.Fatal("a stranger's failures closed the pairing")
-	}
-	if _, _, err := b.try("b", 7, wrong, macOf, now); !errors.Is(err, errPairWrong) {
-		t.Fatalf("wrong code from another address: %v", err)
-	}
-	if _, _, err := b.try("c", 7, right, macOf, now); err != nil {
-		t.Fatalf("right code from a third address: %v", err)
-	}
-	// Only so many addresses are remembered per code, and many addresses
-	// crowd nobody out: the one idle longest is forgotten.
-	b.open(key, now.Add(10*time.Minute))
-	for i := range pairMaxSources + 10 {
-		if _, _, err := b.try(fmt.Sprint("s", i), 7, wrong, macOf, now.Add(time.Duration(i)*time.Millisecond)); !errors.Is(err, errPairWrong) {
-			t.Fatalf("source %d: %v", i, err)
-		}
-	}
-	if n := len(b.cur.bySrc); n != pairMaxSources {
-		t.Fatalf("%d sources remembered, want %d", n, pairMaxSources)
-	}
-	if _, ok := b.cur.bySrc["s0"]; ok {
-		t.Fatal("the source idle longest was kept")
-	}
-	if _, _, err := b.try("late", 7, right, macOf, now); err != nil {
-		t.Fatalf("a joiner after many addresses: %v", err)
-	}
-
-	// Single use: the pairing node may retry, another may not; release
-	// (the node could not be added) reopens it.
-	b.open(key, now.Add(time.Minute))
-	p, _, err := b.try("a", 7, right, macOf, now)
-	if err != nil || !bytes.Equal(p.key, key) {
-		t.Fatalf("right code: %v", err)
-	}
-	if open, _ := b.state(now); open {
-		t.Fatal("still advertised open once used")
-	}
-	now = now.Add(pairMinInterval)
-	if _, _, err := b.try("b", 8, right, macOf, now); !errors.Is(err, errPairUsed) {
-		t.Fatalf("reused by another node: %v", err)
-	}
-	now = now.Add(pairMinInterval)
-	if _, _, err := b.try("a", 7, right, macOf, now); err != nil {
-		t.Fatalf("retry by the same node: %v", err)
-	}
-	b.release(p)
-	now = now.Add(pairMinInterval)
-	if _, _, err := b.try("b", 8, right, macOf, now); err != nil {
-		t.Fatalf("after release: %v", err)
-	}
-
-	// Expiry.
-	b.open(key, now.Add(time.Minute))
-	now = now.Add(time.Minute)
-	if open, _ := b.state(now); open {
-		t.Fatal("open at its expiry")
-	}
-	if _, _, err := b.try("a", 7, right, macOf, now); !errors.Is(err, errPairExpired) {
-		t.Fatalf("expired: %v", err)
-	}
+	cluster.PairKDFCost = 1 << 10
 }
 
 // pairOpen runs `tandem pair open` against d and returns the code from
@@ -227,7 +32,7 @@ func pairOpen(t *testing.T, d *Daemon, extra ...string) string {
 		t.Fatalf("pair open: exit %d: %s", code, errOut)
 	}
 	first, _, _ := strings.Cut(out, "\n")
-	if _, err := parsePairCode(first); err != nil {
+	if _, err := cluster.ParsePairCode(first); err != nil {
 		t.Fatalf("pair open printed %q first: %v", first, err)
 	}
 	return first
@@ -271,7 +76,7 @@ func TestPairInProcess(t *testing.T) {
 	if exit, out := pairJoin(t, g2, strings.ToLower(strings.ReplaceAll(code, "-", "")), g1.PeerAddr()); exit != 0 || !strings.Contains(out, "paired") {
 		t.Fatalf("pair join: exit %d: %s", exit, out)
 	}
-	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
 		v, l, ok := shape(statusOfGW(t, g1))
 		return v == 0 && l == 1 && ok
 	})
@@ -284,7 +89,7 @@ func TestPairInProcess(t *testing.T) {
 	}
 	// Expired: refused.
 	short := pairOpen(t, g2, "--ttl", "1s") // on a slave: the master holds it
-	waitFor(t, 5*time.Second, "the short code to expire", func() bool { return !statusOfGW(t, g1).Pairing.Open })
+	testutil.WaitFor(t, 5*time.Second, "the short code to expire", func() bool { return !statusOfGW(t, g1).Pairing.Open })
 	if exit, out := pairJoin(t, g3, short, g1.PeerAddr()); exit == 0 || !strings.Contains(out, "expired") && !strings.Contains(out, "not open") {
 		t.Fatalf("expired code: exit %d: %s", exit, out)
 	}
@@ -295,7 +100,7 @@ func TestPairInProcess(t *testing.T) {
 	if exit, out := pairJoin(t, g3, pairOpen(t, g2), g1.PeerAddr()); exit != 0 {
 		t.Fatalf("third gateway: exit %d: %s", exit, out)
 	}
-	waitFor(t, 15*time.Second, "three voters", func() bool {
+	testutil.WaitFor(t, 15*time.Second, "three voters", func() bool {
 		v, l, ok := shape(statusOfGW(t, g1))
 		return v == 2 && l == 0 && ok
 	})
@@ -303,7 +108,7 @@ func TestPairInProcess(t *testing.T) {
 	if exit, out := pairJoin(t, g3, "7KQF-M2XA-9RTD", g1.PeerAddr()); exit == 0 || !strings.Contains(out, "member") {
 		t.Fatalf("a member pairing: exit %d: %s", exit, out)
 	}
-	if code, msg := api(t, g1, "/v1/pair/open", pairOpenRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "most tandem runs") {
+	if code, msg := api(t, g1, "/v1/pair/open", admin.PairOpenRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "most tandem runs") {
 		t.Fatalf("pair open in a full cluster: %d %q", code, msg)
 	}
 }
@@ -318,9 +123,7 @@ func TestPairStrangerCannotCloseThePairing(t *testing.T) {
 	// stranger's attempts pass the rate limit without the test waiting.
 	base := time.Now()
 	var ticks atomic.Int64
-	g1.cl.invites.pair.mu.Lock()
-	g1.cl.invites.pair.clock = func() time.Time { return base.Add(time.Duration(ticks.Add(1)) * 1100 * time.Millisecond) }
-	g1.cl.invites.pair.mu.Unlock()
+	g1.gw.Internals().SetPairClock(func() time.Time { return base.Add(time.Duration(ticks.Add(1)) * 1100 * time.Millisecond) })
 	code := pairOpen(t, g1)
 
 	sid, err := replication.LoadOrCreateIdentity(t.TempDir())
@@ -329,13 +132,13 @@ func TestPairStrangerCannotCloseThePairing(t *testing.T) {
 	}
 	stranger := replication.Member{ID: sid.ID, Name: "stranger", Fingerprint: sid.Fingerprint}
 	r := replication.Remote{ID: sid.ID, Fingerprint: sid.Fingerprint, Addr: "127.0.0.2:40000", Binding: make([]byte, 32)}
-	wrongKey := pairKey("000000000000")
-	proof, _ := json.Marshal(pairRequest{Member: stranger, MAC: pairMAC(wrongKey, pairRoleJoiner, sid.Fingerprint, g1.self().Fingerprint, r.Binding, nil)})
-	for i := range pairMaxFailures + 2 {
-		_, err := g1.cl.onPair(t.Context(), r, proof)
-		want := errPairWrong
-		if i >= pairMaxFailures {
-			want = errPairLocked
+	wrongKey := cluster.PairKey("000000000000")
+	proof, _ := json.Marshal(cluster.PairRequest{Member: stranger, MAC: cluster.PairMAC(wrongKey, cluster.PairRoleJoiner, sid.Fingerprint, g1.gw.Self().Fingerprint, r.Binding, nil)})
+	for i := range cluster.PairMaxFailures + 2 {
+		_, err := g1.gw.Internals().OnPair(t.Context(), r, proof)
+		want := cluster.ErrPairWrong
+		if i >= cluster.PairMaxFailures {
+			want = cluster.ErrPairLocked
 		}
 		if !errors.Is(err, want) {
 			t.Fatalf("stranger's attempt %d: %v, want %v", i+1, err, want)
@@ -362,7 +165,7 @@ func relay(t *testing.T, master string, asJoiner bool) *replication.PeerTranspor
 	tr, err = replication.NewPeerTransport(replication.TransportConfig{Identity: id, Listen: "127.0.0.1:0",
 		OnStranger: func(ctx context.Context, r replication.Remote, kind byte, payload []byte) ([]byte, error) {
 			if !asJoiner {
-				var req pairRequest
+				var req cluster.PairRequest
 				if err := json.Unmarshal(payload, &req); err != nil {
 					return nil, err
 				}
@@ -411,8 +214,8 @@ func TestPairRelayFails(t *testing.T) {
 	}
 	fake, err := replication.NewPeerTransport(replication.TransportConfig{Identity: id, Listen: "127.0.0.1:0",
 		OnStranger: func(context.Context, replication.Remote, byte, []byte) ([]byte, error) {
-			rep, _ := json.Marshal(joinReply{Cluster: "evil", Members: []replication.Member{{ID: id.ID, Name: "evil", Fingerprint: id.Fingerprint, Voter: true}}, Master: "evil"})
-			return json.Marshal(pairReply{Reply: rep, MAC: bytes.Repeat([]byte{1}, 32)})
+			rep, _ := json.Marshal(cluster.JoinReply{Cluster: "evil", Members: []replication.Member{{ID: id.ID, Name: "evil", Fingerprint: id.Fingerprint, Voter: true}}, Master: "evil"})
+			return json.Marshal(cluster.PairReply{Reply: rep, MAC: bytes.Repeat([]byte{1}, 32)})
 		}})
 	if err != nil {
 		t.Fatal(err)

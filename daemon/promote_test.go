@@ -11,6 +11,10 @@ import (
 
 	"github.com/eclipse/paho.golang/paho"
 
+	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/cluster"
+	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/replication"
 )
 
@@ -21,9 +25,9 @@ type fixedGateway struct {
 	d               *Daemon
 }
 
-func (g *fixedGateway) start(t *testing.T, mutate func(*Config)) {
+func (g *fixedGateway) start(t *testing.T, mutate func(*config.Config)) {
 	t.Helper()
-	g.d = testGateway(t, g.dir, func(c *Config) {
+	g.d = testGateway(t, g.dir, func(c *config.Config) {
 		clusterTestConfig(c, g.name)
 		c.Peer.Listen = g.peer
 		if mutate != nil {
@@ -42,22 +46,22 @@ func topicsIn(t *testing.T, d *Daemon) map[string]int {
 }
 
 func TestPromoteAndTheDeposedMasterRejoins(t *testing.T) {
-	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: unusedAddr(t)}
-	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: unusedAddr(t)}
+	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
+	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
 	g1.start(t, nil)
 	g2.start(t, nil)
 	joinWith(t, g2.d, inviteToken(t, g1.d))
-	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
 		v, l, ok := shape(statusOfGW(t, g1.d))
 		return v == 0 && l == 1 && ok
 	})
 	// While the master is alive, promote is refused.
-	if code, msg := api(t, g2.d, "/v1/cluster/promote", promoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "alive") {
+	if code, msg := api(t, g2.d, "/v1/cluster/promote", admin.PromoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "alive") {
 		t.Fatalf("promote with a live master: %d %q", code, msg)
 	}
 	pub1, _ := v5(t, g1.d.MQTTAddr(), "pub1", nil)
 	publish(t, pub1, &paho.Publish{Topic: "a/common", QoS: 1, Payload: []byte("1")})
-	waitFor(t, 5*time.Second, "a/common on gw-2", func() bool { return topicsIn(t, g2.d)["a/common"] == 1 })
+	testutil.WaitFor(t, 5*time.Second, "a/common on gw-2", func() bool { return topicsIn(t, g2.d)["a/common"] == 1 })
 
 	// The slave goes away; the master acks async publishes alone: the
 	// tail the promotion will fork off.
@@ -71,11 +75,11 @@ func TestPromoteAndTheDeposedMasterRejoins(t *testing.T) {
 
 	// The slave comes back alone and is promoted; it takes publishes.
 	g2.start(t, nil)
-	var pr promoteResponse
-	if code, msg := api(t, g2.d, "/v1/cluster/promote", promoteRequest{}, &pr); code != 200 || pr.Deposed != "gw-1" || pr.Generation != 1 {
+	var pr admin.PromoteResponse
+	if code, msg := api(t, g2.d, "/v1/cluster/promote", admin.PromoteRequest{}, &pr); code != 200 || pr.Deposed != "gw-1" || pr.Generation != 1 {
 		t.Fatalf("promote: %d %q %+v", code, msg, pr)
 	}
-	waitFor(t, 5*time.Second, "gw-2 master", func() bool { return statusOfGW(t, g2.d).Role == "master" })
+	testutil.WaitFor(t, 5*time.Second, "gw-2 master", func() bool { return statusOfGW(t, g2.d).Role == "master" })
 	pub2, _ := v5(t, g2.d.MQTTAddr(), "pub2", nil)
 	if r := publish(t, pub2, &paho.Publish{Topic: "a/only-new", QoS: 1, Payload: []byte("y")}); r.ReasonCode != 0 {
 		t.Fatalf("publish on the promoted master: reason %#x", r.ReasonCode)
@@ -84,11 +88,11 @@ func TestPromoteAndTheDeposedMasterRejoins(t *testing.T) {
 	// The old master returns: it finds it was deposed, hands over its
 	// tail and rejoins as the slave.
 	g1.start(t, nil)
-	waitFor(t, 20*time.Second, "gw-1 a slave of gw-2", func() bool {
+	testutil.WaitFor(t, 20*time.Second, "gw-1 a slave of gw-2", func() bool {
 		s := statusOfGW(t, g1.d)
 		return s.Role == "slave" && s.Leader != nil && s.Leader.Name == "gw-2" && s.Cluster.Generation == 1
 	})
-	waitFor(t, 10*time.Second, "every acked record on the new master and its slave", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "every acked record on the new master and its slave", func() bool {
 		for _, d := range []*Daemon{g2.d, g1.d} {
 			got := topicsIn(t, d)
 			for _, tp := range []string{"a/common", "a/only-old-1", "a/only-old-2", "a/only-new"} {
@@ -105,7 +109,7 @@ func TestPromoteAndTheDeposedMasterRejoins(t *testing.T) {
 	}
 	// Metrics say what happened, once the re-published records have left
 	// the requeue bucket (just after they reached the log).
-	waitFor(t, 10*time.Second, "gw-1's requeue drained", func() bool { return statusOfGW(t, g1.d).Cluster.RequeuePending == 0 })
+	testutil.WaitFor(t, 10*time.Second, "gw-1's requeue drained", func() bool { return statusOfGW(t, g1.d).Cluster.RequeuePending == 0 })
 	m2, m1 := scrape(t, g2.d), scrape(t, g1.d)
 	for _, c := range []struct {
 		who  string
@@ -133,14 +137,14 @@ func TestPromoteAndTheDeposedMasterRejoins(t *testing.T) {
 
 func TestPromoteRefusals(t *testing.T) {
 	lone := clusterGateway(t, "lone", nil)
-	if code, msg := api(t, lone, "/v1/cluster/promote", promoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "not in a cluster") {
+	if code, msg := api(t, lone, "/v1/cluster/promote", admin.PromoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "not in a cluster") {
 		t.Fatalf("promote a lone gateway: %d %q", code, msg)
 	}
 	g1 := clusterGateway(t, "gw-1", nil)
 	g2 := clusterGateway(t, "gw-2", nil)
 	joinWith(t, g2, inviteToken(t, g1))
-	waitFor(t, 10*time.Second, "gw-2 knowing the cluster", func() bool { return len(statusOfGW(t, g2).Members) == 1 })
-	if code, msg := api(t, g1, "/v1/cluster/promote", promoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "master already") {
+	testutil.WaitFor(t, 10*time.Second, "gw-2 knowing the cluster", func() bool { return len(statusOfGW(t, g2).Members) == 1 })
+	if code, msg := api(t, g1, "/v1/cluster/promote", admin.PromoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "master already") {
 		t.Fatalf("promote the master: %d %q", code, msg)
 	}
 	code, _, errOut := runMain(t, "promote", "--http", g2.HTTPAddr(), "--data", g2.cfg.Node.DataDir)
@@ -156,9 +160,9 @@ func TestPromoteRefusals(t *testing.T) {
 // master was not yet a member: it must keep its link to that master while
 // it catches up (found by review: it dropped it and never caught up).
 func TestJoinAfterAPromotionCatchesUp(t *testing.T) {
-	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: unusedAddr(t)}
-	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: unusedAddr(t)}
-	g3 := &fixedGateway{name: "gw-3", dir: t.TempDir(), peer: unusedAddr(t)}
+	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
+	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
+	g3 := &fixedGateway{name: "gw-3", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
 	g1.start(t, nil)
 	pub1, _ := v5(t, g1.d.MQTTAddr(), "pub1", nil)
 	big := bytes.Repeat([]byte("x"), 8000)
@@ -168,18 +172,18 @@ func TestJoinAfterAPromotionCatchesUp(t *testing.T) {
 	}
 	g2.start(t, nil)
 	joinWith(t, g2.d, inviteToken(t, g1.d))
-	waitFor(t, 20*time.Second, "gw-2 caught up", func() bool { return len(logRecords(t, g2.d)) >= n })
+	testutil.WaitFor(t, 20*time.Second, "gw-2 caught up", func() bool { return len(logRecords(t, g2.d)) >= n })
 	g1.d.Stop()
 	g2.d.Stop()
 	g2.start(t, nil)
-	if code, msg := api(t, g2.d, "/v1/cluster/promote", promoteRequest{}, nil); code != 200 {
+	if code, msg := api(t, g2.d, "/v1/cluster/promote", admin.PromoteRequest{}, nil); code != 200 {
 		t.Fatalf("promote: %d %q", code, msg)
 	}
-	waitFor(t, 5*time.Second, "gw-2 master", func() bool { return statusOfGW(t, g2.d).Role == "master" })
+	testutil.WaitFor(t, 5*time.Second, "gw-2 master", func() bool { return statusOfGW(t, g2.d).Role == "master" })
 	g3.start(t, nil)
 	joinWith(t, g3.d, inviteToken(t, g2.d))
-	waitFor(t, 30*time.Second, "gw-3 caught up", func() bool { return len(logRecords(t, g3.d)) >= n })
-	waitFor(t, 10*time.Second, "gw-3 a slave of gw-2", func() bool {
+	testutil.WaitFor(t, 30*time.Second, "gw-3 caught up", func() bool { return len(logRecords(t, g3.d)) >= n })
+	testutil.WaitFor(t, 10*time.Second, "gw-3 a slave of gw-2", func() bool {
 		s := statusOfGW(t, g3.d)
 		return s.Role == "slave" && s.Leader != nil && s.Leader.Name == "gw-2"
 	})
@@ -191,29 +195,29 @@ func TestJoinAfterAPromotionCatchesUp(t *testing.T) {
 // Found by a fault run: the record went with the first answer, the old
 // master's knock had timed out, and both stayed master for good.
 func TestRejoinKnockIsAnsweredAlikeUntilTheDeposedMasterRejoined(t *testing.T) {
-	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: unusedAddr(t)}
-	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: unusedAddr(t)}
+	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
+	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
 	g1.start(t, nil)
 	g2.start(t, nil)
 	joinWith(t, g2.d, inviteToken(t, g1.d))
-	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
 		v, l, ok := shape(statusOfGW(t, g1.d))
 		return v == 0 && l == 1 && ok
 	})
-	old := g1.d.self()
+	old := g1.d.gw.Self()
 	g1.d.Stop()
 	g2.d.Stop()
 	g2.start(t, nil)
-	if code, msg := api(t, g2.d, "/v1/cluster/promote", promoteRequest{}, nil); code != 200 {
+	if code, msg := api(t, g2.d, "/v1/cluster/promote", admin.PromoteRequest{}, nil); code != 200 {
 		t.Fatalf("promote: %d %q", code, msg)
 	}
-	waitFor(t, 5*time.Second, "gw-2 master", func() bool { return statusOfGW(t, g2.d).Role == "master" })
+	testutil.WaitFor(t, 5*time.Second, "gw-2 master", func() bool { return statusOfGW(t, g2.d).Role == "master" })
 
-	knock := func() (joinReply, error) {
+	knock := func() (cluster.JoinReply, error) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		r := replication.Remote{ID: old.ID, Fingerprint: old.Fingerprint, Addr: "192.0.2.1:7883"}
-		return g2.d.cl.admitRejoin(ctx, r, joinRequest{Rejoin: true, Member: old, Gen: 0})
+		return g2.d.gw.Internals().AdmitRejoin(ctx, r, cluster.JoinRequest{Rejoin: true, Member: old, Gen: 0})
 	}
 	first, err := knock()
 	if err != nil {
@@ -231,23 +235,23 @@ func TestRejoinKnockIsAnsweredAlikeUntilTheDeposedMasterRejoined(t *testing.T) {
 	other.Fingerprint[0] ^= 1
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	if _, err := g2.d.cl.admitRejoin(ctx, replication.Remote{ID: old.ID, Fingerprint: other.Fingerprint}, joinRequest{Rejoin: true, Member: other}); err == nil || err.Error() != errNotDeposed {
+	if _, err := g2.d.gw.Internals().AdmitRejoin(ctx, replication.Remote{ID: old.ID, Fingerprint: other.Fingerprint}, cluster.JoinRequest{Rejoin: true, Member: other}); err == nil || err.Error() != cluster.ErrNotDeposed {
 		t.Fatalf("knock with another certificate: %v", err)
 	}
 
 	// The old master returns and knocks for itself: it rejoins, and once
 	// it has caught up past the fork the record goes.
 	g1.start(t, nil)
-	waitFor(t, 20*time.Second, "gw-1 a slave of gw-2", func() bool {
+	testutil.WaitFor(t, 20*time.Second, "gw-1 a slave of gw-2", func() bool {
 		s := statusOfGW(t, g1.d)
 		return s.Role == "slave" && s.Leader != nil && s.Leader.Name == "gw-2" && s.Cluster.Generation == 1
 	})
-	waitFor(t, 10*time.Second, "gw-2 dropping the deposed master's record", func() bool {
-		_, _, ok, err := g2.d.cl.deposedRecord()
+	testutil.WaitFor(t, 10*time.Second, "gw-2 dropping the deposed master's record", func() bool {
+		_, _, ok, err := g2.d.gw.Internals().DeposedRecord()
 		return err == nil && !ok
 	})
-	if _, err := knock(); err == nil || err.Error() != errNotDeposed {
-		t.Fatalf("knock after the rejoin: %v, want %q", err, errNotDeposed)
+	if _, err := knock(); err == nil || err.Error() != cluster.ErrNotDeposed {
+		t.Fatalf("knock after the rejoin: %v, want %q", err, cluster.ErrNotDeposed)
 	}
 }
 
@@ -255,96 +259,59 @@ func TestRejoinKnockIsAnsweredAlikeUntilTheDeposedMasterRejoined(t *testing.T) {
 // probe is alive however long its raft link has been silent; a stopped one
 // is not.
 func TestAutoFailoverPromotesOnlyAMasterThatDoesNotAnswer(t *testing.T) {
-	auto := func(c *Config) {
+	auto := func(c *config.Config) {
 		c.Cluster.Failover = "auto"
-		c.Cluster.FailoverAfter = Duration(time.Hour) // the keeper stays out of it: the test drives the rounds
+		c.Cluster.FailoverAfter = config.Duration(time.Hour) // the keeper stays out of it: the test drives the rounds
 	}
-	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: unusedAddr(t)}
-	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: unusedAddr(t)}
+	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
+	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
 	g1.start(t, auto)
 	g2.start(t, auto)
 	joinWith(t, g2.d, inviteToken(t, g1.d))
-	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
 		v, l, ok := shape(statusOfGW(t, g1.d))
 		return v == 0 && l == 1 && ok
 	})
-	master, ok := failoverMaster(g2.d.node())
+	master, ok := cluster.FailoverMaster(g2.d.gw.Node())
 	if !ok || master.Name != "gw-1" {
 		t.Fatalf("gw-2's master: %+v %v", master, ok)
 	}
 	const after = 200 * time.Millisecond
-	silence := func() { g2.d.cl.failover.heard.Store(time.Now().Add(-time.Minute).UnixNano()) }
+	silence := func() { g2.d.gw.Internals().SetLastHeard(time.Now().Add(-time.Minute)) }
 
 	silence()
-	if g2.d.cl.failoverRound(master, after) {
+	if g2.d.gw.Internals().FailoverRound(master, after) {
 		t.Fatal("gw-2 promoted itself over a master that answers")
 	}
 	if s := statusOfGW(t, g2.d); s.Role != "slave" || s.Cluster.Generation != 0 {
 		t.Fatalf("gw-2 after a round with a live master: %+v", s)
 	}
-	if g2.d.cl.failover.silence() > 10*time.Second {
+	if g2.d.gw.Internals().FailoverSilence() > 10*time.Second {
 		t.Fatal("an answered probe did not reset the failover clock")
 	}
 
 	g1.d.Stop()
 	silence()
-	if !g2.d.cl.failoverRound(master, after) {
+	if !g2.d.gw.Internals().FailoverRound(master, after) {
 		t.Fatal("gw-2 did not promote itself over a stopped master")
 	}
-	waitFor(t, 5*time.Second, "gw-2 master", func() bool {
+	testutil.WaitFor(t, 5*time.Second, "gw-2 master", func() bool {
 		s := statusOfGW(t, g2.d)
 		return s.Role == "master" && s.Cluster.Generation == 1
 	})
-}
-
-func TestKnockPacingGrowsWithRoundTripAndFailures(t *testing.T) {
-	if got := knockTimeout(0, 0); got != knockTimeoutMin {
-		t.Errorf("unmeasured link: %v, want %v", got, knockTimeoutMin)
-	}
-	// 400 ms one way: a knock costs about 3.2 s; its timeout must cover
-	// that with room to spare (the fault run's knocks had 3 s).
-	if got := knockTimeout(800*time.Millisecond, 0); got < 6*time.Second {
-		t.Errorf("800 ms round trip: %v, want at least 6s", got)
-	}
-	prev := time.Duration(0)
-	for f := 0; f < 12; f++ {
-		got := knockTimeout(time.Second, f)
-		if got < prev || got > knockTimeoutMax {
-			t.Errorf("after %d failures: %v (before: %v, max %v)", f, got, prev, knockTimeoutMax)
-		}
-		prev = got
-	}
-	if prev != knockTimeoutMax {
-		t.Errorf("after many failures: %v, want the ceiling %v", prev, knockTimeoutMax)
-	}
-	if rejoinInterval(0) != rejoinEvery || rejoinInterval(1) <= rejoinEvery || rejoinInterval(50) != rejoinEveryMax {
-		t.Errorf("backoff: %v %v %v", rejoinInterval(0), rejoinInterval(1), rejoinInterval(50))
-	}
-	var r rttEstimate
-	r.observe(100 * time.Millisecond)
-	for range 50 {
-		r.observe(2 * time.Second)
-	}
-	if got := r.get(); got < 1500*time.Millisecond {
-		t.Errorf("smoothed round trip after a slow link: %v", got)
-	}
-	var rl rateLimit
-	if !rl.allow(time.Hour) || rl.allow(time.Hour) {
-		t.Error("rate limit: first event must pass, the second not")
-	}
 }
 
 // A master that learned of a higher generation from a member it pins
 // stops acking publishes, and stays so across a restart, until it has
 // rejoined: acking on would grow a tail only its own disk holds.
 func TestSupersededMasterStopsAckingAcrossRestarts(t *testing.T) {
-	g := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: unusedAddr(t)}
+	g := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
 	g.start(t, nil)
 	pub, _ := v5(t, g.d.MQTTAddr(), "pub", nil)
 	if r := publish(t, pub, &paho.Publish{Topic: "a/before", QoS: 1, Payload: []byte("1")}); r.ReasonCode != 0 {
 		t.Fatalf("before: reason %#x", r.ReasonCode)
 	}
-	g.d.cl.superseded(1, "a test")
+	g.d.gw.Internals().Superseded(1, "a test")
 	if s := statusOfGW(t, g.d); s.Role != "candidate" {
 		t.Fatalf("role of a superseded master: %q, want candidate", s.Role)
 	}
@@ -355,13 +322,13 @@ func TestSupersededMasterStopsAckingAcrossRestarts(t *testing.T) {
 	}
 	g.d.Stop()
 	g.start(t, nil)
-	waitFor(t, 5*time.Second, "gw-1 fenced again after its restart", func() bool { return statusOfGW(t, g.d).Role == "candidate" })
+	testutil.WaitFor(t, 5*time.Second, "gw-1 fenced again after its restart", func() bool { return statusOfGW(t, g.d).Role == "candidate" })
 	// Superseded in a cluster it has left or rejoined, it is not: the
 	// generation it moves to clears the mark.
-	if err := g.d.cl.setMeta(g.d.db, g.d.cl.clusterID(), 1); err != nil {
+	if err := g.d.gw.Internals().SetMeta(g.d.db, g.d.gw.ClusterID(), 1); err != nil {
 		t.Fatal(err)
 	}
-	if g.d.cl.supersededGen() != 0 {
+	if g.d.gw.Internals().SupersededGen() != 0 {
 		t.Fatal("setMeta kept the superseded mark")
 	}
 }

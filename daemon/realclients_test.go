@@ -11,13 +11,14 @@ import (
 
 	"github.com/eclipse/paho.golang/paho"
 	pahomqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // The reproduction with the real client: mosquitto_sub over MQTT
 // 5 at QoS 1 (its Receive Maximum is 20) takes every message of a
 // pipelined publisher, and the gateway still answers.
 func TestMosquittoSubV5QoS1TakesEveryMessage(t *testing.T) {
-	needTool(t, "mosquitto_sub")
+	testutil.NeedTool(t, "mosquitto_sub")
 	d := testGateway(t, t.TempDir(), nil)
 	host, port := splitAddr(t, d.MQTTAddr())
 	const n = 5000
@@ -29,7 +30,7 @@ func TestMosquittoSubV5QoS1TakesEveryMessage(t *testing.T) {
 	if err := sub.Start(); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 10*time.Second, "mosquitto_sub to subscribe", func() bool { return !d.broker.Unrouted([]byte("bench/x")) })
+	testutil.WaitFor(t, 10*time.Second, "mosquitto_sub to subscribe", func() bool { return !d.broker.Unrouted([]byte("bench/x")) })
 	pub, _ := v5(t, d.MQTTAddr(), "pub", nil)
 	if err := pipelinedPublisher(pub, "bench/x", 1, 64, 0, n); err != nil {
 		t.Fatal(err)
@@ -48,8 +49,8 @@ func TestMosquittoSubV5QoS1TakesEveryMessage(t *testing.T) {
 // packet id is one the server used for a delivery (the mochi-based layer
 // answered 0x91, not even a 3.1.1 code).
 func TestMosquittoPersistentSessionResumes(t *testing.T) {
-	needTool(t, "mosquitto_sub")
-	needTool(t, "mosquitto_pub")
+	testutil.NeedTool(t, "mosquitto_sub")
+	testutil.NeedTool(t, "mosquitto_pub")
 	d := testGateway(t, t.TempDir(), nil)
 	host, port := splitAddr(t, d.MQTTAddr())
 	run := func(args ...string) string {
@@ -76,7 +77,7 @@ func TestMosquittoPersistentSessionResumes(t *testing.T) {
 	if err := back.Start(); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 10*time.Second, "the new filter to take effect", func() bool { return !d.broker.Unrouted([]byte("pz2/x")) })
+	testutil.WaitFor(t, 10*time.Second, "the new filter to take effect", func() bool { return !d.broker.Unrouted([]byte("pz2/x")) })
 	run("mosquitto_pub", "-V", "mqttv311", "-q", "1", "-t", "pz2/x", "-m", "new-filter")
 	if err := back.Wait(); err != nil {
 		t.Fatalf("mosquitto_sub: %v\n%s", err, out.String())

@@ -1,18 +1,11 @@
 package daemon
 
 import (
-	"bufio"
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"io"
-	"os"
-	"strings"
 
-	"github.com/spf13/cobra"
-	"golang.org/x/crypto/bcrypt"
-	"golang.org/x/term"
-
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/mqtt"
 )
 
@@ -30,8 +23,8 @@ func (d *Daemon) Reload() error {
 		return errors.New("reload: the gateway is not running")
 	}
 	next := *d.live
-	if d.cfg.file != "" {
-		fresh, err := LoadConfig(d.cfg.file)
+	if d.cfg.Path() != "" {
+		fresh, err := config.Load(d.cfg.Path())
 		if err != nil {
 			return err
 		}
@@ -65,7 +58,7 @@ func (d *Daemon) Reload() error {
 
 // topicPolicies turns the config's topic rules into the broker's, warning
 // about sync rules, which a lone gateway cannot satisfy.
-func (d *Daemon) topicPolicies(rules []TopicRule) ([]mqtt.TopicPolicy, error) {
+func (d *Daemon) topicPolicies(rules []config.TopicRule) ([]mqtt.TopicPolicy, error) {
 	var topics []mqtt.TopicPolicy
 	for _, t := range rules {
 		mode, err := mqtt.ParseAckMode(t.Ack)
@@ -81,7 +74,7 @@ func (d *Daemon) topicPolicies(rules []TopicRule) ([]mqtt.TopicPolicy, error) {
 }
 
 // loadAccess reads the users and ACL files m names.
-func loadAccess(m MQTTConfig) (mqtt.Access, error) {
+func loadAccess(m config.MQTTConfig) (mqtt.Access, error) {
 	a := mqtt.Access{AllowAnonymous: m.AnonymousAllowed()}
 	var err error
 	if m.UsersFile != "" {
@@ -100,7 +93,7 @@ func loadAccess(m MQTTConfig) (mqtt.Access, error) {
 // mqttTLS converts the TLS settings, nil when the listener is off, and
 // reads the files once so that a missing or broken one stops the start
 // with its name (exit 2) rather than later.
-func mqttTLS(t TLSConfig) (*mqtt.TLSConfig, error) {
+func mqttTLS(t config.TLSConfig) (*mqtt.TLSConfig, error) {
 	if !t.Enabled() {
 		return nil, nil
 	}
@@ -117,7 +110,7 @@ func mqttTLS(t TLSConfig) (*mqtt.TLSConfig, error) {
 
 // mqttWebSocket converts the websocket settings, nil when the listener is
 // off.
-func mqttWebSocket(w WebSocketConfig) *mqtt.WebSocketConfig {
+func mqttWebSocket(w config.WebSocketConfig) *mqtt.WebSocketConfig {
 	if w.Listen == "" {
 		return nil
 	}
@@ -125,7 +118,7 @@ func mqttWebSocket(w WebSocketConfig) *mqtt.WebSocketConfig {
 }
 
 // mqttLimits converts the limits of the mqtt section.
-func mqttLimits(m MQTTConfig) mqtt.Limits {
+func mqttLimits(m config.MQTTConfig) mqtt.Limits {
 	return mqtt.Limits{
 		MaxClients:     m.MaxClients,
 		MaxTopicLength: m.MaxTopicLength,
@@ -137,63 +130,9 @@ func mqttLimits(m MQTTConfig) mqtt.Limits {
 	}
 }
 
-// newPasswdCmd is `tandem passwd USER`: it prints the users-file line for
-// USER with the password read from the terminal (asked twice) or, when
-// stdin is not a terminal, from the first line of stdin.
-func newPasswdCmd() *cobra.Command {
-	var cost int
-	cmd := &cobra.Command{
-		Use:   "passwd USER",
-		Short: "Print a users-file line (user:bcrypt-hash) for USER",
-		Long: "Print the line for mqtt.users_file that gives USER a password: user:bcrypt-hash. " +
-			"The password is asked twice on a terminal, or read from the first line of stdin, so it never appears in the process list or shell history. " +
-			"Append the line to the users file and send the daemon SIGHUP (systemctl reload tandem).",
-		Example: "  tandem passwd sensor-12 >> /etc/tandem/users\n  printf '%s\\n' \"$PW\" | tandem passwd sensor-12",
-		Args:    cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := mqtt.CheckUserName(args[0]); err != nil {
-				return usageError{err}
-			}
-			pw, err := readPassword(cmd.InOrStdin(), cmd.ErrOrStderr())
-			if err != nil {
-				return usageError{err}
-			}
-			line, err := mqtt.HashPassword(args[0], pw, cost)
-			if err != nil {
-				return usageError{err}
-			}
-			fmt.Fprintln(cmd.OutOrStdout(), line)
-			return nil
-		},
-	}
-	cmd.Flags().IntVar(&cost, "cost", bcrypt.DefaultCost, "bcrypt cost (4-31): each step doubles the time a login takes, on the gateway too")
-	return cmd
-}
-
-// readPassword reads a password: from a terminal without echo, twice; from
-// anything else, the first line.
-func readPassword(in io.Reader, prompt io.Writer) ([]byte, error) {
-	if f, ok := in.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
-		fmt.Fprint(prompt, "Password: ")
-		pw, err := term.ReadPassword(int(f.Fd()))
-		fmt.Fprintln(prompt)
-		if err != nil {
-			return nil, err
-		}
-		fmt.Fprint(prompt, "Again: ")
-		again, err := term.ReadPassword(int(f.Fd()))
-		fmt.Fprintln(prompt)
-		if err != nil {
-			return nil, err
-		}
-		if string(pw) != string(again) {
-			return nil, errors.New("the passwords differ")
-		}
-		return pw, nil
-	}
-	line, err := bufio.NewReader(in).ReadString('\n')
-	if err != nil && !(errors.Is(err, io.EOF) && line != "") {
-		return nil, errors.New("no password on stdin")
-	}
-	return []byte(strings.TrimRight(line, "\r\n")), nil
+// liveConfig is the configuration in force: cfg, then each reload's.
+func (d *Daemon) liveConfig() *config.Config {
+	d.reloadMu.Lock()
+	defer d.reloadMu.Unlock()
+	return d.live
 }

@@ -16,21 +16,23 @@ import (
 
 	"github.com/eclipse/paho.golang/paho"
 
+	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/storage"
 )
 
 // inspectLog runs `tandem inspect` on a stopped gateway's data dir.
-func inspectLog(t *testing.T, dir string) []InspectRecord {
+func inspectLog(t *testing.T, dir string) []inspectLine {
 	t.Helper()
 	code, out, errOut := runMain(t, "inspect", "--data", dir)
 	if code != 0 {
 		t.Fatalf("inspect: exit %d: %s", code, errOut)
 	}
-	var recs []InspectRecord
+	var recs []inspectLine
 	sc := bufio.NewScanner(strings.NewReader(out))
 	sc.Buffer(nil, 1<<20)
 	for sc.Scan() {
-		var r InspectRecord
+		var r inspectLine
 		if err := json.Unmarshal(sc.Bytes(), &r); err != nil {
 			t.Fatalf("inspect line %q: %v", sc.Text(), err)
 		}
@@ -47,7 +49,7 @@ func TestRetentionKeepsTheDataDirWithinBudget(t *testing.T) {
 	const budget = 8 << 20
 	const clients, each, size = 4, 6144, 1 << 10 // 24MiB in all
 	dir := t.TempDir()
-	withBudget := func(c *Config) { c.Storage.MaxBytes = budget }
+	withBudget := func(c *config.Config) { c.Storage.MaxBytes = budget }
 	d := testGateway(t, dir, withBudget)
 
 	var peak atomic.Int64
@@ -95,7 +97,7 @@ func TestRetentionKeepsTheDataDirWithinBudget(t *testing.T) {
 	}
 	// One more checkpoint's worth of time for the last drops: wait for
 	// the first index to settle past the start rather than sleeping.
-	waitFor(t, 10*time.Second, "records dropped", func() bool { return statusOfGW(t, d).Log.FirstIndex > 1 })
+	testutil.WaitFor(t, 10*time.Second, "records dropped", func() bool { return statusOfGW(t, d).Log.FirstIndex > 1 })
 	close(stop)
 	<-sampled
 	s := statusOfGW(t, d)
@@ -111,9 +113,8 @@ func TestRetentionKeepsTheDataDirWithinBudget(t *testing.T) {
 	if s.Storage.OldestAgeSeconds <= 0 || s.Storage.OldestAgeSeconds > 600 {
 		t.Errorf("oldest_age_seconds %v", s.Storage.OldestAgeSeconds)
 	}
-	var out strings.Builder
-	if err := writeStatus(&out, s); err != nil || !strings.Contains(out.String(), "budget 8.0 MiB") || !strings.Contains(out.String(), "records dropped") {
-		t.Errorf("tandem status: %v\n%s", err, out.String())
+	if code, out, errOut := runMain(t, "status", "--http", d.HTTPAddr()); code != ExitOK || !strings.Contains(out, "budget 8.0 MiB") || !strings.Contains(out, "records dropped") {
+		t.Errorf("tandem status: exit %d %s\n%s", code, errOut, out)
 	}
 	first := s.Log.FirstIndex
 	d.Stop()
@@ -176,13 +177,13 @@ func TestRetentionKeepsTheDataDirWithinBudget(t *testing.T) {
 // max_age drops records older than it even with no publish to trigger a
 // checkpoint, and keeps the younger ones.
 func TestRetentionDropsRecordsPastMaxAge(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) { c.Storage.MaxAge = Duration(time.Second) })
+	d := testGateway(t, t.TempDir(), func(c *config.Config) { c.Storage.MaxAge = config.Duration(time.Second) })
 	pub, _ := v5(t, d.MQTTAddr(), "aging", nil)
 	for i := range 50 {
 		publish(t, pub, &paho.Publish{Topic: "age/old", QoS: 1, Payload: fmt.Appendf(nil, "old %d", i)})
 	}
 	oldLast := statusOfGW(t, d).Log.LastIndex
-	waitFor(t, 15*time.Second, "records past max_age dropped", func() bool {
+	testutil.WaitFor(t, 15*time.Second, "records past max_age dropped", func() bool {
 		return statusOfGW(t, d).Log.FirstIndex > oldLast
 	})
 	for _, r := range logRecords(t, d) {
@@ -206,11 +207,11 @@ func TestRetentionDropsRecordsPastMaxAge(t *testing.T) {
 // it drops and takes publishes again.
 func TestRetentionRefusesWhatAStoppedSlaveLacks(t *testing.T) {
 	const budget = 8 << 20
-	withBudget := func(c *Config) { c.Storage.MaxBytes = budget }
+	withBudget := func(c *config.Config) { c.Storage.MaxBytes = budget }
 	g1 := clusterGateway(t, "gw-1", withBudget)
 	g2 := clusterGateway(t, "gw-2", withBudget)
 	joinWith(t, g2, inviteToken(t, g1))
-	waitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
 		v, l, ok := shape(statusOfGW(t, g1))
 		return v == 0 && l == 1 && ok
 	})
@@ -256,8 +257,8 @@ func TestRetentionRefusesWhatAStoppedSlaveLacks(t *testing.T) {
 
 	// The slave comes back: it catches up, the master drops and takes
 	// publishes again.
-	g2 = testGateway(t, slaveDir, func(c *Config) { clusterTestConfig(c, "gw-2"); withBudget(c) })
-	waitFor(t, 30*time.Second, "the master to drop once the slave caught up", func() bool {
+	g2 = testGateway(t, slaveDir, func(c *config.Config) { clusterTestConfig(c, "gw-2"); withBudget(c) })
+	testutil.WaitFor(t, 30*time.Second, "the master to drop once the slave caught up", func() bool {
 		s := statusOfGW(t, g1)
 		return !s.Storage.Refusing && s.Log.FirstIndex > slaveLast+1
 	})

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/eclipse/paho.golang/paho"
+
+	"github.com/tandem-edge/tandem/config"
 )
 
 // mqttConn is a raw client speaking 3.1.1 (version 4) or 5, for packets
@@ -143,9 +145,9 @@ func TestUndeliverablePublishesDoNotStopTheLog(t *testing.T) {
 // A QoS 2 publish whose ack failed must not be acked later by mochi's resend
 // of its session's in-flight PUBRECs.
 func TestFailedQoS2IsNotResentAsSuccess(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) {
-		c.Cluster.SyncTimeout = Duration(200 * time.Millisecond)
-		c.Topics = []TopicRule{{Match: "s/#", Ack: "sync"}}
+	d := testGateway(t, t.TempDir(), func(c *config.Config) {
+		c.Cluster.SyncTimeout = config.Duration(200 * time.Millisecond)
+		c.Topics = []config.TopicRule{{Match: "s/#", Ack: "sync"}}
 	})
 	c, _ := dialVersion(t, d.MQTTAddr(), "stale", false, 4)
 	c.pub("s/1", 2, false, 9, nil, "x")
@@ -166,9 +168,9 @@ func TestFailedQoS2IsNotResentAsSuccess(t *testing.T) {
 // be logged, not mistaken for a resend.
 func TestStaleQoS2MarkerDoesNotSwallowANewPublish(t *testing.T) {
 	dir := t.TempDir()
-	slowTick := func(c *Config) {
-		c.Cluster.Heartbeat = Duration(5 * time.Second) // no idle flush in between
-		c.Cluster.ElectionTimeout = Duration(11 * time.Second)
+	slowTick := func(c *config.Config) {
+		c.Cluster.Heartbeat = config.Duration(5 * time.Second) // no idle flush in between
+		c.Cluster.ElectionTimeout = config.Duration(11 * time.Second)
 	}
 	d := testGateway(t, dir, slowTick)
 	c, _ := dialVersion(t, d.MQTTAddr(), "q2c", false, 4)
@@ -216,10 +218,10 @@ func copyTestFile(t *testing.T, src, dst string) {
 // Receive Maximum covers QoS 1 and 2 only: a QoS 0 publish at the maximum is
 // fine; one more QoS 1 is a protocol violation (0x93).
 func TestReceiveMaximumCountsOnlyQoS1And2(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) {
-		c.Cluster.SyncTimeout = Duration(3 * time.Second)
+	d := testGateway(t, t.TempDir(), func(c *config.Config) {
+		c.Cluster.SyncTimeout = config.Duration(3 * time.Second)
 		c.MQTT.MaxInflight = 2
-		c.Topics = []TopicRule{{Match: "s/#", Ack: "sync"}}
+		c.Topics = []config.TopicRule{{Match: "s/#", Ack: "sync"}}
 	})
 	c, _ := dialVersion(t, d.MQTTAddr(), "rm", true, 5)
 	c.pub("s/1", 1, false, 1, nil, "x")
@@ -281,7 +283,7 @@ func TestTopicAliases(t *testing.T) {
 // their PUBREL when its connection dropped may resend those publishes (DUP)
 // after it reconnects: a resend is owed already and does not count again.
 func TestResendWithFullWindowIsAnswered(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) { c.MQTT.MaxInflight = 2 })
+	d := testGateway(t, t.TempDir(), func(c *config.Config) { c.MQTT.MaxInflight = 2 })
 	c, _ := dialVersion(t, d.MQTTAddr(), "full", false, 5)
 	c.pub("w/1", 2, false, 1, nil, "one")
 	c.expect(0x50, 1)

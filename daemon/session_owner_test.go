@@ -3,13 +3,15 @@ package daemon
 import (
 	"path/filepath"
 	"testing"
+
+	"github.com/tandem-edge/tandem/config"
 )
 
 // A client id belongs to the user whose session holds it: another user (or
 // an anonymous client) presenting it would inherit that session's
 // subscriptions and in-flight messages, and kick its owner off.
 func TestClientIDOfAnotherUsersSessionRefused(t *testing.T) {
-	d, _ := startGateway(t, func(c *Config) {
+	d, _ := startGateway(t, func(c *config.Config) {
 		c.MQTT.AllowAnonymous = true
 		c.MQTT.UsersFile = usersFile(t, filepath.Join(t.TempDir(), "users"), "alice", "pw-a", "bob", "pw-b")
 	})

@@ -15,6 +15,9 @@ import (
 
 	"github.com/coder/websocket"
 	"github.com/eclipse/paho.golang/paho"
+
+	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // countingSub is an MQTT 5 subscriber with a given Receive Maximum that
@@ -146,7 +149,7 @@ func assertAnswersAndStops(t *testing.T, d *Daemon) {
 // window of 64, stopped every ack and delivery within a few hundred
 // messages. Here it takes every message, and the gateway still answers.
 func TestSmallReceiveMaximumSubscriberDoesNotStopTheGateway(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) { c.MQTT.MaxInflight = 1024 })
+	d := testGateway(t, t.TempDir(), func(c *config.Config) { c.MQTT.MaxInflight = 1024 })
 	total := 100_000
 	if raceEnabled {
 		total = 20_000 // the race detector's cost; the same paths run
@@ -174,7 +177,7 @@ func TestSmallReceiveMaximumSubscriberDoesNotStopTheGateway(t *testing.T) {
 			t.Fatalf("publisher %d: %v", p, err)
 		}
 	}
-	waitFor(t, 60*time.Second, "every message at the subscriber", func() bool { return sub.missing(total) == 0 })
+	testutil.WaitFor(t, 60*time.Second, "every message at the subscriber", func() bool { return sub.missing(total) == 0 })
 	assertAnswersAndStops(t, d)
 }
 
@@ -199,7 +202,7 @@ func TestPublishingToOwnSubscriptionAtWindow64(t *testing.T) {
 			if err := pipelinedPublisher(cs.c, topic, qos, 64, 0, n); err != nil {
 				t.Fatal(err)
 			}
-			waitFor(t, 30*time.Second, "every message back", func() bool { return cs.missing(n) == 0 })
+			testutil.WaitFor(t, 30*time.Second, "every message back", func() bool { return cs.missing(n) == 0 })
 			cs.mu.Lock()
 			for k, c := range cs.seen {
 				if qos == 2 && c != 1 {
@@ -217,7 +220,7 @@ func TestPublishingToOwnSubscriptionAtWindow64(t *testing.T) {
 // MQTT 5 and 3.1.1; afterwards the gateway still acks, delivers, answers
 // status and stops.
 func TestClientChaos(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) {
+	d := testGateway(t, t.TempDir(), func(c *config.Config) {
 		c.MQTT.ConnectRate, c.MQTT.ConnectBurst = 10000, 10000 // the chaos connects faster than a device
 	})
 	seed := time.Now().UnixNano()
@@ -246,7 +249,7 @@ func TestClientChaos(t *testing.T) {
 	}
 	// The mochi-based layer's in-flight gauge went negative after queued
 	// messages were delivered to reconnecting sessions.
-	waitFor(t, 10*time.Second, "the chaos clients to be gone", func() bool { return d.broker.Clients() == 0 })
+	testutil.WaitFor(t, 10*time.Second, "the chaos clients to be gone", func() bool { return d.broker.Clients() == 0 })
 	if n := d.broker.Inflight(); n < 0 {
 		t.Fatalf("in-flight gauge %d after the chaos", n)
 	}
@@ -296,7 +299,7 @@ func chaosRound(addr string, rng *rand.Rand, ops *atomic.Int64) {
 // and log: a publish over it is acked, logged and delivered to a TCP
 // subscriber.
 func TestWebSocketListenerFromConfig(t *testing.T) {
-	d := testGateway(t, t.TempDir(), func(c *Config) { c.MQTT.WebSocket.Listen = "127.0.0.1:0" })
+	d := testGateway(t, t.TempDir(), func(c *config.Config) { c.MQTT.WebSocket.Listen = "127.0.0.1:0" })
 	if d.MQTTWSAddr() == "" {
 		t.Fatal("no websocket listener")
 	}
@@ -356,7 +359,7 @@ func TestPersistentSessionMovesToAnotherMember(t *testing.T) {
 		t.Fatal(err)
 	}
 	send(3, 8) // while the device is away
-	waitFor(t, 10*time.Second, "gw-2 to apply the whole log", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "gw-2 to apply the whole log", func() bool {
 		return statusOfGW(t, g2).Log.AppliedIndex >= statusOfGW(t, g1).Log.LastIndex
 	})
 	conn, err := net.DialTimeout("tcp", g2.MQTTAddr(), 5*time.Second)
@@ -444,12 +447,12 @@ func TestUnackedMessagesFollowTheSessionToAnotherMember(t *testing.T) {
 	}
 	// The cursors replicate every 100 ms while the device is connected:
 	// wait for one round past the deliveries, then kill the connection.
-	waitFor(t, 10*time.Second, "gw-2 to apply the whole log", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "gw-2 to apply the whole log", func() bool {
 		last := statusOfGW(t, g1).Log.LastIndex
 		return statusOfGW(t, g2).Log.AppliedIndex >= last && last > 0
 	})
 	c1.Disconnect(&paho.Disconnect{ReasonCode: 0x04}) // in flight: u0..u3
-	waitFor(t, 10*time.Second, "gw-2 to apply the disconnect", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "gw-2 to apply the disconnect", func() bool {
 		return statusOfGW(t, g2).Log.AppliedIndex >= statusOfGW(t, g1).Log.LastIndex && g1.broker.Clients() == 1
 	})
 	moved := make(chan *paho.Publish, 16)
@@ -481,7 +484,7 @@ func TestTakeOverAcrossMembers(t *testing.T) {
 	}
 	// Its start is in the log (forwarded by gw-2 to the master), applied
 	// on both, before the second connects.
-	waitFor(t, 10*time.Second, "the start in the log, applied on gw-2", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "the start in the log, applied on gw-2", func() bool {
 		started := false
 		for _, r := range logRecords(t, g1) {
 			started = started || (r.Topic == "$tandem/session" && r.ClientID == "twice")

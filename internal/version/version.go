@@ -67,7 +67,7 @@ func tagVersion(tag string) string {
 }
 
 // Unset are the values of the linker-set variables when the build did not
-// set them (a plain go build): daemon.Version and daemon.Commit.
+// set them (a plain go build): Version and Commit.
 const (
 	UnsetVersion = "dev"
 	UnsetCommit  = "unknown"

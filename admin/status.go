@@ -1,0 +1,107 @@
+package admin
+
+import "time"
+
+// Status is the status JSON of the contract (GET /v1/status, `tandem status
+// --json`). Field names are stable; fields may be added.
+type Status struct {
+	Node    StatusNode     `json:"node"`
+	Role    string         `json:"role"`
+	Term    uint64         `json:"term"`
+	Leader  *StatusNodeRef `json:"leader"`
+	Members []StatusMember `json:"members"`
+	Log     StatusLog      `json:"log"`
+	Disk    StatusDisk     `json:"disk"`
+	MQTT    StatusMQTT     `json:"mqtt"`
+	Pairing StatusPairing  `json:"pairing"`
+	Storage StatusStorage  `json:"storage"`
+	Cluster StatusCluster  `json:"cluster"`
+}
+
+// StatusCluster names the cluster this gateway belongs to.
+type StatusCluster struct {
+	ID         string `json:"id"`
+	Generation uint64 `json:"generation"`
+	// TopicsHash is this gateway's topic rules hash; members whose
+	// TopicsMatch is false have other rules.
+	TopicsHash string   `json:"topics_hash"`
+	PeerAddrs  []string `json:"peer_addrs"`
+	// Requeued counts the records this node re-published since it
+	// started; RequeuePending those still waiting to be.
+	Requeued       uint64 `json:"requeued"`
+	RequeuePending int    `json:"requeue_pending"`
+}
+
+// StatusNode identifies the gateway answering.
+type StatusNode struct {
+	ID      string `json:"id"`
+	Name    string `json:"name"`
+	Version string `json:"version"`
+}
+
+// StatusNodeRef names another node.
+type StatusNodeRef struct {
+	ID   string `json:"id"`
+	Name string `json:"name"`
+}
+
+// StatusMember is one other member of the cluster.
+type StatusMember struct {
+	ID         string  `json:"id"`
+	Name       string  `json:"name"`
+	Addr       string  `json:"addr"`
+	Role       string  `json:"role"`
+	Voter      bool    `json:"voter"`
+	Reachable  bool    `json:"reachable"`
+	MatchIndex uint64  `json:"match_index"`
+	LagRecords uint64  `json:"lag_records"`
+	LagSeconds float64 `json:"lag_seconds"`
+	// TopicsMatch is false when the member's topic rules differ from
+	// this gateway's; nil while unknown.
+	TopicsMatch *bool `json:"topics_match"`
+}
+
+// StatusLog gives the log's bounds.
+type StatusLog struct {
+	FirstIndex   uint64 `json:"first_index"`
+	LastIndex    uint64 `json:"last_index"`
+	CommitIndex  uint64 `json:"commit_index"`
+	AppliedIndex uint64 `json:"applied_index"`
+}
+
+// StatusDisk gives the data file's use of the disk.
+type StatusDisk struct {
+	UsedBytes   int64  `json:"used_bytes"`
+	FreeBytes   uint64 `json:"free_bytes"`
+	BudgetBytes uint64 `json:"budget_bytes"`
+}
+
+// StatusMQTT counts the broker's clients.
+type StatusMQTT struct {
+	Clients  int64 `json:"clients"`
+	Inflight int64 `json:"inflight"`
+}
+
+// StatusPairing says whether pairing is open.
+type StatusPairing struct {
+	Open    bool       `json:"open"`
+	Expires *time.Time `json:"expires"`
+}
+
+// StatusStorage counts the durable writes of the log (WAL appends and
+// checkpoints into the data file) and the fdatasyncs they cost.
+//
+// The rest is retention's view: UsedBytes is the whole data dir (WAL and
+// data file), BudgetBytes storage.max_bytes, OldestAgeSeconds the age of the
+// oldest record kept (0 when none), DroppedRecords what retention dropped
+// since start, and Refusing is true while the log is over its budget with
+// only records a member still lacks (or not yet applied) left to drop.
+type StatusStorage struct {
+	Commits          uint64  `json:"commits"`
+	Fsyncs           uint64  `json:"fsyncs"`
+	UsedBytes        int64   `json:"used_bytes"`
+	BudgetBytes      int64   `json:"budget_bytes"`
+	OldestAgeSeconds float64 `json:"oldest_age_seconds"`
+	DroppedRecords   uint64  `json:"dropped_records"`
+	Refusing         bool    `json:"refusing"`
+}

@@ -1,0 +1,113 @@
+package cli
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+	"github.com/tandem-edge/tandem/admin"
+)
+
+// defaultHTTP is where the CLI finds the daemon when told nothing else:
+// DefaultConfig's http.listen.
+const defaultHTTP = "127.0.0.1:7880"
+
+// newStatusCmd is `tandem status`.
+func newStatusCmd() *cobra.Command {
+	var af apiFlags
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "status",
+		Short: "Show the running gateway's status",
+		Long: "Show the running gateway's status: node, role, term and master, the other members with their lag,\n" +
+			"the log's indexes, disk use and connected clients. It asks the daemon over its HTTP listener\n" +
+			"(--http, or http.listen of --config, default " + defaultHTTP + ").",
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			addr, body, err := af.getStatus()
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				_, err = cmd.OutOrStdout().Write(body)
+				return err
+			}
+			var s admin.Status
+			if err := json.Unmarshal(body, &s); err != nil {
+				return fmt.Errorf("the daemon at %s answered with a status this version cannot read: %w", addr, err)
+			}
+			return writeStatus(cmd.OutOrStdout(), &s)
+		},
+	}
+	af.add(cmd)
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the status JSON as the daemon serves it")
+	return cmd
+}
+
+// writeStatus prints s for a person: this node first, then the members.
+func writeStatus(w io.Writer, s *admin.Status) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	leader := "none"
+	if s.Leader != nil {
+		leader = admin.NameOr(s.Leader.Name, s.Leader.ID) + " (" + admin.ShortID(s.Leader.ID) + ")"
+	}
+	fmt.Fprintf(tw, "node\t%s (%s), tandem %s\n", s.Node.Name, admin.ShortID(s.Node.ID), s.Node.Version)
+	fmt.Fprintf(tw, "role\t%s, term %d\n", s.Role, s.Term)
+	fmt.Fprintf(tw, "master\t%s\n", leader)
+	fmt.Fprintf(tw, "log\tfirst %d, last %d, committed %d, applied %d\n", s.Log.FirstIndex, s.Log.LastIndex, s.Log.CommitIndex, s.Log.AppliedIndex)
+	disk := fmt.Sprintf("%s used, %s free", admin.FormatBytes(uint64(max(s.Disk.UsedBytes, 0))), admin.FormatBytes(s.Disk.FreeBytes))
+	if s.Disk.BudgetBytes > 0 {
+		disk += ", budget " + admin.FormatBytes(s.Disk.BudgetBytes)
+	}
+	if s.Storage.OldestAgeSeconds > 0 {
+		disk += ", oldest record " + (time.Duration(s.Storage.OldestAgeSeconds) * time.Second).String() + " old"
+	}
+	if s.Storage.DroppedRecords > 0 {
+		disk += fmt.Sprintf(", %d records dropped", s.Storage.DroppedRecords)
+	}
+	if s.Storage.Refusing {
+		disk += "; REFUSING PUBLISHES: over budget with only records a member lacks"
+	}
+	fmt.Fprintf(tw, "disk\t%s\n", disk)
+	fmt.Fprintf(tw, "clients\t%d connected, %d messages in flight\n", s.MQTT.Clients, s.MQTT.Inflight)
+	pairing := "closed"
+	if s.Pairing.Open {
+		pairing = "open"
+		if s.Pairing.Expires != nil {
+			pairing += " until " + s.Pairing.Expires.Local().Format(time.TimeOnly)
+		}
+	}
+	fmt.Fprintf(tw, "pairing\t%s\n", pairing)
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(w)
+	if len(s.Members) == 0 {
+		_, err := fmt.Fprintln(w, "members: none (a lone gateway)")
+		return err
+	}
+	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "MEMBER\tID\tROLE\tVOTER\tADDRESS\tREACHABLE\tMATCH\tLAG RECORDS\tLAG SECONDS")
+	for _, m := range s.Members {
+		reach := "yes"
+		if !m.Reachable {
+			reach = "no"
+			if s.Role != "master" {
+				reach = "?" // only the master hears from every member
+			}
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%.2f\n", admin.NameOr(m.Name, m.ID), admin.ShortID(m.ID), m.Role, yesNo(m.Voter),
+			admin.OrDash(m.Addr), reach, m.MatchIndex, m.LagRecords, m.LagSeconds)
+	}
+	return tw.Flush()
+}
+
+func yesNo(b bool) string {
+	if b {
+		return "yes"
+	}
+	return "no"
+}

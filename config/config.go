@@ -1,0 +1,475 @@
+package config
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"reflect"
+	"strconv"
+	"strings"
+	"time"
+
+	"gopkg.in/yaml.v3"
+)
+
+// Config is the whole of tandem.yaml. Start from DefaultConfig (Load
+// does) and call Validate after changing fields, e.g. from command-line flags.
+// Validate fills every zero field that has a default, so a partial file, an
+// explicit zero ("sync_timeout: 0s") and a Config built in code all mean the
+// documented defaults.
+type Config struct {
+	// Node names this gateway and says where its state lives.
+	Node NodeConfig `yaml:"node"`
+	// MQTT configures the broker devices talk to.
+	MQTT MQTTConfig `yaml:"mqtt"`
+	// Peer configures the listener for the other gateways of the cluster.
+	Peer PeerConfig `yaml:"peer"`
+	// HTTP configures the status, metrics and control API used by the CLI.
+	HTTP HTTPConfig `yaml:"http"`
+	// Log configures the daemon's own log output.
+	Log LogConfig `yaml:"log"`
+	// Cluster sets replication, election and failover timing.
+	Cluster ClusterConfig `yaml:"cluster"`
+	// Storage sets the log's flush policy and retention.
+	Storage StorageConfig `yaml:"storage"`
+	// Topics is the ordered list of ack rules: the first rule whose Match
+	// filter matches a publish's topic decides its ack mode, and a topic no
+	// rule matches is async. Order matters, so this is a list, not a map.
+	Topics []TopicRule `yaml:"topics"`
+	// Discovery configures mDNS advertising and browsing on the LAN.
+	Discovery DiscoveryConfig `yaml:"discovery"`
+
+	// file is the path Load read, which a reload (SIGHUP) reads again for
+	// the topic rules and the users and ACL files; "" for a Config that did
+	// not come from a file. Unexported so that it is no YAML key.
+	file string
+}
+
+// Path is the file Load read this Config from, which a reload (SIGHUP)
+// reads again; "" for a Config that did not come from a file.
+func (c *Config) Path() string { return c.file }
+
+// NodeConfig identifies the gateway.
+type NodeConfig struct {
+	// Name is the human name shown by status and `tandem peers`, advertised
+	// over mDNS and accepted by `tandem cluster remove`. Default: the host
+	// name (or "tandem" when it cannot be read), so gateways on one LAN tell
+	// themselves apart without configuration.
+	Name string `yaml:"name"`
+	// DataDir holds the log, the node key and metadata. Default
+	// "./tandem-data"; the packaged config sets /var/lib/tandem.
+	DataDir string `yaml:"data_dir"`
+}
+
+// MQTTConfig configures the embedded broker.
+type MQTTConfig struct {
+	// Listen is the plain-TCP MQTT listener, host:port. Default
+	// "127.0.0.1:1883": loopback, so an unconfigured gateway is not an open
+	// broker on the LAN.
+	Listen string `yaml:"listen"`
+	// TLS is an optional MQTT-over-TLS listener: on when TLS.CertFile is
+	// set (or TLS.Listen, which then needs it).
+	TLS TLSConfig `yaml:"tls"`
+	// AllowAnonymous accepts clients without credentials on a listener
+	// reachable from the network. Without it (the default) such a listener
+	// requires UsersFile. A loopback listener with no UsersFile accepts
+	// anonymous clients either way: that is what makes the zero-config
+	// standalone gateway usable.
+	AllowAnonymous bool `yaml:"allow_anonymous"`
+	// UsersFile holds one "user:bcrypt-hash" line per user, as printed by
+	// `tandem passwd`. With it, a client that gives a user name must give
+	// its password. Reloaded on SIGHUP.
+	UsersFile string `yaml:"users_file"`
+	// ACLFile holds the topic ACLs in Mosquitto's acl_file syntax; with it,
+	// whatever it does not grant is refused. Reloaded on SIGHUP.
+	ACLFile string `yaml:"acl_file"`
+	// MaxInflight is the receive maximum granted to each client: how many
+	// QoS 1 and 2 publishes it may have unacknowledged. Acks wait for an
+	// fsync (and a slave, on sync topics), so clients need a deep pipeline
+	// to reach full throughput. 1 to 65535; 0 means the default, 1024 (as
+	// mochi-mqtt).
+	MaxInflight int `yaml:"max_inflight"`
+	// MaxPacketSize bounds one MQTT packet; a client that sends a bigger
+	// one is disconnected (MQTT 5 clients learn the size from the CONNACK).
+	// Default 1MiB; at most 256MiB, MQTT's own limit.
+	MaxPacketSize ByteSize `yaml:"max_packet_size"`
+	// MaxClients caps the connected clients; one more is refused with
+	// CONNACK server busy (MQTT 3.1.1: server unavailable). Default 1000.
+	MaxClients int `yaml:"max_clients"`
+	// MaxTopicLength bounds a topic name or filter, in bytes. Default
+	// 1024. A PUBLISH over it disconnects its client (MQTT 5: DISCONNECT
+	// 0x90); a subscription over it is refused (SUBACK 0x8F, 3.1.1: 0x80).
+	MaxTopicLength int `yaml:"max_topic_length"`
+	// MaxTopicLevels bounds the levels of a topic name or filter, as
+	// MaxTopicLength. Default 32.
+	MaxTopicLevels int `yaml:"max_topic_levels"`
+	// ConnectRate is the connections per second one source address (IPv4
+	// address, IPv6 /64) may open on average; ConnectBurst how many it may
+	// open at once. Over it a connection is closed before it is read.
+	// Defaults 20 and 100; set them high to lift the limit.
+	ConnectRate float64 `yaml:"connect_rate"`
+	// ConnectBurst: see ConnectRate.
+	ConnectBurst int `yaml:"connect_burst"`
+	// KeepAliveMin and KeepAliveMax bound the keep-alive clients ask for,
+	// in whole seconds; 0 means no bound. An MQTT 5 client outside them is
+	// told the bound in its CONNACK; an MQTT 3.1.1 client cannot be, and is
+	// refused (CONNACK 0x02, as Mosquitto's max_keepalive). A keep-alive of
+	// 0 is above any maximum.
+	KeepAliveMin Duration `yaml:"keepalive_min"`
+	// KeepAliveMax: see KeepAliveMin.
+	KeepAliveMax Duration `yaml:"keepalive_max"`
+	// MaxSubscriptions caps the subscriptions of one client; a filter over
+	// it gets SUBACK 0x97 quota exceeded (3.1.1: 0x80). Default 1000.
+	MaxSubscriptions int `yaml:"max_subscriptions"`
+	// TopicAliasMaximum is how many topic aliases an MQTT 5 client may set
+	// (told in the CONNACK); an alias over it ends the connection (0x94).
+	// Default 100, at most 65535.
+	TopicAliasMaximum int `yaml:"topic_alias_maximum"`
+	// MaxQueued is how many messages a connected client's session holds
+	// in memory ready to send. Default 1000.
+	MaxQueued int `yaml:"max_queued"`
+	// QueueFull says what happens to a client that falls further behind
+	// than max_queued: read_log (the default) hands it the rest from the
+	// log as it catches up, slowing nobody else; disconnect ends its
+	// connection (MQTT 5: DISCONNECT 0x97), and a persistent session
+	// resumes from its cursor when it comes back.
+	QueueFull string `yaml:"queue_full"`
+	// WebSocket is an optional MQTT-over-WebSocket listener for browser
+	// dashboards, with the same users, ACLs and limits: on when
+	// WebSocket.Listen is set.
+	WebSocket WebSocketConfig `yaml:"websocket"`
+}
+
+// WebSocketConfig holds the settings of the MQTT-over-WebSocket listener
+// (subprotocol "mqtt", any path).
+type WebSocketConfig struct {
+	// Listen is the listener's host:port; "" (the default) means none.
+	Listen string `yaml:"listen"`
+	// TLS serves wss:// with mqtt.tls's certificate and key.
+	TLS bool `yaml:"tls"`
+	// Origins are the browser origins (host patterns such as
+	// "dash.example.com" or "*.example.com") whose pages may connect,
+	// besides the listener's own host: a page of any other site is
+	// refused, so a web page cannot reach a gateway through its visitor's
+	// browser.
+	Origins []string `yaml:"origins,omitempty"`
+}
+
+// AnonymousAllowed reports whether the broker should accept clients without
+// credentials: when AllowAnonymous says so, and also when there is no
+// UsersFile at all, which Validate permits only on loopback listeners (the
+// zero-config standalone gateway). AllowAnonymous alone is not the answer.
+func (m MQTTConfig) AnonymousAllowed() bool {
+	return m.AllowAnonymous || m.UsersFile == ""
+}
+
+// TLSConfig holds the settings of the MQTT-over-TLS listener.
+type TLSConfig struct {
+	// Listen is the TLS listener's host:port. Default ":8883" once
+	// CertFile is set; the listener is off without CertFile.
+	Listen string `yaml:"listen"`
+	// CertFile is the PEM server certificate (chain). Its contents are
+	// read again on SIGHUP, so a renewed certificate needs no restart.
+	CertFile string `yaml:"cert_file"`
+	// KeyFile is the PEM private key of CertFile.
+	KeyFile string `yaml:"key_file"`
+	// CAFile is a PEM bundle of the CAs that sign client certificates; a
+	// client certificate that is presented must chain to one of them.
+	CAFile string `yaml:"ca_file"`
+	// RequireClientCert refuses, in the TLS handshake, clients without a
+	// valid certificate from CAFile (expired and untrusted ones included).
+	// Such a listener needs no users_file: the certificate is the
+	// credential.
+	RequireClientCert bool `yaml:"require_client_cert"`
+	// UseIdentityAsUsername makes a client certificate's common name the
+	// client's user name for the ACLs, with no password asked, as
+	// Mosquitto's use_identity_as_username. Needs RequireClientCert.
+	UseIdentityAsUsername bool `yaml:"use_identity_as_username"`
+	// MinVersion is the oldest TLS version accepted: 1.2 (default) or 1.3.
+	MinVersion string `yaml:"min_version"`
+}
+
+// Enabled reports whether the TLS listener is configured.
+func (t TLSConfig) Enabled() bool { return t.Listen != "" || t.CertFile != "" }
+
+// PeerConfig configures the gateway-to-gateway (raft) listener.
+type PeerConfig struct {
+	// Listen is the peer listener, host:port. Default "127.0.0.1:7883":
+	// loopback, as every embedded default is, so that a gateway tried out
+	// on a laptop opens nothing to the LAN; sibling gateways need it on
+	// the LAN (":7883", as the packaged config sets). Only pinned member
+	// certificates and join tokens are accepted there.
+	Listen string `yaml:"listen"`
+	// Advertise lists the host:port addresses other gateways should dial,
+	// for when the listener's own address is not reachable as is (NAT,
+	// several interfaces). Empty means the addresses found at run time.
+	Advertise []string `yaml:"advertise"`
+}
+
+// HTTPConfig configures the HTTP API (status, metrics, cluster commands).
+type HTTPConfig struct {
+	// Listen is the HTTP listener, host:port. Default "127.0.0.1:7880": the
+	// API can change the cluster, so it stays on loopback unless configured.
+	Listen string `yaml:"listen"`
+	// TokenFile holds the bearer token the API's mutating endpoints
+	// require (its first line). "" means the token the daemon writes into
+	// the data dir at first start (http-token, mode 0600), which the CLI
+	// finds through --config or --data.
+	TokenFile string `yaml:"token_file"`
+	// AllowedHosts are host names, besides loopback, this machine's name
+	// and the address a request arrives at, that requests may name in
+	// their Host header: the names a remote Prometheus or browser uses.
+	// Any other name is refused, so that a DNS-rebinding web page cannot
+	// reach the API under its own domain.
+	AllowedHosts []string `yaml:"allowed_hosts"`
+}
+
+// LogConfig configures the daemon's log.
+type LogConfig struct {
+	// Level is the least severe level logged: debug, info, warn or error.
+	// Default info.
+	Level string `yaml:"level"`
+	// Format is text (default, for the journal and a terminal) or json (for
+	// log shippers).
+	Format string `yaml:"format"`
+}
+
+// ClusterConfig sets replication and failover behaviour.
+type ClusterConfig struct {
+	// Failover is manual (default: a 2-gateway slave waits for `tandem
+	// promote`) or auto (it promotes itself after FailoverAfter of silence,
+	// at the risk of a split brain that the rejoin rule later repairs).
+	// 3-gateway clusters always elect automatically.
+	Failover string `yaml:"failover"`
+	// FailoverAfter is how long nothing at all (no append, heartbeat or
+	// request) must arrive from the master before an auto failover probes
+	// it; only a master that does not answer the probe is replaced
+	// (cluster/promote.go: checkFailover). Default 10s.
+	FailoverAfter Duration `yaml:"failover_after"`
+	// SyncTimeout is how long a sync publish waits for its replicas before
+	// it is refused (MQTT 5) or its client disconnected (MQTT 3.1.1).
+	// Default 5s.
+	SyncTimeout Duration `yaml:"sync_timeout"`
+	// MinSyncReplicas is how many slaves must hold a sync record on disk
+	// before it is acked: 1 or 2, as a cluster has at most 3 gateways.
+	// 0 means the default, 1.
+	MinSyncReplicas int `yaml:"min_sync_replicas"`
+	// Heartbeat is the master's heartbeat interval, raft's tick. Default
+	// 100ms.
+	Heartbeat Duration `yaml:"heartbeat"`
+	// ElectionTimeout is how long a voter waits without hearing the master
+	// before it starts an election. It must exceed twice Heartbeat, or one
+	// late heartbeat would start an election. Default 1s.
+	ElectionTimeout Duration `yaml:"election_timeout"`
+}
+
+// DefaultMaxBytes is storage.max_bytes when the config does not set it;
+// the packaged config sets 1GiB.
+const DefaultMaxBytes ByteSize = 256 << 20
+
+// MinMaxBytes is the least storage.max_bytes accepted.
+const MinMaxBytes ByteSize = 8 << 20
+
+// StorageConfig sets the log's durability and retention.
+type StorageConfig struct {
+	// Flush is always (default: fsync each batch before acking it) or
+	// interval (RocketMQ's ASYNC_FLUSH: ack once the batch is written, fsync
+	// every FlushInterval; a process crash loses nothing, a power cut up to
+	// one interval of acked records).
+	Flush string `yaml:"flush"`
+	// FlushInterval is the fsync period when Flush is interval; it is
+	// ignored otherwise. Default 200ms.
+	FlushInterval Duration `yaml:"flush_interval"`
+	// MaxBytes is the data dir's budget (WAL and data file): the log drops
+	// its oldest records, whole runs at a time, to stay within it plus
+	// storage.RetentionSlack (2MiB), never what a member still lacks.
+	// Default 256MiB; at least 8MiB (the WAL and bbolt's reserve take 4).
+	MaxBytes ByteSize `yaml:"max_bytes"`
+	// MaxAge drops records older than this, whole runs at a time (a run is
+	// a few KiB of records). 0 means records are kept whatever their age.
+	MaxAge Duration `yaml:"max_age"`
+}
+
+// TopicRule gives the ack mode of the topics one MQTT filter matches.
+type TopicRule struct {
+	// Match is an MQTT topic filter; + and # wildcards allowed.
+	Match string `yaml:"match"`
+	// Ack is sync (acked once min_sync_replicas slaves have the record on
+	// disk) or async (acked once the master has it on disk). Required.
+	Ack string `yaml:"ack"`
+}
+
+// DiscoveryConfig configures mDNS.
+type DiscoveryConfig struct {
+	// MDNS turns on advertising and browsing. Default false: a daemon never
+	// multicasts unless it serves a LAN; the packaged config turns it on.
+	MDNS bool `yaml:"mdns"`
+	// Interface restricts mDNS to one network interface; "" means all.
+	Interface string `yaml:"interface"`
+}
+
+// DefaultConfig returns the configuration of `tandem run` with no config file
+// and no flags: a standalone gateway on loopback.
+func DefaultConfig() *Config {
+	c := &Config{}
+	c.setDefaults()
+	return c
+}
+
+// setDefaults is shared by DefaultConfig and Validate so that the two can
+// never disagree about a default.
+func (c *Config) setDefaults() {
+	setDefaultIfZero(&c.Node.Name, defaultNodeName())
+	setDefaultIfZero(&c.Node.DataDir, "./tandem-data")
+	setDefaultIfZero(&c.MQTT.Listen, "127.0.0.1:1883")
+	setDefaultIfZero(&c.MQTT.MaxInflight, 1024)
+	setDefaultIfZero(&c.MQTT.MaxPacketSize, 1<<20)
+	setDefaultIfZero(&c.MQTT.MaxClients, 1000)
+	setDefaultIfZero(&c.MQTT.MaxTopicLength, 1024)
+	setDefaultIfZero(&c.MQTT.MaxTopicLevels, 32)
+	setDefaultIfZero(&c.MQTT.ConnectRate, 20)
+	setDefaultIfZero(&c.MQTT.ConnectBurst, 100)
+	if c.MQTT.TLS.CertFile != "" {
+		// A certificate is the sign that TLS is wanted; 8883 is MQTT's
+		// registered TLS port.
+		setDefaultIfZero(&c.MQTT.TLS.Listen, ":8883")
+	}
+	if c.MQTT.TLS.Enabled() {
+		setDefaultIfZero(&c.MQTT.TLS.MinVersion, "1.2")
+	}
+	setDefaultIfZero(&c.Peer.Listen, "127.0.0.1:7883")
+	setDefaultIfZero(&c.HTTP.Listen, "127.0.0.1:7880")
+	setDefaultIfZero(&c.Log.Level, "info")
+	setDefaultIfZero(&c.Log.Format, "text")
+	setDefaultIfZero(&c.Cluster.Failover, "manual")
+	setDefaultIfZero(&c.Cluster.FailoverAfter, Duration(10*time.Second))
+	setDefaultIfZero(&c.Cluster.SyncTimeout, Duration(5*time.Second))
+	setDefaultIfZero(&c.Cluster.MinSyncReplicas, 1)
+	setDefaultIfZero(&c.Cluster.Heartbeat, Duration(100*time.Millisecond))
+	setDefaultIfZero(&c.Cluster.ElectionTimeout, Duration(time.Second))
+	setDefaultIfZero(&c.Storage.Flush, "always")
+	setDefaultIfZero(&c.Storage.FlushInterval, Duration(200*time.Millisecond))
+	setDefaultIfZero(&c.Storage.MaxBytes, DefaultMaxBytes)
+}
+
+func setDefaultIfZero[T comparable](p *T, def T) {
+	var zero T
+	if *p == zero {
+		*p = def
+	}
+}
+
+func defaultNodeName() string {
+	if h, err := os.Hostname(); err == nil && h != "" {
+		return h
+	}
+	return "tandem"
+}
+
+// Load reads the YAML file at path on top of DefaultConfig and
+// validates the result. Every error is a *ConfigError naming path, and the
+// key and line when there are some; a read error is wrapped in it, so
+// errors.Is(err, fs.ErrNotExist) still works.
+func Load(path string) (*Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		cause := err
+		var pe *fs.PathError
+		if errors.As(err, &pe) {
+			cause = pe.Err // the path is in File already
+		}
+		return nil, &ConfigError{File: path, Msg: "cannot read: " + cause.Error(), Err: err}
+	}
+	c, err := Parse(data, path)
+	if err != nil {
+		return nil, err
+	}
+	c.file = path
+	return c, nil
+}
+
+// Parse is Load on data already in memory; name is used as the
+// file name in errors. An empty document gives the defaults, and so does a
+// key with no value. Unknown keys, a second YAML document and merge keys
+// ("<<") are errors.
+func Parse(data []byte, name string) (*Config, error) {
+	w := &configWalker{file: name, lines: map[string]int{}}
+	root, err := w.parse(data)
+	if err != nil {
+		return nil, err
+	}
+	cfg := DefaultConfig()
+	if root != nil {
+		// Walking first gives errors with key paths; yaml.v3's own say
+		// "field listn not found in type daemon.MQTTConfig".
+		if err := w.walk(root, reflect.TypeFor[Config](), "", 0); err != nil {
+			return nil, err
+		}
+		dec := yaml.NewDecoder(bytes.NewReader(data))
+		dec.KnownFields(true)
+		if err := dec.Decode(cfg); err != nil {
+			// Unreachable while the walk checks what the decoder checks;
+			// kept so a gap between them still yields a ConfigError.
+			return nil, w.decodeError(err)
+		}
+	}
+	if err := cfg.validate(w); err != nil {
+		return nil, err
+	}
+	return cfg, nil
+}
+
+// ConfigError is the error of Load, Parse and Validate. The CLI
+// tells a bad config (exit 2) from a runtime failure with errors.As.
+type ConfigError struct {
+	// File is the config file's name as given; "" when the Config did not
+	// come from a file (a Config built in code or changed by flags).
+	File string
+	// Line is the 1-based line in File; 0 when unknown.
+	Line int
+	// Key is the key path, with 0-based list indexes: "cluster.sync_timeout",
+	// "topics[2].ack". "" for errors about the whole file.
+	Key string
+	// Msg says what is wrong and, where it can, what to write instead.
+	Msg string
+	// Err is the underlying error, if any (a read error).
+	Err error
+}
+
+// Error formats the error as "file:line: key: message", leaving out the
+// parts that are unknown, and the key when Msg already quotes it (unknown
+// and duplicate keys), as in `tandem.yaml:4: unknown key "mqtt.listn"`.
+func (e *ConfigError) Error() string {
+	var b strings.Builder
+	switch {
+	case e.File != "" && e.Line > 0:
+		fmt.Fprintf(&b, "%s:%d: ", e.File, e.Line)
+	case e.File != "":
+		b.WriteString(e.File + ": ")
+	case e.Line > 0:
+		fmt.Fprintf(&b, "line %d: ", e.Line)
+	}
+	if e.Key != "" && !strings.Contains(e.Msg, strconv.Quote(e.Key)) {
+		b.WriteString(e.Key + ": ")
+	}
+	b.WriteString(e.Msg)
+	return b.String()
+}
+
+// Unwrap returns Err.
+func (e *ConfigError) Unwrap() error { return e.Err }
+
+// UsageError marks an error the caller made rather than the gateway: a bad
+// flag, a bad config value, a bad API request. The CLI exits 2 for it (as
+// for a ConfigError) and the admin API answers 400. It lives here, beside
+// ConfigError, because every layer that checks input (cli, admin, daemon,
+// cluster) imports config.
+type UsageError struct{ Err error }
+
+// Error returns Err's message.
+func (e UsageError) Error() string { return e.Err.Error() }
+
+// Unwrap returns Err.
+func (e UsageError) Unwrap() error { return e.Err }

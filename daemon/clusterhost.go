@@ -1,0 +1,26 @@
+package daemon
+
+import (
+	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/replication"
+)
+
+// clusterHost is the daemon as the control plane's Host: the broker's
+// side of a node swap.
+type clusterHost struct{ d *Daemon }
+
+func (h clusterHost) Live() *config.Config         { return h.d.liveConfig() }
+func (h clusterHost) Serving() <-chan struct{}     { return h.d.apply.ready }
+func (h clusterHost) MQTTAddr() string             { return h.d.broker.Addr() }
+func (h clusterHost) Applier() replication.Applier { return h.d.redeliver.wrap(h.d.apply) }
+func (h clusterHost) AfterResolve()                { h.d.broker.ReleaseAcks() }
+func (h clusterHost) Fail(err error)               { h.d.fail(err) }
+
+func (h clusterHost) Rewind(quietUntil uint64) {
+	h.d.apply.quietUntil.Store(quietUntil)
+	h.d.broker.Rewind(h.d.db.Applied(), quietUntil)
+}
+
+func (h clusterHost) Remember(from uint64) error {
+	return h.d.redeliver.remember(h.d.db, from, h.d.db.Applied())
+}

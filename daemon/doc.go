@@ -1,0 +1,29 @@
+// Package daemon runs one gateway: it wires storage, replication, the MQTT
+// broker, the control plane and the admin server together and owns their
+// lifecycle. It is what `tandem run` starts (package cli); nothing else
+// imports it.
+//
+// What lives where:
+//   - daemon.go: Daemon, New, Start (data dir → storage → the control
+//     plane and its peer transport → broker → replication node → keeper →
+//     MQTT listener → HTTP) and Stop (the reverse).
+//   - clusterhost.go: the daemon as cluster.Host, the broker's side of
+//     the node swaps the control plane makes (package cluster).
+//   - reload.go: Reload (SIGHUP): topic rules, users and ACL files, and the
+//     translation of config sections into mqtt's.
+//   - adapters.go: the broker's log interface onto replication (Message ↔
+//     storage.Record), the applier, the session store.
+//   - admin.go, status.go, clusterapi.go: the daemon as admin.Gateway and
+//     admin.Cluster, and the status JSON it assembles.
+//   - redeliver.go: what a deposed master's subscribers already got, so
+//     that its rejoin does not deliver it twice.
+//   - datadir.go, listenhint.go: checks and hints for the errors an
+//     installer meets first (data dir, addresses in use).
+//
+// Locks: reloadMu serialises Reload and guards live, the config in force;
+// node swaps are the control plane's (cluster.Gateway).
+//
+// Goroutines: none of its own. Stop stops and waits for those of the admin
+// server and its field view (admin), of the control plane (cluster) and of
+// the broker (mqtt), in the reverse of the start order.
+package daemon

@@ -1,0 +1,92 @@
+// Package testutil holds the helpers the module's tests share, so that no
+// test file keeps its own copy: finding a tool the test needs, a free
+// port, polling with a deadline, and a log buffer goroutines may share. It
+// imports no package of ours, so that any package's internal tests may use
+// it. It starts no goroutines.
+package testutil
+
+import (
+	"bytes"
+	"net"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// NeedTool returns the path of the program name, or skips the test when it
+// is not installed. Under CI=true a missing tool fails the test instead:
+// .ci/run installs every tool the tests use, so a skip there would hide a
+// broken setup.
+func NeedTool(t testing.TB, name string) string {
+	t.Helper()
+	p, err := exec.LookPath(name)
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("%s not found: .ci/run should have installed it", name)
+		}
+		t.Skipf("%s not found", name)
+	}
+	return p
+}
+
+// FreeAddr returns a loopback address whose port was free a moment ago:
+// for a listener a test starts itself, or one nobody should answer on.
+func FreeAddr(t testing.TB) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("picking a free port: %v", err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// WaitFor polls cond until it holds, and fails the test when it still does
+// not after d: the way tests wait, instead of sleeping.
+func WaitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// Buffer is an io.Writer that goroutines may share: a gateway's log, a
+// child process's output.
+type Buffer struct {
+	mu sync.Mutex // guards b
+	b  bytes.Buffer
+}
+
+// Write appends p.
+func (l *Buffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+// String returns everything written so far.
+func (l *Buffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// Count returns how many times s was written (in log lines: how many lines
+// contain it, when it cannot span two).
+func (l *Buffer) Count(s string) int { return strings.Count(l.String(), s) }
+
+// Tail returns the last n bytes written, marked when cut.
+func (l *Buffer) Tail(n int) string {
+	s := l.String()
+	if len(s) > n {
+		s = "…" + s[len(s)-n:]
+	}
+	return s
+}
