@@ -190,12 +190,9 @@ func mqttUser(u storage.UserProperty) packets.UserProperty {
 // otherMemberReachable reports whether this node has a link to another
 // member of its cluster: a Replicated record then waits for one to hold it.
 func (d *Daemon) otherMemberReachable() bool {
-	if d.cl == nil || d.cl.tr == nil {
-		return false
-	}
-	n := d.node()
+	n := d.gw.Node()
 	for _, m := range n.Members() {
-		if m.ID != n.ID() && d.cl.tr.Reachable(m.ID) {
+		if m.ID != n.ID() && d.gw.Reachable(m.ID) {
 			return true
 		}
 	}
