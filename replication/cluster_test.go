@@ -90,17 +90,31 @@ type memForwarder struct {
 	from uint64
 }
 
-func (f memForwarder) Forward(ctx context.Context, master uint64, data []byte, mode AckMode) error {
+// With the network's delay set, a request waits a random part of it
+// first, so concurrent requests overtake each other as handlers on their
+// own goroutines do.
+func (f memForwarder) Forward(ctx context.Context, master uint64, batch []byte) ([]byte, error) {
 	for {
 		f.net.mu.Lock()
 		to, cut := f.net.nodes[master], f.net.cut[[2]uint64{f.from, master}]
+		var wait time.Duration
+		if f.net.delay > 0 {
+			wait = time.Duration(f.net.rng.Int63n(int64(f.net.delay)))
+		}
 		f.net.mu.Unlock()
 		if to != nil && !cut {
-			return to.HandleForward(ctx, data, mode)
+			if wait > 0 {
+				select {
+				case <-ctx.Done():
+					return nil, ctx.Err()
+				case <-time.After(wait):
+				}
+			}
+			return to.HandleForward(ctx, f.from, batch)
 		}
 		select { // the link is down: the request waits like a TCP retry
 		case <-ctx.Done():
-			return ctx.Err()
+			return nil, ctx.Err()
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
