@@ -506,17 +506,33 @@ func TestThreeGatewaysSurviveMasterKill(t *testing.T) {
 		t.Fatal("the other slave's subscriber got nothing")
 	}
 
-	// Sync load on all three; kill -9 the master.
+	// Sync load on all three, and two devices on a slave that keep a
+	// window of publishes in flight (async and sync): the slave forwards
+	// them, and each device's order must survive the kill. Kill -9 the
+	// master.
 	l := startLoad(t, 6, "s/load", func(i int) []*gw {
 		all := []*gw{g1, g2, g3}
 		return []*gw{all[i%3], all[(i+1)%3], all[(i+2)%3]}
 	})
+	ord := []*windowPublisher{startWindowPublisher(t, g2, "ord-a", "ord/a", 16), startWindowPublisher(t, g2, "ord-s", "s/ord", 16)}
 	l.waitAcks(t, 300, 20*time.Second)
 	killed := time.Now()
 	g1.kill()
+	atKill := make([]int, len(ord))
+	for i, p := range ord {
+		atKill[i] = p.ackedCount()
+	}
 	master := waitMaster(t, killed.Add(5*time.Second), g2, g3)
 	elected := time.Since(killed)
 	l.waitAcks(t, 300, 20*time.Second)
+	for i, p := range ord {
+		eventually(t, 20*time.Second, p.id+" acked after the kill", func() bool { return p.ackedCount() > atKill[i]+100 })
+	}
+	for _, p := range ord {
+		if err := p.stop(); err != nil {
+			t.Errorf("%s lost its connection to the slave: %v", p.id, err)
+		}
+	}
 	acked := l.stop()
 	// The write pause: the longest gap between acks once the master died.
 	var times []time.Time
@@ -535,6 +551,8 @@ func TestThreeGatewaysSurviveMasterKill(t *testing.T) {
 	g2.stop()
 	g3.stop()
 	checkAll(t, acked, g2, g3)
+	checkOrder(t, g2, ord...)
+	checkOrder(t, g3, ord...)
 }
 
 func TestGrowAndShrinkUnderLoad(t *testing.T) {

@@ -21,53 +21,55 @@ type Forwarder interface {
 // goroutine) lets a client's in-flight window land shuffled whenever a new
 // master appears. So every record this node takes while another node is the
 // master (or while older records are still on their way) joins one queue,
-// and one goroutine, forwardLoop, sends it in batches over a window of
-// requests. The master proposes each batch whole, in the order the stream
-// numbered them (fwdInbound), and answers per record once each meets its ack
-// rule. On a master change, a lost link or a "not the master" answer, the
+// sent in batches over a window of requests: a sender goroutine takes
+// everything queued, sends it as one request and, answered, takes the next.
+// The master proposes each batch whole, in the order the stream numbered
+// them (fwdInbound), and answers per record once each meets its ack rule.
+// On a master change, a lost link or a "not the master" answer, the
 // unanswered tail goes again, in the same order, as a new epoch: record ids
 // make the master answer a copy it already logged from the log
 // (proposeQueued), so nothing is logged twice. When this node becomes the
-// master, the tail is proposed here, still before any newer record.
+// master, forwardLoop proposes the tail here, still before any newer record.
 //
 // A record that waits past its deadline (sync_timeout after Propose) fails
 // with ErrAckTimeout, the "no slave reachable" outcome.
 
 // Tuning of the stream: how many batches may be in flight at once, and how
-// big one may grow. A batch leaves as soon as a slot is free, so under load
-// batches grow by themselves; the window keeps the link busy meanwhile.
+// big one may grow. A batch leaves as soon as a sender is free, so under
+// load batches grow by themselves; the window keeps the link busy meanwhile.
 const (
-	fwdWindow     = 8
+	fwdWindow     = 4
 	fwdMaxRecords = 1024
 	fwdMaxBytes   = 1 << 20
-	// fwdPoll is how often the stream checks who the master is, so a
-	// master that dies takes no answers with it for long.
+	// fwdPoll is how often forwardLoop checks who the master is, so a
+	// master that dies takes no answers with it for long, and fails the
+	// records past their deadline.
 	fwdPoll = 10 * time.Millisecond
 	// fwdBackoff is the pause after a failed request before the tail goes
-	// again, so a master that cannot answer does not spin the loop.
+	// again, so a master that cannot answer does not spin the senders.
 	fwdBackoff = 20 * time.Millisecond
 )
 
-// fwdStream is the node's forward queue. mu guards queue and held; the
-// rest is owned by forwardLoop.
+// fwdStream is the node's forward queue and its requests in flight.
 type fwdStream struct {
-	mu    sync.Mutex
+	mu    sync.Mutex  // guards every field but sig
 	queue []*proposal // taken, not yet sent (or to be sent again), in order
 	// held counts records in queue or in flight: while it is above zero, a
 	// new record queues behind them even on the master.
 	held int
-	sig  chan struct{} // capacity 1: wakes forwardLoop
+	// closed is set when forwardLoop has ended: take then leaves records
+	// to the raft queue, which refuses them once stopped.
+	closed   bool
+	master   uint64      // where batches go; 0 while none is known or it is this node
+	epoch    uint64      // numbers the stream's restarts; batches carry it
+	nextSeq  uint64      // the next batch's number in the epoch
+	inflight []*fwdBatch // sent, not wholly answered, by seq
+	senders  int         // sender goroutines running, at most fwdWindow
+	ctx      context.Context
+	cancel   context.CancelFunc // ends the epoch's requests
+	pauseTo  time.Time          // no sending before this (after a failure)
 
-	replies chan fwdReply
-
-	// Loop-owned.
-	master   uint64 // who the stream sends to; 0 while none is known
-	epoch    uint64
-	nextSeq  uint64
-	inflight []*fwdBatch // sent, unanswered, by seq
-	cancel   context.CancelFunc
-	ctx      context.Context // of the current epoch: cancelled when it ends
-	pauseTo  time.Time       // no sending before this (after a failure)
+	sig chan struct{} // capacity 1: wakes forwardLoop
 }
 
 // fwdBatch is one request of the stream; recs[i] is nil once resolved.
@@ -76,101 +78,102 @@ type fwdBatch struct {
 	recs []*proposal
 }
 
-// fwdReply is a request's outcome, posted back to forwardLoop.
-type fwdReply struct {
-	epoch, seq uint64
-	answer     []byte
-	err        error
+// fwdOutcome is a resolved record and its outcome, called outside the lock.
+type fwdOutcome struct {
+	p   *proposal
+	err error
 }
 
-// take queues p on the stream when it must go there: another node is the
-// master (away), or older records are still in it. It reports whether it
-// did; if not, the caller proposes p here.
-func (s *fwdStream) take(p *proposal, away bool) bool {
+// fwdTake queues p on the stream when it must go there: another node is
+// the master (away), or older records are still in it. It reports whether
+// it did; if not, the caller proposes p here.
+func (n *Node) fwdTake(p *proposal, away bool) bool {
+	s := &n.fwd
 	s.mu.Lock()
-	if !away && s.held == 0 {
+	if s.closed || (!away && s.held == 0) {
 		s.mu.Unlock()
 		return false
 	}
 	s.queue = append(s.queue, p)
 	s.held++
+	start := n.fwdSenderLocked()
 	s.mu.Unlock()
-	signal(s.sig)
+	if !start {
+		signal(s.sig) // forwardLoop hands it off, or finds the master
+	}
+	return true
+}
+
+// fwdSenderLocked starts a sender if the stream has a master to send to,
+// something to send and a free slot. The Add happens under s.mu while the
+// stream is open, so forwardLoop (which closes it before it ends) still
+// holds its count: Add never races with Stop's Wait.
+func (n *Node) fwdSenderLocked() bool {
+	s := &n.fwd
+	if s.closed || s.master == 0 || len(s.queue) == 0 || s.senders >= fwdWindow || time.Now().Before(s.pauseTo) {
+		return false
+	}
+	s.senders++
+	n.wg.Add(1)
+	go func() {
+		defer n.wg.Done()
+		n.fwdSender()
+	}()
 	return true
 }
 
 // putBack puts ps, proposals the raft loop took but could not propose
 // (this node lost the mastership first), at the head of the stream: they
-// are older than anything queued since.
-func (s *fwdStream) putBack(ps []*proposal) {
+// are older than anything queued since. False if the stream has ended.
+func (n *Node) fwdPutBack(ps []*proposal) bool {
+	s := &n.fwd
 	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return false
+	}
 	s.queue = append(append(make([]*proposal, 0, len(ps)+len(s.queue)), ps...), s.queue...)
 	s.held += len(ps)
 	s.mu.Unlock()
 	signal(s.sig)
+	return true
 }
 
-// forwardLoop runs the stream until the node stops.
-func (n *Node) forwardLoop() {
-	defer n.wg.Done()
+// fwdSender sends batches, one at a time, while there are some to send.
+func (n *Node) fwdSender() {
 	s := &n.fwd
-	s.epoch = uint64(time.Now().UnixNano()) // above any earlier run's
-	s.ctx, s.cancel = context.WithCancel(context.Background())
-	t := time.NewTicker(fwdPoll)
-	defer t.Stop()
 	for {
-		select {
-		case <-s.sig:
-		case r := <-s.replies:
-			n.fwdAnswer(r)
-		case <-t.C:
-		case <-n.stopc:
-			n.fwdClose(ErrStopped)
-			return
-		case <-n.failc:
-			n.fwdClose(n.errOr(ErrStopped))
-			return
-		}
-		n.fwdStep(time.Now())
-	}
-}
-
-// fwdStep follows the master, fails what waited too long and sends or
-// proposes what the stream holds.
-func (n *Node) fwdStep(now time.Time) {
-	s := &n.fwd
-	lead := n.Leader()
-	if lead != s.master {
-		s.master = lead
-		n.fwdRestart()
-		s.pauseTo = time.Time{}
-	}
-	n.fwdExpire(now)
-	switch {
-	case lead == 0:
-		return // an election: wait for its outcome
-	case lead == n.id:
-		n.fwdHandOff()
-		return
-	}
-	if now.Before(s.pauseTo) {
-		return
-	}
-	for len(s.inflight) < fwdWindow {
-		b := n.fwdNext()
+		s.mu.Lock()
+		b := n.fwdNextLocked()
 		if b == nil {
+			s.senders--
+			s.mu.Unlock()
 			return
 		}
-		n.fwdSend(b)
+		epoch, master, ctx := s.epoch, s.master, s.ctx
+		payload := encodeForward(epoch, b.seq, b.recs)
+		s.mu.Unlock()
+		deadline := b.recs[0].deadline
+		for _, p := range b.recs {
+			deadline = later(deadline, p.deadline)
+		}
+		rctx, cancel := context.WithDeadline(ctx, deadline)
+		answer, err := n.cfg.Forwarder.Forward(rctx, master, payload)
+		cancel()
+		if !n.fwdAnswer(epoch, b, answer, err) {
+			s.mu.Lock()
+			s.senders--
+			s.mu.Unlock()
+			return
+		}
 	}
 }
 
-// fwdNext takes the next batch off the queue; nil when it is empty.
-func (n *Node) fwdNext() *fwdBatch {
+// fwdNextLocked takes the next batch off the queue into the window; nil
+// when there is nothing to send, or no one to send it to now.
+func (n *Node) fwdNextLocked() *fwdBatch {
 	s := &n.fwd
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if len(s.queue) == 0 {
+	if s.closed || s.master == 0 || len(s.queue) == 0 || time.Now().Before(s.pauseTo) {
 		return nil
 	}
 	k, size := 0, 0
@@ -181,30 +184,8 @@ func (n *Node) fwdNext() *fwdBatch {
 	b := &fwdBatch{seq: s.nextSeq, recs: append([]*proposal(nil), s.queue[:k]...)}
 	s.nextSeq++
 	s.queue = append(s.queue[:0], s.queue[k:]...)
-	return b
-}
-
-// fwdSend starts b's request on a tracked goroutine; its reply comes back
-// through s.replies.
-func (n *Node) fwdSend(b *fwdBatch) {
-	s := &n.fwd
 	s.inflight = append(s.inflight, b)
-	payload := encodeForward(s.epoch, b.seq, b.recs)
-	deadline := b.recs[len(b.recs)-1].deadline
-	for _, p := range b.recs {
-		deadline = later(deadline, p.deadline)
-	}
-	epoch, master, ectx := s.epoch, s.master, s.ctx
-	n.goChild(func() {
-		ctx, cancel := context.WithDeadline(ectx, deadline)
-		answer, err := n.cfg.Forwarder.Forward(ctx, master, payload)
-		cancel()
-		select {
-		case s.replies <- fwdReply{epoch: epoch, seq: b.seq, answer: answer, err: err}:
-		case <-n.stopc:
-		case <-n.failc:
-		}
-	})
+	return b
 }
 
 func later(a, b time.Time) time.Time {
@@ -214,33 +195,26 @@ func later(a, b time.Time) time.Time {
 	return a
 }
 
-// fwdAnswer resolves the records of one answered batch. A lost answer or a
-// "not the master" for any record sends the whole unanswered tail again,
-// in order, as a new epoch.
-func (n *Node) fwdAnswer(r fwdReply) {
+// fwdAnswer resolves the records of batch b of epoch, answered (or not:
+// err). A lost answer or a "not the master" for any record sends the whole
+// unanswered tail again, in order, as a new epoch, after a pause; it then
+// reports false: the sender stops, forwardLoop resumes sending.
+func (n *Node) fwdAnswer(epoch uint64, b *fwdBatch, answer []byte, err error) bool {
 	s := &n.fwd
-	if r.epoch != s.epoch {
-		return // an answer of an epoch already given up: its records went again
-	}
-	var b *fwdBatch
-	for _, x := range s.inflight {
-		if x.seq == r.seq {
-			b = x
-		}
-	}
-	if b == nil {
-		return
-	}
 	var outcomes []error
-	err := r.err
 	if err == nil {
-		outcomes, err = decodeForwardAnswer(r.answer, len(b.recs))
+		outcomes, err = decodeForwardAnswer(answer, len(b.recs))
 		if err != nil {
 			n.log.Warn("unreadable answer to a forward batch; sending it again", "peer", IDString(s.master), "error", err)
 		}
 	}
+	s.mu.Lock()
+	if epoch != s.epoch {
+		s.mu.Unlock()
+		return true // an epoch already given up: its records went again
+	}
 	again := err != nil
-	resolved := 0
+	var out []fwdOutcome
 	for i, p := range b.recs {
 		if p == nil || err != nil {
 			continue
@@ -249,28 +223,37 @@ func (n *Node) fwdAnswer(r fwdReply) {
 			again = true // not logged there: it goes again, to the master
 			continue
 		}
-		p.done(0, outcomes[i])
+		out = append(out, fwdOutcome{p, outcomes[i]})
 		b.recs[i] = nil
-		resolved++
 	}
-	if resolved > 0 {
-		s.mu.Lock()
-		s.held -= resolved
-		s.mu.Unlock()
-		if n.cfg.AfterResolve != nil {
-			n.cfg.AfterResolve()
-		}
-	}
+	s.held -= len(out)
 	if again {
-		n.fwdRestart()
+		n.fwdRestartLocked()
 		s.pauseTo = time.Now().Add(fwdBackoff)
-		return
+	} else {
+		n.fwdDropAnsweredLocked()
 	}
-	n.fwdDropAnswered()
+	s.mu.Unlock()
+	n.fwdResolve(out)
+	return !again
 }
 
-// fwdDropAnswered forgets in-flight batches whose records are all resolved.
-func (n *Node) fwdDropAnswered() {
+// fwdResolve reports outcomes, outside the stream's lock: a callback may
+// take its caller's locks, whose holders may be proposing.
+func (n *Node) fwdResolve(out []fwdOutcome) {
+	if len(out) == 0 {
+		return
+	}
+	for _, o := range out {
+		o.p.done(0, o.err)
+	}
+	if n.cfg.AfterResolve != nil {
+		n.cfg.AfterResolve()
+	}
+}
+
+// fwdDropAnsweredLocked forgets in-flight batches wholly resolved.
+func (n *Node) fwdDropAnsweredLocked() {
 	s := &n.fwd
 	keep := s.inflight[:0]
 	for _, b := range s.inflight {
@@ -285,9 +268,10 @@ func (n *Node) fwdDropAnswered() {
 	s.inflight = keep
 }
 
-// fwdRestart ends the current epoch: requests in flight are cancelled and
-// their unresolved records go back to the head of the queue, in order.
-func (n *Node) fwdRestart() {
+// fwdRestartLocked ends the current epoch: requests in flight are
+// cancelled and their unresolved records go back to the head of the
+// queue, in order.
+func (n *Node) fwdRestartLocked() {
 	s := &n.fwd
 	if len(s.inflight) == 0 && s.nextSeq == 0 {
 		return // nothing sent in this epoch: it can go on
@@ -305,26 +289,75 @@ func (n *Node) fwdRestart() {
 		}
 	}
 	s.inflight = nil
-	if len(back) == 0 {
-		return
+	if len(back) > 0 {
+		s.queue = append(back, s.queue...)
 	}
-	s.mu.Lock()
-	s.queue = append(back, s.queue...)
-	s.mu.Unlock()
 }
 
-// fwdHandOff proposes everything the stream holds here, in order, now that
-// this node is the master; records taken later are proposed after them
-// (take sees held drop to zero only once they are in the raft queue).
-func (n *Node) fwdHandOff() {
+// forwardLoop follows the master for the stream: it restarts the stream
+// on a change, hands it off when this node is the master, resumes sending
+// after a pause and fails what waited past its deadline.
+func (n *Node) forwardLoop() {
+	defer n.wg.Done()
 	s := &n.fwd
-	n.fwdRestart()
 	s.mu.Lock()
-	q := s.queue
-	s.queue = nil
+	s.epoch = uint64(time.Now().UnixNano()) // above any earlier run's
+	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.mu.Unlock()
-	// held stays up until they are in the raft queue: a record taken
-	// meanwhile queues behind them and is handed off at the next step.
+	t := time.NewTicker(fwdPoll)
+	defer t.Stop()
+	for {
+		tick := false
+		select {
+		case <-s.sig:
+		case <-t.C:
+			tick = true
+		case <-n.stopc:
+			n.fwdClose(ErrStopped)
+			return
+		case <-n.failc:
+			n.fwdClose(n.errOr(ErrStopped))
+			return
+		}
+		n.fwdStep(time.Now(), tick)
+	}
+}
+
+// fwdStep is one look of forwardLoop (deadlines on ticks only: they need
+// not be met to the millisecond, and a long queue is not scanned on every
+// arrival).
+func (n *Node) fwdStep(now time.Time, tick bool) {
+	s := &n.fwd
+	lead := n.Leader()
+	remote := lead
+	if lead == n.id {
+		remote = 0
+	}
+	var out []fwdOutcome
+	s.mu.Lock()
+	if remote != s.master {
+		s.master = remote
+		n.fwdRestartLocked()
+		s.pauseTo = time.Time{}
+	}
+	if tick {
+		out = n.fwdExpireLocked(now)
+	}
+	var q []*proposal
+	if lead == n.id {
+		// This node is the master: propose the tail here. held stays up
+		// until the records are in the raft queue, so one taken meanwhile
+		// queues behind them and is handed off at the next look.
+		q = s.queue
+		s.queue = nil
+	} else if s.senders == 0 {
+		n.fwdSenderLocked() // resume after a pause or a master change
+	}
+	s.mu.Unlock()
+	n.fwdResolve(out)
+	if len(q) == 0 {
+		return
+	}
 	for _, p := range q {
 		p.viaStream = true
 		n.enqueue(p)
@@ -334,71 +367,50 @@ func (n *Node) fwdHandOff() {
 	s.mu.Unlock()
 }
 
-// fwdExpire fails the records past their deadline with ErrAckTimeout.
-func (n *Node) fwdExpire(now time.Time) {
+// fwdExpireLocked takes the records past their deadline off the stream,
+// to be failed with ErrAckTimeout.
+func (n *Node) fwdExpireLocked(now time.Time) []fwdOutcome {
 	s := &n.fwd
-	expired := 0
-	var out []*proposal
+	var out []fwdOutcome
 	for _, b := range s.inflight {
 		for i, p := range b.recs {
 			if p != nil && !now.Before(p.deadline) {
-				out = append(out, p)
+				out = append(out, fwdOutcome{p, ErrAckTimeout})
 				b.recs[i] = nil
 			}
 		}
 	}
-	s.mu.Lock()
 	keep := s.queue[:0]
 	for _, p := range s.queue {
 		if now.Before(p.deadline) {
 			keep = append(keep, p)
 		} else {
-			out = append(out, p)
+			out = append(out, fwdOutcome{p, ErrAckTimeout})
 		}
 	}
 	clear(s.queue[len(keep):])
 	s.queue = keep
-	expired = len(out)
-	s.held -= expired
-	s.mu.Unlock()
-	if expired == 0 {
-		return
+	s.held -= len(out)
+	if len(out) > 0 {
+		n.fwdDropAnsweredLocked()
 	}
-	for _, p := range out {
-		p.done(0, ErrAckTimeout)
-	}
-	if n.cfg.AfterResolve != nil {
-		n.cfg.AfterResolve()
-	}
-	n.fwdDropAnswered()
+	return out
 }
 
-// fwdClose fails everything the stream holds: the node is stopping.
+// fwdClose fails everything the stream holds and closes it: the node is
+// stopping. Senders still running see their requests cancelled.
 func (n *Node) fwdClose(err error) {
 	s := &n.fwd
-	n.fwdRestart()
-	s.cancel()
 	s.mu.Lock()
-	q := s.queue
-	s.queue, s.held = nil, 0
+	n.fwdRestartLocked()
+	s.cancel()
+	var out []fwdOutcome
+	for _, p := range s.queue {
+		out = append(out, fwdOutcome{p, err})
+	}
+	s.queue, s.held, s.closed = nil, 0, true
 	s.mu.Unlock()
-	for _, p := range q {
-		p.done(0, err)
-	}
-	if len(q) > 0 && n.cfg.AfterResolve != nil {
-		n.cfg.AfterResolve()
-	}
-}
-
-// goChild starts f as a goroutine the node waits for on Stop. Only
-// goroutines the node already tracks call it, so the counter is above zero
-// and Add cannot race with Stop's Wait.
-func (n *Node) goChild(f func()) {
-	n.wg.Add(1)
-	go func() {
-		defer n.wg.Done()
-		f()
-	}()
+	n.fwdResolve(out)
 }
 
 // fwdInbound orders the batches one peer's stream sends this master:
@@ -481,6 +493,8 @@ func (n *Node) HandleForward(ctx context.Context, from uint64, batch []byte) ([]
 	close(in.turn)
 	in.turn = make(chan struct{})
 	in.mu.Unlock()
+	n.batch.now()
+	n.wakeProposals()
 	select {
 	case <-all:
 	case <-ctx.Done():

@@ -285,7 +285,6 @@ func NewNode(cfg Config) (*Node, error) {
 		inboundBy:  map[uint64]*fwdInbound{},
 	}
 	n.fwd.sig = make(chan struct{}, 1)
-	n.fwd.replies = make(chan fwdReply, fwdWindow)
 	if err := n.loadMembers(); err != nil {
 		return nil, err
 	}
@@ -370,7 +369,7 @@ func (n *Node) Propose(data []byte, mode AckMode, done func(index uint64, err er
 	// Another node is the master, or records taken before this one are
 	// still on the forward stream: this one follows them there, so a
 	// publisher's records keep their order (forward.go).
-	if n.cfg.Forwarder != nil && n.fwd.take(p, n.Leader() != n.id) {
+	if n.cfg.Forwarder != nil && n.fwdTake(p, n.Leader() != n.id) {
 		return
 	}
 	n.enqueue(p)
@@ -592,8 +591,10 @@ func (n *Node) proposeQueued() {
 			}
 			back = append(back, p)
 		}
-		if len(back) > 0 {
-			n.fwd.putBack(back)
+		if len(back) > 0 && !n.fwdPutBack(back) {
+			for _, p := range back {
+				n.resolve(p, ErrStopped)
+			}
 		}
 		return
 	}

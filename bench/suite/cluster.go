@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -48,7 +49,7 @@ var clusterWorkloads = []clusterWorkload{
 
 // runClusters runs the cluster workloads, reps times each on a fresh
 // cluster per size, and prints medians and the replication lag seen.
-func runClusters(bin, dir string, reps int) {
+func runClusters(bin, dir string, reps int, only string) {
 	fmt.Printf("\nclusters on loopback (every member fsyncs before it reports; clients on the master unless said), %d runs each, medians\n", reps)
 	fmt.Printf("%-30s %10s %9s %9s %11s %11s  %s\n", "", "msg/s", "p50 ms", "p99 ms", "max lag rec", "max lag s", "ratio (goal)")
 	clusters := map[int][]*broker{}
@@ -61,6 +62,9 @@ func runClusters(bin, dir string, reps int) {
 	}()
 	var ref float64
 	for _, w := range clusterWorkloads {
+		if first, _, _ := strings.Cut(w.name, " "); only != "" && first != "C1" && !slices.Contains(strings.Split(only, ","), first) {
+			continue
+		}
 		bs := clusters[w.members]
 		if bs == nil {
 			bs = startCluster(bin, filepath.Join(dir, fmt.Sprintf("c%d", w.members)), w.members)
