@@ -245,6 +245,11 @@ func (n *Node) fwdResolve(out []fwdOutcome) {
 		return
 	}
 	for _, o := range out {
+		if o.err != nil {
+			// The master may have logged it, and its copy reach this
+			// node's log: its requeue must never re-publish it.
+			n.noteRefused(o.p.id, 0)
+		}
 		o.p.done(0, o.err)
 	}
 	if n.cfg.AfterResolve != nil {

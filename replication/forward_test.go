@@ -1,6 +1,7 @@
 package replication
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strconv"
@@ -285,5 +286,44 @@ func TestRequeuedTailKeepsEachPublishersOrder(t *testing.T) {
 				t.Errorf("member %s, %s: %d out of order, %d acked but lost, %d logged twice: %v", ShortID(id), p.name, violations[p.name], lost, dups[p.name], seqs[p.name])
 			}
 		}
+	}
+}
+
+// A record raft took but whose publisher heard "refused" (here: the node
+// stopped before its ack rule was met) is never re-published by a later
+// requeue of that node's log; acked records around it are.
+func TestRequeueSkipsRecordsRefusedAfterRaftTookThem(t *testing.T) {
+	dir := t.TempDir()
+	tn := openTestNode(t, dir, func(c *Config) { c.SyncTimeout = time.Minute })
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := tn.WaitLeader(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if r := wait(t, tn.propose(t, "a/before", Async)); r.err != nil {
+		t.Fatal(r.err)
+	}
+	ch := tn.propose(t, "s/stopped", Sync) // a lone node: never acked
+	waitFor(t, "the sync record logged", func() bool { return tn.app.count() == 2 })
+	tn.stop()
+	if r := wait(t, ch); !errors.Is(r.err, ErrStopped) {
+		t.Fatalf("pending sync record at stop: %v, want ErrStopped", r.err)
+	}
+	db, err := storage.Open(dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := db.ResetRaftFrom(1); err != nil { // a rejoin's reset: all requeued
+		t.Fatal(err)
+	}
+	db.Close()
+	tn = openTestNode(t, dir, nil)
+	t.Cleanup(tn.stop)
+	waitFor(t, "the requeue drained and counted", func() bool {
+		n, err := tn.db.RequeuePending()
+		return err == nil && n == 0 && tn.Requeued()+tn.RefusedSkipped() >= 2
+	})
+	if got := logTopics(t, tn); got["a/before"] != 1 || got["s/stopped"] != 0 {
+		t.Fatalf("log after the re-publish: %v; want the acked record once and not the refused one", got)
 	}
 }

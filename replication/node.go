@@ -163,7 +163,10 @@ type proposal struct {
 	// (logged by the previous master), so it is remembered like another
 	// node's record.
 	viaStream bool
-	also      []*proposal // later copies of the same record, sharing the outcome
+	// stepped is set once raft took the record: from then on it may be
+	// in the log, whatever its outcome here.
+	stepped bool
+	also    []*proposal // later copies of the same record, sharing the outcome
 }
 
 // Node is one member of a raft group of gateways. One goroutine (run) owns
@@ -631,6 +634,7 @@ func (n *Node) proposeQueued() {
 		return
 	}
 	for _, p := range fresh {
+		p.stepped = true
 		n.pending[p.id] = p
 		n.byDue = append(n.byDue, p)
 	}
@@ -960,6 +964,11 @@ func (n *Node) resolve(p *proposal, err error) {
 		n.resolve(q, err)
 	}
 	if err != nil {
+		if p.stepped {
+			// Its publisher hears "refused", yet the record may be in the
+			// log: should this node's requeue ever meet it, it is dropped.
+			n.noteRefused(p.id, p.index)
+		}
 		p.done(0, err)
 		return
 	}
@@ -986,7 +995,6 @@ func (n *Node) expire(now time.Time) {
 				break
 			}
 			delete(n.pending, p.id)
-			n.noteRefused(p)
 			n.resolve(p, ErrAckTimeout)
 		}
 	}
