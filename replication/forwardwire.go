@@ -11,15 +11,17 @@ import (
 // The forward stream's wire format: the payload of a forward request and of
 // its answer, carried by the transport's Request (integers big-endian):
 //
-//	batch   version u8 (1) | epoch u64 | seq u64 | count uvarint |
+//	batch   version u8 (2) | epoch u64 | seq u64 | count uvarint |
 //	        count × (mode u8 | size uvarint | record)
-//	answer  version u8 (1) | count uvarint | count × (code u8 [| size uvarint | text])
+//	answer  version u8 (2) | count uvarint | count × (code u8 [| size uvarint | text])
 //
 // The answer holds one outcome per record of the batch, in its order; the
 // text follows the codes that carry one (fwdStorage, fwdOther). Errors cross
 // as codes because the slave must tell them apart (a "not the master" is
-// sent again, a timeout is the device's refusal).
-const fwdVersion = 1
+// sent again, a timeout is the device's refusal). The version starts at 2:
+// the one-record request before it began with the ack mode, 0 or 1, so a
+// gateway of that release is refused with a clear error, never misread.
+const fwdVersion = 2
 
 // Outcomes of a forwarded record, as answer codes.
 const (
