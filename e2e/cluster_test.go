@@ -3,13 +3,11 @@ package e2e
 import (
 	"bytes"
 	"context"
-	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -403,24 +401,13 @@ func converge(t *testing.T, within time.Duration, gws ...*gw) {
 	})
 }
 
-// payloads reads a stopped gateway's log with tandem inspect.
+// payloads reads a stopped gateway's log with tandem inspect: how often
+// each payload is in it.
 func payloads(t *testing.T, g *gw) map[string]int {
 	t.Helper()
-	out, err := exec.Command(tandemBin(t), "inspect", "--data", g.dir, "--json").Output()
-	if err != nil {
-		t.Fatalf("inspect %s: %v", g.name, err)
-	}
 	got := map[string]int{}
-	dec := json.NewDecoder(bytes.NewReader(out))
-	for dec.More() {
-		var r struct {
-			Payload string `json:"payload"`
-		}
-		if err := dec.Decode(&r); err != nil {
-			t.Fatal(err)
-		}
-		b, _ := base64.StdEncoding.DecodeString(r.Payload)
-		got[string(b)]++
+	for _, p := range logOrder(t, g) {
+		got[p]++
 	}
 	return got
 }

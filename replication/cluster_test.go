@@ -235,6 +235,22 @@ func (c *cluster) propose(topic string, mode AckMode) result {
 	}
 }
 
+// masterOtherThan waits for a master other than old (a deposed one).
+func (c *cluster) masterOtherThan(old uint64) *testNode {
+	c.t.Helper()
+	var lead *testNode
+	waitFor(c.t, "a new master", func() bool {
+		for id, tn := range c.nodes {
+			if s, err := tn.Status(context.Background()); err == nil && id != old && s.Role == "master" {
+				lead = tn
+				return true
+			}
+		}
+		return false
+	})
+	return lead
+}
+
 func (c *cluster) applied(id uint64) []string {
 	tn := c.nodes[id]
 	tn.app.mu.Lock()
@@ -531,16 +547,7 @@ func TestDeposedMastersAsyncAcksAreRequeued(t *testing.T) {
 		t.Fatal("the cut-off master acked nothing; the test needs it to")
 	}
 	// The others elect a master and write over the same indexes.
-	var lead2 *testNode
-	waitFor(t, "a new master", func() bool {
-		for id, tn := range c.nodes {
-			if s, err := tn.Status(context.Background()); err == nil && id != old.ID() && s.Role == "master" {
-				lead2 = tn
-				return true
-			}
-		}
-		return false
-	})
+	lead2 := c.masterOtherThan(old.ID())
 	for i := 0; i < 10; i++ {
 		if r := wait(t, lead2.propose(t, fmt.Sprintf("new/%d", i), Sync)); r.err != nil {
 			t.Fatal(r.err)

@@ -1,7 +1,6 @@
 package replication
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"strconv"
@@ -117,12 +116,21 @@ func TestForwardedPublishesKeepOrderAcrossAMasterChange(t *testing.T) {
 			return len(got) > 0 && got[len(got)-1] == "marker"
 		})
 	}
+	for _, p := range pubs {
+		if len(p.fails) > 0 {
+			t.Errorf("%s: %d of %d publishes failed across a master change, first: %v", p.name, len(p.fails), count, p.fails[0])
+		}
+	}
+	checkPublishers(t, c, pubs)
+}
+
+// checkPublishers fails unless every member's log holds each publisher's
+// acked records, once each and in the order they were published.
+func checkPublishers(t *testing.T, c *cluster, pubs []*publisher) {
+	t.Helper()
 	for id, tn := range c.nodes {
 		seqs, violations, dups := orderOf(tn)
 		for _, p := range pubs {
-			if len(p.fails) > 0 {
-				t.Errorf("%s: %d of %d publishes failed across a master change, first: %v", p.name, len(p.fails), count, p.fails[0])
-			}
 			logged := map[int]bool{}
 			for _, i := range seqs[p.name] {
 				logged[i] = true
@@ -134,7 +142,7 @@ func TestForwardedPublishesKeepOrderAcrossAMasterChange(t *testing.T) {
 				}
 			}
 			if violations[p.name] > 0 || lost > 0 || dups[p.name] > 0 {
-				t.Errorf("member %s, %s: %d out of order, %d acked but lost, %d logged twice (of %d)", ShortID(id), p.name, violations[p.name], lost, dups[p.name], count)
+				t.Errorf("member %s, %s: %d out of order, %d acked but lost, %d logged twice: %v", ShortID(id), p.name, violations[p.name], lost, dups[p.name], seqs[p.name])
 			}
 		}
 	}
@@ -245,16 +253,7 @@ func TestRequeuedTailKeepsEachPublishersOrder(t *testing.T) {
 	if acked < 20 {
 		t.Fatalf("the cut-off master acked %d records; the test needs more", acked)
 	}
-	var lead2 *testNode
-	waitFor(t, "a new master", func() bool {
-		for id, tn := range c.nodes {
-			if s, err := tn.Status(t.Context()); err == nil && id != old.ID() && s.Role == "master" {
-				lead2 = tn
-				return true
-			}
-		}
-		return false
-	})
+	lead2 := c.masterOtherThan(old.ID())
 	for i := 0; i < 10; i++ { // written over the deposed master's tail
 		if r := wait(t, lead2.propose(t, fmt.Sprintf("new/%d", i), Sync)); r.err != nil {
 			t.Fatal(r.err)
@@ -265,28 +264,13 @@ func TestRequeuedTailKeepsEachPublishersOrder(t *testing.T) {
 	if r := c.propose("marker", Async); r.err != nil {
 		t.Fatal(r.err)
 	}
-	for id, tn := range c.nodes {
+	for id := range c.nodes {
 		waitFor(t, "the marker applied", func() bool {
 			got := c.applied(id)
 			return len(got) > 0 && got[len(got)-1] == "marker"
 		})
-		seqs, violations, dups := orderOf(tn)
-		for _, p := range pubs {
-			logged := map[int]bool{}
-			for _, i := range seqs[p.name] {
-				logged[i] = true
-			}
-			lost := 0
-			for i := range p.acked {
-				if !logged[i] {
-					lost++
-				}
-			}
-			if violations[p.name] > 0 || lost > 0 || dups[p.name] > 0 {
-				t.Errorf("member %s, %s: %d out of order, %d acked but lost, %d logged twice: %v", ShortID(id), p.name, violations[p.name], lost, dups[p.name], seqs[p.name])
-			}
-		}
 	}
+	checkPublishers(t, c, pubs)
 }
 
 // A record raft took but whose publisher heard "refused" (here: the node
@@ -294,12 +278,7 @@ func TestRequeuedTailKeepsEachPublishersOrder(t *testing.T) {
 // requeue of that node's log; acked records around it are.
 func TestRequeueSkipsRecordsRefusedAfterRaftTookThem(t *testing.T) {
 	dir := t.TempDir()
-	tn := openTestNode(t, dir, func(c *Config) { c.SyncTimeout = time.Minute })
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	if err := tn.WaitLeader(ctx); err != nil {
-		t.Fatal(err)
-	}
+	tn := startNode(t, dir, time.Minute) // stopping twice is harmless
 	if r := wait(t, tn.propose(t, "a/before", Async)); r.err != nil {
 		t.Fatal(r.err)
 	}
@@ -309,20 +288,7 @@ func TestRequeueSkipsRecordsRefusedAfterRaftTookThem(t *testing.T) {
 	if r := wait(t, ch); !errors.Is(r.err, ErrStopped) {
 		t.Fatalf("pending sync record at stop: %v, want ErrStopped", r.err)
 	}
-	db, err := storage.Open(dir, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := db.ResetRaftFrom(1); err != nil { // a rejoin's reset: all requeued
-		t.Fatal(err)
-	}
-	db.Close()
-	tn = openTestNode(t, dir, nil)
-	t.Cleanup(tn.stop)
-	waitFor(t, "the requeue drained and counted", func() bool {
-		n, err := tn.db.RequeuePending()
-		return err == nil && n == 0 && tn.Requeued()+tn.RefusedSkipped() >= 2
-	})
+	tn = rejoinReset(t, dir, 2)
 	if got := logTopics(t, tn); got["a/before"] != 1 || got["s/stopped"] != 0 {
 		t.Fatalf("log after the re-publish: %v; want the acked record once and not the refused one", got)
 	}

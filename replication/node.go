@@ -163,8 +163,8 @@ type proposal struct {
 	// (logged by the previous master), so it is remembered like another
 	// node's record.
 	viaStream bool
-	// stepped is set once raft took the record: from then on it may be
-	// in the log, whatever its outcome here.
+	// stepped is set once raft took the record, here or (forwarded) on
+	// the master: from then on it may be in the log, whatever its outcome.
 	stepped bool
 	also    []*proposal // later copies of the same record, sharing the outcome
 }
