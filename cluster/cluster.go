@@ -37,17 +37,6 @@ const (
 // member: long enough for the master to tell it.
 const lingerRemoved = 10 * time.Second
 
-// Outcomes of a forwarded publish: the first byte of the master's answer.
-// Errors cross the peer link as text only, so the ones the slave must tell
-// apart travel as codes.
-const (
-	fwdOK byte = iota
-	fwdNotLeader
-	fwdAckTimeout
-	fwdStorage
-	fwdOther
-)
-
 // Metadata keys of the cluster a node belongs to.
 const (
 	metaClusterID  = "cluster.id"
@@ -448,79 +437,14 @@ func memberNames(ms []replication.Member) []string {
 	return out
 }
 
-// masterWatch is how often a forwarded publish checks that its master is
-// still the master.
-const masterWatch = 20 * time.Millisecond
-
-// errMasterChanged ends a forward whose master was replaced.
-var errMasterChanged = errors.New("the master changed")
-
-// forwarder carries publishes taken on this node, while it is a slave, to
-// the master (replication.Forwarder).
+// forwarder carries replication's forward stream (batches of publishes
+// taken on this node while it is a slave) to the master over the peer link.
 type forwarder struct{ c *cluster }
 
-// Forward sends data to master and returns the outcome of its ack rule
-// there. A lost link is retried by replication (as ErrNotLeader): the record
-// id makes a repeat harmless.
-func (f forwarder) Forward(ctx context.Context, master uint64, data []byte, mode replication.AckMode) error {
-	payload := make([]byte, 1+len(data))
-	payload[0] = byte(mode)
-	copy(payload[1:], data)
-	// A master that dies takes its answers with it: once another is
-	// elected, stop waiting and ask that one (the record id dedupes).
-	parent := ctx
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	done := make(chan struct{})
-	defer close(done)
-	go func() {
-		t := time.NewTicker(masterWatch)
-		defer t.Stop()
-		for {
-			select {
-			case <-done:
-				return
-			case <-t.C:
-				if f.c.d.node().Leader() != master {
-					cancel(errMasterChanged)
-					return
-				}
-			}
-		}
-	}()
-	reply, err := f.c.tr.Request(ctx, master, reqForward, payload)
-	if err != nil {
-		if errors.Is(context.Cause(ctx), errMasterChanged) {
-			return replication.ErrNotLeader
-		}
-		if parent.Err() != nil {
-			return parent.Err()
-		}
-		// Not an answer (link lost, master unknown yet): wait a moment
-		// and look for the master again.
-		t := time.NewTimer(50 * time.Millisecond)
-		defer t.Stop()
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-		return replication.ErrNotLeader
-	}
-	if len(reply) == 0 {
-		return errors.New("empty answer to a forwarded publish")
-	}
-	switch reply[0] {
-	case fwdOK:
-		return nil
-	case fwdNotLeader:
-		return replication.ErrNotLeader
-	case fwdAckTimeout:
-		return replication.ErrAckTimeout
-	case fwdStorage:
-		return fmt.Errorf("%w: on the master: %s", replication.ErrStorage, reply[1:])
-	}
-	return fmt.Errorf("master: %s", reply[1:])
+// Forward sends one batch and returns the master's answer
+// (replication.Forwarder).
+func (f forwarder) Forward(ctx context.Context, master uint64, batch []byte) ([]byte, error) {
+	return f.c.tr.Request(ctx, master, reqForward, batch)
 }
 
 // onRequest answers a member's request.
@@ -534,21 +458,7 @@ func (c *cluster) onRequest(ctx context.Context, from uint64, kind byte, payload
 	}
 	switch kind {
 	case reqForward:
-		if len(payload) < 1 || payload[0] > byte(replication.Sync) {
-			return nil, errors.New("bad forward request")
-		}
-		err := c.d.node().HandleForward(ctx, payload[1:], replication.AckMode(payload[0]))
-		switch {
-		case err == nil:
-			return []byte{fwdOK}, nil
-		case errors.Is(err, replication.ErrNotLeader), errors.Is(err, replication.ErrStopped):
-			return []byte{fwdNotLeader}, nil
-		case errors.Is(err, replication.ErrAckTimeout):
-			return []byte{fwdAckTimeout}, nil
-		case errors.Is(err, replication.ErrStorage):
-			return append([]byte{fwdStorage}, err.Error()...), nil
-		}
-		return append([]byte{fwdOther}, err.Error()...), nil
+		return n.HandleForward(ctx, from, payload)
 	case reqAdmin:
 		return c.handleAdmin(ctx, payload)
 	case reqTopics:

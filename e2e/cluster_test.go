@@ -3,13 +3,11 @@ package e2e
 import (
 	"bytes"
 	"context"
-	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -403,24 +401,13 @@ func converge(t *testing.T, within time.Duration, gws ...*gw) {
 	})
 }
 
-// payloads reads a stopped gateway's log with tandem inspect.
+// payloads reads a stopped gateway's log with tandem inspect: how often
+// each payload is in it.
 func payloads(t *testing.T, g *gw) map[string]int {
 	t.Helper()
-	out, err := exec.Command(tandemBin(t), "inspect", "--data", g.dir, "--json").Output()
-	if err != nil {
-		t.Fatalf("inspect %s: %v", g.name, err)
-	}
 	got := map[string]int{}
-	dec := json.NewDecoder(bytes.NewReader(out))
-	for dec.More() {
-		var r struct {
-			Payload string `json:"payload"`
-		}
-		if err := dec.Decode(&r); err != nil {
-			t.Fatal(err)
-		}
-		b, _ := base64.StdEncoding.DecodeString(r.Payload)
-		got[string(b)]++
+	for _, p := range logOrder(t, g) {
+		got[p]++
 	}
 	return got
 }
@@ -506,17 +493,33 @@ func TestThreeGatewaysSurviveMasterKill(t *testing.T) {
 		t.Fatal("the other slave's subscriber got nothing")
 	}
 
-	// Sync load on all three; kill -9 the master.
+	// Sync load on all three, and two devices on a slave that keep a
+	// window of publishes in flight (async and sync): the slave forwards
+	// them, and each device's order must survive the kill. Kill -9 the
+	// master.
 	l := startLoad(t, 6, "s/load", func(i int) []*gw {
 		all := []*gw{g1, g2, g3}
 		return []*gw{all[i%3], all[(i+1)%3], all[(i+2)%3]}
 	})
+	ord := []*windowPublisher{startWindowPublisher(t, g2, "ord-a", "ord/a", 16), startWindowPublisher(t, g2, "ord-s", "s/ord", 16)}
 	l.waitAcks(t, 300, 20*time.Second)
 	killed := time.Now()
 	g1.kill()
+	atKill := make([]int, len(ord))
+	for i, p := range ord {
+		atKill[i] = p.ackedCount()
+	}
 	master := waitMaster(t, killed.Add(5*time.Second), g2, g3)
 	elected := time.Since(killed)
 	l.waitAcks(t, 300, 20*time.Second)
+	for i, p := range ord {
+		eventually(t, 20*time.Second, p.id+" acked after the kill", func() bool { return p.ackedCount() > atKill[i]+100 })
+	}
+	for _, p := range ord {
+		if err := p.stop(); err != nil {
+			t.Errorf("%s lost its connection to the slave: %v", p.id, err)
+		}
+	}
 	acked := l.stop()
 	// The write pause: the longest gap between acks once the master died.
 	var times []time.Time
@@ -535,6 +538,8 @@ func TestThreeGatewaysSurviveMasterKill(t *testing.T) {
 	g2.stop()
 	g3.stop()
 	checkAll(t, acked, g2, g3)
+	checkOrder(t, g2, ord...)
+	checkOrder(t, g3, ord...)
 }
 
 func TestGrowAndShrinkUnderLoad(t *testing.T) {

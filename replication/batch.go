@@ -27,6 +27,10 @@ import (
 type groupCommit struct {
 	inNode atomic.Int64 // proposals enqueued and not yet resolved
 	target atomic.Int64 // take the queue once inNode reaches this
+	// hurry makes the next take go at once: a slave's forward batch is a
+	// cohort of its own, and the rest of its population waits on the
+	// slave for this batch's answers, so waiting for it never fills up.
+	hurry atomic.Bool
 
 	// Loop-owned.
 	peak      int64         // estimated closed-loop population
@@ -53,6 +57,9 @@ func (g *groupCommit) arrived(queued int) bool {
 	return queued == 1 || c >= g.target.Load()
 }
 
+// now makes the next take go at once, whatever the population.
+func (g *groupCommit) now() { g.hurry.Store(true) }
+
 // left counts a proposal resolved.
 func (g *groupCommit) left() { g.inNode.Add(-1) }
 
@@ -61,7 +68,7 @@ func (g *groupCommit) left() { g.inNode.Add(-1) }
 func (g *groupCommit) take(now time.Time, leader bool, wake func()) bool {
 	c := g.inNode.Load()
 	switch {
-	case !leader || c >= g.target.Load():
+	case !leader || c >= g.target.Load() || g.hurry.Swap(false):
 		if !g.waitStart.IsZero() {
 			g.turn += (now.Sub(g.waitStart) - g.turn) / 8
 		}

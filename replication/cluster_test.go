@@ -90,17 +90,31 @@ type memForwarder struct {
 	from uint64
 }
 
-func (f memForwarder) Forward(ctx context.Context, master uint64, data []byte, mode AckMode) error {
+// With the network's delay set, a request waits a random part of it
+// first, so concurrent requests overtake each other as handlers on their
+// own goroutines do.
+func (f memForwarder) Forward(ctx context.Context, master uint64, batch []byte) ([]byte, error) {
 	for {
 		f.net.mu.Lock()
 		to, cut := f.net.nodes[master], f.net.cut[[2]uint64{f.from, master}]
+		var wait time.Duration
+		if f.net.delay > 0 {
+			wait = time.Duration(f.net.rng.Int63n(int64(f.net.delay)))
+		}
 		f.net.mu.Unlock()
 		if to != nil && !cut {
-			return to.HandleForward(ctx, data, mode)
+			if wait > 0 {
+				select {
+				case <-ctx.Done():
+					return nil, ctx.Err()
+				case <-time.After(wait):
+				}
+			}
+			return to.HandleForward(ctx, f.from, batch)
 		}
 		select { // the link is down: the request waits like a TCP retry
 		case <-ctx.Done():
-			return ctx.Err()
+			return nil, ctx.Err()
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
@@ -219,6 +233,22 @@ func (c *cluster) propose(topic string, mode AckMode) result {
 			return r
 		}
 	}
+}
+
+// masterOtherThan waits for a master other than old (a deposed one).
+func (c *cluster) masterOtherThan(old uint64) *testNode {
+	c.t.Helper()
+	var lead *testNode
+	waitFor(c.t, "a new master", func() bool {
+		for id, tn := range c.nodes {
+			if s, err := tn.Status(context.Background()); err == nil && id != old && s.Role == "master" {
+				lead = tn
+				return true
+			}
+		}
+		return false
+	})
+	return lead
 }
 
 func (c *cluster) applied(id uint64) []string {
@@ -517,16 +547,7 @@ func TestDeposedMastersAsyncAcksAreRequeued(t *testing.T) {
 		t.Fatal("the cut-off master acked nothing; the test needs it to")
 	}
 	// The others elect a master and write over the same indexes.
-	var lead2 *testNode
-	waitFor(t, "a new master", func() bool {
-		for id, tn := range c.nodes {
-			if s, err := tn.Status(context.Background()); err == nil && id != old.ID() && s.Role == "master" {
-				lead2 = tn
-				return true
-			}
-		}
-		return false
-	})
+	lead2 := c.masterOtherThan(old.ID())
 	for i := 0; i < 10; i++ {
 		if r := wait(t, lead2.propose(t, fmt.Sprintf("new/%d", i), Sync)); r.err != nil {
 			t.Fatal(r.err)

@@ -12,7 +12,14 @@
 // covers it. A proposal that cannot meet its rule within SyncTimeout fails
 // with ErrAckTimeout, so nothing is ever reported acked that is not.
 //
+// A record proposed while another node is the master goes to it through
+// the node's forward stream (forward.go): one queue in arrival order, sent
+// in batches that the master proposes in the stream's order, sent again in
+// that order after a master change, so each publisher's records keep their
+// order in the log. A deposed master's requeue re-publishes through it too.
+//
 // Threading: Propose, Status and Stop may be called from any goroutine.
-// Proposal callbacks run on the raft goroutine and must not block. Applier
-// runs on its own goroutine, in log order.
+// Proposal callbacks run on the raft goroutine (or, for forwarded records,
+// on a goroutine of the forward stream) and must not block. Applier runs on
+// its own goroutine, in log order.
 package replication

@@ -153,8 +153,20 @@ type proposal struct {
 	deadline time.Time
 	index    uint64
 	resolved bool
-	counted  bool        // in batch.inNode: enqueued, not yet resolved
-	also     []*proposal // later copies of the same record, sharing the outcome
+	counted  bool // in batch.inNode: enqueued, not yet resolved
+	// inbound marks a record a slave forwarded here: if this node is no
+	// longer the master it is answered ErrNotLeader (the slave sends it
+	// on), never put on this node's own stream.
+	inbound bool
+	// viaStream marks one of this node's records that reached its raft
+	// queue through the forward stream: it may be in the log already
+	// (logged by the previous master), so it is remembered like another
+	// node's record.
+	viaStream bool
+	// stepped is set once raft took the record, here or (forwarded) on
+	// the master: from then on it may be in the log, whatever its outcome.
+	stepped bool
+	also    []*proposal // later copies of the same record, sharing the outcome
 }
 
 // Node is one member of a raft group of gateways. One goroutine (run) owns
@@ -217,6 +229,12 @@ type Node struct {
 	// over it, and takes no more proposals (promote.go).
 	fenced atomic.Bool
 
+	// fwd is the forward stream (forward.go); inMu guards inboundBy, the
+	// order of each peer's stream on this node as master.
+	fwd       fwdStream
+	inMu      sync.Mutex
+	inboundBy map[uint64]*fwdInbound
+
 	// Loop-owned state.
 	pending      map[recID]*proposal // proposed, not yet saved
 	live         map[recID]*proposal // proposed here and unresolved, by record id
@@ -267,7 +285,9 @@ func NewNode(cfg Config) (*Node, error) {
 		failc:      make(chan struct{}),
 		pending:    map[recID]*proposal{},
 		live:       map[recID]*proposal{},
+		inboundBy:  map[uint64]*fwdInbound{},
 	}
+	n.fwd.sig = make(chan struct{}, 1)
 	if err := n.loadMembers(); err != nil {
 		return nil, err
 	}
@@ -325,6 +345,10 @@ start:
 	go n.run()
 	go n.applyLoop()
 	go n.requeueLoop()
+	if cfg.Forwarder != nil {
+		n.wg.Add(1)
+		go n.forwardLoop()
+	}
 	return n, nil
 }
 
@@ -345,8 +369,10 @@ func (n *Node) Propose(data []byte, mode AckMode, done func(index uint64, err er
 		return
 	}
 	p := &proposal{id: recID{origin, seq}, data: data, mode: mode, done: done, deadline: time.Now().Add(n.cfg.SyncTimeout)}
-	if n.cfg.Forwarder != nil && n.Leader() != n.id {
-		go n.forward(p)
+	// Another node is the master, or records taken before this one are
+	// still on the forward stream: this one follows them there, so a
+	// publisher's records keep their order (forward.go).
+	if n.cfg.Forwarder != nil && n.fwdTake(p, n.Leader() != n.id) {
 		return
 	}
 	n.enqueue(p)
@@ -559,8 +585,25 @@ func (n *Node) proposeQueued() {
 		return
 	}
 	if !n.leader {
+		var back []*proposal
 		for _, p := range ps {
-			n.resolve(p, ErrNotLeader)
+			if n.cfg.Forwarder == nil || p.inbound {
+				n.resolve(p, ErrNotLeader)
+				continue
+			}
+			// Taken here while this node was the master, never handed
+			// to raft: it goes to the new master, ahead of what this
+			// node took since.
+			if p.counted {
+				n.batch.left()
+				p.counted = false
+			}
+			back = append(back, p)
+		}
+		if len(back) > 0 && !n.fwdPutBack(back) {
+			for _, p := range back {
+				n.resolve(p, ErrStopped)
+			}
 		}
 		return
 	}
@@ -585,6 +628,7 @@ func (n *Node) proposeQueued() {
 		}
 		ents = append(ents, pb.Entry{Data: p.data})
 		fresh = append(fresh, p)
+		n.live[p.id] = p // a copy later in this same batch shares it
 	}
 	if len(ents) == 0 {
 		return
@@ -596,8 +640,8 @@ func (n *Node) proposeQueued() {
 		return
 	}
 	for _, p := range fresh {
+		p.stepped = true
 		n.pending[p.id] = p
-		n.live[p.id] = p
 		n.byDue = append(n.byDue, p)
 	}
 }
@@ -667,6 +711,8 @@ func (n *Node) handleReady() bool {
 	if n.leader {
 		n.matchSaved(rd.Entries)
 		n.flushResolved() // acks first: the rest of the Ready can wait
+	} else if n.cfg.Forwarder != nil {
+		n.noteLogged(rd.Entries)
 	}
 	if !early && n.cfg.Transport != nil && len(rd.Messages) > 0 {
 		n.cfg.Transport.Send(rd.Messages)
@@ -790,13 +836,15 @@ func (n *Node) matchSaved(ents []pb.Entry) {
 			continue
 		}
 		id := recID{origin, seq}
-		if origin != n.id {
+		p := n.pending[id]
+		if origin != n.id || (p != nil && p.viaStream) {
 			// Only another node's records come again (a slave's retried
-			// forward, a deposed master's requeue): this node's own are
-			// proposed once, so they need no entry here.
+			// forward, a deposed master's requeue), and this node's own
+			// that went through the forward stream (another master may
+			// have logged them too): others are proposed once, so they
+			// need no entry here.
 			n.logged.add(id, e.Index)
 		}
-		p := n.pending[id]
 		if p == nil {
 			continue
 		}
@@ -806,6 +854,22 @@ func (n *Node) matchSaved(ents []pb.Entry) {
 			n.resolve(p, nil)
 		} else {
 			n.syncWait = append(n.syncWait, p)
+		}
+	}
+}
+
+// noteLogged remembers where the records a follower saves are: should this
+// node become the master, the forward streams of the slaves (its own
+// included) send again whatever the old master had not answered, and what
+// it logged must be answered from the log, not logged twice.
+func (n *Node) noteLogged(ents []pb.Entry) {
+	for i := range ents {
+		e := &ents[i]
+		if e.Type != pb.EntryNormal || len(e.Data) == 0 {
+			continue
+		}
+		if origin, seq, err := storage.RecordID(e.Data); err == nil {
+			n.logged.add(recID{origin, seq}, e.Index)
 		}
 	}
 }
@@ -906,6 +970,11 @@ func (n *Node) resolve(p *proposal, err error) {
 		n.resolve(q, err)
 	}
 	if err != nil {
+		if p.stepped {
+			// Its publisher hears "refused", yet the record may be in the
+			// log: should this node's requeue ever meet it, it is dropped.
+			n.noteRefused(p.id, p.index)
+		}
 		p.done(0, err)
 		return
 	}
@@ -932,7 +1001,6 @@ func (n *Node) expire(now time.Time) {
 				break
 			}
 			delete(n.pending, p.id)
-			n.noteRefused(p)
 			n.resolve(p, ErrAckTimeout)
 		}
 	}

@@ -145,25 +145,7 @@ func TestRequeueSkipsRefusedSyncRecords(t *testing.T) {
 		t.Fatal(r.err)
 	}
 	tn.stop()
-
-	// The rejoin's reset: everything requeued (fork at 0), then the node
-	// starts afresh and re-publishes into its new group.
-	db, err := storage.Open(dir, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := db.ResetRaftFrom(1); err != nil {
-		t.Fatal(err)
-	}
-	db.Close()
-	tn = openTestNode(t, dir, nil)
-	t.Cleanup(tn.stop)
-	// The bucket empties as each record is logged; the round's counts
-	// are added once the whole round is back, so wait for those.
-	waitFor(t, "the requeue drained and counted", func() bool {
-		n, err := tn.db.RequeuePending()
-		return err == nil && n == 0 && tn.Requeued()+tn.RefusedSkipped() >= 3
-	})
+	tn = rejoinReset(t, dir, 3)
 	got := logTopics(t, tn)
 	if got["a/before"] != 1 || got["a/after"] != 1 || got["s/refused"] != 0 {
 		t.Fatalf("log after the re-publish: %v; want both async records once and no refused sync one", got)
@@ -192,4 +174,28 @@ func TestFencedMasterRefusesProposals(t *testing.T) {
 	if err != nil || st.Role != "candidate" {
 		t.Fatalf("status of a fenced master: %+v %v", st, err)
 	}
+}
+
+// rejoinReset does what a rejoin does to the stopped node's data dir in
+// dir: everything requeued (fork at 0); then it starts the node afresh and
+// waits until it has re-published or skipped records records.
+func rejoinReset(t *testing.T, dir string, records uint64) *testNode {
+	t.Helper()
+	db, err := storage.Open(dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := db.ResetRaftFrom(1); err != nil {
+		t.Fatal(err)
+	}
+	db.Close()
+	tn := openTestNode(t, dir, nil)
+	t.Cleanup(tn.stop)
+	// The bucket empties as each record is logged; the round's counts
+	// are added once the whole round is back, so wait for those.
+	waitFor(t, "the requeue drained and counted", func() bool {
+		n, err := tn.db.RequeuePending()
+		return err == nil && n == 0 && tn.Requeued()+tn.RefusedSkipped() >= records
+	})
+	return tn
 }

@@ -108,7 +108,7 @@ func (n *Node) republish() (int, bool) {
 	wg.Wait()
 	if skipped > 0 {
 		n.refusedSkipped.Add(uint64(skipped))
-		n.log.Info("requeued records not re-published: their sync publishers were refused", "records", skipped)
+		n.log.Info("requeued records not re-published: their publishers were refused", "records", skipped)
 		if err := n.db.Flush(); err != nil {
 			return done, false
 		}
@@ -128,11 +128,19 @@ func (n *Node) republish() (int, bool) {
 // Requeued returns how many records this node has re-published since start.
 func (n *Node) Requeued() uint64 { return n.requeuedTotal.Load() }
 
-// bucketRefused holds the ids of records whose sync ack rule timed out
-// here (the publisher was refused), with the index they had. Should such
-// a record be requeued (this node was a deposed master and it sat in the
+// bucketRefused holds the ids of records this node refused after raft
+// took them (a sync ack rule timed out, the disk failed, the node lost the
+// mastership or stopped first) or, forwarded, whose refusal it passed on:
+// the publisher was told "refused", yet the record may be in the log. With
+// each, the highest index it can hold (for pruneRefused). Should such a
+// record be requeued (this node was a deposed master and it sat in the
 // divergent tail), it is dropped rather than re-published.
 const bucketRefused = "refused"
+
+// refusedSlack bounds how far past the log's end a refused record not yet
+// saved here can still land: its index is unknown, so pruneRefused keeps it
+// until retention passes the log's end then plus this.
+const refusedSlack = 1 << 20
 
 // refusedKey is a record id as a bucketRefused key.
 func refusedKey(origin, seq uint64) string {
@@ -142,16 +150,17 @@ func refusedKey(origin, seq uint64) string {
 	return string(k[:])
 }
 
-// noteRefused remembers that p, a proposal made on this node, was refused
-// for its sync ack rule. It is staged, so it is durable with the next
-// write: a deposed master may restart before it rejoins.
-func (n *Node) noteRefused(p *proposal) {
-	if p.mode != Sync {
-		return
+// noteRefused remembers that the record id was refused here (index: where
+// it is in the log, 0 if unknown). It is staged, so it is durable with the
+// next write: a deposed master may restart before it rejoins.
+func (n *Node) noteRefused(id recID, index uint64) {
+	if index == 0 {
+		last, _ := n.db.LastIndex()
+		index = last + refusedSlack
 	}
 	var v [8]byte
-	binary.BigEndian.PutUint64(v[:], p.index)
-	n.db.Stage(bucketRefused, refusedKey(p.id.origin, p.id.seq), v[:])
+	binary.BigEndian.PutUint64(v[:], index)
+	n.db.Stage(bucketRefused, refusedKey(id.origin, id.seq), v[:])
 }
 
 // refusedIDs returns the keys of bucketRefused.
@@ -186,5 +195,5 @@ func (n *Node) pruneRefused() {
 }
 
 // RefusedSkipped returns how many requeued records this node dropped since
-// start instead of re-publishing them, their sync publishers refused.
+// start instead of re-publishing them, their publishers refused.
 func (n *Node) RefusedSkipped() uint64 { return n.refusedSkipped.Load() }

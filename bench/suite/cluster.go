@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -48,9 +49,9 @@ var clusterWorkloads = []clusterWorkload{
 
 // runClusters runs the cluster workloads, reps times each on a fresh
 // cluster per size, and prints medians and the replication lag seen.
-func runClusters(bin, dir string, reps int) {
+func runClusters(bin, dir string, reps int, only string) {
 	fmt.Printf("\nclusters on loopback (every member fsyncs before it reports; clients on the master unless said), %d runs each, medians\n", reps)
-	fmt.Printf("%-30s %10s %9s %9s %11s %11s  %s\n", "", "msg/s", "p50 ms", "p99 ms", "max lag rec", "max lag s", "ratio (goal)")
+	fmt.Printf("%-30s %10s %9s %9s %11s %11s %9s %10s  %s\n", "", "msg/s", "p50 ms", "p99 ms", "max lag rec", "max lag s", "µs/msg", "fsync/msg", "ratio (goal)")
 	clusters := map[int][]*broker{}
 	defer func() {
 		for _, bs := range clusters {
@@ -61,6 +62,9 @@ func runClusters(bin, dir string, reps int) {
 	}()
 	var ref float64
 	for _, w := range clusterWorkloads {
+		if first, _, _ := strings.Cut(w.name, " "); only != "" && first != "C1" && !slices.Contains(strings.Split(only, ","), first) {
+			continue
+		}
 		bs := clusters[w.members]
 		if bs == nil {
 			bs = startCluster(bin, filepath.Join(dir, fmt.Sprintf("c%d", w.members)), w.members)
@@ -78,20 +82,34 @@ func runClusters(bin, dir string, reps int) {
 			o.Topic = w.topic
 			o.Version = 5
 			stopLag := watchLag(bs[0].http, &lagRec, &lagSec)
+			cpu0, fsyncs0 := membersCPU(bs), tandemFsyncs(bs[0])
 			res, err := bench.Run(context.Background(), o)
+			cpu, fsyncs := membersCPU(bs)-cpu0, tandemFsyncs(bs[0])-fsyncs0
 			stopLag()
 			check(err)
 			if res.Failed > 0 {
 				fmt.Fprintf(os.Stderr, "%s: %d failed: %s\n", w.name, res.Failed, res.FirstFailure)
 			}
-			ss = append(ss, sample{res: res})
+			acked := float64(max(res.Acked, 1))
+			ss = append(ss, sample{res: res, cpuUsPerMsg: cpu * 1e6 / acked, fsyncsPerMsg: float64(fsyncs) / acked})
 		}
 		m := median(ss)
 		if ref == 0 {
 			ref = m.res.MsgPerSec
 		}
-		fmt.Printf("%-30s %10.0f %9.3f %9.3f %11d %11.3f  %.2f× C1 (%s)\n", w.name, m.res.MsgPerSec, m.res.AckP50Ms, m.res.AckP99Ms, lagRec, lagSec, m.res.MsgPerSec/ref, w.goal)
+		fmt.Printf("%-30s %10.0f %9.3f %9.3f %11d %11.3f %9.1f %10.3f  %.2f× C1 (%s)\n", w.name, m.res.MsgPerSec, m.res.AckP50Ms, m.res.AckP99Ms, lagRec, lagSec, m.cpuUsPerMsg, m.fsyncsPerMsg, m.res.MsgPerSec/ref, w.goal)
 	}
+}
+
+// membersCPU sums the members' user+system CPU seconds: what a message
+// costs the whole cluster, which a busy machine's noise hides less than
+// msg/s. (fsync/msg is the master's: bs[0].)
+func membersCPU(bs []*broker) float64 {
+	total := 0.0
+	for _, b := range bs {
+		total += procCPU(b.cmd.Process.Pid)
+	}
+	return total
 }
 
 // watchLag polls the master's status until the returned stop is called,

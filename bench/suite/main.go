@@ -91,6 +91,7 @@ func main() {
 	reps := flag.Int("reps", 3, "runs of each workload per broker (the median is shown)")
 	only := flag.String("only", "", "comma-separated workloads to run (default all)")
 	clusters := flag.Bool("clusters", true, "also run the cluster workloads (2 and 3 gateways on loopback)")
+	onlyClusters := flag.String("only-clusters", "", "comma-separated cluster workloads to run, by their first word (C1, the reference, always runs); with it, the single-gateway workloads are skipped")
 	flag.Parse()
 
 	// W6 holds 5,000 connections on each side: the brokers started below
@@ -111,7 +112,7 @@ func main() {
 	fmt.Printf("W5: msg/s is deliveries/s to all subscribers, p50/p99 end to end, µs per delivery\n\n")
 	fmt.Printf("%-4s %-9s %10s %9s %9s %9s %10s %11s %8s  %s\n", "", "broker", "msg/s", "p50 ms", "p99 ms", "µs/msg", "fsync/msg", "dev B/msg", "RSS MB", "ratio (goal)")
 	for _, w := range workloads {
-		if *only != "" && !slices.Contains(strings.Split(*only, ","), w.name) {
+		if (*only != "" || *onlyClusters != "") && !slices.Contains(strings.Split(*only, ","), w.name) {
 			continue
 		}
 		var st, sm []sample
@@ -140,7 +141,7 @@ func main() {
 	if *clusters {
 		stop(tan)
 		stop(mos)
-		runClusters(*tandemBin, dir, *reps)
+		runClusters(*tandemBin, dir, *reps, *onlyClusters)
 	}
 }
 

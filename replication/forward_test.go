@@ -1,0 +1,295 @@
+package replication
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/tandem-edge/tandem/storage"
+)
+
+// publisher proposes its records on one node one after another, with up to
+// window of them unresolved at once, the way an MQTT client's in-flight
+// window does; each record's payload is its number.
+type publisher struct {
+	name  string
+	mode  AckMode
+	mu    sync.Mutex // guards acked and failed
+	acked map[int]bool
+	fails []error
+}
+
+func (p *publisher) run(t *testing.T, tn *testNode, count, window int, wg *sync.WaitGroup) {
+	defer wg.Done()
+	slots := make(chan struct{}, window)
+	var done sync.WaitGroup
+	for i := 0; i < count; i++ {
+		slots <- struct{}{}
+		r := storage.Record{Origin: tn.ID(), Seq: tn.NextSeq(), ClientID: p.name, Topic: p.name, QoS: 1, Time: time.Now().UnixNano(), Payload: []byte(strconv.Itoa(i))}
+		done.Add(1)
+		tn.Propose(storage.AppendRecord(nil, &r), p.mode, func(_ uint64, err error) {
+			p.mu.Lock()
+			if err == nil {
+				p.acked[i] = true
+			} else {
+				p.fails = append(p.fails, err)
+			}
+			p.mu.Unlock()
+			<-slots
+			done.Done()
+		})
+	}
+	done.Wait()
+}
+
+// orderOf reads a member's applied log per publisher: the record numbers in
+// log order, then how many came after a higher one (order violations) and
+// how many were logged more than once.
+func orderOf(tn *testNode) (seqs map[string][]int, violations, dups map[string]int) {
+	seqs, violations, dups = map[string][]int{}, map[string]int{}, map[string]int{}
+	seen := map[string]map[int]bool{}
+	tn.app.mu.Lock()
+	defer tn.app.mu.Unlock()
+	for _, r := range tn.app.recs {
+		if !strings.HasPrefix(r.ClientID, "pub") {
+			continue
+		}
+		i, _ := strconv.Atoi(string(r.Payload))
+		if seen[r.ClientID] == nil {
+			seen[r.ClientID] = map[int]bool{}
+		}
+		if seen[r.ClientID][i] {
+			dups[r.ClientID]++
+			continue
+		}
+		seen[r.ClientID][i] = true
+		if s := seqs[r.ClientID]; len(s) > 0 && i < s[len(s)-1] {
+			violations[r.ClientID]++
+		}
+		seqs[r.ClientID] = append(seqs[r.ClientID], i)
+	}
+	return seqs, violations, dups
+}
+
+// Publishes taken on a slave keep each publisher's order in the log when
+// the master dies under load, and none that was acked is lost: the forward
+// stream sends the unanswered tail again, in order, to the new master (or
+// proposes it locally when the slave itself is elected).
+func TestForwardedPublishesKeepOrderAcrossAMasterChange(t *testing.T) {
+	c := newCluster(t, 3)
+	c.net.setFaults(0, 0, 2*time.Millisecond) // requests overtake each other
+	old := c.leader()
+	f := c.follower()
+	const count, window = 600, 32
+	pubs := []*publisher{{name: "pub-a", mode: Async}, {name: "pub-b", mode: Sync}, {name: "pub-c", mode: Async}, {name: "pub-d", mode: Sync}}
+	for _, p := range pubs {
+		p.acked = map[int]bool{}
+	}
+	var wg sync.WaitGroup
+	for _, p := range pubs {
+		wg.Add(1)
+		go p.run(t, f, count, window, &wg)
+	}
+	waitFor(t, "a third of the load acked", func() bool {
+		n := 0
+		for _, p := range pubs {
+			p.mu.Lock()
+			n += len(p.acked)
+			p.mu.Unlock()
+		}
+		return n >= len(pubs)*count/3
+	})
+	c.stop(old.ID()) // the master dies with the slave's window in flight
+	wg.Wait()
+	lead := c.leader()
+	t.Logf("new master: %s (the publishers' slave: %v)", ShortID(lead.ID()), lead == f)
+	if r := c.propose("marker", Async); r.err != nil { // everything before it is applied once it is
+		t.Fatal(r.err)
+	}
+	for id := range c.nodes {
+		waitFor(t, "the marker applied", func() bool {
+			got := c.applied(id)
+			return len(got) > 0 && got[len(got)-1] == "marker"
+		})
+	}
+	for _, p := range pubs {
+		if len(p.fails) > 0 {
+			t.Errorf("%s: %d of %d publishes failed across a master change, first: %v", p.name, len(p.fails), count, p.fails[0])
+		}
+	}
+	checkPublishers(t, c, pubs)
+}
+
+// checkPublishers fails unless every member's log holds each publisher's
+// acked records, once each and in the order they were published.
+func checkPublishers(t *testing.T, c *cluster, pubs []*publisher) {
+	t.Helper()
+	for id, tn := range c.nodes {
+		seqs, violations, dups := orderOf(tn)
+		for _, p := range pubs {
+			logged := map[int]bool{}
+			for _, i := range seqs[p.name] {
+				logged[i] = true
+			}
+			lost := 0
+			for i := range p.acked {
+				if !logged[i] {
+					lost++
+				}
+			}
+			if violations[p.name] > 0 || lost > 0 || dups[p.name] > 0 {
+				t.Errorf("member %s, %s: %d out of order, %d acked but lost, %d logged twice: %v", ShortID(id), p.name, violations[p.name], lost, dups[p.name], seqs[p.name])
+			}
+		}
+	}
+}
+
+// A record forwarded twice in one batch, or again in a later one, is
+// logged once; a batch that arrives before the one its stream sent first
+// waits its turn.
+func TestForwardBatchesAreProposedInStreamOrder(t *testing.T) {
+	c := newCluster(t, 3)
+	lead, f := c.leader(), c.follower()
+	mk := func(topic string) *proposal {
+		data := f.record(t, topic)
+		o, s, _ := storage.RecordID(data)
+		return &proposal{id: recID{o, s}, data: data, mode: Async}
+	}
+	a, b, d := mk("o/1"), mk("o/2"), mk("o/3")
+	ch := make(chan error, 2)
+	send := func(seq uint64, ps ...*proposal) {
+		ans, err := lead.HandleForward(t.Context(), f.ID(), encodeForward(7, seq, ps))
+		if err == nil {
+			var outs []error
+			outs, err = decodeForwardAnswer(ans, len(ps))
+			for _, e := range outs {
+				err = errors.Join(err, e)
+			}
+		}
+		ch <- err
+	}
+	go send(1, d, b) // seq 1 first: it must wait for seq 0
+	select {
+	case err := <-ch:
+		t.Fatalf("batch 1 answered before batch 0 was sent: %v", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	go send(0, a, b, a)
+	for i := 0; i < 2; i++ {
+		select {
+		case err := <-ch:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("a forward batch was never answered")
+		}
+	}
+	if _, err := lead.HandleForward(t.Context(), f.ID(), encodeForward(7, 0, []*proposal{a})); err == nil {
+		t.Fatal("a batch of an epoch's past was taken")
+	}
+	waitFor(t, "the records applied", func() bool { return len(c.applied(lead.ID())) >= 3 })
+	if got := fmt.Sprint(c.applied(lead.ID())); got != "[o/1 o/2 o/3]" {
+		t.Fatalf("applied %s, want [o/1 o/2 o/3]", got)
+	}
+}
+
+// A forward batch or answer that does not parse is refused, never misread.
+func TestForwardWireRejectsMalformedInput(t *testing.T) {
+	r := storage.Record{Origin: 1, Seq: 5, ClientID: "c", Topic: "t", Payload: []byte("x")}
+	p := &proposal{data: storage.AppendRecord(nil, &r), mode: Sync}
+	b := encodeForward(3, 4, []*proposal{p, p})
+	epoch, seq, recs, err := decodeForward(b)
+	if err != nil || epoch != 3 || seq != 4 || len(recs) != 2 || recs[1].mode != Sync || recs[1].id != (recID{1, 5}) {
+		t.Fatalf("round trip: %d %d %+v %v", epoch, seq, recs, err)
+	}
+	for i := 0; i < len(b); i++ {
+		if _, _, _, err := decodeForward(b[:i]); !errors.Is(err, errBadForward) {
+			t.Fatalf("batch cut at %d of %d bytes: %v", i, len(b), err)
+		}
+	}
+	ans := encodeForwardAnswer([]error{nil, ErrAckTimeout, fmt.Errorf("%w: disk", ErrLogFull), ErrStopped, errors.New("odd")})
+	outs, err := decodeForwardAnswer(ans, 5)
+	if err != nil || outs[0] != nil || !errors.Is(outs[1], ErrAckTimeout) || !errors.Is(outs[2], ErrStorage) || !errors.Is(outs[3], ErrNotLeader) || outs[4] == nil {
+		t.Fatalf("answer round trip: %v %v", outs, err)
+	}
+	for i := 0; i < len(ans); i++ {
+		if _, err := decodeForwardAnswer(ans[:i], 5); !errors.Is(err, errBadForward) {
+			t.Fatalf("answer cut at %d of %d bytes: %v", i, len(ans), err)
+		}
+	}
+	if _, err := decodeForwardAnswer(ans, 4); !errors.Is(err, errBadForward) {
+		t.Fatal("an answer for another batch size was taken")
+	}
+}
+
+// A deposed master's requeued tail is re-published in log order through
+// the forward stream: each publisher's records land on the new master one
+// after another, in the order they were acked, none lost or doubled.
+func TestRequeuedTailKeepsEachPublishersOrder(t *testing.T) {
+	c := newCluster(t, 3)
+	old := c.leader()
+	if r := c.propose("before", Async); r.err != nil {
+		t.Fatal(r.err)
+	}
+	c.net.isolate(old.ID())
+	// Two publishers' windows in flight at once on the cut-off master,
+	// which acks them (async: on its disk) until it steps down.
+	pubs := []*publisher{{name: "pub-x", mode: Async, acked: map[int]bool{}}, {name: "pub-y", mode: Async, acked: map[int]bool{}}}
+	var wg sync.WaitGroup
+	for _, p := range pubs {
+		wg.Add(1)
+		go p.run(t, old, 40, 40, &wg)
+	}
+	wg.Wait()
+	acked := 0
+	for _, p := range pubs {
+		acked += len(p.acked)
+	}
+	if acked < 20 {
+		t.Fatalf("the cut-off master acked %d records; the test needs more", acked)
+	}
+	lead2 := c.masterOtherThan(old.ID())
+	for i := 0; i < 10; i++ { // written over the deposed master's tail
+		if r := wait(t, lead2.propose(t, fmt.Sprintf("new/%d", i), Sync)); r.err != nil {
+			t.Fatal(r.err)
+		}
+	}
+	c.net.heal()
+	waitFor(t, "the deposed master re-publishes its tail", func() bool { return old.Requeued() >= uint64(acked) })
+	if r := c.propose("marker", Async); r.err != nil {
+		t.Fatal(r.err)
+	}
+	for id := range c.nodes {
+		waitFor(t, "the marker applied", func() bool {
+			got := c.applied(id)
+			return len(got) > 0 && got[len(got)-1] == "marker"
+		})
+	}
+	checkPublishers(t, c, pubs)
+}
+
+// A record raft took but whose publisher heard "refused" (here: the node
+// stopped before its ack rule was met) is never re-published by a later
+// requeue of that node's log; acked records around it are.
+func TestRequeueSkipsRecordsRefusedAfterRaftTookThem(t *testing.T) {
+	dir := t.TempDir()
+	tn := startNode(t, dir, time.Minute) // stopping twice is harmless
+	if r := wait(t, tn.propose(t, "a/before", Async)); r.err != nil {
+		t.Fatal(r.err)
+	}
+	ch := tn.propose(t, "s/stopped", Sync) // a lone node: never acked
+	waitFor(t, "the sync record logged", func() bool { return tn.app.count() == 2 })
+	tn.stop()
+	if r := wait(t, ch); !errors.Is(r.err, ErrStopped) {
+		t.Fatalf("pending sync record at stop: %v, want ErrStopped", r.err)
+	}
+	tn = rejoinReset(t, dir, 2)
+	if got := logTopics(t, tn); got["a/before"] != 1 || got["s/stopped"] != 0 {
+		t.Fatalf("log after the re-publish: %v; want the acked record once and not the refused one", got)
+	}
+}
