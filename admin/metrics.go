@@ -267,7 +267,9 @@ var (
 	descStoreBudget   = desc("tandem_storage_budget_bytes", "storage.max_bytes: the data dir's budget (plus a 2MiB slack).")
 	descStoreDropped  = desc("tandem_storage_dropped_records_total", "Records retention dropped (max_bytes, max_age) since the start.")
 	descStoreOldest   = desc("tandem_storage_oldest_record_age_seconds", "Age of the oldest record in the log; 0 when it holds none.")
-	descStoreRefusing = desc("tandem_storage_refusing", "1 while the log is over its budget with only records a member still lacks left.")
+	descStoreRefusing = desc("tandem_storage_refusing", "1 while publishes are refused: free space below storage.min_free, or the log over its budget with only records a member still lacks left.")
+	descStoreFree     = desc("tandem_storage_free_bytes", "Free space on the data dir's filesystem at the last reading (-1 before one).")
+	descStoreMinFree  = desc("tandem_storage_min_free_bytes", "storage.min_free: below it publishes are refused.")
 	descClients       = desc("tandem_mqtt_clients_connected", "MQTT clients connected to this gateway.")
 	descInflight      = desc("tandem_mqtt_inflight_messages", "QoS 1/2 messages in flight between this gateway and its clients.")
 	descRetained      = desc("tandem_mqtt_retained_messages", "Retained messages this gateway holds.")
@@ -288,7 +290,7 @@ func (statusCollector) Describe(ch chan<- *prometheus.Desc) {
 		descLagRecords, descLagSeconds, descMatchIndex, descReachable, descVoter,
 		descFirstIndex, descLastIndex, descCommitIndex, descAppliedIndex,
 		descDiskUsed, descDiskFree, descDiskBudget, descCommits, descFsyncs,
-		descStoreUsed, descStoreBudget, descStoreDropped, descStoreOldest, descStoreRefusing, descClients, descInflight, descRetained, descStatusUp,
+		descStoreUsed, descStoreBudget, descStoreDropped, descStoreOldest, descStoreRefusing, descStoreFree, descStoreMinFree, descClients, descInflight, descRetained, descStatusUp,
 		descGeneration, descPromotions, descDeposed, descRequeued, descRequeuePend, descTopicsMatch} {
 		ch <- d
 	}
@@ -344,7 +346,9 @@ func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- gauge(descStoreBudget, float64(s.Storage.BudgetBytes))
 	ch <- prometheus.MustNewConstMetric(descStoreDropped, prometheus.CounterValue, float64(s.Storage.DroppedRecords))
 	ch <- gauge(descStoreOldest, s.Storage.OldestAgeSeconds)
-	ch <- gauge(descStoreRefusing, b2f(s.Storage.Refusing))
+	ch <- gauge(descStoreRefusing, b2f(s.Storage.IsRefusing()))
+	ch <- gauge(descStoreFree, float64(s.Storage.FreeBytes))
+	ch <- gauge(descStoreMinFree, float64(s.Storage.MinFreeBytes))
 	ch <- gauge(descClients, float64(s.MQTT.Clients))
 	ch <- gauge(descInflight, float64(s.MQTT.Inflight))
 	ch <- gauge(descRetained, float64(gw.Retained()))

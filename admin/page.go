@@ -55,7 +55,8 @@ type diskView struct {
 	Used, Free, Budget string
 	Percent            int    // of the budget, or of used+free without one
 	Oldest             string // age of the oldest record kept, "" when none
-	Refusing           bool   // over budget with nothing droppable: shown in red
+	Refusing           bool   // publishes refused (disk nearly full, budget full of what a member lacks): shown in red
+	RefusingWhy        string // why, as status says
 }
 
 // sparkline is an inline SVG polyline, scaled to its own maximum.
@@ -136,7 +137,10 @@ func (fv *FieldView) pageData(ctx context.Context) *pageData {
 	if s.Storage.OldestAgeSeconds > 0 {
 		p.Disk.Oldest = (time.Duration(s.Storage.OldestAgeSeconds) * time.Second).String()
 	}
-	p.Disk.Refusing = s.Storage.Refusing
+	p.Disk.Refusing = s.Storage.IsRefusing()
+	if s.Storage.Refusing != nil {
+		p.Disk.RefusingWhy = *s.Storage.Refusing
+	}
 	if whole > 0 {
 		p.Disk.Percent = int(min(100, uint64(max(s.Disk.UsedBytes, 0))*100/whole))
 	}

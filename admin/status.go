@@ -94,8 +94,10 @@ type StatusPairing struct {
 // The rest is retention's view: UsedBytes is the whole data dir (WAL and
 // data file), BudgetBytes storage.max_bytes, OldestAgeSeconds the age of the
 // oldest record kept (0 when none), DroppedRecords what retention dropped
-// since start, and Refusing is true while the log is over its budget with
-// only records a member still lacks (or not yet applied) left to drop.
+// since start, and Refusing is null while the gateway takes publishes, else
+// why it refuses them: free space below storage.min_free, or the log over
+// its budget with only records a member still lacks left to drop.
+// FreeBytes and MinFreeBytes are the watermark's last reading.
 type StatusStorage struct {
 	Commits          uint64  `json:"commits"`
 	Fsyncs           uint64  `json:"fsyncs"`
@@ -103,5 +105,10 @@ type StatusStorage struct {
 	BudgetBytes      int64   `json:"budget_bytes"`
 	OldestAgeSeconds float64 `json:"oldest_age_seconds"`
 	DroppedRecords   uint64  `json:"dropped_records"`
-	Refusing         bool    `json:"refusing"`
+	Refusing         *string `json:"refusing"`
+	FreeBytes        int64   `json:"free_bytes"`
+	MinFreeBytes     int64   `json:"min_free_bytes"`
 }
+
+// IsRefusing reports whether the storage refuses publishes.
+func (s StatusStorage) IsRefusing() bool { return s.Refusing != nil }

@@ -68,8 +68,8 @@ func writeStatus(w io.Writer, s *admin.Status) error {
 	if s.Storage.DroppedRecords > 0 {
 		disk += fmt.Sprintf(", %d records dropped", s.Storage.DroppedRecords)
 	}
-	if s.Storage.Refusing {
-		disk += "; REFUSING PUBLISHES: over budget with only records a member lacks"
+	if s.Storage.Refusing != nil {
+		disk += "; REFUSING PUBLISHES: " + *s.Storage.Refusing
 	}
 	fmt.Fprintf(tw, "disk\t%s\n", disk)
 	fmt.Fprintf(tw, "clients\t%d connected, %d messages in flight\n", s.MQTT.Clients, s.MQTT.Inflight)

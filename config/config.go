@@ -290,6 +290,11 @@ type StorageConfig struct {
 	// MaxAge drops records older than this, whole runs at a time (a run is
 	// a few KiB of records). 0 means records are kept whatever their age.
 	MaxAge Duration `yaml:"max_age"`
+	// MinFree is the free space the data dir's filesystem must keep: below
+	// it publishes are refused (MQTT 5 0x97) until space returns, whoever
+	// filled the disk. 0 means the default: 5 % of the filesystem or
+	// 256MiB, whichever is smaller.
+	MinFree ByteSize `yaml:"min_free"`
 }
 
 // TopicRule gives the ack mode of the topics one MQTT filter matches.

@@ -121,6 +121,7 @@ func fullConfig() *Config {
 			FlushInterval: Duration(20 * time.Millisecond),
 			MaxBytes:      512 << 20,
 			MaxAge:        Duration(168 * time.Hour),
+			MinFree:       128 << 20,
 		},
 		Topics: []TopicRule{
 			{Match: "alarms/#", Ack: "sync"},

@@ -92,7 +92,8 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	}
 	d.log = d.log.With("node", replication.ShortID(d.id.ID))
 	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log, SyncDelay: benchSyncDelay(), OnCommit: d.fieldView().OnCommit,
-		MaxBytes: int64(c.Storage.MaxBytes), MaxAge: time.Duration(c.Storage.MaxAge), FlushInterval: flushInterval(c.Storage)}); err != nil {
+		MaxBytes: int64(c.Storage.MaxBytes), MaxAge: time.Duration(c.Storage.MaxAge), MinFree: int64(c.Storage.MinFree),
+		FlushInterval: flushInterval(c.Storage)}); err != nil {
 		return err
 	}
 	topics, err := d.topicPolicies(c.Topics)

@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -100,5 +101,78 @@ func TestDiskFullRefusesThenRecovers(t *testing.T) {
 	d2 := testGateway(t, data, nil)
 	if countTopic(t, d2, "before/full") != 1 || countTopic(t, d2, "after/full") < 1 {
 		t.Fatal("acked records missing after the disk-full episode and a restart")
+	}
+}
+
+// storage.min_free: once the data dir's filesystem has less free space
+// than the watermark (filled by someone else: a log file, another
+// service), publishes are refused with 0x97 and status says why, while
+// subscribers are still served; once space returns, publishes are taken
+// again by themselves.
+func TestMinFreeRefusesUntilSpaceReturns(t *testing.T) {
+	if os.Geteuid() != 0 {
+		if os.Getenv("CI") == "true" {
+			t.Fatal("needs root to mount a small tmpfs (CI runs as root)")
+		}
+		t.Skip("needs root to mount a small tmpfs as a nearly full disk")
+	}
+	dir := t.TempDir()
+	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size=64m", "tandem-test", dir).CombinedOutput(); err != nil {
+		t.Fatalf("cannot mount a tmpfs: %v %s", err, out)
+	}
+	t.Cleanup(func() { exec.Command("umount", "-l", dir).Run() })
+	d := testGateway(t, filepath.Join(dir, "data"), func(c *config.Config) { c.Storage.MinFree = 16 << 20 })
+	sub, got := v5(t, d.MQTTAddr(), "watcher", nil)
+	subscribe(t, sub, "w/#", 1)
+	pub, _ := v5(t, d.MQTTAddr(), "pub", nil)
+	if r := publish(t, pub, &paho.Publish{Topic: "w/before", QoS: 1, Payload: []byte("x")}); r.ReasonCode != 0 {
+		t.Fatalf("reason %#x with space", r.ReasonCode)
+	}
+	receive(t, got, 5*time.Second)
+
+	// Another program takes all but 8 MiB: the log itself still has room.
+	filler := filepath.Join(dir, "other-program.log")
+	if out, err := exec.Command("fallocate", "-l", "48M", filler).CombinedOutput(); err != nil {
+		t.Fatalf("fallocate: %v %s", err, out)
+	}
+	publishUntil := func(want byte, what string) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			r, err := pub.Publish(ctx, &paho.Publish{Topic: "w/x", QoS: 1, Payload: []byte("y")})
+			cancel()
+			if r == nil {
+				t.Fatalf("%s: %v", what, err)
+			}
+			if r.ReasonCode == want {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: reason %#x after 10 s, want %#x", what, r.ReasonCode, want)
+			}
+			time.Sleep(50 * time.Millisecond) // retry pacing, not synchronisation
+		}
+	}
+	publishUntil(0x97, "below min_free")
+	st, err := d.status(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Storage.Refusing == nil || !strings.Contains(*st.Storage.Refusing, "storage.min_free") {
+		t.Fatalf("status storage.refusing = %v, want the min_free reason", st.Storage.Refusing)
+	}
+	if st.Storage.FreeBytes <= 0 || st.Storage.FreeBytes >= 16<<20 || st.Storage.MinFreeBytes != 16<<20 {
+		t.Fatalf("status free %d min_free %d", st.Storage.FreeBytes, st.Storage.MinFreeBytes)
+	}
+	// Subscribers are still served: the session is there and answers.
+	subscribe(t, sub, "w2/#", 1)
+
+	if err := os.Remove(filler); err != nil {
+		t.Fatal(err)
+	}
+	publishUntil(0, "after space returned")
+	if st, err := d.status(context.Background()); err != nil || st.Storage.Refusing != nil {
+		t.Fatalf("status after space returned: %v %v", err, st.Storage.Refusing)
 	}
 }

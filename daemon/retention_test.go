@@ -107,7 +107,7 @@ func TestRetentionKeepsTheDataDirWithinBudget(t *testing.T) {
 		t.Errorf("data dir reached %d bytes: budget %d + slack %d", p, budget, storage.RetentionSlack)
 	}
 	if s.Storage.BudgetBytes != budget || s.Storage.UsedBytes <= 0 || s.Storage.UsedBytes > budget+storage.RetentionSlack ||
-		s.Storage.DroppedRecords == 0 || s.Storage.Refusing || s.Disk.UsedBytes != s.Storage.UsedBytes {
+		s.Storage.DroppedRecords == 0 || s.Storage.IsRefusing() || s.Disk.UsedBytes != s.Storage.UsedBytes {
 		t.Errorf("status storage %+v, disk %+v", s.Storage, s.Disk)
 	}
 	if s.Storage.OldestAgeSeconds <= 0 || s.Storage.OldestAgeSeconds > 600 {
@@ -237,7 +237,7 @@ func TestRetentionRefusesWhatAStoppedSlaveLacks(t *testing.T) {
 		t.Fatalf("3 budgets published with the slave stopped, none refused: %+v", statusOfGW(t, g1).Storage)
 	}
 	s := statusOfGW(t, g1)
-	if !s.Storage.Refusing || s.Log.FirstIndex > slaveLast+1 {
+	if !s.Storage.IsRefusing() || s.Log.FirstIndex > slaveLast+1 {
 		t.Fatalf("master while the slave lacks its log from %d: storage %+v, log %+v", slaveLast+1, s.Storage, s.Log)
 	}
 	if s.Storage.UsedBytes > budget+storage.RetentionSlack {
@@ -260,7 +260,7 @@ func TestRetentionRefusesWhatAStoppedSlaveLacks(t *testing.T) {
 	g2 = testGateway(t, slaveDir, func(c *config.Config) { clusterTestConfig(c, "gw-2"); withBudget(c) })
 	testutil.WaitFor(t, 30*time.Second, "the master to drop once the slave caught up", func() bool {
 		s := statusOfGW(t, g1)
-		return !s.Storage.Refusing && s.Log.FirstIndex > slaveLast+1
+		return !s.Storage.IsRefusing() && s.Log.FirstIndex > slaveLast+1
 	})
 	if r := publish(t, pub, &paho.Publish{Topic: "a/after", QoS: 1, Payload: []byte("after")}); r.ReasonCode != 0 {
 		t.Fatalf("publish after the slave caught up: reason %#x", r.ReasonCode)

@@ -44,7 +44,12 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 	// The budget is the whole data dir's, so is what disk.used compares
 	// with it.
 	s.Disk.UsedBytes = rt.UsedBytes
-	s.Storage.DroppedRecords, s.Storage.Refusing = rt.Dropped, rt.Refusing
+	s.Storage.DroppedRecords = rt.Dropped
+	if why := d.db.RefusingReason(); why != "" {
+		s.Storage.Refusing = &why
+	}
+	sp := d.db.SpaceStats()
+	s.Storage.FreeBytes, s.Storage.MinFreeBytes = sp.FreeBytes, sp.MinFreeBytes
 	if !rt.Oldest.IsZero() {
 		s.Storage.OldestAgeSeconds = max(0, time.Since(rt.Oldest).Seconds())
 	}
