@@ -22,7 +22,7 @@ func (d *Daemon) fieldView() *admin.FieldView {
 type adminGateway struct{ d *Daemon }
 
 func (g adminGateway) Status(ctx context.Context) (*admin.Status, error) { return g.d.status(ctx) }
-func (g adminGateway) Err() error                                        { return g.d.Err() }
+func (g adminGateway) Err() error                                        { return g.d.notServing() }
 func (g adminGateway) Retained() int64                                   { return g.d.broker.Retained() }
 func (g adminGateway) Promotions() uint64                                { return g.d.gw.Promotions() }
 func (g adminGateway) Depositions() uint64                               { return g.d.gw.Depositions() }

@@ -46,6 +46,8 @@ type Daemon struct {
 	stopOnce sync.Once
 
 	fv *admin.FieldView // metrics and the page's history, made by fieldView()
+
+	serving servingWatch // whether publishes are taken; devices sent away (serving.go)
 }
 
 // New validates cfg; Start does the work.
@@ -161,6 +163,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return inUse(err, "MQTT address", c.MQTT.Listen, "--mqtt", "mqtt.listen")
 	}
 	close(d.apply.ready)
+	d.startServingWatch()
 	if err = d.startHTTP(); err != nil {
 		return err
 	}
@@ -219,6 +222,7 @@ func (d *Daemon) Stop() error {
 		if d.http != nil {
 			d.http.Stop()
 		}
+		d.stopServingWatch()
 		if d.broker != nil {
 			if d.apply != nil {
 				select {

@@ -119,7 +119,7 @@ func (db *DB) RefusingReason() string {
 		return fmt.Sprintf("disk: %d MiB free on the data dir's filesystem, below storage.min_free (%d MiB)",
 			db.space.free.Load()>>20, db.space.min.Load()>>20)
 	case db.refusing.Load():
-		return "log: over storage.max_bytes, and a member still lacks its oldest records"
+		return "log over budget (storage.max_bytes), and a member still lacks its oldest records"
 	}
 	return ""
 }

@@ -1,0 +1,160 @@
+package daemon
+
+import (
+	"errors"
+	"net"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/tandem-edge/tandem/replication"
+)
+
+// Devices follow the master.
+//
+// A member that cannot take publishes says so: /healthz answers 503 with
+// the reason, and, when another member can serve its devices, it sends
+// them there (mqtt.Server.Redirect: MQTT 5 clients get 0x9C "use another
+// server" with a Server Reference, 3.1.1 clients are disconnected and
+// refused at CONNECT until it serves again). The watch looks every
+// servingEvery:
+//   - a fenced node (a promoted member replaced it) sends devices to the
+//     other members;
+//   - a member of a cluster that has seen no master for longer than
+//     leaderlessFor sends them to the other members if the cluster has
+//     three voters, one of which may lead a majority elsewhere; a 2-gateway
+//     slave whose master is gone has nobody to send them to, and keeps
+//     them. A member forgets its master only once an election timeout
+//     passes without it (a master cut off from the majority steps down
+//     then, check-quorum), and an election settles within a few hundred
+//     milliseconds after that: a second more without one means none is in
+//     reach, so devices are told an election timeout plus about a second
+//     after the cut;
+//   - a gateway whose disk is below storage.min_free, or whose log is full
+//     of what a member lacks, answers 503 but keeps its devices: every
+//     publish goes into the master's log, so another member would refuse
+//     them too (handing the mastership over is the bounded-log issue's).
+
+// servingEvery is how often the watch looks; leaderlessFor how long a
+// member of a cluster may see no master before it sends its devices away.
+const (
+	servingEvery  = 200 * time.Millisecond
+	leaderlessFor = time.Second
+)
+
+// servingWatch is the state of the watch.
+type servingWatch struct {
+	why   atomic.Pointer[string] // nil while the gateway takes publishes
+	stopc chan struct{}
+	done  chan struct{}
+}
+
+// startServingWatch starts the watch; stopServingWatch ends it.
+func (d *Daemon) startServingWatch() {
+	d.serving.stopc, d.serving.done = make(chan struct{}), make(chan struct{})
+	go d.watchServing()
+}
+
+// stopServingWatch ends the watch and waits for it.
+func (d *Daemon) stopServingWatch() {
+	if d.serving.stopc == nil {
+		return
+	}
+	close(d.serving.stopc)
+	<-d.serving.done
+}
+
+func (d *Daemon) watchServing() {
+	defer close(d.serving.done)
+	t := time.NewTicker(servingEvery)
+	defer t.Stop()
+	var leaderless time.Time
+	for {
+		select {
+		case <-d.serving.stopc:
+			return
+		case <-t.C:
+		}
+		why, ref := d.checkServing(&leaderless, time.Now())
+		old := d.serving.why.Load()
+		switch {
+		case why == "" && old != nil:
+			d.serving.why.Store(nil)
+			d.log.Info("taking publishes again", "was", *old)
+		case why != "" && (old == nil || *old != why):
+			d.serving.why.Store(&why)
+			d.log.Warn("not taking publishes", "reason", why, "devices_sent_to", ref)
+		}
+		d.broker.Redirect(ref, why) // "" ref: keep the devices
+	}
+}
+
+// checkServing says why the gateway cannot take publishes ("" when it can)
+// and where its devices should go ("" to keep them). leaderless is when
+// the member last saw no master, zero while it sees one.
+func (d *Daemon) checkServing(leaderless *time.Time, now time.Time) (why, ref string) {
+	n := d.gw.Node()
+	if n == nil {
+		return "starting", ""
+	}
+	members := n.Members()
+	if n.Fenced() {
+		return "replaced by a promoted master: rejoining as its slave", d.mqttRefs(n, members)
+	}
+	if len(members) > 1 && n.Leader() == 0 {
+		if leaderless.IsZero() {
+			*leaderless = now
+		}
+		if now.Sub(*leaderless) > leaderlessFor {
+			voters := 0
+			for _, m := range members {
+				if m.Voter {
+					voters++
+				}
+			}
+			if voters >= 3 {
+				return "no master reachable: cut off from the cluster's majority", d.mqttRefs(n, members)
+			}
+			return "no master reachable", ""
+		}
+	} else {
+		*leaderless = time.Time{}
+	}
+	if why := d.db.RefusingReason(); why != "" {
+		return why, ""
+	}
+	return "", ""
+}
+
+// mqttRefs names the other members' MQTT listeners for a Server
+// Reference: each member's host (from its peer address) with this
+// gateway's MQTT port, space-separated (MQTT 5 §4.11). Members are
+// expected to listen for devices on the same port.
+func (d *Daemon) mqttRefs(n *replication.Node, members []replication.Member) string {
+	_, port, err := net.SplitHostPort(d.broker.Addr())
+	if err != nil {
+		return ""
+	}
+	var refs []string
+	for _, m := range members {
+		if m.ID == n.ID() || len(m.Addrs) == 0 {
+			continue
+		}
+		if host, _, err := net.SplitHostPort(m.Addrs[0]); err == nil {
+			refs = append(refs, net.JoinHostPort(host, port))
+		}
+	}
+	return strings.Join(refs, " ")
+}
+
+// notServing is why the gateway cannot take publishes, nil while it can:
+// /healthz and the status page.
+func (d *Daemon) notServing() error {
+	if err := d.Err(); err != nil {
+		return err
+	}
+	if why := d.serving.why.Load(); why != nil {
+		return errors.New(*why)
+	}
+	return nil
+}
