@@ -38,6 +38,9 @@ type JoinResponse struct {
 	Cluster string   `json:"cluster"`
 	Master  string   `json:"master"`
 	Members []string `json:"members"`
+	// Voter: this gateway votes (the third of three, promoted); false for
+	// a 2-gateway slave, or a third still catching up.
+	Voter bool `json:"voter"`
 }
 
 // RemoveRequest is the body of POST /v1/cluster/remove.

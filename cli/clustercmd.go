@@ -77,7 +77,7 @@ func newClusterCmd() *cobra.Command {
 			if err := jf.call("/v1/cluster/join", req, &out); err != nil {
 				return err
 			}
-			fmt.Fprintf(c.OutOrStdout(), "joined cluster %s (master %s; members %s)\n", out.Cluster, out.Master, strings.Join(out.Members, ", "))
+			fmt.Fprintf(c.OutOrStdout(), "joined cluster %s (master %s; members %s)%s\n", out.Cluster, out.Master, strings.Join(out.Members, ", "), joinedAs(out))
 			return nil
 		},
 	}
@@ -120,4 +120,17 @@ invite. Refused: removing the master itself, the last voter, or, without
 		}
 	}
 	return cmd
+}
+
+// joinedAs says what the gateway became: with three members, a voter once
+// promoted (join waits for it), or a learner still catching up.
+func joinedAs(out admin.JoinResponse) string {
+	switch {
+	case len(out.Members) < 3:
+		return "; this gateway is the slave"
+	case out.Voter:
+		return "; this gateway votes: the cluster survives the loss of any one member"
+	default:
+		return "; this gateway is still catching up and votes once it has (tandem status shows it)"
+	}
 }

@@ -73,7 +73,7 @@ func newPairCmd() *cobra.Command {
 			if err := jf.call("/v1/pair/join", req, &out); err != nil {
 				return err
 			}
-			fmt.Fprintf(c.OutOrStdout(), "paired: joined cluster %s (master %s; members %s)\n", out.Cluster, out.Master, strings.Join(out.Members, ", "))
+			fmt.Fprintf(c.OutOrStdout(), "paired: joined cluster %s (master %s; members %s)%s\n", out.Cluster, out.Master, strings.Join(out.Members, ", "), joinedAs(out))
 			return nil
 		},
 	}

@@ -89,6 +89,9 @@ func (d *Gateway) OpenPairing(ctx context.Context, ttl time.Duration) (code stri
 type Joined struct {
 	Cluster, Master string
 	Members         []string // names
+	// Voter says this gateway votes in elections: a third member, once
+	// promoted (a 2-gateway slave never does).
+	Voter bool
 }
 
 func joinedOf(rep JoinReply) Joined {
@@ -102,14 +105,18 @@ func joinedOf(rep JoinReply) Joined {
 // Join makes this gateway a member of the cluster that issued token.
 func (d *Gateway) Join(ctx context.Context, token string, mode JoinMode) (Joined, error) {
 	rep, err := d.cl.join(ctx, token, mode)
-	return joinedOf(rep), err
+	j := joinedOf(rep)
+	j.Voter = err == nil && d.cl.isVoter()
+	return j, err
 }
 
 // PairJoin makes this gateway a member of the cluster that opened pairing
 // with code, found within the given time over mDNS or knocked at addr.
 func (d *Gateway) PairJoin(ctx context.Context, code string, mode JoinMode, within time.Duration, addr string) (Joined, error) {
 	rep, err := d.cl.pairJoin(ctx, code, mode, within, addr)
-	return joinedOf(rep), err
+	j := joinedOf(rep)
+	j.Voter = err == nil && d.cl.isVoter()
+	return j, err
 }
 
 // Promote makes this slave the master (tandem promote) and returns the

@@ -452,12 +452,56 @@ func (c *cluster) becomeMember(ctx context.Context, rep JoinReply, mode JoinMode
 	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	_ = d.node().WaitLeader(wctx)
 	cancel()
+	if len(rep.Members) >= 3 {
+		// The third gateway joins as a learner and votes once the keeper
+		// promotes it, when it has caught up; until then the cluster has
+		// two voters, and losing the master would leave no majority. The
+		// join answers once it votes (or, for a long catch-up, says it
+		// does not yet).
+		wctx, cancel := context.WithTimeout(ctx, voterWait)
+		if !c.waitVoter(wctx) {
+			d.log.Warn("joined as a learner, not yet a voter: it becomes one once it has caught up with the master", "cluster", rep.Cluster)
+		}
+		cancel()
+	}
 	attrs := []any{"cluster", rep.Cluster, "master", rep.Master}
 	if mode != JoinFresh { // a fresh gateway had no records to requeue or discard: no mode=""
 		attrs = append(attrs, "mode", string(mode), "records", recs)
 	}
 	d.log.Info("joined the cluster", attrs...)
 	return rep, nil
+}
+
+// voterWait bounds how long a join waits for the third member's promotion
+// to voter (the API client waits 90 s for the whole join).
+const voterWait = 60 * time.Second
+
+// waitVoter waits until this node is a voter of its membership, or ctx
+// ends; it reports whether it is one.
+func (c *cluster) waitVoter(ctx context.Context) bool {
+	t := time.NewTicker(50 * time.Millisecond)
+	defer t.Stop()
+	for {
+		if c.isVoter() {
+			return true
+		}
+		select {
+		case <-ctx.Done():
+			return c.isVoter()
+		case <-t.C:
+		}
+	}
+}
+
+// isVoter reports whether this node is a voter of its membership.
+func (c *cluster) isVoter() bool {
+	n := c.d.node()
+	for _, m := range n.Members() {
+		if m.ID == n.ID() {
+			return m.Voter
+		}
+	}
+	return false
 }
 
 // remove takes a member out of the cluster, on the master.
