@@ -517,8 +517,8 @@ func TestCutOffSlaveTimesOut(t *testing.T) {
 	c.net.isolate(f.ID())
 	start := time.Now()
 	r := wait(t, f.propose(t, "lost/slave", Async))
-	if !errors.Is(r.err, ErrAckTimeout) {
-		t.Fatalf("publish on a cut-off slave: %v, want ErrAckTimeout", r.err)
+	if !errors.Is(r.err, ErrAckTimeout) || !errors.Is(r.err, ErrNoMaster) {
+		t.Fatalf("publish on a cut-off slave: %v, want ErrNoMaster (an ErrAckTimeout)", r.err)
 	}
 	if el := time.Since(start); el < 2*time.Second {
 		t.Fatalf("gave up after %v, before sync_timeout", el)

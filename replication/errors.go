@@ -12,6 +12,12 @@ var (
 	// may still be in the log (and be delivered); it was not acked.
 	ErrAckTimeout = errors.New("replication: ack rule not met within sync_timeout")
 
+	// ErrNoMaster means no master answered within sync_timeout (a slave
+	// whose master is gone, a member cut off from the majority). Like any
+	// ErrAckTimeout, which it is, the record was not acked and may still
+	// be in the log if a dying master took it.
+	ErrNoMaster error = noMaster{}
+
 	// ErrNotLeader means this node cannot take proposals now (no master, or
 	// it is not the master); the record was not logged.
 	ErrNotLeader = errors.New("replication: not the master")
@@ -35,3 +41,9 @@ var (
 	// ErrIdentity means the data dir belongs to another node identity.
 	ErrIdentity = errors.New("replication: data dir belongs to another node")
 )
+
+// noMaster is ErrNoMaster: its own words, and an ErrAckTimeout for errors.Is.
+type noMaster struct{}
+
+func (noMaster) Error() string        { return "replication: no master reachable within sync_timeout" }
+func (noMaster) Is(target error) bool { return target == ErrAckTimeout }

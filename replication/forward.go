@@ -71,6 +71,7 @@ type fwdStream struct {
 	ctx      context.Context
 	cancel   context.CancelFunc // ends the epoch's requests
 	pauseTo  time.Time          // no sending before this (after a failure)
+	heard    time.Time          // the last answer from a master
 
 	sig chan struct{} // capacity 1: wakes forwardLoop
 }
@@ -211,6 +212,9 @@ func (n *Node) fwdAnswer(epoch uint64, b *fwdBatch, answer []byte, err error) bo
 	s := &n.fwd
 	var outcomes []error
 	if err == nil {
+		s.mu.Lock()
+		s.heard = time.Now()
+		s.mu.Unlock()
 		outcomes, err = decodeForwardAnswer(answer, len(b.recs))
 		if err != nil {
 			n.log.Warn("unreadable answer to a forward batch; sending it again", "peer", IDString(s.master), "error", err)
@@ -385,10 +389,18 @@ func (n *Node) fwdStep(now time.Time, tick bool) {
 func (n *Node) fwdExpireLocked(now time.Time) []fwdOutcome {
 	s := &n.fwd
 	var out []fwdOutcome
+	// No master known, or none answered since the record was taken (a
+	// 2-gateway slave still names its dead master): say so.
+	why := func(p *proposal) error {
+		if n.Leader() == 0 || s.heard.Before(p.deadline.Add(-n.cfg.SyncTimeout)) {
+			return ErrNoMaster
+		}
+		return ErrAckTimeout
+	}
 	for _, b := range s.inflight {
 		for i, p := range b.recs {
 			if p != nil && !now.Before(p.deadline) {
-				out = append(out, fwdOutcome{p, ErrAckTimeout})
+				out = append(out, fwdOutcome{p, why(p)})
 				b.recs[i] = nil
 			}
 		}
@@ -398,7 +410,7 @@ func (n *Node) fwdExpireLocked(now time.Time) []fwdOutcome {
 		if now.Before(p.deadline) {
 			keep = append(keep, p)
 		} else {
-			out = append(out, fwdOutcome{p, ErrAckTimeout})
+			out = append(out, fwdOutcome{p, why(p)})
 		}
 	}
 	clear(s.queue[len(keep):])
