@@ -291,6 +291,11 @@ func (n *node) Write(ctx context.Context, f fs.FileHandle, data []byte, off int6
 		return 0, e
 	}
 	n.p.write(n.in, data, off)
+	if o := n.p.cutAfter; o != nil {
+		n.p.cutAfter = nil
+		n.p.cutLocked(o, true)
+		return 0, syscall.EIO
+	}
 	return uint32(len(data)), 0
 }
 

@@ -49,12 +49,13 @@ type Op struct {
 
 // CutReport says what a Cut threw away.
 type CutReport struct {
-	Op        *Op    // the operation that triggered it (CutWhen), nil for Cut
-	Writes    int    // unsynced writes and truncates dropped
-	Names     int    // unsynced directory entries (new, renamed, removed) dropped
-	Torn      string // the write torn, "path@off+len kept N of M sectors"; "" if none
-	Tore      bool   // a tear was asked for and a write could be torn
-	ElapsedNS int64  // time the cut took under the lock
+	Op        *Op      // the operation that triggered it (CutWhen), nil for Cut
+	Writes    int      // unsynced writes and truncates dropped
+	Names     int      // unsynced directory entries (new, renamed, removed) dropped
+	NameList  []string // the first few of them, as paths
+	Torn      string   // the write torn, "path@off+len kept N of M sectors"; "" if none
+	Tore      bool     // a tear was asked for and a write could be torn
+	ElapsedNS int64    // time the cut took under the lock
 }
 
 // Stats counts what passed through the filesystem.
@@ -85,6 +86,7 @@ type FS struct {
 	report    *CutReport
 	cutDone   chan struct{} // closed by the cut
 	unmounted bool
+	cutAfter  *Op // a write to apply, then cut at (CutWhen with tear)
 }
 
 // inode is a file or directory of the model.
@@ -261,9 +263,10 @@ func (p *FS) Stats() Stats {
 }
 
 // CutWhen arms a trigger: the first operation for which when returns true
-// cuts the power before it is applied (and fails with EIO). when runs under
-// the filesystem's lock and must not touch the mount. Done tells when it
-// happened.
+// cuts the power before it is applied (and fails with EIO) — except a write
+// when tear is set: that one is applied first, so that it is the write the
+// cut tears. when runs under the filesystem's lock and must not touch the
+// mount. Done tells when it happened.
 func (p *FS) CutWhen(when func(Op) bool, tear bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -299,6 +302,10 @@ func (p *FS) Report() *CutReport {
 // the power is cut, and cuts it when the trigger says so.
 func (p *FS) check(o Op) syscall.Errno {
 	if !p.dead && p.trigger != nil && p.trigger(o) {
+		if o.Kind == Write && p.tear {
+			p.cutAfter = &o
+			return 0
+		}
 		p.cutLocked(&o, p.tear)
 	}
 	if p.dead {
@@ -322,14 +329,20 @@ func (p *FS) cutLocked(o *Op, tear bool) {
 			return
 		}
 		seen[d] = true
+		note := func(name string) {
+			r.Names++
+			if len(r.NameList) < 8 {
+				r.NameList = append(r.NameList, filepath.Join(d.path(), name))
+			}
+		}
 		for name, in := range d.kids {
 			if d.dkids[name] != in {
-				r.Names++
+				note(name)
 			}
 		}
 		for name := range d.dkids {
 			if _, ok := d.kids[name]; !ok {
-				r.Names++
+				note(name)
 			}
 		}
 		kids := make([]*inode, 0, len(d.kids)+len(d.dkids))
