@@ -36,33 +36,11 @@ import (
 	pc "github.com/tandem-edge/tandem/internal/powercut"
 )
 
-var (
-	binDir  string
-	binMu   sync.Mutex
-	binPath = map[string]string{} // build tags → binary
-)
-
-func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "tandem-powercut-bin-")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
-	}
-	binDir = dir
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
-}
-
-// tandemBin builds the gateway once per set of build tags.
-func tandemBin(t testing.TB, tags string) string {
+// tandemBin builds the gateway, with build tags if any, into the test's
+// temp dir.
+func tandemBin(t *testing.T, tags string) string {
 	t.Helper()
-	binMu.Lock()
-	defer binMu.Unlock()
-	if p, ok := binPath[tags]; ok {
-		return p
-	}
-	p := filepath.Join(binDir, "tandem"+strings.ReplaceAll(tags, ",", "-"))
+	p := filepath.Join(t.TempDir(), "tandem")
 	args := []string{"build", "-o", p}
 	if tags != "" {
 		args = append(args, "-tags", tags)
@@ -71,7 +49,6 @@ func tandemBin(t testing.TB, tags string) string {
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
-	binPath[tags] = p
 	return p
 }
 

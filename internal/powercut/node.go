@@ -169,27 +169,12 @@ func (n *node) Mkdir(ctx context.Context, name string, mode uint32, out *fuse.En
 }
 
 // Unlink removes a file's name (unsynced).
-func (n *node) Unlink(ctx context.Context, name string) syscall.Errno {
-	n.p.mu.Lock()
-	defer n.p.mu.Unlock()
-	if e := n.p.check(Op{Kind: Create, Path: n.subPath(name)}); e != 0 {
-		return e
-	}
-	in := n.in.kids[name]
-	switch {
-	case in == nil:
-		return syscall.ENOENT
-	case in.dir:
-		return syscall.EISDIR
-	}
-	in.nlink--
-	delete(n.in.kids, name)
-	n.in.mtime = time.Now()
-	return 0
-}
+func (n *node) Unlink(ctx context.Context, name string) syscall.Errno { return n.remove(name, false) }
 
 // Rmdir removes an empty directory's name (unsynced).
-func (n *node) Rmdir(ctx context.Context, name string) syscall.Errno {
+func (n *node) Rmdir(ctx context.Context, name string) syscall.Errno { return n.remove(name, true) }
+
+func (n *node) remove(name string, dir bool) syscall.Errno {
 	n.p.mu.Lock()
 	defer n.p.mu.Unlock()
 	if e := n.p.check(Op{Kind: Create, Path: n.subPath(name)}); e != 0 {
@@ -199,10 +184,15 @@ func (n *node) Rmdir(ctx context.Context, name string) syscall.Errno {
 	switch {
 	case in == nil:
 		return syscall.ENOENT
-	case !in.dir:
+	case in.dir && !dir:
+		return syscall.EISDIR
+	case !in.dir && dir:
 		return syscall.ENOTDIR
-	case len(in.kids) > 0:
+	case in.dir && len(in.kids) > 0:
 		return syscall.ENOTEMPTY
+	}
+	if !in.dir {
+		in.nlink--
 	}
 	delete(n.in.kids, name)
 	n.in.mtime = time.Now()

@@ -35,6 +35,7 @@ const (
 	Create               // a create, mkdir, rename, unlink or rmdir
 )
 
+// String names the kind in reports.
 func (k Kind) String() string {
 	return [...]string{"write", "truncate", "sync", "dirsync", "create"}[k]
 }
