@@ -29,7 +29,7 @@ BINDIR       ?= bin
 DISTDIR      ?= dist
 SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
 
-.PHONY: build run test test-arm vet fuzz bench clean cross package man
+.PHONY: build run test test-arm vet fuzz bench clean cross package man powercut
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/tandem .
@@ -109,6 +109,13 @@ fuzz:
 
 clean:
 	rm -rf bin dist
+
+# Power-cut rounds (e2e/powercut; root and /dev/fuse): make test runs 20,
+# this runs ROUNDS of them and prints rounds per minute. A failing round
+# prints its seed; POWERCUT_SEED=N make powercut replays it.
+ROUNDS ?= 200
+powercut:
+	POWERCUT_ROUNDS=$(ROUNDS) $(GO) test -count=1 -timeout 0 -v -run '^TestPowerCutRounds$$' ./e2e/powercut/
 
 # tandem(1) is generated from the command tree by the hidden `tandem man`;
 # a cli test fails when packaging/tandem.1 is not what it gives.

@@ -8,6 +8,7 @@ require (
 	github.com/eclipse/paho.mqtt.golang v1.5.1
 	github.com/godbus/dbus/v5 v5.2.4
 	github.com/goreleaser/nfpm/v2 v2.45.2
+	github.com/hanwen/go-fuse/v2 v2.12.1
 	github.com/hashicorp/mdns v1.0.7
 	github.com/kardianos/service v1.3.0
 	github.com/miekg/dns v1.1.72

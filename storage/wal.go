@@ -469,7 +469,7 @@ func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb
 		w.off += int64(len(fr))
 		return time.Since(start), nil
 	}
-	if err := fdatasync(seg.f); err != nil {
+	if err := walSync(seg.f); err != nil {
 		return 0, fmt.Errorf("storage: sync %s: %w", seg.f.Name(), err)
 	}
 	if db.syncDelay > 0 {
