@@ -109,12 +109,34 @@ func ensureToken(path string) error {
 	if _, err := rand.Read(b); err != nil {
 		return err
 	}
-	// Written aside and renamed, so a CLI never reads half a token.
+	// Written aside, synced and renamed, the directory synced after: a CLI
+	// never reads half a token, and a power cut leaves the old state or
+	// the whole new token, never an empty file under the name (which
+	// ReadToken refuses, so the daemon could not start).
 	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, []byte(hex.EncodeToString(b)+"\n"), 0o600); err != nil {
+	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
 		return err
 	}
-	return os.Rename(tmp, path)
+	_, err = f.WriteString(hex.EncodeToString(b) + "\n")
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return err
+	}
+	d, err := os.Open(filepath.Dir(path))
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
 }
 
 // WarnLooseMode logs a warning when a secret file (a token, the users'
