@@ -56,6 +56,10 @@ type StatusMember struct {
 	MatchIndex uint64  `json:"match_index"`
 	LagRecords uint64  `json:"lag_records"`
 	LagSeconds float64 `json:"lag_seconds"`
+	// DownSince is when this gateway lost its link to the member, null
+	// while it has one (or, on a slave, for another slave it needs none
+	// with).
+	DownSince *time.Time `json:"down_since"`
 	// TopicsMatch is false when the member's topic rules differ from
 	// this gateway's; nil while unknown.
 	TopicsMatch *bool `json:"topics_match"`

@@ -57,6 +57,9 @@ func writeStatus(w io.Writer, s *admin.Status) error {
 	fmt.Fprintf(tw, "node\t%s (%s), tandem %s\n", s.Node.Name, admin.ShortID(s.Node.ID), s.Node.Version)
 	fmt.Fprintf(tw, "role\t%s, term %d\n", s.Role, s.Term)
 	fmt.Fprintf(tw, "master\t%s\n", leader)
+	if s.Cluster.ID != "" {
+		fmt.Fprintf(tw, "cluster\t%s, generation %d\n", admin.ShortID(s.Cluster.ID), s.Cluster.Generation)
+	}
 	fmt.Fprintf(tw, "log\tfirst %d, last %d, committed %d, applied %d\n", s.Log.FirstIndex, s.Log.LastIndex, s.Log.CommitIndex, s.Log.AppliedIndex)
 	disk := fmt.Sprintf("%s used, %s free", admin.FormatBytes(uint64(max(s.Disk.UsedBytes, 0))), admin.FormatBytes(s.Disk.FreeBytes))
 	if s.Disk.BudgetBytes > 0 {
@@ -93,14 +96,23 @@ func writeStatus(w io.Writer, s *admin.Status) error {
 	fmt.Fprintln(tw, "MEMBER\tID\tROLE\tVOTER\tADDRESS\tREACHABLE\tMATCH\tLAG RECORDS\tLAG SECONDS")
 	for _, m := range s.Members {
 		reach := "yes"
+		match, lagRecs, lagSecs := fmt.Sprint(m.MatchIndex), fmt.Sprint(m.LagRecords), fmt.Sprintf("%.2f", m.LagSeconds)
 		if !m.Reachable {
 			reach = "no"
-			if s.Role != "master" {
-				reach = "?" // only the master hears from every member
+			switch {
+			case m.DownSince != nil:
+				reach = "no, down since " + m.DownSince.Local().Format(time.TimeOnly) + " (" + time.Since(*m.DownSince).Round(time.Second).String() + ")"
+			case s.Role != "master" && m.Role != "master":
+				reach = "?" // a slave needs no link to the other slaves
+			}
+			if m.MatchIndex == 0 {
+				// What it holds is unknown (this master has not heard
+				// from it): no lag to show, only that it is down.
+				match, lagRecs, lagSecs = "—", "—", "—"
 			}
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%.2f\n", admin.NameOr(m.Name, m.ID), admin.ShortID(m.ID), m.Role, yesNo(m.Voter),
-			admin.OrDash(m.Addr), reach, m.MatchIndex, m.LagRecords, m.LagSeconds)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", admin.NameOr(m.Name, m.ID), admin.ShortID(m.ID), m.Role, yesNo(m.Voter),
+			admin.OrDash(m.Addr), reach, match, lagRecs, lagSecs)
 	}
 	return tw.Flush()
 }

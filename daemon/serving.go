@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -47,6 +48,46 @@ type servingWatch struct {
 	why   atomic.Pointer[string] // nil while the gateway takes publishes
 	stopc chan struct{}
 	done  chan struct{}
+
+	downMu sync.Mutex           // guards down
+	down   map[uint64]time.Time // members without a link, since when
+}
+
+// noteLinks records which members this gateway has lost its link to, and
+// since when: status's down_since.
+func (d *Daemon) noteLinks(n *replication.Node, now time.Time) {
+	w := &d.serving
+	w.downMu.Lock()
+	defer w.downMu.Unlock()
+	if w.down == nil {
+		w.down = map[uint64]time.Time{}
+	}
+	seen := map[uint64]bool{}
+	for _, m := range n.Members() {
+		if m.ID == n.ID() {
+			continue
+		}
+		seen[m.ID] = true
+		if d.gw.Reachable(m.ID) {
+			delete(w.down, m.ID)
+		} else if _, ok := w.down[m.ID]; !ok {
+			w.down[m.ID] = now
+		}
+	}
+	for id := range w.down {
+		if !seen[id] {
+			delete(w.down, id)
+		}
+	}
+}
+
+// downSince is when the link to member id was lost; ok is false while it
+// is up (or not yet looked at).
+func (d *Daemon) downSince(id uint64) (t time.Time, ok bool) {
+	d.serving.downMu.Lock()
+	defer d.serving.downMu.Unlock()
+	t, ok = d.serving.down[id]
+	return t, ok
 }
 
 // startServingWatch starts the watch; stopServingWatch ends it.
@@ -75,7 +116,11 @@ func (d *Daemon) watchServing() {
 			return
 		case <-t.C:
 		}
-		why, ref := d.checkServing(&leaderless, time.Now())
+		now := time.Now()
+		if n := d.gw.Node(); n != nil {
+			d.noteLinks(n, now)
+		}
+		why, ref := d.checkServing(&leaderless, now)
 		old := d.serving.why.Load()
 		switch {
 		case why == "" && old != nil:

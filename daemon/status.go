@@ -77,6 +77,9 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 			sm.Role = "master"
 		}
 		sm.Reachable = d.gw.Reachable(m.ID)
+		if t, ok := d.downSince(m.ID); ok && !sm.Reachable {
+			sm.DownSince = &t
+		}
 		if h := d.gw.TopicsOf(m.ID); h != "" {
 			same := h == s.Cluster.TopicsHash
 			sm.TopicsMatch = &same
