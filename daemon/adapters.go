@@ -198,3 +198,7 @@ func (d *Daemon) otherMemberReachable() bool {
 	}
 	return false
 }
+
+// OtherMembers implements mqtt.Clustered: whether the cluster has members
+// besides this gateway.
+func (a *logAdapter) OtherMembers() bool { return len(a.d.gw.Node().Members()) > 1 }

@@ -16,6 +16,15 @@ type Log interface {
 	Logged(origin uint64, seqs []uint64) (map[uint64]bool, error)
 }
 
+// Clustered is a Log that knows whether other members share it. On a Log
+// without other members (a lone gateway, or a Log without this method)
+// nobody can take a device's session over, so QoS 2 deliveries need no
+// release records (qos2.go).
+type Clustered interface {
+	// OtherMembers reports whether the log has members besides this one.
+	OtherMembers() bool
+}
+
 // SessionStore keeps the server's persistent state: sessions of clients
 // that asked for one (subscriptions, cursor, messages in flight by log
 // index, inbound QoS 2 markers) and retained messages. The daemon backs it

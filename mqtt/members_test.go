@@ -83,6 +83,9 @@ func (m *member) Logged(origin uint64, seqs []uint64) (map[uint64]bool, error) {
 
 func (m *member) FirstIndex() uint64 { return 1 }
 
+// OtherMembers implements Clustered: a sharedLog has several members.
+func (m *member) OtherMembers() bool { return true }
+
 func (m *member) Committed(from, to uint64, fn func(uint64, *Message) bool) error {
 	m.l.mu.Lock()
 	var batch []*Message

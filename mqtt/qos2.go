@@ -26,7 +26,9 @@ import (
 // that takes over later has it, keeps the flow as PUBREL'd, and skips the
 // record in its replay. Until the batched cursor passes it, the flow stays
 // on the copies; a PUBREL for a flow the client finished is answered with
-// PUBCOMP (MQTT 5: 0x92), harmless.
+// PUBCOMP (MQTT 5: 0x92), harmless. On a log no other member shares (a
+// lone gateway: Clustered) the PUBREL goes at once, with no record: nobody
+// could take the session over.
 
 // pidFor is the packet id of the QoS 2 delivery of the record at index:
 // the same on every member.
@@ -171,4 +173,10 @@ func (s *Server) noteInbound(m *Message) {
 // be re-delivery". Called with se.mu held.
 func (se *session) mayHaveLocked(it *outItem) bool {
 	return it.qos == 2 && it.idx > 0 && se.resumed && (se.startIndex == 0 || it.idx < se.startIndex)
+}
+
+// clustered reports whether other members share the log (Clustered).
+func (s *Server) clustered() bool {
+	c, ok := s.log.(Clustered)
+	return ok && c.OtherMembers()
 }

@@ -2,6 +2,7 @@ package mqtt
 
 import (
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -205,5 +206,30 @@ func TestSubackWaitsForTheSubscriptionRecord(t *testing.T) {
 	}
 	if len(subs) < 2 { // the session's start, its subscription
 		t.Fatalf("session records in the log: %d, want the start and the subscription", len(subs))
+	}
+}
+
+// A lone gateway (a log no other member shares) PUBRELs a QoS 2 delivery
+// at once and logs no release record: nobody could take the session over.
+func TestLoneGatewayReleasesQoS2WithoutARecord(t *testing.T) {
+	s, log := testServer(t, nil, nil)
+	dev := dialRaw(t, s.Addr(), 5)
+	dev.connect("dev", false, &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true})
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	pub := dialRaw(t, s.Addr(), 5)
+	pub.connect("pub", true, nil)
+	pub.publish("m/x", 1, 1, "one")
+	pub.expect(packets.Puback)
+	p := dev.expect(packets.Publish)
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: p.PacketID})
+	if rel := dev.expect(packets.Pubrel); rel.PacketID != p.PacketID {
+		t.Fatalf("PUBREL %d, want %d", rel.PacketID, p.PacketID)
+	}
+	log.mu.Lock()
+	defer log.mu.Unlock()
+	for _, m := range log.recs {
+		if m.Topic == sessionTopic && strings.Contains(string(m.Payload), `"rel"`) {
+			t.Fatalf("a release record on a lone gateway: %s", m.Payload)
+		}
 	}
 }

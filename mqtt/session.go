@@ -241,7 +241,7 @@ func (s *session) received(pid uint16, failed bool) (ok, release bool) {
 		return true, false
 	}
 	it.rel = true
-	release = persist && it.idx > 0
+	release = persist && it.idx > 0 && s.srv.clustered()
 	if release {
 		s.relPending = append(s.relPending, it.idx)
 	}
