@@ -31,5 +31,5 @@ func statfs(dir string) (free, total int64, err error) {
 	if err := unix.Statfs(dir, &fs); err != nil {
 		return 0, 0, err
 	}
-	return int64(fs.Bavail) * fs.Bsize, int64(fs.Blocks) * fs.Bsize, nil
+	return int64(fs.Bavail) * int64(fs.Bsize), int64(fs.Blocks) * int64(fs.Bsize), nil
 }
