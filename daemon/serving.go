@@ -19,8 +19,10 @@ import (
 // server" with a Server Reference, 3.1.1 clients are disconnected and
 // refused at CONNECT until it serves again). The watch looks every
 // servingEvery:
-//   - a fenced node (a promoted member replaced it) sends devices to the
-//     other members;
+//   - a fenced node (a promoted member replaced it) answers 503 but keeps
+//     its devices: it is the new master's slave within seconds and serves
+//     them as such (README: its devices may stay connected throughout),
+//     while sending them away would end a clean session's subscriptions;
 //   - a member of a cluster that has seen no master for longer than
 //     leaderlessFor sends them to the other members if the cluster has
 //     three voters, one of which may lead a majority elsewhere; a 2-gateway
@@ -144,7 +146,7 @@ func (d *Daemon) checkServing(leaderless *time.Time, now time.Time) (why, ref st
 	}
 	members := n.Members()
 	if n.Fenced() {
-		return "replaced by a promoted master: rejoining as its slave", d.mqttRefs(n, members)
+		return "replaced by a promoted master: rejoining as its slave", ""
 	}
 	if len(members) > 1 && n.Leader() == 0 {
 		if leaderless.IsZero() {
