@@ -54,6 +54,18 @@ type RemoveResponse struct {
 	Removed string `json:"removed"`
 }
 
+// LogRequest is the body of POST /v1/log, `tandem inspect` of a running
+// gateway: from index From, at most Limit lines (0: all), conf changes too
+// with All, payloads as Payload says (base64, text, hex). The answer is
+// the lines `tandem inspect` prints, one JSON object each. A POST, behind
+// the API token, because it hands out what devices published.
+type LogRequest struct {
+	From    uint64 `json:"from"`
+	Limit   uint64 `json:"limit"`
+	All     bool   `json:"all"`
+	Payload string `json:"payload"`
+}
+
 // ErrorResponse is every error answer of the API: {"error": "..."}.
 type ErrorResponse struct {
 	Error string `json:"error"`

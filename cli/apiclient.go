@@ -69,6 +69,12 @@ func (f *apiFlags) endpoint() (addr string, tokenFiles []string, err error) {
 // do sends one request to the daemon and returns the status and body. The
 // token files are tried in turn while the daemon answers 401.
 func (f *apiFlags) do(method, path string, body []byte, timeout time.Duration) (string, int, []byte, error) {
+	return f.doTo(method, path, body, timeout, nil)
+}
+
+// doTo is do, with a 200 answer's body copied to sink as it comes instead
+// of returned (when sink is not nil): answers larger than do keeps.
+func (f *apiFlags) doTo(method, path string, body []byte, timeout time.Duration, sink io.Writer) (string, int, []byte, error) {
 	addr, files, err := f.endpoint()
 	if err != nil {
 		return addr, 0, nil, err
@@ -108,6 +114,11 @@ func (f *apiFlags) do(method, path string, body []byte, timeout time.Duration) (
 		resp, err := client.Do(hr)
 		if err != nil {
 			return addr, 0, nil, fmt.Errorf("no tandem daemon answers at %s (is it running? --http or --config say where it listens): %w", addr, unwrapURL(err))
+		}
+		if sink != nil && resp.StatusCode == http.StatusOK {
+			_, err := io.Copy(sink, resp.Body)
+			resp.Body.Close()
+			return addr, resp.StatusCode, nil, err
 		}
 		b, err = io.ReadAll(io.LimitReader(resp.Body, 4<<20))
 		resp.Body.Close()

@@ -1,172 +1,90 @@
 package cli
 
 import (
-	"encoding/base64"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
+	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/spf13/cobra"
-	pb "go.etcd.io/raft/v3/raftpb"
 
+	"github.com/tandem-edge/tandem/admin"
 	"github.com/tandem-edge/tandem/config"
-	"github.com/tandem-edge/tandem/replication"
+	inspectpkg "github.com/tandem-edge/tandem/internal/inspect"
 	"github.com/tandem-edge/tandem/storage"
 )
 
 // InspectRecord is one line of `tandem inspect`.
-type InspectRecord struct {
-	Index   uint64 `json:"index"`
-	Term    uint64 `json:"term"`
-	Type    string `json:"type,omitempty"` // only with --all: "record" or "conf_change"
-	Topic   string `json:"topic,omitempty"`
-	QoS     byte   `json:"qos"`
-	Retain  bool   `json:"retain"`
-	Payload string `json:"payload"` // standard base64, or as --payload asks
-	// PayloadEncoding is set when the payload is not in the encoding
-	// asked for: with --payload text, a payload that is not UTF-8 is
-	// printed in base64 (JSON would garble it), and this says "base64".
-	PayloadEncoding string        `json:"payload_encoding,omitempty"`
-	Client          string        `json:"client"`
-	Time            string        `json:"time,omitempty"` // RFC 3339 with nanoseconds
-	Origin          string        `json:"origin,omitempty"`
-	Seq             uint64        `json:"seq,omitempty"`
-	PacketID        uint16        `json:"packet_id,omitempty"`
-	Will            bool          `json:"will,omitempty"`
-	Republished     bool          `json:"republished,omitempty"`
-	Props           *inspectProps `json:"properties,omitempty"`
-}
-
-// inspectProps are a record's MQTT 5 properties as inspect prints them.
-type inspectProps struct {
-	PayloadFormat   *byte       `json:"payload_format,omitempty"`
-	MessageExpiry   *uint32     `json:"message_expiry,omitempty"`
-	ContentType     string      `json:"content_type,omitempty"`
-	ResponseTopic   string      `json:"response_topic,omitempty"`
-	CorrelationData []byte      `json:"correlation_data,omitempty"`
-	User            [][2]string `json:"user,omitempty"`
-}
-
-func propsOf(p *storage.Properties) *inspectProps {
-	if !p.PayloadFormatSet && !p.MessageExpirySet && p.ContentType == "" && p.ResponseTopic == "" && len(p.CorrelationData) == 0 && len(p.User) == 0 {
-		return nil
-	}
-	out := &inspectProps{ContentType: p.ContentType, ResponseTopic: p.ResponseTopic, CorrelationData: p.CorrelationData}
-	if p.PayloadFormatSet {
-		out.PayloadFormat = &p.PayloadFormat
-	}
-	if p.MessageExpirySet {
-		out.MessageExpiry = &p.MessageExpiry
-	}
-	for _, u := range p.User {
-		out.User = append(out.User, [2]string{u.Key, u.Value})
-	}
-	return out
-}
+type InspectRecord = inspectpkg.Record
 
 func newInspectCmd() *cobra.Command {
+	var af apiFlags
 	var dir string
 	var from, limit uint64
 	var all bool
 	var payload string
 	cmd := &cobra.Command{
 		Use:   "inspect --data DIR",
-		Short: "Print a stopped node's log, one JSON object per record",
-		Long: `Print a stopped node's log, one JSON object per record: index, term, topic,
+		Short: "Print a node's log, one JSON object per record",
+		Long: `Print a node's log, one JSON object per record: index, term, topic,
 qos, retain, payload, client, time (and origin, seq, packet_id, will,
 republished and MQTT 5 properties where set). The payload is standard base64
 unless --payload asks for text (UTF-8; a payload that is not UTF-8 stays
-base64, marked "payload_encoding": "base64") or hex.`,
+base64, marked "payload_encoding": "base64") or hex.
+
+A stopped node's data dir is read directly, read-only. When a running
+gateway holds the data dir, its log is asked of it over its HTTP API
+(POST /v1/log, with the API token from the data dir; --http or --config
+say where it listens).`,
 		Example: `  tandem inspect --data /var/lib/tandem --from 100 --limit 10 --payload text`,
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if dir == "" {
 				return config.UsageError{Err: errors.New("inspect needs --data DIR")}
 			}
-			enc, ok := payloadEncoders[payload]
-			if !ok {
+			if _, ok := inspectpkg.Encoders[payload]; !ok {
 				return config.UsageError{Err: fmt.Errorf("--payload %q: base64, text or hex", payload)}
 			}
-			return inspect(cmd.OutOrStdout(), dir, from, limit, all, enc)
+			q := inspectpkg.Query{From: from, Limit: limit, All: all, Payload: payload}
+			err := inspectpkg.Dir(cmd.OutOrStdout(), dir, q)
+			if errors.Is(err, storage.ErrInUse) {
+				// The gateway runs: ask it, over its HTTP API.
+				return af.streamLog(cmd.OutOrStdout(), dir, q)
+			}
+			return err
 		},
 	}
 	fl := cmd.Flags()
-	fl.StringVar(&dir, "data", "", "data dir of a stopped node")
+	fl.StringVar(&dir, "data", "", "the node's data dir (a running gateway's is read through its API)")
 	fl.Uint64Var(&from, "from", 1, "first index")
 	fl.Uint64Var(&limit, "limit", 0, "at most this many lines (0: all)")
 	fl.BoolVar(&all, "all", false, "print membership (conf change) entries too")
 	fl.StringVar(&payload, "payload", "base64", "how to print payloads: base64, text (UTF-8) or hex")
 	fl.Bool("json", true, "JSON output (the only format)")
+	fl.StringVar(&af.http, "http", "", "a running daemon's HTTP address (default "+defaultHTTP+", or http.listen of --config)")
+	fl.StringVar(&af.config, "config", "", "read a running daemon's HTTP address and API token's place from this config file")
+	fl.StringVar(&af.tokenFile, "token-file", "", "API token file (default: the data dir's http-token)")
 	return cmd
 }
 
-// payloadEncoder returns a payload as inspect prints it, and the name of
-// the encoding when it is not the one asked for.
-type payloadEncoder func([]byte) (string, string)
-
-// payloadEncoders are the --payload choices.
-var payloadEncoders = map[string]payloadEncoder{
-	"base64": func(b []byte) (string, string) { return base64.StdEncoding.EncodeToString(b), "" },
-	"hex":    func(b []byte) (string, string) { return hex.EncodeToString(b), "" },
-	"text": func(b []byte) (string, string) {
-		if utf8.Valid(b) {
-			return string(b), ""
-		}
-		return base64.StdEncoding.EncodeToString(b), "base64"
-	},
-}
-
-// inspect opens dir read-only, never changing it, and prints the log.
-func inspect(w io.Writer, dir string, from, limit uint64, all bool, payload payloadEncoder) error {
-	db, err := storage.Open(dir, &storage.Options{ReadOnly: true})
-	if errors.Is(err, storage.ErrInUse) {
-		return fmt.Errorf("%w: inspect reads a stopped gateway's log; stop this one first (systemctl stop tandem, or its tandem run), or ask the running one with tandem status", err)
-	}
+// streamLog asks the running gateway whose data dir is dir for q's part
+// of its log, and copies the lines to w as they come.
+func (f *apiFlags) streamLog(w io.Writer, dir string, q inspectpkg.Query) error {
+	f.data = dir
+	body, _ := json.Marshal(admin.LogRequest(q))
+	addr, code, b, err := f.doTo(http.MethodPost, "/v1/log", body, 10*time.Minute, w)
 	if err != nil {
-		return err
+		return fmt.Errorf("%s is in use by a running gateway, and asking it failed: %w", dir, err)
 	}
-	defer db.Close()
-	enc := json.NewEncoder(w)
-	var n uint64
-	var werr error
-	err = db.Scan(from, func(e pb.Entry) bool {
-		var out InspectRecord
-		switch {
-		case e.Type == pb.EntryNormal && len(e.Data) > 0:
-			rec, err := storage.DecodeRecord(e.Data)
-			if err != nil {
-				werr = fmt.Errorf("entry %d: %w", e.Index, err)
-				return false
-			}
-			out = InspectRecord{
-				Index: e.Index, Term: e.Term, Topic: rec.Topic, QoS: rec.QoS, Retain: rec.Retain,
-				Client: rec.ClientID,
-				Time:   time.Unix(0, rec.Time).UTC().Format(time.RFC3339Nano),
-				Origin: replication.IDString(rec.Origin), Seq: rec.Seq, PacketID: rec.PacketID,
-				Will: rec.Will, Republished: rec.Republished,
-			}
-			out.Payload, out.PayloadEncoding = payload(rec.Payload)
-			out.Props = propsOf(&rec.Props)
-			if all {
-				out.Type = "record"
-			}
-		case all && e.Type != pb.EntryNormal:
-			out = InspectRecord{Index: e.Index, Term: e.Term, Type: "conf_change"}
-		default:
-			return true
+	if code != http.StatusOK {
+		var ae admin.ErrorResponse
+		if json.Unmarshal(b, &ae) != nil || ae.Error == "" {
+			ae.Error = strings.TrimSpace(string(b))
 		}
-		if werr = enc.Encode(out); werr != nil {
-			return false
-		}
-		n++
-		return limit == 0 || n < limit
-	})
-	if err == nil {
-		err = werr
+		return fmt.Errorf("%s is in use by a running gateway; its API at %s answered %d: %s", dir, addr, code, ae.Error)
 	}
-	return err
+	return nil
 }

@@ -256,6 +256,7 @@ func (d *Daemon) startHTTP() error {
 		return err
 	}
 	srv.HandleCluster(clusterAPI{d.gw})
+	srv.HandleMutating("/v1/log", d.handleLog)
 	if err := srv.Start(d.cfg.HTTP.Listen); err != nil {
 		return fmt.Errorf("http: %w", inUse(err, "HTTP address", d.cfg.HTTP.Listen, "--http", "http.listen"))
 	}

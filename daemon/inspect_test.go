@@ -57,12 +57,13 @@ func TestInspectPayloadEncodings(t *testing.T) {
 	}
 }
 
-// inspect on a running gateway's data dir says to stop it first.
-func TestInspectOnARunningGatewaySaysToStopIt(t *testing.T) {
+// inspect of a running gateway whose API it cannot reach says that the
+// data dir is in use and where it looked for the gateway.
+func TestInspectOfARunningGatewayItCannotReachSaysSo(t *testing.T) {
 	dir := t.TempDir()
-	testGateway(t, dir, nil)
-	code, _, stderr := runMain(t, "inspect", "--data", dir)
-	if code == 0 || !strings.Contains(stderr, "stop this one first") {
-		t.Fatalf("inspect on a running gateway: exit %d, %s", code, stderr)
+	testGateway(t, dir, nil) // its API on a port inspect is not told
+	code, _, stderr := runMain(t, "inspect", "--data", dir, "--http", "127.0.0.1:1")
+	if code == 0 || !strings.Contains(stderr, "in use by a running gateway") || !strings.Contains(stderr, "--http") {
+		t.Fatalf("inspect of a running gateway it cannot reach: exit %d, %s", code, stderr)
 	}
 }
