@@ -14,7 +14,7 @@ import (
 // changing nothing.
 func (d *Daemon) handleLog(w http.ResponseWriter, r *http.Request) {
 	var req admin.LogRequest
-	if err := json.NewDecoder(r.Body).Decode(&req); err != nil {
+	if err := admin.DecodeBody(r, &req); err != nil {
 		admin.WriteError(w, http.StatusBadRequest, err)
 		return
 	}

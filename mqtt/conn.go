@@ -63,12 +63,13 @@ type conn struct {
 	acond      *sync.Cond // signalled when acks are taken (3.1.1 back-pressure)
 	closedAcks bool
 
-	wmu        sync.Mutex // guards ctrl, writing, again, closeAfter, resume, ended
+	wmu        sync.Mutex // guards ctrl, writing, again, closeAfter, resume, connacked, ended
 	ctrl       []byte     // encoded control packets not yet written
 	writing    bool       // a writer goroutine runs
 	again      bool       // work arrived while the writer ran
 	closeAfter bool       // close the socket once ctrl is written
 	resume     bool       // the session's inflight messages are owed a resend
+	connacked  bool       // the CONNACK is queued: only then may anything else go out
 	ended      bool
 
 	startWriter func() // runWriter as a func value, made once
@@ -507,11 +508,11 @@ func (c *conn) writer() {
 		c.again = false
 		buf := append(c.wbuf[:0], c.ctrl...)
 		c.ctrl = c.ctrl[:0]
-		resume, closing := c.resume, c.closeAfter
+		resume, closing, connacked := c.resume, c.closeAfter, c.connacked
 		c.resume = false
 		c.wmu.Unlock()
 		failed := false
-		if !closing {
+		if !closing && connacked {
 			if resume {
 				buf = c.resend(buf)
 			}
@@ -534,7 +535,7 @@ func (c *conn) writer() {
 		more := false
 		if failed {
 			c.end(packets.Code{})
-		} else if !closing && c.sess != nil {
+		} else if !closing && connacked && c.sess != nil {
 			more = c.sess.replay(c)
 		}
 		c.wmu.Lock()

@@ -1,6 +1,7 @@
 package mqtt
 
 import (
+	"bytes"
 	"crypto/rand"
 	"encoding/hex"
 	"time"
@@ -112,10 +113,17 @@ func (c *conn) connect() bool {
 			p.ServerKeepAlive, p.ServerKeepAliveFlag = ka, true
 		}
 	}
+	// The CONNACK and the right to send anything else are one step: the
+	// session is attached already, and the applier may wake the writer
+	// for it (its start record applied) before this line. Nothing may
+	// go out before the CONNACK [MQTT-3.2.0-1].
+	var buf bytes.Buffer
+	c.encode(ack, &buf)
 	c.wmu.Lock()
-	c.resume = present
+	c.resume, c.connacked = present, true
+	c.ctrl = append(c.ctrl, buf.Bytes()...)
 	c.wmu.Unlock()
-	c.send(ack)
+	c.kick()
 	if r := c.srv.redirect.Load(); r != nil {
 		// Redirect came between the check above and attach, after it had
 		// looked at the connections online.

@@ -160,6 +160,9 @@ func (l *memLog) topics() []string {
 type memStore struct {
 	mu sync.Mutex // guards m
 	m  map[string][]byte
+	// onSync, when set, runs in Sync: a test stretches the moment a
+	// connect waits for it.
+	onSync func()
 }
 
 func newMemStore() *memStore { return &memStore{m: map[string][]byte{}} }
@@ -176,7 +179,12 @@ func (s *memStore) Delete(k string) {
 	s.mu.Unlock()
 }
 
-func (s *memStore) Sync() error { return nil }
+func (s *memStore) Sync() error {
+	if s.onSync != nil {
+		s.onSync()
+	}
+	return nil
+}
 
 func (s *memStore) Load(prefix string, fn func(string, []byte) error) error {
 	s.mu.Lock()

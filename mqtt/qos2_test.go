@@ -232,3 +232,41 @@ func TestLoneGatewayReleasesQoS2WithoutARecord(t *testing.T) {
 		}
 	}
 }
+
+// [MQTT-3.2.0-1]: the first packet from the server is the CONNACK — also
+// for a resumed session whose messages wait, when the applier wakes its
+// writer (its start record applied) while the CONNECT is still being
+// answered.
+func TestMQTT_3_2_0_1_NothingBeforeConnack(t *testing.T) {
+	s, log := testServer(t, nil, nil)
+	// A connect syncs the session before its CONNACK: let the applier
+	// apply the session's start record (and wake its writer) meanwhile.
+	log.store.onSync = func() {
+		waitUntil(t, 5*time.Second, "the start record applied", func() bool {
+			log.mu.Lock()
+			defer log.mu.Unlock()
+			return int(log.applied) >= len(log.recs)
+		})
+	}
+	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	for round := 0; round < 40; round++ {
+		id := fmt.Sprintf("early-%d", round)
+		dev := dialRaw(t, s.Addr(), 5)
+		dev.connect(id, false, props)
+		dev.subscribe(1, packets.Subscription{Filter: "early/#", Qos: 1})
+		dev.c.Close()
+		pub := dialRaw(t, s.Addr(), 5)
+		pub.connect("pub", true, nil)
+		for i := 1; i <= 3; i++ {
+			pub.publish("early/x", 1, uint16(i), "waiting")
+			pub.expect(packets.Puback)
+		}
+		pub.c.Close()
+		back := dialRaw(t, s.Addr(), 5)
+		if ack := back.connect(id, false, props); !ack.SessionPresent { // fails unless the first packet is the CONNACK
+			t.Fatalf("round %d: session not present", round)
+		}
+		back.expect(packets.Publish)
+		back.c.Close()
+	}
+}
