@@ -38,8 +38,8 @@ type JoinResponse struct {
 	Cluster string   `json:"cluster"`
 	Master  string   `json:"master"`
 	Members []string `json:"members"`
-	// Voter: this gateway votes (the third of three, promoted); false for
-	// a 2-gateway slave, or a third still catching up.
+	// Voter: this gateway and the others vote (three members, all
+	// promoted); false for a 2-gateway slave, or while one catches up.
 	Voter bool `json:"voter"`
 }
 

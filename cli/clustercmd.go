@@ -129,8 +129,8 @@ func joinedAs(out admin.JoinResponse) string {
 	case len(out.Members) < 3:
 		return "; this gateway is the slave"
 	case out.Voter:
-		return "; this gateway votes: the cluster survives the loss of any one member"
+		return "; this gateway votes, as the others do: the cluster survives the loss of any one member"
 	default:
-		return "; this gateway is still catching up and votes once it has (tandem status shows it)"
+		return "; a member is still catching up and votes once it has (tandem status shows it)"
 	}
 }

@@ -89,8 +89,8 @@ func (d *Gateway) OpenPairing(ctx context.Context, ttl time.Duration) (code stri
 type Joined struct {
 	Cluster, Master string
 	Members         []string // names
-	// Voter says this gateway votes in elections: a third member, once
-	// promoted (a 2-gateway slave never does).
+	// Voter says this gateway and every other member vote in elections:
+	// three members, all promoted (a 2-gateway slave never votes).
 	Voter bool
 }
 
@@ -106,7 +106,7 @@ func joinedOf(rep JoinReply) Joined {
 func (d *Gateway) Join(ctx context.Context, token string, mode JoinMode) (Joined, error) {
 	rep, err := d.cl.join(ctx, token, mode)
 	j := joinedOf(rep)
-	j.Voter = err == nil && d.cl.isVoter()
+	j.Voter = err == nil && d.cl.allVote()
 	return j, err
 }
 
@@ -115,7 +115,7 @@ func (d *Gateway) Join(ctx context.Context, token string, mode JoinMode) (Joined
 func (d *Gateway) PairJoin(ctx context.Context, code string, mode JoinMode, within time.Duration, addr string) (Joined, error) {
 	rep, err := d.cl.pairJoin(ctx, code, mode, within, addr)
 	j := joinedOf(rep)
-	j.Voter = err == nil && d.cl.isVoter()
+	j.Voter = err == nil && d.cl.allVote()
 	return j, err
 }
 

@@ -454,10 +454,11 @@ func (c *cluster) becomeMember(ctx context.Context, rep JoinReply, mode JoinMode
 	cancel()
 	if len(rep.Members) >= 3 {
 		// The third gateway joins as a learner and votes once the keeper
-		// promotes it, when it has caught up; until then the cluster has
-		// two voters, and losing the master would leave no majority. The
-		// join answers once it votes (or, for a long catch-up, says it
-		// does not yet).
+		// promotes it, when it has caught up (the 2-gateway slave is
+		// promoted the same way, not always first); until both are voters
+		// the cluster has two, and losing the master would leave no
+		// majority. The join answers once all three vote (or, for a long
+		// catch-up, says they do not yet).
 		wctx, cancel := context.WithTimeout(ctx, voterWait)
 		if !c.waitVoter(wctx) {
 			d.log.Warn("joined as a learner, not yet a voter: it becomes one once it has caught up with the master", "cluster", rep.Cluster)
@@ -476,21 +477,33 @@ func (c *cluster) becomeMember(ctx context.Context, rep JoinReply, mode JoinMode
 // to voter (the API client waits 90 s for the whole join).
 const voterWait = 60 * time.Second
 
-// waitVoter waits until this node is a voter of its membership, or ctx
-// ends; it reports whether it is one.
+// waitVoter waits until every member votes, this node included, or ctx
+// ends; it reports whether they do.
 func (c *cluster) waitVoter(ctx context.Context) bool {
 	t := time.NewTicker(50 * time.Millisecond)
 	defer t.Stop()
 	for {
-		if c.isVoter() {
+		if c.allVote() {
 			return true
 		}
 		select {
 		case <-ctx.Done():
-			return c.isVoter()
+			return c.allVote()
 		case <-t.C:
 		}
 	}
+}
+
+// allVote reports whether every member of this node's membership, itself
+// included, is a voter.
+func (c *cluster) allVote() bool {
+	ms := c.d.node().Members()
+	for _, m := range ms {
+		if !m.Voter {
+			return false
+		}
+	}
+	return c.isVoter()
 }
 
 // isVoter reports whether this node is a voter of its membership.
