@@ -48,7 +48,9 @@ func (p *publisher) run(t *testing.T, tn *testNode, count, window int, wg *sync.
 
 // orderOf reads a member's applied log per publisher: the record numbers in
 // log order, then how many came after a higher one (order violations) and
-// how many were logged more than once.
+// how many were logged more than once. A re-published record (a deposed
+// master's tail) counts as logged but not for order: DESIGN lets the order
+// across that gap change.
 func orderOf(tn *testNode) (seqs map[string][]int, violations, dups map[string]int) {
 	seqs, violations, dups = map[string][]int{}, map[string]int{}, map[string]int{}
 	seen := map[string]map[int]bool{}
@@ -67,8 +69,12 @@ func orderOf(tn *testNode) (seqs map[string][]int, violations, dups map[string]i
 			continue
 		}
 		seen[r.ClientID][i] = true
-		if s := seqs[r.ClientID]; len(s) > 0 && i < s[len(s)-1] {
+		if s := seqs[r.ClientID]; len(s) > 0 && i < s[len(s)-1] && !r.Republished {
 			violations[r.ClientID]++
+		}
+		if r.Republished {
+			seqs[r.ClientID] = append([]int{i}, seqs[r.ClientID]...) // present, out of the order check
+			continue
 		}
 		seqs[r.ClientID] = append(seqs[r.ClientID], i)
 	}
@@ -107,6 +113,14 @@ func TestForwardedPublishesKeepOrderAcrossAMasterChange(t *testing.T) {
 	wg.Wait()
 	lead := c.leader()
 	t.Logf("new master: %s (the publishers' slave: %v)", ShortID(lead.ID()), lead == f)
+	// An async publish the old master acked before a slave had it lives
+	// on its disk only, until it comes back and re-publishes its tail
+	// (DESIGN's guarantee table): bring it back.
+	c.start(old.ID())
+	waitFor(t, "the old master's tail re-published", func() bool {
+		n, err := c.nodes[old.ID()].db.RequeuePending()
+		return err == nil && n == 0
+	})
 	if r := c.propose("marker", Async); r.err != nil { // everything before it is applied once it is
 		t.Fatal(r.err)
 	}
@@ -116,6 +130,9 @@ func TestForwardedPublishesKeepOrderAcrossAMasterChange(t *testing.T) {
 			return len(got) > 0 && got[len(got)-1] == "marker"
 		})
 	}
+	// The old master's recorder saw only what it applied since its
+	// restart: the two others' logs are checked.
+	c.stop(old.ID())
 	for _, p := range pubs {
 		if len(p.fails) > 0 {
 			t.Errorf("%s: %d of %d publishes failed across a master change, first: %v", p.name, len(p.fails), count, p.fails[0])
