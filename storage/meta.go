@@ -181,8 +181,12 @@ func (db *DB) SetNodeID(id uint64) error {
 
 // Scan calls fn for each entry with index >= from, in order, until fn
 // returns false or the log ends. Entries are decoded and CRC-checked; fn may
-// keep them.
+// keep them. It starts at the first index at least: entries retention has
+// dropped are not shown while the checkpoint that deletes them commits.
 func (db *DB) Scan(from uint64, fn func(e pb.Entry) bool) error {
+	if first, err := db.FirstIndex(); err == nil && from < first {
+		from = first
+	}
 	boltLast, pend := db.pending()
 	more := true
 	err := db.bolt.View(func(tx *bolt.Tx) error {
