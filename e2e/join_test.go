@@ -17,10 +17,7 @@ import (
 // voters, and the master's loss left no majority).
 func TestThreeGatewaysFormedWithJoinSurviveAnImmediateMasterKill(t *testing.T) {
 	nt := netns.New(t, 3)
-	g1, g2, g3 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")
-	for _, g := range []*gw{g1, g2, g3} {
-		g.start()
-	}
+	g1, g2, g3 := startThree(t, nt)
 	g2.join(g1)
 	out, err := g1.cli("cluster", "invite")
 	if err != nil {

@@ -31,10 +31,7 @@ func (g *gw) healthz() int {
 // serves again.
 func TestCutOffMasterSendsItsDevicesToTheMajority(t *testing.T) {
 	nt := netns.New(t, 4) // three gateways and a device's host, which reaches all
-	g1, g2, g3 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")
-	for _, g := range []*gw{g1, g2, g3} {
-		g.start()
-	}
+	g1, g2, g3 := startThree(t, nt)
 	g2.join(g1)
 	g3.join(g1)
 	waitShape(t, g1, 2, 0, 20*time.Second)

@@ -93,10 +93,7 @@ func (m *mover5) connect(addr string) bool {
 // are counted (at most the cursor window since the last replicated batch).
 func TestPersistentSessionMovesWhenItsGatewayDies(t *testing.T) {
 	nt := netns.New(t, 3)
-	g1, g2, g3 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")
-	for _, g := range []*gw{g1, g2, g3} {
-		g.start()
-	}
+	g1, g2, g3 := startThree(t, nt)
 	g2.join(g1)
 	waitShape(t, g1, 0, 1, 15*time.Second)
 	g3.join(g2)
