@@ -49,6 +49,29 @@
 // (resent with DUP on resume, QoS 2 exactly once), the inbound QoS 2
 // markers, and the retained messages with the index that set them.
 //
+// # A device that moves between members
+//
+// A persistent session's life is logged as small records on $tandem/
+// topics (cluster.go): its start, subscriptions (the SUBACK waits for
+// them), end and, every 100 ms, its cursor. Every member applies them to
+// an offline copy, so a device that connects elsewhere finds its session.
+// A resumed session replays the log only once its own start record is
+// applied where it now is: log order makes that record a barrier behind
+// everything committed before the device came. QoS 2 stays exactly once
+// (qos2.go): deliveries take their packet id from the record's index, so
+// every member sends a message under the same id, with DUP when the device
+// may hold it; the PUBREL waits for a release record another member holds
+// (Replicated), so a copy never sends a finished flow again; and a copy
+// keeps the inbound QoS 2 ids of the device's publishes from the log, so a
+// resend after a move is not logged twice.
+//
+// # Devices follow the master
+//
+// Redirect (redirect.go) ends every connection with DISCONNECT 0x9C and a
+// Server Reference (3.1.1: closes it) and answers CONNECTs with CONNACK
+// 0x9C (3.1.1: 0x03) until Serve: the daemon calls it while this member
+// cannot take publishes and another member may.
+//
 // # Threading
 //
 // The server's mutex guards the session map; a session's mutex guards its
