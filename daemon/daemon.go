@@ -46,6 +46,8 @@ type Daemon struct {
 	stopOnce sync.Once
 
 	fv *admin.FieldView // metrics and the page's history, made by fieldView()
+
+	ups *uplinks // the cloud uplinks; nil without any (uplinks.go)
 }
 
 // New validates cfg; Start does the work.
@@ -131,7 +133,13 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return inUse(err, "MQTT address", c.MQTT.Listen, "--mqtt", "mqtt.listen")
 	}
-	d.apply = &applier{ready: make(chan struct{}), broker: d.broker}
+	if d.ups, err = newUplinks(d); err != nil {
+		return err
+	}
+	if d.ups != nil {
+		d.fieldView().RegisterUplinks(d.ups)
+	}
+	d.apply = &applier{ready: make(chan struct{}), broker: d.broker, ups: d.ups}
 	d.redeliver = &redeliverer{d: d}
 	if err = d.gw.StartNode(); err != nil {
 		return err
@@ -160,6 +168,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return inUse(err, "MQTT address", c.MQTT.Listen, "--mqtt", "mqtt.listen")
 	}
 	close(d.apply.ready)
+	d.ups.start()
 	if err = d.startHTTP(); err != nil {
 		return err
 	}
@@ -207,8 +216,8 @@ func (d *Daemon) HTTPAddr() string {
 	return d.http.Addr()
 }
 
-// Stop stops the gateway: HTTP, broker (its clients' wills are logged),
-// replication, storage.
+// Stop stops the gateway: HTTP, uplinks, broker (its clients' wills are
+// logged), replication, storage.
 func (d *Daemon) Stop() error {
 	var errs []error
 	d.stopOnce.Do(func() {
@@ -218,6 +227,9 @@ func (d *Daemon) Stop() error {
 		if d.http != nil {
 			d.http.Stop()
 		}
+		// Before the broker and replication: each uplink proposes its
+		// position a last time.
+		d.ups.stop()
 		if d.broker != nil {
 			if d.apply != nil {
 				select {
@@ -251,6 +263,7 @@ func (d *Daemon) startHTTP() error {
 		return err
 	}
 	srv.HandleCluster(clusterAPI{d.gw})
+	srv.HandleUplinks(uplinkAPI{d})
 	if err := srv.Start(d.cfg.HTTP.Listen); err != nil {
 		return fmt.Errorf("http: %w", inUse(err, "HTTP address", d.cfg.HTTP.Listen, "--http", "http.listen"))
 	}
