@@ -162,6 +162,17 @@ func TestUplinkForwardsWhatIsAckedAndResumesAfterRestart(t *testing.T) {
 		}
 	}
 
+	// And so does the status page, a row per uplink.
+	resp, err = http.Get("http://" + d.HTTPAddr() + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(body), `data-uplink="cloud"`) {
+		t.Errorf("the status page has no row for the uplink")
+	}
+
 	// Paused, it holds the records back; resumed, they go.
 	var pr admin.UplinkResponse
 	if code, msg := api(t, d, "/v1/uplink/pause", admin.UplinkRequest{Name: "cloud"}, &pr); code != 200 || !pr.Paused {

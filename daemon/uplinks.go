@@ -426,3 +426,23 @@ func (us *uplinks) Uplinks() []admin.UplinkMetrics {
 	}
 	return out
 }
+
+// rewind follows a replaced log (a join, a deposed master's rejoin): a
+// position past the new log's applied index named records of the old
+// one, which the new log may hold otherwise; it falls back to applied,
+// and the position records of the new log raise it again as they apply.
+// Sending again beats skipping.
+func (us *uplinks) rewind(applied uint64) {
+	if us == nil {
+		return
+	}
+	us.mu.Lock()
+	for name, p := range us.pos {
+		if p > applied {
+			us.pos[name] = applied
+			us.d.db.Stage(bucketUplinks, name, binary.BigEndian.AppendUint64(nil, applied))
+		}
+	}
+	us.mu.Unlock()
+	us.setHold()
+}
