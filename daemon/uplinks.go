@@ -51,6 +51,10 @@ type uplinks struct {
 
 	mu  sync.Mutex
 	pos map[string]uint64 // the replicated positions, as applied here
+	// done and proposed are, per uplink, its forwarded + dropped + lost
+	// count and its position when its position was last proposed
+	// (positionSink).
+	done, proposed map[string]uint64
 
 	stopc chan struct{}
 	wg    sync.WaitGroup
@@ -63,7 +67,7 @@ func newUplinks(d *Daemon) (*uplinks, error) {
 	if len(c.Uplinks) == 0 {
 		return nil, nil
 	}
-	us := &uplinks{d: d, log: d.log.With("component", "uplink"), pos: map[string]uint64{}, stopc: make(chan struct{})}
+	us := &uplinks{d: d, log: d.log.With("component", "uplink"), pos: map[string]uint64{}, done: map[string]uint64{}, proposed: map[string]uint64{}, stopc: make(chan struct{})}
 	err := d.db.ForEach(bucketUplinks, "", func(k, v []byte) error {
 		if len(v) == 8 {
 			us.pos[string(k)] = binary.BigEndian.Uint64(v)
@@ -77,7 +81,7 @@ func newUplinks(d *Daemon) (*uplinks, error) {
 		cfg := uc.Uplink(c.Storage)
 		u, err := uplink.New(cfg, uplink.Deps{
 			Log:       uplinkLog{d.db},
-			Positions: positionSink{d},
+			Positions: positionSink{d, us},
 			Filters:   config.UplinkFilters,
 			Local:     localPublisher{d: d, name: cfg.Name},
 			Logger:    us.log,
@@ -327,11 +331,33 @@ func uplinkRecord(index uint64, r *storage.Record, size int) *uplink.Record {
 }
 
 // positionSink replicates positions: one async control record per save.
-type positionSink struct{ d *Daemon }
+type positionSink struct {
+	d  *Daemon
+	us *uplinks
+}
+
+// quietSpan is how far a position may move over records the uplink had
+// nothing to do with before it is replicated anyway (retention waits for
+// it). Below it such a move is not worth a record: a fresh gateway's log
+// stays empty, so it can join a cluster without --requeue or --discard.
+const quietSpan = 1024
 
 // Save proposes the position; nobody waits. A record that is lost (no
 // master) only means a few more duplicates after a failover.
 func (s positionSink) Save(name string, index uint64) {
+	if u := s.us.byName(name); u != nil {
+		c := u.Counters()
+		done := c.Forwarded + c.Dropped + c.Lost
+		s.us.mu.Lock()
+		quiet := done == s.us.done[name] && index < s.us.proposed[name]+quietSpan
+		if !quiet {
+			s.us.done[name], s.us.proposed[name] = done, index
+		}
+		s.us.mu.Unlock()
+		if quiet {
+			return
+		}
+	}
 	b, _ := json.Marshal(map[string]uint64{name: index}) // cannot fail
 	n := s.d.gw.Node()
 	rec := storage.Record{Origin: n.ID(), Seq: n.NextSeq(), ClientID: "", Topic: positionsTopic, Time: time.Now().UnixNano(), Payload: b}
