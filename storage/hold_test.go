@@ -14,13 +14,7 @@ func TestRetentionNeverDropsAboveHold(t *testing.T) {
 	db.SetRetentionFloor(math.MaxUint64) // every member holds everything
 	const hold = 1000
 	db.SetHoldFloor(hold)
-	now := time.Now()
-	next := uint64(1)
-	for next < 3*budget/300 {
-		saveApplied(t, db, recordEntries(next, 100, 300, func(uint64) time.Time { return now }))
-		next += 100
-	}
-	mustCheckpoint(t, db)
+	fillPastBudget(t, db, budget)
 	firstIndex := func() uint64 { f, _ := db.FirstIndex(); return f }
 	if f := firstIndex(); f > hold+1 {
 		t.Fatalf("FirstIndex %d: dropped past the hold %d", f, hold)

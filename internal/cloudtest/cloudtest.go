@@ -138,6 +138,15 @@ type Msg struct {
 	ID             string // the tandem-id user property
 }
 
+// Received is p as a Msg, its tandem-id read.
+func Received(p *paho.Publish) Msg {
+	m := Msg{Topic: p.Topic, Payload: string(p.Payload)}
+	if p.Properties != nil {
+		m.ID = p.Properties.User.Get("tandem-id")
+	}
+	return m
+}
+
 // Recorder is a cloud subscriber that records what arrives, in order.
 type Recorder struct {
 	mu   sync.Mutex
@@ -157,10 +166,7 @@ func Record(t testing.TB, dial func() (net.Conn, error), filter string) *Recorde
 	r.cl = paho.NewClient(paho.ClientConfig{
 		Conn: conn,
 		OnPublishReceived: []func(paho.PublishReceived) (bool, error){func(pr paho.PublishReceived) (bool, error) {
-			m := Msg{Topic: pr.Packet.Topic, Payload: string(pr.Packet.Payload)}
-			if pr.Packet.Properties != nil {
-				m.ID = pr.Packet.Properties.User.Get("tandem-id")
-			}
+			m := Received(pr.Packet)
 			r.mu.Lock()
 			r.msgs = append(r.msgs, m)
 			r.mu.Unlock()
