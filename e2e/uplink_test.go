@@ -202,7 +202,7 @@ func metric(t *testing.T, g *gw, name string) uint64 {
 func TestUplinkMasterKilledWhileDraining(t *testing.T) {
 	nt := netns.New(t, 4)
 	cloud, rec, dial := startCloud(t, nt.Hosts[3])
-	const rate = 400 // msg/s: the drain takes seconds, the kill lands in it
+	const rate = uplinkRate
 	gws := []*gw{newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")}
 	for _, g := range gws {
 		withUplink(t, g, cloud, fmt.Sprintf("    rate: %d\n", rate))
@@ -245,38 +245,76 @@ func TestUplinkMasterKilledWhileDraining(t *testing.T) {
 		t.Fatal("the downlink message did not reach the device on a slave")
 	}
 
-	// A backlog, built while the uplink is paused, drains at rate.
-	if _, err := g1.cli("uplink", "pause", "cloud", "--config", g1.cfg); err != nil {
-		t.Fatal(err)
-	}
-	l := startLoad(t, 4, "dev", func(i int) []*gw { return []*gw{gws[i%3]} })
-	l.waitAcks(t, 3*rate, 20*time.Second)
-	acked := l.stop()
-	converge(t, 20*time.Second, g1, g2, g3)
-	if _, err := g1.cli("uplink", "resume", "cloud", "--config", g1.cfg); err != nil {
-		t.Fatal(err)
-	}
-	eventually(t, 10*time.Second, "the drain under way", func() bool { n, _ := rec.Distinct(); return n >= rate/2 })
-	atKill, _ := rec.Distinct()
-	g1.kill()
+	acked := drainThenKill(t, rec, g1, gws, rate)
 	select {
 	case m := <-got:
 		t.Errorf("the downlink message came twice: %q", m)
 	default:
 	}
 	master := waitMaster(t, time.Now().Add(10*time.Second), g2, g3)
-	eventually(t, 10*time.Second, "the new master's uplink connected", func() bool { u := master.uplink(); return u != nil && u.Connected })
-	waitCloud(t, rec, acked, 30*time.Second)
-	dups := cloudCheck(t, rec, acked)
-	// The window: what was acked since the last replicated position
-	// (saved every 100 ms, committed a moment later) and the in-flight
-	// window.
-	window := 2*rate/10 + 64
-	t.Logf("%d acked; %d at the cloud when %s was killed; %s resumed; %d duplicates (bound %d)", len(acked), atKill, g1.name, master.name, dups, window)
-	if dups > window {
-		t.Errorf("%d duplicates at the cloud, more than the window of %d", dups, window)
-	}
+	resumedAt(t, rec, acked, master, rate)
 	for _, g := range []*gw{g2, g3} {
 		g.stop()
 	}
+}
+
+// uplinkRate is the uplinks' rate cap in the kill tests, msg/s: the
+// drain takes seconds, and the kill lands in it.
+const uplinkRate = 400
+
+// drainThenKill builds a backlog on master's paused uplink from devices
+// on every gateway of gws, lets it drain at rate, and kills -9 the master
+// once the cloud has some of it. It returns what the devices had acked.
+func drainThenKill(t *testing.T, rec *cloudtest.Recorder, master *gw, gws []*gw, rate int) map[string]time.Time {
+	t.Helper()
+	if _, err := master.cli("uplink", "pause", "cloud", "--config", master.cfg); err != nil {
+		t.Fatal(err)
+	}
+	l := startLoad(t, 4, "dev", func(i int) []*gw { return []*gw{gws[i%len(gws)]} })
+	l.waitAcks(t, int64(3*rate), 20*time.Second)
+	acked := l.stop()
+	converge(t, 20*time.Second, gws...)
+	if _, err := master.cli("uplink", "resume", "cloud", "--config", master.cfg); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the drain under way", func() bool { n, _ := rec.Distinct(); return n >= rate/2 })
+	master.kill()
+	n, _ := rec.Distinct()
+	t.Logf("%d acked; %d at the cloud when %s was killed", len(acked), n, master.name)
+	return acked
+}
+
+// resumedAt checks that the new master's uplink finishes the drain: every
+// acked record at the cloud, in per-device order, and the duplicates
+// within the window since the last replicated position (saved every
+// 100 ms, committed a moment later) plus the in-flight window.
+func resumedAt(t *testing.T, rec *cloudtest.Recorder, acked map[string]time.Time, master *gw, rate int) {
+	t.Helper()
+	eventually(t, 10*time.Second, "the new master's uplink connected", func() bool { u := master.uplink(); return u != nil && u.Connected })
+	waitCloud(t, rec, acked, 30*time.Second)
+	dups := cloudCheck(t, rec, acked)
+	window := 2*rate/10 + 64
+	t.Logf("%s resumed; %d duplicates (bound %d)", master.name, dups, window)
+	if dups > window {
+		t.Errorf("%d duplicates at the cloud, more than the window of %d", dups, window)
+	}
+}
+
+// Two gateways; the master is killed -9 while its uplink drains, and the
+// slave is promoted: it resumes from the replicated position.
+func TestUplinkMasterKilledWhileDrainingPromoted(t *testing.T) {
+	nt := netns.New(t, 3)
+	cloud, rec, _ := startCloud(t, nt.Hosts[2])
+	g1, g2 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2")
+	for _, g := range []*gw{g1, g2} {
+		withUplink(t, g, cloud, fmt.Sprintf("    rate: %d\n", uplinkRate))
+		g.start()
+	}
+	g2.join(g1)
+	waitShape(t, g1, 0, 1, 15*time.Second)
+	eventually(t, 10*time.Second, "the master's uplink connected", func() bool { u := g1.uplink(); return u != nil && u.Connected })
+	acked := drainThenKill(t, rec, g1, []*gw{g1, g2}, uplinkRate)
+	eventually(t, 20*time.Second, "tandem promote on the slave", func() bool { _, err := g2.cli("promote"); return err == nil })
+	resumedAt(t, rec, acked, g2, uplinkRate)
+	g2.stop()
 }
