@@ -1,22 +1,15 @@
 package admin
 
-import (
-	"errors"
-	"net/http"
-)
+import "net/http"
 
 // Uplinks is what the uplink endpoints need of the gateway: pausing and
-// resuming an uplink on the master.
+// resuming an uplink, on every member.
 type Uplinks interface {
 	// SetPaused pauses (or resumes) the uplink called name. It fails with
-	// a config.UsageError for an unknown name and with ErrNotMaster
-	// (wrapped, naming the master) on a member that does not run it.
+	// a config.UsageError for an unknown name and with ErrNoMaster
+	// (wrapped) when the cluster cannot log it.
 	SetPaused(name string, paused bool) (UplinkResponse, error)
 }
-
-// ErrNotMaster is the error of an uplink command asked of a member that
-// is not the master: only the master runs uplinks.
-var ErrNotMaster = errors.New("this gateway is not the master")
 
 // UplinkRequest is the body of POST /v1/uplink/pause and /v1/uplink/resume.
 type UplinkRequest struct {

@@ -17,8 +17,8 @@ func newUplinkCmd() *cobra.Command {
 		Use:   "uplink",
 		Short: "Pause or resume an uplink to a cloud broker",
 		Long: "Pause closes an uplink's connection and keeps it closed until resume; the backlog grows meanwhile, " +
-			"within max_backlog. Run it on the master, which runs the uplinks (`tandem status` names it); " +
-			"a pause lasts until resume or until the master changes.",
+			"within max_backlog. Run it on any member: the pause is logged, so it holds on every member, " +
+			"across restarts and failovers, until resume.",
 	}
 	for _, verb := range []string{"pause", "resume"} {
 		var af apiFlags

@@ -209,11 +209,21 @@ func TestUplinkForwardsWhatIsAckedAndResumesAfterRestart(t *testing.T) {
 	}
 
 	// A restart resumes from the replicated position: nothing is sent
-	// again, and what is published next goes up.
+	// again, and what is published next goes up. A pause outlives it.
+	if code, msg := api(t, d, "/v1/uplink/pause", admin.UplinkRequest{Name: "cloud"}, &pr); code != 200 || !pr.Paused {
+		t.Fatalf("pause: %d %s %+v", code, msg, pr)
+	}
 	if err := d.Stop(); err != nil {
 		t.Fatal(err)
 	}
 	d = testGateway(t, dir, withUplink(cloud.URL(), nil))
+	testutil.WaitFor(t, 5*time.Second, "the uplink running, still paused, after the restart", func() bool {
+		s := uplinkStatus(t, d)
+		return s.Running && s.Paused && !s.Connected
+	})
+	if code, msg := api(t, d, "/v1/uplink/resume", admin.UplinkRequest{Name: "cloud"}, &pr); code != 200 || pr.Paused {
+		t.Fatalf("resume: %d %s", code, msg)
+	}
 	testutil.WaitFor(t, 5*time.Second, "the uplink to connect after the restart", func() bool { return uplinkStatus(t, d).Connected })
 	publishFrom(t, d, []string{"f"}, 5)
 	testutil.WaitFor(t, 10*time.Second, "135 messages at the cloud", func() bool { n, _ := rec.Distinct(); return n == 135 })

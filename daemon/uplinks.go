@@ -35,8 +35,24 @@ import (
 const positionsTopic = "$tandem/uplinks"
 
 // bucketUplinks holds the replicated positions, by uplink name (8 bytes,
-// big-endian), staged so they commit with the log they describe.
-const bucketUplinks = "uplinks"
+// big-endian), staged so they commit with the log they describe;
+// bucketPaused the uplinks `tandem uplink pause` holds back (name → 1).
+const (
+	bucketUplinks = "uplinks"
+	bucketPaused  = "uplinks-paused"
+)
+
+// pauseClient marks a positionsTopic record that pauses or resumes an
+// uplink (pauseOp) rather than carrying positions: a pause holds on
+// every member, so it outlives a failover and a restart, and may be
+// asked of any member.
+const pauseClient = "pause"
+
+// pauseOp is the payload of a pause record.
+type pauseOp struct {
+	Name   string `json:"name"`
+	Paused bool   `json:"paused"`
+}
 
 // roleEvery is how often the role watcher looks whether this member is
 // the master.
@@ -91,6 +107,15 @@ func newUplinks(d *Daemon) (*uplinks, error) {
 		}
 		us.list = append(us.list, u)
 		us.cfgs = append(us.cfgs, cfg)
+	}
+	paused := map[string]bool{}
+	if err := d.db.ForEach(bucketPaused, "", func(k, _ []byte) error { paused[string(k)] = true; return nil }); err != nil {
+		return nil, fmt.Errorf("uplink pauses: %w", err)
+	}
+	for _, u := range us.list {
+		if paused[u.Name()] {
+			u.Pause()
+		}
 	}
 	us.setHold()
 	return us, nil
@@ -412,36 +437,70 @@ func (us *uplinks) applyRecord(index uint64, data []byte) error {
 	if err != nil {
 		return err
 	}
+	if rec.ClientID == pauseClient {
+		us.applyPause(index, rec.Payload)
+		return nil
+	}
 	us.applyPositions(index, rec.Payload)
 	return nil
+}
+
+// applyPause applies a committed pause record on this member: its uplink
+// is paused or resumed (running or not), and the data file keeps it.
+func (us *uplinks) applyPause(index uint64, payload []byte) {
+	var op pauseOp
+	if err := json.Unmarshal(payload, &op); err != nil {
+		us.d.log.Warn("uplink pause record unreadable: skipped", "index", index, "error", err)
+		return
+	}
+	u := us.byName(op.Name)
+	if u == nil {
+		return // an uplink of another member's config
+	}
+	if op.Paused {
+		u.Pause()
+		us.d.db.Stage(bucketPaused, op.Name, []byte{1})
+	} else {
+		u.Resume()
+		us.d.db.StageDelete(bucketPaused, op.Name)
+	}
+	us.log.Info("uplink "+map[bool]string{true: "paused", false: "resumed"}[op.Paused], "uplink", op.Name, "index", index)
 }
 
 // uplinkAPI is the daemon as admin.Uplinks.
 type uplinkAPI struct{ d *Daemon }
 
-// SetPaused pauses or resumes an uplink of the master; on another member
-// it names the master, where the command belongs.
+// SetPaused pauses or resumes an uplink on every member: it logs a pause
+// record and returns once that is committed (a slave forwards it to the
+// master) and applied here.
 func (a uplinkAPI) SetPaused(name string, paused bool) (admin.UplinkResponse, error) {
 	u := a.d.ups.byName(name)
 	if u == nil {
 		return admin.UplinkResponse{}, config.UsageError{Err: fmt.Errorf("no uplink named %q in this gateway's config", name)}
 	}
+	b, _ := json.Marshal(pauseOp{Name: name, Paused: paused}) // cannot fail
 	n := a.d.gw.Node()
-	if lead := n.Leader(); lead != n.ID() {
-		master := "unknown (no master in sight)"
-		for _, m := range n.Members() {
-			if m.ID == lead {
-				master = fmt.Sprintf("%s (%s)", m.Name, replication.ShortID(m.ID))
-			}
-		}
-		return admin.UplinkResponse{}, fmt.Errorf("%w: only the master runs uplinks; run this on the master, %s", admin.ErrNotMaster, master)
+	rec := storage.Record{Origin: n.ID(), Seq: n.NextSeq(), ClientID: pauseClient, Topic: positionsTopic, Time: time.Now().UnixNano(), Payload: b}
+	type result struct {
+		index uint64
+		err   error
 	}
-	if paused {
-		u.Pause()
-	} else {
-		u.Resume()
+	done := make(chan result, 1)
+	n.Propose(storage.AppendRecord(nil, &rec), replication.Async, func(i uint64, err error) { done <- result{i, err} })
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(a.d.cfg.Cluster.SyncTimeout.Duration() + time.Second):
+		r.err = errors.New("not committed in time")
 	}
-	return admin.UplinkResponse{Name: name, Paused: paused}, nil
+	if r.err != nil {
+		return admin.UplinkResponse{}, fmt.Errorf("%w: the pause could not be logged (%v)", admin.ErrNoMaster, r.err)
+	}
+	// Committed; this member applies it a moment later.
+	for deadline := time.Now().Add(5 * time.Second); a.d.db.Applied() < r.index && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
+	return admin.UplinkResponse{Name: name, Paused: u.Status().Paused}, nil
 }
 
 // Uplinks is every uplink's status and totals (admin.UplinkSource).
