@@ -15,7 +15,8 @@ const module = "github.com/tandem-edge/tandem"
 // importRules are DESIGN.md's import rules, by package (relative to the
 // module): the packages of ours each may import. A package not listed here
 // is held only to the rules every package follows (nothing imports cli,
-// nothing but cli imports daemon). internal/ packages are helpers anyone
+// nothing but cli imports daemon). uplink imports nothing of ours; config
+// validates `uplinks:` with its rules and admin reports its Status. internal/ packages are helpers anyone
 // may import, except the two leaves, mqtt and discovery, which import no
 // package of ours at all.
 var importRules = map[string][]string{
@@ -23,8 +24,9 @@ var importRules = map[string][]string{
 	"discovery":   {},
 	"storage":     {},
 	"replication": {"storage"},
-	"config":      {"mqtt"},
-	"admin":       {"config", "mqtt", "replication"},
+	"uplink":      {},
+	"config":      {"mqtt", "uplink"},
+	"admin":       {"config", "mqtt", "replication", "uplink"},
 	"cluster":     {"replication", "storage", "discovery", "config"},
 	"daemon":      {"admin", "cluster", "config", "mqtt", "replication", "storage", "discovery", "uplink"},
 	// The commands that work without a daemon use the packages below it

@@ -22,6 +22,9 @@
 //     the gauges read from Status at scrape time.
 //   - history.go, page.go, page.html: the page's sparklines (a sampler
 //     every 5 s into a ring of 10 minutes) and its rendering.
+//   - uplinkapi.go, uplinkmetrics.go, uplinkpage.go: the uplinks' commands
+//     (/v1/uplink/pause, resume), their tandem_uplink_* metrics and their
+//     rows and backlog sparkline on the page.
 //   - pprof.go: `tandem run --pprof`.
 //
 // Concurrency: FieldView's counters are atomics written on the hot path

@@ -24,6 +24,7 @@ type sample struct {
 	Acks       float64 // successful acks per second
 	LagRecords uint64  // the most any member lags, in records
 	LagSeconds float64 // and in seconds
+	Backlog    int64   // the uplinks' backlog, in records (uplinkpage.go)
 }
 
 // history is a ring of samples plus the per-rule rates of the last
@@ -140,6 +141,7 @@ func (fv *FieldView) sample(sm *sampler, now time.Time) {
 			s.LagRecords = max(s.LagRecords, m.LagRecords)
 			s.LagSeconds = max(s.LagSeconds, m.LagSeconds)
 		}
+		s.Backlog = uplinkBacklog(st)
 	}
 	if errors.Is(err, replication.ErrStopped) {
 		sm.stopped++

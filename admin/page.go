@@ -42,6 +42,8 @@ type pageData struct {
 	PairingOpen                                bool
 	InRate, AckRate                            string
 	Throughput, Lag                            sparkline
+	Uplinks                                    []uplinkRow // uplinkpage.go
+	Backlog                                    sparkline
 }
 
 type nodeRow struct {
@@ -149,6 +151,7 @@ func (fv *FieldView) pageData(ctx context.Context) *pageData {
 	p.Retained = strconv.FormatInt(fv.gw.Retained(), 10)
 	p.Log = [4]string{strconv.FormatUint(s.Log.FirstIndex, 10), strconv.FormatUint(s.Log.LastIndex, 10),
 		strconv.FormatUint(s.Log.CommitIndex, 10), strconv.FormatUint(s.Log.AppliedIndex, 10)}
+	p.Uplinks, p.Backlog = uplinkRows(s), newSparkline(samples, func(s sample) float64 { return float64(s.Backlog) }, "")
 	p.Pairing, p.PairingOpen = "closed", s.Pairing.Open
 	if s.Pairing.Open {
 		p.Pairing = "open"

@@ -1,6 +1,10 @@
 package admin
 
-import "time"
+import (
+	"time"
+
+	"github.com/tandem-edge/tandem/uplink"
+)
 
 // Status is the status JSON of the contract (GET /v1/status, `tandem status
 // --json`). Field names are stable; fields may be added.
@@ -16,6 +20,9 @@ type Status struct {
 	Pairing StatusPairing  `json:"pairing"`
 	Storage StatusStorage  `json:"storage"`
 	Cluster StatusCluster  `json:"cluster"`
+	// Uplinks is every configured uplink's state, in config order; only
+	// the master's are running.
+	Uplinks []uplink.Status `json:"uplinks"`
 }
 
 // StatusCluster names the cluster this gateway belongs to.

@@ -55,7 +55,7 @@ func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return config.UsageError{Err: err} })
-	root.AddCommand(newRunCmd(), newVersionCmd(), newCheckCmd(), newInspectCmd(), newBenchCmd(), newServiceCmd(), newPasswdCmd(),
+	root.AddCommand(newRunCmd(), newVersionCmd(), newCheckCmd(), newInspectCmd(), newBenchCmd(), newServiceCmd(), newPasswdCmd(), newUplinkCmd(),
 		newStatusCmd(), newPeersCmd(), newClusterCmd(), newPairCmd(), newPromoteCmd(), newManCmd())
 	for _, c := range root.Commands() {
 		if c.Args != nil {

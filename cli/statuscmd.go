@@ -89,8 +89,10 @@ func writeStatus(w io.Writer, s *admin.Status) error {
 	}
 	fmt.Fprintln(w)
 	if len(s.Members) == 0 {
-		_, err := fmt.Fprintln(w, "members: none (a lone gateway)")
-		return err
+		if _, err := fmt.Fprintln(w, "members: none (a lone gateway)"); err != nil {
+			return err
+		}
+		return writeUplinks(w, s)
 	}
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "MEMBER\tID\tROLE\tVOTER\tADDRESS\tREACHABLE\tMATCH\tLAG RECORDS\tLAG SECONDS")
@@ -114,7 +116,10 @@ func writeStatus(w io.Writer, s *admin.Status) error {
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", admin.NameOr(m.Name, m.ID), admin.ShortID(m.ID), m.Role, yesNo(m.Voter),
 			admin.OrDash(m.Addr), reach, match, lagRecs, lagSecs)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	return writeUplinks(w, s)
 }
 
 func yesNo(b bool) string {

@@ -40,6 +40,9 @@ type Config struct {
 	Topics []TopicRule `yaml:"topics"`
 	// Discovery configures mDNS advertising and browsing on the LAN.
 	Discovery DiscoveryConfig `yaml:"discovery"`
+	// Uplinks are the cloud brokers the committed log is forwarded to
+	// (uplinks.go).
+	Uplinks []UplinkConfig `yaml:"uplinks"`
 
 	// file is the path Load read, which a reload (SIGHUP) reads again for
 	// the topic rules and the users and ACL files; "" for a Config that did

@@ -129,8 +129,20 @@ func fullConfig() *Config {
 			{Match: "#", Ack: "async"},
 		},
 		Discovery: DiscoveryConfig{MDNS: true, Interface: "eth0"},
+		Uplinks: []UplinkConfig{{
+			Name: "cloud", Broker: "tls://mqtt.example.com:8883", Protocol: "5", ClientID: "site7-gw",
+			Username: "site7", PasswordFile: "/etc/tandem/cloud.password",
+			TLS:         UplinkTLS{CAFile: "/etc/tandem/cloud-ca.pem", CertFile: "/etc/tandem/cloud.pem", KeyFile: "/etc/tandem/cloud.key"},
+			Topics:      []UplinkTopic{{Match: "meters/#", RemotePrefix: "site7/", QoS: &one}},
+			Downlink:    []UplinkDownlink{{Remote: "site7/cmd/#", LocalPrefix: "cloud/", QoS: &one}},
+			MaxInflight: 64, Rate: 500, MaxBacklog: 256 << 20, OnFull: "refuse",
+			KeepAlive: Duration(30 * time.Second), ReconnectMin: Duration(time.Second), ReconnectMax: Duration(2 * time.Minute),
+		}},
 	}
 }
+
+// one is a QoS for the uplink rules of fullConfig.
+var one = 1
 
 func TestLoadConfigFull(t *testing.T) {
 	c, err := Load(configTestdata("full.yaml"))
@@ -284,6 +296,11 @@ func TestParseConfigErrors(t *testing.T) {
 		{"top level list", "- node\n", 1, "", []string{"top level must be a mapping", "a list"}},
 		{"merge key in section", "log:\n  <<: {level: info}\n", 2, "log", []string{"merge keys"}},
 		{"complex key", "log:\n  ? [a]\n  : b\n", 2, "log", []string{"a key must be a plain name"}},
+		{"uplink without broker", "uplinks:\n  - name: c\n    topics: [{match: a/#}]\n", 2, "uplinks[0].broker", []string{"want tcp://host:port"}},
+		{"uplink bad filter", "uplinks:\n  - name: c\n    broker: tcp://h:1883\n    topics:\n      - match: a/#/b\n", 5, "uplinks[0].topics[0].match", []string{"'#'"}},
+		{"uplink bad on_full", "uplinks:\n  - name: c\n    broker: tcp://h:1883\n    topics: [{match: a}]\n    on_full: wait\n", 5, "uplinks[0].on_full", []string{`"wait" is not refuse or drop_oldest`}},
+		{"uplink bad size", "uplinks:\n  - name: c\n    max_backlog: lots\n", 3, "uplinks[0].max_backlog", []string{`"lots" is not a size`}},
+		{"uplink names repeat", "uplinks:\n  - name: c\n    broker: tcp://h:1883\n    topics: [{match: a}]\n  - name: c\n    broker: tcp://h:1883\n    topics: [{match: b}]\n", 5, "uplinks[1].name", []string{"unique"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -534,6 +551,9 @@ func FuzzParseConfig(f *testing.F) {
 		}
 		if len(c.HTTP.AllowedHosts) == 0 {
 			c.HTTP.AllowedHosts = back.HTTP.AllowedHosts
+		}
+		if len(c.Uplinks) == 0 {
+			c.Uplinks = back.Uplinks
 		}
 		if !reflect.DeepEqual(back, c) {
 			t.Fatalf("round trip changed the config:\n%+v\n%+v\n%s", c, back, out)

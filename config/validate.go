@@ -88,6 +88,7 @@ func (c *Config) validate(w *configWalker) error {
 		ck.failf("storage.max_bytes", "%s is below the least budget of %s: the WAL and the data file's reserve take 4MiB of it", c.Storage.MaxBytes, ByteSize(MinMaxBytes))
 	}
 	ck.topics(c.Topics)
+	ck.uplinks(c)
 	return ck.err
 }
 

@@ -46,6 +46,10 @@ func (a *logAdapter) Logged(origin uint64, seqs []uint64) (map[uint64]bool, erro
 // to raft from here on (its unstable log and our tail cache keep them), so
 // they are allocated per record, once, at their exact size.
 func (a *logAdapter) Propose(m *mqtt.Message, mode mqtt.AckMode, done func(error)) {
+	if a.d.ups.refuses(m.Topic) {
+		done(fmt.Errorf("%w: an uplink's backlog is full (on_full: refuse)", mqtt.ErrQuota))
+		return
+	}
 	rec := recordOf(m)
 	data := storage.AppendRecord(make([]byte, 0, 64+len(m.Topic)+len(m.ClientID)+len(m.Payload)), &rec)
 	rmode := replication.Async
@@ -97,6 +101,7 @@ func messageOf(r *storage.Record) *mqtt.Message {
 type applier struct {
 	ready  chan struct{}
 	broker *mqtt.Server
+	ups    *uplinks // nil without uplinks
 	// quietUntil: records up to this index are a joined cluster's
 	// history; they only update the retained store.
 	quietUntil atomic.Uint64
@@ -109,6 +114,14 @@ func (a *applier) Apply(index uint64, data []byte) error {
 	topic, retain, err := storage.RecordTopic(data)
 	if err != nil {
 		return err
+	}
+	a.ups.notify(index, topic, len(data))
+	if a.ups != nil && string(topic) == positionsTopic {
+		if err := a.ups.applyRecord(index, data); err != nil {
+			return err
+		}
+		a.broker.Applied(index)
+		return nil
 	}
 	quiet := index <= a.quietUntil.Load()
 	// The cluster's own records (persistent sessions) are applied in the

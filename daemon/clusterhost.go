@@ -19,6 +19,7 @@ func (h clusterHost) Fail(err error)               { h.d.fail(err) }
 func (h clusterHost) Rewind(quietUntil uint64) {
 	h.d.apply.quietUntil.Store(quietUntil)
 	h.d.broker.Rewind(h.d.db.Applied(), quietUntil)
+	h.d.ups.rewind(h.d.db.Applied())
 }
 
 func (h clusterHost) Remember(from uint64) error {

@@ -48,6 +48,7 @@ type Daemon struct {
 	fv *admin.FieldView // metrics and the page's history, made by fieldView()
 
 	serving servingWatch // whether publishes are taken; devices sent away (serving.go)
+	ups     *uplinks     // the cloud uplinks; nil without any (uplinks.go)
 }
 
 // New validates cfg; Start does the work.
@@ -134,7 +135,13 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return inUse(err, "MQTT address", c.MQTT.Listen, "--mqtt", "mqtt.listen")
 	}
-	d.apply = &applier{ready: make(chan struct{}), broker: d.broker}
+	if d.ups, err = newUplinks(d); err != nil {
+		return err
+	}
+	if d.ups != nil {
+		d.fieldView().RegisterUplinks(d.ups)
+	}
+	d.apply = &applier{ready: make(chan struct{}), broker: d.broker, ups: d.ups}
 	d.redeliver = &redeliverer{d: d}
 	if err = d.gw.StartNode(); err != nil {
 		return err
@@ -164,6 +171,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	}
 	close(d.apply.ready)
 	d.startServingWatch()
+	d.ups.start()
 	if err = d.startHTTP(); err != nil {
 		return err
 	}
@@ -211,8 +219,8 @@ func (d *Daemon) HTTPAddr() string {
 	return d.http.Addr()
 }
 
-// Stop stops the gateway: HTTP, broker (its clients' wills are logged),
-// replication, storage.
+// Stop stops the gateway: HTTP, uplinks, broker (its clients' wills are
+// logged), replication, storage.
 func (d *Daemon) Stop() error {
 	var errs []error
 	d.stopOnce.Do(func() {
@@ -223,6 +231,9 @@ func (d *Daemon) Stop() error {
 			d.http.Stop()
 		}
 		d.stopServingWatch()
+		// Before the broker and replication: each uplink proposes its
+		// position a last time.
+		d.ups.stop()
 		if d.broker != nil {
 			if d.apply != nil {
 				select {
@@ -257,6 +268,7 @@ func (d *Daemon) startHTTP() error {
 	}
 	srv.HandleCluster(clusterAPI{d.gw})
 	srv.HandleMutating("/v1/log", d.handleLog)
+	srv.HandleUplinks(uplinkAPI{d})
 	if err := srv.Start(d.cfg.HTTP.Listen); err != nil {
 		return fmt.Errorf("http: %w", inUse(err, "HTTP address", d.cfg.HTTP.Listen, "--http", "http.listen"))
 	}

@@ -17,13 +17,21 @@
 //     admin.Cluster, and the status JSON it assembles.
 //   - redeliver.go: what a deposed master's subscribers already got, so
 //     that its rejoin does not deliver it twice.
+//   - uplinks.go: the cloud uplinks (package uplink) plugged in: the log
+//     they read, their replicated positions ($tandem/uplinks records, kept
+//     by every member in the data file), the retention hold, the refusal
+//     of publishes while a backlog is full, the downlink's local publish
+//     path, and the role watcher that runs them only on the master.
 //   - datadir.go, listenhint.go: checks and hints for the errors an
 //     installer meets first (data dir, addresses in use).
 //
 // Locks: reloadMu serialises Reload and guards live, the config in force;
 // node swaps are the control plane's (cluster.Gateway).
 //
-// Goroutines: none of its own. Stop stops and waits for those of the admin
-// server and its field view (admin), of the control plane (cluster) and of
-// the broker (mqtt), in the reverse of the start order.
+// Goroutines: one of its own, the uplinks' role watcher (uplinks.go),
+// which Stop ends and waits for, and then stops the uplinks (each saves
+// its position while replication still runs). Stop then stops and waits
+// for those of the admin server and its field view (admin), of the
+// control plane (cluster) and of the broker (mqtt), in the reverse of the
+// start order.
 package daemon

@@ -104,6 +104,7 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 	if syscall.Statfs(d.cfg.Node.DataDir, &fs) == nil {
 		s.Disk.FreeBytes = uint64(fs.Bavail) * uint64(fs.Bsize)
 	}
+	s.Uplinks = d.ups.status()
 	return s, nil
 }
 

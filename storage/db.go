@@ -185,6 +185,7 @@ type DB struct {
 	// Retention (retention.go).
 	ret       retention
 	floor     atomic.Uint64 // SetRetentionFloor
+	hold      atomic.Uint64 // SetHoldFloor + 1; 0: nothing held (hold.go)
 	floorSet  atomic.Bool   // SetRetentionFloor was called: only then may a floor refuse
 	blockedAt atomic.Uint64 // the floor the next drop waits for; 0 when none
 	retainDue atomic.Bool   // a retention pass is wanted even if no checkpoint is due

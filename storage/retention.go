@@ -99,7 +99,7 @@ func (db *DB) ageDue() bool {
 		return false
 	}
 	b := db.blockedAt.Load()
-	return b == 0 || db.floor.Load() >= b
+	return b == 0 || db.dropFloor() >= b
 }
 
 // Refusing reports whether the log is over its budget with nothing it may
@@ -182,7 +182,7 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 	// and the hard state are in it already), not the in-memory ones, which
 	// may be ahead of what is staged: after a crash raft restarts from the
 	// applied index on disk, and must find the log from there on.
-	floor := db.floor.Load()
+	floor := db.dropFloor()
 	limit := min(metaU64(tx, bucketMeta, keyApplied), floor)
 	var hs pb.HardState
 	if v := tx.Bucket(bucketRaftState).Get(keyHardState); v != nil {

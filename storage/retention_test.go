@@ -130,18 +130,22 @@ func TestRetentionKeepsDataDirWithinBudget(t *testing.T) {
 	}
 }
 
+// fillPastBudget writes three budgets' worth of records and checkpoints.
+func fillPastBudget(t *testing.T, db *DB, budget int) {
+	t.Helper()
+	now := time.Now()
+	for next := uint64(1); next < uint64(3*budget/300); next += 100 {
+		saveApplied(t, db, recordEntries(next, 100, 300, func(uint64) time.Time { return now }))
+	}
+	mustCheckpoint(t, db)
+}
+
 func TestRetentionNeverDropsAboveFloor(t *testing.T) {
 	const budget = 8 << 20
 	db := testOpen(t, t.TempDir(), &Options{MaxBytes: budget})
 	const floor = 1000
 	db.SetRetentionFloor(floor)
-	now := time.Now()
-	next := uint64(1)
-	for next < 3*budget/300 {
-		saveApplied(t, db, recordEntries(next, 100, 300, func(uint64) time.Time { return now }))
-		next += 100
-	}
-	mustCheckpoint(t, db)
+	fillPastBudget(t, db, budget)
 	if f, _ := db.FirstIndex(); f > floor+1 {
 		t.Fatalf("FirstIndex %d: dropped past the floor %d", f, floor)
 	}

@@ -17,6 +17,8 @@ import (
 
 	"github.com/eclipse/paho.golang/autopaho"
 	"github.com/eclipse/paho.golang/paho"
+
+	"github.com/tandem-edge/tandem/internal/cloudtest"
 )
 
 // cloud is a mosquitto the test runs as the cloud broker, on a loopback
@@ -199,10 +201,8 @@ func newRecorder(t testing.TB, c *cloud, filter string) *recorder {
 		ClientConfig: paho.ClientConfig{
 			ClientID: "recorder",
 			OnPublishReceived: []func(paho.PublishReceived) (bool, error){func(pr paho.PublishReceived) (bool, error) {
-				g := got{topic: pr.Packet.Topic, payload: string(pr.Packet.Payload), qos: pr.Packet.QoS}
-				if pr.Packet.Properties != nil {
-					g.id = pr.Packet.Properties.User.Get("tandem-id")
-				}
+				m := cloudtest.Received(pr.Packet)
+				g := got{topic: m.Topic, payload: m.Payload, id: m.ID, qos: pr.Packet.QoS}
 				r.mu.Lock()
 				r.msgs = append(r.msgs, g)
 				r.mu.Unlock()
@@ -250,20 +250,7 @@ func (r *recorder) distinct() int {
 // application sending a command would.
 func publishAtCloud(t testing.TB, c *cloud, topic, payload string) {
 	t.Helper()
-	conn, err := net.Dial("tcp", "127.0.0.1:"+strconv.Itoa(c.port))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cl := paho.NewClient(paho.ClientConfig{Conn: conn})
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	if _, err := cl.Connect(ctx, &paho.Connect{ClientID: "cloud-app", CleanStart: true, KeepAlive: 5}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := cl.Publish(ctx, &paho.Publish{Topic: topic, QoS: 1, Payload: []byte(payload)}); err != nil {
-		t.Fatal(err)
-	}
-	_ = cl.Disconnect(&paho.Disconnect{})
+	cloudtest.Publish(t, func() (net.Conn, error) { return net.Dial("tcp", "127.0.0.1:"+strconv.Itoa(c.port)) }, topic, payload)
 }
 
 // missingAbove lists the forwarded records above index floor that did

@@ -40,7 +40,9 @@
 //
 // Start launches two goroutines (the connection loop and housekeeping);
 // each connection adds a sender, an acker and a stop watcher, all waited
-// for before the connection loop goes on, and Stop waits for everything.
+// for before the connection loop goes on, and an MQTT 5 connection the
+// flusher of its batchConn, which its Close waits for (at most a second
+// on a stalled link); Stop waits for everything.
 // Notify, Refuses, Full, Status, Counters, Pause and Resume may be called
 // from any goroutine and never block on the network; Notify is meant for
 // the applier and only takes a mutex. The Log and PositionSink are called

@@ -30,8 +30,9 @@ func (u *Uplink) connect5(ctx context.Context, fail func(error)) (link, error) {
 		return nil, err
 	}
 	// paho writes from the sender, its pinger and acks: tls.Conn is not
-	// safe for that, and the wrapper costs a plain TCP conn nothing much.
-	conn = packets.NewThreadSafeConn(conn)
+	// safe for that. batchConn serialises them, and coalesces them into
+	// fewer syscalls (batchconn.go).
+	conn = newBatchConn(conn)
 	sess := &ackSession{SessionManager: state.NewInMemory()}
 	cc := paho.ClientConfig{
 		ClientID:      u.cfg.ClientID,

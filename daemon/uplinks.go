@@ -1,0 +1,533 @@
+package daemon
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"sync"
+	"time"
+
+	"github.com/mochi-mqtt/server/v2/packets"
+	raftpb "go.etcd.io/raft/v3/raftpb"
+
+	"github.com/tandem-edge/tandem/admin"
+	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/mqtt"
+	"github.com/tandem-edge/tandem/replication"
+	"github.com/tandem-edge/tandem/storage"
+	"github.com/tandem-edge/tandem/uplink"
+)
+
+// The uplinks of `uplinks:` and what plugs them into the gateway: the log
+// they read (uplinkLog), the replicated positions (positionsTopic records,
+// kept by every member in bucketUplinks), the master-only lifecycle (a
+// role watcher), the retention hold and the local publish path of their
+// downlinks.
+
+// positionsTopic is the control record of uplink positions: a JSON object
+// name → index. Like session cursors, it is replicated in batches, and
+// every member keeps the highest position per name, so the next master
+// resumes there.
+const positionsTopic = "$tandem/uplinks"
+
+// bucketUplinks holds the replicated positions, by uplink name (8 bytes,
+// big-endian), staged so they commit with the log they describe;
+// bucketPaused the uplinks `tandem uplink pause` holds back (name → 1).
+const (
+	bucketUplinks = "uplinks"
+	bucketPaused  = "uplinks-paused"
+)
+
+// pauseClient marks a positionsTopic record that pauses or resumes an
+// uplink (pauseOp) rather than carrying positions: a pause holds on
+// every member, so it outlives a failover and a restart, and may be
+// asked of any member.
+const pauseClient = "pause"
+
+// pauseOp is the payload of a pause record.
+type pauseOp struct {
+	Name   string `json:"name"`
+	Paused bool   `json:"paused"`
+}
+
+// roleEvery is how often the role watcher looks whether this member is
+// the master.
+const roleEvery = 50 * time.Millisecond
+
+// uplinks runs the configured uplinks on the master.
+type uplinks struct {
+	d    *Daemon
+	log  *slog.Logger
+	list []*uplink.Uplink
+	cfgs []uplink.Config
+
+	mu  sync.Mutex
+	pos map[string]uint64 // the replicated positions, as applied here
+	// done and proposed are, per uplink, its forwarded + dropped + lost
+	// count and its position when its position was last proposed
+	// (positionSink).
+	done, proposed map[string]uint64
+
+	stopc chan struct{}
+	wg    sync.WaitGroup
+}
+
+// newUplinks makes the uplinks of the config (none: nil) and loads their
+// replicated positions.
+func newUplinks(d *Daemon) (*uplinks, error) {
+	c := d.cfg
+	if len(c.Uplinks) == 0 {
+		return nil, nil
+	}
+	us := &uplinks{d: d, log: d.log.With("component", "uplink"), pos: map[string]uint64{}, done: map[string]uint64{}, proposed: map[string]uint64{}, stopc: make(chan struct{})}
+	err := d.db.ForEach(bucketUplinks, "", func(k, v []byte) error {
+		if len(v) == 8 {
+			us.pos[string(k)] = binary.BigEndian.Uint64(v)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("uplink positions: %w", err)
+	}
+	for _, uc := range c.Uplinks {
+		cfg := uc.Uplink(c.Storage)
+		u, err := uplink.New(cfg, uplink.Deps{
+			Log:       uplinkLog{d.db},
+			Positions: positionSink{d, us},
+			Filters:   config.UplinkFilters,
+			Local:     localPublisher{d: d, name: cfg.Name},
+			Logger:    us.log,
+		})
+		if err != nil {
+			return nil, config.UsageError{Err: err}
+		}
+		us.list = append(us.list, u)
+		us.cfgs = append(us.cfgs, cfg)
+	}
+	paused := map[string]bool{}
+	if err := d.db.ForEach(bucketPaused, "", func(k, _ []byte) error { paused[string(k)] = true; return nil }); err != nil {
+		return nil, fmt.Errorf("uplink pauses: %w", err)
+	}
+	for _, u := range us.list {
+		if paused[u.Name()] {
+			u.Pause()
+		}
+	}
+	us.setHold()
+	return us, nil
+}
+
+// start launches the role watcher: the uplinks run while this member is
+// the master.
+func (us *uplinks) start() {
+	if us == nil {
+		return
+	}
+	us.wg.Add(1)
+	go us.watch()
+}
+
+// stop ends the watcher and every uplink (each saves its position a last
+// time, while replication still runs).
+func (us *uplinks) stop() {
+	if us == nil {
+		return
+	}
+	close(us.stopc)
+	us.wg.Wait()
+	for _, u := range us.list {
+		u.Stop()
+	}
+}
+
+// watch starts the uplinks when this member becomes the master and stops
+// them when it is no longer.
+func (us *uplinks) watch() {
+	defer us.wg.Done()
+	t := time.NewTicker(roleEvery)
+	defer t.Stop()
+	running := false
+	for {
+		select {
+		case <-us.stopc:
+			return
+		case <-t.C:
+		}
+		n := us.d.gw.Node()
+		master := n != nil && n.Leader() == n.ID() && !n.Fenced()
+		switch {
+		case master && !running:
+			if !us.caughtUp(n) {
+				continue // next tick
+			}
+			running = true
+			us.mu.Lock()
+			pos := make(map[string]uint64, len(us.pos))
+			for k, v := range us.pos {
+				pos[k] = v
+			}
+			us.mu.Unlock()
+			applied := us.d.db.Applied()
+			for _, u := range us.list {
+				u.Start(pos[u.Name()], applied)
+			}
+			us.log.Info("uplinks started: this member is the master", "uplinks", len(us.list))
+		case !master && running:
+			running = false
+			for _, u := range us.list {
+				u.Stop()
+			}
+			us.log.Info("uplinks stopped: this member is no longer the master")
+		}
+	}
+}
+
+// caughtUp reports whether a new master has applied what the cluster
+// committed before it: the position records among it, which the uplinks
+// must start from.
+func (us *uplinks) caughtUp(n *replication.Node) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	s, err := n.Status(ctx)
+	return err == nil && s.Applied >= s.Commit
+}
+
+// notify hands a committed record to every uplink (the applier calls it
+// for each, in log order).
+func (us *uplinks) notify(index uint64, topic []byte, size int) {
+	if us == nil {
+		return
+	}
+	t := string(topic)
+	for _, u := range us.list {
+		u.Notify(index, t, size)
+	}
+}
+
+// refuses reports whether a publish to topic must get 0x97: an uplink
+// with on_full: refuse that forwards it is full.
+func (us *uplinks) refuses(topic string) bool {
+	if us == nil {
+		return false
+	}
+	for _, u := range us.list {
+		if u.Refuses(topic) {
+			return true
+		}
+	}
+	return false
+}
+
+// applyPositions applies a committed positions record: the highest
+// position per name is kept, in memory and in the data file.
+func (us *uplinks) applyPositions(index uint64, payload []byte) {
+	var ps map[string]uint64
+	if err := json.Unmarshal(payload, &ps); err != nil {
+		us.d.log.Warn("uplink positions record unreadable: skipped", "index", index, "error", err)
+		return
+	}
+	us.mu.Lock()
+	for name, p := range ps {
+		if p > us.pos[name] {
+			us.pos[name] = p
+			us.d.db.Stage(bucketUplinks, name, binary.BigEndian.AppendUint64(nil, p))
+		}
+	}
+	us.mu.Unlock()
+	us.setHold()
+}
+
+// setHold keeps retention below the lowest replicated position of the
+// uplinks that may not drop: records after it are the cloud's still.
+func (us *uplinks) setHold() {
+	hold := uint64(math.MaxUint64)
+	us.mu.Lock()
+	for _, c := range us.cfgs {
+		if c.OnFull != uplink.OnFullDropOldest && len(c.Topics) > 0 {
+			hold = min(hold, us.pos[c.Name])
+		}
+	}
+	us.mu.Unlock()
+	us.d.db.SetHoldFloor(hold)
+}
+
+// byName returns the uplink called name, nil for none.
+func (us *uplinks) byName(name string) *uplink.Uplink {
+	if us == nil {
+		return nil
+	}
+	for _, u := range us.list {
+		if u.Name() == name {
+			return u
+		}
+	}
+	return nil
+}
+
+// status returns every uplink's status, in config order.
+func (us *uplinks) status() []uplink.Status {
+	if us == nil {
+		return []uplink.Status{}
+	}
+	out := make([]uplink.Status, 0, len(us.list))
+	for _, u := range us.list {
+		out = append(out, u.Status())
+	}
+	return out
+}
+
+// uplinkLog is the log as the uplinks read it.
+type uplinkLog struct{ db *storage.DB }
+
+// scanChunk bounds the records read in one storage transaction: the
+// uplink's callbacks publish to the cloud and wait for its window and rate
+// cap, which must not hold a read transaction open meanwhile.
+const scanChunk = 128
+
+// Committed reads the records from..to in chunks, each decoded under one
+// read transaction and handed to fn after it.
+func (l uplinkLog) Committed(from, to uint64, fn func(r *uplink.Record) bool) error {
+	if first, _ := l.db.FirstIndex(); from < first {
+		from = first
+	}
+	for from <= to {
+		var batch []*uplink.Record
+		var derr error
+		next := to + 1
+		err := l.db.Scan(from, func(e raftpb.Entry) bool {
+			if e.Index > to {
+				return false
+			}
+			next = e.Index + 1
+			if e.Type != raftpb.EntryNormal || len(e.Data) == 0 {
+				return len(batch) < scanChunk
+			}
+			rec, err := storage.DecodeRecord(e.Data)
+			if err != nil {
+				derr = fmt.Errorf("record %d: %w", e.Index, err)
+				return false
+			}
+			batch = append(batch, uplinkRecord(e.Index, &rec, len(e.Data)))
+			return len(batch) < scanChunk
+		})
+		if err != nil {
+			return err
+		}
+		if derr != nil {
+			return derr
+		}
+		for _, r := range batch {
+			if !fn(r) {
+				return nil
+			}
+		}
+		if next <= from {
+			return nil // nothing more in the log
+		}
+		from = next
+	}
+	return nil
+}
+
+// FirstIndex is the oldest index the log holds.
+func (l uplinkLog) FirstIndex() uint64 {
+	first, _ := l.db.FirstIndex()
+	return first
+}
+
+func uplinkRecord(index uint64, r *storage.Record, size int) *uplink.Record {
+	u := &uplink.Record{
+		Index: index, Origin: r.Origin, Seq: r.Seq, ClientID: r.ClientID, Topic: r.Topic,
+		QoS: r.QoS, Retain: r.Retain, Time: r.Time, Payload: r.Payload, Size: size,
+		Props: uplink.Properties{
+			PayloadFormat: r.Props.PayloadFormat, PayloadFormatSet: r.Props.PayloadFormatSet,
+			MessageExpiry: r.Props.MessageExpiry, MessageExpirySet: r.Props.MessageExpirySet,
+			ContentType: r.Props.ContentType, ResponseTopic: r.Props.ResponseTopic, CorrelationData: r.Props.CorrelationData,
+		},
+	}
+	for _, p := range r.Props.User {
+		u.Props.User = append(u.Props.User, uplink.UserProperty{Key: p.Key, Value: p.Value})
+	}
+	return u
+}
+
+// positionSink replicates positions: one async control record per save.
+type positionSink struct {
+	d  *Daemon
+	us *uplinks
+}
+
+// quietSpan is how far a position may move over records the uplink had
+// nothing to do with before it is replicated anyway (retention waits for
+// it). Below it such a move is not worth a record: a fresh gateway's log
+// stays empty, so it can join a cluster without --requeue or --discard.
+const quietSpan = 1024
+
+// Save proposes the position; nobody waits. A record that is lost (no
+// master) only means a few more duplicates after a failover.
+func (s positionSink) Save(name string, index uint64) {
+	if u := s.us.byName(name); u != nil {
+		c := u.Counters()
+		done := c.Forwarded + c.Dropped + c.Lost
+		s.us.mu.Lock()
+		quiet := done == s.us.done[name] && index < s.us.proposed[name]+quietSpan
+		if !quiet {
+			s.us.done[name], s.us.proposed[name] = done, index
+		}
+		s.us.mu.Unlock()
+		if quiet {
+			return
+		}
+	}
+	b, _ := json.Marshal(map[string]uint64{name: index}) // cannot fail
+	n := s.d.gw.Node()
+	rec := storage.Record{Origin: n.ID(), Seq: n.NextSeq(), ClientID: "", Topic: positionsTopic, Time: time.Now().UnixNano(), Payload: b}
+	n.Propose(storage.AppendRecord(nil, &rec), replication.Async, func(_ uint64, err error) {
+		if err != nil && !errors.Is(err, replication.ErrStopped) {
+			s.d.log.Debug("uplink position not logged", "uplink", name, "index", index, "error", err)
+		}
+	})
+}
+
+// localPublisher publishes an uplink's downlink messages into the local
+// log, with the ack mode of their topic.
+type localPublisher struct {
+	d    *Daemon
+	name string
+}
+
+// Publish returns once m meets its topic's ack rule, or fails.
+func (p localPublisher) Publish(ctx context.Context, m *uplink.Message) error {
+	msg := &mqtt.Message{
+		ClientID: "uplink:" + p.name, Topic: m.Topic, QoS: m.QoS, Retain: m.Retain, Payload: m.Payload, Time: time.Now().UnixNano(),
+		PayloadFormat: m.Props.PayloadFormat, PayloadFormatSet: m.Props.PayloadFormatSet,
+		MessageExpiry: m.Props.MessageExpiry, MessageExpirySet: m.Props.MessageExpirySet,
+		ContentType: m.Props.ContentType, ResponseTopic: m.Props.ResponseTopic, CorrelationData: m.Props.CorrelationData,
+	}
+	for _, u := range m.Props.User {
+		msg.User = append(msg.User, packets.UserProperty{Key: u.Key, Val: u.Value})
+	}
+	mode := mqtt.Async
+	var policies []mqtt.TopicPolicy
+	for _, t := range p.d.liveConfig().Topics {
+		if am, err := mqtt.ParseAckMode(t.Ack); err == nil {
+			policies = append(policies, mqtt.TopicPolicy{Filter: t.Match, Ack: am})
+		}
+	}
+	mode = mqtt.AckFor(policies, m.Topic)
+	la := &logAdapter{d: p.d}
+	la.Reserve(msg)
+	done := make(chan error, 1)
+	la.Propose(msg, mode, func(err error) { done <- err })
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// applyRecord applies a committed positions record (its encoded bytes).
+func (us *uplinks) applyRecord(index uint64, data []byte) error {
+	rec, err := storage.DecodeRecord(data)
+	if err != nil {
+		return err
+	}
+	if rec.ClientID == pauseClient {
+		us.applyPause(index, rec.Payload)
+		return nil
+	}
+	us.applyPositions(index, rec.Payload)
+	return nil
+}
+
+// applyPause applies a committed pause record on this member: its uplink
+// is paused or resumed (running or not), and the data file keeps it.
+func (us *uplinks) applyPause(index uint64, payload []byte) {
+	var op pauseOp
+	if err := json.Unmarshal(payload, &op); err != nil {
+		us.d.log.Warn("uplink pause record unreadable: skipped", "index", index, "error", err)
+		return
+	}
+	u := us.byName(op.Name)
+	if u == nil {
+		return // an uplink of another member's config
+	}
+	if op.Paused {
+		u.Pause()
+		us.d.db.Stage(bucketPaused, op.Name, []byte{1})
+	} else {
+		u.Resume()
+		us.d.db.StageDelete(bucketPaused, op.Name)
+	}
+	us.log.Info("uplink "+map[bool]string{true: "paused", false: "resumed"}[op.Paused], "uplink", op.Name, "index", index)
+}
+
+// uplinkAPI is the daemon as admin.Uplinks.
+type uplinkAPI struct{ d *Daemon }
+
+// SetPaused pauses or resumes an uplink on every member: it logs a pause
+// record and returns once that is committed (a slave forwards it to the
+// master) and applied here.
+func (a uplinkAPI) SetPaused(name string, paused bool) (admin.UplinkResponse, error) {
+	u := a.d.ups.byName(name)
+	if u == nil {
+		return admin.UplinkResponse{}, config.UsageError{Err: fmt.Errorf("no uplink named %q in this gateway's config", name)}
+	}
+	b, _ := json.Marshal(pauseOp{Name: name, Paused: paused}) // cannot fail
+	n := a.d.gw.Node()
+	rec := storage.Record{Origin: n.ID(), Seq: n.NextSeq(), ClientID: pauseClient, Topic: positionsTopic, Time: time.Now().UnixNano(), Payload: b}
+	type result struct {
+		index uint64
+		err   error
+	}
+	done := make(chan result, 1)
+	n.Propose(storage.AppendRecord(nil, &rec), replication.Async, func(i uint64, err error) { done <- result{i, err} })
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(a.d.cfg.Cluster.SyncTimeout.Duration() + time.Second):
+		r.err = errors.New("not committed in time")
+	}
+	if r.err != nil {
+		return admin.UplinkResponse{}, fmt.Errorf("%w: the pause could not be logged (%v)", admin.ErrNoMaster, r.err)
+	}
+	// Committed; this member applies it a moment later.
+	for deadline := time.Now().Add(5 * time.Second); a.d.db.Applied() < r.index && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
+	return admin.UplinkResponse{Name: name, Paused: u.Status().Paused}, nil
+}
+
+// Uplinks is every uplink's status and totals (admin.UplinkSource).
+func (us *uplinks) Uplinks() []admin.UplinkMetrics {
+	out := make([]admin.UplinkMetrics, 0, len(us.list))
+	for _, u := range us.list {
+		out = append(out, admin.UplinkMetrics{Status: u.Status(), Counters: u.Counters()})
+	}
+	return out
+}
+
+// rewind follows a replaced log (a join, a deposed master's rejoin): a
+// position past the new log's applied index named records of the old
+// one, which the new log may hold otherwise; it falls back to applied,
+// and the position records of the new log raise it again as they apply.
+// Sending again beats skipping.
+func (us *uplinks) rewind(applied uint64) {
+	if us == nil {
+		return
+	}
+	us.mu.Lock()
+	for name, p := range us.pos {
+		if p > applied {
+			us.pos[name] = applied
+			us.d.db.Stage(bucketUplinks, name, binary.BigEndian.AppendUint64(nil, applied))
+		}
+	}
+	us.mu.Unlock()
+	us.setHold()
+}

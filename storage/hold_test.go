@@ -1,0 +1,37 @@
+package storage
+
+import (
+	"math"
+	"testing"
+	"time"
+)
+
+// An uplink's position holds the log as a member's floor does: nothing
+// past it goes, and retention resumes once it moves.
+func TestRetentionNeverDropsAboveHold(t *testing.T) {
+	const budget = 8 << 20
+	db := testOpen(t, t.TempDir(), &Options{MaxBytes: budget})
+	db.SetRetentionFloor(math.MaxUint64) // every member holds everything
+	const hold = 1000
+	db.SetHoldFloor(hold)
+	fillPastBudget(t, db, budget)
+	firstIndex := func() uint64 { f, _ := db.FirstIndex(); return f }
+	if f := firstIndex(); f > hold+1 {
+		t.Fatalf("FirstIndex %d: dropped past the hold %d", f, hold)
+	}
+	if !db.Refusing() {
+		t.Errorf("over budget with the hold keeping the log: Refusing() is false")
+	}
+	db.SetHoldFloor(math.MaxUint64)
+	if db.HoldFloor() != math.MaxUint64 {
+		t.Fatalf("HoldFloor = %d after releasing it", db.HoldFloor())
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for db.Refusing() || firstIndex() <= hold+1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("after the hold was released: first index %d, refusing %v", firstIndex(), db.Refusing())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	checkCompactedBelow(t, db)
+}
