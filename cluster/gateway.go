@@ -57,6 +57,10 @@ type Host interface {
 	// Fail stops the gateway from serving: the node in force failed or
 	// could not be replaced.
 	Fail(err error)
+	// Admit is replication.Config.Admit: whether the master takes a
+	// record a slave forwarded (an uplink's full backlog refuses its
+	// topics).
+	Admit(data []byte) error
 }
 
 // node returns the replication node in force: a join or a removal replaces
@@ -86,6 +90,7 @@ func (d *Gateway) nodeConfig(join bool) replication.Config {
 		OnMembership:    d.cl.onMembership,
 		Forwarder:       forwarder{d.cl},
 		AfterResolve:    d.host.AfterResolve,
+		Admit:           d.host.Admit,
 	}
 }
 

@@ -1,8 +1,11 @@
 package daemon
 
 import (
+	"fmt"
+
 	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/replication"
+	"github.com/tandem-edge/tandem/storage"
 )
 
 // clusterHost is the daemon as the control plane's Host: the broker's
@@ -24,4 +27,15 @@ func (h clusterHost) Rewind(quietUntil uint64) {
 
 func (h clusterHost) Remember(from uint64) error {
 	return h.d.redeliver.remember(h.d.db, from, h.d.db.Applied())
+}
+
+// Admit refuses a forwarded record whose topic an uplink with a full
+// backlog and on_full: refuse holds back, as the publish path does for
+// the master's own devices.
+func (h clusterHost) Admit(data []byte) error {
+	topic, _, err := storage.RecordTopic(data)
+	if err != nil || !h.d.ups.refuses(string(topic)) {
+		return nil
+	}
+	return fmt.Errorf("%w: an uplink's backlog is full (on_full: refuse)", replication.ErrStorage)
 }

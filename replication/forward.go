@@ -500,18 +500,26 @@ func (n *Node) HandleForward(ctx context.Context, from uint64, batch []byte) ([]
 	var mu sync.Mutex // guards codes and left
 	left := len(recs)
 	all := make(chan struct{})
+	var allOnce sync.Once
+	resolve := func(i int, err error) {
+		mu.Lock()
+		codes[i] = err
+		left--
+		if left == 0 {
+			allOnce.Do(func() { close(all) })
+		}
+		mu.Unlock()
+	}
 	deadline := time.Now().Add(n.cfg.SyncTimeout)
 	for i, r := range recs {
+		if n.cfg.Admit != nil {
+			if err := n.cfg.Admit(r.data); err != nil {
+				resolve(i, err)
+				continue
+			}
+		}
 		p := &proposal{id: r.id, data: r.data, mode: r.mode, deadline: deadline, inbound: true,
-			done: func(_ uint64, err error) {
-				mu.Lock()
-				codes[i] = err
-				left--
-				if left == 0 {
-					close(all)
-				}
-				mu.Unlock()
-			}}
+			done: func(_ uint64, err error) { resolve(i, err) }}
 		n.enqueue(p)
 	}
 	in.epoch, in.next = epoch, seq+1

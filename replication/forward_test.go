@@ -310,3 +310,29 @@ func TestRequeueSkipsRecordsRefusedAfterRaftTookThem(t *testing.T) {
 		t.Fatalf("log after the re-publish: %v; want the acked record once and not the refused one", got)
 	}
 }
+
+// The master asks Admit about each forwarded record: a refusal (an
+// uplink's full backlog, wrapped as ErrStorage) comes back to the slave as
+// that record's outcome, so its device gets 0x97 as one on the master
+// would; the other records go on.
+func TestForwardedRecordRefusedByAdmit(t *testing.T) {
+	c := newCluster(t, 3)
+	lead, f := c.leader(), c.follower()
+	lead.cfg.Admit = func(data []byte) error {
+		if topic, _, _ := storage.RecordTopic(data); string(topic) == "full/x" {
+			return fmt.Errorf("%w: the uplink's backlog is full", ErrStorage)
+		}
+		return nil
+	}
+	if r := wait(t, f.propose(t, "full/x", Async)); !errors.Is(r.err, ErrStorage) {
+		t.Fatalf("a forwarded record the master does not admit: %v, want ErrStorage", r.err)
+	}
+	if r := wait(t, f.propose(t, "ok/x", Async)); r.err != nil {
+		t.Fatalf("a forwarded record the master admits: %v", r.err)
+	}
+	for _, topic := range c.applied(lead.ID()) {
+		if topic == "full/x" {
+			t.Fatal("the refused record is in the log")
+		}
+	}
+}

@@ -101,6 +101,12 @@ type Config struct {
 	// an old one (in which it may even have been the only voter, for a
 	// deposed master rejoining), so it never campaigns meanwhile.
 	CatchUpTo uint64
+	// Admit, if set, is asked on the master about each record a slave
+	// forwards before it is proposed: an error refuses it, sent back as
+	// its outcome (wrap ErrStorage for a lack of room, which devices get
+	// as 0x97). The master's own publishes are checked where they are
+	// taken, before Propose.
+	Admit func(data []byte) error
 	// AfterResolve, if set, is called after each run of proposal
 	// callbacks, so their effects (acks) can be batched: on the raft
 	// goroutine, or on Propose's caller when it refuses at once. It must
