@@ -47,7 +47,6 @@ func (n *Node) applyConfChange(e *pb.Entry) {
 // applyLoop delivers committed records in order and records the applied
 // index after them, so a restart resumes where delivery stopped.
 func (n *Node) applyLoop() {
-	defer n.wg.Done()
 	for ents := range n.applyc {
 		if n.Err() != nil {
 			continue

@@ -308,15 +308,24 @@ func NewNode(cfg Config) (*Node, error) {
 		}
 	}
 start:
-	n.wg.Add(3)
-	go n.run()
-	go n.applyLoop()
-	go n.requeueLoop()
+	n.goFunc(n.run)
+	n.goFunc(n.applyLoop)
+	n.goFunc(n.requeueLoop)
 	if cfg.Forwarder != nil {
-		n.wg.Add(1)
-		go n.forwardLoop()
+		n.goFunc(n.forwardLoop)
 	}
 	return n, nil
+}
+
+// goFunc runs f on a goroutine that Stop waits for. Callers are NewNode
+// (before Stop can run) or goroutines goFunc started, whose own count keeps
+// the WaitGroup above zero, so no Add races with Stop's Wait.
+func (n *Node) goFunc(f func()) {
+	n.wg.Add(1)
+	go func() {
+		defer n.wg.Done()
+		f()
+	}()
 }
 
 // ID returns this node's id.
@@ -382,7 +391,6 @@ func (n *Node) fail(err error) {
 // run is the raft loop: tick, take proposals and messages, then handle every
 // Ready in raft's order: persist → send → apply → Advance.
 func (n *Node) run() {
-	defer n.wg.Done()
 	defer close(n.applyc)
 	ticker := time.NewTicker(n.cfg.Heartbeat)
 	defer ticker.Stop()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -296,4 +297,23 @@ func TestIdentityIsStableAndWellFormed(t *testing.T) {
 	if a.ID != NodeIDFromPublicKey(a.Cert.Leaf.RawSubjectPublicKeyInfo) {
 		t.Fatal("node id does not derive from the public key")
 	}
+}
+
+// TestStopLeavesNoGoroutineRunning: after Stop nothing a node started is
+// left, forward senders included (a slave's publish starts one), so a
+// gateway that swaps its node on a join or a removal leaks nothing.
+func TestStopLeavesNoGoroutineRunning(t *testing.T) {
+	base := runtime.NumGoroutine()
+	c := newCluster(t, 3)
+	f := c.follower()
+	ch := make(chan result, 1)
+	f.Propose(f.record(t, "via/slave"), Sync, func(idx uint64, err error) { ch <- result{idx, err} })
+	if r := wait(t, ch); r.err != nil {
+		t.Fatalf("forwarded publish: %v", r.err)
+	}
+	for _, id := range c.ids {
+		c.stop(id)
+	}
+	c.net.wg.Wait()
+	waitFor(t, "the nodes' goroutines to end", func() bool { return runtime.NumGoroutine() <= base })
 }
