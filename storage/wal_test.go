@@ -256,12 +256,12 @@ func TestWALMissingAndUpgrade(t *testing.T) {
 	}
 }
 
-// failCommits makes every checkpoint fail, as a full disk would, until
-// the test ends or stores nil in commitFault, and returns the error.
-func failCommits(t *testing.T) error {
+// failCommits makes every checkpoint of the DB with failpoints f fail, as
+// a full disk would, until the test stores nil in f.commit, and returns the
+// error.
+func failCommits(f *faults) error {
 	full := errors.New("no space left on device (simulated)")
-	commitFault.Store(&full)
-	t.Cleanup(func() { commitFault.Store(nil) })
+	f.commit.Store(&full)
 	return full
 }
 
@@ -364,17 +364,17 @@ func TestOpenWhoseCheckpointFailsKeepsTheWAL(t *testing.T) {
 	db.ckMu.Unlock()
 	mustClose(t, db)
 
-	full := failCommits(t)
+	fs := &faults{}
+	full := failCommits(fs)
 	for i := range 2 {
-		if db, err := openChecked(t, dir, nil); !errors.Is(err, full) {
+		if db, err := openChecked(t, dir, &Options{faults: fs}); !errors.Is(err, full) {
 			if err == nil {
 				db.Close()
 			}
 			t.Fatalf("Open %d with failing commits: %v, want the commit's error", i, err)
 		}
 	}
-	commitFault.Store(nil)
-	db = testOpen(t, dir, nil)
+	db = testOpen(t, dir, nil) // failpoints are per DB: this one has none
 	if d := diffEntries(allEntries(t, db), want); d != "" {
 		t.Errorf("after two Opens whose checkpoint failed: %s", d)
 	}
@@ -469,7 +469,7 @@ func TestCheckpointsRunInTheBackground(t *testing.T) {
 func TestWALStopsGrowingWhileCheckpointsFail(t *testing.T) {
 	dir := t.TempDir()
 	db := testOpen(t, dir, nil)
-	full := failCommits(t)
+	full := failCommits(db.faults)
 	big := make([]byte, 256<<10)
 	var err error
 	staged := 0
@@ -493,7 +493,7 @@ func TestWALStopsGrowingWhileCheckpointsFail(t *testing.T) {
 	if err := db.Save(pb.HardState{Term: 1, Vote: 1}, makeEntries(1, 1, 1)); !errors.Is(err, full) {
 		t.Errorf("Save with the WAL full and failing checkpoints: %v, want the checkpoint's error", err)
 	}
-	commitFault.Store(nil)
+	db.faults.commit.Store(nil)
 	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, makeEntries(1, 1, 1))
 	if err := db.Flush(); err != nil {
 		t.Fatal(err)
@@ -603,7 +603,7 @@ func TestWritesRacingClose(t *testing.T) {
 // the file, which grows by doubling, once space returns.
 func TestWALRunsAheadLittleOnceACheckpointFailed(t *testing.T) {
 	db := testOpen(t, t.TempDir(), &Options{TailBytes: 64 << 10})
-	full := failCommits(t)
+	full := failCommits(db.faults)
 	batch := func(i uint64) []pb.Entry {
 		ents := makeEntries(1+i*4, 4, 1)
 		for j := range ents {
@@ -619,7 +619,7 @@ func TestWALRunsAheadLittleOnceACheckpointFailed(t *testing.T) {
 	if err := db.Save(pb.HardState{Term: 1, Vote: 1}, batch(i)); !errors.Is(err, full) {
 		t.Fatalf("Save with 20 KiB waiting and checkpoints failing: %v, want the checkpoint's error (the WAL would run 64 KiB ahead)", err)
 	}
-	commitFault.Store(nil)
+	db.faults.commit.Store(nil)
 	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, batch(i))
 	if db.ckFailed.Load() {
 		t.Error("checkpoints still marked failing after one succeeded")
