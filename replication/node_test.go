@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/storage"
 )
 
@@ -120,15 +121,10 @@ func wait(t *testing.T, ch chan result) result {
 	}
 }
 
+// waitFor is testutil.WaitFor with the deadline every test here uses.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	testutil.WaitFor(t, 10*time.Second, what, cond)
 }
 
 func TestAsyncProposalResolvesWhenDurable(t *testing.T) {

@@ -20,6 +20,8 @@ import (
 	bolt "go.etcd.io/bbolt"
 	"go.etcd.io/raft/v3"
 	pb "go.etcd.io/raft/v3/raftpb"
+
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // allEntries reads the whole log of db.
@@ -409,18 +411,6 @@ func FuzzDecodeFrame(f *testing.F) {
 	})
 }
 
-// pollUntil fails the test unless cond holds within 10 s.
-func pollUntil(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("not within 10 s: %s", what)
-		}
-		time.Sleep(5 * time.Millisecond) // polling, not synchronisation
-	}
-}
-
 // The entries and the metadata the WAL holds reach the file in the
 // background, without another write to wait for: Saves of entries, and
 // Flushes of metadata alone.
@@ -436,7 +426,7 @@ func TestCheckpointsRunInTheBackground(t *testing.T) {
 		ents[i].Data = append(ents[i].Data, make([]byte, 200)...) // 200 entries, some 45 KiB
 	}
 	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, ents)
-	pollUntil(t, "the saved entries are in the file", func() bool { return inFile() == 200 })
+	testutil.WaitFor(t, 10*time.Second, "the saved entries are in the file", func() bool { return inFile() == 200 })
 
 	// Flushes past the WAL's checkpoint mark: the one that crosses it
 	// wakes the checkpointer, whose cut takes at least what was flushed up
@@ -449,7 +439,7 @@ func TestCheckpointsRunInTheBackground(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	pollUntil(t, "the first flushed metadata is in the file", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "the first flushed metadata is in the file", func() bool {
 		_, staged := db.stagedValue(BucketSessions, "s/00")
 		return !staged
 	})
@@ -615,7 +605,7 @@ func TestWALRunsAheadLittleOnceACheckpointFailed(t *testing.T) {
 	for ; i < 4; i++ { // 20 KiB: past a quarter of the budget, a checkpoint is due
 		mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, batch(i))
 	}
-	pollUntil(t, "the background checkpoint has failed", db.ckFailed.Load)
+	testutil.WaitFor(t, 10*time.Second, "the background checkpoint has failed", db.ckFailed.Load)
 	if err := db.Save(pb.HardState{Term: 1, Vote: 1}, batch(i)); !errors.Is(err, full) {
 		t.Fatalf("Save with 20 KiB waiting and checkpoints failing: %v, want the checkpoint's error (the WAL would run 64 KiB ahead)", err)
 	}
