@@ -102,6 +102,15 @@ type Config struct {
 	// goroutine, or on Propose's caller when it refuses at once. It must
 	// not block and must be safe for concurrent calls.
 	AfterResolve func()
+
+	// ticks, set by this package's tests only, replaces the Heartbeat
+	// ticker: each receive is one raft tick, so time is logical and a
+	// seeded test replays exactly (etcd raft's own tests tick by hand).
+	ticks <-chan struct{}
+	// afterTurn, set by tests only, runs at the end of every turn of the
+	// raft loop: the turn a delivered message, a tick or a proposal
+	// caused is over, and what it sent is with the Transport.
+	afterTurn func()
 }
 
 // DefaultConfig returns the defaults of DESIGN.md.
@@ -392,8 +401,12 @@ func (n *Node) fail(err error) {
 // Ready in raft's order: persist → send → apply → Advance.
 func (n *Node) run() {
 	defer close(n.applyc)
-	ticker := time.NewTicker(n.cfg.Heartbeat)
-	defer ticker.Stop()
+	var wallTicks <-chan time.Time // nil with logical ticks (cfg.ticks)
+	if n.cfg.ticks == nil {
+		ticker := time.NewTicker(n.cfg.Heartbeat)
+		defer ticker.Stop()
+		wallTicks = ticker.C
+	}
 	due := time.NewTimer(time.Hour)
 	defer due.Stop()
 	var dueAt time.Time
@@ -404,20 +417,10 @@ func (n *Node) run() {
 	for {
 		select {
 		case <-wake:
-		case <-ticker.C:
-			if !n.catchingUp() {
-				// A follower's ticks only time elections: one that is
-				// still replaying history must not start any.
-				n.rn.Tick()
-			}
-			n.updateFloor()
-			if n.db.Pending() && !n.rn.HasReady() {
-				// Staged metadata (applied index, sessions) with no log
-				// traffic to ride on: commit it on its own.
-				if err := n.db.Flush(); err != nil {
-					n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
-				}
-			}
+		case <-wallTicks:
+			n.tick()
+		case <-n.cfg.ticks:
+			n.tick()
 		case <-n.propSig:
 			n.proposeQueued()
 		case m := <-n.recvc:
@@ -459,6 +462,26 @@ func (n *Node) run() {
 		if len(n.byDue) > 0 && !n.byDue[0].deadline.Equal(dueAt) {
 			dueAt = n.byDue[0].deadline
 			due.Reset(time.Until(dueAt))
+		}
+		if n.cfg.afterTurn != nil {
+			n.cfg.afterTurn()
+		}
+	}
+}
+
+// tick is one heartbeat of the raft loop.
+func (n *Node) tick() {
+	if !n.catchingUp() {
+		// A follower's ticks only time elections: one that is still
+		// replaying history must not start any.
+		n.rn.Tick()
+	}
+	n.updateFloor()
+	if n.db.Pending() && !n.rn.HasReady() {
+		// Staged metadata (applied index, sessions) with no log traffic
+		// to ride on: commit it on its own.
+		if err := n.db.Flush(); err != nil {
+			n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
 		}
 	}
 }
