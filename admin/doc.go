@@ -31,5 +31,6 @@
 // without locks or allocations; the history ring is guarded by its mutex.
 // Goroutines: Server.Start starts the HTTP Serve goroutine (Server.Stop
 // shuts it down and waits for it) and the FieldView's sampler (FieldView.Stop
-// stops it and waits). ServePprof's server lives as long as the process.
+// stops it and waits); ServePprof starts a Serve goroutine of its own,
+// which the stop function it returns closes and waits for.
 package admin

@@ -122,9 +122,11 @@ func newRunCmd() *cobra.Command {
 				return config.UsageError{Err: err}
 			}
 			if f.pprof != "" {
-				if err := admin.ServePprof(f.pprof); err != nil {
+				stop, err := admin.ServePprof(f.pprof)
+				if err != nil {
 					return fmt.Errorf("--pprof: %w", err)
 				}
+				defer stop()
 			}
 			return runDaemon(cfg, cmd.ErrOrStderr())
 		},

@@ -181,27 +181,6 @@ func TestServiceConfigChecks(t *testing.T) {
 	}
 }
 
-// systemTest skips a test that changes this system (units, users, /etc)
-// unless it runs in CI as root, and serialises it with the other such
-// tests of this repository (go test runs packages in parallel).
-func systemTest(t *testing.T) {
-	t.Helper()
-	if os.Getenv("CI") != "true" {
-		t.Skip("changes this system (a unit in /etc/systemd/system, the user tandem, /etc/tandem): runs with CI=true as root")
-	}
-	if os.Geteuid() != 0 {
-		t.Skip("changes this system: needs root")
-	}
-	f, err := os.OpenFile(filepath.Join(os.TempDir(), "tandem-system-tests.lock"), os.O_RDWR|os.O_CREATE, 0o600)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { f.Close() })
-}
-
 // fakeSystemctl puts a systemctl on PATH that logs its arguments and
 // answers is-active with $FAKE_SYSTEMCTL_ACTIVE (default "active"); it
 // returns the log's path.
@@ -246,7 +225,7 @@ func readLog(t *testing.T, p string) []string {
 // systemd-analyze accepts it, the user and the default configuration are
 // created, and uninstall keeps configuration, data and user.
 func TestServiceInstallOnSystemd(t *testing.T) {
-	systemTest(t)
+	testutil.SystemTest(t, "changes this system (a unit in /etc/systemd/system, the user tandem, /etc/tandem)")
 	analyze := testutil.NeedTool(t, "systemd-analyze")
 	chooseServiceSystem(t, systemdPlatform)
 	log := fakeSystemctl(t)

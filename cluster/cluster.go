@@ -99,7 +99,19 @@ type cluster struct {
 	addrs   []string // this node's peer addresses as other gateways should dial them
 
 	stopc chan struct{}
-	wg    sync.WaitGroup
+	wg    sync.WaitGroup // every goroutine goFunc started; Gateway.Stop waits
+}
+
+// goFunc runs f on a goroutine that Gateway.Stop waits for (hashicorp
+// raft's goFunc). Stop closes stopc before it waits, and every caller either
+// runs before Stop or on a goroutine goFunc started, so no Add races with
+// the Wait.
+func (c *cluster) goFunc(f func()) {
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		f()
+	}()
 }
 
 // metaCatchUp records a join or rejoin whose history this node is still

@@ -32,10 +32,10 @@
 // topicsMu, lingerMu, addrsMu; the invite and pairing books have their
 // own). Counters and flags of the keeper's background rounds are atomics.
 //
-// Goroutines: the keeper (StartKeeper) and every background round it
-// starts run on the cluster's WaitGroup, which Stop waits for before it
-// closes the transport and stops the node. A forwarded publish watches for
-// a change of master on a goroutine of its own that ends with the forward.
-// startNode's watcher, which fails the gateway when the node in force
-// fails, runs on the same WaitGroup.
+// Goroutines: every one starts through cluster.goFunc on the cluster's
+// WaitGroup, which Stop waits for before it closes the transport and stops
+// the node: the keeper (StartKeeper), every background round it starts and
+// the probes of a failover round, and startNode's watcher, which fails the
+// gateway when the node in force fails. Forwarding starts none here: it
+// is replication's forward stream, carried by one transport request.
 package cluster

@@ -104,9 +104,7 @@ func (d *Gateway) startNode(join bool) error {
 	d.nodeP.Store(n)
 	// The watcher ends with the cluster (Stop waits for it): a node that
 	// was replaced without failing leaves it waiting until then.
-	d.cl.wg.Add(1)
-	go func() {
-		defer d.cl.wg.Done()
+	d.cl.goFunc(func() {
 		select {
 		case <-n.Failed():
 		case <-d.cl.stopc:
@@ -115,7 +113,7 @@ func (d *Gateway) startNode(join bool) error {
 		if d.node() == n {
 			d.host.Fail(n.Err())
 		}
-	}()
+	})
 	return nil
 }
 
@@ -164,8 +162,7 @@ func (d *Gateway) StartTransport() error { return d.cl.startTransport() }
 // StartKeeper starts the keeper, which keeps the membership in shape; stop
 // waits for it and for every background round it started.
 func (d *Gateway) StartKeeper() {
-	d.cl.wg.Add(1)
-	go d.cl.keeper()
+	d.cl.goFunc(d.cl.keeper)
 }
 
 // Stop stops the keeper and its rounds, the peer transport and the node in

@@ -21,7 +21,6 @@ import (
 // current in the cluster and exchanges topic rule hashes; on the master it
 // also keeps the membership in DESIGN.md's shape.
 func (c *cluster) keeper() {
-	defer c.wg.Done()
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	// ctx ends the background tasks' network calls at Stop.
@@ -101,12 +100,10 @@ func (c *cluster) background(running *atomic.Bool, fn func()) {
 	if !running.CompareAndSwap(false, true) {
 		return
 	}
-	c.wg.Add(1)
-	go func() {
-		defer c.wg.Done()
+	c.goFunc(func() {
 		defer running.Store(false)
 		fn()
-	}()
+	})
 }
 
 // lostMembers returns the members other than this node without a link.

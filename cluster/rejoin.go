@@ -153,12 +153,10 @@ func (c *cluster) knockRound(ctx context.Context, lost []replication.Member) {
 		return
 	}
 	c.rejoins.started()
-	c.wg.Add(1)
-	go func() {
-		defer c.wg.Done()
+	c.goFunc(func() {
 		defer c.rejoins.inFlight.Add(-1)
 		c.checkDeposed(ctx, lost)
-	}()
+	})
 }
 
 // checkDeposed runs on a master whose members are out of reach: it asks
@@ -313,7 +311,8 @@ func (c *cluster) masterAnswers(ctx context.Context, master replication.Member) 
 	}
 	alive := make(chan bool, len(probes))
 	for _, p := range probes {
-		go func() {
+		// Tracked: the probes left running when one answers end with ctx.
+		c.goFunc(func() {
 			start := time.Now()
 			err := p.run()
 			ok := err == nil || errors.Is(err, replication.ErrRemote)
@@ -321,7 +320,7 @@ func (c *cluster) masterAnswers(ctx context.Context, master replication.Member) 
 				c.rtt.observe(time.Since(start) / p.trips)
 			}
 			alive <- ok
-		}()
+		})
 	}
 	for range probes {
 		if <-alive {

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"sync"
@@ -19,12 +20,22 @@ import (
 
 	"github.com/tandem-edge/tandem/admin"
 	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/storage"
 )
 
 // testGateway starts an in-process gateway on loopback with free ports.
 func testGateway(t *testing.T, dir string, mutate func(*config.Config)) *Daemon {
 	t.Helper()
+	return startGatewayIn(t, dir, mutate, nil)
+}
+
+// startGatewayIn starts a gateway on dir with every listener on a free
+// loopback port, its log (at INFO) in logs unless nil, and stops it when
+// the test ends. The gateway starter of daemon's tests: it cannot live in
+// internal/testutil, which daemon's own tests import (a cycle).
+func startGatewayIn(tb testing.TB, dir string, mutate func(*config.Config), logs *testutil.Buffer) *Daemon {
+	tb.Helper()
 	cfg := config.DefaultConfig()
 	cfg.Node.DataDir = dir
 	cfg.Node.Name = "test"
@@ -34,16 +45,20 @@ func testGateway(t *testing.T, dir string, mutate func(*config.Config)) *Daemon 
 	if mutate != nil {
 		mutate(cfg)
 	}
-	d, err := New(cfg, nil)
+	var log *slog.Logger
+	if logs != nil {
+		log = slog.New(slog.NewTextHandler(logs, nil))
+	}
+	d, err := New(cfg, log)
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
 	if err := d.Start(ctx); err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
-	t.Cleanup(func() { d.Stop() })
+	tb.Cleanup(func() { d.Stop() })
 	return d
 }
 
@@ -273,58 +288,24 @@ func dialRaw(t *testing.T, addr, id string, clean bool) *rawConn {
 	return rc
 }
 
-// mqttFrame prefixes body with its fixed header: hdr and the remaining
-// length as MQTT's variable-length integer.
-func mqttFrame(hdr byte, body []byte) []byte {
-	b := []byte{hdr}
-	n := len(body)
-	for {
-		d := byte(n % 128)
-		n /= 128
-		if n > 0 {
-			d |= 128
-		}
-		b = append(b, d)
-		if n == 0 {
-			break
-		}
-	}
-	return append(b, body...)
-}
-
 func (c *rawConn) send(hdr byte, body []byte) {
-	if _, err := c.Write(mqttFrame(hdr, body)); err != nil {
+	if _, err := c.Write(testutil.MQTTFrame(hdr, body)); err != nil {
 		c.t.Fatal(err)
 	}
 }
 
-// read returns the next packet's first byte and body; typ 0 on EOF.
+// read returns the next packet's first byte and body; typ 0 once the
+// server has closed the connection.
 func (c *rawConn) read() (byte, []byte) {
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
-	var h [1]byte
-	if _, err := io.ReadFull(c, h[:]); err != nil {
-		if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || isReset(err) {
-			return 0, nil
-		}
+	typ, body, err := testutil.ReadMQTTFrame(c)
+	switch {
+	case errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || isReset(err):
+		return 0, nil
+	case err != nil:
 		c.t.Fatal(err)
 	}
-	n, mul := 0, 1
-	for {
-		var b [1]byte
-		if _, err := io.ReadFull(c, b[:]); err != nil {
-			c.t.Fatal(err)
-		}
-		n += int(b[0]&127) * mul
-		mul *= 128
-		if b[0] < 128 {
-			break
-		}
-	}
-	body := make([]byte, n)
-	if _, err := io.ReadFull(c, body); err != nil {
-		c.t.Fatal(err)
-	}
-	return h[0], body
+	return typ, body
 }
 
 func isReset(err error) bool {

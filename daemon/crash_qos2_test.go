@@ -3,15 +3,15 @@ package daemon_test
 import (
 	"bufio"
 	"bytes"
-	"errors"
 	"fmt"
-	"io"
 	"math/rand"
 	"net"
 	"strconv"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // ---------------------------------------------------------------------------
@@ -44,29 +44,12 @@ func dialMQTT(t *testing.T, addr string, version byte) *rawMQTT {
 	return &rawMQTT{t: t, version: version, c: c, r: bufio.NewReader(c)}
 }
 
-func appendVarint(b []byte, n int) []byte {
-	for {
-		d := byte(n % 128)
-		n /= 128
-		if n > 0 {
-			d |= 0x80
-		}
-		b = append(b, d)
-		if n == 0 {
-			return b
-		}
-	}
-}
-
 func appendString(b []byte, s string) []byte {
 	b = append(b, byte(len(s)>>8), byte(len(s)))
 	return append(b, s...)
 }
 
-func packet(first byte, body []byte) []byte {
-	out := appendVarint([]byte{first}, len(body))
-	return append(out, body...)
-}
+func packet(first byte, body []byte) []byte { return testutil.MQTTFrame(first, body) }
 
 // sessionExpiry is the MQTT 5 session expiry the raw client asks for: a
 // session that outlives its connection, as clean session = 0 does in 3.1.1.
@@ -118,27 +101,8 @@ func (m *rawMQTT) send(b []byte) {
 // read reads one packet: its type, the flags of its fixed header, its body.
 func (m *rawMQTT) read(timeout time.Duration) (typ, flags byte, body []byte, err error) {
 	_ = m.c.SetReadDeadline(time.Now().Add(timeout))
-	first, err := m.r.ReadByte()
+	first, body, err := testutil.ReadMQTTFrame(m.r)
 	if err != nil {
-		return 0, 0, nil, err
-	}
-	n, mul := 0, 1
-	for i := 0; ; i++ {
-		d, err := m.r.ReadByte()
-		if err != nil {
-			return 0, 0, nil, err
-		}
-		n += int(d&0x7f) * mul
-		mul *= 128
-		if d&0x80 == 0 {
-			break
-		}
-		if i == 3 {
-			return 0, 0, nil, errors.New("malformed remaining length")
-		}
-	}
-	body = make([]byte, n)
-	if _, err := io.ReadFull(m.r, body); err != nil {
 		return 0, 0, nil, err
 	}
 	return first >> 4, first & 0x0f, body, nil

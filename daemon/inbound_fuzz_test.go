@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/storage"
 )
 
@@ -77,7 +78,7 @@ func FuzzInboundStream(f *testing.F) {
 // fuzzSeeds are client streams worth mutating: valid sessions of both
 // protocol versions and the usual kinds of malformation.
 func fuzzSeeds() [][]byte {
-	frame := mqttFrame
+	frame := testutil.MQTTFrame
 	v3 := frame(0x10, connectBody(connOpts{version: 4, id: "f3", keepAlive: 30}))
 	v5 := frame(0x10, connectBody(connOpts{version: 5, id: "f5", keepAlive: 30}))
 	will := frame(0x10, connectBody(connOpts{version: 4, id: "fw", keepAlive: 30, willTopic: "fuzz/will"}))

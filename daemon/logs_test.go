@@ -1,13 +1,9 @@
 package daemon
 
 import (
-	"context"
-	"log/slog"
 	"strings"
 	"testing"
-	"time"
 
-	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
@@ -17,18 +13,7 @@ import (
 // component=raft").
 func TestStartLogsAreForPeople(t *testing.T) {
 	var buf testutil.Buffer
-	cfg := config.DefaultConfig()
-	cfg.Node.DataDir, cfg.Node.Name = t.TempDir(), "test"
-	cfg.MQTT.Listen, cfg.HTTP.Listen, cfg.Peer.Listen = "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0"
-	d, err := New(cfg, slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelInfo})))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
-	defer cancel()
-	if err := d.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
+	d := startGatewayIn(t, t.TempDir(), nil, &buf)
 	d.Stop()
 	out := buf.String()
 	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {

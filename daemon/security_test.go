@@ -6,9 +6,7 @@ package daemon
 
 import (
 	"bytes"
-	"context"
 	"fmt"
-	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -30,27 +28,8 @@ import (
 // too), with the log captured.
 func startGateway(tb testing.TB, mutate func(*config.Config)) (*Daemon, *testutil.Buffer) {
 	tb.Helper()
-	cfg := config.DefaultConfig()
-	cfg.Node.DataDir = tb.TempDir()
-	cfg.Node.Name = "test"
-	cfg.MQTT.Listen = "127.0.0.1:0"
-	cfg.HTTP.Listen = "127.0.0.1:0"
-	cfg.Peer.Listen = "127.0.0.1:0"
-	if mutate != nil {
-		mutate(cfg)
-	}
 	logs := &testutil.Buffer{}
-	d, err := New(cfg, slog.New(slog.NewTextHandler(logs, nil)))
-	if err != nil {
-		tb.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
-	defer cancel()
-	if err := d.Start(ctx); err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { d.Stop() })
-	return d, logs
+	return startGatewayIn(tb, tb.TempDir(), mutate, logs), logs
 }
 
 func writeFile(tb testing.TB, path, content string) string {

@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -19,39 +18,16 @@ import (
 	"time"
 
 	"github.com/eclipse/paho.golang/paho"
-	"golang.org/x/sys/unix"
 
 	"github.com/tandem-edge/tandem/discovery"
 	"github.com/tandem-edge/tandem/internal/netns"
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
-
-// inNS runs fn on an OS thread moved into h's network namespace: sockets
-// it opens live there, and stay usable from any goroutine afterwards. The
-// thread is never unlocked, so it dies with the goroutine instead of
-// carrying the namespace back into the pool.
-func inNS(h *netns.Host, fn func() error) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		f, err := os.Open("/var/run/netns/" + h.NS)
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer f.Close()
-		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
-			errc <- fmt.Errorf("setns %s: %w", h.NS, err)
-			return
-		}
-		errc <- fn()
-	}()
-	return <-errc
-}
 
 // dialIn opens a TCP connection from inside h's namespace.
 func dialIn(h *netns.Host, addr string) (net.Conn, error) {
 	var c net.Conn
-	err := inNS(h, func() (err error) {
+	err := h.Do(func() (err error) {
 		c, err = net.DialTimeout("tcp", addr, 3*time.Second)
 		return err
 	})
@@ -106,23 +82,6 @@ func newGW(t *testing.T, h *netns.Host, name string, cluster ...string) *gw {
 	return g
 }
 
-// eventually polls cond until it holds; past within it fails the test,
-// naming what it waited for (msg, if given, adds what was last seen).
-func eventually(t *testing.T, within time.Duration, what string, cond func() bool, msg ...func() string) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !cond() {
-		if time.Now().After(deadline) {
-			last := ""
-			for _, m := range msg {
-				last = ": " + m()
-			}
-			t.Fatalf("not within %v: %s%s", within, what, last)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // start runs the gateway, with env added to its environment, and waits
 // until its HTTP API answers.
 func (g *gw) start(env ...string) {
@@ -137,7 +96,7 @@ func (g *gw) start(env ...string) {
 			g.t.Logf("%s output:\n%s", g.name, g.proc.Output())
 		}
 	})
-	eventually(g.t, 15*time.Second, g.name+" serving", func() bool { return g.status() != nil })
+	testutil.WaitFor(g.t, 15*time.Second, g.name+" serving", func() bool { return g.status() != nil })
 }
 
 // kill stops the process with SIGKILL.
@@ -228,7 +187,7 @@ func (g *gw) join(inviter *gw) {
 func waitShape(t *testing.T, master *gw, voters, learners int, within time.Duration) {
 	t.Helper()
 	var s *gwStatus
-	eventually(t, within, fmt.Sprintf("%s seeing %d other voters and %d learners, caught up", master.name, voters, learners), func() bool {
+	testutil.WaitFor(t, within, fmt.Sprintf("%s seeing %d other voters and %d learners, caught up", master.name, voters, learners), func() bool {
 		if s = master.status(); s == nil || s.Role != "master" {
 			return false
 		}
@@ -366,7 +325,7 @@ func (l *load) stop() map[string]time.Time {
 func (l *load) waitAcks(t *testing.T, n int64, within time.Duration) {
 	t.Helper()
 	want := l.n.Load() + n
-	eventually(t, within, fmt.Sprintf("%d acks", want), func() bool { return l.n.Load() >= want },
+	testutil.WaitFor(t, within, fmt.Sprintf("%d acks", want), func() bool { return l.n.Load() >= want },
 		func() string { return fmt.Sprintf("%d acks", l.n.Load()) })
 }
 
@@ -380,7 +339,7 @@ func converge(t *testing.T, within time.Duration, gws ...*gw) {
 	for _, g := range gws {
 		names[g.name] = true
 	}
-	eventually(t, within, "the gateways converging", func() bool {
+	testutil.WaitFor(t, within, "the gateways converging", func() bool {
 		master := false
 		for _, g := range gws {
 			s := g.status()
@@ -513,7 +472,7 @@ func TestThreeGatewaysSurviveMasterKill(t *testing.T) {
 	elected := time.Since(killed)
 	l.waitAcks(t, 300, 20*time.Second)
 	for i, p := range ord {
-		eventually(t, 20*time.Second, p.id+" acked after the kill", func() bool { return p.ackedCount() > atKill[i]+100 })
+		testutil.WaitFor(t, 20*time.Second, p.id+" acked after the kill", func() bool { return p.ackedCount() > atKill[i]+100 })
 	}
 	for _, p := range ord {
 		if err := p.stop(); err != nil {
@@ -613,7 +572,7 @@ func TestMasterFoundAgainAfterAddressChange(t *testing.T) {
 func waitMaster(t *testing.T, deadline time.Time, gws ...*gw) *gw {
 	t.Helper()
 	var master *gw
-	eventually(t, time.Until(deadline), "a master among the gateways", func() bool {
+	testutil.WaitFor(t, time.Until(deadline), "a master among the gateways", func() bool {
 		for _, g := range gws {
 			if s := g.status(); s != nil && s.Role == "master" {
 				master = g

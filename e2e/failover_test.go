@@ -8,13 +8,14 @@ import (
 	"time"
 
 	"github.com/tandem-edge/tandem/internal/netns"
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // waitRole waits until g reports role (and, for a slave, leader).
 func waitRole(t *testing.T, g *gw, role, leader string, within time.Duration) {
 	t.Helper()
 	var s *gwStatus
-	eventually(t, within, fmt.Sprintf("%s %s (of %q)", g.name, role, leader), func() bool {
+	testutil.WaitFor(t, within, fmt.Sprintf("%s %s (of %q)", g.name, role, leader), func() bool {
 		s = g.status()
 		return s != nil && s.Role == role && (leader == "" || s.Leader != nil && s.Leader.Name == leader)
 	}, func() string { return fmt.Sprintf("%+v", s) })
@@ -23,7 +24,7 @@ func waitRole(t *testing.T, g *gw, role, leader string, within time.Duration) {
 // waitRequeued waits until g has re-published everything it set aside.
 func waitRequeued(t *testing.T, g *gw, within time.Duration) {
 	t.Helper()
-	eventually(t, within, g.name+" re-publishing its requeued records", func() bool {
+	testutil.WaitFor(t, within, g.name+" re-publishing its requeued records", func() bool {
 		s := g.status()
 		return s != nil && s.Cluster.RequeuePending == 0
 	})
@@ -87,7 +88,7 @@ func TestTwoGatewaysPromoteAndRejoin(t *testing.T) {
 func logLine(t *testing.T, g *gw, want string) string {
 	t.Helper()
 	var line string
-	eventually(t, 5*time.Second, fmt.Sprintf("%s: a log line with %q", g.name, want), func() bool {
+	testutil.WaitFor(t, 5*time.Second, fmt.Sprintf("%s: a log line with %q", g.name, want), func() bool {
 		for _, l := range strings.Split(g.proc.Output(), "\n") {
 			if strings.Contains(l, want) {
 				line = l
@@ -168,7 +169,7 @@ func TestThreeGatewaysMasterCutOff(t *testing.T) {
 // waitRoleNot waits until g reports a role other than role.
 func waitRoleNot(t *testing.T, g *gw, role string, within time.Duration) {
 	t.Helper()
-	eventually(t, within, g.name+" no longer "+role, func() bool {
+	testutil.WaitFor(t, within, g.name+" no longer "+role, func() bool {
 		s := g.status()
 		return s != nil && s.Role != role
 	})

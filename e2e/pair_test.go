@@ -191,7 +191,7 @@ func TestPairOverMDNS(t *testing.T) {
 		{replication.KnockJoin, []byte("garbage")},
 		{replication.KnockPair, []byte(`{"member":{"id":"` + replication.IDString(id.ID) + `","name":"x","addrs":[],"fp":"00"},"mac":"AAAA"}`)},
 	} {
-		err := inNS(g3.h, func() error {
+		err := g3.h.Do(func() error {
 			_, _, err := tr.Knock(ctx, master, [32]byte{}, k.kind, k.payload)
 			return err
 		})
@@ -200,7 +200,7 @@ func TestPairOverMDNS(t *testing.T) {
 		}
 	}
 	var raw *tls.Conn
-	if err := inNS(g3.h, func() (err error) {
+	if err := g3.h.Do(func() (err error) {
 		raw, err = tls.Dial("tcp", master, &tls.Config{InsecureSkipVerify: true, MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{id.Cert}})
 		return err
 	}); err == nil {

@@ -9,6 +9,7 @@ import (
 	"github.com/eclipse/paho.golang/paho"
 
 	"github.com/tandem-edge/tandem/internal/netns"
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // healthz is the gateway's GET /healthz status code, 0 when it does not
@@ -90,7 +91,7 @@ func TestCutOffMasterSendsItsDevicesToTheMajority(t *testing.T) {
 		t.Fatalf("connect to %s: %v %+v", refs[0], err, ca)
 	}
 	cancel()
-	eventually(t, 15*time.Second, "a publish acked where the device was sent", func() bool {
+	testutil.WaitFor(t, 15*time.Second, "a publish acked where the device was sent", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 6*time.Second)
 		defer cancel()
 		r, err := dev2.Publish(ctx, &paho.Publish{Topic: "a/moved", QoS: 1, Payload: []byte("here")})
@@ -98,7 +99,7 @@ func TestCutOffMasterSendsItsDevicesToTheMajority(t *testing.T) {
 	})
 
 	nt.HealAll()
-	eventually(t, 30*time.Second, "gw-1 serving again after the heal", func() bool { return g1.healthz() == 200 })
+	testutil.WaitFor(t, 30*time.Second, "gw-1 serving again after the heal", func() bool { return g1.healthz() == 200 })
 	back, err := device(t, g1, "back", nil)
 	if err != nil {
 		t.Fatalf("a device on gw-1 after the heal: %v", err)

@@ -15,6 +15,7 @@ import (
 	mqtt3 "github.com/eclipse/paho.mqtt.golang"
 
 	"github.com/tandem-edge/tandem/internal/netns"
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // received counts what a device's application was handed, by payload.
@@ -167,7 +168,7 @@ func TestPersistentSessionMovesWhenItsGatewayDies(t *testing.T) {
 			}
 		}
 	}()
-	eventually(t, 20*time.Second, "100 acked publishes before the kill", func() bool { return count() >= 100 })
+	testutil.WaitFor(t, 20*time.Second, "100 acked publishes before the kill", func() bool { return count() >= 100 })
 	g1.kill()
 	// A new connection may take the client's session state only once the
 	// old one has let go of it (paho.golang's issue #160): its last
@@ -180,11 +181,11 @@ func TestPersistentSessionMovesWhenItsGatewayDies(t *testing.T) {
 	if !d5.connect(addr(g2)) {
 		t.Fatal("MQTT 5 device on gw-2 after gw-1 died: session present = 0")
 	}
-	eventually(t, 20*time.Second, "the 3.1.1 device back with its session", func() bool {
+	testutil.WaitFor(t, 20*time.Second, "the 3.1.1 device back with its session", func() bool {
 		return c3.IsConnectionOpen()
 	})
 	before := count()
-	eventually(t, 30*time.Second, "200 acked publishes after the kill", func() bool { return count() >= before+200 })
+	testutil.WaitFor(t, 30*time.Second, "200 acked publishes after the kill", func() bool { return count() >= before+200 })
 	close(stop)
 	wg.Wait()
 
@@ -195,7 +196,7 @@ func TestPersistentSessionMovesWhenItsGatewayDies(t *testing.T) {
 	}
 	amu.Unlock()
 	for name, r := range map[string]*received{"MQTT 5": d5.recv, "3.1.1": r3} {
-		eventually(t, 30*time.Second, name+" device has every acked message", func() bool { return r.missing(want) == 0 },
+		testutil.WaitFor(t, 30*time.Second, name+" device has every acked message", func() bool { return r.missing(want) == 0 },
 			func() string { return fmt.Sprintf("%d of %d missing", r.missing(want), len(want)) })
 	}
 	dup1, dup2 := 0, 0

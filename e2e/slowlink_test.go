@@ -13,6 +13,7 @@ import (
 	"github.com/eclipse/paho.golang/paho"
 
 	"github.com/tandem-edge/tandem/internal/netns"
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // Slow links and split brains of a 2-gateway failover: auto cluster (issue
@@ -45,7 +46,7 @@ func slowPair(t *testing.T) (*netns.Net, *netns.Link, *gw, *gw) {
 func oneMaster(t *testing.T, within time.Duration, master *gw, gws ...*gw) {
 	t.Helper()
 	var seen []string
-	eventually(t, within, "exactly one master, "+master.name, func() bool {
+	testutil.WaitFor(t, within, "exactly one master, "+master.name, func() bool {
 		seen = seen[:0]
 		ok := true
 		for _, g := range append([]*gw{master}, gws...) {
@@ -97,7 +98,7 @@ func subscribeOn(t *testing.T, g *gw, id, filter string) *subscriber {
 func (s *subscriber) once(t *testing.T, acked map[string]time.Time, within time.Duration) {
 	t.Helper()
 	missing := 0
-	eventually(t, within, "the subscriber holding every acked record", func() bool {
+	testutil.WaitFor(t, within, "the subscriber holding every acked record", func() bool {
 		s.mu.Lock()
 		defer s.mu.Unlock()
 		missing = 0
@@ -201,7 +202,7 @@ func TestTwoGatewaysRejoinSurvivesLostKnockAnswers(t *testing.T) {
 	link.DropReplies(true)
 	l1, l2 := splitByCut(t, nt, g1, g2)
 	lost := time.Now()
-	eventually(t, 10*time.Second, "gw-2 answering a knock of gw-1 (the answer lost)", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "gw-2 answering a knock of gw-1 (the answer lost)", func() bool {
 		return strings.Contains(g2.proc.Output(), "the deposed master rejoins as slave")
 	})
 	if s := g1.status(); s == nil || s.Role == "slave" {

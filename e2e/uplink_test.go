@@ -15,6 +15,7 @@ import (
 
 	"github.com/tandem-edge/tandem/internal/cloudtest"
 	"github.com/tandem-edge/tandem/internal/netns"
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // uplinkConfig is the uplinks section the gateways of these tests share:
@@ -118,7 +119,7 @@ func cloudCheck(t *testing.T, rec *cloudtest.Recorder, acked map[string]time.Tim
 // waitCloud waits until every acked payload has reached the cloud.
 func waitCloud(t *testing.T, rec *cloudtest.Recorder, acked map[string]time.Time, within time.Duration) {
 	t.Helper()
-	eventually(t, within, fmt.Sprintf("%d acked records at the cloud", len(acked)), func() bool {
+	testutil.WaitFor(t, within, fmt.Sprintf("%d acked records at the cloud", len(acked)), func() bool {
 		seen := map[string]bool{}
 		for _, m := range rec.Msgs() {
 			seen[m.Payload] = true
@@ -142,12 +143,12 @@ func TestUplinkCutAndHealedUnderLoad(t *testing.T) {
 	g := newGW(t, nt.Hosts[0], "gw-1")
 	withUplink(t, g, cloud, "")
 	g.start()
-	eventually(t, 10*time.Second, "the uplink connected", func() bool { u := g.uplink(); return u != nil && u.Connected })
+	testutil.WaitFor(t, 10*time.Second, "the uplink connected", func() bool { u := g.uplink(); return u != nil && u.Connected })
 	l := startPacedLoad(t, 4, "dev", func(int) []*gw { return []*gw{g} }, 5*time.Millisecond)
 	l.waitAcks(t, 200, 10*time.Second)
 	nt.Cut(nt.Hosts[0], nt.Hosts[1])
 	cut := time.Now()
-	eventually(t, 10*time.Second, "the uplink to notice the cut", func() bool { u := g.uplink(); return u != nil && !u.Connected })
+	testutil.WaitFor(t, 10*time.Second, "the uplink to notice the cut", func() bool { u := g.uplink(); return u != nil && !u.Connected })
 	l.waitAcks(t, 300, 10*time.Second) // devices are not held up by the cut
 	for time.Since(cut) < 6*time.Second {
 		l.waitAcks(t, 1, 5*time.Second)
@@ -214,7 +215,7 @@ func TestUplinkMasterKilledWhileDraining(t *testing.T) {
 	waitShape(t, g1, 0, 1, 15*time.Second)
 	g3.join(g1)
 	waitShape(t, g1, 2, 0, 15*time.Second)
-	eventually(t, 10*time.Second, "the master's uplink connected", func() bool { u := g1.uplink(); return u != nil && u.Connected })
+	testutil.WaitFor(t, 10*time.Second, "the master's uplink connected", func() bool { u := g1.uplink(); return u != nil && u.Connected })
 	for _, g := range []*gw{g2, g3} {
 		if u := g.uplink(); u == nil || u.Running {
 			t.Fatalf("%s, a slave, runs the uplink: %+v", g.name, u)
@@ -225,11 +226,11 @@ func TestUplinkMasterKilledWhileDraining(t *testing.T) {
 	if _, err := g2.cli("uplink", "pause", "cloud", "--config", g2.cfg); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, "the master's uplink paused", func() bool { u := g1.uplink(); return u != nil && u.Paused && !u.Connected })
+	testutil.WaitFor(t, 5*time.Second, "the master's uplink paused", func() bool { u := g1.uplink(); return u != nil && u.Paused && !u.Connected })
 	if _, err := g3.cli("uplink", "resume", "cloud", "--config", g3.cfg); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, "the master's uplink resumed", func() bool { u := g1.uplink(); return u != nil && !u.Paused && u.Connected })
+	testutil.WaitFor(t, 5*time.Second, "the master's uplink resumed", func() bool { u := g1.uplink(); return u != nil && !u.Paused && u.Connected })
 
 	// The downlink reaches a device on a slave, once.
 	got := make(chan string, 4)
@@ -285,7 +286,7 @@ func drainThenKill(t *testing.T, rec *cloudtest.Recorder, master *gw, gws []*gw,
 	if _, err := master.cli("uplink", "resume", "cloud", "--config", master.cfg); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, "the drain under way", func() bool { n, _ := rec.Distinct(); return n >= rate/2 })
+	testutil.WaitFor(t, 10*time.Second, "the drain under way", func() bool { n, _ := rec.Distinct(); return n >= rate/2 })
 	master.kill()
 	n, _ := rec.Distinct()
 	t.Logf("%d acked; %d at the cloud when %s was killed", len(acked), n, master.name)
@@ -298,7 +299,7 @@ func drainThenKill(t *testing.T, rec *cloudtest.Recorder, master *gw, gws []*gw,
 // 100 ms, committed a moment later) plus the in-flight window.
 func resumedAt(t *testing.T, rec *cloudtest.Recorder, acked map[string]time.Time, master *gw, rate int) {
 	t.Helper()
-	eventually(t, 10*time.Second, "the new master's uplink connected", func() bool { u := master.uplink(); return u != nil && u.Connected })
+	testutil.WaitFor(t, 10*time.Second, "the new master's uplink connected", func() bool { u := master.uplink(); return u != nil && u.Connected })
 	waitCloud(t, rec, acked, 30*time.Second)
 	dups := cloudCheck(t, rec, acked)
 	window := 2*rate/10 + 64
@@ -320,9 +321,9 @@ func TestUplinkMasterKilledWhileDrainingPromoted(t *testing.T) {
 	}
 	g2.join(g1)
 	waitShape(t, g1, 0, 1, 15*time.Second)
-	eventually(t, 10*time.Second, "the master's uplink connected", func() bool { u := g1.uplink(); return u != nil && u.Connected })
+	testutil.WaitFor(t, 10*time.Second, "the master's uplink connected", func() bool { u := g1.uplink(); return u != nil && u.Connected })
 	acked := drainThenKill(t, rec, g1, []*gw{g1, g2}, uplinkRate)
-	eventually(t, 20*time.Second, "tandem promote on the slave", func() bool { _, err := g2.cli("promote"); return err == nil })
+	testutil.WaitFor(t, 20*time.Second, "tandem promote on the slave", func() bool { _, err := g2.cli("promote"); return err == nil })
 	resumedAt(t, rec, acked, g2, uplinkRate)
 	g2.stop()
 }

@@ -10,6 +10,8 @@ import (
 
 	"github.com/eclipse/paho.golang/paho"
 	"github.com/mochi-mqtt/server/v2/packets"
+
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // Conformance tests, named after the normative statements of MQTT 3.1.1
@@ -107,7 +109,7 @@ func TestMQTT_2_2_1_PacketIDSpacesAreIndependent(t *testing.T) {
 	// gauge went negative here).
 	back.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: got.PacketID})
 	back.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
-	waitUntil(t, 5*time.Second, "nothing in flight", func() bool { return s.Inflight() == 0 })
+	testutil.WaitFor(t, 5*time.Second, "nothing in flight", func() bool { return s.Inflight() == 0 })
 }
 
 // [MQTT-3.2.2-21]: a client asking for a keep alive over keepalive_max is
@@ -253,7 +255,7 @@ func TestMQTT_4_8_2_SharedSubscriptionsDeliverToOneMember(t *testing.T) {
 	}
 	seen := map[byte]int{}
 	counts := make([]int, 2)
-	waitUntil(t, 5*time.Second, "every shared message", func() bool {
+	testutil.WaitFor(t, 5*time.Second, "every shared message", func() bool {
 		for i, ch := range chans {
 			for len(ch) > 0 {
 				seen[(<-ch).Payload[0]]++
@@ -298,7 +300,7 @@ func TestMQTT_3_1_3_9_WillDelay(t *testing.T) {
 	}
 	c2 := connectWithWill()
 	c2.c.Close()
-	waitUntil(t, 5*time.Second, "the will", func() bool {
+	testutil.WaitFor(t, 5*time.Second, "the will", func() bool {
 		for _, topic := range log.topics() {
 			if topic == "wills/willy" {
 				return true
@@ -403,7 +405,7 @@ func TestMQTT_3_3_1_9_RetainHandling(t *testing.T) {
 	pub.connect("rp", true, nil)
 	pub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 1, Retain: true}, TopicName: "rh/a", PacketID: 1, Payload: []byte("kept")})
 	pub.expect(packets.Puback)
-	waitUntil(t, 5*time.Second, "the retained message", func() bool { return s.Retained() == 1 })
+	testutil.WaitFor(t, 5*time.Second, "the retained message", func() bool { return s.Retained() == 1 })
 	c := dialRaw(t, s.Addr(), 5)
 	c.connect("rh", true, nil)
 	for _, tc := range []struct {
@@ -431,7 +433,7 @@ func TestMQTT_3_3_1_9_RetainHandling(t *testing.T) {
 	}
 	pub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 1, Retain: true}, TopicName: "rh/a", PacketID: 2})
 	pub.expect(packets.Puback)
-	waitUntil(t, 5*time.Second, "the retained message cleared", func() bool { return s.Retained() == 0 })
+	testutil.WaitFor(t, 5*time.Second, "the retained message cleared", func() bool { return s.Retained() == 0 })
 }
 
 // [MQTT-3.3.2-4]..[MQTT-3.3.2-20]: the properties of a PUBLISH reach the
@@ -577,13 +579,13 @@ func TestMQTT_3_1_2_23_SessionExpiry(t *testing.T) {
 	c.subscribe(1, packets.Subscription{Filter: "exp/#", Qos: 1})
 	c.c.Close()
 	// Back within the interval: present.
-	waitUntil(t, 5*time.Second, "the first connection to end", func() bool { return s.Clients() == 0 })
+	testutil.WaitFor(t, 5*time.Second, "the first connection to end", func() bool { return s.Clients() == 0 })
 	back := dialRaw(t, s.Addr(), 5)
 	if ack := back.connect("expiring", false, props); !ack.SessionPresent {
 		t.Fatal("session gone within its expiry")
 	}
 	back.c.Close()
-	waitUntil(t, 5*time.Second, "the session to expire", func() bool {
+	testutil.WaitFor(t, 5*time.Second, "the session to expire", func() bool {
 		s.mu.Lock()
 		defer s.mu.Unlock()
 		return s.sessions["expiring"] == nil
@@ -593,7 +595,7 @@ func TestMQTT_3_1_2_23_SessionExpiry(t *testing.T) {
 		t.Fatal("session present after its expiry")
 	}
 	late.c.Close()
-	waitUntil(t, 5*time.Second, "the connection to end", func() bool { return s.Clients() == 0 })
+	testutil.WaitFor(t, 5*time.Second, "the connection to end", func() bool { return s.Clients() == 0 })
 	fresh := dialRaw(t, s.Addr(), 5)
 	if ack := fresh.connect("expiring", true, props); ack.SessionPresent {
 		t.Fatal("clean start kept the session")
@@ -670,7 +672,7 @@ func TestQueueFullDisconnectsAndTheSessionResumes(t *testing.T) {
 	if code, ok := c.closed(); !ok || code != packets.ErrQuotaExceeded.Code {
 		t.Fatalf("a client past its queue: DISCONNECT %v %#x, want 0x97", ok, code)
 	}
-	waitUntil(t, 5*time.Second, "the connection to end", func() bool { return s.Clients() == 1 })
+	testutil.WaitFor(t, 5*time.Second, "the connection to end", func() bool { return s.Clients() == 1 })
 	back := dialRaw(t, s.Addr(), 5)
 	back.connect("laggard", false, &packets.Properties{SessionExpiryInterval: 60, SessionExpiryIntervalFlag: true})
 	seen := map[string]bool{}
@@ -692,7 +694,7 @@ func TestMQTT_3_8_4_3_ResubscribeKeepsWhatWaited(t *testing.T) {
 	c.connect("resub", false, nil)
 	c.subscribe(1, packets.Subscription{Filter: "rs/#", Qos: 1})
 	c.c.Close()
-	waitUntil(t, 5*time.Second, "the first connection to end", func() bool { return s.Clients() == 0 })
+	testutil.WaitFor(t, 5*time.Second, "the first connection to end", func() bool { return s.Clients() == 0 })
 	pub := dialRaw(t, s.Addr(), 5)
 	pub.connect("pub", true, nil)
 	const n = 300
@@ -734,7 +736,7 @@ func TestRetentionDropsAreCountedPerSession(t *testing.T) {
 	c.connect("behind", false, nil)
 	c.subscribe(1, packets.Subscription{Filter: "rt/#", Qos: 1})
 	c.c.Close()
-	waitUntil(t, 5*time.Second, "the connection to end", func() bool { return s.Clients() == 0 })
+	testutil.WaitFor(t, 5*time.Second, "the connection to end", func() bool { return s.Clients() == 0 })
 	pub := dialRaw(t, s.Addr(), 4)
 	pub.connect("pub", true, nil)
 	for i := 0; i < 10; i++ {
@@ -768,7 +770,7 @@ func TestReplaySkipsRecordsDeliveredBeforeARejoin(t *testing.T) {
 	c.connect("once", false, nil)
 	c.subscribe(1, packets.Subscription{Filter: "once/#", Qos: 1})
 	c.c.Close()
-	waitUntil(t, 5*time.Second, "the connection to end", func() bool { return s.Clients() == 0 })
+	testutil.WaitFor(t, 5*time.Second, "the connection to end", func() bool { return s.Clients() == 0 })
 	pub := dialRaw(t, s.Addr(), 4)
 	pub.connect("pub", true, nil)
 	for i := 0; i < 3; i++ {

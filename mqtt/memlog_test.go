@@ -476,15 +476,3 @@ func pahoClient(t *testing.T, addr, id string, cp *paho.Connect) (*paho.Client, 
 	t.Cleanup(func() { _ = c.Disconnect(&paho.Disconnect{}) })
 	return c, got
 }
-
-// waitUntil polls cond until it holds or d passes.
-func waitUntil(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-}

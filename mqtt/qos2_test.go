@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
+
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // [MQTT-4.3.3-9] and DESIGN's guarantee for a device that moves: QoS 2
@@ -242,7 +244,7 @@ func TestMQTT_3_2_0_1_NothingBeforeConnack(t *testing.T) {
 	// A connect syncs the session before its CONNACK: let the applier
 	// apply the session's start record (and wake its writer) meanwhile.
 	log.store.onSync = func() {
-		waitUntil(t, 5*time.Second, "the start record applied", func() bool {
+		testutil.WaitFor(t, 5*time.Second, "the start record applied", func() bool {
 			log.mu.Lock()
 			defer log.mu.Unlock()
 			return int(log.applied) >= len(log.recs)

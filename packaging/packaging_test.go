@@ -25,6 +25,7 @@ import (
 	"time"
 
 	"github.com/tandem-edge/tandem/internal/netns"
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 const (
@@ -431,28 +432,6 @@ func TestLintian(t *testing.T) {
 	}
 }
 
-// systemTest skips a test that changes this system unless it runs in CI
-// as root, and serialises it with the other such tests of this repository
-// (go test runs packages in parallel; daemon's service test uses the same
-// lock).
-func systemTest(t *testing.T) {
-	t.Helper()
-	if os.Getenv("CI") != "true" {
-		t.Skip("installs and purges the tandem package on this system: runs with CI=true as root")
-	}
-	if os.Geteuid() != 0 {
-		t.Skip("installs the tandem package: needs root")
-	}
-	f, err := os.OpenFile(filepath.Join(os.TempDir(), "tandem-system-tests.lock"), os.O_RDWR|os.O_CREATE, 0o600)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { f.Close() })
-}
-
 // fileID is what a check compares to prove a file was kept: content,
 // mode and owner.
 type fileID struct {
@@ -569,7 +548,7 @@ func runAsService(t *testing.T) {
 // data and the edited configuration; remove keeps both; purge leaves
 // nothing of the package on the system.
 func TestDebInstallUpgradeRemovePurge(t *testing.T) {
-	systemTest(t)
+	testutil.SystemTest(t, "installs and purges the tandem package on this system")
 	dpkg := needTool(t, "dpkg")
 	analyze := needTool(t, "systemd-analyze")
 	needTool(t, "setpriv")

@@ -75,7 +75,7 @@ func relinked(t *testing.T, a, b *tpNode, what string) {
 	t.Helper()
 	old := inLink(b, a.id.ID)
 	a.tr.Reconnect()
-	tpEventually(t, what, func() bool {
+	waitFor(t, what, func() bool {
 		c := inLink(b, a.id.ID)
 		return c != nil && c != old && a.tr.Reachable(b.id.ID)
 	})
@@ -99,7 +99,7 @@ func TestTransportKnockFloodFromOneAddress(t *testing.T) {
 	b.tr.Start()
 	baddr := b.tr.Addr().String()
 	opened := flood(t, baddr, []string{"127.0.0.2"}, 100, tpIdentity(t))
-	tpEventually(t, "the flood under way and refused", func() bool {
+	waitFor(t, "the flood under way and refused", func() bool {
 		return opened.Load() >= 100 && b.tr.Stats().Refused >= 20
 	})
 
@@ -121,7 +121,7 @@ func TestTransportKnockFloodFromOneAddress(t *testing.T) {
 	a.tr.SetPeers([]PeerInfo{b.info(true)})
 	b.tr.SetPeers([]PeerInfo{a.info(false)})
 	a.tr.Start()
-	tpEventually(t, "the member link up through the flood", func() bool {
+	waitFor(t, "the member link up through the flood", func() bool {
 		return a.tr.Reachable(b.id.ID) && b.tr.Reachable(a.id.ID)
 	})
 
@@ -139,14 +139,14 @@ func TestTransportFloodFromManyAddressesLeavesMembersAWayIn(t *testing.T) {
 	b.tr.SetPeers([]PeerInfo{a.info(false)})
 	b.tr.Start()
 	a.tr.Start()
-	tpEventually(t, "the member link up", func() bool { return a.tr.Reachable(b.id.ID) && b.tr.Reachable(a.id.ID) })
+	waitFor(t, "the member link up", func() bool { return a.tr.Reachable(b.id.ID) && b.tr.Reachable(a.id.ID) })
 
 	var sources []string
 	for i := range 40 {
 		sources = append(sources, fmt.Sprintf("127.0.1.%d", i+1))
 	}
 	flood(t, b.tr.Addr().String(), sources, srcHandshakes, nil)
-	tpEventually(t, "the shared slots full", func() bool {
+	waitFor(t, "the shared slots full", func() bool {
 		b.tr.handshakes.mu.Lock()
 		defer b.tr.handshakes.mu.Unlock()
 		return b.tr.handshakes.n >= maxHandshakes

@@ -19,8 +19,10 @@ import (
 
 // memNet is an in-memory network between the nodes of one test, with the
 // faults a LAN has: dropped, delayed, duplicated and reordered messages, and
-// cut links. Its randomness comes from one seed, printed, so a failure
-// replays (TANDEM_SEED=n).
+// cut links. Its randomness comes from one seed, printed (TANDEM_SEED=n
+// sets it), but the nodes run on the wall clock and their own goroutines, so
+// a seed gives the same mix of faults, not the same run: simNet
+// (replay_test.go), on logical ticks, replays a seed exactly.
 type memNet struct {
 	t  *testing.T
 	mu sync.Mutex // guards everything below

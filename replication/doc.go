@@ -18,6 +18,13 @@
 // that order after a master change, so each publisher's records keep their
 // order in the log. A deposed master's requeue re-publishes through it too.
 //
+// Files: node.go holds Node, its Config and the raft loop (run);
+// proposal.go the way a proposal travels to its ack rule (queue, MsgProp,
+// saved, acked, expired); ready.go what each Ready does (persist, send,
+// leadership, retention floor); apply.go the apply goroutine and membership
+// entries; forward.go the slave → master forward stream; transport.go,
+// link.go and handshake.go the peer TCP transport.
+//
 // Threading: Propose, Status and Stop may be called from any goroutine.
 // Proposal callbacks run on the raft goroutine (or, for forwarded records,
 // on a goroutine of the forward stream) and must not block. Applier runs on

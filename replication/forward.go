@@ -120,11 +120,7 @@ func (n *Node) fwdSenderLocked() bool {
 		return false
 	}
 	s.senders++
-	n.wg.Add(1)
-	go func() {
-		defer n.wg.Done()
-		n.fwdSender()
-	}()
+	n.goFunc(n.fwdSender)
 	return true
 }
 
@@ -315,7 +311,6 @@ func (n *Node) fwdRestartLocked() {
 // on a change, hands it off when this node is the master, resumes sending
 // after a pause and fails what waited past its deadline.
 func (n *Node) forwardLoop() {
-	defer n.wg.Done()
 	s := &n.fwd
 	s.mu.Lock()
 	s.epoch = uint64(time.Now().UnixNano()) // above any earlier run's

@@ -1,19 +1,15 @@
 package replication
 
 import (
-	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"go.etcd.io/raft/v3"
 	pb "go.etcd.io/raft/v3/raftpb"
-	"go.etcd.io/raft/v3/tracker"
 
 	"github.com/tandem-edge/tandem/storage"
 )
@@ -112,6 +108,15 @@ type Config struct {
 	// goroutine, or on Propose's caller when it refuses at once. It must
 	// not block and must be safe for concurrent calls.
 	AfterResolve func()
+
+	// ticks, set by this package's tests only, replaces the Heartbeat
+	// ticker: each receive is one raft tick, so time is logical and a
+	// seeded test replays exactly (etcd raft's own tests tick by hand).
+	ticks <-chan struct{}
+	// afterTurn, set by tests only, runs at the end of every turn of the
+	// raft loop: the turn a delivered message, a tick or a proposal
+	// caused is over, and what it sent is with the Transport.
+	afterTurn func()
 }
 
 // DefaultConfig returns the defaults of DESIGN.md.
@@ -144,35 +149,6 @@ func (c *Config) validate() error {
 		return fmt.Errorf("replication: election timeout %v must be at least two heartbeats (%v)", c.ElectionTimeout, c.Heartbeat)
 	}
 	return nil
-}
-
-// recID is a record's id: origin node and sequence number.
-type recID struct{ origin, seq uint64 }
-
-// proposal is one record on its way to its ack rule. Loop-owned after
-// Propose hands it over.
-type proposal struct {
-	id       recID
-	data     []byte
-	mode     AckMode
-	done     func(index uint64, err error)
-	deadline time.Time
-	index    uint64
-	resolved bool
-	counted  bool // in batch.inNode: enqueued, not yet resolved
-	// inbound marks a record a slave forwarded here: if this node is no
-	// longer the master it is answered ErrNotLeader (the slave sends it
-	// on), never put on this node's own stream.
-	inbound bool
-	// viaStream marks one of this node's records that reached its raft
-	// queue through the forward stream: it may be in the log already
-	// (logged by the previous master), so it is remembered like another
-	// node's record.
-	viaStream bool
-	// stepped is set once raft took the record, here or (forwarded) on
-	// the master: from then on it may be in the log, whatever its outcome.
-	stepped bool
-	also    []*proposal // later copies of the same record, sharing the outcome
 }
 
 // Node is one member of a raft group of gateways. One goroutine (run) owns
@@ -347,15 +323,24 @@ func NewNode(cfg Config) (*Node, error) {
 		}
 	}
 start:
-	n.wg.Add(3)
-	go n.run()
-	go n.applyLoop()
-	go n.requeueLoop()
+	n.goFunc(n.run)
+	n.goFunc(n.applyLoop)
+	n.goFunc(n.requeueLoop)
 	if cfg.Forwarder != nil {
-		n.wg.Add(1)
-		go n.forwardLoop()
+		n.goFunc(n.forwardLoop)
 	}
 	return n, nil
+}
+
+// goFunc runs f on a goroutine that Stop waits for. Callers are NewNode
+// (before Stop can run) or goroutines goFunc started, whose own count keeps
+// the WaitGroup above zero, so no Add races with Stop's Wait.
+func (n *Node) goFunc(f func()) {
+	n.wg.Add(1)
+	go func() {
+		defer n.wg.Done()
+		f()
+	}()
 }
 
 // ID returns this node's id.
@@ -363,82 +348,6 @@ func (n *Node) ID() uint64 { return n.id }
 
 // NextSeq returns a fresh sequence number for a record originating here.
 func (n *Node) NextSeq() uint64 { return n.seq.Add(1) }
-
-// Propose submits data, an encoded record, under mode's ack rule. done is
-// called exactly once, on the replication goroutine, with the record's index
-// when the rule is met, or with an error (ErrAckTimeout, ErrNotLeader,
-// ErrStopped, ErrStorage) when it cannot be. done must not block.
-func (n *Node) Propose(data []byte, mode AckMode, done func(index uint64, err error)) {
-	origin, seq, err := storage.RecordID(data)
-	if err != nil {
-		n.refuseNow(done, fmt.Errorf("replication: propose: %w", err))
-		return
-	}
-	p := &proposal{id: recID{origin, seq}, data: data, mode: mode, done: done, deadline: time.Now().Add(n.cfg.SyncTimeout)}
-	// Another node is the master, or records taken before this one are
-	// still on the forward stream: this one follows them there, so a
-	// publisher's records keep their order (forward.go).
-	if n.cfg.Forwarder != nil && n.fwdTake(p, n.Leader() != n.id) {
-		return
-	}
-	n.enqueue(p)
-}
-
-// enqueue hands p to the raft goroutine, or fails it at once when the node
-// cannot take proposals.
-func (n *Node) enqueue(p *proposal) {
-	if e := n.diskErr.Load(); e != nil {
-		n.refuseNow(p.done, *e)
-		return
-	}
-	if n.fenced.Load() {
-		n.refuseNow(p.done, ErrNotLeader)
-		return
-	}
-	if n.db.LowOnSpace() {
-		// The filesystem is nearly full, whoever filled it: a write now
-		// could fail halfway through a checkpoint.
-		n.refuseNow(p.done, ErrDiskLow)
-		return
-	}
-	if n.db.Refusing() {
-		// Logging more would only grow the data dir past its budget:
-		// devices get 0x97 quota exceeded until the member catches up.
-		n.refuseNow(p.done, ErrLogFull)
-		return
-	}
-	n.propMu.Lock()
-	if n.closedErr != nil {
-		err := n.closedErr
-		n.propMu.Unlock()
-		n.refuseNow(p.done, err)
-		return
-	}
-	p.counted = true
-	n.propQ = append(n.propQ, p)
-	wake := n.batch.arrived(len(n.propQ))
-	n.propMu.Unlock()
-	if wake {
-		n.wakeProposals()
-	}
-}
-
-// wakeProposals makes the loop look at propQ.
-func (n *Node) wakeProposals() {
-	select {
-	case n.propSig <- struct{}{}:
-	default:
-	}
-}
-
-// refuseNow fails a proposal on the caller's goroutine, then lets
-// AfterResolve act on it as the raft goroutine would.
-func (n *Node) refuseNow(done func(uint64, error), err error) {
-	done(0, err)
-	if n.cfg.AfterResolve != nil {
-		n.cfg.AfterResolve()
-	}
-}
 
 // Step hands a raft message from a peer to the raft goroutine. It blocks
 // while the node is busy (back-pressure on the peer's connection) and drops
@@ -497,10 +406,13 @@ func (n *Node) fail(err error) {
 // run is the raft loop: tick, take proposals and messages, then handle every
 // Ready in raft's order: persist → send → apply → Advance.
 func (n *Node) run() {
-	defer n.wg.Done()
 	defer close(n.applyc)
-	ticker := time.NewTicker(n.cfg.Heartbeat)
-	defer ticker.Stop()
+	var wallTicks <-chan time.Time // nil with logical ticks (cfg.ticks)
+	if n.cfg.ticks == nil {
+		ticker := time.NewTicker(n.cfg.Heartbeat)
+		defer ticker.Stop()
+		wallTicks = ticker.C
+	}
 	due := time.NewTimer(time.Hour)
 	defer due.Stop()
 	var dueAt time.Time
@@ -511,20 +423,10 @@ func (n *Node) run() {
 	for {
 		select {
 		case <-wake:
-		case <-ticker.C:
-			if !n.catchingUp() {
-				// A follower's ticks only time elections: one that is
-				// still replaying history must not start any.
-				n.rn.Tick()
-			}
-			n.updateFloor()
-			if n.db.Pending() && !n.rn.HasReady() {
-				// Staged metadata (applied index, sessions) with no log
-				// traffic to ride on: commit it on its own.
-				if err := n.db.Flush(); err != nil {
-					n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
-				}
-			}
+		case <-wallTicks:
+			n.tick()
+		case <-n.cfg.ticks:
+			n.tick()
 		case <-n.propSig:
 			n.proposeQueued()
 		case m := <-n.recvc:
@@ -567,6 +469,26 @@ func (n *Node) run() {
 			dueAt = n.byDue[0].deadline
 			due.Reset(time.Until(dueAt))
 		}
+		if n.cfg.afterTurn != nil {
+			n.cfg.afterTurn()
+		}
+	}
+}
+
+// tick is one heartbeat of the raft loop.
+func (n *Node) tick() {
+	if !n.catchingUp() {
+		// A follower's ticks only time elections: one that is still
+		// replaying history must not start any.
+		n.rn.Tick()
+	}
+	n.updateFloor()
+	if n.db.Pending() && !n.rn.HasReady() {
+		// Staged metadata (applied index, sessions) with no log traffic
+		// to ride on: commit it on its own.
+		if err := n.db.Flush(); err != nil {
+			n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
+		}
 	}
 }
 
@@ -575,516 +497,4 @@ func (n *Node) errOr(def error) error {
 		return err
 	}
 	return def
-}
-
-// proposeQueued hands the queued proposals to raft in one MsgProp.
-func (n *Node) proposeQueued() {
-	n.propMu.Lock()
-	if len(n.propQ) == 0 || !n.batch.take(time.Now(), n.leader, n.wakeProposals) {
-		n.propMu.Unlock()
-		return
-	}
-	ps := n.propQ
-	n.propQ = nil
-	n.propMu.Unlock()
-	if len(ps) == 0 {
-		return
-	}
-	if !n.leader {
-		var back []*proposal
-		for _, p := range ps {
-			if n.cfg.Forwarder == nil || p.inbound {
-				n.resolve(p, ErrNotLeader)
-				continue
-			}
-			// Taken here while this node was the master, never handed
-			// to raft: it goes to the new master, ahead of what this
-			// node took since.
-			if p.counted {
-				n.batch.left()
-				p.counted = false
-			}
-			back = append(back, p)
-		}
-		if len(back) > 0 && !n.fwdPutBack(back) {
-			for _, p := range back {
-				n.resolve(p, ErrStopped)
-			}
-		}
-		return
-	}
-	ents := make([]pb.Entry, 0, len(ps))
-	fresh := ps[:0]
-	for _, p := range ps {
-		// A record already on its way or in the log (a slave's retried
-		// forward, a requeue) is not logged twice: it shares the outcome
-		// of the copy that is.
-		if live := n.live[p.id]; live != nil {
-			live.also = append(live.also, p)
-			continue
-		}
-		if idx, ok := n.logged.get(p.id); ok && n.holds(idx, p.id) {
-			p.index = idx
-			if p.mode == Async {
-				n.resolve(p, nil)
-			} else {
-				n.waitSync(p)
-			}
-			continue
-		}
-		ents = append(ents, pb.Entry{Data: p.data})
-		fresh = append(fresh, p)
-		n.live[p.id] = p // a copy later in this same batch shares it
-	}
-	if len(ents) == 0 {
-		return
-	}
-	if err := n.rn.Step(pb.Message{Type: pb.MsgProp, From: n.id, Entries: ents}); err != nil {
-		for _, p := range fresh {
-			n.resolve(p, fmt.Errorf("%w (%v)", ErrNotLeader, err))
-		}
-		return
-	}
-	for _, p := range fresh {
-		p.stepped = true
-		n.pending[p.id] = p
-		n.byDue = append(n.byDue, p)
-	}
-}
-
-// waitSync adds a saved sync proposal to syncWait, kept in index order.
-func (n *Node) waitSync(p *proposal) {
-	i, _ := slices.BinarySearchFunc(n.syncWait, p.index, func(q *proposal, idx uint64) int {
-		return cmp.Compare(q.index, idx)
-	})
-	n.syncWait = slices.Insert(n.syncWait, i, p)
-	if !slices.Contains(n.byDue, p) {
-		n.byDue = append(n.byDue, p)
-	}
-}
-
-// handleReady processes one Ready; false means the node must stop.
-func (n *Node) handleReady() bool {
-	rd := n.rn.Ready()
-	if rd.SoftState != nil {
-		n.setLeader(rd.SoftState.RaftState == raft.StateLeader, rd.SoftState.Lead)
-	}
-
-	// A leader may send its appends while it writes the same entries to
-	// its own disk (raft's README; etcd does the same): the slaves' fsync
-	// then runs beside the master's instead of after it, which is most of
-	// a sync ack's latency. Never before a new term or vote is on disk,
-	// and never on a follower, whose answers promise what it has saved.
-	early := n.leader && n.cfg.Transport != nil && len(rd.Messages) > 0 &&
-		(raft.IsEmptyHardState(rd.HardState) || (rd.HardState.Term == n.savedHS.Term && rd.HardState.Vote == n.savedHS.Vote))
-	if early {
-		n.cfg.Transport.Send(rd.Messages)
-	}
-	if !raft.IsEmptySnap(rd.Snapshot) {
-		// The master's log starts past this node's: it sent its
-		// compaction point, which replaces the log here (storage keeps
-		// it before the entries that follow it in this Ready).
-		if err := n.db.ApplySnapshot(rd.Snapshot); err != nil {
-			n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
-			return false
-		}
-		n.log.Warn("behind the master's first index: installed its compaction point; the records before it are not on this node",
-			"index", rd.Snapshot.Metadata.Index, "term", rd.Snapshot.Metadata.Term)
-	}
-	hs := rd.HardState
-	if last, _ := n.db.LastIndex(); !raft.IsEmptyHardState(hs) && hs.Term == n.savedHS.Term && hs.Vote == n.savedHS.Vote && hs.Commit <= last {
-		// Only the commit index moved, and not past entries already on
-		// disk (a follower commits what arrives in the same Ready): no
-		// fsync of its own (SetCommit).
-		n.db.SetCommit(hs)
-		hs = pb.HardState{}
-	}
-	if len(rd.Entries) > 0 || !raft.IsEmptyHardState(hs) {
-		if !n.save(hs, rd.Entries) {
-			return false
-		}
-		if !raft.IsEmptyHardState(hs) {
-			n.savedHS = hs
-			n.term.Store(hs.Term)
-		}
-		if n.db.TakeRequeueSignal() {
-			select {
-			case n.requeueSig <- struct{}{}:
-			default:
-			}
-		}
-	}
-	if n.leader {
-		n.matchSaved(rd.Entries)
-		n.flushResolved() // acks first: the rest of the Ready can wait
-	} else if n.cfg.Forwarder != nil {
-		n.noteLogged(rd.Entries)
-	}
-	if !early && n.cfg.Transport != nil && len(rd.Messages) > 0 {
-		n.cfg.Transport.Send(rd.Messages)
-	}
-	if len(rd.CommittedEntries) > 0 {
-		for i := range rd.CommittedEntries {
-			if e := &rd.CommittedEntries[i]; e.Type != pb.EntryNormal {
-				n.applyConfChange(e)
-			}
-		}
-		select {
-		case n.applyc <- rd.CommittedEntries:
-		case <-n.stopc:
-			return false
-		case <-n.failc:
-			return false
-		}
-	}
-	n.rn.Advance(rd)
-	n.checkSync()
-	return true
-}
-
-// save persists one Ready, retrying a failing disk until it works or the
-// node stops: raft has handed over this Ready and cannot take it back. While
-// it fails, every waiting proposal fails with ErrStorage (0x97 to devices)
-// and new ones fail at once, instead of hanging past sync_timeout.
-func (n *Node) save(hs pb.HardState, ents []pb.Entry) bool {
-	backoff := 10 * time.Millisecond
-	for {
-		err := n.db.Save(hs, ents)
-		if err == nil {
-			if n.diskErr.Load() != nil {
-				n.log.Info("the log is writable again")
-				n.diskErr.Store(nil)
-			}
-			return true
-		}
-		if errors.Is(err, storage.ErrClosed) {
-			n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
-			return false
-		}
-		if n.diskErr.Load() == nil {
-			n.log.Error("saving the log failed; refusing publishes and retrying", "error", err, "index", firstIndex(ents))
-		}
-		serr := fmt.Errorf("%w: %v", ErrStorage, err)
-		n.diskErr.Store(&serr)
-		n.failWaiting(serr)
-		n.flushResolved()
-		select {
-		case <-time.After(backoff):
-		case <-n.stopc:
-			return false
-		}
-		if backoff < time.Second {
-			backoff *= 2
-		}
-	}
-}
-
-// failWaiting fails every proposal not yet acked, queued ones included;
-// the loop goes on.
-func (n *Node) failWaiting(err error) {
-	n.propMu.Lock()
-	q := n.propQ
-	n.propQ = nil
-	n.propMu.Unlock()
-	for _, p := range q {
-		n.resolve(p, err)
-	}
-	for _, p := range n.byDue {
-		n.resolve(p, err)
-	}
-	n.byDue, n.syncWait = nil, nil
-	clear(n.pending)
-	clear(n.live)
-}
-
-func firstIndex(ents []pb.Entry) uint64 {
-	if len(ents) == 0 {
-		return 0
-	}
-	return ents[0].Index
-}
-
-func (n *Node) setLeader(leader bool, lead uint64) {
-	if leader != n.leader {
-		n.log.Info("role changed", "master", leader, "leader", IDString(lead), "term", n.rn.BasicStatus().Term)
-	}
-	n.leader = leader
-	if n.lead.Swap(lead) != lead {
-		n.leaderChanges.Add(1)
-	}
-	if !leader {
-		for _, w := range n.confWait {
-			w.done <- ErrNotLeader
-		}
-		n.confWait = nil
-		// Proposals not yet in a saved Ready will never be: raft dropped
-		// them with the leadership.
-		for id, p := range n.pending {
-			delete(n.pending, id)
-			n.resolve(p, ErrNotLeader)
-		}
-	}
-}
-
-// matchSaved resolves the proposals whose entries were just saved: async
-// ones are acked now (on the master's disk); sync ones wait for replicas.
-func (n *Node) matchSaved(ents []pb.Entry) {
-	if len(n.pending) == 0 {
-		return
-	}
-	for i := range ents {
-		e := &ents[i]
-		if e.Type != pb.EntryNormal || len(e.Data) == 0 {
-			continue
-		}
-		origin, seq, err := storage.RecordID(e.Data)
-		if err != nil {
-			continue
-		}
-		id := recID{origin, seq}
-		p := n.pending[id]
-		if origin != n.id || (p != nil && p.viaStream) {
-			// Only another node's records come again (a slave's retried
-			// forward, a deposed master's requeue), and this node's own
-			// that went through the forward stream (another master may
-			// have logged them too): others are proposed once, so they
-			// need no entry here.
-			n.logged.add(id, e.Index)
-		}
-		if p == nil {
-			continue
-		}
-		delete(n.pending, p.id)
-		p.index = e.Index
-		if p.mode == Async {
-			n.resolve(p, nil)
-		} else {
-			n.syncWait = append(n.syncWait, p)
-		}
-	}
-}
-
-// noteLogged remembers where the records a follower saves are: should this
-// node become the master, the forward streams of the slaves (its own
-// included) send again whatever the old master had not answered, and what
-// it logged must be answered from the log, not logged twice.
-func (n *Node) noteLogged(ents []pb.Entry) {
-	for i := range ents {
-		e := &ents[i]
-		if e.Type != pb.EntryNormal || len(e.Data) == 0 {
-			continue
-		}
-		if origin, seq, err := storage.RecordID(e.Data); err == nil {
-			n.logged.add(recID{origin, seq}, e.Index)
-		}
-	}
-}
-
-// updateFloor tells storage how far retention may drop: on the master, the
-// lowest Match of the other members, so nothing a member still lacks goes.
-// Every member in the configuration counts, heard from recently or not: a
-// member the log has passed can only install the compaction point and loses
-// the records in between (DB.ApplySnapshot), until snapshots carry the
-// broker state and catch-up streams the kept records. A member that never
-// answered has Match 0 and holds everything. On a slave (and a candidate)
-// storage's own bound applies: what it has applied.
-func (n *Node) updateFloor() {
-	floor := uint64(math.MaxUint64)
-	if n.leader {
-		n.rn.WithProgress(func(id uint64, _ raft.ProgressType, pr tracker.Progress) {
-			if id != n.id {
-				floor = min(floor, pr.Match)
-			}
-		})
-	}
-	n.floor.Store(floor)
-	n.db.SetRetentionFloor(floor)
-}
-
-// catchingUp reports whether this node has yet to apply up to CatchUpTo.
-func (n *Node) catchingUp() bool {
-	to := n.catchUp.Load()
-	if to == 0 {
-		return false
-	}
-	if n.db.Applied() >= to {
-		n.catchUp.Store(0)
-		return false
-	}
-	return true
-}
-
-// holds reports whether the log entry at index is still the record id: an
-// entry recentLogged remembers may since have been overwritten (and moved
-// to the requeue bucket) when this node lost the mastership, and the record
-// must then be logged again, not taken as logged.
-func (n *Node) holds(index uint64, id recID) bool {
-	ents, err := n.db.Entries(index, index+1, math.MaxUint64)
-	if err != nil || len(ents) != 1 {
-		return false
-	}
-	o, s, err := storage.RecordID(ents[0].Data)
-	return err == nil && o == id.origin && s == id.seq
-}
-
-// checkSync acks the sync proposals that enough other members hold, as
-// their Progress.Match says (learners count: a 2-gateway slave is one).
-func (n *Node) checkSync() {
-	if len(n.syncWait) == 0 || !n.leader {
-		return
-	}
-	k := n.cfg.MinSyncReplicas
-	var top [2]uint64 // the k highest Match among others; k ≤ 2
-	n.rn.WithProgress(func(id uint64, _ raft.ProgressType, pr tracker.Progress) {
-		if id == n.id {
-			return
-		}
-		m := pr.Match
-		if m > top[0] {
-			top[0], top[1] = m, top[0]
-		} else if m > top[1] {
-			top[1] = m
-		}
-	})
-	if k < 1 || k > len(top) {
-		return
-	}
-	covered := top[k-1]
-	i := 0
-	for ; i < len(n.syncWait) && n.syncWait[i].index <= covered; i++ {
-		n.resolve(n.syncWait[i], nil)
-	}
-	n.syncWait = n.syncWait[i:]
-}
-
-// resolve reports p's outcome once, and the same outcome to the copies
-// of its record that waited on it.
-func (n *Node) resolve(p *proposal, err error) {
-	if p.resolved {
-		return
-	}
-	p.resolved = true
-	n.resolvedSome = true
-	if p.counted {
-		n.batch.left()
-	}
-	if n.live[p.id] == p {
-		delete(n.live, p.id)
-	}
-	for _, q := range p.also {
-		q.index = p.index
-		n.resolve(q, err)
-	}
-	if err != nil {
-		if p.stepped {
-			// Its publisher hears "refused", yet the record may be in the
-			// log: should this node's requeue ever meet it, it is dropped.
-			n.noteRefused(p.id, p.index)
-		}
-		p.done(0, err)
-		return
-	}
-	p.done(p.index, nil)
-}
-
-// flushResolved lets AfterResolve act on the callbacks run since the last
-// call (acks written in one go per client).
-func (n *Node) flushResolved() {
-	if n.resolvedSome && n.cfg.AfterResolve != nil {
-		n.cfg.AfterResolve()
-	}
-	n.resolvedSome = false
-}
-
-// expire fails the proposals past their deadline and drops resolved ones
-// from the head of byDue.
-func (n *Node) expire(now time.Time) {
-	i := 0
-	for ; i < len(n.byDue); i++ {
-		p := n.byDue[i]
-		if !p.resolved {
-			if now.Before(p.deadline) {
-				break
-			}
-			delete(n.pending, p.id)
-			n.resolve(p, ErrAckTimeout)
-		}
-	}
-	if i > 0 {
-		n.byDue = append(n.byDue[:0], n.byDue[i:]...)
-	}
-	j := 0
-	for ; j < len(n.syncWait) && n.syncWait[j].resolved; j++ {
-	}
-	n.syncWait = n.syncWait[j:]
-}
-
-// resolveAll fails every unresolved proposal, queued ones included, and
-// makes later proposals fail at once: the loop is exiting.
-func (n *Node) resolveAll(err error) {
-	n.propMu.Lock()
-	n.closedErr = err
-	n.propMu.Unlock()
-	n.failWaiting(err)
-	n.flushResolved()
-}
-
-// applyConfChange applies a membership entry on the raft goroutine, as raft
-// requires, records the new conf state and the members' details, and wakes
-// the proposer waiting for it.
-func (n *Node) applyConfChange(e *pb.Entry) {
-	var cc pb.ConfChangeI
-	var ctx []byte
-	var id uint64
-	switch e.Type {
-	case pb.EntryConfChange:
-		var c pb.ConfChange
-		if err := c.Unmarshal(e.Data); err != nil {
-			n.fail(fmt.Errorf("replication: conf change at %d: %v: %w", e.Index, err, storage.ErrCorrupt))
-			return
-		}
-		cc, ctx, id = c, c.Context, c.ID
-	case pb.EntryConfChangeV2:
-		var c pb.ConfChangeV2
-		if err := c.Unmarshal(e.Data); err != nil {
-			n.fail(fmt.Errorf("replication: conf change at %d: %v: %w", e.Index, err, storage.ErrCorrupt))
-			return
-		}
-		cc, ctx = c, c.Context
-	default:
-		return
-	}
-	cs := n.rn.ApplyConfChange(cc)
-	n.db.SetConfState(*cs)
-	for _, ch := range cc.AsV2().Changes {
-		n.recordMember(ch, ctx)
-		n.log.Info("membership changed", "change", ch.Type.String(), "peer", IDString(ch.NodeID), "index", e.Index)
-	}
-	if id != 0 {
-		n.confApplied(id, nil)
-	}
-}
-
-// applyLoop delivers committed records in order and records the applied
-// index after them, so a restart resumes where delivery stopped.
-func (n *Node) applyLoop() {
-	defer n.wg.Done()
-	for ents := range n.applyc {
-		if n.Err() != nil {
-			continue
-		}
-		for i := range ents {
-			e := &ents[i]
-			if e.Type != pb.EntryNormal || len(e.Data) == 0 {
-				continue
-			}
-			if err := n.cfg.Applier.Apply(e.Index, e.Data); err != nil {
-				n.fail(fmt.Errorf("replication: apply %d: %w", e.Index, err))
-				break
-			}
-		}
-		if n.Err() == nil {
-			n.db.SetApplied(ents[len(ents)-1].Index)
-		}
-	}
 }

@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/storage"
 )
 
@@ -119,15 +121,10 @@ func wait(t *testing.T, ch chan result) result {
 	}
 }
 
+// waitFor is testutil.WaitFor with the deadline every test here uses.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	testutil.WaitFor(t, 10*time.Second, what, cond)
 }
 
 func TestAsyncProposalResolvesWhenDurable(t *testing.T) {
@@ -296,4 +293,23 @@ func TestIdentityIsStableAndWellFormed(t *testing.T) {
 	if a.ID != NodeIDFromPublicKey(a.Cert.Leaf.RawSubjectPublicKeyInfo) {
 		t.Fatal("node id does not derive from the public key")
 	}
+}
+
+// TestStopLeavesNoGoroutineRunning: after Stop nothing a node started is
+// left, forward senders included (a slave's publish starts one), so a
+// gateway that swaps its node on a join or a removal leaks nothing.
+func TestStopLeavesNoGoroutineRunning(t *testing.T) {
+	base := runtime.NumGoroutine()
+	c := newCluster(t, 3)
+	f := c.follower()
+	ch := make(chan result, 1)
+	f.Propose(f.record(t, "via/slave"), Sync, func(idx uint64, err error) { ch <- result{idx, err} })
+	if r := wait(t, ch); r.err != nil {
+		t.Fatalf("forwarded publish: %v", r.err)
+	}
+	for _, id := range c.ids {
+		c.stop(id)
+	}
+	c.net.wg.Wait()
+	waitFor(t, "the nodes' goroutines to end", func() bool { return runtime.NumGoroutine() <= base })
 }

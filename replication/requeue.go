@@ -15,7 +15,6 @@ import (
 // already has is not logged twice), and leaves the bucket once logged.
 // Failures are retried; the bucket survives restarts.
 func (n *Node) requeueLoop() {
-	defer n.wg.Done()
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	lastPrune := time.Now()

@@ -111,18 +111,6 @@ func tpPair(t *testing.T, modA, modB func(*TransportConfig)) (a, b *tpNode) {
 	return a, b
 }
 
-// tpEventually polls cond until it holds or the deadline passes.
-func tpEventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-}
-
 func tpMsg(from, to, i uint64) pb.Message {
 	return pb.Message{Type: pb.MsgApp, From: from, To: to, Term: 3, Index: i, Commit: i,
 		Entries: []pb.Entry{{Term: 3, Index: i + 1, Data: []byte(fmt.Sprintf("record %d→%d #%d", from, to, i))}}}
@@ -145,7 +133,7 @@ func tpCheckRun(t *testing.T, got []pb.Message, from, to uint64, n int) {
 
 func TestTransportExchangesRaftBothWays(t *testing.T) {
 	a, b := tpPair(t, nil, nil)
-	tpEventually(t, "a link", func() bool { return a.tr.Reachable(b.id.ID) && b.tr.Reachable(a.id.ID) })
+	waitFor(t, "a link", func() bool { return a.tr.Reachable(b.id.ID) && b.tr.Reachable(a.id.ID) })
 	const n = 200
 	var ab, ba []pb.Message
 	for i := range uint64(n) {
@@ -156,7 +144,7 @@ func TestTransportExchangesRaftBothWays(t *testing.T) {
 	for _, m := range ba {
 		b.tr.Send([]pb.Message{m}) // B has no address for A: it answers on A's link
 	}
-	tpEventually(t, "all messages", func() bool { return a.count() == n && b.count() == n })
+	waitFor(t, "all messages", func() bool { return a.count() == n && b.count() == n })
 	tpCheckRun(t, b.received(), a.id.ID, b.id.ID, n)
 	tpCheckRun(t, a.received(), b.id.ID, a.id.ID, n)
 	sa := a.tr.Stats()
@@ -187,7 +175,7 @@ func TestTransportThreePeers(t *testing.T) {
 	for _, x := range nodes {
 		for _, y := range nodes {
 			if x != y {
-				tpEventually(t, "links", func() bool { return x.tr.Reachable(y.id.ID) })
+				waitFor(t, "links", func() bool { return x.tr.Reachable(y.id.ID) })
 			}
 		}
 	}
@@ -203,7 +191,7 @@ func TestTransportThreePeers(t *testing.T) {
 		}
 	}
 	for _, n := range nodes {
-		tpEventually(t, "every message", func() bool { return n.count() == 2*per })
+		waitFor(t, "every message", func() bool { return n.count() == 2*per })
 		from := map[uint64]int{}
 		for _, m := range n.received() {
 			if m.To != n.id.ID {
@@ -229,7 +217,7 @@ func TestTransportRefusesWrongFingerprint(t *testing.T) {
 	b.tr.SetPeers([]PeerInfo{{ID: a.id.ID, Addrs: []string{a.tr.Addr().String()}, Fingerprint: other.Fingerprint}})
 	a.tr.Start()
 	b.tr.Start()
-	tpEventually(t, "refusals both ways", func() bool {
+	waitFor(t, "refusals both ways", func() bool {
 		a.tr.Send([]pb.Message{tpMsg(a.id.ID, b.id.ID, 1)})
 		b.tr.Send([]pb.Message{tpMsg(b.id.ID, a.id.ID, 1)})
 		return a.tr.Stats().Refused >= 2 && b.tr.Stats().Refused >= 2
@@ -387,7 +375,7 @@ func TestTransportStrangerMayKnockOnce(t *testing.T) {
 	if b.count() != 0 || requests.Load() != 0 || knocks.Load() != 3 {
 		t.Fatalf("stranger got through: %d raft messages, %d requests, %d knocks", b.count(), requests.Load(), knocks.Load())
 	}
-	tpEventually(t, "refusals counted", func() bool { return b.tr.Stats().Refused >= 5 })
+	waitFor(t, "refusals counted", func() bool { return b.tr.Stats().Refused >= 5 })
 	if n := logs.count("unknown fingerprint"); n != 1 {
 		t.Fatalf("stranger refusal logged %d times, want once", n)
 	}
@@ -437,7 +425,7 @@ func TestTransportGenerationCheckedBeforeRaft(t *testing.T) {
 		}
 		c.OnRaft = func(uint64, []pb.Message) { log.add("raft") }
 	})
-	tpEventually(t, "refused handshakes", func() bool {
+	waitFor(t, "refused handshakes", func() bool {
 		a.tr.Send([]pb.Message{tpMsg(a.id.ID, b.id.ID, 1)})
 		n, _ := log.verdicts()
 		return n >= 3
@@ -447,7 +435,7 @@ func TestTransportGenerationCheckedBeforeRaft(t *testing.T) {
 	}
 	allow.Store(true)
 	a.tr.Reconnect() // cut the backoff short
-	tpEventually(t, "raft after admission", func() bool {
+	waitFor(t, "raft after admission", func() bool {
 		a.tr.Send([]pb.Message{tpMsg(a.id.ID, b.id.ID, 1)})
 		log.mu.Lock()
 		defer log.mu.Unlock()
@@ -466,7 +454,7 @@ func TestTransportGenerationCheckedBeforeRaft(t *testing.T) {
 	// A generation bump plus Reconnect re-handshakes every link.
 	gen.Store(8)
 	a.tr.Reconnect()
-	tpEventually(t, "the new generation seen", func() bool {
+	waitFor(t, "the new generation seen", func() bool {
 		_, last := log.verdicts()
 		return last == fmt.Sprintf("gen:%x:8:true", a.id.ID)
 	})
@@ -553,17 +541,17 @@ func TestTransportReconnectsAfterPeerRestart(t *testing.T) {
 	b.tr.SetPeers([]PeerInfo{a.info(true)})
 	a.tr.Start()
 	b.tr.Start()
-	tpEventually(t, "first delivery", func() bool {
+	waitFor(t, "first delivery", func() bool {
 		a.tr.Send([]pb.Message{tpMsg(a.id.ID, bid.ID, 1)})
 		return b.count() > 0
 	})
 	addr := b.tr.Addr().String()
 	b.tr.Close()
-	tpEventually(t, "a to notice", func() bool { return !a.tr.Reachable(bid.ID) })
+	waitFor(t, "a to notice", func() bool { return !a.tr.Reachable(bid.ID) })
 	b2 := newTP(t, bid, addr, nil) // same identity, same port
 	b2.tr.SetPeers([]PeerInfo{a.info(true)})
 	b2.tr.Start()
-	tpEventually(t, "delivery after the restart", func() bool {
+	waitFor(t, "delivery after the restart", func() bool {
 		a.tr.Send([]pb.Message{tpMsg(a.id.ID, bid.ID, 2)})
 		b2.tr.Send([]pb.Message{tpMsg(bid.ID, a.id.ID, 2)})
 		return b2.count() > 0 && a.count() > 0
@@ -575,7 +563,7 @@ func TestTransportReconnectsAfterPeerRestart(t *testing.T) {
 
 func TestTransportFollowsAddressChange(t *testing.T) {
 	a, b := tpPair(t, nil, nil)
-	tpEventually(t, "first delivery", func() bool {
+	waitFor(t, "first delivery", func() bool {
 		a.tr.Send([]pb.Message{tpMsg(a.id.ID, b.id.ID, 1)})
 		return b.count() > 0
 	})
@@ -586,7 +574,7 @@ func TestTransportFollowsAddressChange(t *testing.T) {
 	b2.tr.SetPeers([]PeerInfo{a.info(false)})
 	b2.tr.Start()
 	a.tr.SetPeers([]PeerInfo{b2.info(true)})
-	tpEventually(t, "delivery at the new address", func() bool {
+	waitFor(t, "delivery at the new address", func() bool {
 		a.tr.Send([]pb.Message{tpMsg(a.id.ID, b.id.ID, 2)})
 		return b2.count() > 0
 	})
@@ -601,10 +589,10 @@ func TestTransportSlowPeerDoesNotBlockSend(t *testing.T) {
 		c.OnRaft = func(uint64, []pb.Message) { <-release } // stops reading
 	})
 	t.Cleanup(func() { close(release) }) // runs before the Closes
-	tpEventually(t, "a link", func() bool { return a.tr.Reachable(b.id.ID) })
+	waitFor(t, "a link", func() bool { return a.tr.Reachable(b.id.ID) })
 	big := make([]byte, 64<<10)
 	var slowest time.Duration
-	tpEventually(t, "drops", func() bool {
+	waitFor(t, "drops", func() bool {
 		for i := range 16 {
 			m := pb.Message{Type: pb.MsgApp, From: a.id.ID, To: b.id.ID, Index: uint64(i), Entries: []pb.Entry{{Data: big}}}
 			start := time.Now()
@@ -616,7 +604,7 @@ func TestTransportSlowPeerDoesNotBlockSend(t *testing.T) {
 	if slowest > 100*time.Millisecond {
 		t.Fatalf("Send took %v with a stalled peer", slowest)
 	}
-	tpEventually(t, "the drops reported", func() bool { return a.unreachable(b.id.ID) > 0 })
+	waitFor(t, "the drops reported", func() bool { return a.unreachable(b.id.ID) > 0 })
 	if !a.tr.Reachable(b.id.ID) {
 		t.Fatal("a slow peer is not a dead one")
 	}
@@ -624,9 +612,9 @@ func TestTransportSlowPeerDoesNotBlockSend(t *testing.T) {
 
 func TestTransportRemovedPeerIsCut(t *testing.T) {
 	a, b := tpPair(t, nil, nil)
-	tpEventually(t, "a link", func() bool { return a.tr.Reachable(b.id.ID) && b.tr.Reachable(a.id.ID) })
+	waitFor(t, "a link", func() bool { return a.tr.Reachable(b.id.ID) && b.tr.Reachable(a.id.ID) })
 	a.tr.SetPeers(nil)
-	tpEventually(t, "the link closed on both sides", func() bool { return !a.tr.Reachable(b.id.ID) && !b.tr.Reachable(a.id.ID) })
+	waitFor(t, "the link closed on both sides", func() bool { return !a.tr.Reachable(b.id.ID) && !b.tr.Reachable(a.id.ID) })
 	before := a.tr.Stats().Dropped
 	a.tr.Send([]pb.Message{tpMsg(a.id.ID, b.id.ID, 1)})
 	if a.tr.Stats().Dropped != before+1 {
@@ -674,8 +662,8 @@ func TestTransportSilentPeerTimesOut(t *testing.T) {
 	a := newTP(t, tpIdentity(t), "", func(c *TransportConfig) { c.IdleTimeout = 300 * time.Millisecond })
 	a.tr.SetPeers([]PeerInfo{{ID: bid.ID, Addrs: []string{ln.Addr().String()}, Fingerprint: bid.Fingerprint}})
 	a.tr.Start()
-	tpEventually(t, "a redial after the idle timeout", func() bool { return accepted.Load() >= 2 })
-	tpEventually(t, "the dead link reported", func() bool { return a.unreachable(bid.ID) > 0 })
+	waitFor(t, "a redial after the idle timeout", func() bool { return accepted.Load() >= 2 })
+	waitFor(t, "the dead link reported", func() bool { return a.unreachable(bid.ID) > 0 })
 }
 
 // tpReadClosed returns a channel closed once c reads EOF or an error; what
@@ -696,7 +684,7 @@ func tpReadClosed(c net.Conn) <-chan struct{} {
 
 func TestTransportCloseIsIdempotent(t *testing.T) {
 	a, b := tpPair(t, nil, nil)
-	tpEventually(t, "a link", func() bool { return a.tr.Reachable(b.id.ID) })
+	waitFor(t, "a link", func() bool { return a.tr.Reachable(b.id.ID) })
 	a.tr.Close()
 	a.tr.Close()
 	a.tr.Send([]pb.Message{tpMsg(a.id.ID, b.id.ID, 1)})
@@ -711,7 +699,7 @@ func TestTransportCloseIsIdempotent(t *testing.T) {
 	if _, _, err := a.tr.Knock(context.Background(), b.tr.Addr().String(), b.id.Fingerprint, KnockJoin, nil); !errors.Is(err, ErrTransportClosed) {
 		t.Fatalf("knock after Close: %v", err)
 	}
-	tpEventually(t, "b to notice", func() bool { return !b.tr.Reachable(a.id.ID) })
+	waitFor(t, "b to notice", func() bool { return !b.tr.Reachable(a.id.ID) })
 }
 
 // TestTransportCloseLeavesNothingRunning: Close ends links, dial loops,
@@ -737,5 +725,5 @@ func TestTransportCloseLeavesNothingRunning(t *testing.T) {
 		t.Fatalf("request cut by the peer's Close: %v", err)
 	}
 	a.tr.Close()
-	tpEventually(t, "goroutines to end", func() bool { return runtime.NumGoroutine() <= base })
+	waitFor(t, "goroutines to end", func() bool { return runtime.NumGoroutine() <= base })
 }

@@ -3,7 +3,6 @@ package storage
 import (
 	"encoding/binary"
 	"fmt"
-	"sync/atomic"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
@@ -181,10 +180,7 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 		if drop, err = db.dropFront(tx, c.bytes); err != nil {
 			return err
 		}
-		if err := commitFault.Load(); err != nil {
-			return *err
-		}
-		return nil
+		return db.faults.commitErr()
 	})
 	if err != nil {
 		db.undoDrop(drop)
@@ -220,10 +216,6 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 	db.dropFresh(c.gen)
 	return nil
 }
-
-// commitFault, set by tests only, fails every checkpoint's transaction with
-// its error, as a full disk would.
-var commitFault atomic.Pointer[error]
 
 // maxKeptBuf and maxKeptOps bound the buffers kept from one write to the
 // next: a larger one, grown for an unusual batch, goes back to the garbage

@@ -123,6 +123,9 @@ type Options struct {
 	// checkpoints into the data file and Sync stay synchronous. Zero is
 	// flush: always.
 	FlushInterval time.Duration
+	// faults, set by this package's tests only, are the DB's failpoints
+	// (faults.go); nil means none.
+	faults *faults
 }
 
 // DB is the node's data file: the raft log, raft state and metadata in one
@@ -136,6 +139,7 @@ type DB struct {
 	log     *slog.Logger
 	ro      bool
 	maxTail int
+	faults  *faults // tests' failpoints; never nil, all zero in production
 
 	// wmu serialises the writers of the WAL and of bbolt (Save, Flush,
 	// Sync, checkpoints): a checkpoint must see no frame appear while it
@@ -265,6 +269,9 @@ func Open(dir string, opts *Options) (*DB, error) {
 	}
 	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}, syncDelay: opts.SyncDelay, onCommit: opts.OnCommit}
 	db.ret = retention{maxBytes: opts.MaxBytes, maxAge: opts.MaxAge, now: opts.Now}
+	if db.faults = opts.faults; db.faults == nil {
+		db.faults = &faults{}
+	}
 	if !opts.ReadOnly {
 		db.space.statfs = opts.FreeSpace
 		db.space.init(path, opts.MinFree, lg)
@@ -317,7 +324,7 @@ func Open(dir string, opts *Options) (*DB, error) {
 		// Move what the WAL held into the file and start a new WAL id:
 		// from here on the WAL holds only what this process appends.
 		for i := range db.wal.segs {
-			if err := db.wal.segs[i].grow(walPrealloc); err != nil {
+			if err := db.growWAL(&db.wal.segs[i], walPrealloc); err != nil {
 				return fail(err)
 			}
 		}

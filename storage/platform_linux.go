@@ -31,5 +31,6 @@ func statfs(dir string) (free, total int64, err error) {
 	if err := unix.Statfs(dir, &fs); err != nil {
 		return 0, 0, err
 	}
+	// Bsize is an int32 on 32-bit ARM: convert it too, or armv7 does not build.
 	return int64(fs.Bavail) * int64(fs.Bsize), int64(fs.Blocks) * int64(fs.Bsize), nil
 }

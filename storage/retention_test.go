@@ -281,7 +281,7 @@ func TestRetentionFailedCheckpointKeepsTheBounds(t *testing.T) {
 	first, _ := db.FirstIndex()
 	saveApplied(t, db, recordEntries(next, 3000, 300, at))
 	next += 3000
-	failCommits(t)
+	failCommits(db.faults)
 	if err := db.commit(nil); err == nil {
 		t.Fatal("checkpoint succeeded with commits failing")
 	}
@@ -291,7 +291,7 @@ func TestRetentionFailedCheckpointKeepsTheBounds(t *testing.T) {
 	if ents, err := db.Entries(first, first+1, math.MaxUint64); err != nil || len(ents) != 1 {
 		t.Fatalf("Entries(%d) after a failed checkpoint: %v", first, err)
 	}
-	commitFault.Store(nil)
+	db.faults.commit.Store(nil)
 	mustCheckpoint(t, db)
 	if f, _ := db.FirstIndex(); f <= first {
 		t.Errorf("first index %d once commits work again, not past %d", f, first)

@@ -2,6 +2,7 @@ package storage
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -182,27 +183,12 @@ func TestSetCommitRidesWithNextTransaction(t *testing.T) {
 	}
 }
 
-// withFileSizeLimit runs fn with RLIMIT_FSIZE set to limit, so any write
-// that would grow a file past it fails (EFBIG), as on a full disk. The Go
-// runtime ignores the SIGXFSZ this raises. The limit is process-wide: the
-// caller must not run in parallel with other tests.
-func withFileSizeLimit(t *testing.T, limit int64, fn func()) {
-	t.Helper()
-	var old syscall.Rlimit
-	if err := syscall.Getrlimit(syscall.RLIMIT_FSIZE, &old); err != nil {
-		t.Skipf("getrlimit: %v", err)
-	}
-	lim := old
-	lim.Cur = uint64(limit)
-	if err := syscall.Setrlimit(syscall.RLIMIT_FSIZE, &lim); err != nil {
-		t.Skipf("setrlimit: %v", err)
-	}
-	restore := func() {
-		if err := syscall.Setrlimit(syscall.RLIMIT_FSIZE, &old); err != nil {
-			t.Fatalf("restoring RLIMIT_FSIZE: %v", err)
-		}
-	}
-	defer restore()
+// withFileSizeLimit runs fn with db's WAL files limited to limit bytes, so
+// a write that would grow one past it fails (EFBIG), as on a full disk. The
+// limit is db's alone (faults.go), not the process's RLIMIT_FSIZE.
+func withFileSizeLimit(db *DB, limit int64, fn func()) {
+	db.faults.fileLimit.Store(limit)
+	defer db.faults.fileLimit.Store(0)
 	fn()
 }
 
@@ -230,9 +216,9 @@ func TestFailedSaveKeepsStagedMetadata(t *testing.T) {
 		}
 		limit = max(limit, fi.Size())
 	}
-	withFileSizeLimit(t, limit, func() {
-		if err := db.Save(hs, big); err == nil {
-			t.Fatal("Save grew the file past RLIMIT_FSIZE without an error: the full-disk simulation does not work here")
+	withFileSizeLimit(db, limit, func() {
+		if err := db.Save(hs, big); !errors.Is(err, syscall.EFBIG) {
+			t.Fatalf("Save growing the WAL past its limit: %v, want EFBIG", err)
 		}
 	})
 	if l, _ := db.LastIndex(); l != 3 {

@@ -171,6 +171,17 @@ func syncDir(dir string) error {
 	return nil
 }
 
+// growWAL grows seg to at least n bytes (walSeg.grow), unless the DB's
+// failpoints make that fail.
+func (db *DB) growWAL(seg *walSeg, n int64) error {
+	if n > seg.size {
+		if err := db.faults.growErr(seg.f.Name(), n); err != nil {
+			return fmt.Errorf("storage: grow %s: %w", seg.f.Name(), err)
+		}
+	}
+	return seg.grow(n)
+}
+
 // grow writes zeros from the end of the file up to at least n bytes and
 // makes the new size durable. It never writes below the current end, where
 // live frames may be.
@@ -456,7 +467,7 @@ func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb
 	if end := w.off + int64(len(fr)); end > seg.size {
 		// Rarely: checkpoints are failing, or a batch is huge. Grow by
 		// whole steps, each with its fsync, not by every frame.
-		if err := seg.grow((end + walPrealloc - 1) / walPrealloc * walPrealloc); err != nil {
+		if err := db.growWAL(seg, (end+walPrealloc-1)/walPrealloc*walPrealloc); err != nil {
 			return 0, err
 		}
 		db.syncs.Add(1)

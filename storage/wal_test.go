@@ -20,6 +20,8 @@ import (
 	bolt "go.etcd.io/bbolt"
 	"go.etcd.io/raft/v3"
 	pb "go.etcd.io/raft/v3/raftpb"
+
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // allEntries reads the whole log of db.
@@ -256,12 +258,12 @@ func TestWALMissingAndUpgrade(t *testing.T) {
 	}
 }
 
-// failCommits makes every checkpoint fail, as a full disk would, until
-// the test ends or stores nil in commitFault, and returns the error.
-func failCommits(t *testing.T) error {
+// failCommits makes every checkpoint of the DB with failpoints f fail, as
+// a full disk would, until the test stores nil in f.commit, and returns the
+// error.
+func failCommits(f *faults) error {
 	full := errors.New("no space left on device (simulated)")
-	commitFault.Store(&full)
-	t.Cleanup(func() { commitFault.Store(nil) })
+	f.commit.Store(&full)
 	return full
 }
 
@@ -364,17 +366,17 @@ func TestOpenWhoseCheckpointFailsKeepsTheWAL(t *testing.T) {
 	db.ckMu.Unlock()
 	mustClose(t, db)
 
-	full := failCommits(t)
+	fs := &faults{}
+	full := failCommits(fs)
 	for i := range 2 {
-		if db, err := openChecked(t, dir, nil); !errors.Is(err, full) {
+		if db, err := openChecked(t, dir, &Options{faults: fs}); !errors.Is(err, full) {
 			if err == nil {
 				db.Close()
 			}
 			t.Fatalf("Open %d with failing commits: %v, want the commit's error", i, err)
 		}
 	}
-	commitFault.Store(nil)
-	db = testOpen(t, dir, nil)
+	db = testOpen(t, dir, nil) // failpoints are per DB: this one has none
 	if d := diffEntries(allEntries(t, db), want); d != "" {
 		t.Errorf("after two Opens whose checkpoint failed: %s", d)
 	}
@@ -409,18 +411,6 @@ func FuzzDecodeFrame(f *testing.F) {
 	})
 }
 
-// pollUntil fails the test unless cond holds within 10 s.
-func pollUntil(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("not within 10 s: %s", what)
-		}
-		time.Sleep(5 * time.Millisecond) // polling, not synchronisation
-	}
-}
-
 // The entries and the metadata the WAL holds reach the file in the
 // background, without another write to wait for: Saves of entries, and
 // Flushes of metadata alone.
@@ -436,7 +426,7 @@ func TestCheckpointsRunInTheBackground(t *testing.T) {
 		ents[i].Data = append(ents[i].Data, make([]byte, 200)...) // 200 entries, some 45 KiB
 	}
 	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, ents)
-	pollUntil(t, "the saved entries are in the file", func() bool { return inFile() == 200 })
+	testutil.WaitFor(t, 10*time.Second, "the saved entries are in the file", func() bool { return inFile() == 200 })
 
 	// Flushes past the WAL's checkpoint mark: the one that crosses it
 	// wakes the checkpointer, whose cut takes at least what was flushed up
@@ -449,7 +439,7 @@ func TestCheckpointsRunInTheBackground(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	pollUntil(t, "the first flushed metadata is in the file", func() bool {
+	testutil.WaitFor(t, 10*time.Second, "the first flushed metadata is in the file", func() bool {
 		_, staged := db.stagedValue(BucketSessions, "s/00")
 		return !staged
 	})
@@ -469,7 +459,7 @@ func TestCheckpointsRunInTheBackground(t *testing.T) {
 func TestWALStopsGrowingWhileCheckpointsFail(t *testing.T) {
 	dir := t.TempDir()
 	db := testOpen(t, dir, nil)
-	full := failCommits(t)
+	full := failCommits(db.faults)
 	big := make([]byte, 256<<10)
 	var err error
 	staged := 0
@@ -493,7 +483,7 @@ func TestWALStopsGrowingWhileCheckpointsFail(t *testing.T) {
 	if err := db.Save(pb.HardState{Term: 1, Vote: 1}, makeEntries(1, 1, 1)); !errors.Is(err, full) {
 		t.Errorf("Save with the WAL full and failing checkpoints: %v, want the checkpoint's error", err)
 	}
-	commitFault.Store(nil)
+	db.faults.commit.Store(nil)
 	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, makeEntries(1, 1, 1))
 	if err := db.Flush(); err != nil {
 		t.Fatal(err)
@@ -603,7 +593,7 @@ func TestWritesRacingClose(t *testing.T) {
 // the file, which grows by doubling, once space returns.
 func TestWALRunsAheadLittleOnceACheckpointFailed(t *testing.T) {
 	db := testOpen(t, t.TempDir(), &Options{TailBytes: 64 << 10})
-	full := failCommits(t)
+	full := failCommits(db.faults)
 	batch := func(i uint64) []pb.Entry {
 		ents := makeEntries(1+i*4, 4, 1)
 		for j := range ents {
@@ -615,11 +605,11 @@ func TestWALRunsAheadLittleOnceACheckpointFailed(t *testing.T) {
 	for ; i < 4; i++ { // 20 KiB: past a quarter of the budget, a checkpoint is due
 		mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, batch(i))
 	}
-	pollUntil(t, "the background checkpoint has failed", db.ckFailed.Load)
+	testutil.WaitFor(t, 10*time.Second, "the background checkpoint has failed", db.ckFailed.Load)
 	if err := db.Save(pb.HardState{Term: 1, Vote: 1}, batch(i)); !errors.Is(err, full) {
 		t.Fatalf("Save with 20 KiB waiting and checkpoints failing: %v, want the checkpoint's error (the WAL would run 64 KiB ahead)", err)
 	}
-	commitFault.Store(nil)
+	db.faults.commit.Store(nil)
 	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, batch(i))
 	if db.ckFailed.Load() {
 		t.Error("checkpoints still marked failing after one succeeded")

@@ -19,6 +19,7 @@ import (
 	"github.com/eclipse/paho.golang/paho"
 
 	"github.com/tandem-edge/tandem/internal/cloudtest"
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // cloud is a mosquitto the test runs as the cloud broker, on a loopback
@@ -57,7 +58,7 @@ func startCloud(t testing.TB) *cloud {
 // (given the cloud's directory): more listeners.
 func startCloudWith(t testing.TB, extra func(dir string) string) *cloud {
 	t.Helper()
-	c := &cloud{t: t, dir: t.TempDir(), port: freePort(t)}
+	c := &cloud{t: t, dir: t.TempDir(), port: testutil.FreePort(t)}
 	// As root, mosquitto switches to its own user, which cannot write the
 	// test's directory (persistence, log) unless told to stay.
 	conf := ""
@@ -98,7 +99,7 @@ func (c *cloud) start() {
 	c.done = make(chan struct{})
 	cmd, done := c.cmd, c.done
 	go func() { _ = cmd.Wait(); close(done) }()
-	waitFor(c.t, 5*time.Second, "mosquitto to listen", func() bool {
+	testutil.WaitFor(c.t, 5*time.Second, "mosquitto to listen", func() bool {
 		conn, err := net.DialTimeout("tcp", "127.0.0.1:"+strconv.Itoa(c.port), 100*time.Millisecond)
 		if err == nil {
 			conn.Close()
@@ -121,33 +122,6 @@ func (c *cloud) stop(sig syscall.Signal) {
 		<-c.done
 	}
 	c.cmd = nil
-}
-
-func freePort(t testing.TB) int {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
-
-// waitFor polls cond until it holds or the deadline passes; diag, if
-// given, says what was seen instead.
-func waitFor(t testing.TB, d time.Duration, what string, cond func() bool, diag ...func() string) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			var seen string
-			for _, f := range diag {
-				seen += "; " + f()
-			}
-			t.Fatalf("timed out after %v waiting for %s%s", d, what, seen)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 }
 
 // got is one message as the cloud subscriber received it.

@@ -16,6 +16,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // writeCert writes a certificate for name (and its key) signed by parent
@@ -78,7 +80,7 @@ func TestTLSWithClientCertificateAndPassword(t *testing.T) {
 		}
 		t.Skipf("mosquitto_passwd: %v %s", err, out)
 	}
-	tlsPort := freePort(t)
+	tlsPort := testutil.FreePort(t)
 	c := startCloudWith(t, func(string) string {
 		return fmt.Sprintf("listener %d 127.0.0.1\nallow_anonymous false\npassword_file %s\n"+
 			"cafile %s\ncertfile %s\nkeyfile %s\nrequire_certificate true\n",
@@ -108,7 +110,7 @@ func TestTLSWithClientCertificateAndPassword(t *testing.T) {
 		for i := 1; i <= 5; i++ {
 			l.add("p", "dev/a", fmt.Sprintf("p/%d", i))
 		}
-		waitFor(t, 10*time.Second, "5 messages over TLS", func() bool { return rec.distinct() == 5 })
+		testutil.WaitFor(t, 10*time.Second, "5 messages over TLS", func() bool { return rec.distinct() == 5 })
 		checkPerPublisher(t, rec.all(), map[string]int{"p": 5})
 		if st := u.Status(); !st.Connected {
 			t.Errorf("status %+v", st)
@@ -122,7 +124,7 @@ func TestTLSWithClientCertificateAndPassword(t *testing.T) {
 			l := newMemLog()
 			l.add("p", "dev/a", "never")
 			u := runUplink(t, cfgWith(bad.name, bad.ca, bad.pw), l, &sink{}, nil, 0)
-			waitFor(t, 5*time.Second, "the refusal in status", func() bool {
+			testutil.WaitFor(t, 5*time.Second, "the refusal in status", func() bool {
 				return strings.Contains(u.Status().LastError, bad.want)
 			}, func() string { return fmt.Sprintf("status %+v", u.Status()) })
 			if st := u.Status(); st.Connected || st.BacklogRecords != 1 || u.Counters().Forwarded != 0 {

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/mqtt"
 )
 
@@ -113,7 +114,7 @@ func TestForwardsEveryMatchingRecordInLogOrderWithItsID(t *testing.T) {
 	for i := 50; i < 300; i++ {
 		add(i)
 	}
-	waitFor(t, 10*time.Second, "every record at the cloud", func() bool { return len(rec.all()) >= len(want) })
+	testutil.WaitFor(t, 10*time.Second, "every record at the cloud", func() bool { return len(rec.all()) >= len(want) })
 	got := rec.all()
 	if len(got) != len(want) {
 		t.Fatalf("cloud got %d messages, want %d", len(got), len(want))
@@ -124,7 +125,7 @@ func TestForwardsEveryMatchingRecordInLogOrderWithItsID(t *testing.T) {
 			t.Fatalf("message %d at the cloud: %+v, want topic site7/%s payload %s id %s qos 1", i, g, w.Topic, w.Payload, w.ID())
 		}
 	}
-	waitFor(t, 5*time.Second, "the position at the last record", func() bool { return s.lastSaved() == l.last() })
+	testutil.WaitFor(t, 5*time.Second, "the position at the last record", func() bool { return s.lastSaved() == l.last() })
 	st := u.Status()
 	if !st.Connected || st.Since == nil || st.BacklogRecords != 0 || st.BacklogBytes != 0 || st.Name != "cloud" ||
 		st.ReplayETASeconds == nil || *st.ReplayETASeconds != 0 {
@@ -165,7 +166,7 @@ func TestRestartResendsOnlyFromTheSavedPosition(t *testing.T) {
 	for i := 1; i <= 200; i++ {
 		l.add("p", "dev/a", "p/"+strconv.Itoa(i))
 	}
-	waitFor(t, 10*time.Second, "200 messages", func() bool { return rec.distinct() == 200 })
+	testutil.WaitFor(t, 10*time.Second, "200 messages", func() bool { return rec.distinct() == 200 })
 	stopWithin(t, u, 5*time.Second)
 	// The next master resumes from the last position that was
 	// replicated, which may lag: take an earlier one.
@@ -178,7 +179,7 @@ func TestRestartResendsOnlyFromTheSavedPosition(t *testing.T) {
 		l.add("p", "dev/a", "p/"+strconv.Itoa(i))
 	}
 	runUplink(t, testConfig(c), l, &sink{}, nil, from)
-	waitFor(t, 10*time.Second, "250 messages", func() bool { return rec.distinct() == 250 })
+	testutil.WaitFor(t, 10*time.Second, "250 messages", func() bool { return rec.distinct() == 250 })
 	msgs := rec.all()
 	dups := len(msgs) - 250
 	if want := 200 - int(from); dups != want {
@@ -219,9 +220,9 @@ func TestBrokerRestartMidStreamLosesNothingAndKeepsOrder(t *testing.T) {
 					}
 				}()
 			}
-			waitFor(t, 10*time.Second, "some messages", func() bool { return rec.distinct() >= 300 })
+			testutil.WaitFor(t, 10*time.Second, "some messages", func() bool { return rec.distinct() >= 300 })
 			c.stop(sig)
-			waitFor(t, 5*time.Second, "the uplink to see the link down", func() bool {
+			testutil.WaitFor(t, 5*time.Second, "the uplink to see the link down", func() bool {
 				st := u.Status()
 				return !st.Connected && st.LastError != ""
 			})
@@ -234,13 +235,13 @@ func TestBrokerRestartMidStreamLosesNothingAndKeepsOrder(t *testing.T) {
 			u.Pause()
 			wg.Wait()
 			c.start()
-			waitFor(t, 5*time.Second, "the recorder back", func() bool { return rec.subscriptions() >= 2 })
+			testutil.WaitFor(t, 5*time.Second, "the recorder back", func() bool { return rec.subscriptions() >= 2 })
 			u.Resume()
 			floor := uint64(0)
 			if sig == syscall.SIGKILL {
 				floor = pos
 			}
-			waitFor(t, 20*time.Second, "every message after the floor", func() bool { return len(rec.missingAbove(l, floor)) == 0 },
+			testutil.WaitFor(t, 20*time.Second, "every message after the floor", func() bool { return len(rec.missingAbove(l, floor)) == 0 },
 				func() string {
 					return fmt.Sprintf("position %d at the cut; %s; %+v", pos, rec.missing(l), u.Counters())
 				})
@@ -254,7 +255,7 @@ func TestBrokerRestartMidStreamLosesNothingAndKeepsOrder(t *testing.T) {
 				checkPerPublisher(t, rec.all(), nil)
 				t.Logf("SIGKILL: position %d at the kill; mosquitto lost %d records it had acked", pos, perPub*len(pubs)-rec.distinct())
 			}
-			waitFor(t, 5*time.Second, "an empty backlog", func() bool { return u.Status().BacklogRecords == 0 })
+			testutil.WaitFor(t, 5*time.Second, "an empty backlog", func() bool { return u.Status().BacklogRecords == 0 })
 			if cs := u.Counters(); cs.Connects < 2 || cs.Disconnects < 1 {
 				t.Errorf("counters %+v: want a reconnect", cs)
 			}
@@ -305,7 +306,7 @@ func TestBrokerThatAnswersNothingIsReported(t *testing.T) {
 			l := newMemLog()
 			l.add("p", "dev/a", "x")
 			u := runUplink(t, cfg, l, &sink{}, nil, 0)
-			waitFor(t, 5*time.Second, "two failed attempts", func() bool { return u.Counters().ConnectFailures >= 2 })
+			testutil.WaitFor(t, 5*time.Second, "two failed attempts", func() bool { return u.Counters().ConnectFailures >= 2 })
 			st := u.Status()
 			if st.Connected || !strings.Contains(st.LastError, "CONNACK") || st.BacklogRecords != 1 || st.OldestAgeSeconds <= 0 {
 				t.Errorf("status: %+v", st)
@@ -404,17 +405,17 @@ func TestKeepAliveDetectsALinkThatGoesQuiet(t *testing.T) {
 			l := newMemLog()
 			u := runUplink(t, cfg, l, &sink{}, nil, 0)
 			l.add("p", "dev/a", "p/1")
-			waitFor(t, 5*time.Second, "the first message", func() bool { return rec.distinct() == 1 })
+			testutil.WaitFor(t, 5*time.Second, "the first message", func() bool { return rec.distinct() == 1 })
 			f.setFrozen(true)
 			l.add("p", "dev/a", "p/2")
 			// Keep alive 1 s: the silence is noticed within a few seconds,
 			// with no help from TCP (the proxy keeps the socket open).
-			waitFor(t, 6*time.Second, "the quiet link to be given up", func() bool {
+			testutil.WaitFor(t, 6*time.Second, "the quiet link to be given up", func() bool {
 				st := u.Status()
 				return !st.Connected && strings.Contains(strings.ToUpper(st.LastError), "PINGRESP")
 			}, func() string { return fmt.Sprintf("status %+v", u.Status()) })
 			f.setFrozen(false)
-			waitFor(t, 10*time.Second, "the second message after the link heals", func() bool { return rec.distinct() == 2 })
+			testutil.WaitFor(t, 10*time.Second, "the second message after the link heals", func() bool { return rec.distinct() == 2 })
 			checkPerPublisher(t, rec.all(), map[string]int{"p": 2})
 		})
 	}
@@ -432,7 +433,7 @@ func TestRateCapsTheReplay(t *testing.T) {
 	cfg.Rate = perSecond
 	start := time.Now()
 	runUplink(t, cfg, l, &sink{}, nil, 0)
-	waitFor(t, 10*time.Second, "the replay", func() bool { return rec.distinct() == n })
+	testutil.WaitFor(t, 10*time.Second, "the replay", func() bool { return rec.distinct() == n })
 	// The cap is a floor on the time taken (the first message goes at
 	// once); being slower than the cap is allowed.
 	if el, floor := time.Since(start), time.Duration(float64(n-1)/perSecond*float64(time.Second)); el < floor*95/100 {
@@ -450,7 +451,7 @@ func TestBacklogFullRefusesPublishesToItsTopics(t *testing.T) {
 	cfg.OnFull = OnFullRefuse
 	u := runUplink(t, cfg, l, &sink{}, nil, 0)
 	u.Pause()
-	waitFor(t, 5*time.Second, "the pause, the first record counted", func() bool {
+	testutil.WaitFor(t, 5*time.Second, "the pause, the first record counted", func() bool {
 		st := u.Status()
 		return !st.Connected && st.BacklogRecords == 1
 	})
@@ -468,7 +469,7 @@ func TestBacklogFullRefusesPublishesToItsTopics(t *testing.T) {
 		t.Error("refusing a topic the uplink does not forward")
 	}
 	u.Resume()
-	waitFor(t, 10*time.Second, "the backlog to drain", func() bool { return rec.distinct() == 10 && !u.Refuses("dev/a") })
+	testutil.WaitFor(t, 10*time.Second, "the backlog to drain", func() bool { return rec.distinct() == 10 && !u.Refuses("dev/a") })
 	if u.Counters().Dropped != 0 {
 		t.Errorf("refuse dropped records: %+v", u.Counters())
 	}
@@ -494,12 +495,12 @@ func TestBacklogFullDropsTheOldestFirst(t *testing.T) {
 		l.add("p", "dev/a", fmt.Sprintf("p/%03d", i))
 		l.add("q", "other/x", "not ours")
 	}
-	waitFor(t, 5*time.Second, "70 records dropped", func() bool { return u.Counters().Dropped == 70 })
+	testutil.WaitFor(t, 5*time.Second, "70 records dropped", func() bool { return u.Counters().Dropped == 70 })
 	if st := u.Status(); st.BacklogRecords != 30 || st.BacklogBytes != int64(30*one) {
 		t.Fatalf("backlog after dropping: %+v", st)
 	}
 	u.Resume()
-	waitFor(t, 10*time.Second, "the newest 30 at the cloud", func() bool { return rec.distinct() == 30 },
+	testutil.WaitFor(t, 10*time.Second, "the newest 30 at the cloud", func() bool { return rec.distinct() == 30 },
 		func() string {
 			return fmt.Sprintf("%d at the cloud; %+v %+v", rec.distinct(), u.Status(), u.Counters())
 		})
@@ -534,7 +535,7 @@ func TestDownlinkIsAckedOnlyAfterTheLocalPublishReturns(t *testing.T) {
 			}}
 			l := newMemLog()
 			u := runUplink(t, cfg, l, &sink{}, local, 0)
-			waitFor(t, 5*time.Second, "the downlink connection", func() bool { return u.Status().Connected })
+			testutil.WaitFor(t, 5*time.Second, "the downlink connection", func() bool { return u.Status().Connected })
 			publishAtCloud(t, c, "cmd/gw1", "reboot")
 			select {
 			case <-entered:
@@ -544,16 +545,16 @@ func TestDownlinkIsAckedOnlyAfterTheLocalPublishReturns(t *testing.T) {
 			// The link goes while the local publish is pending: unacked, so the
 			// cloud hands it over again on the next connection.
 			u.Pause()
-			waitFor(t, 5*time.Second, "the pause", func() bool { return !u.Status().Connected })
+			testutil.WaitFor(t, 5*time.Second, "the pause", func() bool { return !u.Status().Connected })
 			u.Resume()
-			waitFor(t, 5*time.Second, "the redelivery", func() bool { return len(local.all()) == 2 })
+			testutil.WaitFor(t, 5*time.Second, "the redelivery", func() bool { return len(local.all()) == 2 })
 			// Acked now: another reconnect brings only the next message.
 			u.Pause()
-			waitFor(t, 5*time.Second, "the pause", func() bool { return !u.Status().Connected })
+			testutil.WaitFor(t, 5*time.Second, "the pause", func() bool { return !u.Status().Connected })
 			u.Resume()
-			waitFor(t, 5*time.Second, "the reconnect", func() bool { return u.Status().Connected })
+			testutil.WaitFor(t, 5*time.Second, "the reconnect", func() bool { return u.Status().Connected })
 			publishAtCloud(t, c, "cmd/gw1", "status")
-			waitFor(t, 5*time.Second, "the second command", func() bool { return len(local.all()) == 3 })
+			testutil.WaitFor(t, 5*time.Second, "the second command", func() bool { return len(local.all()) == 3 })
 			calls := local.all()
 			var got []string
 			for _, m := range calls {
@@ -636,22 +637,22 @@ func TestProtocol311(t *testing.T) {
 	for i := 1; i <= 300; i++ {
 		l.add("p", "dev/a", "p/"+strconv.Itoa(i))
 	}
-	waitFor(t, 10*time.Second, "100 messages", func() bool { return rec.distinct() >= 100 }, func() string { return fmt.Sprintf("%+v %+v %d", u.Status(), u.Counters(), rec.distinct()) })
+	testutil.WaitFor(t, 10*time.Second, "100 messages", func() bool { return rec.distinct() >= 100 }, func() string { return fmt.Sprintf("%+v %+v %d", u.Status(), u.Counters(), rec.distinct()) })
 	c.stop(syscall.SIGTERM)
-	waitFor(t, 5*time.Second, "the link down", func() bool { return !u.Status().Connected })
+	testutil.WaitFor(t, 5*time.Second, "the link down", func() bool { return !u.Status().Connected })
 	u.Pause() // until the recorder is back (see the 5 test)
 	c.start()
-	waitFor(t, 5*time.Second, "the recorder back", func() bool { return rec.subscriptions() >= 2 })
+	testutil.WaitFor(t, 5*time.Second, "the recorder back", func() bool { return rec.subscriptions() >= 2 })
 	u.Resume()
-	waitFor(t, 10*time.Second, "300 messages", func() bool { return rec.distinct() == 300 },
+	testutil.WaitFor(t, 10*time.Second, "300 messages", func() bool { return rec.distinct() == 300 },
 		func() string { return rec.missing(l) })
 	checkPerPublisher(t, rec.all(), map[string]int{"p": 300})
 	if g := rec.all()[0]; g.id != "" || g.topic != "site7/dev/a" {
 		t.Errorf("a 3.1.1 message at the cloud: %+v", g)
 	}
-	waitFor(t, 5*time.Second, "the reconnect", func() bool { return u.Status().Connected })
+	testutil.WaitFor(t, 5*time.Second, "the reconnect", func() bool { return u.Status().Connected })
 	publishAtCloud(t, c, "cmd/gw1", "reboot")
-	waitFor(t, 5*time.Second, "the command", func() bool { return len(local.all()) == 1 })
+	testutil.WaitFor(t, 5*time.Second, "the command", func() bool { return len(local.all()) == 1 })
 	if m := local.all()[0]; m.Topic != "cloud/cmd/gw1" || string(m.Payload) != "reboot" {
 		t.Errorf("local publish %+v", m)
 	}
@@ -676,7 +677,7 @@ func TestRecordsRetentionDroppedAreCountedLost(t *testing.T) {
 	}
 	l.dropFront(20)
 	u.Resume()
-	waitFor(t, 10*time.Second, "the 30 records left", func() bool { return rec.distinct() == 30 })
+	testutil.WaitFor(t, 10*time.Second, "the 30 records left", func() bool { return rec.distinct() == 30 })
 	for i, g := range rec.all() {
 		if want := "p/" + strconv.Itoa(21+i); g.payload != want {
 			t.Fatalf("message %d at the cloud is %s, want %s", i, g.payload, want)
@@ -685,7 +686,7 @@ func TestRecordsRetentionDroppedAreCountedLost(t *testing.T) {
 	if cs := u.Counters(); cs.Lost != 20 {
 		t.Errorf("lost %d, want 20", cs.Lost)
 	}
-	waitFor(t, 5*time.Second, "an empty backlog", func() bool { return u.Status().BacklogRecords == 0 })
+	testutil.WaitFor(t, 5*time.Second, "an empty backlog", func() bool { return u.Status().BacklogRecords == 0 })
 }
 
 // The daemon stops the uplink when this member stops being master and
@@ -702,7 +703,7 @@ func TestStopAndStartAgainResumes(t *testing.T) {
 	for i := 1; i <= 400; i++ {
 		l.add("p", "dev/a", "p/"+strconv.Itoa(i))
 		if i == 200 {
-			waitFor(t, 5*time.Second, "some messages", func() bool { return rec.distinct() >= 50 })
+			testutil.WaitFor(t, 5*time.Second, "some messages", func() bool { return rec.distinct() >= 50 })
 			stopWithin(t, u, 5*time.Second)
 			if s.lastSaved() != u.Position() {
 				t.Fatalf("Stop saved %d, the position is %d", s.lastSaved(), u.Position())
@@ -710,7 +711,7 @@ func TestStopAndStartAgainResumes(t *testing.T) {
 			u.Start(s.lastSaved(), l.last())
 		}
 	}
-	waitFor(t, 10*time.Second, "400 messages", func() bool { return rec.distinct() == 400 }, func() string { return rec.missing(l) })
+	testutil.WaitFor(t, 10*time.Second, "400 messages", func() bool { return rec.distinct() == 400 }, func() string { return rec.missing(l) })
 	checkPerPublisher(t, rec.all(), map[string]int{"p": 400})
 	if dups := len(rec.all()) - 400; dups > cfg.MaxInflight {
 		t.Errorf("%d duplicates after a stop and start, more than the window of %d", dups, cfg.MaxInflight)
@@ -738,7 +739,7 @@ func TestRefusedByTheCloudIsRetriedNotLost(t *testing.T) {
 	first := l.add("p", "dev/a", "p/1")
 	l.add("p", "dev/secret", "p/2")
 	l.add("p", "dev/a", "p/3")
-	waitFor(t, 5*time.Second, "p/1 at the cloud and the refusal in status", func() bool {
+	testutil.WaitFor(t, 5*time.Second, "p/1 at the cloud and the refusal in status", func() bool {
 		return rec.distinct() >= 1 && strings.Contains(u.Status().LastError, "0x87")
 	},
 		func() string { return fmt.Sprintf("status %+v", u.Status()) })
@@ -752,6 +753,6 @@ func TestRefusedByTheCloudIsRetriedNotLost(t *testing.T) {
 	if err := c.cmd.Process.Signal(syscall.SIGHUP); err != nil { // mosquitto reloads its ACL
 		t.Fatal(err)
 	}
-	waitFor(t, 10*time.Second, "the refused record, once allowed", func() bool { return rec.distinct() == 3 })
+	testutil.WaitFor(t, 10*time.Second, "the refused record, once allowed", func() bool { return rec.distinct() == 3 })
 	checkPerPublisher(t, rec.all(), map[string]int{"p": 3})
 }

@@ -1,6 +1,7 @@
 // Package testutil holds the helpers the module's tests share, so that no
 // test file keeps its own copy: finding a tool the test needs, a free
-// port, polling with a deadline, and a log buffer goroutines may share. It
+// port, polling with a deadline, a log buffer goroutines may share, and the
+// framing of a raw MQTT client (mqtt.go). It
 // imports no package of ours, so that any package's internal tests may use
 // it. It starts no goroutines.
 package testutil
@@ -10,6 +11,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -44,16 +46,37 @@ func FreeAddr(t testing.TB) string {
 	return ln.Addr().String()
 }
 
+// FreePort is FreeAddr's port, for configs that take the port alone.
+func FreePort(t testing.TB) int {
+	t.Helper()
+	_, port, _ := net.SplitHostPort(FreeAddr(t))
+	p, err := strconv.Atoi(port)
+	if err != nil {
+		t.Fatalf("picking a free port: %v", err)
+	}
+	return p
+}
+
 // WaitFor polls cond until it holds, and fails the test when it still does
-// not after d: the way tests wait, instead of sleeping.
-func WaitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
+// not after d: the way tests wait, instead of sleeping. diag, if given,
+// says what was seen instead, in the failure.
+func WaitFor(t testing.TB, d time.Duration, what string, cond func() bool, diag ...func() string) {
 	t.Helper()
 	deadline := time.Now().Add(d)
+	// Polling, not synchronisation: from 1 ms, so that what is nearly
+	// there costs no wait, up to 10 ms, so that a long wait on a costly
+	// cond (an HTTP call) leaves the CPU to what it waits for.
+	pause := time.Millisecond
 	for !cond() {
 		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
+			var seen string
+			for _, f := range diag {
+				seen += "; " + f()
+			}
+			t.Fatalf("timed out after %v waiting for %s%s", d, what, seen)
 		}
-		time.Sleep(5 * time.Millisecond)
+		time.Sleep(pause)
+		pause = min(2*pause, 10*time.Millisecond)
 	}
 }
 

@@ -1,0 +1,375 @@
+package replication
+
+import (
+	"cmp"
+	"fmt"
+	"math"
+	"slices"
+	"time"
+
+	"go.etcd.io/raft/v3"
+	pb "go.etcd.io/raft/v3/raftpb"
+	"go.etcd.io/raft/v3/tracker"
+
+	"github.com/tandem-edge/tandem/storage"
+)
+
+// recID is a record's id: origin node and sequence number.
+type recID struct{ origin, seq uint64 }
+
+// proposal is one record on its way to its ack rule. Loop-owned after
+// Propose hands it over.
+type proposal struct {
+	id       recID
+	data     []byte
+	mode     AckMode
+	done     func(index uint64, err error)
+	deadline time.Time
+	index    uint64
+	resolved bool
+	counted  bool // in batch.inNode: enqueued, not yet resolved
+	// inbound marks a record a slave forwarded here: if this node is no
+	// longer the master it is answered ErrNotLeader (the slave sends it
+	// on), never put on this node's own stream.
+	inbound bool
+	// viaStream marks one of this node's records that reached its raft
+	// queue through the forward stream: it may be in the log already
+	// (logged by the previous master), so it is remembered like another
+	// node's record.
+	viaStream bool
+	// stepped is set once raft took the record, here or (forwarded) on
+	// the master: from then on it may be in the log, whatever its outcome.
+	stepped bool
+	also    []*proposal // later copies of the same record, sharing the outcome
+}
+
+// Propose submits data, an encoded record, under mode's ack rule. done is
+// called exactly once, on the replication goroutine, with the record's index
+// when the rule is met, or with an error (ErrAckTimeout, ErrNotLeader,
+// ErrStopped, ErrStorage) when it cannot be. done must not block.
+func (n *Node) Propose(data []byte, mode AckMode, done func(index uint64, err error)) {
+	origin, seq, err := storage.RecordID(data)
+	if err != nil {
+		n.refuseNow(done, fmt.Errorf("replication: propose: %w", err))
+		return
+	}
+	p := &proposal{id: recID{origin, seq}, data: data, mode: mode, done: done, deadline: time.Now().Add(n.cfg.SyncTimeout)}
+	// Another node is the master, or records taken before this one are
+	// still on the forward stream: this one follows them there, so a
+	// publisher's records keep their order (forward.go).
+	if n.cfg.Forwarder != nil && n.fwdTake(p, n.Leader() != n.id) {
+		return
+	}
+	n.enqueue(p)
+}
+
+// enqueue hands p to the raft goroutine, or fails it at once when the node
+// cannot take proposals.
+func (n *Node) enqueue(p *proposal) {
+	if e := n.diskErr.Load(); e != nil {
+		n.refuseNow(p.done, *e)
+		return
+	}
+	if n.fenced.Load() {
+		n.refuseNow(p.done, ErrNotLeader)
+		return
+	}
+	if n.db.LowOnSpace() {
+		// The filesystem is nearly full, whoever filled it: a write now
+		// could fail halfway through a checkpoint.
+		n.refuseNow(p.done, ErrDiskLow)
+		return
+	}
+	if n.db.Refusing() {
+		// Logging more would only grow the data dir past its budget:
+		// devices get 0x97 quota exceeded until the member catches up.
+		n.refuseNow(p.done, ErrLogFull)
+		return
+	}
+	n.propMu.Lock()
+	if n.closedErr != nil {
+		err := n.closedErr
+		n.propMu.Unlock()
+		n.refuseNow(p.done, err)
+		return
+	}
+	p.counted = true
+	n.propQ = append(n.propQ, p)
+	wake := n.batch.arrived(len(n.propQ))
+	n.propMu.Unlock()
+	if wake {
+		n.wakeProposals()
+	}
+}
+
+// wakeProposals makes the loop look at propQ.
+func (n *Node) wakeProposals() {
+	select {
+	case n.propSig <- struct{}{}:
+	default:
+	}
+}
+
+// refuseNow fails a proposal on the caller's goroutine, then lets
+// AfterResolve act on it as the raft goroutine would.
+func (n *Node) refuseNow(done func(uint64, error), err error) {
+	done(0, err)
+	if n.cfg.AfterResolve != nil {
+		n.cfg.AfterResolve()
+	}
+}
+
+// proposeQueued hands the queued proposals to raft in one MsgProp.
+func (n *Node) proposeQueued() {
+	n.propMu.Lock()
+	if len(n.propQ) == 0 || !n.batch.take(time.Now(), n.leader, n.wakeProposals) {
+		n.propMu.Unlock()
+		return
+	}
+	ps := n.propQ
+	n.propQ = nil
+	n.propMu.Unlock()
+	if len(ps) == 0 {
+		return
+	}
+	if !n.leader {
+		var back []*proposal
+		for _, p := range ps {
+			if n.cfg.Forwarder == nil || p.inbound {
+				n.resolve(p, ErrNotLeader)
+				continue
+			}
+			// Taken here while this node was the master, never handed
+			// to raft: it goes to the new master, ahead of what this
+			// node took since.
+			if p.counted {
+				n.batch.left()
+				p.counted = false
+			}
+			back = append(back, p)
+		}
+		if len(back) > 0 && !n.fwdPutBack(back) {
+			for _, p := range back {
+				n.resolve(p, ErrStopped)
+			}
+		}
+		return
+	}
+	ents := make([]pb.Entry, 0, len(ps))
+	fresh := ps[:0]
+	for _, p := range ps {
+		// A record already on its way or in the log (a slave's retried
+		// forward, a requeue) is not logged twice: it shares the outcome
+		// of the copy that is.
+		if live := n.live[p.id]; live != nil {
+			live.also = append(live.also, p)
+			continue
+		}
+		if idx, ok := n.logged.get(p.id); ok && n.holds(idx, p.id) {
+			p.index = idx
+			if p.mode == Async {
+				n.resolve(p, nil)
+			} else {
+				n.waitSync(p)
+			}
+			continue
+		}
+		ents = append(ents, pb.Entry{Data: p.data})
+		fresh = append(fresh, p)
+		n.live[p.id] = p // a copy later in this same batch shares it
+	}
+	if len(ents) == 0 {
+		return
+	}
+	if err := n.rn.Step(pb.Message{Type: pb.MsgProp, From: n.id, Entries: ents}); err != nil {
+		for _, p := range fresh {
+			n.resolve(p, fmt.Errorf("%w (%v)", ErrNotLeader, err))
+		}
+		return
+	}
+	for _, p := range fresh {
+		p.stepped = true
+		n.pending[p.id] = p
+		n.byDue = append(n.byDue, p)
+	}
+}
+
+// waitSync adds a saved sync proposal to syncWait, kept in index order.
+func (n *Node) waitSync(p *proposal) {
+	i, _ := slices.BinarySearchFunc(n.syncWait, p.index, func(q *proposal, idx uint64) int {
+		return cmp.Compare(q.index, idx)
+	})
+	n.syncWait = slices.Insert(n.syncWait, i, p)
+	if !slices.Contains(n.byDue, p) {
+		n.byDue = append(n.byDue, p)
+	}
+}
+
+// matchSaved resolves the proposals whose entries were just saved: async
+// ones are acked now (on the master's disk); sync ones wait for replicas.
+func (n *Node) matchSaved(ents []pb.Entry) {
+	if len(n.pending) == 0 {
+		return
+	}
+	for i := range ents {
+		e := &ents[i]
+		if e.Type != pb.EntryNormal || len(e.Data) == 0 {
+			continue
+		}
+		origin, seq, err := storage.RecordID(e.Data)
+		if err != nil {
+			continue
+		}
+		id := recID{origin, seq}
+		p := n.pending[id]
+		if origin != n.id || (p != nil && p.viaStream) {
+			// Only another node's records come again (a slave's retried
+			// forward, a deposed master's requeue), and this node's own
+			// that went through the forward stream (another master may
+			// have logged them too): others are proposed once, so they
+			// need no entry here.
+			n.logged.add(id, e.Index)
+		}
+		if p == nil {
+			continue
+		}
+		delete(n.pending, p.id)
+		p.index = e.Index
+		if p.mode == Async {
+			n.resolve(p, nil)
+		} else {
+			n.syncWait = append(n.syncWait, p)
+		}
+	}
+}
+
+// noteLogged remembers where the records a follower saves are: should this
+// node become the master, the forward streams of the slaves (its own
+// included) send again whatever the old master had not answered, and what
+// it logged must be answered from the log, not logged twice.
+func (n *Node) noteLogged(ents []pb.Entry) {
+	for i := range ents {
+		e := &ents[i]
+		if e.Type != pb.EntryNormal || len(e.Data) == 0 {
+			continue
+		}
+		if origin, seq, err := storage.RecordID(e.Data); err == nil {
+			n.logged.add(recID{origin, seq}, e.Index)
+		}
+	}
+}
+
+// holds reports whether the log entry at index is still the record id: an
+// entry recentLogged remembers may since have been overwritten (and moved
+// to the requeue bucket) when this node lost the mastership, and the record
+// must then be logged again, not taken as logged.
+func (n *Node) holds(index uint64, id recID) bool {
+	ents, err := n.db.Entries(index, index+1, math.MaxUint64)
+	if err != nil || len(ents) != 1 {
+		return false
+	}
+	o, s, err := storage.RecordID(ents[0].Data)
+	return err == nil && o == id.origin && s == id.seq
+}
+
+// checkSync acks the sync proposals that enough other members hold, as
+// their Progress.Match says (learners count: a 2-gateway slave is one).
+func (n *Node) checkSync() {
+	if len(n.syncWait) == 0 || !n.leader {
+		return
+	}
+	k := n.cfg.MinSyncReplicas
+	var top [2]uint64 // the k highest Match among others; k ≤ 2
+	n.rn.WithProgress(func(id uint64, _ raft.ProgressType, pr tracker.Progress) {
+		if id == n.id {
+			return
+		}
+		m := pr.Match
+		if m > top[0] {
+			top[0], top[1] = m, top[0]
+		} else if m > top[1] {
+			top[1] = m
+		}
+	})
+	if k < 1 || k > len(top) {
+		return
+	}
+	covered := top[k-1]
+	i := 0
+	for ; i < len(n.syncWait) && n.syncWait[i].index <= covered; i++ {
+		n.resolve(n.syncWait[i], nil)
+	}
+	n.syncWait = n.syncWait[i:]
+}
+
+// resolve reports p's outcome once, and the same outcome to the copies
+// of its record that waited on it.
+func (n *Node) resolve(p *proposal, err error) {
+	if p.resolved {
+		return
+	}
+	p.resolved = true
+	n.resolvedSome = true
+	if p.counted {
+		n.batch.left()
+	}
+	if n.live[p.id] == p {
+		delete(n.live, p.id)
+	}
+	for _, q := range p.also {
+		q.index = p.index
+		n.resolve(q, err)
+	}
+	if err != nil {
+		if p.stepped {
+			// Its publisher hears "refused", yet the record may be in the
+			// log: should this node's requeue ever meet it, it is dropped.
+			n.noteRefused(p.id, p.index)
+		}
+		p.done(0, err)
+		return
+	}
+	p.done(p.index, nil)
+}
+
+// flushResolved lets AfterResolve act on the callbacks run since the last
+// call (acks written in one go per client).
+func (n *Node) flushResolved() {
+	if n.resolvedSome && n.cfg.AfterResolve != nil {
+		n.cfg.AfterResolve()
+	}
+	n.resolvedSome = false
+}
+
+// expire fails the proposals past their deadline and drops resolved ones
+// from the head of byDue.
+func (n *Node) expire(now time.Time) {
+	i := 0
+	for ; i < len(n.byDue); i++ {
+		p := n.byDue[i]
+		if !p.resolved {
+			if now.Before(p.deadline) {
+				break
+			}
+			delete(n.pending, p.id)
+			n.resolve(p, ErrAckTimeout)
+		}
+	}
+	if i > 0 {
+		n.byDue = append(n.byDue[:0], n.byDue[i:]...)
+	}
+	j := 0
+	for ; j < len(n.syncWait) && n.syncWait[j].resolved; j++ {
+	}
+	n.syncWait = n.syncWait[j:]
+}
+
+// resolveAll fails every unresolved proposal, queued ones included, and
+// makes later proposals fail at once: the loop is exiting.
+func (n *Node) resolveAll(err error) {
+	n.propMu.Lock()
+	n.closedErr = err
+	n.propMu.Unlock()
+	n.failWaiting(err)
+	n.flushResolved()
+}

@@ -1,0 +1,211 @@
+package replication
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"time"
+
+	"go.etcd.io/raft/v3"
+	pb "go.etcd.io/raft/v3/raftpb"
+	"go.etcd.io/raft/v3/tracker"
+
+	"github.com/tandem-edge/tandem/storage"
+)
+
+// handleReady processes one Ready; false means the node must stop.
+func (n *Node) handleReady() bool {
+	rd := n.rn.Ready()
+	if rd.SoftState != nil {
+		n.setLeader(rd.SoftState.RaftState == raft.StateLeader, rd.SoftState.Lead)
+	}
+
+	// A leader may send its appends while it writes the same entries to
+	// its own disk (raft's README; etcd does the same): the slaves' fsync
+	// then runs beside the master's instead of after it, which is most of
+	// a sync ack's latency. Never before a new term or vote is on disk,
+	// and never on a follower, whose answers promise what it has saved.
+	early := n.leader && n.cfg.Transport != nil && len(rd.Messages) > 0 &&
+		(raft.IsEmptyHardState(rd.HardState) || (rd.HardState.Term == n.savedHS.Term && rd.HardState.Vote == n.savedHS.Vote))
+	if early {
+		n.cfg.Transport.Send(rd.Messages)
+	}
+	if !raft.IsEmptySnap(rd.Snapshot) {
+		// The master's log starts past this node's: it sent its
+		// compaction point, which replaces the log here (storage keeps
+		// it before the entries that follow it in this Ready).
+		if err := n.db.ApplySnapshot(rd.Snapshot); err != nil {
+			n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
+			return false
+		}
+		n.log.Warn("behind the master's first index: installed its compaction point; the records before it are not on this node",
+			"index", rd.Snapshot.Metadata.Index, "term", rd.Snapshot.Metadata.Term)
+	}
+	hs := rd.HardState
+	if last, _ := n.db.LastIndex(); !raft.IsEmptyHardState(hs) && hs.Term == n.savedHS.Term && hs.Vote == n.savedHS.Vote && hs.Commit <= last {
+		// Only the commit index moved, and not past entries already on
+		// disk (a follower commits what arrives in the same Ready): no
+		// fsync of its own (SetCommit).
+		n.db.SetCommit(hs)
+		hs = pb.HardState{}
+	}
+	if len(rd.Entries) > 0 || !raft.IsEmptyHardState(hs) {
+		if !n.save(hs, rd.Entries) {
+			return false
+		}
+		if !raft.IsEmptyHardState(hs) {
+			n.savedHS = hs
+			n.term.Store(hs.Term)
+		}
+		if n.db.TakeRequeueSignal() {
+			select {
+			case n.requeueSig <- struct{}{}:
+			default:
+			}
+		}
+	}
+	if n.leader {
+		n.matchSaved(rd.Entries)
+		n.flushResolved() // acks first: the rest of the Ready can wait
+	} else if n.cfg.Forwarder != nil {
+		n.noteLogged(rd.Entries)
+	}
+	if !early && n.cfg.Transport != nil && len(rd.Messages) > 0 {
+		n.cfg.Transport.Send(rd.Messages)
+	}
+	if len(rd.CommittedEntries) > 0 {
+		for i := range rd.CommittedEntries {
+			if e := &rd.CommittedEntries[i]; e.Type != pb.EntryNormal {
+				n.applyConfChange(e)
+			}
+		}
+		select {
+		case n.applyc <- rd.CommittedEntries:
+		case <-n.stopc:
+			return false
+		case <-n.failc:
+			return false
+		}
+	}
+	n.rn.Advance(rd)
+	n.checkSync()
+	return true
+}
+
+// save persists one Ready, retrying a failing disk until it works or the
+// node stops: raft has handed over this Ready and cannot take it back. While
+// it fails, every waiting proposal fails with ErrStorage (0x97 to devices)
+// and new ones fail at once, instead of hanging past sync_timeout.
+func (n *Node) save(hs pb.HardState, ents []pb.Entry) bool {
+	backoff := 10 * time.Millisecond
+	for {
+		err := n.db.Save(hs, ents)
+		if err == nil {
+			if n.diskErr.Load() != nil {
+				n.log.Info("the log is writable again")
+				n.diskErr.Store(nil)
+			}
+			return true
+		}
+		if errors.Is(err, storage.ErrClosed) {
+			n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
+			return false
+		}
+		if n.diskErr.Load() == nil {
+			n.log.Error("saving the log failed; refusing publishes and retrying", "error", err, "index", firstIndex(ents))
+		}
+		serr := fmt.Errorf("%w: %v", ErrStorage, err)
+		n.diskErr.Store(&serr)
+		n.failWaiting(serr)
+		n.flushResolved()
+		select {
+		case <-time.After(backoff):
+		case <-n.stopc:
+			return false
+		}
+		if backoff < time.Second {
+			backoff *= 2
+		}
+	}
+}
+
+// failWaiting fails every proposal not yet acked, queued ones included;
+// the loop goes on.
+func (n *Node) failWaiting(err error) {
+	n.propMu.Lock()
+	q := n.propQ
+	n.propQ = nil
+	n.propMu.Unlock()
+	for _, p := range q {
+		n.resolve(p, err)
+	}
+	for _, p := range n.byDue {
+		n.resolve(p, err)
+	}
+	n.byDue, n.syncWait = nil, nil
+	clear(n.pending)
+	clear(n.live)
+}
+
+func firstIndex(ents []pb.Entry) uint64 {
+	if len(ents) == 0 {
+		return 0
+	}
+	return ents[0].Index
+}
+
+func (n *Node) setLeader(leader bool, lead uint64) {
+	if leader != n.leader {
+		n.log.Info("role changed", "master", leader, "leader", IDString(lead), "term", n.rn.BasicStatus().Term)
+	}
+	n.leader = leader
+	if n.lead.Swap(lead) != lead {
+		n.leaderChanges.Add(1)
+	}
+	if !leader {
+		for _, w := range n.confWait {
+			w.done <- ErrNotLeader
+		}
+		n.confWait = nil
+		// Proposals not yet in a saved Ready will never be: raft dropped
+		// them with the leadership.
+		for id, p := range n.pending {
+			delete(n.pending, id)
+			n.resolve(p, ErrNotLeader)
+		}
+	}
+}
+
+// updateFloor tells storage how far retention may drop: on the master, the
+// lowest Match of the other members, so nothing a member still lacks goes.
+// Every member in the configuration counts, heard from recently or not: a
+// member the log has passed can only install the compaction point and loses
+// the records in between (DB.ApplySnapshot), until snapshots carry the
+// broker state and catch-up streams the kept records. A member that never
+// answered has Match 0 and holds everything. On a slave (and a candidate)
+// storage's own bound applies: what it has applied.
+func (n *Node) updateFloor() {
+	floor := uint64(math.MaxUint64)
+	if n.leader {
+		n.rn.WithProgress(func(id uint64, _ raft.ProgressType, pr tracker.Progress) {
+			if id != n.id {
+				floor = min(floor, pr.Match)
+			}
+		})
+	}
+	n.floor.Store(floor)
+	n.db.SetRetentionFloor(floor)
+}
+
+// catchingUp reports whether this node has yet to apply up to CatchUpTo.
+func (n *Node) catchingUp() bool {
+	to := n.catchUp.Load()
+	if to == 0 {
+		return false
+	}
+	if n.db.Applied() >= to {
+		n.catchUp.Store(0)
+		return false
+	}
+	return true
+}
