@@ -60,7 +60,7 @@ func (a *logAdapter) Propose(m *mqtt.Message, mode mqtt.AckMode, done func(error
 		if errors.Is(err, replication.ErrStorage) {
 			err = errors.Join(mqtt.ErrQuota, err)
 		}
-		done(err)
+		a.d.acks.push(done, err) // to the broker on the queue's goroutine, not raft's
 	})
 }
 

@@ -48,6 +48,7 @@ type Daemon struct {
 	fv *admin.FieldView // metrics and the page's history, made by fieldView()
 
 	serving servingWatch // whether publishes are taken; devices sent away (serving.go)
+	acks    *ackQueue    // proposal outcomes, from replication's goroutine to the broker (acks.go)
 	ups     *uplinks     // the cloud uplinks; nil without any (uplinks.go)
 }
 
@@ -109,6 +110,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err = d.gw.StartTransport(); err != nil {
 		return fmt.Errorf("peer port: %w", inUse(err, "peer address", c.Peer.Listen, "--peer", "peer.listen"))
 	}
+	d.acks = newAckQueue()
 	la := &logAdapter{d: d}
 	d.broker, err = mqtt.NewServer(mqtt.Config{
 		Listen:         c.MQTT.Listen,
@@ -248,6 +250,9 @@ func (d *Daemon) Stop() error {
 		}
 		if d.gw != nil {
 			d.gw.Stop()
+		}
+		if d.acks != nil {
+			d.acks.stop() // after replication: its last outcomes (stopped) reach the broker
 		}
 		if d.db != nil {
 			if err := d.db.Close(); err != nil {

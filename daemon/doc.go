@@ -13,6 +13,13 @@
 //     translation of config sections into mqtt's.
 //   - adapters.go: the broker's log interface onto replication (Message ↔
 //     storage.Record), the applier, the session store.
+//   - acks.go: the queue that carries proposal outcomes from replication's
+//     goroutine to the broker, so the raft goroutine never runs broker code
+//     (deliveries reach the broker on replication's apply goroutine).
+//   - serving.go: whether the gateway takes publishes (/healthz), devices
+//     sent to another member while it cannot, and which members are down
+//     since when (status).
+//   - logapi.go: POST /v1/log, `tandem inspect` of the running gateway.
 //   - admin.go, status.go, clusterapi.go: the daemon as admin.Gateway and
 //     admin.Cluster, and the status JSON it assembles.
 //   - redeliver.go: what a deposed master's subscribers already got, so
@@ -28,9 +35,11 @@
 // Locks: reloadMu serialises Reload and guards live, the config in force;
 // node swaps are the control plane's (cluster.Gateway).
 //
-// Goroutines: one of its own, the uplinks' role watcher (uplinks.go),
-// which Stop ends and waits for, and then stops the uplinks (each saves
-// its position while replication still runs). Stop then stops and waits
+// Goroutines: three of its own, each ended and waited for by Stop: the
+// uplinks' role watcher (uplinks.go; then the uplinks stop, each saving
+// its position while replication still runs), the serving watch
+// (serving.go) and the ack queue (acks.go, stopped after replication, so
+// the last outcomes reach the broker). Stop then stops and waits
 // for those of the admin server and its field view (admin), of the
 // control plane (cluster) and of the broker (mqtt), in the reverse of the
 // start order.

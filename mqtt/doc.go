@@ -78,7 +78,8 @@
 // state; a connection's locks guard its ack queue and its writer state.
 // Locks are taken server, then session, and a connection's one at a time;
 // nothing blocks under any of them.
-// The Log's callbacks run on the log's goroutine and only mark and kick.
+// The Log's callbacks only mark and kick; the daemon runs them on a
+// goroutine of its own (daemon/acks.go), never replication's.
 // Every goroutine the server starts is waited for by Stop.
 //
 // This package imports no other package of tandem: the daemon plugs

@@ -1,0 +1,83 @@
+package daemon
+
+import "sync"
+
+// ackQueue carries the outcomes of the broker's proposals from the
+// replication goroutine, which resolves them, to the broker: the raft
+// goroutine only appends to a slice and signals, and the broker's done
+// callbacks (which mark acks and wake connection writers under the
+// broker's locks) run on the queue's own goroutine. Outcomes keep their
+// order; one wake-up drains every outcome queued meanwhile.
+type ackQueue struct {
+	mu      sync.Mutex // guards pending and closed
+	pending []ackOutcome
+	closed  bool
+	sig     chan struct{} // capacity 1: wakes run
+	done    chan struct{} // closed when run has ended
+}
+
+// ackOutcome is one proposal's outcome for its done callback.
+type ackOutcome struct {
+	done func(error)
+	err  error
+}
+
+// newAckQueue starts a queue; stop ends it.
+func newAckQueue() *ackQueue {
+	q := &ackQueue{sig: make(chan struct{}, 1), done: make(chan struct{})}
+	go q.run()
+	return q
+}
+
+// push queues an outcome; after stop it is delivered at once (nobody is
+// left to wait for, and the callback must still run exactly once).
+func (q *ackQueue) push(done func(error), err error) {
+	q.mu.Lock()
+	if q.closed {
+		q.mu.Unlock()
+		done(err)
+		return
+	}
+	q.pending = append(q.pending, ackOutcome{done, err})
+	q.mu.Unlock()
+	select {
+	case q.sig <- struct{}{}:
+	default:
+	}
+}
+
+func (q *ackQueue) run() {
+	defer close(q.done)
+	var batch []ackOutcome
+	for {
+		<-q.sig
+		q.mu.Lock()
+		batch, q.pending = q.pending, batch[:0]
+		closed := q.closed
+		q.mu.Unlock()
+		for i := range batch {
+			batch[i].done(batch[i].err)
+			batch[i] = ackOutcome{}
+		}
+		if closed {
+			return
+		}
+	}
+}
+
+// stop delivers what is queued and ends the queue; outcomes pushed later
+// run on the caller's goroutine.
+func (q *ackQueue) stop() {
+	q.mu.Lock()
+	if q.closed {
+		q.mu.Unlock()
+		return
+	}
+	q.closed = true
+	q.mu.Unlock()
+	select {
+	case q.sig <- struct{}{}:
+	default:
+	}
+	<-q.done
+}
