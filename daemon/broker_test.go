@@ -426,21 +426,9 @@ func TestRetainedAndPersistentSubscriptionsSurviveRestart(t *testing.T) {
 	if p := receive(t, got, 5*time.Second); p.Topic != "retained/1" || string(p.Payload) != "kept" || !p.Retain {
 		t.Fatalf("retained after restart: %s %q retain=%v", p.Topic, p.Payload, p.Retain)
 	}
-	conn, err := net.DialTimeout("tcp", d2.MQTTAddr(), 5*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	back := make(chan *paho.Publish, 16)
-	c := paho.NewClient(paho.ClientConfig{ClientID: "persistent", Conn: conn,
-		OnPublishReceived: []func(paho.PublishReceived) (bool, error){func(pr paho.PublishReceived) (bool, error) {
-			back <- pr.Packet
-			return true, nil
-		}}})
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	ca, err := c.Connect(ctx, &paho.Connect{ClientID: "persistent", CleanStart: false, KeepAlive: 30, Properties: &paho.ConnectProperties{SessionExpiryInterval: &expiry}})
-	if err != nil || !ca.SessionPresent {
-		t.Fatalf("reconnect: %v, session present %v", err, ca != nil && ca.SessionPresent)
+	c, back, ca := resume(t, d2.MQTTAddr(), "persistent", expiry)
+	if !ca.SessionPresent {
+		t.Fatal("reconnect: session not present")
 	}
 	defer c.Disconnect(&paho.Disconnect{})
 	publish(t, pub2(t, d2), &paho.Publish{Topic: "persist/after", QoS: 1, Payload: []byte("fresh")})
@@ -479,4 +467,29 @@ func TestStatusOfALoneGateway(t *testing.T) {
 		s.Disk.UsedBytes <= 0 || s.Disk.FreeBytes == 0 || s.MQTT.Clients != 1 || s.Pairing.Open {
 		t.Fatalf("status of a lone gateway: %+v", s)
 	}
+}
+
+// resume connects client id to addr as a device with a persistent session
+// does (clean start off, the session expiry given) and returns the client,
+// its received publishes and the CONNACK.
+func resume(t *testing.T, addr, id string, expiry uint32) (*paho.Client, chan *paho.Publish, *paho.Connack) {
+	t.Helper()
+	conn, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan *paho.Publish, 64)
+	c := paho.NewClient(paho.ClientConfig{ClientID: id, Conn: conn,
+		OnPublishReceived: []func(paho.PublishReceived) (bool, error){func(pr paho.PublishReceived) (bool, error) {
+			got <- pr.Packet
+			return true, nil
+		}}})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	ca, err := c.Connect(ctx, &paho.Connect{ClientID: id, CleanStart: false, KeepAlive: 30,
+		Properties: &paho.ConnectProperties{SessionExpiryInterval: &expiry}})
+	if err != nil || ca.ReasonCode != 0 {
+		t.Fatalf("connect %s to %s: %v %+v", id, addr, err, ca)
+	}
+	return c, got, ca
 }

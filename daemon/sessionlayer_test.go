@@ -362,24 +362,7 @@ func TestPersistentSessionMovesToAnotherMember(t *testing.T) {
 	testutil.WaitFor(t, 10*time.Second, "gw-2 to apply the whole log", func() bool {
 		return statusOfGW(t, g2).Log.AppliedIndex >= statusOfGW(t, g1).Log.LastIndex
 	})
-	conn, err := net.DialTimeout("tcp", g2.MQTTAddr(), 5*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	moved := make(chan *paho.Publish, 64)
-	c := paho.NewClient(paho.ClientConfig{ClientID: "mover", Conn: conn,
-		OnPublishReceived: []func(paho.PublishReceived) (bool, error){func(pr paho.PublishReceived) (bool, error) {
-			moved <- pr.Packet
-			return true, nil
-		}}})
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	cp := persistent()
-	cp.ClientID, cp.KeepAlive = "mover", 30
-	ca, err := c.Connect(ctx, cp)
-	if err != nil || ca.ReasonCode != 0 {
-		t.Fatalf("connect to gw-2: %v %+v", err, ca)
-	}
+	c, moved, ca := resume(t, g2.MQTTAddr(), "mover", expiry)
 	defer c.Disconnect(&paho.Disconnect{})
 	if !ca.SessionPresent {
 		t.Fatal("the session is not present on the other member")

@@ -394,10 +394,7 @@ func checkAll(t *testing.T, acked map[string]time.Time, gws ...*gw) {
 
 func TestThreeGatewaysSurviveMasterKill(t *testing.T) {
 	nt := netns.New(t, 3)
-	g1, g2, g3 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")
-	for _, g := range []*gw{g1, g2, g3} {
-		g.start()
-	}
+	g1, g2, g3 := startThree(t, nt)
 	g2.join(g1)
 	waitShape(t, g1, 0, 1, 15*time.Second)
 	g3.join(g2) // asked on a slave: the master issues the token
@@ -503,10 +500,7 @@ func TestThreeGatewaysSurviveMasterKill(t *testing.T) {
 
 func TestGrowAndShrinkUnderLoad(t *testing.T) {
 	nt := netns.New(t, 3)
-	g1, g2, g3 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")
-	for _, g := range []*gw{g1, g2, g3} {
-		g.start()
-	}
+	g1, g2, g3 := startThree(t, nt)
 	g2.join(g1)
 	waitShape(t, g1, 0, 1, 15*time.Second)
 	l := startLoad(t, 4, "s/grow", func(i int) []*gw { return []*gw{[]*gw{g1, g2}[i%2]} })
@@ -537,11 +531,7 @@ func TestGrowAndShrinkUnderLoad(t *testing.T) {
 
 func TestMasterFoundAgainAfterAddressChange(t *testing.T) {
 	nt := netns.New(t, 2)
-	g1, g2 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2")
-	g1.start()
-	g2.start()
-	g2.join(g1)
-	waitShape(t, g1, 0, 1, 15*time.Second)
+	g1, _ := startPair(t, nt)
 	// The master's DHCP lease changes: the slave knows only the old
 	// address and must find it again by mDNS.
 	nt.Hosts[0].SetAddr("101")

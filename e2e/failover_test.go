@@ -41,11 +41,7 @@ func merge(ls ...*load) map[string]time.Time {
 
 func TestTwoGatewaysPromoteAndRejoin(t *testing.T) {
 	nt := netns.New(t, 2)
-	g1, g2 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2")
-	g1.start()
-	g2.start()
-	g2.join(g1)
-	waitShape(t, g1, 0, 1, 15*time.Second)
+	g1, g2 := startPair(t, nt)
 	both := func(i int) []*gw { return []*gw{[]*gw{g1, g2}[i%2], []*gw{g1, g2}[(i+1)%2]} }
 	ls := startLoad(t, 2, "s/mix", both)
 	la := startLoad(t, 2, "a/mix", both)
@@ -133,10 +129,7 @@ func TestTwoGatewaysAutoFailoverSplitBrainRepaired(t *testing.T) {
 
 func TestThreeGatewaysMasterCutOff(t *testing.T) {
 	nt := netns.New(t, 3)
-	g1, g2, g3 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")
-	for _, g := range []*gw{g1, g2, g3} {
-		g.start()
-	}
+	g1, g2, g3 := startThree(t, nt)
 	g2.join(g1)
 	g3.join(g1)
 	waitShape(t, g1, 2, 0, 20*time.Second)

@@ -49,13 +49,18 @@ type aclRule struct {
 }
 
 // LoadACL reads the ACL file at path. Errors name the file and line.
-func LoadACL(path string) (*ACL, error) {
+func LoadACL(path string) (*ACL, error) { return loadFile(path, "acl file", ParseACL) }
+
+// loadFile opens path and parses it with parse; what names the file in
+// the error of an open that fails.
+func loadFile[T any](path, what string, parse func(io.Reader, string) (T, error)) (T, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return nil, fmt.Errorf("acl file: %w", err)
+		var zero T
+		return zero, fmt.Errorf("%s: %w", what, err)
 	}
 	defer f.Close()
-	return ParseACL(f, path)
+	return parse(f, path)
 }
 
 // ParseACL parses an ACL file; name is the file name used in errors. Unlike

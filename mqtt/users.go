@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"strings"
 	"unicode"
 
@@ -30,14 +29,7 @@ type Users struct {
 }
 
 // LoadUsers reads the users file at path. Errors name the file and line.
-func LoadUsers(path string) (*Users, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, fmt.Errorf("users file: %w", err)
-	}
-	defer f.Close()
-	return ParseUsers(f, path)
-}
+func LoadUsers(path string) (*Users, error) { return loadFile(path, "users file", ParseUsers) }
 
 // ParseUsers parses a users file; name is the file name used in errors.
 // Blank lines and lines starting with # are skipped. A line that is not
