@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/http"
 
 	"github.com/tandem-edge/tandem/admin"
@@ -20,7 +21,7 @@ func (d *Daemon) handleLog(w http.ResponseWriter, r *http.Request) {
 	}
 	q := inspect.Query(req)
 	if _, ok := inspect.Encoders[q.Payload]; !ok && q.Payload != "" {
-		admin.WriteError(w, http.StatusBadRequest, errUnknownPayload(q.Payload))
+		admin.WriteError(w, http.StatusBadRequest, fmt.Errorf("payload encoding %q: base64, text or hex", q.Payload))
 		return
 	}
 	w.Header().Set("Content-Type", "application/x-ndjson")
@@ -29,11 +30,4 @@ func (d *Daemon) handleLog(w http.ResponseWriter, r *http.Request) {
 		// the stream, where the CLI prints it.
 		json.NewEncoder(w).Encode(admin.ErrorResponse{Error: err.Error()})
 	}
-}
-
-// errUnknownPayload refuses a payload encoding inspect does not know.
-type errUnknownPayload string
-
-func (e errUnknownPayload) Error() string {
-	return "payload encoding " + string(e) + ": base64, text or hex"
 }

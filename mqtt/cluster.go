@@ -54,11 +54,14 @@ func isControlBytes(topic []byte) bool { return bytes.HasPrefix(topic, []byte(co
 // proposeSession logs op for client id. Nobody waits for it: the session
 // is live here already, and the record only tells the other members.
 func (s *Server) proposeSession(id string, op sessionOp) {
-	b, err := json.Marshal(op)
-	if err != nil {
-		return
-	}
-	s.proposeControl(sessionTopic, id, b)
+	s.proposeOp(id, op, Async, s.logFailure)
+}
+
+// proposeOp logs op as client id's session record under mode; done gets
+// the outcome.
+func (s *Server) proposeOp(id string, op sessionOp, mode AckMode, done func(error)) {
+	b, _ := json.Marshal(op) // a struct of strings and numbers: cannot fail
+	s.proposeRecord(sessionTopic, id, b, mode, done)
 }
 
 // proposeSessionOps logs ops for client id, in order, and calls then once
@@ -75,10 +78,7 @@ func (s *Server) proposeSessionOps(id string, ops []sessionOp, then func()) {
 	var left atomic.Int32
 	left.Store(int32(len(ops)))
 	for _, op := range ops {
-		b, _ := json.Marshal(op) // a struct of strings and numbers: cannot fail
-		m := &Message{ClientID: id, Topic: sessionTopic, Payload: b, Time: time.Now().UnixNano()}
-		s.log.Reserve(m)
-		s.log.Propose(m, Async, func(err error) {
+		s.proposeOp(id, op, Async, func(err error) {
 			if err != nil {
 				s.lines.Warn("subscription record not logged: the other members may not know it", "client", id, "error", err)
 			}
@@ -89,10 +89,16 @@ func (s *Server) proposeSessionOps(id string, ops []sessionOp, then func()) {
 	}
 }
 
+// proposeControl logs one of the cluster's own records; nobody waits for it.
 func (s *Server) proposeControl(topic, client string, payload []byte) {
+	s.proposeRecord(topic, client, payload, Async, s.logFailure)
+}
+
+// proposeRecord logs a record of the cluster's own under mode.
+func (s *Server) proposeRecord(topic, client string, payload []byte, mode AckMode, done func(error)) {
 	m := &Message{ClientID: client, Topic: topic, Payload: payload, Time: time.Now().UnixNano()}
 	s.log.Reserve(m)
-	s.log.Propose(m, Async, s.logFailure)
+	s.log.Propose(m, mode, done)
 }
 
 // applyControl applies a committed session or cursor record; it runs on
@@ -279,10 +285,7 @@ func (s *Server) replicateCursors() {
 // connected here. A resumed session replays the log only once that record
 // is applied here (awaitingStartLocked), or could not be logged.
 func (s *Server) proposeStart(se *session, op sessionOp) {
-	b, _ := json.Marshal(op) // a struct of strings and numbers: cannot fail
-	m := &Message{ClientID: se.id, Topic: sessionTopic, Payload: b, Time: time.Now().UnixNano()}
-	s.log.Reserve(m)
-	s.log.Propose(m, Async, func(err error) {
+	s.proposeOp(se.id, op, Async, func(err error) {
 		if err == nil {
 			return
 		}

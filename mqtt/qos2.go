@@ -1,7 +1,6 @@
 package mqtt
 
 import (
-	"encoding/json"
 	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -58,10 +57,7 @@ func (s *session) releaseNext() {
 	batch := s.relPending
 	s.relPending, s.relBusy = nil, true
 	s.mu.Unlock()
-	b, _ := json.Marshal(sessionOp{Op: "rel", Rel: batch})
-	m := &Message{ClientID: s.id, Topic: sessionTopic, Payload: b, Time: time.Now().UnixNano()}
-	s.srv.log.Reserve(m)
-	s.srv.log.Propose(m, Replicated, func(err error) { s.released(batch, err) })
+	s.srv.proposeOp(s.id, sessionOp{Op: "rel", Rel: batch}, Replicated, func(err error) { s.released(batch, err) })
 }
 
 // released sends the PUBRELs of batch once its release record is logged.
