@@ -147,6 +147,9 @@ func TestTransportExchangesRaftBothWays(t *testing.T) {
 	waitFor(t, "all messages", func() bool { return a.count() == n && b.count() == n })
 	tpCheckRun(t, b.received(), a.id.ID, b.id.ID, n)
 	tpCheckRun(t, a.received(), b.id.ID, a.id.ID, n)
+	// A frame is counted once its write returns, which may be after the
+	// peer has read it.
+	waitFor(t, "a's stats to count what it sent", func() bool { return a.tr.Stats().MsgsSent >= n })
 	sa := a.tr.Stats()
 	if sa.MsgsSent != n || sa.MsgsReceived != n || sa.Dropped != 0 {
 		t.Fatalf("a's stats %+v", sa)
