@@ -7,7 +7,9 @@ import "sync"
 // goroutine only appends to a slice and signals, and the broker's done
 // callbacks (which mark acks and wake connection writers under the
 // broker's locks) run on the queue's own goroutine. Outcomes keep their
-// order; one wake-up drains every outcome queued meanwhile.
+// order. Replication calls AfterResolve after each run of callbacks
+// (clusterHost), which flushes the queue: one wake-up per run drains every
+// outcome the run resolved, instead of a goroutine switch per ack.
 type ackQueue struct {
 	mu      sync.Mutex // guards pending and closed
 	pending []ackOutcome
@@ -29,8 +31,9 @@ func newAckQueue() *ackQueue {
 	return q
 }
 
-// push queues an outcome; after stop it is delivered at once (nobody is
-// left to wait for, and the callback must still run exactly once).
+// push queues an outcome until the next flush; after stop it is delivered
+// at once (nobody is left to wait for, and the callback must still run
+// exactly once).
 func (q *ackQueue) push(done func(error), err error) {
 	q.mu.Lock()
 	if q.closed {
@@ -40,6 +43,10 @@ func (q *ackQueue) push(done func(error), err error) {
 	}
 	q.pending = append(q.pending, ackOutcome{done, err})
 	q.mu.Unlock()
+}
+
+// flush wakes the queue's goroutine to run what push queued.
+func (q *ackQueue) flush() {
 	select {
 	case q.sig <- struct{}{}:
 	default:

@@ -16,7 +16,7 @@ func (h clusterHost) Live() *config.Config         { return h.d.liveConfig() }
 func (h clusterHost) Serving() <-chan struct{}     { return h.d.apply.ready }
 func (h clusterHost) MQTTAddr() string             { return h.d.broker.Addr() }
 func (h clusterHost) Applier() replication.Applier { return h.d.redeliver.wrap(h.d.apply) }
-func (h clusterHost) AfterResolve()                { h.d.broker.ReleaseAcks() }
+func (h clusterHost) AfterResolve()                { h.d.acks.flush() }
 func (h clusterHost) Fail(err error)               { h.d.fail(err) }
 
 func (h clusterHost) Rewind(quietUntil uint64) {

@@ -322,10 +322,6 @@ func (s *Server) onlineConns() []*conn {
 	return out
 }
 
-// ReleaseAcks is a no-op: each connection's writer is woken as its acks
-// resolve. It stays for the Log's AfterResolve hook.
-func (s *Server) ReleaseAcks() {}
-
 // Clients returns the number of connected clients.
 func (s *Server) Clients() int64 { return s.clients.Load() }
 
