@@ -8,7 +8,8 @@
 // Maximum 20): its row shows deliveries/s, end-to-end p50/p99 and broker
 // CPU µs per delivery. W6 opens 5,000 idle connections and shows the
 // broker's RSS with them open, beside its RSS before and the KiB each
-// connection added. For W6 tandem runs with mqtt.max_clients 10000 and its
+// connection added. The storage workloads (storage.go) then compare tandem
+// with itself, and the cluster workloads (cluster.go) run last. For W6 tandem runs with mqtt.max_clients 10000 and its
 // per-address connect rate limit lifted (every connection comes from
 // 127.0.0.1); the suite raises its own RLIMIT_NOFILE, which both brokers
 // inherit. A run that fails (or hangs past its time-out) restarts that
@@ -92,6 +93,8 @@ func main() {
 	only := flag.String("only", "", "comma-separated workloads to run (default all)")
 	clusters := flag.Bool("clusters", true, "also run the cluster workloads (2 and 3 gateways on loopback)")
 	onlyClusters := flag.String("only-clusters", "", "comma-separated cluster workloads to run, by their first word (C1, the reference, always runs); with it, the single-gateway workloads are skipped")
+	storageRuns := flag.Bool("storage", true, "also run the storage workloads (R1, R2: retention dropping against an empty log; F1, F3: flush interval against always on slow flash)")
+	onlyStorage := flag.String("only-storage", "", "comma-separated storage workloads to run (R1,R2,F1,F3); with it, the other workloads are skipped")
 	flag.Parse()
 
 	// W6 holds 5,000 connections on each side: the brokers started below
@@ -112,7 +115,7 @@ func main() {
 	fmt.Printf("W5: msg/s is deliveries/s to all subscribers, p50/p99 end to end, µs per delivery\n\n")
 	fmt.Printf("%-4s %-9s %10s %9s %9s %9s %10s %11s %8s  %s\n", "", "broker", "msg/s", "p50 ms", "p99 ms", "µs/msg", "fsync/msg", "dev B/msg", "RSS MB", "ratio (goal)")
 	for _, w := range workloads {
-		if (*only != "" || *onlyClusters != "") && !slices.Contains(strings.Split(*only, ","), w.name) {
+		if (*only != "" || *onlyClusters != "" || *onlyStorage != "") && !slices.Contains(strings.Split(*only, ","), w.name) {
 			continue
 		}
 		var st, sm []sample
@@ -138,9 +141,12 @@ func main() {
 			fmt.Printf("%-4s %-9s %10s  tandem/mosquitto = %.2f× msg/s (%s)\n\n", "", "", "", a.res.MsgPerSec/b.res.MsgPerSec, w.goal+notComparable(a, b))
 		}
 	}
-	if *clusters {
-		stop(tan)
-		stop(mos)
+	stop(tan)
+	stop(mos)
+	if *storageRuns && (*onlyClusters == "" && *only == "" || *onlyStorage != "") {
+		runStorage(*tandemBin, dir, dev, *reps, *onlyStorage)
+	}
+	if *clusters && *onlyStorage == "" {
 		runClusters(*tandemBin, dir, *reps, *onlyClusters)
 	}
 }
@@ -280,15 +286,23 @@ func runIdle(b *broker, w workload) sample {
 }
 
 func startTandem(bin, dir string) *broker {
+	return startTandemAs(bin, dir, "tandem", "", nil)
+}
+
+// startTandemAs starts a gateway named name (its data dir, config and log
+// in dir carry the name) with extra appended to the suite's config and env
+// added to its environment.
+func startTandemAs(bin, dir, name, extra string, env []string) *broker {
 	mq, hp := freePort(), freePort()
-	cfg := filepath.Join(dir, "tandem.yaml")
-	check(os.WriteFile(cfg, []byte(fmt.Sprintf(tandemConfig, filepath.Join(dir, "tandem-data"))), 0o644))
+	cfg := filepath.Join(dir, name+".yaml")
+	check(os.WriteFile(cfg, []byte(fmt.Sprintf(tandemConfig, filepath.Join(dir, name+"-data"))+extra), 0o644))
 	cmd := exec.Command(bin, "run", "--config", cfg, "--mqtt", mq, "--http", hp, "--peer", "127.0.0.1:0")
-	logf, err := os.OpenFile(filepath.Join(dir, "tandem.log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+	cmd.Env = append(os.Environ(), env...)
+	logf, err := os.OpenFile(filepath.Join(dir, name+".log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
 	check(err)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	check(cmd.Start())
-	b := &broker{name: "tandem", addr: mq, cmd: cmd, http: hp, start: func() *broker { return startTandem(bin, dir) }}
+	b := &broker{name: name, addr: mq, cmd: cmd, http: hp, start: func() *broker { return startTandemAs(bin, dir, name, extra, env) }}
 	waitListening(mq)
 	return b
 }
