@@ -89,8 +89,9 @@ type cluster struct {
 	rejoins  rejoinState // a deposed master's knocking (rejoin.go)
 	rtt      rttEstimate // round trip to the members, measured
 
-	members  membersWriter // MembersFile, the membership kept beside the data file (resync.go)
-	resynced resyncBook    // on the master: the damaged members it re-admitted
+	members    membersWriter // MembersFile, the membership kept beside the data file (resync.go)
+	membersSig chan struct{} // a membership change applied: the keeper writes MembersFile
+	resynced   resyncBook    // on the master: the damaged members it re-admitted
 
 	// promotions and depositions count this process's failovers.
 	promotions, depositions atomic.Uint64
@@ -383,7 +384,10 @@ func (c *cluster) onMembership(members []replication.Member) {
 	if c.tr != nil {
 		c.tr.SetPeers(c.peersLocked())
 	}
-	c.recordMembers(members)
+	select {
+	case c.membersSig <- struct{}{}:
+	default:
+	}
 	c.d.log.Info("membership changed", "members", memberNames(members))
 }
 

@@ -73,7 +73,7 @@ func ReadMembersFile(dir string) (KnownCluster, error) {
 }
 
 // membersWriter keeps MembersFile current, writing it only when it would
-// change (membership changes are rare; a catch-up replays several).
+// change: the keeper offers it the membership every tick.
 type membersWriter struct {
 	mu   sync.Mutex // guards last and the file
 	last []byte
