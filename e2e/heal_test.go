@@ -120,13 +120,12 @@ func writeFile(t *testing.T, path string, b []byte) {
 	}
 }
 
-// heal damages g's stopped data file, starts it, and waits until it has
-// moved the damage aside and rejoined master's cluster as its slave under
-// a fresh id; the damaged file must be kept as it was.
-func heal(t *testing.T, g, master *gw, dm damage) {
+// heal damages g's data file (g was stopped with before its last
+// status), starts it, and waits until it has moved the damage aside and
+// rejoined master's cluster as its slave under a fresh id; the damaged
+// file must be kept as it was.
+func heal(t *testing.T, g, master *gw, before *healStatus, dm damage) {
 	t.Helper()
-	before := g.healStatus()
-	g.stop()
 	path := filepath.Join(g.dir, "tandem.db")
 	dm.do(t, path)
 	sum := sha256.Sum256(readFile(t, path))
@@ -166,7 +165,9 @@ func TestDamagedSlaveResyncsFromMaster(t *testing.T) {
 	acked := l.stop()
 	for i, dm := range damages {
 		converge(t, 20*time.Second, g1, g2)
-		heal(t, g2, g1, dm)
+		before := g2.healStatus()
+		g2.stop()
+		heal(t, g2, g1, before, dm)
 		sub := subscribeOn(t, g2, fmt.Sprintf("heal-sub-%d", i), "a/#")
 		l := startLoad(t, 1, fmt.Sprintf("a/after%d", i), onMaster)
 		l.waitAcks(t, 30, 20*time.Second)
@@ -180,4 +181,41 @@ func TestDamagedSlaveResyncsFromMaster(t *testing.T) {
 	g1.stop()
 	g2.stop()
 	checkAll(t, acked, g1, g2)
+}
+
+// A master stopped and promoted over (tandem promote on its slave), whose
+// data file is then found damaged, rejoins the new master as its slave the
+// same way, under a fresh id.
+func TestDamagedDeposedMasterResyncsAsSlave(t *testing.T) {
+	nt := netns.New(t, 2)
+	g1, g2 := startPair(t, nt)
+	l := startLoad(t, 2, "a/heal", func(int) []*gw { return []*gw{g1} })
+	l.waitAcks(t, 100, 20*time.Second)
+	acked := l.stop()
+	converge(t, 20*time.Second, g1, g2)
+	before := g1.healStatus()
+	g1.stop()
+	testutil.WaitFor(t, 20*time.Second, "gw-2 promoted", func() bool {
+		_, err := g2.cli("promote")
+		return err == nil // refused until the link to the stopped master is down
+	})
+	waitRole(t, g2, "master", "", 5*time.Second)
+	l = startLoad(t, 1, "a/promoted", func(int) []*gw { return []*gw{g2} })
+	l.waitAcks(t, 30, 20*time.Second)
+	for p, at := range l.stop() {
+		acked[p] = at
+	}
+	heal(t, g1, g2, before, damages[0])
+	sub := subscribeOn(t, g1, "heal-sub", "a/#")
+	l = startLoad(t, 1, "a/after", func(int) []*gw { return []*gw{g2} })
+	l.waitAcks(t, 30, 20*time.Second)
+	after := l.stop()
+	sub.once(t, after, 10*time.Second)
+	for p, at := range after {
+		acked[p] = at
+	}
+	converge(t, 20*time.Second, g1, g2)
+	g1.stop()
+	g2.stop()
+	checkAll(t, acked, g2, g1)
 }
