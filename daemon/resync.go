@@ -213,6 +213,15 @@ func (d *Daemon) resynced(r cluster.Resynced) {
 	}
 	st.Lost = lostPast(st.Survey, from)
 	st.Done = true
+	requeued := 0
+	if st.Survey.Opened && st.Survey.Last > from {
+		// Records past the master's log that still read are re-published
+		// there, as a deposed master's tail is.
+		var err error
+		if requeued, err = d.db.RequeueSalvaged(st.Dir, from); err != nil {
+			d.log.Error("re-publishing the readable records past the master's log failed: they are only in the damaged file", "from", from+1, "damaged_dir", st.Dir, "error", err)
+		}
+	}
 	b, _ := json.Marshal(st)
 	if err := d.db.PutMeta(metaLost, b); err != nil {
 		d.log.Warn("recording the lost records failed", "error", err)
@@ -223,22 +232,26 @@ func (d *Daemon) resynced(r cluster.Resynced) {
 	}
 	switch {
 	case len(st.Lost) > 0:
-		d.log.Error("records this member held alone are lost: the damaged data file had them past the master's log, and they are not re-published",
-			"lost", rangesText(st.Lost, st.Survey), "unreadable", rangesText(st.Survey.Unreadable, st.Survey), "master_last_index", from, "damaged_dir", st.Dir)
+		d.log.Error("records this member held alone are lost: the damaged data file had them past the master's log and they cannot be read",
+			"lost", rangesText(st.Lost, st.Survey), "master_last_index", from, "records_republished", requeued, "damaged_dir", st.Dir)
 	case !st.Survey.Opened:
 		d.log.Error("the damaged data file could not be read at all: whether it held records past the master's log is unknown", "master_last_index", from, "damaged_dir", st.Dir, "why", st.Survey.Why)
 	default:
-		d.log.Info("nothing acked was lost: every index of the damaged data file is at or below the master's log", "master_last_index", from, "damaged_dir", st.Dir)
+		d.log.Info("nothing acked was lost: the master's log holds every index the damaged data file could not read", "master_last_index", from, "records_republished", requeued, "damaged_dir", st.Dir)
 	}
 	d.log.Info("rejoined the cluster after the damage; replaying the master's log", "master", r.Master, "cluster", st.Known.Cluster)
 }
 
-// lostPast returns the indexes past from that the damaged log held.
+// lostPast returns the unreadable index ranges of the damaged log past
+// from: what the cluster does not have and this member cannot give back.
 func lostPast(s storage.Survey, from uint64) []storage.IndexRange {
-	if s.Last <= from {
-		return nil
+	var out []storage.IndexRange
+	for _, r := range s.Unreadable {
+		if r.Last > from {
+			out = append(out, storage.IndexRange{First: max(r.First, from+1), Last: r.Last})
+		}
 	}
-	return []storage.IndexRange{{First: from + 1, Last: s.Last}}
+	return out
 }
 
 // loadLost reads what an earlier re-sync lost, for status.

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
+	pb "go.etcd.io/raft/v3/raftpb"
 )
 
 // IndexRange is the log indexes First..Last, both included.
@@ -151,4 +152,75 @@ func appendRange(rs *[]IndexRange, first, last uint64) {
 		return
 	}
 	*rs = append(*rs, IndexRange{first, last})
+}
+
+// RequeueSalvaged puts the data entries past index from that pass their CRC
+// in the damaged data file of dir (a directory a damaged data dir's files
+// were moved to) into this DB's requeue bucket, to be re-published on the
+// master like a deposed master's tail: what a damaged member held alone and
+// can still read is not lost. It returns how many it put there. The damaged
+// file is only read.
+func (db *DB) RequeueSalvaged(dir string, from uint64) (n int, err error) {
+	path := filepath.Join(dir, FileName)
+	if err := checkFile(path); err != nil {
+		return 0, err
+	}
+	bdb, err := openBolt(path, 100*time.Millisecond, true)
+	if err != nil {
+		return 0, err
+	}
+	defer bdb.Close()
+	type kv struct{ k, v []byte }
+	var found []kv
+	func() {
+		defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+		defer func() {
+			if r := recover(); r != nil {
+				err = fmt.Errorf("%s: reading the file failed (%v): %w", path, r, ErrCorrupt)
+			}
+		}()
+		err = bdb.View(func(tx *bolt.Tx) error {
+			lb := tx.Bucket(bucketLog)
+			if lb == nil {
+				return fmt.Errorf("%s: no log bucket: %w", path, ErrCorrupt)
+			}
+			c := lb.Cursor()
+			for k, v := seekKey(c, from+1); k != nil; k, v = c.Next() {
+				first, run, err := keyFirst(k, v)
+				if err != nil {
+					continue
+				}
+				for idx, rest := first, v; len(rest) > 0; idx++ {
+					ev, after := rest, []byte(nil)
+					if run {
+						if ev, after, err = nextInRun(idx, rest); err != nil {
+							break
+						}
+					}
+					rest = after
+					if idx <= from || !checkOK(idx, ev) || pb.EntryType(ev[12]) != pb.EntryNormal || len(ev) == entryHdr {
+						continue
+					}
+					found = append(found, kv{append(u64(idx), ev[4:12]...), append([]byte(nil), ev...)})
+				}
+			}
+			return nil
+		})
+	}()
+	if err != nil || len(found) == 0 {
+		return 0, err
+	}
+	err = db.commitSync(0, func(tx *bolt.Tx) error {
+		rq := tx.Bucket(bucketRequeue)
+		for _, m := range found {
+			if err := rq.Put(m.k, m.v); err != nil {
+				return err
+			}
+		}
+		return nil
+	}, func() { db.requeued.Store(true) })
+	if err != nil {
+		return 0, err
+	}
+	return len(found), nil
 }

@@ -46,3 +46,28 @@ func TestSurveyDamagedUnopenable(t *testing.T) {
 		t.Errorf("survey of a truncated file = %+v, want it unread with a reason", s)
 	}
 }
+
+// What a damaged member still reads past the master's log is set aside to
+// be re-published; the entry that fails its CRC is not.
+func TestRequeueSalvagedSkipsTheBadEntry(t *testing.T) {
+	damaged := t.TempDir()
+	writeLog(t, damaged, 50)
+	boltUpdate(t, filepath.Join(damaged, FileName), func(tx *bolt.Tx) error { return flipLastByte(tx, 37) })
+	db := testOpen(t, t.TempDir(), nil)
+	n, err := db.RequeueSalvaged(damaged, 30)
+	if err != nil || n != 19 {
+		t.Fatalf("RequeueSalvaged = %d, %v; want the 19 intact entries 31..50 but 37", n, err)
+	}
+	got, err := db.Requeued(100)
+	if err != nil || len(got) != 19 {
+		t.Fatalf("Requeued = %d entries, %v", len(got), err)
+	}
+	for _, r := range got {
+		if r.Index <= 30 || r.Index == 37 {
+			t.Errorf("requeued index %d", r.Index)
+		}
+	}
+	if !db.TakeRequeueSignal() {
+		t.Error("no requeue signal for replication")
+	}
+}
