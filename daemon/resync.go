@@ -38,14 +38,14 @@ const metaLost = "storage.lost"
 // resyncState is resyncFile's content, and what metaLost keeps once the
 // re-sync is done.
 type resyncState struct {
-	Dir    string                 `json:"damaged_dir"` // where the damaged files went
-	At     time.Time              `json:"at"`
-	Error  string                 `json:"error"` // why the data file was refused
-	Known  cluster.KnownCluster   `json:"known"` // the cluster to rejoin
-	Survey storage.Survey         `json:"survey"`
-	Lost   []storage.IndexRange   `json:"lost,omitempty"` // set once done
-	Done   bool                   `json:"done,omitempty"`
-	old    *replication.Identity  // the identity of the damaged member
+	Dir    string                `json:"damaged_dir"` // where the damaged files went
+	At     time.Time             `json:"at"`
+	Error  string                `json:"error"` // why the data file was refused
+	Known  cluster.KnownCluster  `json:"known"` // the cluster to rejoin
+	Survey storage.Survey        `json:"survey"`
+	Lost   []storage.IndexRange  `json:"lost,omitempty"` // set once done
+	Done   bool                  `json:"done,omitempty"`
+	old    *replication.Identity // the identity of the damaged member
 }
 
 // storageOptions is the storage config of the gateway.
