@@ -91,29 +91,8 @@ func (w *membersWriter) write(dir, cluster string, self uint64, members []replic
 	if string(b) == string(w.last) {
 		return nil
 	}
-	path := filepath.Join(dir, MembersFile)
-	tmp := path + ".tmp"
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o640)
-	if err != nil {
+	if err := replication.WriteFileAtomic(filepath.Join(dir, MembersFile), append(b, '\n'), 0o640); err != nil {
 		return err
-	}
-	_, err = f.Write(append(b, '\n'))
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		os.Remove(tmp)
-		return err
-	}
-	if d, err := os.Open(dir); err == nil {
-		_ = d.Sync()
-		d.Close()
 	}
 	w.last = b
 	return nil

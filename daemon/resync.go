@@ -149,7 +149,7 @@ func (d *Daemon) quarantine(openErr error) (*resyncState, error) {
 	b, _ := json.MarshalIndent(st, "", "  ")
 	// The record first: a crash part way through the moves goes on with
 	// them at the next start (loadResync).
-	if err := writeFileSync(filepath.Join(dir, resyncFile), b); err != nil {
+	if err := replication.WriteFileAtomic(filepath.Join(dir, resyncFile), b, 0o640); err != nil {
 		return nil, fmt.Errorf("recording the re-sync: %w (%v)", err, openErr)
 	}
 	if err := moveAside(dir, dest); err != nil {
@@ -287,29 +287,6 @@ func (d *Daemon) damageStatus(s *admin.StatusStorage) {
 		dm.Unreadable = append(dm.Unreadable, admin.StatusRange{First: r.First, Last: r.Last})
 	}
 	s.Damaged = dm
-}
-
-// writeFileSync writes b to path durably.
-func writeFileSync(path string, b []byte) error {
-	tmp := path + ".tmp"
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o640)
-	if err != nil {
-		return err
-	}
-	_, err = f.Write(b)
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		os.Remove(tmp)
-	}
-	return err
 }
 
 // syncDirs makes the renames in dirs durable.

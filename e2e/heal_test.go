@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -17,39 +18,6 @@ import (
 	"github.com/tandem-edge/tandem/internal/netns"
 	"github.com/tandem-edge/tandem/internal/testutil"
 )
-
-// healStatus is the part of the status JSON the heal tests read.
-type healStatus struct {
-	Node struct {
-		ID string `json:"id"`
-	} `json:"node"`
-	Role   string `json:"role"`
-	Leader *struct {
-		Name string `json:"name"`
-	} `json:"leader"`
-	Storage struct {
-		Lost    []struct{ First, Last uint64 } `json:"lost"`
-		Damaged *struct {
-			Dir        string                         `json:"dir"`
-			Error      string                         `json:"error"`
-			Unreadable []struct{ First, Last uint64 } `json:"unreadable"`
-			Resyncing  bool                           `json:"resyncing"`
-		} `json:"damaged"`
-	} `json:"storage"`
-}
-
-func (g *gw) healStatus() *healStatus {
-	resp, err := g.http.Get("http://127.0.0.1:7880/v1/status")
-	if err != nil {
-		return nil
-	}
-	defer resp.Body.Close()
-	var s healStatus
-	if resp.StatusCode != 200 || json.NewDecoder(resp.Body).Decode(&s) != nil {
-		return nil
-	}
-	return &s
-}
 
 // A damage done to a stopped gateway's data file.
 type damage struct {
@@ -132,15 +100,15 @@ func writeFile(t *testing.T, path string, b []byte) {
 // status), starts it, and waits until it has moved the damage aside and
 // rejoined master's cluster as its slave under a fresh id; the damaged
 // file must be kept as it was.
-func heal(t *testing.T, g, master *gw, before *healStatus, dm damage) *healStatus {
+func heal(t *testing.T, g, master *gw, before *gwStatus, dm damage) *gwStatus {
 	t.Helper()
 	path := filepath.Join(g.dir, "tandem.db")
 	dm.do(t, path)
 	sum := sha256.Sum256(readFile(t, path))
 	g.start()
-	var s *healStatus
+	var s *gwStatus
 	testutil.WaitFor(t, 20*time.Second, g.name+" re-synced after: "+dm.name, func() bool {
-		s = g.healStatus()
+		s = g.status()
 		return s != nil && s.Role == "slave" && s.Leader != nil && s.Leader.Name == master.name &&
 			s.Storage.Damaged != nil && !s.Storage.Damaged.Resyncing
 	}, func() string { b, _ := json.Marshal(s); return string(b) })
@@ -153,16 +121,56 @@ func heal(t *testing.T, g, master *gw, before *healStatus, dm damage) *healStatu
 	}
 	logLine(t, g, "moved aside")
 	t.Logf("%s healed after %s: unreadable %v, damage %q", g.name, dm.name, s.Storage.Damaged.Unreadable, s.Storage.Damaged.Error)
-	waitShape(t, master, 0, 1, 20*time.Second)
 	return s
 }
 
 // noneLost fails if s reports records lost.
-func noneLost(t *testing.T, g *gw, s *healStatus) {
+func noneLost(t *testing.T, g *gw, s *gwStatus) {
 	t.Helper()
 	if len(s.Storage.Lost) != 0 {
 		t.Errorf("%s: storage.lost = %v; the master held everything it had", g.name, s.Storage.Lost)
 	}
+}
+
+// publishOn has clients devices publish on topic (async) to g until n
+// more acks came back, and returns what was acked.
+func publishOn(t *testing.T, g *gw, topic string, clients int, n int64) map[string]time.Time {
+	t.Helper()
+	l := startLoad(t, clients, topic, func(int) []*gw { return []*gw{g} })
+	l.waitAcks(t, n, 20*time.Second)
+	return l.stop()
+}
+
+// promoteOver makes g, the slave of a stopped master, the master.
+func promoteOver(t *testing.T, g *gw) {
+	t.Helper()
+	testutil.WaitFor(t, 20*time.Second, g.name+" promoted", func() bool {
+		_, err := g.cli("promote")
+		return err == nil // refused until the link to the stopped master is down
+	})
+	waitRole(t, g, "master", "", 5*time.Second)
+}
+
+// finish waits for gws to converge, stops them (each must stop cleanly on
+// SIGTERM) and checks every acked record is in every log.
+func finish(t *testing.T, acked map[string]time.Time, gws ...*gw) {
+	t.Helper()
+	converge(t, 20*time.Second, gws...)
+	for _, g := range gws {
+		g.stop()
+	}
+	checkAll(t, acked, gws...)
+}
+
+// servesNew checks that a subscriber on the healed g receives what is
+// published on master (on topic) after, each record once, and adds those
+// to acked.
+func servesNew(t *testing.T, g, master *gw, topic string, acked map[string]time.Time) {
+	t.Helper()
+	sub := subscribeOn(t, g, "sub-"+strings.ReplaceAll(topic, "/", "-"), "a/#")
+	after := publishOn(t, master, topic, 1, 30)
+	sub.once(t, after, 10*time.Second)
+	maps.Copy(acked, after)
 }
 
 // A slave whose data file is damaged while it is stopped (a flipped byte
@@ -173,28 +181,16 @@ func noneLost(t *testing.T, g *gw, s *healStatus) {
 func TestDamagedSlaveResyncsFromMaster(t *testing.T) {
 	nt := netns.New(t, 2)
 	g1, g2 := startPair(t, nt)
-	onMaster := func(int) []*gw { return []*gw{g1} }
-	l := startLoad(t, 2, "a/heal", onMaster)
-	l.waitAcks(t, 100, 20*time.Second)
-	acked := l.stop()
+	acked := publishOn(t, g1, "a/heal", 2, 100)
 	for i, dm := range damages {
 		converge(t, 20*time.Second, g1, g2)
-		before := g2.healStatus()
+		before := g2.status()
 		g2.stop()
 		noneLost(t, g2, heal(t, g2, g1, before, dm))
-		sub := subscribeOn(t, g2, fmt.Sprintf("heal-sub-%d", i), "a/#")
-		l := startLoad(t, 1, fmt.Sprintf("a/after%d", i), onMaster)
-		l.waitAcks(t, 30, 20*time.Second)
-		after := l.stop()
-		sub.once(t, after, 10*time.Second)
-		for p, at := range after {
-			acked[p] = at
-		}
+		waitShape(t, g1, 0, 1, 20*time.Second)
+		servesNew(t, g2, g1, fmt.Sprintf("a/after%d", i), acked)
 	}
-	converge(t, 20*time.Second, g1, g2)
-	g1.stop()
-	g2.stop()
-	checkAll(t, acked, g1, g2)
+	finish(t, acked, g1, g2)
 }
 
 // A master stopped and promoted over (tandem promote on its slave), whose
@@ -203,35 +199,16 @@ func TestDamagedSlaveResyncsFromMaster(t *testing.T) {
 func TestDamagedDeposedMasterResyncsAsSlave(t *testing.T) {
 	nt := netns.New(t, 2)
 	g1, g2 := startPair(t, nt)
-	l := startLoad(t, 2, "a/heal", func(int) []*gw { return []*gw{g1} })
-	l.waitAcks(t, 100, 20*time.Second)
-	acked := l.stop()
+	acked := publishOn(t, g1, "a/heal", 2, 100)
 	converge(t, 20*time.Second, g1, g2)
-	before := g1.healStatus()
+	before := g1.status()
 	g1.stop()
-	testutil.WaitFor(t, 20*time.Second, "gw-2 promoted", func() bool {
-		_, err := g2.cli("promote")
-		return err == nil // refused until the link to the stopped master is down
-	})
-	waitRole(t, g2, "master", "", 5*time.Second)
-	l = startLoad(t, 1, "a/promoted", func(int) []*gw { return []*gw{g2} })
-	l.waitAcks(t, 30, 20*time.Second)
-	for p, at := range l.stop() {
-		acked[p] = at
-	}
+	promoteOver(t, g2)
+	maps.Copy(acked, publishOn(t, g2, "a/promoted", 1, 30))
 	noneLost(t, g1, heal(t, g1, g2, before, damages[0]))
-	sub := subscribeOn(t, g1, "heal-sub", "a/#")
-	l = startLoad(t, 1, "a/after", func(int) []*gw { return []*gw{g2} })
-	l.waitAcks(t, 30, 20*time.Second)
-	after := l.stop()
-	sub.once(t, after, 10*time.Second)
-	for p, at := range after {
-		acked[p] = at
-	}
-	converge(t, 20*time.Second, g1, g2)
-	g1.stop()
-	g2.stop()
-	checkAll(t, acked, g2, g1)
+	waitShape(t, g2, 0, 1, 20*time.Second)
+	servesNew(t, g1, g2, "a/after", acked)
+	finish(t, acked, g2, g1)
 }
 
 // A master that acked async records alone (its slave stopped), was then
@@ -242,23 +219,14 @@ func TestDamagedDeposedMasterResyncsAsSlave(t *testing.T) {
 func TestDamagedMasterReportsWhatOnlyItHeld(t *testing.T) {
 	nt := netns.New(t, 2)
 	g1, g2 := startPair(t, nt)
-	onG1 := func(int) []*gw { return []*gw{g1} }
-	l := startLoad(t, 2, "a/heal", onG1)
-	l.waitAcks(t, 50, 20*time.Second)
-	acked := l.stop()
+	acked := publishOn(t, g1, "a/heal", 2, 50)
 	converge(t, 20*time.Second, g1, g2)
 	g2.stop()
-	l = startLoad(t, 1, "a/alone", onG1) // async: acked on gw-1's disk alone
-	l.waitAcks(t, 50, 20*time.Second)
-	alone := l.stop()
-	before := g1.healStatus()
+	alone := publishOn(t, g1, "a/alone", 1, 50) // async: acked on gw-1's disk alone
+	before := g1.status()
 	g1.stop()
 	g2.start()
-	testutil.WaitFor(t, 20*time.Second, "gw-2 promoted", func() bool {
-		_, err := g2.cli("promote")
-		return err == nil
-	})
-	waitRole(t, g2, "master", "", 5*time.Second)
+	promoteOver(t, g2)
 	pat := "load-a-alone-0-3" // 3 and 30-39: records gw-1 alone held
 	lostWant := map[string]bool{}
 	for p := range alone {
@@ -273,6 +241,7 @@ func TestDamagedMasterReportsWhatOnlyItHeld(t *testing.T) {
 		flipAll(t, b, []byte(pat))
 		writeFile(t, path, b)
 	}})
+	waitShape(t, g2, 0, 1, 20*time.Second)
 	var lost uint64
 	for _, r := range s.Storage.Lost {
 		lost += r.Last - r.First + 1
@@ -284,10 +253,7 @@ func TestDamagedMasterReportsWhatOnlyItHeld(t *testing.T) {
 	if m := g1.metric(t, "tandem_storage_lost_records_total"); m != float64(lost) {
 		t.Errorf("tandem_storage_lost_records_total = %v, want %d", m, lost)
 	}
-	converge(t, 20*time.Second, g1, g2)
-	g1.stop()
-	g2.stop()
-	checkAll(t, acked, g2, g1)
+	finish(t, acked, g2, g1)
 	logged := payloads(t, g2)
 	for p := range lostWant {
 		if logged[p] != 0 {
@@ -330,37 +296,16 @@ func TestDamagedVoterOfThreeResyncs(t *testing.T) {
 	waitShape(t, g1, 0, 1, 15*time.Second)
 	g3.join(g1)
 	waitShape(t, g1, 2, 0, 15*time.Second)
-	l := startLoad(t, 2, "a/heal", func(int) []*gw { return []*gw{g1} })
-	l.waitAcks(t, 100, 20*time.Second)
-	acked := l.stop()
+	acked := publishOn(t, g1, "a/heal", 2, 100)
 	converge(t, 20*time.Second, g1, g2, g3)
-	before := g1.healStatus()
+	before := g1.status()
 	g1.stop()
 	master := waitMaster(t, time.Now().Add(15*time.Second), g2, g3)
-	l = startLoad(t, 1, "a/elected", func(int) []*gw { return []*gw{master} })
-	l.waitAcks(t, 30, 20*time.Second)
-	for p, at := range l.stop() {
-		acked[p] = at
-	}
-	path := filepath.Join(g1.dir, "tandem.db")
-	damages[0].do(t, path)
-	g1.start()
-	var s *healStatus
-	testutil.WaitFor(t, 20*time.Second, "gw-1 re-synced as a slave", func() bool {
-		s = g1.healStatus()
-		return s != nil && s.Role == "slave" && s.Leader != nil && s.Leader.Name == master.name && s.Storage.Damaged != nil && !s.Storage.Damaged.Resyncing
-	}, func() string { b, _ := json.Marshal(s); return string(b) })
-	if s.Node.ID == before.Node.ID {
-		t.Errorf("gw-1 came back under its old id %s", s.Node.ID)
-	}
-	noneLost(t, g1, s)
+	maps.Copy(acked, publishOn(t, master, "a/elected", 1, 30))
+	noneLost(t, g1, heal(t, g1, master, before, damages[0]))
 	waitShape(t, master, 2, 0, 20*time.Second)
 	if got := len(master.status().Members); got != 2 {
 		t.Errorf("%s sees %d other members, want 2 (the old id removed)", master.name, got)
 	}
-	converge(t, 20*time.Second, g1, g2, g3)
-	for _, g := range []*gw{g1, g2, g3} {
-		g.stop()
-	}
-	checkAll(t, acked, g1, g2, g3)
+	finish(t, acked, g1, g2, g3)
 }
