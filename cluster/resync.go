@@ -255,13 +255,13 @@ func (d *Gateway) Resync(old *replication.Identity, known KnownCluster, done fun
 	c.goFunc(func() {
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
-		go func() { // ends the knocks at Stop
+		c.goFunc(func() { // ends the knocks at Stop
 			select {
 			case <-c.stopc:
 				cancel()
 			case <-ctx.Done():
 			}
-		}()
+		})
 		wait := 500 * time.Millisecond
 		var lastErr string
 		for {

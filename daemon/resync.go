@@ -187,9 +187,14 @@ func rangesText(rs []storage.IndexRange, s storage.Survey) string {
 	if len(rs) == 0 {
 		return "none"
 	}
-	parts := make([]string, len(rs))
+	const most = 20 // a line a person reads; status has them all
+	parts := make([]string, 0, min(len(rs), most+1))
 	for i, r := range rs {
-		parts[i] = r.String()
+		if i == most {
+			parts = append(parts, fmt.Sprintf("and %d more ranges", len(rs)-most))
+			break
+		}
+		parts = append(parts, r.String())
 	}
 	return strings.Join(parts, ",")
 }
