@@ -102,10 +102,25 @@ func writeFile(t *testing.T, path string, b []byte) {
 // file must be kept as it was.
 func heal(t *testing.T, g, master *gw, before *gwStatus, dm damage) *gwStatus {
 	t.Helper()
+	sum := damageAndStart(t, g, dm)
+	return healed(t, g, master, before, dm, sum)
+}
+
+// damageAndStart damages the stopped g's data file and starts g; it
+// returns the damaged file's hash.
+func damageAndStart(t *testing.T, g *gw, dm damage) [32]byte {
+	t.Helper()
 	path := filepath.Join(g.dir, "tandem.db")
 	dm.do(t, path)
 	sum := sha256.Sum256(readFile(t, path))
 	g.start()
+	return sum
+}
+
+// healed waits until g, started on a data file damaged by dm (its hash
+// sum), has rejoined master's cluster as its slave; see heal.
+func healed(t *testing.T, g, master *gw, before *gwStatus, dm damage, sum [32]byte) *gwStatus {
+	t.Helper()
 	var s *gwStatus
 	testutil.WaitFor(t, 20*time.Second, g.name+" re-synced after: "+dm.name, func() bool {
 		s = g.status()
@@ -211,8 +226,9 @@ func TestDamagedDeposedMasterResyncsAsSlave(t *testing.T) {
 	finish(t, acked, g2, g1)
 }
 
-// A master that acked async records alone (its slave stopped), was then
-// promoted over and found damaged: the records it can still read past the
+// A master that acked async records alone (its slave stopped) and was
+// found damaged, then promoted over (the damaged master knocking in the
+// meantime): the records it can still read past the
 // fork are re-published on the new master; those it cannot are reported
 // by index range in the log (error level), status (storage.lost) and
 // metrics (tandem_storage_lost_records_total). Nothing else is lost.
@@ -226,7 +242,6 @@ func TestDamagedMasterReportsWhatOnlyItHeld(t *testing.T) {
 	before := g1.status()
 	g1.stop()
 	g2.start()
-	promoteOver(t, g2)
 	pat := "load-a-alone-0-3" // 3 and 30-39: records gw-1 alone held
 	lostWant := map[string]bool{}
 	for p := range alone {
@@ -236,11 +251,17 @@ func TestDamagedMasterReportsWhatOnlyItHeld(t *testing.T) {
 			acked[p] = alone[p]
 		}
 	}
-	s := heal(t, g1, g2, before, damage{"flipped bytes in records only it held", func(t *testing.T, path string) {
+	// Damaged, gw-1 comes back while gw-2 is still a slave without a
+	// master: it knocks until gw-2 is promoted, then rejoins it.
+	dm := damage{"flipped bytes in records only it held", func(t *testing.T, path string) {
 		b := readFile(t, path)
 		flipAll(t, b, []byte(pat))
 		writeFile(t, path, b)
-	}})
+	}}
+	sum := damageAndStart(t, g1, dm)
+	logLine(t, g1, "no master admitted this gateway yet")
+	promoteOver(t, g2)
+	s := healed(t, g1, g2, before, dm, sum)
 	waitShape(t, g2, 0, 1, 20*time.Second)
 	var lost uint64
 	for _, r := range s.Storage.Lost {
