@@ -159,10 +159,12 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return err
 	}
 	n := d.gw.Node()
-	// Rejoining after damage (d.resync), there is no master until the
-	// cluster's takes this gateway back in; its devices get the
+	// A member-to-be (rejoining after damage, d.resync, or restarted in a
+	// join before the master's first entry) has no membership and no
+	// master until the cluster's takes it in; its devices get the
 	// sync_timeout outcome meanwhile.
-	if len(n.Members()) <= 1 && d.resync == nil {
+	toBe := d.resync != nil || len(n.Members()) == 0
+	if len(n.Members()) <= 1 && !toBe {
 		// A lone gateway leads at once; wait for it so the first
 		// publishes do not meet a node still campaigning. A member of a
 		// cluster serves whether or not a master is in sight: its
@@ -173,10 +175,10 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		if err != nil {
 			return fmt.Errorf("waiting for a master: %w", err)
 		}
-	} else if c.Cluster.MinSyncReplicas > len(n.Members())-1 && d.gw.HasSyncTopics() && d.resync == nil {
+	} else if c.Cluster.MinSyncReplicas > len(n.Members())-1 && d.gw.HasSyncTopics() && !toBe {
 		d.log.Warn("min_sync_replicas is larger than the number of other members: sync topics cannot be acked", "min_sync_replicas", c.Cluster.MinSyncReplicas, "members", len(n.Members()))
 	}
-	if len(n.Members()) <= 1 && d.gw.HasSyncTopics() && d.resync == nil {
+	if len(n.Members()) <= 1 && d.gw.HasSyncTopics() && !toBe {
 		d.log.Warn("this gateway has no slave: publishes on sync topics will get the sync_timeout outcome until one joins")
 	}
 	d.gw.StartKeeper()
