@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"os"
 	"path/filepath"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/eclipse/paho.golang/paho"
 
+	"github.com/tandem-edge/tandem/cluster"
 	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/replication"
@@ -88,6 +90,22 @@ func refusedAsIs(t *testing.T, dir string, sum [32]byte, mutate func(*config.Con
 	}
 }
 
+// inProcessPair starts gw-1 and gw-2 on loopback and makes gw-2 gw-1's
+// slave, caught up.
+func inProcessPair(t *testing.T) (g1, g2 *fixedGateway) {
+	t.Helper()
+	g1 = &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
+	g2 = &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
+	g1.start(t, nil)
+	g2.start(t, nil)
+	joinWith(t, g2.d, inviteToken(t, g1.d))
+	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+		v, l, ok := shape(statusOfGW(t, g1.d))
+		return v == 0 && l == 1 && ok
+	})
+	return g1, g2
+}
+
 // A lone gateway has nobody to heal from: even with on_damage resync (the
 // default) it refuses a damaged data file as it always did.
 func TestDamagedLoneGatewayRefuses(t *testing.T) {
@@ -101,14 +119,8 @@ func TestDamagedLoneGatewayRefuses(t *testing.T) {
 // rejoins under a fresh id and takes the master's log, which it then
 // delivers to its subscribers.
 func TestDamagedMemberRefusesOrResyncs(t *testing.T) {
-	g1 := clusterGateway(t, "gw-1", nil)
-	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
-	g2.start(t, nil)
-	joinWith(t, g2.d, inviteToken(t, g1))
-	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
-		v, l, ok := shape(statusOfGW(t, g1))
-		return v == 0 && l == 1 && ok
-	})
+	p1, g2 := inProcessPair(t)
+	g1 := p1.d
 	pub, _ := v5(t, g1.MQTTAddr(), "pub", nil)
 	for i := range 20 {
 		publish(t, pub, &paho.Publish{Topic: "a/before", QoS: 1, Payload: []byte{byte(i)}})
@@ -163,4 +175,69 @@ func TestDamagedMemberRefusesOrResyncs(t *testing.T) {
 		s := statusOfGW(t, g2.d)
 		return s.Role == "slave" && s.Storage.Damaged != nil && !s.Storage.Damaged.Resyncing
 	})
+}
+
+// A re-sync interrupted before the master took the gateway back (the
+// master down, then the gateway restarted) goes on at the next start,
+// still proven by the old identity kept with the damaged files: it does not
+// start as a new lone gateway on the fresh data file.
+func TestInterruptedResyncGoesOn(t *testing.T) {
+	g1, g2 := inProcessPair(t)
+	g2.d.Stop()
+	g1.d.Stop()
+	tearMetaPages(t, g2.dir)
+
+	g2.start(t, nil) // no master to take it back
+	if s := statusOfGW(t, g2.d); s.Storage.Damaged == nil || !s.Storage.Damaged.Resyncing || len(s.Members) != 0 {
+		t.Fatalf("gw-2 with its master down: storage %+v, members %+v; want a re-sync under way", s.Storage, s.Members)
+	}
+	fresh := g2.d.id.ID
+	g2.d.Stop()
+	if _, err := os.Stat(filepath.Join(g2.dir, resyncFile)); err != nil {
+		t.Fatalf("the re-sync record is gone before the re-sync was done: %v", err)
+	}
+
+	g1.start(t, nil)
+	g2.start(t, nil)
+	if g2.d.id.ID != fresh {
+		t.Errorf("gw-2 restarted under id %x, want the fresh one %x", g2.d.id.ID, fresh)
+	}
+	testutil.WaitFor(t, 15*time.Second, "gw-2 re-synced as gw-1's slave", func() bool {
+		s := statusOfGW(t, g2.d)
+		return s.Role == "slave" && s.Storage.Damaged != nil && !s.Storage.Damaged.Resyncing
+	})
+	if _, err := os.Stat(filepath.Join(g2.dir, resyncFile)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the re-sync record is still there once done: %v", err)
+	}
+}
+
+// A crash after the re-sync was recorded but before the damaged files were
+// all moved aside: the next start finishes the move (the key last, so the
+// key left in the data dir is still the old one) and heals.
+func TestResyncFinishesAnInterruptedMove(t *testing.T) {
+	_, g2 := inProcessPair(t)
+	oldID := g2.d.id.ID
+	g2.d.Stop()
+	sum := tearMetaPages(t, g2.dir)
+	known, err := cluster.ReadMembersFile(g2.dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dest := filepath.Join(g2.dir, damagedDirName, "crashed")
+	b, _ := json.Marshal(resyncState{Dir: dest, At: time.Now(), Error: "torn meta pages", Known: known})
+	if err := os.WriteFile(filepath.Join(g2.dir, resyncFile), b, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	g2.start(t, nil)
+	testutil.WaitFor(t, 15*time.Second, "gw-2 re-synced as gw-1's slave", func() bool {
+		s := statusOfGW(t, g2.d)
+		return s.Role == "slave" && s.Storage.Damaged != nil && !s.Storage.Damaged.Resyncing
+	})
+	if g2.d.id.ID == oldID {
+		t.Error("gw-2 came back under its old id")
+	}
+	kept, err := os.ReadFile(filepath.Join(dest, storage.FileName))
+	if err != nil || sha256.Sum256(kept) != sum {
+		t.Errorf("the damaged file is not in %s as it was (%v)", dest, err)
+	}
 }
