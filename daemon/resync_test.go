@@ -90,22 +90,6 @@ func refusedAsIs(t *testing.T, dir string, sum [32]byte, mutate func(*config.Con
 	}
 }
 
-// inProcessPair starts gw-1 and gw-2 on loopback and makes gw-2 gw-1's
-// slave, caught up.
-func inProcessPair(t *testing.T) (g1, g2 *fixedGateway) {
-	t.Helper()
-	g1 = &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
-	g2 = &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
-	g1.start(t, nil)
-	g2.start(t, nil)
-	joinWith(t, g2.d, inviteToken(t, g1.d))
-	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
-		v, l, ok := shape(statusOfGW(t, g1.d))
-		return v == 0 && l == 1 && ok
-	})
-	return g1, g2
-}
-
 // A lone gateway has nobody to heal from: even with on_damage resync (the
 // default) it refuses a damaged data file as it always did.
 func TestDamagedLoneGatewayRefuses(t *testing.T) {
@@ -119,7 +103,7 @@ func TestDamagedLoneGatewayRefuses(t *testing.T) {
 // rejoins under a fresh id and takes the master's log, which it then
 // delivers to its subscribers.
 func TestDamagedMemberRefusesOrResyncs(t *testing.T) {
-	p1, g2 := inProcessPair(t)
+	p1, g2 := inProcessPair(t, nil)
 	g1 := p1.d
 	pub, _ := v5(t, g1.MQTTAddr(), "pub", nil)
 	for i := range 20 {
@@ -182,7 +166,7 @@ func TestDamagedMemberRefusesOrResyncs(t *testing.T) {
 // still proven by the old identity kept with the damaged files: it does not
 // start as a new lone gateway on the fresh data file.
 func TestInterruptedResyncGoesOn(t *testing.T) {
-	g1, g2 := inProcessPair(t)
+	g1, g2 := inProcessPair(t, nil)
 	g2.d.Stop()
 	g1.d.Stop()
 	tearMetaPages(t, g2.dir)
@@ -215,7 +199,7 @@ func TestInterruptedResyncGoesOn(t *testing.T) {
 // all moved aside: the next start finishes the move (the key last, so the
 // key left in the data dir is still the old one) and heals.
 func TestResyncFinishesAnInterruptedMove(t *testing.T) {
-	_, g2 := inProcessPair(t)
+	_, g2 := inProcessPair(t, nil)
 	oldID := g2.d.id.ID
 	g2.d.Stop()
 	sum := tearMetaPages(t, g2.dir)
