@@ -270,6 +270,7 @@ var (
 	descStoreRefusing = desc("tandem_storage_refusing", "1 while publishes are refused: free space below storage.min_free, or the log over its budget with only records a member still lacks left.")
 	descStoreFree     = desc("tandem_storage_free_bytes", "Free space on the data dir's filesystem at the last reading (-1 before one).")
 	descStoreMinFree  = desc("tandem_storage_min_free_bytes", "storage.min_free: below it publishes are refused.")
+	descStoreLost     = desc("tandem_storage_lost_records_total", "Records this member held alone when its data file was found damaged that the cluster could not give back (storage.lost in status).")
 	descClients       = desc("tandem_mqtt_clients_connected", "MQTT clients connected to this gateway.")
 	descInflight      = desc("tandem_mqtt_inflight_messages", "QoS 1/2 messages in flight between this gateway and its clients.")
 	descRetained      = desc("tandem_mqtt_retained_messages", "Retained messages this gateway holds.")
@@ -290,7 +291,7 @@ func (statusCollector) Describe(ch chan<- *prometheus.Desc) {
 		descLagRecords, descLagSeconds, descMatchIndex, descReachable, descVoter,
 		descFirstIndex, descLastIndex, descCommitIndex, descAppliedIndex,
 		descDiskUsed, descDiskFree, descDiskBudget, descCommits, descFsyncs,
-		descStoreUsed, descStoreBudget, descStoreDropped, descStoreOldest, descStoreRefusing, descStoreFree, descStoreMinFree, descClients, descInflight, descRetained, descStatusUp,
+		descStoreUsed, descStoreBudget, descStoreDropped, descStoreOldest, descStoreRefusing, descStoreFree, descStoreMinFree, descStoreLost, descClients, descInflight, descRetained, descStatusUp,
 		descGeneration, descPromotions, descDeposed, descRequeued, descRequeuePend, descTopicsMatch} {
 		ch <- d
 	}
@@ -349,6 +350,7 @@ func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- gauge(descStoreRefusing, b2f(s.Storage.IsRefusing()))
 	ch <- gauge(descStoreFree, float64(s.Storage.FreeBytes))
 	ch <- gauge(descStoreMinFree, float64(s.Storage.MinFreeBytes))
+	ch <- prometheus.MustNewConstMetric(descStoreLost, prometheus.CounterValue, float64(s.Storage.LostRecords()))
 	ch <- gauge(descClients, float64(s.MQTT.Clients))
 	ch <- gauge(descInflight, float64(s.MQTT.Inflight))
 	ch <- gauge(descRetained, float64(gw.Retained()))

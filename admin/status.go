@@ -119,6 +119,42 @@ type StatusStorage struct {
 	Refusing         *string `json:"refusing"`
 	FreeBytes        int64   `json:"free_bytes"`
 	MinFreeBytes     int64   `json:"min_free_bytes"`
+	// Lost are the log index ranges of records this member held alone
+	// when its data file was found damaged and that the cluster could not
+	// give back (storage.on_damage: resync); empty when none.
+	Lost []StatusRange `json:"lost"`
+	// Damaged is null unless this member's data file failed its checks at
+	// a start and was moved aside: where to, and the re-sync's state.
+	Damaged *StatusDamaged `json:"damaged"`
+}
+
+// StatusRange is the log indexes First..Last, both included.
+type StatusRange struct {
+	First uint64 `json:"first"`
+	Last  uint64 `json:"last"`
+}
+
+// StatusDamaged describes the damaged data file a member moved aside: the
+// directory it went to, when, what could not be read of it, and whether
+// the member is still re-syncing from the master.
+type StatusDamaged struct {
+	Dir   string    `json:"dir"`
+	At    time.Time `json:"at"`
+	Error string    `json:"error"`
+	// Opened is false when nothing of the damaged file could be read:
+	// Unreadable is then empty and the extent of the damage unknown.
+	Opened     bool          `json:"opened"`
+	Unreadable []StatusRange `json:"unreadable"`
+	Resyncing  bool          `json:"resyncing"`
+}
+
+// LostRecords counts the records in Lost.
+func (s StatusStorage) LostRecords() uint64 {
+	var n uint64
+	for _, r := range s.Lost {
+		n += r.Last - r.First + 1
+	}
+	return n
 }
 
 // IsRefusing reports whether the storage refuses publishes.

@@ -89,6 +89,10 @@ type cluster struct {
 	rejoins  rejoinState // a deposed master's knocking (rejoin.go)
 	rtt      rttEstimate // round trip to the members, measured
 
+	members    membersWriter // MembersFile, the membership kept beside the data file (resync.go)
+	membersSig chan struct{} // a membership change applied: the keeper writes MembersFile
+	resynced   resyncBook    // on the master: the damaged members it re-admitted
+
 	// promotions and depositions count this process's failovers.
 	promotions, depositions atomic.Uint64
 
@@ -380,6 +384,10 @@ func (c *cluster) onMembership(members []replication.Member) {
 	if c.tr != nil {
 		c.tr.SetPeers(c.peersLocked())
 	}
+	select {
+	case c.membersSig <- struct{}{}:
+	default:
+	}
 	c.d.log.Info("membership changed", "members", memberNames(members))
 }
 
@@ -414,6 +422,7 @@ func (c *cluster) setMembers(members []replication.Member) {
 	c.last = peersOf(members)
 	c.lingerMu.Unlock()
 	c.setPeers()
+	c.recordMembers(members)
 }
 
 // setFloor links to members, the cluster a join or rejoin named, and keeps

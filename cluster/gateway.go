@@ -148,7 +148,7 @@ func (d *Gateway) restartNode(prep func() error, join bool, quietUntil uint64) e
 // its identity and data file, and loads the cluster it belongs to.
 func NewGateway(cfg *config.Config, log *slog.Logger, id *replication.Identity, db *storage.DB, host Host) (*Gateway, error) {
 	d := &Gateway{cfg: cfg, log: log, id: id, db: db, host: host}
-	d.cl = &cluster{d: d, invites: &inviteBook{}, peerTopics: map[uint64]string{}, warned: map[uint64]string{}, stopc: make(chan struct{})}
+	d.cl = &cluster{d: d, invites: &inviteBook{}, peerTopics: map[uint64]string{}, warned: map[uint64]string{}, stopc: make(chan struct{}), membersSig: make(chan struct{}, 1)}
 	d.cl.failover.heard.Store(time.Now().UnixNano()) // silence counts from the start
 	if err := d.cl.loadMeta(db); err != nil {
 		return nil, err

@@ -26,12 +26,21 @@ func (d *Gateway) NodeAfterSwap() *replication.Node {
 // StartNode starts the node in force on the data file as it is and takes
 // its membership as the cluster's.
 func (d *Gateway) StartNode() error {
-	if err := d.startNode(false); err != nil {
+	// A restart in the middle of a join's catch-up, before the master's
+	// first entry arrived, must wait for the master, not start a group of
+	// its own on the empty log.
+	last, _ := d.db.LastIndex()
+	if err := d.startNode(d.cl.catchUpTo > 0 && last == 0); err != nil {
 		return err
 	}
 	d.cl.setMembers(d.node().Members())
 	return nil
 }
+
+// StartNodeResyncing starts the node on the fresh data file of a damaged
+// member as a member-to-be (no bootstrap, no campaign, no acks) until
+// Resync has brought it into its cluster.
+func (d *Gateway) StartNodeResyncing() error { return d.startNode(true) }
 
 // ClusterID is the id of the cluster this gateway belongs to.
 func (d *Gateway) ClusterID() string { return d.cl.clusterID() }

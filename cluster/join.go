@@ -144,6 +144,9 @@ type JoinRequest struct {
 	// Probe only asks whether the knocked node is alive: a slave with
 	// failover: auto asks its silent master before promoting itself.
 	Probe bool `json:"probe,omitempty"`
+	// Resync, instead, is a damaged member rejoining under a fresh
+	// identity (Member), proven by its old one (resync.go).
+	Resync *ResyncProof `json:"resync,omitempty"`
 }
 
 // JoinReply is the master's answer: the cluster the joiner now belongs to.
@@ -153,6 +156,8 @@ type JoinReply struct {
 	Members    []replication.Member `json:"members"`
 	Commit     uint64               `json:"commit"`
 	Master     string               `json:"master"`
+	// Last is the master's last log index when it answered.
+	Last uint64 `json:"last,omitempty"`
 	// Fork is, for a rejoining deposed master, the promoted node's last
 	// index before its promotion, and ForkTerm the term of its entry there.
 	Fork     uint64 `json:"fork,omitempty"`
@@ -284,6 +289,14 @@ func (c *cluster) onStranger(ctx context.Context, r replication.Remote, kind byt
 		n := c.d.node()
 		return json.Marshal(probeReply{Cluster: c.clusterID(), Generation: c.generation(), Master: n.Leader() == n.ID()})
 	}
+	if req.Resync != nil {
+		rep, err := c.admitResync(ctx, r, req)
+		if err != nil {
+			c.d.log.Warn("re-sync of a damaged member refused", "from", r.Addr, "peer", replication.IDString(r.ID), "reason", err)
+			return nil, err
+		}
+		return json.Marshal(rep)
+	}
 	if req.Rejoin {
 		rep, err := c.admitRejoin(ctx, r, req)
 		if err != nil {
@@ -344,7 +357,7 @@ func (c *cluster) addMember(ctx context.Context, m replication.Member, release f
 	if err != nil {
 		return JoinReply{}, err
 	}
-	return JoinReply{Cluster: c.clusterID(), Generation: c.generation(), Members: n.Members(), Commit: st.Commit, Master: c.d.cfg.Node.Name}, nil
+	return JoinReply{Cluster: c.clusterID(), Generation: c.generation(), Members: n.Members(), Commit: st.Commit, Master: c.d.cfg.Node.Name, Last: st.Last}, nil
 }
 
 // JoinMode says what a joining node does with the records it holds.

@@ -32,10 +32,22 @@ func (c *cluster) keeper() {
 			_ = c.adv.Close()
 		}
 	}()
+	defer func() {
+		if n := c.d.node(); n != nil {
+			c.recordMembers(n.Members())
+		}
+	}()
 	for {
 		select {
 		case <-c.stopc:
 			return
+		case <-c.membersSig:
+			// A membership change applied: the copy beside the data file
+			// follows at once, off the raft goroutine.
+			if n := c.d.node(); n != nil {
+				c.recordMembers(n.Members())
+			}
+			continue
 		case <-t.C:
 		}
 		n := c.d.node()
@@ -49,6 +61,9 @@ func (c *cluster) keeper() {
 		}
 		c.refreshAddrs()
 		c.announce()
+		// Here rather than as changes apply: never an fsync on the raft
+		// goroutine, and a file write only when the membership changed.
+		c.recordMembers(n.Members())
 		// Quick decisions first, on the keeper itself: nothing that waits
 		// on the network may delay a failover.
 		c.checkFailover(n)

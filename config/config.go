@@ -298,6 +298,13 @@ type StorageConfig struct {
 	// filled the disk. 0 means the default: 5 % of the filesystem or
 	// 256MiB, whichever is smaller.
 	MinFree ByteSize `yaml:"min_free"`
+	// OnDamage is what a cluster member does when its data file fails its
+	// checks at start (a record's CRC, a torn meta page, a truncated
+	// file): resync (default) moves the damaged files aside, never
+	// deleting them, and rejoins the cluster under a fresh member id,
+	// taking the whole log from the master again; refuse stops with the
+	// error, as a lone gateway always does (its tool is tandem repair).
+	OnDamage string `yaml:"on_damage"`
 }
 
 // TopicRule gives the ack mode of the topics one MQTT filter matches.
@@ -359,6 +366,7 @@ func (c *Config) setDefaults() {
 	setDefaultIfZero(&c.Cluster.ElectionTimeout, Duration(time.Second))
 	setDefaultIfZero(&c.Storage.Flush, "always")
 	setDefaultIfZero(&c.Storage.FlushInterval, Duration(200*time.Millisecond))
+	setDefaultIfZero(&c.Storage.OnDamage, "resync")
 	setDefaultIfZero(&c.Storage.MaxBytes, DefaultMaxBytes)
 }
 

@@ -39,7 +39,7 @@ func TestDefaultConfig(t *testing.T) {
 			Heartbeat:       Duration(100 * time.Millisecond),
 			ElectionTimeout: Duration(time.Second),
 		},
-		Storage: StorageConfig{Flush: "always", FlushInterval: Duration(200 * time.Millisecond), MaxBytes: 256 << 20},
+		Storage: StorageConfig{Flush: "always", FlushInterval: Duration(200 * time.Millisecond), MaxBytes: 256 << 20, OnDamage: "resync"},
 	}
 	if !reflect.DeepEqual(c, want) {
 		t.Fatalf("DefaultConfig() =\n%+v\nwant\n%+v", c, want)
@@ -122,6 +122,7 @@ func fullConfig() *Config {
 			MaxBytes:      512 << 20,
 			MaxAge:        Duration(168 * time.Hour),
 			MinFree:       128 << 20,
+			OnDamage:      "refuse",
 		},
 		Topics: []TopicRule{
 			{Match: "alarms/#", Ack: "sync"},
@@ -271,6 +272,7 @@ func TestParseConfigErrors(t *testing.T) {
 		{"size overflow", "storage:\n  max_bytes: 20000000TB\n", 2, "storage.max_bytes", []string{"too large"}},
 		{"bad enum", "log:\n  format: xml\n", 2, "log.format", []string{`tandem.yaml:2: log.format: "xml" is not one of text, json`}},
 		{"bad enum failover", "cluster:\n  failover: automatic\n", 2, "cluster.failover", []string{"manual, auto"}},
+		{"bad enum on_damage", "storage:\n  flush: always\n  on_damage: wipe\n", 3, "storage.on_damage", []string{`tandem.yaml:3: storage.on_damage: "wipe" is not one of resync, refuse`}},
 		{"bad filter #", "topics:\n  - match: a/#/b\n    ack: sync\n", 2, "topics[0].match", []string{`"a/#/b" is not an MQTT topic filter`, "'#'"}},
 		{"bad filter +", "topics:\n  - match: a/b\n    ack: sync\n  - match: a/x+\n    ack: sync\n", 4, "topics[1].match", []string{"'+' must be a whole level"}},
 		{"empty filter", "topics:\n  - match: \"\"\n    ack: sync\n", 2, "topics[0].match", []string{"empty"}},

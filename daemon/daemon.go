@@ -50,6 +50,12 @@ type Daemon struct {
 	serving servingWatch // whether publishes are taken; devices sent away (serving.go)
 	acks    *ackQueue    // proposal outcomes, from replication's goroutine to the broker (acks.go)
 	ups     *uplinks     // the cloud uplinks; nil without any (uplinks.go)
+
+	// resync is set while this gateway, whose data file was damaged,
+	// rejoins its cluster (resync.go); lost once it did, or from an
+	// earlier run.
+	resync *resyncState
+	lost   atomic.Pointer[resyncState]
 }
 
 // New validates cfg; Start does the work.
@@ -94,10 +100,9 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if d.id, err = replication.LoadOrCreateIdentity(c.Node.DataDir); err != nil {
 		return err
 	}
-	d.log = d.log.With("node", replication.ShortID(d.id.ID))
-	if d.db, err = storage.Open(c.Node.DataDir, &storage.Options{Logger: d.log, SyncDelay: benchSyncDelay(), OnCommit: d.fieldView().OnCommit,
-		MaxBytes: int64(c.Storage.MaxBytes), MaxAge: time.Duration(c.Storage.MaxAge), MinFree: int64(c.Storage.MinFree),
-		FlushInterval: flushInterval(c.Storage)}); err != nil {
+	plain := d.log
+	d.log = plain.With("node", replication.ShortID(d.id.ID))
+	if err = d.openData(plain); err != nil {
 		return err
 	}
 	topics, err := d.topicPolicies(c.Topics)
@@ -145,11 +150,21 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	}
 	d.apply = &applier{ready: make(chan struct{}), broker: d.broker, ups: d.ups}
 	d.redeliver = &redeliverer{d: d}
-	if err = d.gw.StartNode(); err != nil {
+	if d.resync != nil {
+		err = d.gw.StartNodeResyncing()
+	} else {
+		err = d.gw.StartNode()
+	}
+	if err != nil {
 		return err
 	}
 	n := d.gw.Node()
-	if len(n.Members()) <= 1 {
+	// A member-to-be (rejoining after damage, d.resync, or restarted in a
+	// join before the master's first entry) has no membership and no
+	// master until the cluster's takes it in; its devices get the
+	// sync_timeout outcome meanwhile.
+	toBe := d.resync != nil || len(n.Members()) == 0
+	if len(n.Members()) <= 1 && !toBe {
 		// A lone gateway leads at once; wait for it so the first
 		// publishes do not meet a node still campaigning. A member of a
 		// cluster serves whether or not a master is in sight: its
@@ -160,13 +175,16 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		if err != nil {
 			return fmt.Errorf("waiting for a master: %w", err)
 		}
-	} else if c.Cluster.MinSyncReplicas > len(n.Members())-1 && d.gw.HasSyncTopics() {
+	} else if c.Cluster.MinSyncReplicas > len(n.Members())-1 && d.gw.HasSyncTopics() && !toBe {
 		d.log.Warn("min_sync_replicas is larger than the number of other members: sync topics cannot be acked", "min_sync_replicas", c.Cluster.MinSyncReplicas, "members", len(n.Members()))
 	}
-	if len(n.Members()) <= 1 && d.gw.HasSyncTopics() {
+	if len(n.Members()) <= 1 && d.gw.HasSyncTopics() && !toBe {
 		d.log.Warn("this gateway has no slave: publishes on sync topics will get the sync_timeout outcome until one joins")
 	}
 	d.gw.StartKeeper()
+	if d.resync != nil {
+		d.startResync()
+	}
 	d.broker.Applied(d.db.Applied())
 	if err = d.broker.Start(); err != nil {
 		return inUse(err, "MQTT address", c.MQTT.Listen, "--mqtt", "mqtt.listen")

@@ -36,6 +36,22 @@ func (g *fixedGateway) start(t *testing.T, mutate func(*config.Config)) {
 	})
 }
 
+// inProcessPair starts gw-1 and gw-2 on loopback (their config changed
+// by mutate, if set) and makes gw-2 gw-1's slave, caught up.
+func inProcessPair(t *testing.T, mutate func(*config.Config)) (g1, g2 *fixedGateway) {
+	t.Helper()
+	g1 = &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
+	g2 = &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
+	g1.start(t, mutate)
+	g2.start(t, mutate)
+	joinWith(t, g2.d, inviteToken(t, g1.d))
+	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+		v, l, ok := shape(statusOfGW(t, g1.d))
+		return v == 0 && l == 1 && ok
+	})
+	return g1, g2
+}
+
 func topicsIn(t *testing.T, d *Daemon) map[string]int {
 	t.Helper()
 	got := map[string]int{}
@@ -46,15 +62,7 @@ func topicsIn(t *testing.T, d *Daemon) map[string]int {
 }
 
 func TestPromoteAndTheDeposedMasterRejoins(t *testing.T) {
-	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
-	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
-	g1.start(t, nil)
-	g2.start(t, nil)
-	joinWith(t, g2.d, inviteToken(t, g1.d))
-	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
-		v, l, ok := shape(statusOfGW(t, g1.d))
-		return v == 0 && l == 1 && ok
-	})
+	g1, g2 := inProcessPair(t, nil)
 	// While the master is alive, promote is refused.
 	if code, msg := api(t, g2.d, "/v1/cluster/promote", admin.PromoteRequest{}, nil); code != http.StatusConflict || !strings.Contains(msg, "alive") {
 		t.Fatalf("promote with a live master: %d %q", code, msg)
@@ -195,15 +203,7 @@ func TestJoinAfterAPromotionCatchesUp(t *testing.T) {
 // Found by a fault run: the record went with the first answer, the old
 // master's knock had timed out, and both stayed master for good.
 func TestRejoinKnockIsAnsweredAlikeUntilTheDeposedMasterRejoined(t *testing.T) {
-	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
-	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
-	g1.start(t, nil)
-	g2.start(t, nil)
-	joinWith(t, g2.d, inviteToken(t, g1.d))
-	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
-		v, l, ok := shape(statusOfGW(t, g1.d))
-		return v == 0 && l == 1 && ok
-	})
+	g1, g2 := inProcessPair(t, nil)
 	old := g1.d.gw.Self()
 	g1.d.Stop()
 	g2.d.Stop()
@@ -263,15 +263,7 @@ func TestAutoFailoverPromotesOnlyAMasterThatDoesNotAnswer(t *testing.T) {
 		c.Cluster.Failover = "auto"
 		c.Cluster.FailoverAfter = config.Duration(time.Hour) // the keeper stays out of it: the test drives the rounds
 	}
-	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
-	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
-	g1.start(t, auto)
-	g2.start(t, auto)
-	joinWith(t, g2.d, inviteToken(t, g1.d))
-	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
-		v, l, ok := shape(statusOfGW(t, g1.d))
-		return v == 0 && l == 1 && ok
-	})
+	g1, g2 := inProcessPair(t, auto)
 	master, ok := cluster.FailoverMaster(g2.d.gw.Node())
 	if !ok || master.Name != "gw-1" {
 		t.Fatalf("gw-2's master: %+v %v", master, ok)

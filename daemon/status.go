@@ -48,6 +48,7 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 	if why := d.db.RefusingReason(); why != "" {
 		s.Storage.Refusing = &why
 	}
+	d.damageStatus(&s.Storage)
 	sp := d.db.SpaceStats()
 	s.Storage.FreeBytes, s.Storage.MinFreeBytes = sp.FreeBytes, sp.MinFreeBytes
 	if !rt.Oldest.IsZero() {

@@ -135,6 +135,18 @@ type gwStatus struct {
 	Pairing struct {
 		Open bool `json:"open"`
 	} `json:"pairing"`
+	Node struct {
+		ID string `json:"id"`
+	} `json:"node"`
+	Storage struct {
+		Lost    []struct{ First, Last uint64 } `json:"lost"`
+		Damaged *struct {
+			Dir        string                         `json:"dir"`
+			Error      string                         `json:"error"`
+			Unreadable []struct{ First, Last uint64 } `json:"unreadable"`
+			Resyncing  bool                           `json:"resyncing"`
+		} `json:"damaged"`
+	} `json:"storage"`
 }
 
 // status asks the gateway's HTTP API; nil when it does not answer.

@@ -127,15 +127,24 @@ func createIdentity(dir, kp, cp string) error {
 	return writeFileAtomic(kp, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: kder}), 0o600)
 }
 
-// writeFileAtomic writes via a synced temp file and a rename, so a crash
-// leaves either no file or the whole one.
+// writeFileAtomic is WriteFileAtomic for the identity's files.
 func writeFileAtomic(path string, data []byte, perm os.FileMode) error {
+	if err := WriteFileAtomic(path, data, perm); err != nil {
+		return fmt.Errorf("identity: %w", err)
+	}
+	return nil
+}
+
+// WriteFileAtomic writes via a synced temp file and a rename, so a crash
+// leaves either no file or the whole one (the old one, if any, until the
+// rename), and syncs the directory.
+func WriteFileAtomic(path string, data []byte, perm os.FileMode) error {
 	tmp := path + ".tmp"
 	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, perm)
 	if err != nil {
-		return fmt.Errorf("identity: %w", err)
+		return err
 	}
-	if _, err := f.Write(data); err == nil {
+	if _, err = f.Write(data); err == nil {
 		err = f.Sync()
 	}
 	if cerr := f.Close(); err == nil {
@@ -146,7 +155,7 @@ func writeFileAtomic(path string, data []byte, perm os.FileMode) error {
 	}
 	if err != nil {
 		os.Remove(tmp)
-		return fmt.Errorf("identity: write %s: %w", path, err)
+		return fmt.Errorf("write %s: %w", path, err)
 	}
 	if d, err := os.Open(filepath.Dir(path)); err == nil {
 		d.Sync()
