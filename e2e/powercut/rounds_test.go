@@ -267,14 +267,10 @@ func startGateway(bin, base, dir, flush string) (*gateway, error) {
 		if err := os.WriteFile(cfg, []byte(yaml), 0o644); err != nil {
 			return nil, err
 		}
-		g := &gateway{out: &bytes.Buffer{}, outMu: &sync.Mutex{}, mqtt: mq, http: ht, exited: make(chan struct{})}
-		g.cmd = exec.Command(bin, "run", "--config", cfg, "--data", dir, "--mqtt", mq, "--http", ht, "--peer", "127.0.0.1:0")
-		g.cmd.Stdout = lockedWriter{g.outMu, g.out}
-		g.cmd.Stderr = g.cmd.Stdout
-		if err := g.cmd.Start(); err != nil {
+		g, err := launch(bin, cfg, dir, mq, ht, "127.0.0.1:0")
+		if err != nil {
 			return nil, err
 		}
-		go func() { g.err = g.cmd.Wait(); close(g.exited) }()
 		if last = g.waitReady(15 * time.Second); last == nil {
 			return g, nil
 		}
@@ -284,6 +280,21 @@ func startGateway(bin, base, dir, flush string) (*gateway, error) {
 		}
 	}
 	return nil, last
+}
+
+// launch starts `tandem run` on dir with config cfg and these listeners,
+// without waiting for it.
+func launch(bin, cfg, dir, mqtt, http, peer string, extra ...string) (*gateway, error) {
+	g := &gateway{out: &bytes.Buffer{}, outMu: &sync.Mutex{}, mqtt: mqtt, http: http, exited: make(chan struct{})}
+	args := append([]string{"run", "--config", cfg, "--data", dir, "--mqtt", mqtt, "--http", http, "--peer", peer}, extra...)
+	g.cmd = exec.Command(bin, args...)
+	g.cmd.Stdout = lockedWriter{g.outMu, g.out}
+	g.cmd.Stderr = g.cmd.Stdout
+	if err := g.cmd.Start(); err != nil {
+		return nil, err
+	}
+	go func() { g.err = g.cmd.Wait(); close(g.exited) }()
+	return g, nil
 }
 
 var httpc = &http.Client{Timeout: 2 * time.Second}
@@ -340,11 +351,32 @@ type record struct {
 	Topic   string `json:"topic"`
 	Client  string `json:"client"`
 	Payload string `json:"payload"`
+	// Republished marks a record a deposed master's tail gave again.
+	Republished bool `json:"republished"`
 }
 
 // inspect reads the stopped gateway's log: per client, the seqs in log
 // order.
 func inspect(bin, dir string) (map[string][]int, error) {
+	recs, err := inspectSeqs(bin, dir)
+	seqs := map[string][]int{}
+	for id, rs := range recs {
+		for _, r := range rs {
+			seqs[id] = append(seqs[id], r.seq)
+		}
+	}
+	return seqs, err
+}
+
+// logSeq is one of a client's records in the log.
+type logSeq struct {
+	seq         int
+	republished bool
+}
+
+// inspectSeqs reads the stopped gateway's log: per client, its records in
+// log order.
+func inspectSeqs(bin, dir string) (map[string][]logSeq, error) {
 	out, err := exec.Command(bin, "inspect", "--data", dir, "--json").Output()
 	if err != nil {
 		var ee *exec.ExitError
@@ -353,7 +385,7 @@ func inspect(bin, dir string) (map[string][]int, error) {
 		}
 		return nil, err
 	}
-	seqs := map[string][]int{}
+	seqs := map[string][]logSeq{}
 	sc := bufio.NewScanner(bytes.NewReader(out))
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
@@ -373,7 +405,7 @@ func inspect(bin, dir string) (map[string][]int, error) {
 			return nil, fmt.Errorf("record %d of %s: damaged payload", r.Index, r.Client)
 		}
 		id := strings.TrimPrefix(r.Topic, "pc/")
-		seqs[id] = append(seqs[id], seq)
+		seqs[id] = append(seqs[id], logSeq{seq, r.Republished})
 	}
 	return seqs, sc.Err()
 }
