@@ -322,7 +322,12 @@ func (s *salvager) write() error {
 	}
 	last := s.next - 1
 	s.rep.Last, s.rep.EndKnown = last, s.hsOK
+	// A lone voter commits what it holds; a member (AllowCluster) keeps
+	// its commit index, never past what the master may hold otherwise.
 	hs := pb.HardState{Term: max(s.hs.Term, s.term, 1), Commit: last}
+	if s.rep.Members > 1 {
+		hs.Commit = min(s.hs.Commit, last)
+	}
 	if s.hsOK && s.hs.Term == hs.Term {
 		hs.Vote = s.hs.Vote
 	}
@@ -465,7 +470,9 @@ func (s *salvager) lose(end uint64) error {
 		s.rep.Lost = append(s.rep.Lost, LostRange{s.next, end - 1})
 	}
 	for s.next < end {
-		if err := s.push(pb.Entry{Index: s.next, Term: s.term, Type: pb.EntryNormal}); err != nil {
+		// Term 0 is raft's "no entry": a fill at the head gets term 1,
+		// which every entry after it has at least.
+		if err := s.push(pb.Entry{Index: s.next, Term: max(s.term, 1), Type: pb.EntryNormal}); err != nil {
 			return err
 		}
 	}

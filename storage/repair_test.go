@@ -150,3 +150,37 @@ func TestRepairReadsPastADamagedLeaf(t *testing.T) {
 		}
 	}
 }
+
+// A WAL frame damaged with good ones after it (Open refuses): the frames
+// before and after it are replayed, the entries it held named lost, and
+// the WAL's metadata kept.
+func TestRepairReadsPastADamagedWALFrame(t *testing.T) {
+	db := testOpen(t, t.TempDir(), nil)
+	wal := WALName + []string{".0", ".1"}[db.wal.cur]
+	want := makeEntries(1, 12, 1)
+	var offs []int64
+	for i := 0; i < 12; i += 4 {
+		offs = append(offs, db.wal.off)
+		mustSave(t, db, pb.HardState{Term: 1, Vote: 1, Commit: uint64(i)}, want[i:i+4])
+	}
+	db.Stage(BucketSessions, "client/a", []byte("session"))
+	db.SetCommit(pb.HardState{Term: 1, Vote: 1, Commit: 12})
+	if err := db.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	dir := crashCopy(t, db)
+	xorByte(t, filepath.Join(dir, wal), offs[1]+walHdr+30, 0x55) // inside the second frame
+	if err := Verify(dir); err == nil {
+		t.Fatal("fixture: the damaged dir passes its checks")
+	}
+	got, rep := repairedEntries(t, dir)
+	if !slices.Equal(rep.Lost, []LostRange{{5, 8}}) {
+		t.Errorf("lost %v, want index 5 to 8 (the damaged frame's)", rep.Lost)
+	}
+	if len(got) != 12 || diffEntries(got[:4], want[:4]) != "" || diffEntries(got[8:], want[8:]) != "" {
+		t.Errorf("entries after the repair: %s", briefEntries(got))
+	}
+	if rep.Keys[BucketSessions] != 1 {
+		t.Errorf("session keys copied: %d, want the WAL's 1", rep.Keys[BucketSessions])
+	}
+}

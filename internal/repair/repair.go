@@ -205,7 +205,11 @@ func report(w io.Writer, dir, kept string, rep *storage.RepairReport) {
 		p("Lost records: none found; the data file's commit index could not be read, so records after index %d may be missing unseen.", rep.Last)
 	}
 	for _, l := range rep.Lost {
-		p("LOST: %s (%d entries could not be read; they are empty entries in the repaired log).", l, l.To-l.From+1)
+		if n := l.To - l.From + 1; n == 1 {
+			p("LOST: %s (its entry could not be read; it is an empty entry in the repaired log).", l)
+		} else {
+			p("LOST: %s (%d entries could not be read; they are empty entries in the repaired log).", l, n)
+		}
 	}
 	for _, u := range rep.Unreadable {
 		p("LOST: could not read %s.", u)
