@@ -278,14 +278,7 @@ func TestRepairDamagedLoneGateway(t *testing.T) {
 				t.Error("the retained message is gone after the repair")
 			}
 			sub.Disconnect(100)
-			c := mqttConnect(t, p.addrs.mqtt, "repair-after")
-			if tk := c.Publish("repair/data", 1, false, "after-repair"); !tk.WaitTimeout(10*time.Second) || tk.Error() != nil {
-				t.Fatalf("publish after the repair: %v", tk.Error())
-			}
-			c.Disconnect(100)
-			if code := p.stop(10 * time.Second); code != 0 {
-				t.Errorf("repaired gateway: exit %d on SIGTERM", code)
-			}
+			publishAndStop(t, p, "after-repair")
 			after := logByIndex(t, dir)
 			lost := lostIndexes(t, stdout)
 			for i, want := range before {
@@ -337,6 +330,20 @@ func copyDir(t *testing.T, dir string) string {
 		}
 	}
 	return dst
+}
+
+// publishAndStop checks that the gateway p takes a publish (payload
+// payload), then that it stops on SIGTERM within seconds.
+func publishAndStop(t *testing.T, p *tandemProc, payload string) {
+	t.Helper()
+	c := mqttConnect(t, p.addrs.mqtt, "pub-"+payload)
+	if tk := c.Publish("repair/data", 1, false, payload); !tk.WaitTimeout(10*time.Second) || tk.Error() != nil {
+		t.Fatalf("publish %q: %v", payload, tk.Error())
+	}
+	c.Disconnect(100)
+	if code := p.stop(10 * time.Second); code != 0 {
+		t.Errorf("gateway exit %d on SIGTERM", code)
+	}
 }
 
 // startOrRefuse runs `tandem run` on dir: refused when it exits before it
@@ -405,14 +412,7 @@ func TestRepairRefusesARunningGateway(t *testing.T) {
 	if got := names(); strings.Join(got, " ") != strings.Join(before, " ") {
 		t.Errorf("data dir holds %v after the refused repair, %v before", got, before)
 	}
-	c := mqttConnect(t, p.addrs.mqtt, "still-serving")
-	if tk := c.Publish("repair/data", 1, false, "still"); !tk.WaitTimeout(10*time.Second) || tk.Error() != nil {
-		t.Fatalf("publish after the refused repair: %v", tk.Error())
-	}
-	c.Disconnect(100)
-	if code := p.stop(10 * time.Second); code != 0 {
-		t.Errorf("gateway exit %d on SIGTERM", code)
-	}
+	publishAndStop(t, p, "still-serving")
 	// Stopped and healthy: nothing to repair, nothing changed.
 	code, stdout, _ := runTandemCmd(t, "repair", "--data", dir)
 	if code != 0 || !strings.Contains(stdout, "nothing to repair") {

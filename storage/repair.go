@@ -196,6 +196,26 @@ func Repair(src, dst string, opts *RepairOptions) (*RepairReport, error) {
 		}
 	}
 	defer s.bdb.Close()
+	var found map[uint64]pb.Entry
+	if !s.stateOK {
+		// One line for the engineer instead of one per bucket bbolt
+		// could not reach.
+		s.rep.Unreadable = []string{"the data file's index pages (of its last two commits): its log was read page by page instead, every entry checked by its CRC"}
+		if found, err = scanLeaves(path); err != nil {
+			s.rep.Unreadable = append(s.rep.Unreadable, err.Error())
+		}
+		// Where the log started is unknown: at the oldest entry found
+		// (retention may have dropped what came before).
+		oldest := uint64(0)
+		for i := range found {
+			if oldest == 0 || i < oldest {
+				oldest = i
+			}
+		}
+		if oldest > 1 {
+			s.snapIndex, s.snapTerm = oldest-1, found[oldest].Term
+		}
+	}
 	s.loadWAL()
 	if s.nodeID == 0 {
 		s.nodeID = opts.NodeID
@@ -216,7 +236,7 @@ func Repair(src, dst string, opts *RepairOptions) (*RepairReport, error) {
 	if s.out, err = Open(dst, &Options{Logger: opts.Logger, MinFree: -1}); err != nil {
 		return nil, err
 	}
-	if err := s.write(); err != nil {
+	if err := s.write(found); err != nil {
 		s.out.Close()
 		return s.rep, err
 	}
@@ -278,8 +298,9 @@ func copyWithoutNewestMeta(path, dst string) (ok bool, err error) {
 	return true, nil
 }
 
-// write copies the log, the WAL and the buckets into s.out.
-func (s *salvager) write() error {
+// write copies the log (the entries found page by page, when the tree
+// could not be read), the WAL and the buckets into s.out.
+func (s *salvager) write(found map[uint64]pb.Entry) error {
 	if s.nodeID != 0 {
 		if err := s.out.SetNodeID(s.nodeID); err != nil {
 			return err
@@ -297,13 +318,8 @@ func (s *salvager) write() error {
 		if err := s.copyLog(); err != nil {
 			return err
 		}
-	} else {
-		// One line for the engineer instead of one per bucket bbolt
-		// could not reach.
-		s.rep.Unreadable = append(s.rep.Unreadable[:0], "the data file's index pages (of its last two commits): its log was read page by page instead, every entry checked by its CRC")
-		if err := s.copyLeaves(s.path); err != nil {
-			return err
-		}
+	} else if err := s.copyFound(found); err != nil {
+		return err
 	}
 	for _, e := range s.walEnts {
 		if err := s.add(e); err != nil {
@@ -643,14 +659,7 @@ func (s *salvager) loadWAL() {
 				next = fr.next
 				continue
 			}
-			s.rep.WALFrames++
-			for _, op := range fr.ops {
-				s.walOp(op)
-			}
-			s.walEnts = append(s.walEnts, fr.ents...)
-			if fr.hs != nil {
-				s.hs, s.hsOK = *fr.hs, true
-			}
+			s.takeFrame(fr)
 		}
 		if next == 0 {
 			break
@@ -696,19 +705,24 @@ func (s *salvager) guessWAL(w *walLog) {
 			if fr.next != 0 {
 				continue
 			}
-			s.rep.WALFrames++
-			for _, op := range fr.ops {
-				s.walOp(op)
-			}
-			s.walEnts = append(s.walEnts, fr.ents...)
-			if fr.hs != nil {
-				s.hs, s.hsOK = *fr.hs, true
-			}
+			s.takeFrame(fr)
 		}
 	}
 	slices.SortStableFunc(s.walEnts, func(a, b pb.Entry) int { return cmp.Compare(a.Index, b.Index) })
 	if len(segs) > 0 {
 		s.rep.Unreadable = append(s.rep.Unreadable, "which WAL frames are live (the data file's record of it): every frame that checks out was read, the newest last")
+	}
+}
+
+// takeFrame takes one live frame that is not a cut.
+func (s *salvager) takeFrame(fr walFrame) {
+	s.rep.WALFrames++
+	for _, op := range fr.ops {
+		s.walOp(op)
+	}
+	s.walEnts = append(s.walEnts, fr.ents...)
+	if fr.hs != nil {
+		s.hs, s.hsOK = *fr.hs, true
 	}
 }
 
@@ -944,13 +958,8 @@ func scanLeaves(path string) (map[uint64]pb.Entry, error) {
 	return found, nil
 }
 
-// copyLeaves copies the entries scanLeaves found, in index order.
-func (s *salvager) copyLeaves(path string) error {
-	found, err := scanLeaves(path)
-	if err != nil {
-		s.rep.Unreadable = append(s.rep.Unreadable, err.Error())
-		return nil
-	}
+// copyFound copies the entries scanLeaves found, in index order.
+func (s *salvager) copyFound(found map[uint64]pb.Entry) error {
 	idx := make([]uint64, 0, len(found))
 	for i := range found {
 		idx = append(idx, i)

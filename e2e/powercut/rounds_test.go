@@ -197,6 +197,19 @@ func (c *client) run5(rctx context.Context, addr string) error {
 	}
 }
 
+// runClients starts clients publishing to addr, each on a goroutine of its
+// own: stop ends them, wait waits for them.
+func runClients(clients []*client, addr string) (stop, wait func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	for _, c := range clients {
+		c.acked = map[int]time.Time{}
+		wg.Add(1)
+		go func() { defer wg.Done(); c.run(ctx, addr) }()
+	}
+	return cancel, wg.Wait
+}
+
 // probe publishes one QoS 1 message and waits for its ack.
 func probe(addr string) error {
 	cl := paho3.NewClient(paho3.NewClientOptions().AddBroker("tcp://" + addr).SetClientID("probe").
@@ -471,14 +484,8 @@ func round(bin, base string, seed uint64, kinds ...kind) (*outcome, error) {
 		{id: "c311q1", qos: 1}, {id: "c311q2", qos: 2},
 		{id: "c5q1", v5: true, qos: 1}, {id: "c5q2", v5: true, qos: 2},
 	}
-	ctx, stop := context.WithCancel(context.Background())
+	stop, wait := runClients(clients, g.mqtt)
 	defer stop()
-	var wg sync.WaitGroup
-	for _, c := range clients {
-		c.acked = map[int]time.Time{}
-		wg.Add(1)
-		go func() { defer wg.Done(); c.run(ctx, g.mqtt) }()
-	}
 	// Aim: after a seeded delay, cut at the next operation of the
 	// round's kind (skipping a seeded few), or at once for anytime and
 	// interval rounds; a checkpoint that does not come within 2 s is cut
@@ -519,7 +526,7 @@ func round(bin, base string, seed uint64, kinds ...kind) (*outcome, error) {
 	walSynced := fs.SyncedAt("tandem.wal")
 	g.kill() // at once: nothing it does after the cut reaches the disk anyway
 	stop()   // acks still on their way were sent before the kill
-	wg.Wait()
+	wait()
 	o.cut = *fs.Report()
 	o.phase("load", &t0)
 	if err := fs.Unmount(); err != nil {
