@@ -216,6 +216,22 @@ func TestRepairDamagedLoneGateway(t *testing.T) {
 			return 1 // what survives depends on bbolt's pages: checked below
 		}, true},
 	}
+	cases = append(cases, struct {
+		name    string
+		damage  func(t *testing.T, dir string, log map[uint64]string) uint64
+		refused bool
+	}{"truncated to two thirds", func(t *testing.T, dir string, log map[uint64]string) uint64 {
+		path := filepath.Join(dir, storage.FileName)
+		st, err := os.Stat(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ps, _ := metaPages(t, path)
+		if err := os.Truncate(path, st.Size()*2/3/ps*ps); err != nil {
+			t.Fatal(err)
+		}
+		return 1
+	}, true})
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()
@@ -297,6 +313,10 @@ func TestRepairDamagedLoneGateway(t *testing.T) {
 				t.Errorf("repair reports lost indexes %v, want exactly the damaged record's, %d", lost, from)
 			case from == 0 && (len(lost) != 0 || !strings.Contains(stdout, "Lost records: none")):
 				t.Errorf("repair reports lost indexes %v, want none", lost)
+			case tc.name == "truncated to two thirds" && len(lost) == 0:
+				// A third of the pages gone: records on them that the
+				// WAL no longer holds are lost, and named.
+				t.Errorf("repair names no lost index after a third of the data file was cut off:\n%s", stdout)
 			}
 			var lastBefore uint64
 			for i := range before {

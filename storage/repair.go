@@ -57,6 +57,7 @@ type RepairReport struct {
 	Lost        []LostRange    // indexes that could not be read (empty entries now)
 	Keys        map[string]int // keys copied per bucket (the WAL's included)
 	Unreadable  []string       // everything else that could not be read, in words
+	Notes       []string       // how it was read, where that is not the usual way, in sentences
 	WALFrames   int            // WAL frames replayed
 	Members     int            // voters and learners of the conf state (0: unreadable)
 	Applied     uint64         // the applied index recorded in the new dir
@@ -189,7 +190,7 @@ func Repair(src, dst string, opts *RepairOptions) (*RepairReport, error) {
 			if o, err := newSalvager(src, older); err == nil && o.stateOK {
 				s.bdb.Close()
 				s = o
-				s.rep.Unreadable = append(s.rep.Unreadable, "the data file's newest commit (its top pages are damaged or missing): the commit before it was read instead, then the WAL over it")
+				s.rep.Notes = append(s.rep.Notes, "The data file's newest commit could not be read (its top pages are damaged or missing): the commit before it was read instead, then the WAL over it.")
 			} else if err == nil {
 				o.bdb.Close()
 			}
@@ -200,7 +201,8 @@ func Repair(src, dst string, opts *RepairOptions) (*RepairReport, error) {
 	if !s.stateOK {
 		// One line for the engineer instead of one per bucket bbolt
 		// could not reach.
-		s.rep.Unreadable = []string{"the data file's index pages (of its last two commits): its log was read page by page instead, every entry checked by its CRC"}
+		s.rep.Unreadable = nil
+		s.rep.Notes = append(s.rep.Notes, "The data file's index pages could not be read, from either of its last two commits: its log was read page by page instead, every entry checked by its CRC.")
 		if found, err = scanLeaves(path); err != nil {
 			s.rep.Unreadable = append(s.rep.Unreadable, err.Error())
 		}
@@ -533,7 +535,7 @@ func (s *salvager) copyLog() error {
 		if resume == 0 {
 			return nil
 		}
-		s.rep.Unreadable = appendOnce(s.rep.Unreadable, "pages of the log bucket (the entries on them are listed as lost)")
+		s.rep.Unreadable = appendOnce(s.rep.Unreadable, "damaged pages of the log bucket (the entries on them are the lost indexes above)")
 		// Look for the next key bbolt can reach, index by index.
 		found := uint64(0)
 		for p := max(resume, s.next, floor); p <= s.probeLimit(); p++ {
@@ -710,7 +712,7 @@ func (s *salvager) guessWAL(w *walLog) {
 	}
 	slices.SortStableFunc(s.walEnts, func(a, b pb.Entry) int { return cmp.Compare(a.Index, b.Index) })
 	if len(segs) > 0 {
-		s.rep.Unreadable = append(s.rep.Unreadable, "which WAL frames are live (the data file's record of it): every frame that checks out was read, the newest last")
+		s.rep.Notes = append(s.rep.Notes, "The data file no longer says which WAL frames are live: every frame that checks out was read, the newest last.")
 	}
 }
 

@@ -198,6 +198,9 @@ func report(w io.Writer, dir, kept string, rep *storage.RepairReport) {
 	} else {
 		p("The log is empty: no entry could be copied.")
 	}
+	for _, n := range rep.Notes {
+		p("%s", n)
+	}
 	switch {
 	case len(rep.Lost) == 0 && rep.EndKnown:
 		p("Lost records: none.")
