@@ -257,17 +257,19 @@ func clusterRound(bin, base string, seed uint64) (*clusterOutcome, error) {
 	for _, i := range o.order[1:] {
 		ms[i].fs.Cut(o.tear)
 	}
+	phase("load+cut")
 	for _, m := range ms {
 		m.g.kill()
 	}
 	stop()
 	wait()
+	phase("kill")
 	for _, m := range ms {
 		if err := m.fs.Unmount(); err != nil {
 			return nil, fmt.Errorf("%s: unmount: %v", m.name, err)
 		}
 	}
-	phase("load+cut")
+	phase("unmount")
 
 	// Restart all three on what survived, at once (a lone one waits for
 	// a majority): each must come up, and the cluster re-form.
