@@ -164,16 +164,19 @@ func metaPages(t *testing.T, path string) (int64, [2]int64) {
 	return ps, tx
 }
 
+// damageCase is one way a data dir gets damaged.
+type damageCase struct {
+	name string
+	// damage damages dir and returns the index of the first record it
+	// can have lost (every record before it must survive), or 0 when
+	// nothing should be lost.
+	damage func(t *testing.T, dir string, log map[uint64]string) uint64
+	// refused says whether a start refuses the damaged dir.
+	refused bool
+}
+
 func TestRepairDamagedLoneGateway(t *testing.T) {
-	cases := []struct {
-		name string
-		// damage damages dir and returns the index of the first record it
-		// can have lost (every record before it must survive), or 0 when
-		// nothing should be lost.
-		damage func(t *testing.T, dir string, log map[uint64]string) uint64
-		// refused says whether a start refuses the damaged dir.
-		refused bool
-	}{
+	cases := []damageCase{
 		{"flipped byte in a record", func(t *testing.T, dir string, log map[uint64]string) uint64 {
 			flipRecord(t, dir, 250)
 			return indexOf(t, log, repairPayload(250))
@@ -216,11 +219,7 @@ func TestRepairDamagedLoneGateway(t *testing.T) {
 			return 1 // what survives depends on bbolt's pages: checked below
 		}, true},
 	}
-	cases = append(cases, struct {
-		name    string
-		damage  func(t *testing.T, dir string, log map[uint64]string) uint64
-		refused bool
-	}{"truncated to two thirds", func(t *testing.T, dir string, log map[uint64]string) uint64 {
+	cases = append(cases, damageCase{"truncated to two thirds", func(t *testing.T, dir string, log map[uint64]string) uint64 {
 		path := filepath.Join(dir, storage.FileName)
 		st, err := os.Stat(path)
 		if err != nil {
@@ -231,6 +230,25 @@ func TestRepairDamagedLoneGateway(t *testing.T) {
 			t.Fatal(err)
 		}
 		return 1
+	}, true})
+	cases = append(cases, damageCase{"both meta pages torn", func(t *testing.T, dir string, _ map[uint64]string) uint64 {
+		// Not what one power cut does (bbolt writes one meta page per
+		// commit), but what a medium that loses its first pages does:
+		// bbolt cannot open the file at all, start refuses, and repair
+		// reads it page by page.
+		path := filepath.Join(dir, storage.FileName)
+		ps, _ := metaPages(t, path)
+		f, err := os.OpenFile(path, os.O_RDWR, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		for i := range int64(2) {
+			if _, err := f.WriteAt(make([]byte, 40), i*ps+16+32); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return 0
 	}, true})
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -184,25 +184,28 @@ func Repair(src, dst string, opts *RepairOptions) (*RepairReport, error) {
 		older := dst + ".older"
 		defer os.Remove(older)
 		if ok, err := copyWithoutNewestMeta(path, older); err != nil {
-			s.bdb.Close()
+			s.close()
 			return nil, err
 		} else if ok {
 			if o, err := newSalvager(src, older); err == nil && o.stateOK {
-				s.bdb.Close()
+				s.close()
 				s = o
 				s.rep.Notes = append(s.rep.Notes, "The data file's newest commit could not be read (its top pages are damaged or missing): the commit before it was read instead, then the WAL over it.")
 			} else if err == nil {
-				o.bdb.Close()
+				o.close()
 			}
 		}
 	}
-	defer s.bdb.Close()
+	defer s.close()
 	var found map[uint64]pb.Entry
 	if !s.stateOK {
 		// One line for the engineer instead of one per bucket bbolt
 		// could not reach.
 		s.rep.Unreadable = nil
-		s.rep.Notes = append(s.rep.Notes, "The data file's index pages could not be read, from either of its last two commits: its log was read page by page instead, every entry checked by its CRC.")
+		if s.bdb != nil {
+			s.rep.Notes = append(s.rep.Notes, "The data file's index pages could not be read, from either of its last two commits.")
+		}
+		s.rep.Notes = append(s.rep.Notes, "Its log was read page by page instead, every entry checked by its CRC.")
 		if found, err = scanLeaves(path); err != nil {
 			s.rep.Unreadable = append(s.rep.Unreadable, err.Error())
 		}
@@ -257,12 +260,25 @@ func Repair(src, dst string, opts *RepairOptions) (*RepairReport, error) {
 func newSalvager(src, path string) (*salvager, error) {
 	s := &salvager{src: src, path: path, rep: &RepairReport{Keys: map[string]int{}}, meta: map[string][]byte{}}
 	bdb, err := openBolt(path, time.Second, true)
-	if err != nil {
-		return nil, fmt.Errorf("%w (bbolt cannot open it at all: neither meta page is valid, so nothing in it can be found)", err)
+	switch {
+	case errors.Is(err, ErrCorrupt):
+		// Neither meta page checks out: bbolt cannot open the file at
+		// all, and only the page by page read is left.
+		s.rep.Notes = append(s.rep.Notes, "Neither of the data file's two meta pages can be read, so bbolt cannot open it.")
+		return s, nil
+	case err != nil:
+		return nil, err
 	}
 	s.bdb = bdb
 	s.stateOK = s.readState()
 	return s, nil
+}
+
+// close closes the bbolt file, if one could be opened.
+func (s *salvager) close() {
+	if s.bdb != nil {
+		s.bdb.Close()
+	}
 }
 
 // copyWithoutNewestMeta copies the data file path to dst with the newest
@@ -813,6 +829,9 @@ func (w *walSeg) salvageFrames(id uint64) ([]walFrame, []string) {
 // copyBuckets copies every bucket but the log and the raft state, key by
 // key, and the meta bucket's keys Repair does not set itself.
 func (s *salvager) copyBuckets() error {
+	if s.bdb == nil {
+		return nil
+	}
 	var names []string
 	err := guard(func() error {
 		return s.bdb.View(func(tx *bolt.Tx) error {
@@ -903,20 +922,34 @@ func scanLeaves(path string) (map[uint64]pb.Entry, error) {
 		return nil, fmt.Errorf("storage: repair: %w", err)
 	}
 	defer f.Close()
-	ps := int64(0)
+	var sizes []int64
 	for _, off := range []int64{0, 4096, 16384, 65536} {
 		if m, err := readBoltMeta(f, off); err == nil {
-			ps = int64(m.pageSize)
+			sizes = []int64{int64(m.pageSize)}
 			break
 		}
 	}
-	if ps == 0 {
-		return nil, fmt.Errorf("storage: repair: no valid meta page in %s gives the page size", path)
+	if sizes == nil {
+		// No meta page says: each page size bbolt may have used, and
+		// the one that finds the most.
+		sizes = []int64{4096, 16384, 65536}
 	}
 	b, err := io.ReadAll(f)
 	if err != nil {
 		return nil, fmt.Errorf("storage: repair: %w", err)
 	}
+	var best map[uint64]pb.Entry
+	for _, ps := range sizes {
+		if found := leafEntries(b, ps); len(found) > len(best) {
+			best = found
+		}
+	}
+	return best, nil
+}
+
+// leafEntries returns the entries of the log leaves among the pages of
+// size ps in b (the whole file).
+func leafEntries(b []byte, ps int64) map[uint64]pb.Entry {
 	le := binary.LittleEndian
 	found := map[uint64]pb.Entry{}
 	for off := 2 * ps; off+boltPageHdrSize <= int64(len(b)); off += ps {
@@ -957,7 +990,7 @@ func scanLeaves(path string) (map[uint64]pb.Entry, error) {
 			}
 		}
 	}
-	return found, nil
+	return found
 }
 
 // copyFound copies the entries scanLeaves found, in index order.

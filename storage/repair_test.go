@@ -65,6 +65,16 @@ func TestRepairKeepsEveryReadableEntry(t *testing.T) {
 				zeroPage(t, path, binary.LittleEndian.Uint64(b[m*ps+16+16:]), ps) // meta.root.root
 			}
 		}, nil},
+		{"both meta pages torn: page by page", func(t *testing.T, dir string) {
+			path := filepath.Join(dir, FileName)
+			b, err := os.ReadFile(path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ps := int64(binary.LittleEndian.Uint32(b[16+8:]))
+			zeroPage(t, path, 0, ps)
+			zeroPage(t, path, 1, ps)
+		}, nil},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
