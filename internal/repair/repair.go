@@ -6,8 +6,8 @@
 //
 // It refuses a data dir a running gateway holds (the data file's lock, the
 // one `tandem inspect` meets), and a healthy one. The damaged files are
-// never changed or deleted: they are hard-linked into the folder before the
-// new ones are renamed over them, so a crash at any point leaves either
+// never changed or deleted: they are hard-linked (on a filesystem without
+// links: copied) into the folder before the new ones are renamed over them, so a crash at any point leaves either
 // the old files or the new ones in place, never none.
 package repair
 
@@ -142,7 +142,7 @@ func swap(dir, tmp, kept string) error {
 		if _, err := os.Lstat(old); err != nil {
 			continue
 		}
-		if err := os.Link(old, filepath.Join(kept, name)); err != nil {
+		if err := keep(old, filepath.Join(kept, name)); err != nil {
 			return fmt.Errorf("repair: keeping %s in %s: %w; nothing was changed in %s", name, kept, err, dir)
 		}
 	}
@@ -161,6 +161,33 @@ func swap(dir, tmp, kept string) error {
 		}
 	}
 	return syncDir(dir)
+}
+
+// keep makes dst the file src: a hard link, or a copy (synced) on a
+// filesystem without them (vfat).
+func keep(src, dst string) error {
+	err := os.Link(src, dst)
+	if err == nil || !(errors.Is(err, syscall.EPERM) || errors.Is(err, syscall.ENOTSUP) || errors.Is(err, syscall.EXDEV)) {
+		return err
+	}
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o640)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(out, in); err != nil {
+		out.Close()
+		return err
+	}
+	if err := out.Sync(); err != nil {
+		out.Close()
+		return err
+	}
+	return out.Close()
 }
 
 // chownLike gives the new file src the owner of the file it replaces, so
