@@ -56,7 +56,7 @@ func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	root.SetErr(stderr)
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return config.UsageError{Err: err} })
 	root.AddCommand(newRunCmd(), newVersionCmd(), newCheckCmd(), newInspectCmd(), newBenchCmd(), newServiceCmd(), newPasswdCmd(), newUplinkCmd(),
-		newStatusCmd(), newPeersCmd(), newClusterCmd(), newPairCmd(), newPromoteCmd(), newManCmd())
+		newStatusCmd(), newPeersCmd(), newClusterCmd(), newPairCmd(), newPromoteCmd(), newRepairCmd(), newManCmd())
 	for _, c := range root.Commands() {
 		if c.Args != nil {
 			args := c.Args

@@ -197,6 +197,19 @@ func (c *client) run5(rctx context.Context, addr string) error {
 	}
 }
 
+// runClients starts clients publishing to addr, each on a goroutine of its
+// own: stop ends them, wait waits for them.
+func runClients(clients []*client, addr string) (stop, wait func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	for _, c := range clients {
+		c.acked = map[int]time.Time{}
+		wg.Add(1)
+		go func() { defer wg.Done(); c.run(ctx, addr) }()
+	}
+	return cancel, wg.Wait
+}
+
 // probe publishes one QoS 1 message and waits for its ack.
 func probe(addr string) error {
 	cl := paho3.NewClient(paho3.NewClientOptions().AddBroker("tcp://" + addr).SetClientID("probe").
@@ -267,14 +280,10 @@ func startGateway(bin, base, dir, flush string) (*gateway, error) {
 		if err := os.WriteFile(cfg, []byte(yaml), 0o644); err != nil {
 			return nil, err
 		}
-		g := &gateway{out: &bytes.Buffer{}, outMu: &sync.Mutex{}, mqtt: mq, http: ht, exited: make(chan struct{})}
-		g.cmd = exec.Command(bin, "run", "--config", cfg, "--data", dir, "--mqtt", mq, "--http", ht, "--peer", "127.0.0.1:0")
-		g.cmd.Stdout = lockedWriter{g.outMu, g.out}
-		g.cmd.Stderr = g.cmd.Stdout
-		if err := g.cmd.Start(); err != nil {
+		g, err := launch(bin, cfg, dir, mq, ht, "127.0.0.1:0")
+		if err != nil {
 			return nil, err
 		}
-		go func() { g.err = g.cmd.Wait(); close(g.exited) }()
 		if last = g.waitReady(15 * time.Second); last == nil {
 			return g, nil
 		}
@@ -284,6 +293,21 @@ func startGateway(bin, base, dir, flush string) (*gateway, error) {
 		}
 	}
 	return nil, last
+}
+
+// launch starts `tandem run` on dir with config cfg and these listeners,
+// without waiting for it.
+func launch(bin, cfg, dir, mqtt, http, peer string, extra ...string) (*gateway, error) {
+	g := &gateway{out: &bytes.Buffer{}, outMu: &sync.Mutex{}, mqtt: mqtt, http: http, exited: make(chan struct{})}
+	args := append([]string{"run", "--config", cfg, "--data", dir, "--mqtt", mqtt, "--http", http, "--peer", peer}, extra...)
+	g.cmd = exec.Command(bin, args...)
+	g.cmd.Stdout = lockedWriter{g.outMu, g.out}
+	g.cmd.Stderr = g.cmd.Stdout
+	if err := g.cmd.Start(); err != nil {
+		return nil, err
+	}
+	go func() { g.err = g.cmd.Wait(); close(g.exited) }()
+	return g, nil
 }
 
 var httpc = &http.Client{Timeout: 2 * time.Second}
@@ -340,11 +364,32 @@ type record struct {
 	Topic   string `json:"topic"`
 	Client  string `json:"client"`
 	Payload string `json:"payload"`
+	// Republished marks a record a deposed master's tail gave again.
+	Republished bool `json:"republished"`
 }
 
 // inspect reads the stopped gateway's log: per client, the seqs in log
 // order.
 func inspect(bin, dir string) (map[string][]int, error) {
+	recs, err := inspectSeqs(bin, dir)
+	seqs := map[string][]int{}
+	for id, rs := range recs {
+		for _, r := range rs {
+			seqs[id] = append(seqs[id], r.seq)
+		}
+	}
+	return seqs, err
+}
+
+// logSeq is one of a client's records in the log.
+type logSeq struct {
+	seq         int
+	republished bool
+}
+
+// inspectSeqs reads the stopped gateway's log: per client, its records in
+// log order.
+func inspectSeqs(bin, dir string) (map[string][]logSeq, error) {
 	out, err := exec.Command(bin, "inspect", "--data", dir, "--json").Output()
 	if err != nil {
 		var ee *exec.ExitError
@@ -353,7 +398,7 @@ func inspect(bin, dir string) (map[string][]int, error) {
 		}
 		return nil, err
 	}
-	seqs := map[string][]int{}
+	seqs := map[string][]logSeq{}
 	sc := bufio.NewScanner(bytes.NewReader(out))
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
@@ -373,7 +418,7 @@ func inspect(bin, dir string) (map[string][]int, error) {
 			return nil, fmt.Errorf("record %d of %s: damaged payload", r.Index, r.Client)
 		}
 		id := strings.TrimPrefix(r.Topic, "pc/")
-		seqs[id] = append(seqs[id], seq)
+		seqs[id] = append(seqs[id], logSeq{seq, r.Republished})
 	}
 	return seqs, sc.Err()
 }
@@ -439,14 +484,8 @@ func round(bin, base string, seed uint64, kinds ...kind) (*outcome, error) {
 		{id: "c311q1", qos: 1}, {id: "c311q2", qos: 2},
 		{id: "c5q1", v5: true, qos: 1}, {id: "c5q2", v5: true, qos: 2},
 	}
-	ctx, stop := context.WithCancel(context.Background())
+	stop, wait := runClients(clients, g.mqtt)
 	defer stop()
-	var wg sync.WaitGroup
-	for _, c := range clients {
-		c.acked = map[int]time.Time{}
-		wg.Add(1)
-		go func() { defer wg.Done(); c.run(ctx, g.mqtt) }()
-	}
 	// Aim: after a seeded delay, cut at the next operation of the
 	// round's kind (skipping a seeded few), or at once for anytime and
 	// interval rounds; a checkpoint that does not come within 2 s is cut
@@ -487,7 +526,7 @@ func round(bin, base string, seed uint64, kinds ...kind) (*outcome, error) {
 	walSynced := fs.SyncedAt("tandem.wal")
 	g.kill() // at once: nothing it does after the cut reaches the disk anyway
 	stop()   // acks still on their way were sent before the kill
-	wg.Wait()
+	wait()
 	o.cut = *fs.Report()
 	o.phase("load", &t0)
 	if err := fs.Unmount(); err != nil {
