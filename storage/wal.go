@@ -273,6 +273,9 @@ func (w *walSeg) readFrames(id uint64) ([]walFrame, int64, error) {
 			break
 		}
 	}
+	if err := w.checkLength(b, off, id); err != nil {
+		return nil, 0, err
+	}
 	// Look for the id (at offset 8 of a header) past the end: a search
 	// for 8 bytes, fast enough to do over the whole file at every Open.
 	var pat [8]byte
@@ -288,6 +291,29 @@ func (w *walSeg) readFrames(id uint64) ([]walFrame, int64, error) {
 		p += int64(i) + 1
 	}
 	return frames, off, nil
+}
+
+// checkLength reports a file cut short below the frames that end at off.
+// Frames are only ever written into space that grow made durable first, in
+// whole walPrealloc steps, so a power cut never leaves a frame past the end
+// of the file, and never a file that ends, short of a whole step, inside
+// the step frames reach: either means the file lost its tail (copied or
+// truncated by hand, a damaged filesystem), and with it acked records. A
+// file short of a whole step with every frame below that step is a grow
+// the cut interrupted: nothing was written there yet.
+func (w *walSeg) checkLength(b []byte, off int64, id uint64) error {
+	size := int64(len(b))
+	if off+walHdr <= size {
+		h := b[off:]
+		n := int64(binary.LittleEndian.Uint32(h))
+		if binary.LittleEndian.Uint64(h[8:]) == id && n <= walMaxFrame && off+walHdr+n > size {
+			return fmt.Errorf("%s is cut short: the frame at offset %d needs %d bytes, the file has %d: acknowledged records past it would be lost: %w", w.f.Name(), off, off+walHdr+n, size, ErrCorrupt)
+		}
+	}
+	if rem := size % walPrealloc; rem != 0 && off > size-rem {
+		return fmt.Errorf("%s is cut short: it has %d bytes, not a whole number of %d-byte steps, and its frames reach offset %d: acknowledged records past the cut would be lost: %w", w.f.Name(), size, walPrealloc, off, ErrCorrupt)
+	}
+	return nil
 }
 
 // frameAt returns the payload of the live frame at off in b, if there is one.
