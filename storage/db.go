@@ -209,6 +209,13 @@ type DB struct {
 	stageGen uint64
 	takeBuf  []stagedOp // reused by commitCut, under ckMu
 	opsBuf   []stagedOp // reused by Save, under wmu
+
+	// snapMu guards snaps, the snapshot built for raft and the build in
+	// progress (snapshot.go); bgWG counts the builds, which Close waits
+	// for before it closes the file.
+	snapMu sync.Mutex
+	snaps  snapState
+	bgWG   sync.WaitGroup
 }
 
 type stagedOp struct {
@@ -637,6 +644,7 @@ func (db *DB) Close() error {
 	}
 	// Under the writers' locks: a Flush or Sync that passed its closed
 	// check before Close began gets ErrClosed, not a closed file.
+	db.bgWG.Wait() // a snapshot build reads the file
 	db.ckMu.Lock()
 	db.wmu.Lock()
 	db.wal.close()
