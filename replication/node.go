@@ -103,6 +103,11 @@ type Config struct {
 	// as 0x97). The master's own publishes are checked where they are
 	// taken, before Propose.
 	Admit func(data []byte) error
+	// SilentMemberHold is how long a member that stopped answering still
+	// holds retention on the master: past it, the oldest records it lacks
+	// may go, and it installs a snapshot when it returns. Zero means ten
+	// election timeouts.
+	SilentMemberHold time.Duration
 	// AfterResolve, if set, is called after each run of proposal
 	// callbacks, so their effects (acks) can be batched: on the raft
 	// goroutine, or on Propose's caller when it refuses at once. It must
@@ -218,16 +223,20 @@ type Node struct {
 	inboundBy map[uint64]*fwdInbound
 
 	// Loop-owned state.
-	pending      map[recID]*proposal // proposed, not yet saved
-	live         map[recID]*proposal // proposed here and unresolved, by record id
-	logged       recentLogged        // where recently saved records are, by id
-	syncWait     []*proposal         // saved, sync mode, waiting for replicas; by index
-	byDue        []*proposal         // every unresolved proposal, by deadline
-	leader       bool
-	confSeq      uint64        // ids of the conf changes this node proposed
-	confWait     []*confWaiter // conf changes proposed here, not yet applied
-	savedHS      pb.HardState  // the last hard state written by Save
-	resolvedSome bool          // callbacks ran since the last flushResolved
+	pending  map[recID]*proposal // proposed, not yet saved
+	live     map[recID]*proposal // proposed here and unresolved, by record id
+	logged   recentLogged        // where recently saved records are, by id
+	syncWait []*proposal         // saved, sync mode, waiting for replicas; by index
+	byDue    []*proposal         // every unresolved proposal, by deadline
+	leader   bool
+	confSeq  uint64               // ids of the conf changes this node proposed
+	confWait []*confWaiter        // conf changes proposed here, not yet applied
+	savedHS  pb.HardState         // the last hard state written by Save
+	heard    map[uint64]time.Time // when each other member last answered (silentMembers)
+	// installing is the snapshot handed to the apply goroutine
+	// (installSnapshot); written before the send on applyc, read after.
+	installing   *snapInstall
+	resolvedSome bool // callbacks ran since the last flushResolved
 }
 
 // NewNode opens the raft group stored in cfg.Storage, bootstrapping a

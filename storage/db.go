@@ -630,6 +630,10 @@ func (db *DB) Close() error {
 	}
 	db.closed = true
 	db.mu.Unlock()
+	db.snapMu.Lock()
+	db.snaps.closed = true
+	db.snapMu.Unlock()
+	db.bgWG.Wait() // a snapshot build checkpoints and reads the file
 	var ferr error
 	if !db.ro {
 		if db.flStop != nil {
@@ -644,7 +648,6 @@ func (db *DB) Close() error {
 	}
 	// Under the writers' locks: a Flush or Sync that passed its closed
 	// check before Close began gets ErrClosed, not a closed file.
-	db.bgWG.Wait() // a snapshot build reads the file
 	db.ckMu.Lock()
 	db.wmu.Lock()
 	db.wal.close()

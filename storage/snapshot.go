@@ -76,6 +76,7 @@ type snapState struct {
 	built    *pb.Snapshot
 	builtAt  time.Time
 	building bool
+	closed   bool  // Close began: no more builds
 	failed   error // the last build's error, logged once
 }
 
@@ -99,13 +100,13 @@ func (db *DB) SnapshotBucket(bucket string, conv SnapshotConverter) {
 // one is being built (raft asks again).
 func (db *DB) Snapshot() (pb.Snapshot, error) {
 	db.mu.RLock()
-	snapIndex, cs, closed := db.snapIndex, db.cs, db.closed
+	snapIndex, cs := db.snapIndex, db.cs
 	db.mu.RUnlock()
 	db.snapMu.Lock()
 	defer db.snapMu.Unlock()
 	b := db.snaps.built
 	fresh := b != nil && b.Metadata.Index >= snapIndex && sameConf(b.Metadata.ConfState, cs)
-	if !closed && !db.ro && !db.snaps.building && (!fresh || time.Since(db.snaps.builtAt) > snapshotMaxAge) {
+	if !db.snaps.closed && !db.ro && !db.snaps.building && (!fresh || time.Since(db.snaps.builtAt) > snapshotMaxAge) {
 		db.snaps.building = true
 		db.bgWG.Add(1)
 		go db.buildSnapshot()
@@ -127,7 +128,14 @@ func sameConf(a, b pb.ConfState) bool {
 // next Snapshot call.
 func (db *DB) buildSnapshot() {
 	defer db.bgWG.Done()
-	snap, err := db.BuildSnapshot()
+	// The snapshot reads the file: first checkpoint what only the WAL
+	// and the stage hold (the membership raft just changed, the applied
+	// index), so it is as recent as it can be.
+	err := db.commit(nil)
+	var snap pb.Snapshot
+	if err == nil {
+		snap, err = db.BuildSnapshot()
+	}
 	db.snapMu.Lock()
 	defer db.snapMu.Unlock()
 	db.snaps.building = false

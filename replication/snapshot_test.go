@@ -1,0 +1,199 @@
+package replication
+
+import (
+	"fmt"
+	"maps"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.etcd.io/raft/v3"
+	pb "go.etcd.io/raft/v3/raftpb"
+
+	"github.com/tandem-edge/tandem/storage"
+)
+
+// stateApplier is a broker in miniature: retained records set a key of the
+// sessions bucket, as the broker's retained store does, and a snapshot is
+// taken in through Restore.
+type stateApplier struct {
+	db       *storage.DB
+	restores atomic.Int32
+}
+
+func (a *stateApplier) Apply(_ uint64, data []byte) error {
+	rec, err := storage.DecodeRecord(data)
+	if err != nil {
+		return err
+	}
+	if rec.Retain {
+		a.db.Stage(storage.BucketSessions, "R\x00"+rec.Topic, rec.Payload)
+	}
+	return nil
+}
+
+func (a *stateApplier) Restore(_ uint64, install func() error) error {
+	a.restores.Add(1)
+	return install()
+}
+
+// startState starts member id of c with a stateApplier; a fresh joiner
+// waits to be added.
+func (c *cluster) startState(id uint64, join bool, mutate func(*Config)) (*testNode, *stateApplier) {
+	var app *stateApplier
+	tn := openTestNodeOpts(c.t, c.dirs[id], c.storeOpts, func(cfg *Config) {
+		cfg.Transport, cfg.Forwarder, cfg.Join = endpoint{c.net, id}, memForwarder{c.net, id}, join
+		if !join {
+			cfg.InitialMembers = c.peers
+		}
+		app = &stateApplier{db: cfg.Storage}
+		cfg.Applier = app
+		if mutate != nil {
+			mutate(cfg)
+		}
+	})
+	c.attach(id, tn)
+	return tn, app
+}
+
+// newDir adds a fresh data dir (and identity) to c and returns its id.
+func (c *cluster) newDir() uint64 {
+	dir := c.t.TempDir()
+	ident, err := LoadOrCreateIdentity(dir)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	c.ids, c.dirs[ident.ID] = append(c.ids, ident.ID), dir
+	return ident.ID
+}
+
+// proposeRetained proposes n retained records on topics prefix/0.. and
+// waits for them.
+func proposeRetained(t *testing.T, tn *testNode, prefix string, n int) {
+	t.Helper()
+	for i := range n {
+		r := storage.Record{Origin: tn.ID(), Seq: tn.NextSeq(), ClientID: "c", Topic: fmt.Sprintf("%s/%d", prefix, i), QoS: 1, Retain: true,
+			Time: time.Now().UnixNano(), Payload: fmt.Appendf(nil, "v%d-%s", i, prefix)}
+		ch := make(chan result, 1)
+		tn.Propose(storage.AppendRecord(nil, &r), Async, func(i uint64, err error) { ch <- result{i, err} })
+		if res := wait(t, ch); res.err != nil {
+			t.Fatal(res.err)
+		}
+	}
+}
+
+// sessionsOf is the sessions bucket of tn's data file.
+func sessionsOf(t *testing.T, tn *testNode) map[string]string {
+	t.Helper()
+	out := map[string]string{}
+	if err := tn.db.ForEach(storage.BucketSessions, "", func(k, v []byte) error { out[string(k)] = string(v); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// waitSameState waits until b holds a's sessions bucket.
+func waitSameState(t *testing.T, a, b *testNode) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		want, got := sessionsOf(t, a), sessionsOf(t, b)
+		if maps.Equal(want, got) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("member holds %d keys of state, the master %d: %q vs %q", len(got), len(want), got, want)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A member that joins after the master dropped the head of its log gets
+// the master's snapshot: the broker state the dropped records built (here
+// retained records from before the drop), then the log after it; it acks
+// sync records, and a restart keeps that state.
+func TestJoinerAfterCompactionInstallsTheBrokerState(t *testing.T) {
+	const budget = 8 << 20
+	c := newCluster(t, 0)
+	c.storeOpts = &storage.Options{MaxBytes: budget}
+	a := c.newDir()
+	c.peers = []raft.Peer{{ID: a}}
+	master, _ := c.startState(a, false, nil)
+	waitFor(t, "a master", func() bool { return master.Leader() == a })
+	proposeRetained(t, master, "early", 20)
+	if _, full := proposeBytes(t, master, 3*budget); full {
+		t.Fatal("a lone gateway refused: nobody lacks anything")
+	}
+	waitFor(t, "the master to drop the retained records' part of the log", func() bool { f, _ := master.db.FirstIndex(); return f > 25 })
+
+	b := c.newDir()
+	joiner, app := c.startState(b, true, nil)
+	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {
+		t.Fatal(err)
+	}
+	if r := c.propose("after-join", Sync); r.err != nil {
+		t.Fatalf("sync with the joined slave: %v", r.err)
+	}
+	proposeRetained(t, master, "late", 5)
+	waitSameState(t, master, joiner)
+	if app.restores.Load() == 0 {
+		t.Error("the joiner's applier was never asked to restore")
+	}
+	if jf, _ := joiner.db.FirstIndex(); jf <= 25 {
+		t.Errorf("joiner's first index %d: it got the log, not a snapshot", jf)
+	}
+	if got := sessionsOf(t, joiner)["R\x00early/7"]; got != "v7-early" {
+		t.Errorf("retained early/7 on the joiner = %q", got)
+	}
+
+	c.stop(b)
+	joiner, _ = c.startState(b, false, nil)
+	waitSameState(t, master, joiner)
+	if r := c.propose("after-restart", Sync); r.err != nil {
+		t.Fatalf("sync after the joiner restarted: %v", r.err)
+	}
+}
+
+// A slave that stays away for longer than SilentMemberHold no longer holds
+// retention: the master drops past what it lacks and takes publishes; back,
+// the slave installs a snapshot and holds the master's state.
+func TestSilentSlaveStopsHoldingRetentionAndGetsASnapshot(t *testing.T) {
+	const budget = 8 << 20
+	c := newCluster(t, 0)
+	c.storeOpts = &storage.Options{MaxBytes: budget}
+	a := c.newDir()
+	c.peers = []raft.Peer{{ID: a}}
+	hold := func(cfg *Config) { cfg.SilentMemberHold = 100 * time.Millisecond }
+	master, _ := c.startState(a, false, hold)
+	waitFor(t, "a master", func() bool { return master.Leader() == a })
+	b := c.newDir()
+	c.startState(b, true, hold)
+	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {
+		t.Fatal(err)
+	}
+	proposeRetained(t, master, "early", 10)
+	if r := c.propose("before", Sync); r.err != nil {
+		t.Fatalf("sync with the slave: %v", r.err)
+	}
+	slaveLast, _ := c.nodes[b].db.LastIndex()
+	c.stop(b)
+
+	waitFor(t, "the master to stop counting the silent slave", func() bool {
+		st, err := master.Status(t.Context())
+		return err == nil && st.RetentionFloor > slaveLast
+	})
+	if _, full := proposeBytes(t, master, 3*budget); full {
+		t.Fatal("the master refused publishes for a slave silent past the hold")
+	}
+	waitFor(t, "the master to drop what the slave lacks", func() bool { f, _ := master.db.FirstIndex(); return f > slaveLast+1 })
+	proposeRetained(t, master, "late", 5)
+
+	slave, app := c.startState(b, false, hold)
+	waitSameState(t, master, slave)
+	if app.restores.Load() == 0 {
+		t.Error("the returning slave's applier was never asked to restore")
+	}
+	if r := c.propose("after-return", Sync); r.err != nil {
+		t.Fatalf("sync with the returned slave: %v", r.err)
+	}
+}
