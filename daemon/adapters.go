@@ -143,6 +143,26 @@ func (a *applier) Apply(index uint64, data []byte) error {
 	return a.broker.Deliver(index, messageOf(&rec))
 }
 
+// Restore takes in a snapshot that replaces the log (replication.Restorer):
+// the broker swaps its sessions and retained messages for the snapshot's
+// around install, then the uplinks reload their positions.
+func (a *applier) Restore(index uint64, install func() error) error {
+	<-a.ready
+	if err := a.broker.Restore(index, install); err != nil {
+		return err
+	}
+	return a.ups.restore()
+}
+
+// snapshotBuckets registers what a snapshot of this gateway's data file
+// carries besides the members: the broker's sessions, converted
+// (mqtt.SnapshotSessions), and the uplinks' positions and pauses.
+func snapshotBuckets(db *storage.DB) {
+	db.SnapshotBucket(storage.BucketSessions, mqtt.SnapshotSessions)
+	db.SnapshotBucket(bucketUplinks, nil)
+	db.SnapshotBucket(bucketPaused, nil)
+}
+
 // FirstIndex is the oldest index the log still holds (mqtt.Retained).
 func (a *logAdapter) FirstIndex() uint64 {
 	first, _ := a.d.db.FirstIndex()

@@ -100,6 +100,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		FlushInterval: flushInterval(c.Storage)}); err != nil {
 		return err
 	}
+	snapshotBuckets(d.db)
 	topics, err := d.topicPolicies(c.Topics)
 	if err != nil {
 		return err
