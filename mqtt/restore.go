@@ -23,6 +23,9 @@ import (
 // cluster's state.
 var codeRestore = packets.ErrServerBusy
 
+// restoreWhy is the reason string of codeRestore.
+const restoreWhy = "this gateway is taking in the cluster's state; connect again"
+
 // restoreWait bounds how long Restore waits for the connections it ended
 // to go.
 const restoreWait = 2 * time.Second
@@ -81,7 +84,7 @@ func SnapshotSessions(scan func(prefix string, fn func(k, v []byte) error) error
 func (s *Server) Restore(index uint64, install func() error) error {
 	conns := s.onlineConns()
 	for _, c := range conns {
-		c.endTo(codeRestore, "", "this gateway is taking in the cluster's state; connect again")
+		c.endTo(codeRestore, "", restoreWhy)
 	}
 	t := time.NewTimer(restoreWait)
 	defer t.Stop()
@@ -99,8 +102,14 @@ wait:
 	if err := install(); err != nil {
 		return err
 	}
+	var late []*conn
 	for id, se := range s.sessions {
 		se.mu.Lock()
+		if se.conn != nil {
+			// Connected since the connections above were ended, or
+			// slow to go: it ends too, on a session that is no more.
+			late = append(late, se.conn)
+		}
 		subs := se.subs
 		// A connection still going detaches from nothing: its session
 		// is no longer the server's (detach checks se.conn).
@@ -111,6 +120,9 @@ wait:
 			s.index.remove(se, sub)
 		}
 		delete(s.sessions, id)
+	}
+	for _, c := range late {
+		c.endTo(codeRestore, "", restoreWhy)
 	}
 	for id, w := range s.wills {
 		w.Stop()

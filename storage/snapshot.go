@@ -130,8 +130,10 @@ func (db *DB) buildSnapshot() {
 	defer db.bgWG.Done()
 	// The snapshot reads the file: first checkpoint what only the WAL
 	// and the stage hold (the membership raft just changed, the applied
-	// index), so it is as recent as it can be.
-	err := db.commit(nil)
+	// index), so it is as recent as it can be. A background checkpoint:
+	// Save waits for its cut only, not for its commit.
+	db.retainDue.Store(true)
+	err := db.checkpoint()
 	var snap pb.Snapshot
 	if err == nil {
 		snap, err = db.BuildSnapshot()
@@ -149,6 +151,27 @@ func (db *DB) buildSnapshot() {
 	db.snaps.failed = nil
 	db.snaps.built, db.snaps.builtAt = &snap, time.Now()
 	db.log.Info("snapshot of the broker state built", "index", snap.Metadata.Index, "bytes", len(snap.Data))
+	// Nobody may ask again: do not keep up to MaxSnapshotBytes for ever.
+	db.bgWG.Add(1)
+	go db.forgetSnapshot(db.snaps.built)
+}
+
+// forgetSnapshot drops the built snapshot b once it is too old to be
+// handed out without a fresher build starting anyway.
+func (db *DB) forgetSnapshot(b *pb.Snapshot) {
+	defer db.bgWG.Done()
+	t := time.NewTimer(2 * snapshotMaxAge)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-db.snapStop:
+		return
+	}
+	db.snapMu.Lock()
+	if db.snaps.built == b {
+		db.snaps.built = nil
+	}
+	db.snapMu.Unlock()
 }
 
 // BuildSnapshot reads the broker state in one read transaction, at the
