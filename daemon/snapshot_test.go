@@ -16,22 +16,22 @@ import (
 	"github.com/tandem-edge/tandem/storage"
 )
 
-// flood publishes about n bytes of 1 KiB async records on bulk/ from a few
-// clients.
-func flood(t *testing.T, d *Daemon, n int) {
+// publishMany publishes from clients connections at once, each of them
+// each QoS 1 messages that msg makes (client c's i-th), and fails the test
+// on the first publish that fails.
+func publishMany(t *testing.T, d *Daemon, clients, each int, msg func(c, i int) (topic string, payload []byte)) {
 	t.Helper()
-	const clients, size = 4, 1 << 10
 	var wg sync.WaitGroup
 	errs := make(chan error, clients)
 	for c := range clients {
-		pub, _ := v5(t, d.MQTTAddr(), fmt.Sprintf("flood%d", c), nil)
+		pub, _ := v5(t, d.MQTTAddr(), fmt.Sprintf("pub%d", c), nil)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			payload := []byte(strings.Repeat("x", size))
-			for i := 0; i < n/size/clients; i++ {
+			for i := range each {
+				topic, payload := msg(c, i)
 				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-				_, err := pub.Publish(ctx, &paho.Publish{Topic: fmt.Sprintf("bulk/%d", c), QoS: 1, Payload: payload})
+				_, err := pub.Publish(ctx, &paho.Publish{Topic: topic, QoS: 1, Payload: payload})
 				cancel()
 				if err != nil {
 					errs <- fmt.Errorf("client %d publish %d: %w", c, i, err)
@@ -45,6 +45,15 @@ func flood(t *testing.T, d *Daemon, n int) {
 	for err := range errs {
 		t.Fatal(err)
 	}
+}
+
+// flood publishes about n bytes of 1 KiB records on bulk/ from a few
+// clients.
+func flood(t *testing.T, d *Daemon, n int) {
+	t.Helper()
+	const clients, size = 4, 1 << 10
+	payload := []byte(strings.Repeat("x", size))
+	publishMany(t, d, clients, n/size/clients, func(c, _ int) (string, []byte) { return fmt.Sprintf("bulk/%d", c), payload })
 }
 
 // retainedOf subscribes to ret/# on d and returns the retained messages it

@@ -68,6 +68,19 @@ func (c *cluster) newDir() uint64 {
 	return ident.ID
 }
 
+// loneMaster starts a cluster of one member with a log budget, its
+// config adjusted by mutate, and waits for it to lead.
+func loneMaster(t *testing.T, budget int64, mutate func(*Config)) (*cluster, *testNode) {
+	t.Helper()
+	c := newCluster(t, 0)
+	c.storeOpts = &storage.Options{MaxBytes: budget}
+	a := c.newDir()
+	c.peers = []raft.Peer{{ID: a}}
+	master, _ := c.startState(a, false, mutate)
+	waitFor(t, "a master", func() bool { return master.Leader() == a })
+	return c, master
+}
+
 // proposeRetained proposes n retained records on topics prefix/0.. and
 // waits for them.
 func proposeRetained(t *testing.T, tn *testNode, prefix string, n int) {
@@ -115,12 +128,7 @@ func waitSameState(t *testing.T, a, b *testNode) {
 // sync records, and a restart keeps that state.
 func TestJoinerAfterCompactionInstallsTheBrokerState(t *testing.T) {
 	const budget = 8 << 20
-	c := newCluster(t, 0)
-	c.storeOpts = &storage.Options{MaxBytes: budget}
-	a := c.newDir()
-	c.peers = []raft.Peer{{ID: a}}
-	master, _ := c.startState(a, false, nil)
-	waitFor(t, "a master", func() bool { return master.Leader() == a })
+	c, master := loneMaster(t, budget, nil)
 	proposeRetained(t, master, "early", 20)
 	if _, full := proposeBytes(t, master, 3*budget); full {
 		t.Fatal("a lone gateway refused: nobody lacks anything")
@@ -160,13 +168,8 @@ func TestJoinerAfterCompactionInstallsTheBrokerState(t *testing.T) {
 // the slave installs a snapshot and holds the master's state.
 func TestSilentSlaveStopsHoldingRetentionAndGetsASnapshot(t *testing.T) {
 	const budget = 8 << 20
-	c := newCluster(t, 0)
-	c.storeOpts = &storage.Options{MaxBytes: budget}
-	a := c.newDir()
-	c.peers = []raft.Peer{{ID: a}}
 	hold := func(cfg *Config) { cfg.SilentMemberHold = 100 * time.Millisecond }
-	master, _ := c.startState(a, false, hold)
-	waitFor(t, "a master", func() bool { return master.Leader() == a })
+	c, master := loneMaster(t, budget, hold)
 	b := c.newDir()
 	c.startState(b, true, hold)
 	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {

@@ -356,6 +356,7 @@ func (db *DB) ResetRaftFrom(from uint64) error {
 		db.mu.Unlock()
 		db.oldest.Store(0)
 		db.blockedAt.Store(0)
+		db.forgetBuilt()
 	})
 	if err != nil {
 		return fmt.Errorf("storage: reset: %w", err)

@@ -101,9 +101,7 @@ func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 		db.tail, db.tailBytes = nil, 0
 		db.mu.Unlock()
 		db.oldest.Store(0)
-		db.snapMu.Lock()
-		db.snaps.built = nil // of the state this one replaced
-		db.snapMu.Unlock()
+		db.forgetBuilt()
 	})
 	if err != nil {
 		return fmt.Errorf("storage: apply snapshot: %w", err)

@@ -105,7 +105,7 @@ func (db *DB) Snapshot() (pb.Snapshot, error) {
 	db.snapMu.Lock()
 	defer db.snapMu.Unlock()
 	b := db.snaps.built
-	fresh := b != nil && b.Metadata.Index >= snapIndex && sameConf(b.Metadata.ConfState, cs)
+	fresh := b != nil && b.Metadata.Index > 0 && b.Metadata.Index >= snapIndex && sameConf(b.Metadata.ConfState, cs)
 	if !db.snaps.closed && !db.ro && !db.snaps.building && (!fresh || time.Since(db.snaps.builtAt) > snapshotMaxAge) {
 		db.snaps.building = true
 		db.bgWG.Add(1)
@@ -393,4 +393,12 @@ func (db *DB) restoreBuckets(tx *bolt.Tx, buckets []snapBucketData) error {
 	db.fresh = slices.DeleteFunc(db.fresh, func(op stagedOp) bool { return names[op.bucket] })
 	db.stageMu.Unlock()
 	return nil
+}
+
+// forgetBuilt drops the built snapshot: the log it was taken from was
+// replaced (a snapshot installed, the raft state reset).
+func (db *DB) forgetBuilt() {
+	db.snapMu.Lock()
+	db.snaps.built = nil
+	db.snapMu.Unlock()
 }
