@@ -163,11 +163,9 @@ func snapshotBuckets(db *storage.DB) {
 	db.SnapshotBucket(bucketPaused, nil)
 }
 
-// FirstIndex is the oldest index the log still holds (mqtt.Retained).
-func (a *logAdapter) FirstIndex() uint64 {
-	first, _ := a.d.db.FirstIndex()
-	return first
-}
+// FirstIndex is the oldest index the log still holds (mqtt.Retained),
+// the records pulled from before an installed snapshot included.
+func (a *logAdapter) FirstIndex() uint64 { return a.d.db.OldestIndex() }
 
 // Committed reads the records from..to for sessions that replay from
 // their cursor. The broker asks only up to what the applier has handed it,
@@ -178,7 +176,7 @@ func (a *logAdapter) Committed(from, to uint64, fn func(index uint64, m *mqtt.Me
 	// Retention dropped the records below the first index: a replay
 	// starts at the oldest one kept (the broker counts what its session
 	// lost by the gap).
-	if first, _ := a.d.db.FirstIndex(); from < first {
+	if first := a.d.db.OldestIndex(); from < first {
 		from = first
 	}
 	if from > to {

@@ -97,8 +97,9 @@ func sessionKeys(t *testing.T, d *Daemon, id string) map[string]string {
 // A gateway that joins a cluster whose log was compacted (first index far
 // past the retained messages and the persistent session's records) installs
 // the master's snapshot: it holds the same retained set and the same
-// persistent session (subscriptions, cursor), serves them to devices, and
-// keeps them across a restart.
+// persistent session (subscriptions, cursor), pulls the records before the
+// snapshot that the session still lacks, serves them to devices, and keeps
+// them across a restart.
 func TestJoinerToACompactedLogHoldsTheMastersState(t *testing.T) {
 	const budget = 8 << 20
 	withBudget := func(c *config.Config) { c.Storage.MaxBytes = budget }
@@ -121,6 +122,9 @@ func TestJoinerToACompactedLogHoldsTheMastersState(t *testing.T) {
 	testutil.WaitFor(t, 20*time.Second, "the master to drop the records that built its state", func() bool {
 		return statusOfGW(t, g1).Log.FirstIndex > stateEnd
 	})
+	// Past the compaction point, before the join: the joiner's snapshot
+	// is after it, and it pulls it from the master for keeper.
+	publish(t, pub, &paho.Publish{Topic: "persist/pending", QoS: 1, Payload: []byte("pending")})
 	wantRetained := retainedOf(t, g1, "look1", nRetained-1)
 	if wantRetained["ret/3"] != "value-3-again" || wantRetained["ret/4"] != "" {
 		t.Fatalf("the master's retained set: %q", wantRetained)
@@ -151,6 +155,7 @@ func TestJoinerToACompactedLogHoldsTheMastersState(t *testing.T) {
 			t.Errorf("%s's session of keeper %q, the master's %q", g.cfg.Node.Name, got, wantSession)
 		}
 	}
+	testutil.WaitFor(t, 20*time.Second, "gw-2 to pull the records before its snapshot", func() bool { return !statusOfGW(t, g2).Log.CatchingUp })
 	if !strings.Contains(logs.String(), "installed its snapshot") || !strings.Contains(logs.String(), "took in the cluster's sessions") {
 		t.Errorf("gw-2's log says nothing of a snapshot:\n%s", logs.String())
 	}
@@ -170,8 +175,10 @@ func TestJoinerToACompactedLogHoldsTheMastersState(t *testing.T) {
 		t.Fatal("keeper on gw-2: session not present")
 	}
 	publish(t, pub, &paho.Publish{Topic: "persist/after", QoS: 1, Payload: []byte("fresh")})
-	if p := receive(t, got, 5*time.Second); p.Topic != "persist/after" || string(p.Payload) != "fresh" {
-		t.Fatalf("keeper on gw-2 got %s %q", p.Topic, p.Payload)
+	for _, want := range []string{"pending", "fresh"} {
+		if p := receive(t, got, 5*time.Second); string(p.Payload) != want {
+			t.Fatalf("keeper on gw-2 got %s %q, want %q", p.Topic, p.Payload, want)
+		}
 	}
 	assertAnswersAndStops(t, g2)
 	assertAnswersAndStops(t, g1)

@@ -23,7 +23,8 @@
 // saved, acked, expired); ready.go what each Ready does (persist, send,
 // leadership, retention floor); apply.go the apply goroutine and membership
 // entries; snapshot.go the install of a snapshot (in log order, through a
-// Restorer applier) and which members hold retention; forward.go the slave → master forward stream; transport.go,
+// Restorer applier) and which members hold retention; backfill.go the
+// pull of the records before an installed snapshot; forward.go the slave → master forward stream; transport.go,
 // link.go and handshake.go the peer TCP transport.
 //
 // Threading: Propose, Status and Stop may be called from any goroutine.

@@ -103,6 +103,9 @@ type Config struct {
 	// as 0x97). The master's own publishes are checked where they are
 	// taken, before Propose.
 	Admit func(data []byte) error
+	// Backfill, if set, carries the requests of a member that installed
+	// a snapshot for the records before it (backfill.go).
+	Backfill Backfiller
 	// SilentMemberHold is how long a member that stopped answering still
 	// holds retention on the master: past it, the oldest records it lacks
 	// may go, and it installs a snapshot when it returns. Zero means ten
@@ -337,6 +340,9 @@ start:
 	n.goFunc(n.requeueLoop)
 	if cfg.Forwarder != nil {
 		n.goFunc(n.forwardLoop)
+	}
+	if cfg.Backfill != nil {
+		n.goFunc(n.backfillLoop)
 	}
 	return n, nil
 }

@@ -1,6 +1,8 @@
 package replication
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"math"
@@ -200,4 +202,88 @@ func TestSilentSlaveStopsHoldingRetentionAndGetsASnapshot(t *testing.T) {
 	if r := c.propose("after-return", Sync); r.err != nil {
 		t.Fatalf("sync with the returned slave: %v", r.err)
 	}
+}
+
+// memBackfiller carries backfill requests on a memNet; a cut link fails
+// them.
+type memBackfiller struct {
+	net  *memNet
+	from uint64
+}
+
+func (b memBackfiller) Backfill(_ context.Context, master uint64, req []byte) ([]byte, error) {
+	b.net.mu.Lock()
+	to, cut := b.net.nodes[master], b.net.cut[[2]uint64{b.from, master}]
+	b.net.mu.Unlock()
+	if to == nil || cut {
+		return nil, errors.New("link down")
+	}
+	return to.HandleBackfill(req)
+}
+
+// recordTopics is every data record tn's log can be read for (Scan from 1),
+// by index.
+func recordTopics(t *testing.T, tn *testNode) map[uint64]string {
+	t.Helper()
+	out := map[uint64]string{}
+	err := tn.db.Scan(1, func(e pb.Entry) bool {
+		if e.Type == pb.EntryNormal && len(e.Data) > 0 {
+			if topic, _, err := storage.RecordTopic(e.Data); err == nil {
+				out[e.Index] = string(topic)
+			}
+		}
+		return true
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// A joiner that installed the snapshot pulls the records before it that
+// the master still holds, in chunks, into its log's past: a scan of its
+// log from the start finds what the master's does, and a restart keeps
+// them.
+func TestJoinerPullsTheRecordsBeforeTheSnapshot(t *testing.T) {
+	const budget = 8 << 20
+	c, master := loneMaster(t, budget, nil)
+	proposeRetained(t, master, "early", 5)
+	if _, full := proposeBytes(t, master, 2*budget); full {
+		t.Fatal("a lone gateway refused")
+	}
+	waitFor(t, "the master to drop", func() bool { f, _ := master.db.FirstIndex(); return f > 10 })
+	proposeRetained(t, master, "mid", 5) // after the compaction point, before the snapshot
+	c.storeOpts = nil                    // the joiner keeps all it pulls
+	b := c.newDir()
+	backfill := func(cfg *Config) { cfg.Backfill = memBackfiller{c.net, b} }
+	joiner, _ := c.startState(b, true, backfill)
+	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {
+		t.Fatal(err)
+	}
+	waitSameState(t, master, joiner)
+	waitFor(t, "the joiner to catch up", func() bool {
+		_, wanted := joiner.db.BackfillWanted()
+		return !wanted && !joiner.CatchingUp()
+	})
+	mf, _ := master.db.FirstIndex()
+	jf, _ := joiner.db.FirstIndex()
+	if jf <= mf {
+		t.Fatalf("the joiner's log starts at %d, the master's at %d: no snapshot was installed", jf, mf)
+	}
+	check := func(tn *testNode) {
+		t.Helper()
+		want, got := recordTopics(t, master), recordTopics(t, tn)
+		for i, topic := range want {
+			if got[i] != topic {
+				t.Fatalf("record %d: the joiner has %q, the master %q (master's first %d, joiner's %d, oldest %d)", i, got[i], topic, mf, jf, tn.db.OldestIndex())
+			}
+		}
+		if o := tn.db.OldestIndex(); o > mf {
+			t.Errorf("the joiner's oldest record %d, the master's first %d", o, mf)
+		}
+	}
+	check(joiner)
+	c.stop(b)
+	joiner, _ = c.startState(b, false, backfill)
+	check(joiner)
 }

@@ -74,6 +74,11 @@ func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 		if err := db.restoreBuckets(tx, buckets); err != nil {
 			return err
 		}
+		if len(snap.Data) > 0 {
+			if err := startBackfill(tx, md.Index); err != nil {
+				return err
+			}
+		}
 		cs, err := md.ConfState.Marshal()
 		if err != nil {
 			return err

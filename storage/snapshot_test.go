@@ -4,10 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	bolt "go.etcd.io/bbolt"
 	"go.etcd.io/raft/v3"
 	pb "go.etcd.io/raft/v3/raftpb"
 )
@@ -173,4 +175,92 @@ func BenchmarkBuildSnapshot(b *testing.B) {
 		size = len(snap.Data)
 	}
 	b.ReportMetric(float64(size), "bytes/snapshot")
+}
+
+// installed is a data file that installed a snapshot at index 20 and
+// saved entries 21 and 22 after it.
+func installed(t *testing.T, dir string) *DB {
+	t.Helper()
+	master := testOpen(t, t.TempDir(), nil)
+	mustSave(t, master, pb.HardState{Term: 1, Commit: 20}, makeEntries(1, 20, 1))
+	master.SetApplied(20)
+	if err := master.commit(nil); err != nil {
+		t.Fatal(err)
+	}
+	snap, err := master.BuildSnapshot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	db := testOpen(t, dir, nil)
+	if err := db.ApplySnapshot(snap); err != nil {
+		t.Fatal(err)
+	}
+	mustSave(t, db, pb.HardState{Term: 1, Commit: 22}, makeEntries(21, 2, 1))
+	return db
+}
+
+// scanIndexes is every index Scan from 1 gives.
+func scanIndexes(t *testing.T, db *DB) []uint64 {
+	t.Helper()
+	var got []uint64
+	if err := db.Scan(1, func(e pb.Entry) bool { got = append(got, e.Index); return true }); err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
+// After a snapshot the records before it are wanted, newest first; those
+// pulled are read by Scan as the log's past, kept across a restart, and
+// the first that retention drops (they are the oldest), which ends the
+// pull.
+func TestBackfillBeforeTheSnapshot(t *testing.T) {
+	dir := t.TempDir()
+	db := installed(t, dir)
+	if below, ok := db.BackfillWanted(); !ok || below != 21 {
+		t.Fatalf("BackfillWanted = %d, %v; want 21, true", below, ok)
+	}
+	if err := db.PutBackfill(makeEntries(12, 8, 1), false); err == nil {
+		t.Error("records 12..19, not ending before 21, were taken")
+	}
+	if err := db.PutBackfill(makeEntries(15, 6, 1), false); err != nil { // 15..20
+		t.Fatal(err)
+	}
+	want := []uint64{15, 16, 17, 18, 19, 20, 21, 22}
+	if got := scanIndexes(t, db); !slices.Equal(got, want) {
+		t.Errorf("Scan from 1: %v, want %v", got, want)
+	}
+	if o := db.OldestIndex(); o != 15 {
+		t.Errorf("OldestIndex %d, want 15", o)
+	}
+	mustClose(t, db)
+	db = testOpen(t, dir, nil)
+	if below, ok := db.BackfillWanted(); !ok || below != 15 {
+		t.Errorf("after a restart BackfillWanted = %d, %v; want 15, true", below, ok)
+	}
+	if got := scanIndexes(t, db); !slices.Equal(got, want) {
+		t.Errorf("Scan from 1 after a restart: %v, want %v", got, want)
+	}
+	if err := db.commit(func(tx *bolt.Tx) error { _, err := dropBackfill(tx, 1); return err }); err != nil {
+		t.Fatal(err)
+	}
+	if got := scanIndexes(t, db); !slices.Equal(got, want[1:]) {
+		t.Errorf("Scan after retention took one: %v, want %v", got, want[1:])
+	}
+	if _, ok := db.BackfillWanted(); ok {
+		t.Error("still wanted after retention dropped part of it")
+	}
+}
+
+// A pull that reaches the master's first index completes the backfill.
+func TestBackfillCompletes(t *testing.T) {
+	db := installed(t, t.TempDir())
+	if err := db.PutBackfill(makeEntries(10, 11, 1), true); err != nil { // 10..20
+		t.Fatal(err)
+	}
+	if _, ok := db.BackfillWanted(); ok {
+		t.Error("wanted after the pull said the master holds no older records")
+	}
+	if o := db.OldestIndex(); o != 10 {
+		t.Errorf("OldestIndex %d, want 10", o)
+	}
 }
