@@ -137,25 +137,10 @@ func TestJoinOfAThirdGatewayToACompactedCluster(t *testing.T) {
 // (expiry one hour); clean starts a new one.
 func persistentDevice(t *testing.T, g *gw, id string, clean bool, onMsg func(*paho.Publish)) (*paho.Client, *paho.Connack) {
 	t.Helper()
-	conn, err := dialIn(g.h, g.h.Addr()+":1883")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
-	cfg := paho.ClientConfig{ClientID: id, Conn: conn}
-	if onMsg != nil {
-		cfg.OnPublishReceived = []func(paho.PublishReceived) (bool, error){func(pr paho.PublishReceived) (bool, error) {
-			onMsg(pr.Packet)
-			return true, nil
-		}}
-	}
-	c := paho.NewClient(cfg)
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
 	expiry := uint32(3600)
-	ca, err := c.Connect(ctx, &paho.Connect{ClientID: id, CleanStart: clean, KeepAlive: 30, Properties: &paho.ConnectProperties{SessionExpiryInterval: &expiry}})
-	if err != nil || ca.ReasonCode != 0 {
-		t.Fatalf("connect %s to %s: %v %+v", id, g.name, err, ca)
+	c, ca, err := connectDevice(t, g, &paho.Connect{ClientID: id, CleanStart: clean, KeepAlive: 30, Properties: &paho.ConnectProperties{SessionExpiryInterval: &expiry}}, onMsg)
+	if err != nil {
+		t.Fatalf("connect %s to %s: %v", id, g.name, err)
 	}
 	return c, ca
 }

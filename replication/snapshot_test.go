@@ -83,6 +83,21 @@ func loneMaster(t *testing.T, budget int64, mutate func(*Config)) (*cluster, *te
 	return c, master
 }
 
+// compactedMaster is loneMaster with an 8MiB budget that took n retained
+// records on early/ and then budgets budgets' worth of others, and has
+// dropped the retained ones from its log.
+func compactedMaster(t *testing.T, n, budgets int) (*cluster, *testNode) {
+	t.Helper()
+	const budget = 8 << 20
+	c, master := loneMaster(t, budget, nil)
+	proposeRetained(t, master, "early", n)
+	if _, full := proposeBytes(t, master, budgets*budget); full {
+		t.Fatal("a lone gateway refused: nobody lacks anything")
+	}
+	waitFor(t, "the master to drop the retained records' part of the log", func() bool { f, _ := master.db.FirstIndex(); return f > uint64(n)+5 })
+	return c, master
+}
+
 // proposeRetained proposes n retained records on topics prefix/0.. and
 // waits for them.
 func proposeRetained(t *testing.T, tn *testNode, prefix string, n int) {
@@ -129,13 +144,7 @@ func waitSameState(t *testing.T, a, b *testNode) {
 // retained records from before the drop), then the log after it; it acks
 // sync records, and a restart keeps that state.
 func TestJoinerAfterCompactionInstallsTheBrokerState(t *testing.T) {
-	const budget = 8 << 20
-	c, master := loneMaster(t, budget, nil)
-	proposeRetained(t, master, "early", 20)
-	if _, full := proposeBytes(t, master, 3*budget); full {
-		t.Fatal("a lone gateway refused: nobody lacks anything")
-	}
-	waitFor(t, "the master to drop the retained records' part of the log", func() bool { f, _ := master.db.FirstIndex(); return f > 25 })
+	c, master := compactedMaster(t, 20, 3)
 
 	b := c.newDir()
 	joiner, app := c.startState(b, true, nil)
@@ -245,13 +254,7 @@ func recordTopics(t *testing.T, tn *testNode) map[uint64]string {
 // log from the start finds what the master's does, and a restart keeps
 // them.
 func TestJoinerPullsTheRecordsBeforeTheSnapshot(t *testing.T) {
-	const budget = 8 << 20
-	c, master := loneMaster(t, budget, nil)
-	proposeRetained(t, master, "early", 5)
-	if _, full := proposeBytes(t, master, 2*budget); full {
-		t.Fatal("a lone gateway refused")
-	}
-	waitFor(t, "the master to drop", func() bool { f, _ := master.db.FirstIndex(); return f > 10 })
+	c, master := compactedMaster(t, 5, 2)
 	proposeRetained(t, master, "mid", 5) // after the compaction point, before the snapshot
 	c.storeOpts = nil                    // the joiner keeps all it pulls
 	b := c.newDir()
