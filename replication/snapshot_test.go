@@ -250,9 +250,9 @@ func recordTopics(t *testing.T, tn *testNode) map[uint64]string {
 }
 
 // A joiner that installed the snapshot pulls the records before it that
-// the master still holds, in chunks, into its log's past: a scan of its
-// log from the start finds what the master's does, and a restart keeps
-// them.
+// the master still holds, in chunks, into its log's past, resuming after a
+// cut link: a scan of its log from the start finds what the master's does,
+// and a restart keeps them.
 func TestJoinerPullsTheRecordsBeforeTheSnapshot(t *testing.T) {
 	c, master := compactedMaster(t, 5, 2)
 	proposeRetained(t, master, "mid", 5) // after the compaction point, before the snapshot
@@ -264,6 +264,14 @@ func TestJoinerPullsTheRecordsBeforeTheSnapshot(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitSameState(t, master, joiner)
+	// Cut the link in the middle of the pull: it goes on once healed.
+	snapAt, _ := joiner.db.FirstIndex()
+	waitFor(t, "the pull to start", func() bool { below, ok := joiner.db.BackfillWanted(); return ok && below < snapAt })
+	c.net.isolate(b)
+	if _, wanted := joiner.db.BackfillWanted(); !wanted {
+		t.Fatal("the pull ended before the cut: too few records for this test")
+	}
+	c.net.heal()
 	waitFor(t, "the joiner to catch up", func() bool {
 		_, wanted := joiner.db.BackfillWanted()
 		return !wanted && !joiner.CatchingUp()
