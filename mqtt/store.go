@@ -394,7 +394,7 @@ func (s *Server) loadQoS2(checkLog bool) error {
 	}
 	for origin, seqs := range byOrigin {
 		if !checkLog {
-			break
+			break // every marker is kept (logged, above)
 		}
 		got, err := s.log.Logged(origin, seqs)
 		if err != nil {

@@ -226,20 +226,22 @@ type Node struct {
 	inboundBy map[uint64]*fwdInbound
 
 	// Loop-owned state.
-	pending  map[recID]*proposal // proposed, not yet saved
-	live     map[recID]*proposal // proposed here and unresolved, by record id
-	logged   recentLogged        // where recently saved records are, by id
-	syncWait []*proposal         // saved, sync mode, waiting for replicas; by index
-	byDue    []*proposal         // every unresolved proposal, by deadline
-	leader   bool
-	confSeq  uint64               // ids of the conf changes this node proposed
-	confWait []*confWaiter        // conf changes proposed here, not yet applied
-	savedHS  pb.HardState         // the last hard state written by Save
-	heard    map[uint64]time.Time // when each other member last answered (silentMembers)
-	// installing is the snapshot handed to the apply goroutine
-	// (installSnapshot); written before the send on applyc, read after.
-	installing   *snapInstall
-	resolvedSome bool // callbacks ran since the last flushResolved
+	pending      map[recID]*proposal // proposed, not yet saved
+	live         map[recID]*proposal // proposed here and unresolved, by record id
+	logged       recentLogged        // where recently saved records are, by id
+	syncWait     []*proposal         // saved, sync mode, waiting for replicas; by index
+	byDue        []*proposal         // every unresolved proposal, by deadline
+	leader       bool
+	confSeq      uint64        // ids of the conf changes this node proposed
+	confWait     []*confWaiter // conf changes proposed here, not yet applied
+	savedHS      pb.HardState  // the last hard state written by Save
+	resolvedSome bool          // callbacks ran since the last flushResolved
+
+	// heard is when each other member last answered (silentMembers);
+	// installing the snapshot handed to the apply goroutine
+	// (installSnapshot), written before the send on applyc, read after.
+	heard      map[uint64]time.Time
+	installing *snapInstall
 }
 
 // NewNode opens the raft group stored in cfg.Storage, bootstrapping a

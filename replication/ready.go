@@ -178,8 +178,9 @@ func (n *Node) setLeader(leader bool, lead uint64) {
 // long as it stays away, and gets a snapshot of the broker state when it
 // returns; so does a member whose Match the log has passed already. A
 // member that never answered has Match 0 and holds everything until then
-// if nothing was dropped yet (it then gets the whole log, not a snapshot). On a slave (and a candidate) storage's own bound applies:
-// what it has applied.
+// if nothing was dropped yet (it then gets the whole log, not a snapshot).
+// On a slave (and a candidate) storage's own bound applies: what it has
+// applied.
 func (n *Node) updateFloor() {
 	floor := uint64(math.MaxUint64)
 	if n.leader {
