@@ -155,7 +155,10 @@ func TestJoinerToACompactedLogHoldsTheMastersState(t *testing.T) {
 			t.Errorf("%s's session of keeper %q, the master's %q", g.cfg.Node.Name, got, wantSession)
 		}
 	}
+	pullFrom := time.Now()
 	testutil.WaitFor(t, 20*time.Second, "gw-2 to pull the records before its snapshot", func() bool { return !statusOfGW(t, g2).Log.CatchingUp })
+	t.Logf("gw-2 pulled the records before its snapshot in %v (gw-1's log: %d records, data dir %d bytes)", time.Since(pullFrom).Round(time.Millisecond),
+		statusOfGW(t, g1).Log.LastIndex-statusOfGW(t, g1).Log.FirstIndex, g1.db.RetentionStats().UsedBytes)
 	if !strings.Contains(logs.String(), "installed its snapshot") || !strings.Contains(logs.String(), "took in the cluster's sessions") {
 		t.Errorf("gw-2's log says nothing of a snapshot:\n%s", logs.String())
 	}
