@@ -78,6 +78,9 @@ type StatusLog struct {
 	LastIndex    uint64 `json:"last_index"`
 	CommitIndex  uint64 `json:"commit_index"`
 	AppliedIndex uint64 `json:"applied_index"`
+	// CatchingUp is true while this member, which installed a snapshot,
+	// pulls the records before it from the master.
+	CatchingUp bool `json:"catching_up"`
 }
 
 // StatusDisk gives the data file's use of the disk.

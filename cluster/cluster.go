@@ -33,6 +33,10 @@ const (
 	reqLeave   byte = 'L' // the master tells a node it removed: raft never will
 )
 
+// reqBackfill asks the master for records before the snapshot a member
+// installed (replication.Node.HandleBackfill).
+const reqBackfill byte = 'B'
+
 // lingerRemoved is how long the transport keeps a link to a removed
 // member: long enough for the master to tell it.
 const lingerRemoved = 10 * time.Second
@@ -468,6 +472,12 @@ func (f forwarder) Forward(ctx context.Context, master uint64, batch []byte) ([]
 	return f.c.tr.Request(ctx, master, reqForward, batch)
 }
 
+// Backfill asks the master for records before the snapshot this member
+// installed (replication.Backfiller).
+func (f forwarder) Backfill(ctx context.Context, master uint64, req []byte) ([]byte, error) {
+	return f.c.tr.Request(ctx, master, reqBackfill, req)
+}
+
 // onRequest answers a member's request.
 func (c *cluster) onRequest(ctx context.Context, from uint64, kind byte, payload []byte) ([]byte, error) {
 	n := c.d.node()
@@ -480,6 +490,8 @@ func (c *cluster) onRequest(ctx context.Context, from uint64, kind byte, payload
 	switch kind {
 	case reqForward:
 		return n.HandleForward(ctx, from, payload)
+	case reqBackfill:
+		return n.HandleBackfill(payload)
 	case reqAdmin:
 		return c.handleAdmin(ctx, payload)
 	case reqTopics:

@@ -89,6 +89,7 @@ func (d *Gateway) nodeConfig(join bool) replication.Config {
 		CatchUpTo:       d.cl.catchUpTo,
 		OnMembership:    d.cl.onMembership,
 		Forwarder:       forwarder{d.cl},
+		Backfill:        forwarder{d.cl},
 		AfterResolve:    d.host.AfterResolve,
 		Admit:           d.host.Admit,
 	}

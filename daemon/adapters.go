@@ -143,11 +143,29 @@ func (a *applier) Apply(index uint64, data []byte) error {
 	return a.broker.Deliver(index, messageOf(&rec))
 }
 
-// FirstIndex is the oldest index the log still holds (mqtt.Retained).
-func (a *logAdapter) FirstIndex() uint64 {
-	first, _ := a.d.db.FirstIndex()
-	return first
+// Restore takes in a snapshot that replaces the log (replication.Restorer):
+// the broker swaps its sessions and retained messages for the snapshot's
+// around install, then the uplinks reload their positions.
+func (a *applier) Restore(index uint64, install func() error) error {
+	<-a.ready
+	if err := a.broker.Restore(index, install); err != nil {
+		return err
+	}
+	return a.ups.restore()
 }
+
+// snapshotBuckets registers what a snapshot of this gateway's data file
+// carries besides the members: the broker's sessions, converted
+// (mqtt.SnapshotSessions), and the uplinks' positions and pauses.
+func snapshotBuckets(db *storage.DB) {
+	db.SnapshotBucket(storage.BucketSessions, mqtt.SnapshotSessions)
+	db.SnapshotBucket(bucketUplinks, nil)
+	db.SnapshotBucket(bucketPaused, nil)
+}
+
+// FirstIndex is the oldest index the log still holds (mqtt.Retained),
+// the records pulled from before an installed snapshot included.
+func (a *logAdapter) FirstIndex() uint64 { return a.d.db.OldestIndex() }
 
 // Committed reads the records from..to for sessions that replay from
 // their cursor. The broker asks only up to what the applier has handed it,
@@ -158,7 +176,7 @@ func (a *logAdapter) Committed(from, to uint64, fn func(index uint64, m *mqtt.Me
 	// Retention dropped the records below the first index: a replay
 	// starts at the oldest one kept (the broker counts what its session
 	// lost by the gap).
-	if first, _ := a.d.db.FirstIndex(); from < first {
+	if first := a.d.db.OldestIndex(); from < first {
 		from = first
 	}
 	if from > to {

@@ -105,6 +105,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err = d.openData(plain); err != nil {
 		return err
 	}
+	snapshotBuckets(d.db)
 	topics, err := d.topicPolicies(c.Topics)
 	if err != nil {
 		return err

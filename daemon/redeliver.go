@@ -80,6 +80,14 @@ func (a redeliverApplier) Apply(index uint64, data []byte) error {
 	return a.next.Apply(index, data)
 }
 
+// Restore hands a snapshot to the broker's applier (replication.Restorer).
+func (a redeliverApplier) Restore(index uint64, install func() error) error {
+	if r, ok := a.next.(replication.Restorer); ok {
+		return r.Restore(index, install)
+	}
+	return install()
+}
+
 // skip reports whether data's record was delivered here before, and
 // forgets it if so. Records with no id (none are) and a node that was
 // never deposed cost one atomic load.

@@ -33,7 +33,7 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 		Role:    rs.Role,
 		Term:    rs.Term,
 		Members: []admin.StatusMember{},
-		Log:     admin.StatusLog{FirstIndex: st.FirstIndex, LastIndex: st.LastIndex, CommitIndex: rs.Commit, AppliedIndex: st.Applied},
+		Log:     admin.StatusLog{FirstIndex: st.FirstIndex, LastIndex: st.LastIndex, CommitIndex: rs.Commit, AppliedIndex: st.Applied, CatchingUp: rs.CatchingUp},
 		Disk:    admin.StatusDisk{BudgetBytes: uint64(d.cfg.Storage.MaxBytes)},
 		MQTT:    admin.StatusMQTT{Clients: d.broker.Clients(), Inflight: d.broker.Inflight()},
 		Storage: admin.StatusStorage{Commits: d.db.Commits(), Fsyncs: d.db.Syncs()},

@@ -84,14 +84,8 @@ func newUplinks(d *Daemon) (*uplinks, error) {
 		return nil, nil
 	}
 	us := &uplinks{d: d, log: d.log.With("component", "uplink"), pos: map[string]uint64{}, done: map[string]uint64{}, proposed: map[string]uint64{}, stopc: make(chan struct{})}
-	err := d.db.ForEach(bucketUplinks, "", func(k, v []byte) error {
-		if len(v) == 8 {
-			us.pos[string(k)] = binary.BigEndian.Uint64(v)
-		}
-		return nil
-	})
-	if err != nil {
-		return nil, fmt.Errorf("uplink positions: %w", err)
+	if err := us.loadPositions(); err != nil {
+		return nil, err
 	}
 	for _, uc := range c.Uplinks {
 		cfg := uc.Uplink(c.Storage)
@@ -108,17 +102,63 @@ func newUplinks(d *Daemon) (*uplinks, error) {
 		us.list = append(us.list, u)
 		us.cfgs = append(us.cfgs, cfg)
 	}
+	if err := us.loadPauses(); err != nil {
+		return nil, err
+	}
+	us.setHold()
+	return us, nil
+}
+
+// loadPositions reads the replicated positions from the data file.
+func (us *uplinks) loadPositions() error {
+	pos := map[string]uint64{}
+	err := us.d.db.ForEach(bucketUplinks, "", func(k, v []byte) error {
+		if len(v) == 8 {
+			pos[string(k)] = binary.BigEndian.Uint64(v)
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("uplink positions: %w", err)
+	}
+	us.mu.Lock()
+	us.pos = pos
+	us.mu.Unlock()
+	return nil
+}
+
+// loadPauses pauses the uplinks the data file says are paused, and
+// resumes the others.
+func (us *uplinks) loadPauses() error {
 	paused := map[string]bool{}
-	if err := d.db.ForEach(bucketPaused, "", func(k, _ []byte) error { paused[string(k)] = true; return nil }); err != nil {
-		return nil, fmt.Errorf("uplink pauses: %w", err)
+	if err := us.d.db.ForEach(bucketPaused, "", func(k, _ []byte) error { paused[string(k)] = true; return nil }); err != nil {
+		return fmt.Errorf("uplink pauses: %w", err)
 	}
 	for _, u := range us.list {
 		if paused[u.Name()] {
 			u.Pause()
+		} else {
+			u.Resume()
 		}
 	}
+	return nil
+}
+
+// restore takes in the positions and pauses of a snapshot that replaced
+// the data file's (applier.Restore); the uplinks run only on the master,
+// which never installs one, so none is running.
+func (us *uplinks) restore() error {
+	if us == nil {
+		return nil
+	}
+	if err := us.loadPositions(); err != nil {
+		return err
+	}
+	if err := us.loadPauses(); err != nil {
+		return err
+	}
 	us.setHold()
-	return us, nil
+	return nil
 }
 
 // start launches the role watcher: the uplinks run while this member is

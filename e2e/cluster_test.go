@@ -220,11 +220,18 @@ func waitShape(t *testing.T, master *gw, voters, learners int, within time.Durat
 
 // device is an MQTT 5 client connected to a gateway from inside its host.
 func device(t *testing.T, g *gw, id string, onMsg func(*paho.Publish)) (*paho.Client, error) {
+	c, _, err := connectDevice(t, g, &paho.Connect{ClientID: id, CleanStart: true, KeepAlive: 30}, onMsg)
+	return c, err
+}
+
+// connectDevice is device with the CONNECT given; it also returns the
+// CONNACK.
+func connectDevice(t *testing.T, g *gw, cp *paho.Connect, onMsg func(*paho.Publish)) (*paho.Client, *paho.Connack, error) {
 	conn, err := dialIn(g.h, g.h.Addr()+":1883")
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	cfg := paho.ClientConfig{ClientID: id, Conn: conn}
+	cfg := paho.ClientConfig{ClientID: cp.ClientID, Conn: conn}
 	if onMsg != nil {
 		cfg.OnPublishReceived = []func(paho.PublishReceived) (bool, error){func(pr paho.PublishReceived) (bool, error) {
 			onMsg(pr.Packet)
@@ -234,17 +241,17 @@ func device(t *testing.T, g *gw, id string, onMsg func(*paho.Publish)) (*paho.Cl
 	c := paho.NewClient(cfg)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	ca, err := c.Connect(ctx, &paho.Connect{ClientID: id, CleanStart: true, KeepAlive: 30})
+	ca, err := c.Connect(ctx, cp)
 	if err != nil {
 		conn.Close()
-		return nil, err
+		return nil, nil, err
 	}
 	if ca.ReasonCode != 0 {
 		conn.Close()
-		return nil, fmt.Errorf("connect %s: reason %#x", id, ca.ReasonCode)
+		return nil, nil, fmt.Errorf("connect %s: reason %#x", cp.ClientID, ca.ReasonCode)
 	}
 	t.Cleanup(func() { conn.Close() })
-	return c, nil
+	return c, ca, nil
 }
 
 // load publishes QoS 1 on sync topics from clients spread over gateways,

@@ -271,6 +271,17 @@ func (s *Server) load() error {
 	if err := s.migrate(); err != nil {
 		return err
 	}
+	return s.loadState(true)
+}
+
+// loadState reads the sessions and retained messages of the store into
+// empty maps: at start, and after a snapshot replaced them (Restore).
+// checkLog drops the QoS 2 markers whose records are not in the log
+// (loadQoS2); a snapshot's are trusted, its log starts after them.
+func (s *Server) loadState(checkLog bool) error {
+	if s.store == nil {
+		return nil
+	}
 	err := s.store.Load(keyRetained, func(k string, v []byte) error {
 		var rec retainedRec
 		if err := json.Unmarshal(v, &rec); err != nil || rec.M == nil {
@@ -348,13 +359,13 @@ func (s *Server) load() error {
 	if err != nil {
 		return err
 	}
-	return s.loadQoS2()
+	return s.loadQoS2(checkLog)
 }
 
 // loadQoS2 turns the QoS 2 markers whose records are in the log back into
 // inbound entries; a marker whose record never reached the log (a crash
 // in between) is dropped, so the client's resend is logged.
-func (s *Server) loadQoS2() error {
+func (s *Server) loadQoS2(checkLog bool) error {
 	type marker struct {
 		key, client string
 		pid         uint16
@@ -373,12 +384,18 @@ func (s *Server) loadQoS2() error {
 	if err != nil || len(ms) == 0 {
 		return err
 	}
+	logged := map[[2]uint64]bool{}
 	byOrigin := map[uint64][]uint64{}
 	for _, m := range ms {
 		byOrigin[m.origin] = append(byOrigin[m.origin], m.seq)
+		if !checkLog {
+			logged[[2]uint64{m.origin, m.seq}] = true
+		}
 	}
-	logged := map[[2]uint64]bool{}
 	for origin, seqs := range byOrigin {
+		if !checkLog {
+			break // every marker is kept (logged, above)
+		}
 		got, err := s.log.Logged(origin, seqs)
 		if err != nil {
 			return err

@@ -51,6 +51,10 @@ func (n *Node) applyLoop() {
 		if n.Err() != nil {
 			continue
 		}
+		if len(ents) == 1 && ents[0].Type == entrySnapshot {
+			n.applySnapshot()
+			continue
+		}
 		for i := range ents {
 			e := &ents[i]
 			if e.Type != pb.EntryNormal || len(e.Data) == 0 {

@@ -22,7 +22,9 @@
 // proposal.go the way a proposal travels to its ack rule (queue, MsgProp,
 // saved, acked, expired); ready.go what each Ready does (persist, send,
 // leadership, retention floor); apply.go the apply goroutine and membership
-// entries; forward.go the slave → master forward stream; transport.go,
+// entries; snapshot.go the install of a snapshot (in log order, through a
+// Restorer applier) and which members hold retention; backfill.go the
+// pull of the records before an installed snapshot; forward.go the slave → master forward stream; transport.go,
 // link.go and handshake.go the peer TCP transport.
 //
 // Threading: Propose, Status and Stop may be called from any goroutine.

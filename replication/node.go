@@ -103,6 +103,14 @@ type Config struct {
 	// as 0x97). The master's own publishes are checked where they are
 	// taken, before Propose.
 	Admit func(data []byte) error
+	// Backfill, if set, carries the requests of a member that installed
+	// a snapshot for the records before it (backfill.go).
+	Backfill Backfiller
+	// SilentMemberHold is how long a member that stopped answering still
+	// holds retention on the master: past it, the oldest records it lacks
+	// may go, and it installs a snapshot when it returns. Zero means ten
+	// election timeouts.
+	SilentMemberHold time.Duration
 	// AfterResolve, if set, is called after each run of proposal
 	// callbacks, so their effects (acks) can be batched: on the raft
 	// goroutine, or on Propose's caller when it refuses at once. It must
@@ -228,6 +236,12 @@ type Node struct {
 	confWait     []*confWaiter // conf changes proposed here, not yet applied
 	savedHS      pb.HardState  // the last hard state written by Save
 	resolvedSome bool          // callbacks ran since the last flushResolved
+
+	// heard is when each other member last answered (silentMembers);
+	// installing the snapshot handed to the apply goroutine
+	// (installSnapshot), written before the send on applyc, read after.
+	heard      map[uint64]time.Time
+	installing *snapInstall
 }
 
 // NewNode opens the raft group stored in cfg.Storage, bootstrapping a
@@ -328,6 +342,9 @@ start:
 	n.goFunc(n.requeueLoop)
 	if cfg.Forwarder != nil {
 		n.goFunc(n.forwardLoop)
+	}
+	if cfg.Backfill != nil {
+		n.goFunc(n.backfillLoop)
 	}
 	return n, nil
 }

@@ -30,16 +30,11 @@ func (n *Node) handleReady() bool {
 	if early {
 		n.cfg.Transport.Send(rd.Messages)
 	}
-	if !raft.IsEmptySnap(rd.Snapshot) {
-		// The master's log starts past this node's: it sent its
-		// compaction point, which replaces the log here (storage keeps
-		// it before the entries that follow it in this Ready).
-		if err := n.db.ApplySnapshot(rd.Snapshot); err != nil {
-			n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
-			return false
-		}
-		n.log.Warn("behind the master's first index: installed its compaction point; the records before it are not on this node",
-			"index", rd.Snapshot.Metadata.Index, "term", rd.Snapshot.Metadata.Term)
+	if !raft.IsEmptySnap(rd.Snapshot) && !n.installSnapshot(rd.Snapshot) {
+		// The master's log starts past this node's: its snapshot replaces
+		// the log and the broker state here, before the entries that
+		// follow it in this Ready are saved (snapshot.go).
+		return false
 	}
 	hs := rd.HardState
 	if last, _ := n.db.LastIndex(); !raft.IsEmptyHardState(hs) && hs.Term == n.savedHS.Term && hs.Vote == n.savedHS.Vote && hs.Commit <= last {
@@ -177,18 +172,24 @@ func (n *Node) setLeader(leader bool, lead uint64) {
 }
 
 // updateFloor tells storage how far retention may drop: on the master, the
-// lowest Match of the other members, so nothing a member still lacks goes.
-// Every member in the configuration counts, heard from recently or not: a
-// member the log has passed can only install the compaction point and loses
-// the records in between (DB.ApplySnapshot), until snapshots carry the
-// broker state and catch-up streams the kept records. A member that never
-// answered has Match 0 and holds everything. On a slave (and a candidate)
-// storage's own bound applies: what it has applied.
+// lowest Match of the other members, so nothing a member still lacks goes,
+// except for a member silent for longer than Config.SilentMemberHold: it
+// would hold the log (and, once the budget is full, every publish) for as
+// long as it stays away, and gets a snapshot of the broker state when it
+// returns; so does a member whose Match the log has passed already. A
+// member that never answered has Match 0 and holds everything until then
+// if nothing was dropped yet (it then gets the whole log, not a snapshot).
+// On a slave (and a candidate) storage's own bound applies: what it has
+// applied.
 func (n *Node) updateFloor() {
 	floor := uint64(math.MaxUint64)
 	if n.leader {
+		silent := n.silentMembers(time.Now())
+		first, _ := n.db.FirstIndex()
 		n.rn.WithProgress(func(id uint64, _ raft.ProgressType, pr tracker.Progress) {
-			if id != n.id {
+			// A member the log has passed already needs a snapshot:
+			// holding the log for it keeps nothing it can use.
+			if id != n.id && !silent[id] && pr.Match+1 >= first {
 				floor = min(floor, pr.Match)
 			}
 		})

@@ -26,6 +26,9 @@ type Status struct {
 	// other member holds, on the master); MaxUint64 when no member holds
 	// it back.
 	RetentionFloor uint64
+	// CatchingUp: this member installed a snapshot and is pulling the
+	// records before it from the master (backfill.go).
+	CatchingUp bool
 }
 
 // MemberProgress is what the master knows of one other member.
@@ -51,7 +54,7 @@ func RoleName(s raft.StateType) string {
 func (n *Node) status() Status {
 	bs := n.rn.BasicStatus()
 	st := n.db.Stats()
-	s := Status{ID: n.id, Role: RoleName(bs.RaftState), Term: bs.Term, Leader: bs.Lead, Commit: bs.Commit, Applied: st.Applied, First: st.FirstIndex, Last: st.LastIndex, LeaderChanges: n.leaderChanges.Load(), RetentionFloor: n.floor.Load()}
+	s := Status{ID: n.id, Role: RoleName(bs.RaftState), Term: bs.Term, Leader: bs.Lead, Commit: bs.Commit, Applied: st.Applied, First: st.FirstIndex, Last: st.LastIndex, LeaderChanges: n.leaderChanges.Load(), RetentionFloor: n.floor.Load(), CatchingUp: n.CatchingUp()}
 	if s.Role == "master" && n.fenced.Load() {
 		// Fenced: raft still leads the old configuration, but this node
 		// takes no publishes; it waits to rejoin as the slave.

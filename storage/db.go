@@ -209,6 +209,14 @@ type DB struct {
 	stageGen uint64
 	takeBuf  []stagedOp // reused by commitCut, under ckMu
 	opsBuf   []stagedOp // reused by Save, under wmu
+
+	// snapMu guards snaps, the snapshot built for raft and the build in
+	// progress (snapshot.go); bgWG counts the builds, which Close waits
+	// for before it closes the file.
+	snapMu   sync.Mutex
+	snaps    snapState
+	snapStop chan struct{} // closed by Close: background snapshot work ends
+	bgWG     sync.WaitGroup
 }
 
 type stagedOp struct {
@@ -267,7 +275,8 @@ func Open(dir string, opts *Options) (*DB, error) {
 	if err != nil {
 		return nil, err
 	}
-	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}, syncDelay: opts.SyncDelay, onCommit: opts.OnCommit}
+	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}, syncDelay: opts.SyncDelay, onCommit: opts.OnCommit,
+		snapStop: make(chan struct{})}
 	db.ret = retention{maxBytes: opts.MaxBytes, maxAge: opts.MaxAge, now: opts.Now}
 	if db.faults = opts.faults; db.faults == nil {
 		db.faults = &faults{}
@@ -623,6 +632,13 @@ func (db *DB) Close() error {
 	}
 	db.closed = true
 	db.mu.Unlock()
+	db.snapMu.Lock()
+	if !db.snaps.closed && db.snapStop != nil {
+		close(db.snapStop)
+	}
+	db.snaps.closed = true
+	db.snapMu.Unlock()
+	db.bgWG.Wait() // a snapshot build checkpoints and reads the file
 	var ferr error
 	if !db.ro {
 		if db.flStop != nil {

@@ -496,7 +496,7 @@ func TestOpenCreatesAndReopenKeepsState(t *testing.T) {
 				if !reflect.DeepEqual(gotCS, cs) {
 					t.Errorf("conf state = %+v, want %+v", gotCS, cs)
 				}
-				if s, _ := db.Snapshot(); !reflect.DeepEqual(s.Metadata.ConfState, cs) {
+				if s, _ := db.BuildSnapshot(); !reflect.DeepEqual(s.Metadata.ConfState, cs) {
 					t.Errorf("snapshot conf state = %+v, want %+v", s.Metadata.ConfState, cs)
 				}
 				if got := db.HardState(); !reflect.DeepEqual(got, hs) {

@@ -17,7 +17,12 @@
 // front of the log, inside a checkpoint's transaction, never past the floor
 // replication sets (what every member holds) or the applied index. The drop
 // point is raft's compaction point: FirstIndex moves past it and Entries and
-// Term answer ErrCompacted below it.
+// Term answer ErrCompacted below it. A member behind it gets raft's
+// snapshot (snapshot.go): the broker-state buckets at an applied index,
+// read in one transaction, versioned and CRC-checked; ApplySnapshot
+// replaces them and the log in one transaction; the records before it that
+// the master still holds are pulled afterwards into the backfill bucket
+// (backfill.go), which Scan reads as the log's past.
 //
 // Durability: every entry carries a CRC-32C, checked on every read and for
 // the whole log at Open; every WAL frame carries one too. A file that is

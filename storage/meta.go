@@ -181,15 +181,22 @@ func (db *DB) SetNodeID(id uint64) error {
 
 // Scan calls fn for each entry with index >= from, in order, until fn
 // returns false or the log ends. Entries are decoded and CRC-checked; fn may
-// keep them. It starts at the first index at least: entries retention has
+// keep them. Below the first index it reads the records pulled from before
+// an installed snapshot (backfill.go), if any; entries retention has
 // dropped are not shown while the checkpoint that deletes them commits.
 func (db *DB) Scan(from uint64, fn func(e pb.Entry) bool) error {
-	if first, err := db.FirstIndex(); err == nil && from < first {
-		from = first
-	}
+	first, _ := db.FirstIndex()
 	boltLast, pend := db.pending()
 	more := true
 	err := db.bolt.View(func(tx *bolt.Tx) error {
+		if from < first {
+			// Records before an installed snapshot, pulled since.
+			var err error
+			if more, err = scanBackfill(tx, from, first, fn); err != nil || !more {
+				return err
+			}
+			from = first
+		}
 		return eachEntry(tx.Bucket(bucketLog), from, func(i uint64, v []byte) (bool, error) {
 			if i > boltLast {
 				return false, nil // a checkpoint since pending(): the copy has it
@@ -330,6 +337,9 @@ func (db *DB) ResetRaftFrom(from uint64) error {
 				return err
 			}
 		}
+		if err := startBackfill(tx, 0); err != nil {
+			return err
+		}
 		for _, b := range [][]byte{bucketLog, []byte(BucketMembers)} {
 			if tx.Bucket(b) != nil {
 				if err := tx.DeleteBucket(b); err != nil {
@@ -356,6 +366,7 @@ func (db *DB) ResetRaftFrom(from uint64) error {
 		db.mu.Unlock()
 		db.oldest.Store(0)
 		db.blockedAt.Store(0)
+		db.forgetBuilt()
 	})
 	if err != nil {
 		return fmt.Errorf("storage: reset: %w", err)

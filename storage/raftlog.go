@@ -29,27 +29,36 @@ func (db *DB) LastIndex() (uint64, error) {
 	return db.last, nil
 }
 
-// Snapshot implements raft.Storage. The snapshot carries only the
-// membership: every record before it is still in the log or was deliberately
-// expired by retention.
-func (db *DB) Snapshot() (pb.Snapshot, error) {
-	db.mu.RLock()
-	defer db.mu.RUnlock()
-	return pb.Snapshot{Metadata: pb.SnapshotMetadata{Index: db.snapIndex, Term: db.snapTerm, ConfState: db.cs}}, nil
-}
-
 // ApplySnapshot installs a snapshot raft received from the master: this
-// member was behind the master's first index. The snapshot carries the
-// membership, not the records (retention dropped them), so the whole log
-// goes and the log starts again after the snapshot's index, which becomes
-// the commit and applied index. What the records before it held for this
-// member's broker is lost here; the snapshot of the broker state is a later
-// step.
+// member was behind the master's first index. In one transaction the whole
+// log goes, the log starts again after the snapshot's index (which becomes
+// the commit and applied index), and the buckets the snapshot carries (the
+// broker state: snapshot.go) replace this member's. A snapshot without
+// data (from a build before snapshots carried the broker state) carries the
+// membership only. The records before the snapshot's index are not on this
+// member afterwards.
 func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 	if db.ro {
 		return fmt.Errorf("storage: apply snapshot on a read-only file")
 	}
 	md := snap.Metadata
+	var buckets []snapBucketData
+	if len(snap.Data) > 0 {
+		applied, bs, err := decodeSnapshot(snap.Data)
+		if err != nil {
+			return fmt.Errorf("storage: apply snapshot at %d: %w", md.Index, err)
+		}
+		if applied != md.Index {
+			return fmt.Errorf("storage: apply snapshot: its state is at index %d, its metadata says %d: %w", applied, md.Index, ErrCorrupt)
+		}
+		for _, b := range bs {
+			switch b.name {
+			case string(bucketLog), string(bucketRaftState), string(bucketMeta), string(bucketRequeue):
+				return fmt.Errorf("storage: apply snapshot: it carries the %s bucket, which is this member's own: %w", b.name, ErrCorrupt)
+			}
+		}
+		buckets = bs
+	}
 	hs := db.HardState()
 	hs.Commit = max(hs.Commit, md.Index)
 	if md.Term > hs.Term {
@@ -61,6 +70,14 @@ func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 		}
 		if _, err := tx.CreateBucket(bucketLog); err != nil {
 			return err
+		}
+		if err := db.restoreBuckets(tx, buckets); err != nil {
+			return err
+		}
+		if len(snap.Data) > 0 {
+			if err := startBackfill(tx, md.Index); err != nil {
+				return err
+			}
 		}
 		cs, err := md.ConfState.Marshal()
 		if err != nil {
@@ -89,6 +106,7 @@ func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 		db.tail, db.tailBytes = nil, 0
 		db.mu.Unlock()
 		db.oldest.Store(0)
+		db.forgetBuilt()
 	})
 	if err != nil {
 		return fmt.Errorf("storage: apply snapshot: %w", err)

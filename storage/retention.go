@@ -217,7 +217,12 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 	lb := tx.Bucket(bucketLog)
 	c := lb.Cursor()
 	var gone [][]byte
-	var freed int64
+	// Records pulled from before an installed snapshot are older than
+	// the log's: they go first (backfill.go).
+	freed, err := dropBackfill(tx, excess)
+	if err != nil {
+		return res, err
+	}
 	k, v := c.First()
 	for ; k != nil; k, v = c.Next() {
 		first, run, err := keyFirst(k, v)

@@ -1,0 +1,300 @@
+package replication
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"math"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.etcd.io/raft/v3"
+	pb "go.etcd.io/raft/v3/raftpb"
+
+	"github.com/tandem-edge/tandem/storage"
+)
+
+// stateApplier is a broker in miniature: retained records set a key of the
+// sessions bucket, as the broker's retained store does, and a snapshot is
+// taken in through Restore.
+type stateApplier struct {
+	db       *storage.DB
+	restores atomic.Int32
+}
+
+func (a *stateApplier) Apply(_ uint64, data []byte) error {
+	rec, err := storage.DecodeRecord(data)
+	if err != nil {
+		return err
+	}
+	if rec.Retain {
+		a.db.Stage(storage.BucketSessions, "R\x00"+rec.Topic, rec.Payload)
+	}
+	return nil
+}
+
+func (a *stateApplier) Restore(_ uint64, install func() error) error {
+	a.restores.Add(1)
+	return install()
+}
+
+// startState starts member id of c with a stateApplier; a fresh joiner
+// waits to be added.
+func (c *cluster) startState(id uint64, join bool, mutate func(*Config)) (*testNode, *stateApplier) {
+	var app *stateApplier
+	tn := openTestNodeOpts(c.t, c.dirs[id], c.storeOpts, func(cfg *Config) {
+		cfg.Transport, cfg.Forwarder, cfg.Join = endpoint{c.net, id}, memForwarder{c.net, id}, join
+		if !join {
+			cfg.InitialMembers = c.peers
+		}
+		app = &stateApplier{db: cfg.Storage}
+		cfg.Applier = app
+		if mutate != nil {
+			mutate(cfg)
+		}
+	})
+	c.attach(id, tn)
+	return tn, app
+}
+
+// newDir adds a fresh data dir (and identity) to c and returns its id.
+func (c *cluster) newDir() uint64 {
+	dir := c.t.TempDir()
+	ident, err := LoadOrCreateIdentity(dir)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	c.ids, c.dirs[ident.ID] = append(c.ids, ident.ID), dir
+	return ident.ID
+}
+
+// loneMaster starts a cluster of one member with a log budget, its
+// config adjusted by mutate, and waits for it to lead.
+func loneMaster(t *testing.T, budget int64, mutate func(*Config)) (*cluster, *testNode) {
+	t.Helper()
+	c := newCluster(t, 0)
+	c.storeOpts = &storage.Options{MaxBytes: budget}
+	a := c.newDir()
+	c.peers = []raft.Peer{{ID: a}}
+	master, _ := c.startState(a, false, mutate)
+	waitFor(t, "a master", func() bool { return master.Leader() == a })
+	return c, master
+}
+
+// compactedMaster is loneMaster with an 8MiB budget that took n retained
+// records on early/ and then budgets budgets' worth of others, and has
+// dropped the retained ones from its log.
+func compactedMaster(t *testing.T, n, budgets int) (*cluster, *testNode) {
+	t.Helper()
+	const budget = 8 << 20
+	c, master := loneMaster(t, budget, nil)
+	proposeRetained(t, master, "early", n)
+	if _, full := proposeBytes(t, master, budgets*budget); full {
+		t.Fatal("a lone gateway refused: nobody lacks anything")
+	}
+	waitFor(t, "the master to drop the retained records' part of the log", func() bool { f, _ := master.db.FirstIndex(); return f > uint64(n)+5 })
+	return c, master
+}
+
+// proposeRetained proposes n retained records on topics prefix/0.. and
+// waits for them.
+func proposeRetained(t *testing.T, tn *testNode, prefix string, n int) {
+	t.Helper()
+	for i := range n {
+		r := storage.Record{Origin: tn.ID(), Seq: tn.NextSeq(), ClientID: "c", Topic: fmt.Sprintf("%s/%d", prefix, i), QoS: 1, Retain: true,
+			Time: time.Now().UnixNano(), Payload: fmt.Appendf(nil, "v%d-%s", i, prefix)}
+		ch := make(chan result, 1)
+		tn.Propose(storage.AppendRecord(nil, &r), Async, func(i uint64, err error) { ch <- result{i, err} })
+		if res := wait(t, ch); res.err != nil {
+			t.Fatal(res.err)
+		}
+	}
+}
+
+// sessionsOf is the sessions bucket of tn's data file.
+func sessionsOf(t *testing.T, tn *testNode) map[string]string {
+	t.Helper()
+	out := map[string]string{}
+	if err := tn.db.ForEach(storage.BucketSessions, "", func(k, v []byte) error { out[string(k)] = string(v); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// waitSameState waits until b holds a's sessions bucket.
+func waitSameState(t *testing.T, a, b *testNode) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		want, got := sessionsOf(t, a), sessionsOf(t, b)
+		if maps.Equal(want, got) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("member holds %d keys of state, the master %d: %q vs %q", len(got), len(want), got, want)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A member that joins after the master dropped the head of its log gets
+// the master's snapshot: the broker state the dropped records built (here
+// retained records from before the drop), then the log after it; it acks
+// sync records, and a restart keeps that state.
+func TestJoinerAfterCompactionInstallsTheBrokerState(t *testing.T) {
+	c, master := compactedMaster(t, 20, 3)
+
+	b := c.newDir()
+	joiner, app := c.startState(b, true, nil)
+	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {
+		t.Fatal(err)
+	}
+	if r := c.propose("after-join", Sync); r.err != nil {
+		t.Fatalf("sync with the joined slave: %v", r.err)
+	}
+	proposeRetained(t, master, "late", 5)
+	waitSameState(t, master, joiner)
+	if app.restores.Load() == 0 {
+		t.Error("the joiner's applier was never asked to restore")
+	}
+	if jf, _ := joiner.db.FirstIndex(); jf <= 25 {
+		t.Errorf("joiner's first index %d: it got the log, not a snapshot", jf)
+	}
+	if got := sessionsOf(t, joiner)["R\x00early/7"]; got != "v7-early" {
+		t.Errorf("retained early/7 on the joiner = %q", got)
+	}
+
+	c.stop(b)
+	joiner, _ = c.startState(b, false, nil)
+	waitSameState(t, master, joiner)
+	if r := c.propose("after-restart", Sync); r.err != nil {
+		t.Fatalf("sync after the joiner restarted: %v", r.err)
+	}
+}
+
+// A slave that stays away for longer than SilentMemberHold no longer holds
+// retention: the master drops past what it lacks and takes publishes; back,
+// the slave installs a snapshot and holds the master's state.
+func TestSilentSlaveStopsHoldingRetentionAndGetsASnapshot(t *testing.T) {
+	const budget = 8 << 20
+	hold := func(cfg *Config) { cfg.SilentMemberHold = 100 * time.Millisecond }
+	c, master := loneMaster(t, budget, hold)
+	b := c.newDir()
+	c.startState(b, true, hold)
+	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {
+		t.Fatal(err)
+	}
+	proposeRetained(t, master, "early", 10)
+	if r := c.propose("before", Sync); r.err != nil {
+		t.Fatalf("sync with the slave: %v", r.err)
+	}
+	slaveLast, _ := c.nodes[b].db.LastIndex()
+	c.stop(b)
+
+	waitFor(t, "the master to stop counting the silent slave", func() bool {
+		st, err := master.Status(t.Context())
+		return err == nil && st.RetentionFloor == math.MaxUint64 // nobody holds the log
+	})
+	if _, full := proposeBytes(t, master, 3*budget); full {
+		t.Fatal("the master refused publishes for a slave silent past the hold")
+	}
+	waitFor(t, "the master to drop what the slave lacks", func() bool { f, _ := master.db.FirstIndex(); return f > slaveLast+1 })
+	proposeRetained(t, master, "late", 5)
+
+	slave, app := c.startState(b, false, hold)
+	waitSameState(t, master, slave)
+	if app.restores.Load() == 0 {
+		t.Error("the returning slave's applier was never asked to restore")
+	}
+	if r := c.propose("after-return", Sync); r.err != nil {
+		t.Fatalf("sync with the returned slave: %v", r.err)
+	}
+}
+
+// memBackfiller carries backfill requests on a memNet; a cut link fails
+// them.
+type memBackfiller struct {
+	net  *memNet
+	from uint64
+}
+
+func (b memBackfiller) Backfill(_ context.Context, master uint64, req []byte) ([]byte, error) {
+	b.net.mu.Lock()
+	to, cut := b.net.nodes[master], b.net.cut[[2]uint64{b.from, master}]
+	b.net.mu.Unlock()
+	if to == nil || cut {
+		return nil, errors.New("link down")
+	}
+	return to.HandleBackfill(req)
+}
+
+// recordTopics is every data record tn's log can be read for (Scan from 1),
+// by index.
+func recordTopics(t *testing.T, tn *testNode) map[uint64]string {
+	t.Helper()
+	out := map[uint64]string{}
+	err := tn.db.Scan(1, func(e pb.Entry) bool {
+		if e.Type == pb.EntryNormal && len(e.Data) > 0 {
+			if topic, _, err := storage.RecordTopic(e.Data); err == nil {
+				out[e.Index] = string(topic)
+			}
+		}
+		return true
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// A joiner that installed the snapshot pulls the records before it that
+// the master still holds, in chunks, into its log's past, resuming after a
+// cut link: a scan of its log from the start finds what the master's does,
+// and a restart keeps them.
+func TestJoinerPullsTheRecordsBeforeTheSnapshot(t *testing.T) {
+	c, master := compactedMaster(t, 5, 2)
+	proposeRetained(t, master, "mid", 5) // after the compaction point, before the snapshot
+	c.storeOpts = nil                    // the joiner keeps all it pulls
+	b := c.newDir()
+	backfill := func(cfg *Config) { cfg.Backfill = memBackfiller{c.net, b} }
+	joiner, _ := c.startState(b, true, backfill)
+	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {
+		t.Fatal(err)
+	}
+	waitSameState(t, master, joiner)
+	// Cut the link in the middle of the pull: it goes on once healed.
+	snapAt, _ := joiner.db.FirstIndex()
+	waitFor(t, "the pull to start", func() bool { below, ok := joiner.db.BackfillWanted(); return ok && below < snapAt })
+	c.net.isolate(b)
+	if _, wanted := joiner.db.BackfillWanted(); !wanted {
+		t.Fatal("the pull ended before the cut: too few records for this test")
+	}
+	c.net.heal()
+	waitFor(t, "the joiner to catch up", func() bool {
+		_, wanted := joiner.db.BackfillWanted()
+		return !wanted && !joiner.CatchingUp()
+	})
+	mf, _ := master.db.FirstIndex()
+	jf, _ := joiner.db.FirstIndex()
+	if jf <= mf {
+		t.Fatalf("the joiner's log starts at %d, the master's at %d: no snapshot was installed", jf, mf)
+	}
+	check := func(tn *testNode) {
+		t.Helper()
+		want, got := recordTopics(t, master), recordTopics(t, tn)
+		for i, topic := range want {
+			if got[i] != topic {
+				t.Fatalf("record %d: the joiner has %q, the master %q (master's first %d, joiner's %d, oldest %d)", i, got[i], topic, mf, jf, tn.db.OldestIndex())
+			}
+		}
+		if o := tn.db.OldestIndex(); o > mf {
+			t.Errorf("the joiner's oldest record %d, the master's first %d", o, mf)
+		}
+	}
+	check(joiner)
+	c.stop(b)
+	joiner, _ = c.startState(b, false, backfill)
+	check(joiner)
+}
