@@ -68,6 +68,7 @@ type Server struct {
 	routes   routeCache
 
 	applied  atomic.Uint64       // the last log index handed to Deliver or Applied
+	holds    holds               // sync records held or aborted (hold.go)
 	skipMu   sync.Mutex          // guards skip
 	skip     map[uint64]struct{} // indexes delivered before a rejoin (Delivered)
 	clients  atomic.Int64        // connected clients
@@ -391,6 +392,7 @@ func (s *Server) Rewind(applied, skip uint64) {
 	for _, t := range gone {
 		s.stageDelete(keyRetained + t)
 	}
+	s.rewindHolds(applied)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, se := range s.sessions {
@@ -418,7 +420,9 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 	if _, live := m.expiryLeft(time.Now()); !live {
 		return nil // its message expiry ran out before it was delivered
 	}
-	if m.Retain {
+	if m.Sync {
+		s.hold(index, m) // offered now, handed out once confirmed
+	} else if m.Retain {
 		s.retain(index, m)
 	}
 	ts := s.scratch[:0]
@@ -468,7 +472,12 @@ func (s *Server) Retain(index uint64, m *Message) {
 		s.applyControl(index, m) // a joiner learns the sessions from the history
 		return
 	}
-	if _, live := m.expiryLeft(time.Now()); live && m.Retain {
+	if _, live := m.expiryLeft(time.Now()); !live {
+		return
+	}
+	if m.Sync {
+		s.hold(index, m) // retained, if at all, once confirmed
+	} else if m.Retain {
 		s.retain(index, m)
 	}
 }

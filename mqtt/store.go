@@ -348,6 +348,9 @@ func (s *Server) load() error {
 	if err != nil {
 		return err
 	}
+	if err := s.loadHolds(); err != nil {
+		return err
+	}
 	return s.loadQoS2()
 }
 

@@ -228,6 +228,7 @@ type Node struct {
 	confWait     []*confWaiter // conf changes proposed here, not yet applied
 	savedHS      pb.HardState  // the last hard state written by Save
 	resolvedSome bool          // callbacks ran since the last flushResolved
+	settle       settler       // the outcomes of sync records, as master (settle.go)
 }
 
 // NewNode opens the raft group stored in cfg.Storage, bootstrapping a
@@ -450,6 +451,7 @@ func (n *Node) run() {
 			ch <- n.status()
 		case <-due.C:
 			dueAt = time.Time{}
+		case <-n.settleWake():
 		case <-n.failc:
 			n.resolveAll(n.Err())
 			return
@@ -463,7 +465,9 @@ func (n *Node) run() {
 				return
 			}
 		}
-		n.expire(time.Now())
+		now := time.Now()
+		n.expire(now)
+		n.settleTurn(now)
 		n.flushResolved()
 		if len(n.byDue) > 0 && !n.byDue[0].deadline.Equal(dueAt) {
 			dueAt = n.byDue[0].deadline

@@ -158,6 +158,9 @@ func (n *Node) setLeader(leader bool, lead uint64) {
 	if leader != n.leader {
 		n.log.Info("role changed", "master", leader, "leader", IDString(lead), "term", n.rn.BasicStatus().Term)
 	}
+	if leader != n.leader {
+		n.settleLead(leader)
+	}
 	n.leader = leader
 	if n.lead.Swap(lead) != lead {
 		n.leaderChanges.Add(1)

@@ -90,6 +90,10 @@ func (n *Node) republish() (int, bool) {
 			continue
 		}
 		rec.Republished = true
+		// It was acked (a refused one is dropped above) or never
+		// answered: it is re-published as an async record, delivered
+		// once committed, not held for a settlement nobody will log.
+		rec.Sync = false
 		data := storage.AppendRecord(nil, &rec)
 		wg.Add(1)
 		key := it.Key

@@ -1,0 +1,142 @@
+package replication
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/tandem-edge/tandem/storage"
+)
+
+// proposeSync proposes a record taken under a sync rule, as the daemon
+// encodes one (flagged), and returns its outcome channel.
+func (tn *testNode) proposeSync(topic string) chan result {
+	r := storage.Record{Origin: tn.ID(), Seq: tn.NextSeq(), ClientID: "c", Topic: topic, QoS: 1, Sync: true, Time: time.Now().UnixNano(), Payload: []byte(topic)}
+	ch := make(chan result, 1)
+	tn.Propose(storage.AppendRecord(nil, &r), Sync, func(i uint64, err error) { ch <- result{i, err} })
+	return ch
+}
+
+// indexOf returns the index at which the applier got the record on topic.
+func (r *recorder) indexOf(topic string) uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for i, rec := range r.recs {
+		if rec.Topic == topic {
+			return r.idx[i]
+		}
+	}
+	return 0
+}
+
+// settledAs returns what the settlements applied so far say of index:
+// settled at all, aborted, and confirmed in doubt.
+func (r *recorder) settledAs(t *testing.T, index uint64) (settled, aborted, doubt bool) {
+	t.Helper()
+	settled, aborted, doubt, err := r.settlement(index)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return settled, aborted, doubt
+}
+
+func (r *recorder) settlement(index uint64) (settled, aborted, doubt bool, err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, rec := range r.recs {
+		if rec.Topic != SettleTopic {
+			continue
+		}
+		s, err := DecodeSettlement(rec.Payload)
+		if err != nil {
+			return false, false, false, err
+		}
+		if slices.Contains(s.Abort, index) {
+			return true, true, false, nil
+		}
+		if index <= s.Upto {
+			return true, false, index <= s.Doubt, nil
+		}
+	}
+	return false, false, false, nil
+}
+
+// Holding implements Holder the dumb way: a sync record no settlement
+// covers yet.
+func (r *recorder) Holding() bool {
+	r.mu.Lock()
+	var syncs []uint64
+	for i, rec := range r.recs {
+		if rec.Sync {
+			syncs = append(syncs, r.idx[i])
+		}
+	}
+	r.mu.Unlock()
+	for _, idx := range syncs {
+		if s, _, _, _ := r.settlement(idx); !s {
+			return true
+		}
+	}
+	return false
+}
+
+func TestLoneMasterAbortsTheSyncRecordItRefused(t *testing.T) {
+	tn := startNode(t, t.TempDir(), 150*time.Millisecond)
+	if r := wait(t, tn.proposeSync("s/1")); !errors.Is(r.err, ErrAckTimeout) {
+		t.Fatalf("sync on a lone node: %v, want ErrAckTimeout", r.err)
+	}
+	idx := tn.app.indexOf("s/1")
+	if idx == 0 {
+		t.Fatal("the refused record was never committed: nothing for the settlement to do")
+	}
+	waitFor(t, "a settlement of the refused record", func() bool { s, _, _ := tn.app.settledAs(t, idx); return s })
+	if _, aborted, _ := tn.app.settledAs(t, idx); !aborted {
+		t.Fatalf("record %d refused with a timeout is settled as confirmed", idx)
+	}
+}
+
+func TestSyncRecordAckedByAReplicaIsConfirmedEverywhere(t *testing.T) {
+	c := newCluster(t, 3)
+	l := c.leader()
+	r := wait(t, l.proposeSync("s/ok"))
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	for id, tn := range c.nodes {
+		waitFor(t, "the settlement on "+IDString(id), func() bool { s, _, _ := tn.app.settledAs(t, r.index); return s })
+		if _, aborted, doubt := tn.app.settledAs(t, r.index); aborted || doubt {
+			t.Fatalf("node %s: acked record %d aborted=%v doubt=%v", IDString(id), r.index, aborted, doubt)
+		}
+	}
+}
+
+// TestNewMasterConfirmsUnsettledSyncRecordsInDoubt: a master that stops
+// between logging a sync record and settling it leaves it to the next
+// master (here itself, restarted), which cannot know whether it was acked
+// and so confirms it, saying it is in doubt.
+func TestNewMasterConfirmsUnsettledSyncRecordsInDoubt(t *testing.T) {
+	dir := t.TempDir()
+	tn := openTestNode(t, dir, func(c *Config) { c.SyncTimeout = time.Minute })
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := tn.WaitLeader(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ch := tn.proposeSync("s/unsettled")
+	waitFor(t, "the record applied", func() bool { return tn.app.indexOf("s/unsettled") > 0 })
+	idx := tn.app.indexOf("s/unsettled")
+	held := tn.app
+	tn.stop()
+	if r := wait(t, ch); !errors.Is(r.err, ErrStopped) {
+		t.Fatalf("unsettled record at stop: %v", r.err)
+	}
+	tn = openTestNode(t, dir, func(c *Config) { c.Applier = held })
+	tn.app = held
+	t.Cleanup(tn.stop)
+	waitFor(t, "the next master's settlement", func() bool { s, _, _ := held.settledAs(t, idx); return s })
+	if _, aborted, doubt := held.settledAs(t, idx); aborted || !doubt {
+		t.Fatalf("inherited record %d: aborted=%v doubt=%v, want confirmed in doubt", idx, aborted, doubt)
+	}
+}
