@@ -168,7 +168,7 @@ func (a *applier) settle(index uint64, data []byte) error {
 	if err != nil {
 		return fmt.Errorf("record %d: %w", index, err)
 	}
-	a.broker.Settle(index, s.Upto, s.Abort, s.Doubt)
+	a.broker.Settle(index, s.Upto, s.Abort, s.Doubt, s.Alone)
 	a.ups.settled()
 	return nil
 }

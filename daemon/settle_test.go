@@ -9,6 +9,7 @@ import (
 	"github.com/eclipse/paho.golang/paho"
 
 	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/cloudtest"
 	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
@@ -186,4 +187,39 @@ func TestSyncRefusedWhileSlaveDownNeverDelivered(t *testing.T) {
 	}
 	assertAnswersAndStops(t, slave)
 	assertAnswersAndStops(t, master)
+}
+
+// TestUplinkNeverForwardsARefusedSyncRecord: an uplink follows the rule
+// sessions follow: the refused record on a lone gateway never reaches the
+// cloud, what came after it does, once, and the backlog drains to zero.
+func TestUplinkNeverForwardsARefusedSyncRecord(t *testing.T) {
+	cloud := cloudtest.Start(t, "127.0.0.1", 0, nil)
+	rec := cloudtest.Record(t, dialTo(cloud.Addr()), "site/#")
+	up := withUplink(cloud.URL(), nil)
+	d := testGateway(t, t.TempDir(), func(c *config.Config) {
+		up(c)
+		c.Cluster.SyncTimeout = config.Duration(time.Second)
+		c.Topics = []config.TopicRule{{Match: "dev/s/#", Ack: "sync"}}
+	})
+	testutil.WaitFor(t, 10*time.Second, "the uplink connected", func() bool { return uplinkStatus(t, d).Connected })
+	pub, _ := v5(t, d.MQTTAddr(), "dev", nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if r, _ := pub.Publish(ctx, &paho.Publish{Topic: "dev/s/1", QoS: 1, Payload: []byte("refused")}); r == nil || r.ReasonCode != 0x80 {
+		t.Fatalf("sync publish on a lone gateway: %+v, want 0x80", r)
+	}
+	syncRecordLogged(t, d, "dev/s/1")
+	for _, p := range []string{"a-1", "a-2"} {
+		publish(t, pub, &paho.Publish{Topic: "dev/a", QoS: 1, Payload: []byte(p)})
+	}
+	testutil.WaitFor(t, 10*time.Second, "the async records at the cloud", func() bool { n, _ := rec.Distinct(); return n >= 2 })
+	var got []string
+	for _, m := range rec.Msgs() {
+		got = append(got, m.Payload)
+	}
+	if fmt.Sprint(got) != "[a-1 a-2]" {
+		t.Fatalf("the cloud got %q, want [a-1 a-2]", got)
+	}
+	testutil.WaitFor(t, 5*time.Second, "an empty backlog", func() bool { return uplinkStatus(t, d).BacklogRecords == 0 })
+	assertAnswersAndStops(t, d)
 }

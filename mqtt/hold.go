@@ -108,8 +108,10 @@ func (s *Server) hold(index uint64, m *Message) {
 // Settlement, in log order): every held record up to upto is settled, those
 // in aborts are aborted and the others confirmed; doubt says which of the
 // confirmed ones were logged by an earlier master, which may have refused
-// them (counted: Observer.InDoubt). Sessions held at a settled record go on.
-func (s *Server) Settle(index, upto uint64, aborts []uint64, doubt uint64) {
+// them (counted: Observer.InDoubt), unless alone says no member could have
+// acked them: then they are aborted. Sessions held at a settled record go
+// on.
+func (s *Server) Settle(index, upto uint64, aborts []uint64, doubt uint64, alone bool) {
 	defer s.Applied(index)
 	h := &s.holds
 	type confirmed struct {
@@ -121,6 +123,13 @@ func (s *Server) Settle(index, upto uint64, aborts []uint64, doubt uint64) {
 	h.mu.Lock()
 	if h.aborted == nil {
 		h.aborted = map[uint64]struct{}{}
+	}
+	if alone {
+		for idx := range h.held {
+			if idx <= doubt {
+				aborts = append(slices.Clip(aborts), idx)
+			}
+		}
 	}
 	for _, a := range aborts {
 		if _, ok := h.aborted[a]; ok {

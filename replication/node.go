@@ -184,6 +184,9 @@ type Node struct {
 	// refusedSkipped counts requeued records dropped, not re-published,
 	// because their sync publishers were refused (requeue.go).
 	refusedSkipped atomic.Uint64
+	// settlesSkipped counts requeued settlement records dropped: they
+	// named indexes of the log they were cut from (requeue.go).
+	settlesSkipped atomic.Uint64
 
 	// membersMu guards members: the cluster's details, kept in memory
 	// because staged writes are not readable before their commit.

@@ -142,7 +142,9 @@ func (n *Node) proposeQueued() {
 	if !n.leader {
 		var back []*proposal
 		for _, p := range ps {
-			if n.cfg.Forwarder == nil || p.inbound {
+			// A settlement speaks for this master's term only: the
+			// next master settles what it leaves (settle.go).
+			if n.cfg.Forwarder == nil || p.inbound || p.control {
 				n.resolve(p, ErrNotLeader)
 				continue
 			}

@@ -31,7 +31,9 @@ import (
 // whether they were acked, so it confirms them (never abort what may have
 // been acked). Its first settlement says so: records up to Doubt were
 // logged by an earlier master, and each such record it confirms is counted
-// as in doubt where it is applied.
+// as in doubt where it is applied. The one exception is a master with no
+// other member at all (a lone gateway restarting): nobody could have held
+// those records, so none was acked, and they are aborted (Alone).
 
 // SettleTopic is the topic of the master's settlement records. Clients
 // cannot publish to it ($tandem/ is the cluster's own).
@@ -52,6 +54,9 @@ type Settlement struct {
 	// Doubt: records at or below it were logged by an earlier master and
 	// are confirmed without knowing whether they were acked.
 	Doubt uint64 `json:"doubt,omitempty"`
+	// Alone: the master has no other member, so the records up to Doubt
+	// cannot have met a sync rule: they are aborted instead.
+	Alone bool `json:"alone,omitempty"`
 }
 
 // DecodeSettlement reads a SettleTopic record's payload.
@@ -73,6 +78,7 @@ type settler struct {
 	saved    uint64         // the last index saved while master
 	sentUpto uint64         // Upto of the last settlement proposed
 	doubt    uint64         // the log's end when this node became master; 0 once proposed
+	alone    bool           // and it had no other member then
 	dirty    bool           // something to say since the last settlement
 	last     time.Time      // when the last settlement was proposed
 	timer    *time.Timer    // wakes the loop for a settlement held back by settleEvery
@@ -92,7 +98,7 @@ func (n *Node) settleLead(leader bool) {
 	last, _ := n.db.LastIndex()
 	st.saved, st.sentUpto = last, 0
 	if n.inheritsHeld() {
-		st.doubt, st.dirty = last, true
+		st.doubt, st.dirty, st.alone = last, true, len(n.Members()) <= 1
 	}
 }
 
@@ -188,7 +194,7 @@ func (n *Node) settleTurn(now time.Time) {
 		st.dirty = false // a confirmation waits for an earlier record still open
 		return
 	}
-	s := Settlement{Upto: max(upto, st.sentUpto), Abort: st.aborts, Doubt: st.doubt}
+	s := Settlement{Upto: max(upto, st.sentUpto), Abort: st.aborts, Doubt: st.doubt, Alone: st.doubt > 0 && st.alone}
 	b, _ := json.Marshal(s) // numbers only: cannot fail
 	rec := storage.Record{Origin: n.id, Seq: n.NextSeq(), Topic: SettleTopic, Time: now.UnixNano(), Payload: b}
 	st.aborts, st.doubt, st.dirty, st.last = nil, 0, false, now

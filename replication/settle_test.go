@@ -53,7 +53,7 @@ func (r *recorder) settlement(index uint64) (settled, aborted, doubt bool, err e
 		if err != nil {
 			return false, false, false, err
 		}
-		if slices.Contains(s.Abort, index) {
+		if slices.Contains(s.Abort, index) || (s.Alone && index <= s.Doubt) {
 			return true, true, false, nil
 		}
 		if index <= s.Upto {
@@ -114,9 +114,42 @@ func TestSyncRecordAckedByAReplicaIsConfirmedEverywhere(t *testing.T) {
 
 // TestNewMasterConfirmsUnsettledSyncRecordsInDoubt: a master that stops
 // between logging a sync record and settling it leaves it to the next
-// master (here itself, restarted), which cannot know whether it was acked
-// and so confirms it, saying it is in doubt.
+// master, which cannot know whether it was acked and so confirms it,
+// saying it is in doubt.
 func TestNewMasterConfirmsUnsettledSyncRecordsInDoubt(t *testing.T) {
+	// Two replicas needed and one cut off: the record commits on the
+	// master and the other slave, and its rule stays unmet.
+	c := newClusterWith(t, 3, func(cfg *Config) { cfg.MinSyncReplicas, cfg.SyncTimeout = 2, time.Minute })
+	old := c.leader()
+	var kept, cut *testNode
+	for _, tn := range c.nodes {
+		switch {
+		case tn == old:
+		case kept == nil:
+			kept = tn
+		default:
+			cut = tn
+		}
+	}
+	c.net.isolate(cut.ID())
+	ch := old.proposeSync("s/unsettled")
+	waitFor(t, "the record applied on the slave", func() bool { return kept.app.indexOf("s/unsettled") > 0 })
+	idx := kept.app.indexOf("s/unsettled")
+	c.stop(old.ID())
+	if r := wait(t, ch); !errors.Is(r.err, ErrStopped) {
+		t.Fatalf("unsettled record at stop: %v", r.err)
+	}
+	c.net.heal()
+	waitFor(t, "the next master's settlement", func() bool { s, _, _ := kept.app.settledAs(t, idx); return s })
+	if _, aborted, doubt := kept.app.settledAs(t, idx); aborted || !doubt {
+		t.Fatalf("inherited record %d: aborted=%v doubt=%v, want confirmed in doubt", idx, aborted, doubt)
+	}
+}
+
+// TestLoneGatewayRestartAbortsItsUnsettledSyncRecords: a lone gateway
+// stopped while a sync record waited cannot have acked it (no member
+// could hold it): restarted, it aborts it.
+func TestLoneGatewayRestartAbortsItsUnsettledSyncRecords(t *testing.T) {
 	dir := t.TempDir()
 	tn := openTestNode(t, dir, func(c *Config) { c.SyncTimeout = time.Minute })
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -133,10 +166,9 @@ func TestNewMasterConfirmsUnsettledSyncRecordsInDoubt(t *testing.T) {
 		t.Fatalf("unsettled record at stop: %v", r.err)
 	}
 	tn = openTestNode(t, dir, func(c *Config) { c.Applier = held })
-	tn.app = held
 	t.Cleanup(tn.stop)
-	waitFor(t, "the next master's settlement", func() bool { s, _, _ := held.settledAs(t, idx); return s })
-	if _, aborted, doubt := held.settledAs(t, idx); aborted || !doubt {
-		t.Fatalf("inherited record %d: aborted=%v doubt=%v, want confirmed in doubt", idx, aborted, doubt)
+	waitFor(t, "the restarted master's settlement", func() bool { s, _, _ := held.settledAs(t, idx); return s })
+	if _, aborted, _ := held.settledAs(t, idx); !aborted {
+		t.Fatalf("record %d of a lone gateway confirmed after a restart, want aborted", idx)
 	}
 }
