@@ -120,8 +120,8 @@ func (a *applier) Apply(index uint64, data []byte) error {
 	if err != nil {
 		return err
 	}
-	sync := storage.RecordSync(data)
-	a.ups.notify(index, topic, len(data), sync)
+	held := storage.RecordSync(data) // held until the master settles it
+	a.ups.notify(index, topic, len(data), held)
 	if a.ups != nil && string(topic) == positionsTopic {
 		if err := a.ups.applyRecord(index, data); err != nil {
 			return err
@@ -136,9 +136,10 @@ func (a *applier) Apply(index uint64, data []byte) error {
 	// The cluster's own records (persistent sessions) are applied in the
 	// quiet history too: a joiner learns the sessions.
 	control := bytes.HasPrefix(topic, []byte(controlPrefix))
-	// A sync record is held even where nobody subscribes: the uplinks
+	// A sync record nobody subscribes to needs no hold (a subscription
+	// made later starts after it), unless an uplink forwards it: uplinks
 	// ask the broker whether it is settled.
-	if !retain && !control && !sync && (quiet || a.broker.Unrouted(topic)) {
+	if !retain && !control && (!held || !a.ups.forwards(topic)) && (quiet || a.broker.Unrouted(topic)) {
 		a.broker.Applied(index)
 		return nil // nobody subscribes: no Message to build
 	}
@@ -166,6 +167,8 @@ func (a *applier) settle(index uint64, data []byte) error {
 	}
 	s, err := replication.DecodeSettlement(rec.Payload)
 	if err != nil {
+		// Skipping it could deliver what it aborts: a CRC-valid record
+		// this build cannot read stops the apply, as a damaged one does.
 		return fmt.Errorf("record %d: %w", index, err)
 	}
 	a.broker.Settle(index, s.Upto, s.Abort, s.Doubt, s.Alone)

@@ -17,19 +17,7 @@ import (
 // returns the payloads in arrival order; it fails on a timeout.
 func drainUntil(t *testing.T, ch chan *paho.Publish, last string, within time.Duration) []string {
 	t.Helper()
-	var got []string
-	deadline := time.After(within)
-	for {
-		select {
-		case p := <-ch:
-			got = append(got, string(p.Payload))
-			if string(p.Payload) == last {
-				return got
-			}
-		case <-deadline:
-			t.Fatalf("no %q within %v; got %q", last, within, got)
-		}
-	}
+	return testutil.CollectUntil(t, ch, func(p *paho.Publish) string { return string(p.Payload) }, last, within)
 }
 
 // offlineSession makes a persistent session subscribed to filter and

@@ -233,6 +233,20 @@ func (us *uplinks) notify(index uint64, topic []byte, size int, sync bool) {
 	}
 }
 
+// forwards reports whether an uplink forwards records on topic.
+func (us *uplinks) forwards(topic []byte) bool {
+	if us == nil {
+		return false
+	}
+	t := string(topic)
+	for _, u := range us.list {
+		if u.Forwards(t) {
+			return true
+		}
+	}
+	return false
+}
+
 // settled lets each uplink go on past the sync records a settlement just
 // settled: a confirmed one is notified, an aborted one never is (to the
 // uplink it is an index without a record; uplinkLog leaves it out).

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"slices"
 	"sync"
+	"time"
 )
 
 // Sync records wait for their settlement (DESIGN.md, "Delivery waits for
@@ -166,7 +167,10 @@ func (s *Server) Settle(index, upto uint64, aborts []uint64, doubt uint64, alone
 		if m == nil {
 			m = s.readRecord(c.index)
 		}
-		if m != nil {
+		if m == nil {
+			continue
+		}
+		if _, live := m.expiryLeft(time.Now()); live {
 			s.retainIfNewer(c.index, m)
 		}
 	}
@@ -184,8 +188,47 @@ func (s *Server) Settle(index, upto uint64, aborts []uint64, doubt uint64, alone
 	}
 }
 
+// supersedeHeld notes that a later record set or cleared topic's retained
+// message: a held retained record on it, once confirmed, no longer
+// changes the store.
+func (s *Server) supersedeHeld(topic string) {
+	h := &s.holds
+	h.mu.Lock()
+	if len(h.held) == 0 {
+		h.mu.Unlock()
+		return
+	}
+	var unread, gone []uint64
+	for idx, r := range h.held {
+		switch {
+		case !r.retain:
+		case r.m == nil:
+			unread = append(unread, idx) // loaded from the store: topic unknown here
+		case r.m.Topic == topic:
+			gone = append(gone, idx)
+		}
+	}
+	h.mu.Unlock()
+	for _, idx := range unread {
+		if m := s.readRecord(idx); m != nil && m.Topic == topic {
+			gone = append(gone, idx)
+		}
+	}
+	for _, idx := range gone {
+		h.mu.Lock()
+		_, ok := h.held[idx]
+		if ok {
+			h.held[idx] = heldRec{}
+		}
+		h.mu.Unlock()
+		if ok {
+			s.stagePut(holdKey(keyHeld, idx), []byte{0})
+		}
+	}
+}
+
 // retainIfNewer applies a confirmed retained record unless a later record
-// already set or cleared its topic.
+// already set its topic.
 func (s *Server) retainIfNewer(index uint64, m *Message) {
 	s.retained.mu.RLock()
 	cur := s.retained.m[m.Topic]

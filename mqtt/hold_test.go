@@ -7,25 +7,15 @@ import (
 	"time"
 
 	"github.com/eclipse/paho.golang/paho"
+
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // collectUntil reads ch until a publish with payload last arrives and
 // returns the payloads in arrival order.
 func collectUntil(t *testing.T, ch chan *paho.Publish, last string) []string {
 	t.Helper()
-	var got []string
-	deadline := time.After(10 * time.Second)
-	for {
-		select {
-		case p := <-ch:
-			got = append(got, string(p.Payload))
-			if string(p.Payload) == last {
-				return got
-			}
-		case <-deadline:
-			t.Fatalf("no %q; got %q", last, got)
-		}
-	}
+	return testutil.CollectUntil(t, ch, func(p *paho.Publish) string { return string(p.Payload) }, last, 10*time.Second)
 }
 
 func subscribeOK(t *testing.T, c *paho.Client, filter string) {
@@ -79,4 +69,56 @@ func TestHeldSyncRecordDeliveredOnceInOrder(t *testing.T) {
 	if got := collectUntil(t, gotAll, "a3"); fmt.Sprint(got) != "[a3]" {
 		t.Fatalf("after an abort: %q, want [a3]", got)
 	}
+}
+
+// TestHeldRetainedMessage: a retained sync record replaces the topic's
+// retained message only once confirmed, never when aborted, and not over a
+// later record that set or cleared the topic meanwhile.
+func TestHeldRetainedMessage(t *testing.T) {
+	srv, log := testServer(t, nil, func(c *Config) { c.Topics = []TopicPolicy{{Filter: "s/#", Ack: Sync}} })
+	pub, _ := pahoClient(t, srv.Addr(), "pub", nil)
+	retainOK := func(topic, payload string) uint64 {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if _, err := pub.Publish(ctx, &paho.Publish{Topic: topic, QoS: 1, Retain: true, Payload: []byte(payload)}); err != nil {
+			t.Fatal(err)
+		}
+		return log.lastIndex()
+	}
+	retainedIs := func(topic, want string) {
+		t.Helper()
+		testutil.WaitFor(t, 5*time.Second, topic+" retained as "+want, func() bool {
+			srv.retained.mu.RLock()
+			defer srv.retained.mu.RUnlock()
+			r := srv.retained.m[topic]
+			return (r == nil && want == "") || (r != nil && string(r.m.Payload) == want)
+		})
+	}
+	first := retainOK("s/a", "v1")
+	// A marker applied after it: the store is looked at once it is.
+	markerApplied := func() {
+		t.Helper()
+		pubOK(t, pub, "m/x", "marker")
+		last := log.lastIndex()
+		testutil.WaitFor(t, 5*time.Second, "the marker applied", func() bool { return srv.applied.Load() >= last })
+	}
+	markerApplied()
+	retainedIs("s/a", "")
+	log.settle(first)
+	retainedIs("s/a", "v1")
+
+	aborted := retainOK("s/a", "v2")
+	log.settle(first, aborted)
+	markerApplied()
+	retainedIs("s/a", "v1")
+
+	// Held, then the topic cleared by an async retained publish (the
+	// rules changed meanwhile) applied before the settlement.
+	held := retainOK("s/a", "v3")
+	srv.SetTopics(nil)
+	retainOK("s/a", "")
+	log.settle(held)
+	markerApplied()
+	retainedIs("s/a", "")
 }

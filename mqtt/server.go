@@ -417,12 +417,14 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 	if m.QoS == 2 && m.PacketID != 0 && !m.Will && m.Origin != s.cfg.NodeID {
 		s.noteInbound(m)
 	}
+	if m.Sync {
+		s.hold(index, m) // offered now, handed out once confirmed
+	}
 	if _, live := m.expiryLeft(time.Now()); !live {
 		return nil // its message expiry ran out before it was delivered
 	}
-	if m.Sync {
-		s.hold(index, m) // offered now, handed out once confirmed
-	} else if m.Retain {
+	if m.Retain && !m.Sync {
+		s.supersedeHeld(m.Topic)
 		s.retain(index, m)
 	}
 	ts := s.scratch[:0]
@@ -472,12 +474,12 @@ func (s *Server) Retain(index uint64, m *Message) {
 		s.applyControl(index, m) // a joiner learns the sessions from the history
 		return
 	}
-	if _, live := m.expiryLeft(time.Now()); !live {
-		return
-	}
 	if m.Sync {
 		s.hold(index, m) // retained, if at all, once confirmed
-	} else if m.Retain {
+		return
+	}
+	if _, live := m.expiryLeft(time.Now()); live && m.Retain {
+		s.supersedeHeld(m.Topic)
 		s.retain(index, m)
 	}
 }

@@ -174,8 +174,8 @@ func (n *Node) settleResolved(p *proposal, err error) {
 // that brings the loop back for it.
 func (n *Node) settleTurn(now time.Time) {
 	st := &n.settle
-	if !st.dirty || !n.leader {
-		return
+	if !st.dirty || !n.leader || n.fenced.Load() {
+		return // a fenced master's records are the promoted one's to settle
 	}
 	if wait := settleEvery - now.Sub(st.last); wait > 0 {
 		if st.timer == nil {
