@@ -100,9 +100,14 @@ func (n *Node) enqueue(p *proposal) {
 		n.refuseNow(p.done, err)
 		return
 	}
-	p.counted = true
 	n.propQ = append(n.propQ, p)
-	wake := n.batch.arrived(len(n.propQ))
+	wake := len(n.propQ) == 1
+	if !p.control {
+		// A settlement is no publisher's: counted, it would raise the
+		// population the group commit waits for (batch.go).
+		p.counted = true
+		wake = n.batch.arrived(len(n.propQ))
+	}
 	n.propMu.Unlock()
 	if wake {
 		n.wakeProposals()

@@ -172,3 +172,42 @@ func TestLoneGatewayRestartAbortsItsUnsettledSyncRecords(t *testing.T) {
 		t.Fatalf("record %d of a lone gateway confirmed after a restart, want aborted", idx)
 	}
 }
+
+// TestSettlementsAreBatched: settling many sync records costs one small
+// record per settleEvery at most, not one per record, and each is
+// confirmed.
+func TestSettlementsAreBatched(t *testing.T) {
+	c := newCluster(t, 3)
+	l := c.leader()
+	const n = 200
+	start := time.Now()
+	chans := make([]chan result, n)
+	for i := range chans {
+		chans[i] = l.proposeSync("s/batch")
+	}
+	var last uint64
+	for _, ch := range chans {
+		r := wait(t, ch)
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+		last = max(last, r.index)
+	}
+	waitFor(t, "the last record settled", func() bool { s, _, _ := l.app.settledAs(t, last); return s })
+	elapsed := time.Since(start)
+	settlements := 0
+	l.app.mu.Lock()
+	for _, rec := range l.app.recs {
+		if rec.Topic == SettleTopic {
+			settlements++
+		}
+	}
+	l.app.mu.Unlock()
+	if limit := int(elapsed/settleEvery) + 2; settlements > limit {
+		t.Fatalf("%d settlements for %d records in %v, want at most %d (one per %v)", settlements, n, elapsed, limit, settleEvery)
+	}
+	t.Logf("%d records settled by %d settlement records in %v", n, settlements, elapsed)
+	if _, aborted, _ := l.app.settledAs(t, last); aborted {
+		t.Fatalf("acked record %d aborted", last)
+	}
+}
