@@ -41,7 +41,8 @@ const SettleTopic = "$tandem/settle"
 
 // settleEvery bounds how often the master logs a settlement: every outcome
 // since the last one rides on the next, so a busy sync topic costs one
-// small record per interval, not one per publish.
+// small record per interval, not one per publish. A settlement waits up to
+// one more interval for publishes to share its commit with.
 const settleEvery = 10 * time.Millisecond
 
 // Settlement is the payload of a SettleTopic record.
@@ -177,7 +178,20 @@ func (n *Node) settleTurn(now time.Time) {
 	if !st.dirty || !n.leader || n.fenced.Load() {
 		return // a fenced master's records are the promoted one's to settle
 	}
-	if wait := settleEvery - now.Sub(st.last); wait > 0 {
+	wait := settleEvery - now.Sub(st.last)
+	if wait <= 0 && wait > -settleEvery {
+		// Under load, publishes are queued for the next commit: the
+		// settlement rides on it. Alone, it would cost a commit (an
+		// fsync on every member) of its own: only once it has waited
+		// another settleEvery for company.
+		n.propMu.Lock()
+		company := len(n.propQ) > 0
+		n.propMu.Unlock()
+		if !company {
+			wait += settleEvery
+		}
+	}
+	if wait > 0 {
 		if st.timer == nil {
 			st.timer = time.NewTimer(wait)
 			st.timerC = st.timer.C
