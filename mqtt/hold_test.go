@@ -122,3 +122,28 @@ func TestHeldRetainedMessage(t *testing.T) {
 	markerApplied()
 	retainedIs("s/a", "")
 }
+
+// TestAbortedIndexesForgottenPastRetention: the aborted set is kept with
+// the sessions only while the log holds the records it names.
+func TestAbortedIndexesForgottenPastRetention(t *testing.T) {
+	srv, log := testServer(t, nil, func(c *Config) { c.Topics = []TopicPolicy{{Filter: "s/#", Ack: Sync}} })
+	pub, _ := pahoClient(t, srv.Addr(), "pub", nil)
+	pubOK(t, pub, "s/1", "refused")
+	idx := log.lastIndex()
+	log.settle(idx, idx)
+	key := holdKey(keyAborted, idx)
+	stored := func() bool {
+		log.store.mu.Lock()
+		defer log.store.mu.Unlock()
+		_, ok := log.store.m[key]
+		return ok
+	}
+	testutil.WaitFor(t, 5*time.Second, "the abort in the store", stored)
+	log.mu.Lock()
+	log.first = idx + 1 // retention dropped the record
+	log.mu.Unlock()
+	for range pruneEvery {
+		log.settle(idx)
+	}
+	testutil.WaitFor(t, 5*time.Second, "the abort forgotten", func() bool { return !stored() })
+}
