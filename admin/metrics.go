@@ -84,8 +84,11 @@ type FieldView struct {
 	// sessionDropped counts log positions retention took before a
 	// session was handed them.
 	sessionDropped prometheus.Counter
-	fsync          prometheus.Observer
-	batch          prometheus.Observer
+	// syncInDoubt counts sync records confirmed without their outcome
+	// known (an earlier master logged them and never settled them).
+	syncInDoubt prometheus.Counter
+	fsync       prometheus.Observer
+	batch       prometheus.Observer
 
 	// ruleCounts[i+1] counts the publishes that topic rule i matched,
 	// ruleCounts[0] those no rule matched; acksOK counts acks sent. Plain
@@ -157,7 +160,11 @@ func NewFieldView(gw Gateway, cfg *config.Config, log *slog.Logger) *FieldView {
 		Name: "tandem_session_dropped_messages_total",
 		Help: "Log positions that retention dropped before a persistent session was handed them: an upper bound of the messages sessions lost by falling further behind than the budget.",
 	})
-	fv.reg.MustRegister(published, acked, latency, fsync, batch, build, fv.refused, fv.sessionDropped, statusCollector{fv},
+	fv.syncInDoubt = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "tandem_sync_in_doubt_total",
+		Help: "Sync records this gateway delivered on a new master's word alone: the master that logged them failed before logging whether their ack rule was met, so their publishers may have been refused.",
+	})
+	fv.reg.MustRegister(published, acked, latency, fsync, batch, build, fv.refused, fv.sessionDropped, fv.syncInDoubt, statusCollector{fv},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return fv
 }
@@ -172,6 +179,9 @@ func (fv *FieldView) Published(mode mqtt.AckMode, qos byte, rule int) {
 
 // Dropped implements mqtt.Observer.
 func (fv *FieldView) Dropped(n uint64) { fv.sessionDropped.Add(float64(n)) }
+
+// InDoubt implements mqtt.Observer.
+func (fv *FieldView) InDoubt(n uint64) { fv.syncInDoubt.Add(float64(n)) }
 
 // Refused implements mqtt.Observer.
 func (fv *FieldView) Refused(reason string) { fv.refused.WithLabelValues(reason).Inc() }

@@ -226,12 +226,12 @@ func (c *cluster) reportDeposed(by replication.Member, rep JoinReply, requeued i
 			continue
 		}
 		n := d.node()
-		if n.Requeued()+n.RefusedSkipped() < uint64(requeued) {
+		if n.Requeued()+n.RefusedSkipped()+n.SettlementsSkipped() < uint64(requeued) {
 			// The bucket is empty once the last run is proposed; its count
 			// is added when that run is answered.
 			continue
 		}
-		d.log.Warn("deposed: another gateway was promoted to master; rejoined as its slave", "master", by.Name, "generation", rep.Generation, "fork_index", rep.Fork, "records_republished", n.Requeued(), "records_refused_not_republished", n.RefusedSkipped(), "records_requeued", requeued)
+		d.log.Warn("deposed: another gateway was promoted to master; rejoined as its slave", "master", by.Name, "generation", rep.Generation, "fork_index", rep.Fork, "records_republished", n.Requeued(), "records_refused_not_republished", n.RefusedSkipped(), "settlements_not_republished", n.SettlementsSkipped(), "records_requeued", requeued)
 		return
 	}
 }

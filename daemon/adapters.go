@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -50,12 +51,16 @@ func (a *logAdapter) Propose(m *mqtt.Message, mode mqtt.AckMode, done func(error
 		done(fmt.Errorf("%w: an uplink's backlog is full (on_full: refuse)", mqtt.ErrQuota))
 		return
 	}
-	rec := recordOf(m)
-	data := storage.AppendRecord(make([]byte, 0, 64+len(m.Topic)+len(m.ClientID)+len(m.Payload)), &rec)
 	rmode := replication.Async
 	if mode == mqtt.Sync || (mode == mqtt.Replicated && a.d.otherMemberReachable()) {
 		rmode = replication.Sync
 	}
+	rec := recordOf(m)
+	// A publish under a sync rule is held on every member until the
+	// master settles it; the cluster's own records are applied as they
+	// come (their senders act on their outcome themselves).
+	rec.Sync = rmode == replication.Sync && !strings.HasPrefix(m.Topic, controlPrefix)
+	data := storage.AppendRecord(make([]byte, 0, 64+len(m.Topic)+len(m.ClientID)+len(m.Payload)), &rec)
 	a.d.gw.Node().Propose(data, rmode, func(_ uint64, err error) {
 		if errors.Is(err, replication.ErrStorage) {
 			err = errors.Join(mqtt.ErrQuota, err)
@@ -83,7 +88,7 @@ func recordOf(m *mqtt.Message) storage.Record {
 func messageOf(r *storage.Record) *mqtt.Message {
 	m := &mqtt.Message{
 		Origin: r.Origin, Seq: r.Seq, ClientID: r.ClientID, Topic: r.Topic, QoS: r.QoS,
-		Retain: r.Retain, Will: r.Will, PacketID: r.PacketID, Time: r.Time, Payload: r.Payload,
+		Retain: r.Retain, Will: r.Will, Sync: r.Sync, PacketID: r.PacketID, Time: r.Time, Payload: r.Payload,
 		PayloadFormat: r.Props.PayloadFormat, PayloadFormatSet: r.Props.PayloadFormatSet,
 		MessageExpiry: r.Props.MessageExpiry, MessageExpirySet: r.Props.MessageExpirySet,
 		ContentType: r.Props.ContentType, ResponseTopic: r.Props.ResponseTopic, CorrelationData: r.Props.CorrelationData,
@@ -115,7 +120,8 @@ func (a *applier) Apply(index uint64, data []byte) error {
 	if err != nil {
 		return err
 	}
-	a.ups.notify(index, topic, len(data))
+	held := storage.RecordSync(data) // held until the master settles it
+	a.ups.notify(index, topic, len(data), held)
 	if a.ups != nil && string(topic) == positionsTopic {
 		if err := a.ups.applyRecord(index, data); err != nil {
 			return err
@@ -123,11 +129,17 @@ func (a *applier) Apply(index uint64, data []byte) error {
 		a.broker.Applied(index)
 		return nil
 	}
+	if string(topic) == replication.SettleTopic {
+		return a.settle(index, data)
+	}
 	quiet := index <= a.quietUntil.Load()
 	// The cluster's own records (persistent sessions) are applied in the
 	// quiet history too: a joiner learns the sessions.
-	control := bytes.HasPrefix(topic, []byte("$tandem/"))
-	if !retain && !control && (quiet || a.broker.Unrouted(topic)) {
+	control := bytes.HasPrefix(topic, []byte(controlPrefix))
+	// A sync record nobody subscribes to needs no hold (a subscription
+	// made later starts after it), unless an uplink forwards it: uplinks
+	// ask the broker whether it is settled.
+	if !retain && !control && (!held || !a.ups.forwards(topic)) && (quiet || a.broker.Unrouted(topic)) {
 		a.broker.Applied(index)
 		return nil // nobody subscribes: no Message to build
 	}
@@ -153,6 +165,31 @@ func (a *applier) Restore(index uint64, install func() error) error {
 	}
 	return a.ups.restore()
 }
+
+// controlPrefix starts the topics of the cluster's own records.
+const controlPrefix = "$tandem/"
+
+// settle applies the master's settlement record, in the quiet history too:
+// what a joiner holds is settled the same way.
+func (a *applier) settle(index uint64, data []byte) error {
+	rec, err := storage.DecodeRecord(data)
+	if err != nil {
+		return err
+	}
+	s, err := replication.DecodeSettlement(rec.Payload)
+	if err != nil {
+		// Skipping it could deliver what it aborts: a CRC-valid record
+		// this build cannot read stops the apply, as a damaged one does.
+		return fmt.Errorf("record %d: %w", index, err)
+	}
+	a.broker.Settle(index, s.Upto, s.Abort, s.Doubt, s.Alone)
+	a.ups.settled()
+	return nil
+}
+
+// Holding implements replication.Holder: a new master settles the sync
+// records the broker holds.
+func (a *applier) Holding() bool { return a.broker.Holding() }
 
 // snapshotBuckets registers what a snapshot of this gateway's data file
 // carries besides the members: the broker's sessions, converted

@@ -88,6 +88,12 @@ func (a redeliverApplier) Restore(index uint64, install func() error) error {
 	return install()
 }
 
+// Holding implements replication.Holder for the applier behind.
+func (a redeliverApplier) Holding() bool {
+	h, ok := a.next.(replication.Holder)
+	return ok && h.Holding()
+}
+
 // skip reports whether data's record was delivered here before, and
 // forgets it if so. Records with no id (none are) and a node that was
 // never deposed cost one atomic load.

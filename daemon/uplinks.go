@@ -72,8 +72,22 @@ type uplinks struct {
 	// (positionSink).
 	done, proposed map[string]uint64
 
+	// gateMu guards gates: per uplink (as list), the notifications held
+	// back from a sync record it forwards, not yet settled, on. The
+	// applier fills and drains them; watch reads where they start.
+	gateMu sync.Mutex
+	gates  [][]upNote
+
 	stopc chan struct{}
 	wg    sync.WaitGroup
+}
+
+// upNote is one notification held back from an uplink.
+type upNote struct {
+	index uint64
+	topic string
+	size  int
+	sync  bool
 }
 
 // newUplinks makes the uplinks of the config (none: nil) and loads their
@@ -90,7 +104,7 @@ func newUplinks(d *Daemon) (*uplinks, error) {
 	for _, uc := range c.Uplinks {
 		cfg := uc.Uplink(c.Storage)
 		u, err := uplink.New(cfg, uplink.Deps{
-			Log:       uplinkLog{d.db},
+			Log:       uplinkLog{d.db, d},
 			Positions: positionSink{d, us},
 			Filters:   config.UplinkFilters,
 			Local:     localPublisher{d: d, name: cfg.Name},
@@ -212,8 +226,8 @@ func (us *uplinks) watch() {
 			}
 			us.mu.Unlock()
 			applied := us.d.db.Applied()
-			for _, u := range us.list {
-				u.Start(pos[u.Name()], applied)
+			for i, u := range us.list {
+				u.Start(pos[u.Name()], us.notifiedUpTo(i, applied))
 			}
 			us.log.Info("uplinks started: this member is the master", "uplinks", len(us.list))
 		case !master && running:
@@ -237,15 +251,87 @@ func (us *uplinks) caughtUp(n *replication.Node) bool {
 }
 
 // notify hands a committed record to every uplink (the applier calls it
-// for each, in log order).
-func (us *uplinks) notify(index uint64, topic []byte, size int) {
+// for each, in log order). An uplink is not told of a sync record it
+// forwards, nor of anything after it, until the record is settled
+// (settled): it never sends what may yet be aborted, and keeps log order.
+func (us *uplinks) notify(index uint64, topic []byte, size int, sync bool) {
 	if us == nil {
 		return
 	}
 	t := string(topic)
-	for _, u := range us.list {
+	us.gateMu.Lock()
+	defer us.gateMu.Unlock()
+	if us.gates == nil {
+		us.gates = make([][]upNote, len(us.list))
+	}
+	for i, u := range us.list {
+		if len(us.gates[i]) > 0 || (sync && u.Forwards(t)) {
+			us.gates[i] = append(us.gates[i], upNote{index, t, size, sync})
+			continue
+		}
 		u.Notify(index, t, size)
 	}
+}
+
+// forwards reports whether an uplink forwards records on topic.
+func (us *uplinks) forwards(topic []byte) bool {
+	if us == nil {
+		return false
+	}
+	t := string(topic)
+	for _, u := range us.list {
+		if u.Forwards(t) {
+			return true
+		}
+	}
+	return false
+}
+
+// settled lets each uplink go on past the sync records a settlement just
+// settled: a confirmed one is notified, an aborted one never is (to the
+// uplink it is an index without a record; uplinkLog leaves it out).
+func (us *uplinks) settled() {
+	if us == nil {
+		return
+	}
+	us.gateMu.Lock()
+	defer us.gateMu.Unlock()
+	for i, u := range us.list {
+		if i >= len(us.gates) {
+			break
+		}
+		g := us.gates[i]
+		for len(g) > 0 {
+			nt := g[0]
+			if nt.sync && u.Forwards(nt.topic) {
+				held, aborted := us.d.broker.SyncState(nt.index)
+				if held {
+					break
+				}
+				if aborted {
+					g = g[1:]
+					continue
+				}
+			}
+			u.Notify(nt.index, nt.topic, nt.size)
+			g = g[1:]
+		}
+		if len(g) == 0 {
+			g = nil
+		}
+		us.gates[i] = g
+	}
+}
+
+// notifiedUpTo is how far uplink i may read at start: not past the first
+// notification held back from it.
+func (us *uplinks) notifiedUpTo(i int, applied uint64) uint64 {
+	us.gateMu.Lock()
+	defer us.gateMu.Unlock()
+	if i < len(us.gates) && len(us.gates[i]) > 0 {
+		return min(applied, us.gates[i][0].index-1)
+	}
+	return applied
 }
 
 // refuses reports whether a publish to topic must get 0x97: an uplink
@@ -321,7 +407,10 @@ func (us *uplinks) status() []uplink.Status {
 }
 
 // uplinkLog is the log as the uplinks read it.
-type uplinkLog struct{ db *storage.DB }
+type uplinkLog struct {
+	db *storage.DB
+	d  *Daemon // its broker knows which sync records were aborted
+}
 
 // scanChunk bounds the records read in one storage transaction: the
 // uplink's callbacks publish to the cloud and wait for its window and rate
@@ -345,6 +434,11 @@ func (l uplinkLog) Committed(from, to uint64, fn func(r *uplink.Record) bool) er
 			next = e.Index + 1
 			if e.Type != raftpb.EntryNormal || len(e.Data) == 0 {
 				return len(batch) < scanChunk
+			}
+			if storage.RecordSync(e.Data) {
+				if _, aborted := l.d.broker.SyncState(e.Index); aborted {
+					return len(batch) < scanChunk // its publisher was refused
+				}
 			}
 			rec, err := storage.DecodeRecord(e.Data)
 			if err != nil {

@@ -38,6 +38,8 @@ type memLog struct {
 	hold chan struct{}
 	// store is the session store.
 	store *memStore
+	// aborts are the aborted indexes of the settlement record at an index.
+	aborts map[uint64][]uint64
 }
 
 func newMemLog() *memLog {
@@ -59,14 +61,14 @@ func (l *memLog) Propose(m *Message, mode AckMode, done func(error)) {
 		c.Payload = bytes.Clone(m.Payload) // m is not ours after Propose returns
 		go func() {
 			<-l.hold
-			l.propose(&c, done)
+			l.propose(&c, mode, done)
 		}()
 		return
 	}
-	l.propose(m, done)
+	l.propose(m, mode, done)
 }
 
-func (l *memLog) propose(m *Message, done func(error)) {
+func (l *memLog) propose(m *Message, mode AckMode, done func(error)) {
 	l.mu.Lock()
 	if l.refuse != nil {
 		if err := l.refuse(m.Topic); err != nil {
@@ -77,6 +79,7 @@ func (l *memLog) propose(m *Message, done func(error)) {
 	}
 	c := *m
 	c.Payload = bytes.Clone(m.Payload)
+	c.Sync = mode == Sync // as the daemon flags the record
 	l.recs = append(l.recs, &c)
 	l.cond.Broadcast()
 	l.mu.Unlock()
@@ -134,8 +137,11 @@ func (l *memLog) apply() {
 		}
 		idx := l.applied + 1
 		m := *l.recs[idx-1]
+		aborts := l.aborts[idx]
 		l.mu.Unlock()
-		if l.srv.Unrouted([]byte(m.Topic)) && !m.Retain {
+		if m.Topic == testSettleTopic {
+			l.srv.Settle(idx, m.Seq, aborts, 0, false)
+		} else if l.srv.Unrouted([]byte(m.Topic)) && !m.Retain {
 			l.srv.Applied(idx)
 		} else if err := l.srv.Deliver(idx, &m); err != nil {
 			panic(err)
@@ -144,6 +150,30 @@ func (l *memLog) apply() {
 		l.applied = idx
 		l.mu.Unlock()
 	}
+}
+
+// testSettleTopic is memLog's settlement record: the master's, as the
+// daemon applies it (Seq carries upto, settleAborts the aborted indexes).
+const testSettleTopic = "$tandem/test-settle"
+
+// settle logs a settlement: every sync record up to upto settled, those
+// in aborts aborted.
+func (l *memLog) settle(upto uint64, aborts ...uint64) {
+	l.mu.Lock()
+	l.recs = append(l.recs, &Message{Topic: testSettleTopic, Seq: upto})
+	if l.aborts == nil {
+		l.aborts = map[uint64][]uint64{}
+	}
+	l.aborts[uint64(len(l.recs))] = aborts
+	l.cond.Broadcast()
+	l.mu.Unlock()
+}
+
+// lastIndex is the index of the newest record.
+func (l *memLog) lastIndex() uint64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return uint64(len(l.recs))
 }
 
 func (l *memLog) topics() []string {

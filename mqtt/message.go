@@ -97,6 +97,9 @@ type Message struct {
 	QoS      byte
 	Retain   bool
 	Will     bool
+	// Sync: taken under a sync ack rule; delivered only once the master's
+	// settlement confirms it (hold.go).
+	Sync     bool
 	PacketID uint16
 	Time     int64 // Unix nanoseconds
 	Payload  []byte

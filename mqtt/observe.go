@@ -32,6 +32,11 @@ type Observer interface {
 	// had not been handed yet (an upper bound of the messages it lost:
 	// not every position matched its filters).
 	Dropped(n uint64)
+	// InDoubt is called when n sync records are confirmed that an
+	// earlier master logged and never settled: they are delivered,
+	// though their publishers may have been refused (README, "What an
+	// ack means").
+	InDoubt(n uint64)
 }
 
 // nopObserver is the Observer when Config.Observer is nil, so the hot path
@@ -42,6 +47,7 @@ func (nopObserver) Published(AckMode, byte, int)        {}
 func (nopObserver) Acked(AckMode, error, time.Duration) {}
 func (nopObserver) Refused(string)                      {}
 func (nopObserver) Dropped(uint64)                      {}
+func (nopObserver) InDoubt(uint64)                      {}
 
 // ruleFor is AckFor that also says which rule matched (-1: none, the
 // default async), for the Observer's per-rule counts.

@@ -30,6 +30,19 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 		if it.qos > 0 && len(s.inflight) >= c.window {
 			break
 		}
+		if it.idx > s.cursor && it.m.Sync {
+			// Not past a sync record until it is settled: the
+			// session goes on in order once it is (hold.go).
+			st := c.srv.holds.state(it.idx, s)
+			if st == recHeld {
+				break
+			}
+			if st == recAborted {
+				n++
+				s.cursor = it.idx
+				continue
+			}
+		}
 		if it.qos == 2 && it.idx > 0 && it.idx > s.cursor {
 			if _, used := s.inflight[pidFor(it.idx)]; used {
 				break // its packet id is still taken: it waits, in order

@@ -136,6 +136,9 @@ wait:
 	s.skip = nil
 	s.skipMu.Unlock()
 	s.applied.Store(index)
+	s.holds.mu.Lock()
+	s.holds.waiting = nil // sessions that are no more; loadState reads the snapshot's holds
+	s.holds.mu.Unlock()
 	if err := s.loadState(false); err != nil {
 		return fmt.Errorf("mqtt: loading the sessions of the snapshot: %w", err)
 	}

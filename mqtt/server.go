@@ -68,6 +68,7 @@ type Server struct {
 	routes   routeCache
 
 	applied  atomic.Uint64       // the last log index handed to Deliver or Applied
+	holds    holds               // sync records held or aborted (hold.go)
 	skipMu   sync.Mutex          // guards skip
 	skip     map[uint64]struct{} // indexes delivered before a rejoin (Delivered)
 	clients  atomic.Int64        // connected clients
@@ -387,6 +388,7 @@ func (s *Server) Rewind(applied, skip uint64) {
 	for _, t := range gone {
 		s.stageDelete(keyRetained + t)
 	}
+	s.rewindHolds(applied)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, se := range s.sessions {
@@ -411,10 +413,14 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 	if m.QoS == 2 && m.PacketID != 0 && !m.Will && m.Origin != s.cfg.NodeID {
 		s.noteInbound(m)
 	}
+	if m.Sync {
+		s.hold(index, m) // offered now, handed out once confirmed
+	}
 	if _, live := m.expiryLeft(time.Now()); !live {
 		return nil // its message expiry ran out before it was delivered
 	}
-	if m.Retain {
+	if m.Retain && !m.Sync {
+		s.supersedeHeld(m.Topic)
 		s.retain(index, m)
 	}
 	ts := s.scratch[:0]
@@ -464,7 +470,12 @@ func (s *Server) Retain(index uint64, m *Message) {
 		s.applyControl(index, m) // a joiner learns the sessions from the history
 		return
 	}
+	if m.Sync {
+		s.hold(index, m) // retained, if at all, once confirmed
+		return
+	}
 	if _, live := m.expiryLeft(time.Now()); live && m.Retain {
+		s.supersedeHeld(m.Topic)
 		s.retain(index, m)
 	}
 }

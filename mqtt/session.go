@@ -297,6 +297,9 @@ func (s *session) replay(c *conn) bool {
 			if s.srv.skipped(idx) {
 				return true // delivered here before the rejoin
 			}
+			if m.Sync && s.srv.holds.state(idx, nil) == recAborted {
+				return true // its publisher was refused
+			}
 			if it := matchReplay(subs, s.id, idx, m); it != nil && !s.inFlight(it) {
 				items = append(items, it)
 			}

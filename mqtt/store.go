@@ -359,6 +359,9 @@ func (s *Server) loadState(checkLog bool) error {
 	if err != nil {
 		return err
 	}
+	if err := s.loadHolds(); err != nil {
+		return err
+	}
 	return s.loadQoS2(checkLog)
 }
 

@@ -148,10 +148,15 @@ type cluster struct {
 	peers []raft.Peer
 	// storeOpts, if set, opens every member's data file (retention).
 	storeOpts *storage.Options
+	// mutate, if set, adjusts every member's config.
+	mutate func(*Config)
 }
 
-func newCluster(t *testing.T, n int) *cluster {
-	c := &cluster{t: t, net: newMemNet(t), dirs: map[uint64]string{}, nodes: map[uint64]*testNode{}}
+func newCluster(t *testing.T, n int) *cluster { return newClusterWith(t, n, nil) }
+
+// newClusterWith is newCluster with every member's config adjusted.
+func newClusterWith(t *testing.T, n int, mutate func(*Config)) *cluster {
+	c := &cluster{t: t, net: newMemNet(t), dirs: map[uint64]string{}, nodes: map[uint64]*testNode{}, mutate: mutate}
 	for i := 0; i < n; i++ {
 		dir := t.TempDir()
 		id, err := LoadOrCreateIdentity(dir)
@@ -172,6 +177,9 @@ func (c *cluster) start(id uint64) *testNode {
 	t := c.t
 	tn := openTestNodeOpts(t, c.dirs[id], c.storeOpts, func(cfg *Config) {
 		cfg.Transport, cfg.Forwarder, cfg.InitialMembers = endpoint{c.net, id}, memForwarder{c.net, id}, c.peers
+		if c.mutate != nil {
+			c.mutate(cfg)
+		}
 	})
 	c.attach(id, tn)
 	return tn

@@ -10,7 +10,10 @@
 // proposal resolves once the entries holding it are saved on this node while
 // it is the master; a sync one once MinSyncReplicas other members' Match
 // covers it. A proposal that cannot meet its rule within SyncTimeout fails
-// with ErrAckTimeout, so nothing is ever reported acked that is not.
+// with ErrAckTimeout, so nothing is ever reported acked that is not. A sync
+// record may commit before (or after) that outcome, so the master logs the
+// outcome too: settlement records that confirm or abort each sync record it
+// logged, and that every member applies before it delivers one (settle.go).
 //
 // A record proposed while another node is the master goes to it through
 // the node's forward stream (forward.go): one queue in arrival order, sent
@@ -21,10 +24,11 @@
 // Files: node.go holds Node, its Config and the raft loop (run);
 // proposal.go the way a proposal travels to its ack rule (queue, MsgProp,
 // saved, acked, expired); ready.go what each Ready does (persist, send,
-// leadership, retention floor); apply.go the apply goroutine and membership
-// entries; snapshot.go the install of a snapshot (in log order, through a
-// Restorer applier) and which members hold retention; backfill.go the
-// pull of the records before an installed snapshot; forward.go the slave → master forward stream; transport.go,
+// leadership, retention floor); settle.go the settlement of sync records;
+// apply.go the apply goroutine and membership entries; snapshot.go the
+// install of a snapshot (in log order, through a Restorer applier) and
+// which members hold retention; backfill.go the pull of the records before
+// an installed snapshot; forward.go the slave → master forward stream; transport.go,
 // link.go and handshake.go the peer TCP transport.
 //
 // Threading: Propose, Status and Stop may be called from any goroutine.

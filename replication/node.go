@@ -192,6 +192,9 @@ type Node struct {
 	// refusedSkipped counts requeued records dropped, not re-published,
 	// because their sync publishers were refused (requeue.go).
 	refusedSkipped atomic.Uint64
+	// settlesSkipped counts requeued settlement records dropped: they
+	// named indexes of the log they were cut from (requeue.go).
+	settlesSkipped atomic.Uint64
 
 	// membersMu guards members: the cluster's details, kept in memory
 	// because staged writes are not readable before their commit.
@@ -236,6 +239,7 @@ type Node struct {
 	confWait     []*confWaiter // conf changes proposed here, not yet applied
 	savedHS      pb.HardState  // the last hard state written by Save
 	resolvedSome bool          // callbacks ran since the last flushResolved
+	settle       settler       // the outcomes of sync records, as master (settle.go)
 
 	// heard is when each other member last answered (silentMembers);
 	// installing the snapshot handed to the apply goroutine
@@ -467,6 +471,7 @@ func (n *Node) run() {
 			ch <- n.status()
 		case <-due.C:
 			dueAt = time.Time{}
+		case <-n.settleWake():
 		case <-n.failc:
 			n.resolveAll(n.Err())
 			return
@@ -480,7 +485,9 @@ func (n *Node) run() {
 				return
 			}
 		}
-		n.expire(time.Now())
+		now := time.Now()
+		n.expire(now)
+		n.settleTurn(now)
 		n.flushResolved()
 		if len(n.byDue) > 0 && !n.byDue[0].deadline.Equal(dueAt) {
 			dueAt = n.byDue[0].deadline

@@ -40,6 +40,13 @@ type proposal struct {
 	// stepped is set once raft took the record, here or (forwarded) on
 	// the master: from then on it may be in the log, whatever its outcome.
 	stepped bool
+	// settles marks a sync record this node handed to raft as master: it
+	// settles it (settle.go); tracked, once its index is in settler.open.
+	settles, tracked bool
+	// control marks the node's own settlement record: it is taken even
+	// while publishes are refused for space, or held records would wait
+	// for ever.
+	control bool
 	also    []*proposal // later copies of the same record, sharing the outcome
 }
 
@@ -74,13 +81,13 @@ func (n *Node) enqueue(p *proposal) {
 		n.refuseNow(p.done, ErrNotLeader)
 		return
 	}
-	if n.db.LowOnSpace() {
+	if n.db.LowOnSpace() && !p.control {
 		// The filesystem is nearly full, whoever filled it: a write now
 		// could fail halfway through a checkpoint.
 		n.refuseNow(p.done, ErrDiskLow)
 		return
 	}
-	if n.db.Refusing() {
+	if n.db.Refusing() && !p.control {
 		// Logging more would only grow the data dir past its budget:
 		// devices get 0x97 quota exceeded until the member catches up.
 		n.refuseNow(p.done, ErrLogFull)
@@ -93,9 +100,14 @@ func (n *Node) enqueue(p *proposal) {
 		n.refuseNow(p.done, err)
 		return
 	}
-	p.counted = true
 	n.propQ = append(n.propQ, p)
-	wake := n.batch.arrived(len(n.propQ))
+	wake := len(n.propQ) == 1
+	if !p.control {
+		// A settlement is no publisher's: counted, it would raise the
+		// population the group commit waits for (batch.go).
+		p.counted = true
+		wake = n.batch.arrived(len(n.propQ))
+	}
 	n.propMu.Unlock()
 	if wake {
 		n.wakeProposals()
@@ -135,7 +147,9 @@ func (n *Node) proposeQueued() {
 	if !n.leader {
 		var back []*proposal
 		for _, p := range ps {
-			if n.cfg.Forwarder == nil || p.inbound {
+			// A settlement speaks for this master's term only: the
+			// next master settles what it leaves (settle.go).
+			if n.cfg.Forwarder == nil || p.inbound || p.control {
 				n.resolve(p, ErrNotLeader)
 				continue
 			}
@@ -189,6 +203,7 @@ func (n *Node) proposeQueued() {
 	}
 	for _, p := range fresh {
 		p.stepped = true
+		p.settles = p.mode == Sync && storage.RecordSync(p.data)
 		n.pending[p.id] = p
 		n.byDue = append(n.byDue, p)
 	}
@@ -208,7 +223,10 @@ func (n *Node) waitSync(p *proposal) {
 // matchSaved resolves the proposals whose entries were just saved: async
 // ones are acked now (on the master's disk); sync ones wait for replicas.
 func (n *Node) matchSaved(ents []pb.Entry) {
-	if len(n.pending) == 0 {
+	if len(ents) > 0 {
+		n.settle.saved = ents[len(ents)-1].Index
+	}
+	if len(n.pending) == 0 && len(n.settle.abortIDs) == 0 {
 		return
 	}
 	for i := range ents {
@@ -230,6 +248,7 @@ func (n *Node) matchSaved(ents []pb.Entry) {
 			// need no entry here.
 			n.logged.add(id, e.Index)
 		}
+		n.settleSaved(id, p, e.Index)
 		if p == nil {
 			continue
 		}
@@ -316,6 +335,7 @@ func (n *Node) resolve(p *proposal, err error) {
 	if n.live[p.id] == p {
 		delete(n.live, p.id)
 	}
+	n.settleResolved(p, err)
 	for _, q := range p.also {
 		q.index = p.index
 		n.resolve(q, err)

@@ -152,6 +152,7 @@ func firstIndex(ents []pb.Entry) uint64 {
 func (n *Node) setLeader(leader bool, lead uint64) {
 	if leader != n.leader {
 		n.log.Info("role changed", "master", leader, "leader", IDString(lead), "term", n.rn.BasicStatus().Term)
+		n.settleLead(leader)
 	}
 	n.leader = leader
 	if n.lead.Swap(lead) != lead {

@@ -74,11 +74,19 @@ func (n *Node) republish() (int, bool) {
 	}
 	var wg sync.WaitGroup
 	var mu sync.Mutex
-	done, skipped := 0, 0
+	done, skipped, stale := 0, 0, 0
 	for _, it := range items {
 		rec, err := storage.DecodeRecord(it.Data)
 		if err != nil {
 			n.log.Error("requeued record unreadable; kept for inspection", "index", it.Index, "error", err)
+			continue
+		}
+		// A settlement names indexes of the log it was cut from, which
+		// hold other records now: the new master settles what it
+		// inherited itself (settle.go).
+		if rec.Topic == SettleTopic {
+			n.db.DropRequeued(it.Key)
+			stale++
 			continue
 		}
 		// Its publisher was told "refused": publishing it now would make
@@ -90,6 +98,10 @@ func (n *Node) republish() (int, bool) {
 			continue
 		}
 		rec.Republished = true
+		// It was acked (a refused one is dropped above) or never
+		// answered: it is re-published as an async record, delivered
+		// once committed, not held for a settlement nobody will log.
+		rec.Sync = false
 		data := storage.AppendRecord(nil, &rec)
 		wg.Add(1)
 		key := it.Key
@@ -108,6 +120,9 @@ func (n *Node) republish() (int, bool) {
 	if skipped > 0 {
 		n.refusedSkipped.Add(uint64(skipped))
 		n.log.Info("requeued records not re-published: their publishers were refused", "records", skipped)
+	}
+	n.settlesSkipped.Add(uint64(stale))
+	if skipped += stale; skipped > 0 {
 		if err := n.db.Flush(); err != nil {
 			return done, false
 		}
@@ -196,3 +211,7 @@ func (n *Node) pruneRefused() {
 // RefusedSkipped returns how many requeued records this node dropped since
 // start instead of re-publishing them, their publishers refused.
 func (n *Node) RefusedSkipped() uint64 { return n.refusedSkipped.Load() }
+
+// SettlementsSkipped returns how many requeued settlement records this
+// node dropped since start: the new master settles what they covered.
+func (n *Node) SettlementsSkipped() uint64 { return n.settlesSkipped.Load() }

@@ -19,12 +19,16 @@ type Record struct {
 	Topic       string
 	QoS         byte // 0, 1 or 2; AppendRecord panics on anything else
 	Retain      bool
-	Republished bool   // re-proposed from a deposed master's tail (requeue)
-	Will        bool   // a will (last will and testament) message
-	PacketID    uint16 // MQTT packet id at the origin (0 for QoS 0)
-	Time        int64  // publish time, Unix nanoseconds, taken at the origin
-	Payload     []byte
-	Props       Properties
+	Republished bool // re-proposed from a deposed master's tail (requeue)
+	Will        bool // a will (last will and testament) message
+	// Sync marks a record taken under a sync ack rule: no member delivers
+	// it until the master's settlement confirms it, and none ever does
+	// once it is aborted (DESIGN.md, "Delivery waits for the ack rule").
+	Sync     bool
+	PacketID uint16 // MQTT packet id at the origin (0 for QoS 0)
+	Time     int64  // publish time, Unix nanoseconds, taken at the origin
+	Payload  []byte
+	Props    Properties
 }
 
 // Properties are the MQTT 5 properties that travel with a message.
@@ -46,10 +50,18 @@ type Properties struct {
 // UserProperty is one MQTT 5 user property (order and duplicates are kept).
 type UserProperty struct{ Key, Value string }
 
-// RecordVersion is the encoding version AppendRecord writes. DecodeRecord
-// reads this version only: a record from a newer tandem must stop the daemon
+// RecordVersion is the encoding version AppendRecord writes for a record
+// taken without a sync ack rule, RecordVersionSync the same layout with
+// flagSync, written exactly when Record.Sync is set. Async records keep
+// version 1, so a build that reads version 1 only still reads them (a
+// rolling upgrade); a sync record stops such a build, rightly: it would
+// deliver the record before its ack rule is met. DecodeRecord reads these
+// two versions only: a record from a newer tandem must stop the daemon
 // rather than be half understood.
-const RecordVersion = 1
+const (
+	RecordVersion     = 1
+	RecordVersionSync = 2
+)
 
 // Flag bits of byte 1. Unknown bits are rejected so that a future version
 // cannot smuggle meaning past an old decoder under the same version byte.
@@ -59,6 +71,7 @@ const (
 	flagWill          = 1 << 2
 	flagPayloadFormat = 1 << 3
 	flagMessageExpiry = 1 << 4
+	flagSync          = 1 << 5 // version 2 only, and always set there
 	flagsKnown        = flagRetain | flagRepublished | flagWill | flagPayloadFormat | flagMessageExpiry
 )
 
@@ -117,8 +130,13 @@ func AppendRecord(dst []byte, r *Record) []byte {
 	if p.MessageExpirySet {
 		flags |= flagMessageExpiry
 	}
+	version := byte(RecordVersion)
+	if r.Sync {
+		flags |= flagSync
+		version = RecordVersionSync
+	}
 
-	dst = append(dst, RecordVersion, flags, r.QoS)
+	dst = append(dst, version, flags, r.QoS)
 	dst = binary.BigEndian.AppendUint64(dst, r.Origin)
 	dst = binary.BigEndian.AppendUint64(dst, r.Seq)
 	dst = binary.BigEndian.AppendUint64(dst, uint64(r.Time))
@@ -192,8 +210,9 @@ func appendBytes(dst, b []byte) []byte {
 //
 // The CRC is checked before the body is parsed, so a damaged record reports
 // ErrCorrupt. ErrTruncated means a length that runs past the input,
-// ErrUnknownVersion a version byte other than RecordVersion (a newer writer,
-// or a damaged first byte: the two cannot be told apart).
+// ErrUnknownVersion a version byte other than RecordVersion and
+// RecordVersionSync (a newer writer, or a damaged first byte: the two cannot
+// be told apart).
 func DecodeRecord(b []byte) (Record, error) {
 	if err := checkRecord(b); err != nil {
 		return Record{}, err
@@ -207,6 +226,7 @@ func DecodeRecord(b []byte) (Record, error) {
 		Retain:      flags&flagRetain != 0,
 		Republished: flags&flagRepublished != 0,
 		Will:        flags&flagWill != 0,
+		Sync:        flags&flagSync != 0,
 		PacketID:    binary.BigEndian.Uint16(b[offPacketID:]),
 		Time:        int64(binary.BigEndian.Uint64(b[offTime:])),
 	}
@@ -269,6 +289,11 @@ func RecordTopic(b []byte) (topic []byte, retain bool, err error) {
 	return topic, b[offFlags]&flagRetain != 0, nil
 }
 
+// RecordSync reports whether an encoded record was taken under a sync ack
+// rule, from its version byte alone (a version-2 record always carries
+// flagSync; the full check is the decoder's).
+func RecordSync(b []byte) bool { return len(b) > 0 && b[offVersion] == RecordVersionSync }
+
 // RecordID returns the record id from the fixed header. It neither parses the
 // rest nor checks the CRC: the persist path uses it to match entries to
 // pending proposals, and the full check happens when the entry is decoded.
@@ -298,8 +323,16 @@ func checkRecord(b []byte) error {
 	if stored, computed := binary.BigEndian.Uint32(b[end:]), crc32.Checksum(b[:end], crcTable); computed != stored {
 		return fmt.Errorf("record: crc mismatch (stored %08x, computed %08x): %w", stored, computed, ErrCorrupt)
 	}
-	if flags := b[offFlags]; flags&^flagsKnown != 0 {
-		return fmt.Errorf("record: unknown flag bits %#02x: %w", flags&^flagsKnown, ErrCorrupt)
+	known := byte(flagsKnown)
+	if b[offVersion] == RecordVersionSync {
+		known |= flagSync
+	}
+	if flags := b[offFlags]; flags&^known != 0 {
+		return fmt.Errorf("record: unknown flag bits %#02x: %w", flags&^known, ErrCorrupt)
+	}
+	if b[offVersion] == RecordVersionSync && b[offFlags]&flagSync == 0 {
+		// The encoding is canonical: a record without the flag is version 1.
+		return fmt.Errorf("record: version %d without its sync flag: %w", RecordVersionSync, ErrCorrupt)
 	}
 	if qos := b[offQoS]; qos > 2 {
 		return fmt.Errorf("record: qos %d: %w", qos, ErrCorrupt)
@@ -313,8 +346,8 @@ func checkHeader(b []byte) error {
 	if len(b) == 0 {
 		return fmt.Errorf("record: empty input: %w", ErrTruncated)
 	}
-	if v := b[offVersion]; v != RecordVersion {
-		return fmt.Errorf("record: version %d, this build reads version %d only: %w", v, RecordVersion, ErrUnknownVersion)
+	if v := b[offVersion]; v != RecordVersion && v != RecordVersionSync {
+		return fmt.Errorf("record: version %d, this build reads versions %d and %d only: %w", v, RecordVersion, RecordVersionSync, ErrUnknownVersion)
 	}
 	if len(b) < minRecordLen {
 		return fmt.Errorf("record: %d bytes, shorter than the %d-byte minimum: %w", len(b), minRecordLen, ErrTruncated)

@@ -65,6 +65,7 @@ func sampleRecords() []struct {
 		{"set flags with zero values", Record{QoS: 1, Props: Properties{PayloadFormatSet: true, MessageExpirySet: true}}},
 		{"unset values dropped", Record{Props: Properties{PayloadFormat: 1, MessageExpiry: 60}}},
 		{"negative time", Record{Time: -1, Origin: 1, Seq: 1}},
+		{"taken under a sync ack rule", Record{Origin: 3, Seq: 4, Topic: "alarms/fire", QoS: 1, Sync: true, Payload: []byte("on")}},
 		{"unicode", Record{
 			ClientID: "capteur-été-☃",
 			Topic:    "工場/ライン/温度/🌡",
@@ -214,9 +215,39 @@ func TestDecodeRecordTruncated(t *testing.T) {
 	}
 }
 
+// TestRecordSyncVersion: a sync record is version 2 with its flag, any
+// other stays version 1 (what earlier builds wrote and read), and neither
+// version takes the other's spelling.
+func TestRecordSyncVersion(t *testing.T) {
+	async := Record{Origin: 1, Seq: 2, Topic: "t", QoS: 1, Payload: []byte("p")}
+	sync := async
+	sync.Sync = true
+	a, s := AppendRecord(nil, &async), AppendRecord(nil, &sync)
+	if a[offVersion] != 1 || s[offVersion] != 2 {
+		t.Fatalf("versions: async %d, sync %d; want 1 and 2", a[offVersion], s[offVersion])
+	}
+	if RecordSync(a) || !RecordSync(s) {
+		t.Fatalf("RecordSync: async %v, sync %v", RecordSync(a), RecordSync(s))
+	}
+	// A version-1 record as builds before version 2 wrote it, byte for byte.
+	old := raw(flagRetain, 1, []byte{0, 1, 't', 0, 0, 0, 0}, []byte{0})
+	if r, err := DecodeRecord(old); err != nil || r.Sync || !r.Retain || r.Topic != "t" {
+		t.Fatalf("version 1 record: %+v, %v", r, err)
+	}
+	v1Flagged := bytes.Clone(a)
+	v1Flagged[offFlags] |= flagSync
+	v2Bare := bytes.Clone(s)
+	v2Bare[offFlags] &^= flagSync
+	for name, b := range map[string][]byte{"version 1 with the sync flag": reseal(v1Flagged), "version 2 without it": reseal(v2Bare)} {
+		if _, err := DecodeRecord(b); !errors.Is(err, ErrCorrupt) {
+			t.Errorf("%s: err = %v, want ErrCorrupt", name, err)
+		}
+	}
+}
+
 func TestDecodeRecordUnknownVersion(t *testing.T) {
 	r := fullRecord()
-	for _, v := range []byte{0, 2, 255} {
+	for _, v := range []byte{0, 3, 255} {
 		b := AppendRecord(nil, &r)
 		b[offVersion] = v
 		reseal(b)
@@ -397,6 +428,7 @@ func FuzzRecordRoundTrip(f *testing.F) {
 			Retain:      flags&1 != 0,
 			Republished: flags&2 != 0,
 			Will:        flags&4 != 0,
+			Sync:        flags&32 != 0,
 			PacketID:    packetID,
 			Time:        tm,
 			Payload:     payload,

@@ -318,6 +318,11 @@ func (u *Uplink) Refuses(topic string) bool {
 	return u.running && u.fullLocked() && u.ruleFor(topic) != nil
 }
 
+// Forwards reports whether the uplink forwards records on topic: the
+// daemon holds its notifications back at a sync record it forwards until
+// the record is settled (DESIGN.md, "Delivery waits for the ack rule").
+func (u *Uplink) Forwards(topic string) bool { return u.ruleFor(topic) != nil }
+
 // Position is the uplink's current position (not necessarily saved yet).
 func (u *Uplink) Position() uint64 {
 	u.mu.Lock()

@@ -80,6 +80,27 @@ func WaitFor(t testing.TB, d time.Duration, what string, cond func() bool, diag 
 	}
 }
 
+// CollectUntil reads ch until an item that name calls last arrives, and
+// returns the names of what arrived, in order; it fails the test when last
+// has not come within d. Tests use it on received publishes, by payload.
+func CollectUntil[T any](t testing.TB, ch <-chan T, name func(T) string, last string, d time.Duration) []string {
+	t.Helper()
+	var got []string
+	deadline := time.After(d)
+	for {
+		select {
+		case it := <-ch:
+			got = append(got, name(it))
+			if got[len(got)-1] == last {
+				return got
+			}
+		case <-deadline:
+			t.Fatalf("no %q within %v; got %q", last, d, got)
+			return got
+		}
+	}
+}
+
 // Buffer is an io.Writer that goroutines may share: a gateway's log, a
 // child process's output.
 type Buffer struct {
