@@ -79,8 +79,18 @@ type StatusLog struct {
 	CommitIndex  uint64 `json:"commit_index"`
 	AppliedIndex uint64 `json:"applied_index"`
 	// CatchingUp is true while this member, which installed a snapshot,
-	// pulls the records before it from the master.
-	CatchingUp bool `json:"catching_up"`
+	// pulls the records before it from the master; CatchUp says how far
+	// it got (null otherwise).
+	CatchingUp bool           `json:"catching_up"`
+	CatchUp    *StatusCatchUp `json:"catch_up"`
+}
+
+// StatusCatchUp is the progress of a catch-up after a snapshot.
+type StatusCatchUp struct {
+	RecordsPulled uint64 `json:"records_pulled"`
+	BytesPulled   uint64 `json:"bytes_pulled"`
+	// RecordsLeft is -1 until the master has answered once.
+	RecordsLeft int64 `json:"records_left"`
 }
 
 // StatusDisk gives the data file's use of the disk.

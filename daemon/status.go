@@ -33,7 +33,7 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 		Role:    rs.Role,
 		Term:    rs.Term,
 		Members: []admin.StatusMember{},
-		Log:     admin.StatusLog{FirstIndex: st.FirstIndex, LastIndex: st.LastIndex, CommitIndex: rs.Commit, AppliedIndex: st.Applied, CatchingUp: rs.CatchingUp},
+		Log:     admin.StatusLog{FirstIndex: st.FirstIndex, LastIndex: st.LastIndex, CommitIndex: rs.Commit, AppliedIndex: st.Applied, CatchingUp: rs.CatchingUp, CatchUp: catchUpOf(rs)},
 		Disk:    admin.StatusDisk{BudgetBytes: uint64(d.cfg.Storage.MaxBytes)},
 		MQTT:    admin.StatusMQTT{Clients: d.broker.Clients(), Inflight: d.broker.Inflight()},
 		Storage: admin.StatusStorage{Commits: d.db.Commits(), Fsyncs: d.db.Syncs()},
@@ -132,4 +132,12 @@ func (d *Daemon) lagSeconds(match, last uint64, now time.Time) float64 {
 		return max(0, now.Sub(time.Unix(0, rec.Time)).Seconds())
 	}
 	return 0
+}
+
+// catchUpOf is status's log.catch_up: null unless a catch-up is under way.
+func catchUpOf(rs replication.Status) *admin.StatusCatchUp {
+	if !rs.CatchingUp {
+		return nil
+	}
+	return &admin.StatusCatchUp{RecordsPulled: rs.CatchUp.Records, BytesPulled: rs.CatchUp.Bytes, RecordsLeft: rs.CatchUp.Left}
 }

@@ -108,7 +108,16 @@ func TestJoinOfAThirdGatewayToACompactedCluster(t *testing.T) {
 
 	g3.start()
 	load := startPacedLoad(t, 2, "s/join", func(int) []*gw { return []*gw{g1} }, 20*time.Millisecond)
-	g3.join(g1)
+	tok, err := g1.cli("cluster", "invite")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tok, _, _ = strings.Cut(tok, "\n")
+	out, err := g3.cli("cluster", "join", tok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("gw-3's join said:\n%s", out)
 	load.waitAcks(t, 10, 15*time.Second)
 	acked := load.stop()
 	if f := firstIndex(g3); f <= stateEnd {

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	pb "go.etcd.io/raft/v3/raftpb"
@@ -42,6 +43,31 @@ const (
 	// up to backfillMaxCount.
 	backfillCount, backfillMaxCount = 1024, 16384
 )
+
+// backfillProgress counts what the current catch-up pulled, for status and
+// `tandem cluster join`'s progress bar. Written by backfillLoop, read by
+// status.
+type backfillProgress struct {
+	records, bytes atomic.Uint64
+	// masterFirst is the master's first index as its last answer gave
+	// it: the catch-up ends there. 0 until the first answer.
+	masterFirst atomic.Uint64
+}
+
+// reset starts the counts of a new catch-up.
+func (p *backfillProgress) reset() {
+	p.records.Store(0)
+	p.bytes.Store(0)
+	p.masterFirst.Store(0)
+}
+
+// CatchUp is the progress of a catch-up (Status.CatchUp).
+type CatchUp struct {
+	Records, Bytes uint64 // pulled so far
+	// Left is how many records are still to come, -1 until the master
+	// has answered once.
+	Left int64
+}
 
 // errNoBackfill answers a request to a member that is not the master.
 var errNoBackfill = errors.New("replication: backfill asked of a member that is not the master")
@@ -107,6 +133,7 @@ func (n *Node) backfillLoop() {
 		if !pulling {
 			n.log.Info("catching up: pulling the records before the snapshot from the master, newest first", "below", below)
 			pulling, pulled = true, 0
+			n.bf.reset()
 		}
 		got, reject, err := n.pullBackfill(lead, below, count)
 		switch {
@@ -147,15 +174,36 @@ func (n *Node) pullBackfill(master, below, count uint64) (int, bool, error) {
 		n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
 		return 0, false, err
 	}
+	var size uint64
+	for i := range ans.Entries {
+		size += uint64(len(ans.Entries[i].Data))
+	}
+	n.bf.records.Add(uint64(len(ans.Entries)))
+	n.bf.bytes.Add(size)
+	n.bf.masterFirst.Store(max(ans.Index, 1))
 	return len(ans.Entries), false, nil
 }
 
 // CatchingUp reports whether this member is pulling the records before an
 // installed snapshot from the master (or is to, once it has one).
 func (n *Node) CatchingUp() bool {
-	if n.cfg.Backfill == nil {
-		return false
-	}
-	_, ok := n.db.BackfillWanted()
+	_, ok := n.catchUpProgress()
 	return ok
+}
+
+// catchUpProgress reports the progress of the catch-up, if one is under way.
+func (n *Node) catchUpProgress() (CatchUp, bool) {
+	if n.cfg.Backfill == nil {
+		return CatchUp{}, false
+	}
+	below, ok := n.db.BackfillWanted()
+	if !ok {
+		return CatchUp{}, false
+	}
+	c := CatchUp{Records: n.bf.records.Load(), Bytes: n.bf.bytes.Load(), Left: -1}
+	if first := n.bf.masterFirst.Load(); first > 0 {
+		c.Left = int64(below) - int64(first)
+		c.Left = max(c.Left, 0)
+	}
+	return c, true
 }

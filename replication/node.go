@@ -246,6 +246,7 @@ type Node struct {
 	// (installSnapshot), written before the send on applyc, read after.
 	heard      map[uint64]time.Time
 	installing *snapInstall
+	bf         backfillProgress // the catch-up after a snapshot (backfill.go)
 }
 
 // NewNode opens the raft group stored in cfg.Storage, bootstrapping a

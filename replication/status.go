@@ -27,8 +27,10 @@ type Status struct {
 	// it back.
 	RetentionFloor uint64
 	// CatchingUp: this member installed a snapshot and is pulling the
-	// records before it from the master (backfill.go).
+	// records before it from the master (backfill.go); CatchUp is how far
+	// it got.
 	CatchingUp bool
+	CatchUp    CatchUp
 }
 
 // MemberProgress is what the master knows of one other member.
@@ -54,7 +56,8 @@ func RoleName(s raft.StateType) string {
 func (n *Node) status() Status {
 	bs := n.rn.BasicStatus()
 	st := n.db.Stats()
-	s := Status{ID: n.id, Role: RoleName(bs.RaftState), Term: bs.Term, Leader: bs.Lead, Commit: bs.Commit, Applied: st.Applied, First: st.FirstIndex, Last: st.LastIndex, LeaderChanges: n.leaderChanges.Load(), RetentionFloor: n.floor.Load(), CatchingUp: n.CatchingUp()}
+	s := Status{ID: n.id, Role: RoleName(bs.RaftState), Term: bs.Term, Leader: bs.Lead, Commit: bs.Commit, Applied: st.Applied, First: st.FirstIndex, Last: st.LastIndex, LeaderChanges: n.leaderChanges.Load(), RetentionFloor: n.floor.Load()}
+	s.CatchUp, s.CatchingUp = n.catchUpProgress()
 	if s.Role == "master" && n.fenced.Load() {
 		// Fenced: raft still leads the old configuration, but this node
 		// takes no publishes; it waits to rejoin as the slave.
