@@ -110,17 +110,7 @@ func TestDiskFullRefusesThenRecovers(t *testing.T) {
 // subscribers are still served; once space returns, publishes are taken
 // again by themselves.
 func TestMinFreeRefusesUntilSpaceReturns(t *testing.T) {
-	if os.Geteuid() != 0 {
-		if os.Getenv("CI") == "true" {
-			t.Fatal("needs root to mount a small tmpfs (CI runs as root)")
-		}
-		t.Skip("needs root to mount a small tmpfs as a nearly full disk")
-	}
-	dir := t.TempDir()
-	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size=64m", "tandem-test", dir).CombinedOutput(); err != nil {
-		t.Fatalf("cannot mount a tmpfs: %v %s", err, out)
-	}
-	t.Cleanup(func() { exec.Command("umount", "-l", dir).Run() })
+	dir := smallTmpfs(t, "64m")
 	d := testGateway(t, filepath.Join(dir, "data"), func(c *config.Config) { c.Storage.MinFree = 16 << 20 })
 	sub, got := v5(t, d.MQTTAddr(), "watcher", nil)
 	subscribe(t, sub, "w/#", 1)

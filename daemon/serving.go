@@ -34,9 +34,18 @@ import (
 //     reach, so devices are told an election timeout plus about a second
 //     after the cut;
 //   - a gateway whose disk is below storage.min_free, or whose log is full
-//     of what a member lacks, answers 503 but keeps its devices: every
-//     publish goes into the master's log, so another member would refuse
-//     them too (handing the mastership over is the bounded-log issue's).
+//     of what a member lacks, cannot log publishes itself. As a slave it
+//     needs not: its devices' publishes go to the master on the forward
+//     stream, so it serves them (200) and keeps its subscribers. As the
+//     master it hands the mastership to a voter that can write
+//     (replication/handoff.go) and serves again once that one leads;
+//     until then, or when no member can take it (a 2-gateway slave is a
+//     learner), it answers 503 with the reason and keeps its devices,
+//     since the others send every publish to it;
+//   - a gateway whose log writes fail (its raft loop retries the save)
+//     applies nothing either, so its subscribers get nothing: it sends
+//     its devices to the master, or, as a master of three voters (the
+//     others elect a new one once its heartbeats stop), to the others.
 
 // servingEvery is how often the watch looks; leaderlessFor how long a
 // member of a cluster may see no master before it sends its devices away.
@@ -167,10 +176,39 @@ func (d *Daemon) checkServing(leaderless *time.Time, now time.Time) (why, ref st
 	} else {
 		*leaderless = time.Time{}
 	}
-	if why := d.db.RefusingReason(); why != "" {
-		return why, ""
+	if why := d.db.RefusingReason(); why != "" || n.SaveFailing() {
+		return d.diskServing(n, members, why)
 	}
 	return "", ""
+}
+
+// diskServing is checkServing for a gateway whose own log refuses
+// records, why saying so ("" when only its saves fail).
+func (d *Daemon) diskServing(n *replication.Node, members []replication.Member, why string) (string, string) {
+	if why == "" {
+		why = "disk: writing the log fails; retrying"
+	}
+	lead := n.Leader()
+	away := lead != 0 && lead != n.ID() && d.gw.Reachable(lead)
+	if n.SaveFailing() {
+		voters := 0
+		for _, m := range members {
+			if m.Voter {
+				voters++
+			}
+		}
+		if away || (lead == n.ID() && voters >= 3) {
+			return why, d.mqttRefs(n, members)
+		}
+		return why, ""
+	}
+	if away {
+		return "", "" // publishes go to the master on the forward stream
+	}
+	if _, stuck := n.Handoff(); stuck != "" {
+		why += "; " + stuck
+	}
+	return why, ""
 }
 
 // mqttRefs names the other members' MQTT listeners for a Server

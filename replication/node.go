@@ -210,6 +210,9 @@ type Node struct {
 	// fenced is set by Fence: this node learned that another was promoted
 	// over it, and takes no more proposals (promote.go).
 	fenced atomic.Bool
+	// handoff hands the mastership over while this node cannot write
+	// (handoff.go).
+	handoff handoff
 
 	// fwd is the forward stream (forward.go); inMu guards inboundBy, the
 	// order of each peer's stream on this node as master.
@@ -270,6 +273,9 @@ func NewNode(cfg Config) (*Node, error) {
 		inboundBy:  map[uint64]*fwdInbound{},
 	}
 	n.fwd.sig = make(chan struct{}, 1)
+	if cfg.Transport != nil {
+		n.cfg.Transport = tagTransport{inner: cfg.Transport, n: n}
+	}
 	if err := n.loadMembers(); err != nil {
 		return nil, err
 	}
@@ -353,6 +359,7 @@ func (n *Node) NextSeq() uint64 { return n.seq.Add(1) }
 // while the node is busy (back-pressure on the peer's connection) and drops
 // the message once the node has stopped.
 func (n *Node) Step(m pb.Message) {
+	n.noteDiskTag(&m)
 	select {
 	case n.recvc <- m:
 	case <-n.stopc:
@@ -482,6 +489,7 @@ func (n *Node) tick() {
 		// replaying history must not start any.
 		n.rn.Tick()
 	}
+	n.maybeHandOff(time.Now())
 	n.updateFloor()
 	if n.db.Pending() && !n.rn.HasReady() {
 		// Staged metadata (applied index, sessions) with no log traffic

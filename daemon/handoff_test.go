@@ -1,0 +1,67 @@
+package daemon
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/eclipse/paho.golang/paho"
+
+	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/testutil"
+)
+
+// smallTmpfs mounts a tmpfs of size on a fresh directory, unmounted when
+// the test ends: a small disk to fill. It needs root (CI runs as root).
+func smallTmpfs(t *testing.T, size string) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		if os.Getenv("CI") == "true" {
+			t.Fatal("needs root to mount a small tmpfs (CI runs as root)")
+		}
+		t.Skip("needs root to mount a small tmpfs as a nearly full disk")
+	}
+	dir := t.TempDir()
+	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size="+size, "tandem-test", dir).CombinedOutput(); err != nil {
+		t.Fatalf("cannot mount a tmpfs: %v %s", err, out)
+	}
+	t.Cleanup(func() { exec.Command("umount", "-l", dir).Run() })
+	return dir
+}
+
+// In a 2-gateway cluster the slave is a learner, which cannot be handed
+// the mastership: a master below storage.min_free keeps it, refuses with
+// 0x97 and says why, naming the way out (/healthz 503).
+func TestPairMasterBelowMinFreeSaysWhyItKeepsTheMastership(t *testing.T) {
+	dir := smallTmpfs(t, "64m")
+	g1 := testGateway(t, filepath.Join(dir, "data"), func(c *config.Config) {
+		clusterTestConfig(c, "gw-1")
+		c.Storage.MinFree = 16 << 20
+	})
+	g2 := clusterGateway(t, "gw-2", nil)
+	joinWith(t, g2, inviteToken(t, g1))
+	testutil.WaitFor(t, 10*time.Second, "gw-2 a caught-up learner", func() bool {
+		v, l, ok := shape(statusOfGW(t, g1))
+		return v == 0 && l == 1 && ok
+	})
+	if out, err := exec.Command("fallocate", "-l", "48M", filepath.Join(dir, "other-program.log")).CombinedOutput(); err != nil {
+		t.Fatalf("fallocate: %v %s", err, out)
+	}
+	testutil.WaitFor(t, 10*time.Second, "gw-1 saying why it keeps the mastership", func() bool {
+		err := g1.notServing()
+		return err != nil && strings.Contains(err.Error(), "storage.min_free") && strings.Contains(err.Error(), "tandem promote")
+	})
+	if s := statusOfGW(t, g1); s.Role != "master" {
+		t.Fatalf("gw-1 role %s, want master (no voter to hand over to)", s.Role)
+	}
+	pub, _ := v5(t, g1.MQTTAddr(), "pub", nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if r, err := pub.Publish(ctx, &paho.Publish{Topic: "a/x", QoS: 1, Payload: []byte("x")}); r == nil || r.ReasonCode != 0x97 {
+		t.Fatalf("publish on the full master: %+v %v, want 0x97", r, err)
+	}
+}
