@@ -2,7 +2,6 @@ package daemon
 
 import (
 	"context"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -15,29 +14,11 @@ import (
 	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
-// smallTmpfs mounts a tmpfs of size on a fresh directory, unmounted when
-// the test ends: a small disk to fill. It needs root (CI runs as root).
-func smallTmpfs(t *testing.T, size string) string {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		if os.Getenv("CI") == "true" {
-			t.Fatal("needs root to mount a small tmpfs (CI runs as root)")
-		}
-		t.Skip("needs root to mount a small tmpfs as a nearly full disk")
-	}
-	dir := t.TempDir()
-	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size="+size, "tandem-test", dir).CombinedOutput(); err != nil {
-		t.Fatalf("cannot mount a tmpfs: %v %s", err, out)
-	}
-	t.Cleanup(func() { exec.Command("umount", "-l", dir).Run() })
-	return dir
-}
-
 // In a 2-gateway cluster the slave is a learner, which cannot be handed
 // the mastership: a master below storage.min_free keeps it, refuses with
 // 0x97 and says why, naming the way out (/healthz 503).
 func TestPairMasterBelowMinFreeSaysWhyItKeepsTheMastership(t *testing.T) {
-	dir := smallTmpfs(t, "64m")
+	dir := testutil.SmallDisk(t, "64m")
 	g1 := testGateway(t, filepath.Join(dir, "data"), func(c *config.Config) {
 		clusterTestConfig(c, "gw-1")
 		c.Storage.MinFree = 16 << 20

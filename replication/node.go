@@ -230,6 +230,7 @@ type Node struct {
 	confSeq      uint64        // ids of the conf changes this node proposed
 	confWait     []*confWaiter // conf changes proposed here, not yet applied
 	savedHS      pb.HardState  // the last hard state written by Save
+	flushFailed  time.Time     // when tick's Flush of staged metadata last failed; zero when it works
 	resolvedSome bool          // callbacks ran since the last flushResolved
 }
 
@@ -398,7 +399,7 @@ func (n *Node) Stop() {
 	n.stopOnce.Do(func() { close(n.stopc) })
 	n.wg.Wait()
 	if err := n.db.Flush(); err != nil && !errors.Is(err, storage.ErrClosed) {
-		n.log.Error("flush at stop failed", "error", err)
+		n.log.Warn("staged metadata (applied index, sessions) could not be written at stop; the next start goes on from the last state written, so a session may get some messages again", "error", err)
 	}
 }
 
@@ -491,11 +492,20 @@ func (n *Node) tick() {
 	}
 	n.maybeHandOff(time.Now())
 	n.updateFloor()
-	if n.db.Pending() && !n.rn.HasReady() {
+	if n.db.Pending() && !n.rn.HasReady() && time.Since(n.flushFailed) >= time.Second {
 		// Staged metadata (applied index, sessions) with no log traffic
-		// to ride on: commit it on its own.
-		if err := n.db.Flush(); err != nil {
-			n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
+		// to ride on: commit it on its own. A full disk fails it: the
+		// stage keeps it and a later tick tries again, as a failing save
+		// does, rather than stopping a gateway that still serves.
+		switch err := n.db.Flush(); {
+		case err != nil && !errors.Is(err, storage.ErrClosed):
+			if n.flushFailed.IsZero() {
+				n.log.Warn("writing staged metadata (applied index, sessions) failed; it stays staged and is retried every second", "error", err)
+			}
+			n.flushFailed = time.Now()
+		case err == nil && !n.flushFailed.IsZero():
+			n.log.Info("staged metadata written again")
+			n.flushFailed = time.Time{}
 		}
 	}
 }
