@@ -141,4 +141,3 @@ func TestMinFreeRefusesUntilSpaceReturns(t *testing.T) {
 		t.Fatalf("status after space returned: %v %v", err, st.Storage.Refusing)
 	}
 }
-
