@@ -166,6 +166,9 @@ func (n *Node) maybeHandOff(now time.Time) {
 		return
 	}
 	to, match, stuck := n.handoffTarget(now)
+	if to == 0 && stuck == "" {
+		return
+	}
 	if to == 0 {
 		if old := n.handoff.stuck.Swap(&stuck); old == nil || *old != stuck {
 			n.log.Warn("this master cannot write and keeps the mastership: publishes stay refused until space returns", "reason", why, "because", stuck)
@@ -203,7 +206,7 @@ func (n *Node) handoffTarget(now time.Time) (to, match uint64, stuck string) {
 	case voters == 0 && learners > 0:
 		return 0, 0, "the slave of a 2-gateway cluster is a learner and cannot take the mastership (`tandem promote` on it makes it the master)"
 	case voters == 0:
-		return 0, 0, "a lone gateway has no member to hand the mastership to"
+		return 0, 0, "" // a lone gateway: its refusals say all there is
 	}
 	return 0, 0, "no other voter reports free space"
 }
