@@ -75,14 +75,11 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	c := d.cfg
 	// The users, ACL and TLS files are configuration too: a bad one exits
 	// 2, before the data dir is touched.
-	access, err := loadAccess(c.MQTT)
+	in, err := loadInputs(c)
 	if err != nil {
 		return config.UsageError{Err: err}
 	}
-	tlsCfg, err := mqttTLS(c.MQTT.TLS)
-	if err != nil {
-		return config.UsageError{Err: err}
-	}
+	access, tlsCfg := in.access, in.tls
 	admin.WarnLooseMode(d.log, "mqtt.users_file", c.MQTT.UsersFile)
 	admin.WarnLooseMode(d.log, "mqtt.tls.key_file", c.MQTT.TLS.KeyFile)
 	d.live = c
