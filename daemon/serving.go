@@ -31,8 +31,11 @@ import (
 //     passes without it (a master cut off from the majority steps down
 //     then, check-quorum), and an election settles within a few hundred
 //     milliseconds after that: a second more without one means none is in
-//     reach, so devices are told an election timeout plus about a second
-//     after the cut;
+//     reach. A master knows sooner: once it has heard from no majority of
+//     the voters for an election timeout (replication's CutOff), it sends
+//     its devices to the others at once, about an election timeout after
+//     the cut, rather than at check-quorum's next look (one to two
+//     election timeouts) plus that second;
 //   - a gateway whose disk is below storage.min_free, or whose log is full
 //     of what a member lacks, cannot log publishes itself. As a slave it
 //     needs not: its devices' publishes go to the master on the forward
@@ -53,6 +56,11 @@ const (
 	servingEvery  = 200 * time.Millisecond
 	leaderlessFor = time.Second
 )
+
+// cutOffReason is why a member cut off from the majority sends its
+// devices away: one text whichever way it found out, so the devices are
+// told once.
+const cutOffReason = "no master reachable: cut off from the cluster's majority"
 
 // servingWatch is the state of the watch.
 type servingWatch struct {
@@ -157,6 +165,11 @@ func (d *Daemon) checkServing(leaderless *time.Time, now time.Time) (why, ref st
 	if n.Fenced() {
 		return "replaced by a promoted master: rejoining as its slave", ""
 	}
+	if !n.CutOff().IsZero() {
+		// A master that heard from no majority for an election timeout:
+		// the others elect a new one meanwhile.
+		return cutOffReason, d.mqttRefs(n, members)
+	}
 	if len(members) > 1 && n.Leader() == 0 {
 		if leaderless.IsZero() {
 			*leaderless = now
@@ -169,7 +182,7 @@ func (d *Daemon) checkServing(leaderless *time.Time, now time.Time) (why, ref st
 				}
 			}
 			if voters >= 3 {
-				return "no master reachable: cut off from the cluster's majority", d.mqttRefs(n, members)
+				return cutOffReason, d.mqttRefs(n, members)
 			}
 			return "no master reachable", ""
 		}

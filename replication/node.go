@@ -213,6 +213,13 @@ type Node struct {
 	// handoff hands the mastership over while this node cannot write
 	// (handoff.go).
 	handoff handoff
+	// cutOff is when this master found itself cut off from the majority
+	// (unix nanoseconds; 0 while it is not); heard is the tick at which
+	// each peer was last heard from, ticks counts the loop's ticks (both
+	// loop-owned): handoff.go.
+	cutOff atomic.Int64
+	heard  map[uint64]uint64
+	ticks  uint64
 
 	// fwd is the forward stream (forward.go); inMu guards inboundBy, the
 	// order of each peer's stream on this node as master.
@@ -438,6 +445,7 @@ func (n *Node) run() {
 		case <-n.propSig:
 			n.proposeQueued()
 		case m := <-n.recvc:
+			n.noteHeard(m.From)
 			_ = n.rn.Step(m)
 			if m.Type == pb.MsgAppResp {
 				// A learner's ack moves no commit index, so no Ready
@@ -490,7 +498,9 @@ func (n *Node) tick() {
 		// replaying history must not start any.
 		n.rn.Tick()
 	}
-	n.maybeHandOff(time.Now())
+	now := time.Now()
+	n.maybeHandOff(now)
+	n.checkCutOff(now)
 	n.updateFloor()
 	if n.db.Pending() && !n.rn.HasReady() && time.Since(n.flushFailed) >= time.Second {
 		// Staged metadata (applied index, sessions) with no log traffic
