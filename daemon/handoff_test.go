@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode"
 
 	"github.com/eclipse/paho.golang/paho"
 
@@ -36,13 +37,15 @@ func TestPairMasterBelowMinFreeSaysWhyItKeepsTheMastership(t *testing.T) {
 		err := g1.notServing()
 		return err != nil && strings.Contains(err.Error(), "storage.min_free") && strings.Contains(err.Error(), "tandem promote")
 	})
-	if s := statusOfGW(t, g1); s.Role != "master" {
-		t.Fatalf("gw-1 role %s, want master (no voter to hand over to)", s.Role)
+	if s := statusOfGW(t, g1); s.Role != "master" || s.Storage.Refusing == nil || !strings.Contains(*s.Storage.Refusing, "tandem promote") {
+		t.Fatalf("gw-1 role %s, refusing %v: want the master (no voter to hand over to), saying why", s.Role, s.Storage.Refusing)
 	}
 	pub, _ := v5(t, g1.MQTTAddr(), "pub", nil)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if r, err := pub.Publish(ctx, &paho.Publish{Topic: "a/x", QoS: 1, Payload: []byte("x")}); r == nil || r.ReasonCode != 0x97 {
 		t.Fatalf("publish on the full master: %+v %v, want 0x97", r, err)
+	} else if why := r.Properties.ReasonString; !strings.Contains(why, "storage.min_free") || strings.ContainsFunc(why, unicode.IsControl) {
+		t.Fatalf("reason string %q: want one line naming storage.min_free", why)
 	}
 }
