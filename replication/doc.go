@@ -22,8 +22,11 @@
 // proposal.go the way a proposal travels to its ack rule (queue, MsgProp,
 // saved, acked, expired); ready.go what each Ready does (persist, send,
 // leadership, retention floor); apply.go the apply goroutine and membership
-// entries; forward.go the slave → master forward stream; transport.go,
-// link.go and handshake.go the peer TCP transport.
+// entries; forward.go the slave → master forward stream; handoff.go the
+// hand-over of the mastership by a master that cannot write (members'
+// disk reports on heartbeat responses); cutoff.go how a master finds it is
+// cut off from the majority; transport.go, link.go and handshake.go the
+// peer TCP transport.
 //
 // Threading: Propose, Status and Stop may be called from any goroutine.
 // Proposal callbacks run on the raft goroutine (or, for forwarded records,
