@@ -175,13 +175,7 @@ func (d *Daemon) checkServing(leaderless *time.Time, now time.Time) (why, ref st
 			*leaderless = now
 		}
 		if now.Sub(*leaderless) > leaderlessFor {
-			voters := 0
-			for _, m := range members {
-				if m.Voter {
-					voters++
-				}
-			}
-			if voters >= 3 {
+			if voters(members) >= 3 {
 				return cutOffReason, d.mqttRefs(n, members)
 			}
 			return "no master reachable", ""
@@ -204,13 +198,7 @@ func (d *Daemon) diskServing(n *replication.Node, members []replication.Member, 
 	lead := n.Leader()
 	away := lead != 0 && lead != n.ID() && d.gw.Reachable(lead)
 	if n.SaveFailing() {
-		voters := 0
-		for _, m := range members {
-			if m.Voter {
-				voters++
-			}
-		}
-		if away || (lead == n.ID() && voters >= 3) {
+		if away || (lead == n.ID() && voters(members) >= 3) {
 			return why, d.mqttRefs(n, members)
 		}
 		return why, ""
@@ -222,6 +210,17 @@ func (d *Daemon) diskServing(n *replication.Node, members []replication.Member, 
 		why += "; " + stuck
 	}
 	return why, ""
+}
+
+// voters counts the voters among members.
+func voters(members []replication.Member) int {
+	n := 0
+	for _, m := range members {
+		if m.Voter {
+			n++
+		}
+	}
+	return n
 }
 
 // mqttRefs names the other members' MQTT listeners for a Server
