@@ -33,9 +33,9 @@ import (
 //     milliseconds after that: a second more without one means none is in
 //     reach. A master knows sooner: once it has heard from no majority of
 //     the voters for an election timeout (replication's CutOff), it sends
-//     its devices to the others at once, about an election timeout after
-//     the cut, rather than at check-quorum's next look (one to two
-//     election timeouts) plus that second;
+//     its devices to the others cutOffFor later, rather than at
+//     check-quorum's next look (one to two election timeouts) plus that
+//     second;
 //   - a gateway whose disk is below storage.min_free, or whose log is full
 //     of what a member lacks, cannot log publishes itself. As a slave it
 //     needs not: its devices' publishes go to the master on the forward
@@ -56,6 +56,11 @@ const (
 	servingEvery  = 200 * time.Millisecond
 	leaderlessFor = time.Second
 )
+
+// cutOffFor is how long a master must have known itself cut off before it
+// sends its devices away: a shorter blip of the LAN, or peers stalled for
+// a moment, costs them nothing.
+const cutOffFor = 500 * time.Millisecond
 
 // cutOffReason is why a member cut off from the majority sends its
 // devices away: one text whichever way it found out, so the devices are
@@ -165,9 +170,9 @@ func (d *Daemon) checkServing(leaderless *time.Time, now time.Time) (why, ref st
 	if n.Fenced() {
 		return "replaced by a promoted master: rejoining as its slave", ""
 	}
-	if !n.CutOff().IsZero() {
-		// A master that heard from no majority for an election timeout:
-		// the others elect a new one meanwhile.
+	if t := n.CutOff(); !t.IsZero() && now.Sub(t) >= cutOffFor {
+		// A master that heard from no majority for an election timeout
+		// and a bit: the others elect a new one meanwhile.
 		return cutOffReason, d.mqttRefs(n, members)
 	}
 	if len(members) > 1 && n.Leader() == 0 {
