@@ -35,7 +35,14 @@ func Main(args []string, stdout, stderr io.Writer) int {
 	if err == nil {
 		return ExitOK
 	}
-	fmt.Fprintln(stderr, "tandem:", err)
+	var list config.ErrorList
+	if errors.As(err, &list) {
+		for _, e := range list { // one line each: a config's every error
+			fmt.Fprintln(stderr, "tandem:", e)
+		}
+	} else {
+		fmt.Fprintln(stderr, "tandem:", err)
+	}
 	var ue config.UsageError
 	var ce *config.ConfigError
 	if errors.As(err, &ue) || errors.As(err, &ce) || strings.HasPrefix(err.Error(), "unknown command") {
@@ -93,7 +100,8 @@ func newCheckCmd() *cobra.Command {
 			if path == "" {
 				return config.UsageError{Err: errors.New("check needs --config FILE")}
 			}
-			if _, err := config.Load(path); err != nil {
+			// What run checks, every error at once (daemon.CheckConfig).
+			if err := daemon.CheckConfig(path); err != nil {
 				return config.UsageError{Err: err}
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "%s: ok\n", path)
@@ -144,10 +152,10 @@ func newRunCmd() *cobra.Command {
 
 func (f *runFlags) load(cmd *cobra.Command) (*config.Config, error) {
 	cfg := config.DefaultConfig()
+	var loadErr error
 	if f.config != "" {
-		var err error
-		if cfg, err = config.Load(f.config); err != nil {
-			return nil, err
+		if cfg, loadErr = config.LoadAll(f.config); cfg == nil {
+			return nil, loadErr
 		}
 	}
 	set := func(flag string, dst *string, v string) {
@@ -160,7 +168,8 @@ func (f *runFlags) load(cmd *cobra.Command) (*config.Config, error) {
 	set("peer", &cfg.Peer.Listen, f.peer)
 	set("http", &cfg.HTTP.Listen, f.http)
 	set("name", &cfg.Node.Name, f.name)
-	if err := cfg.Validate(); err != nil {
+	// The checks of `tandem check`, every error at once.
+	if err := daemon.Check(cfg, loadErr); err != nil {
 		return nil, err
 	}
 	return cfg, nil

@@ -1,17 +1,12 @@
 package config
 
 import (
-	"bytes"
-	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"reflect"
 	"strconv"
 	"strings"
 	"time"
-
-	"gopkg.in/yaml.v3"
 )
 
 // Config is the whole of tandem.yaml. Start from DefaultConfig (Load
@@ -389,20 +384,10 @@ func defaultNodeName() string {
 // key and line when there are some; a read error is wrapped in it, so
 // errors.Is(err, fs.ErrNotExist) still works.
 func Load(path string) (*Config, error) {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		cause := err
-		var pe *fs.PathError
-		if errors.As(err, &pe) {
-			cause = pe.Err // the path is in File already
-		}
-		return nil, &ConfigError{File: path, Msg: "cannot read: " + cause.Error(), Err: err}
-	}
-	c, err := Parse(data, path)
+	c, err := LoadAll(path)
 	if err != nil {
 		return nil, err
 	}
-	c.file = path
 	return c, nil
 }
 
@@ -411,6 +396,18 @@ func Load(path string) (*Config, error) {
 // key with no value. Unknown keys, a second YAML document and merge keys
 // ("<<") are errors.
 func Parse(data []byte, name string) (*Config, error) {
+	c, err := parse(data, name)
+	if err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// parse is Parse returning, with the errors, the Config as far as the file
+// could be read: every key the walk found wrong is left out (it keeps its
+// default) and the rest is decoded and validated, so that one run reports
+// every error. nil when the file is no YAML mapping at all.
+func parse(data []byte, name string) (*Config, error) {
 	w := &configWalker{file: name, lines: map[string]int{}}
 	root, err := w.parse(data)
 	if err != nil {
@@ -419,22 +416,36 @@ func Parse(data []byte, name string) (*Config, error) {
 	cfg := DefaultConfig()
 	if root != nil {
 		// Walking first gives errors with key paths; yaml.v3's own say
-		// "field listn not found in type daemon.MQTTConfig".
-		if err := w.walk(root, reflect.TypeFor[Config](), "", 0); err != nil {
-			return nil, err
-		}
-		dec := yaml.NewDecoder(bytes.NewReader(data))
-		dec.KnownFields(true)
-		if err := dec.Decode(cfg); err != nil {
+		// "field listn not found in type daemon.MQTTConfig". The walk
+		// drops what it found wrong from the tree, so the rest decodes.
+		w.walk(root, reflect.TypeFor[Config](), "", 0)
+		if err := root.Decode(cfg); err != nil {
 			// Unreachable while the walk checks what the decoder checks;
 			// kept so a gap between them still yields a ConfigError.
-			return nil, w.decodeError(err)
+			w.errs.add(w.decodeError(err))
+			return nil, w.errs.Err()
 		}
 	}
-	if err := cfg.validate(w); err != nil {
-		return nil, err
+	var verr ErrorList
+	verr.add(cfg.validate(w))
+	all := w.errs
+	for _, e := range verr {
+		if !coveredBy(w.errs, e.Key) {
+			all = append(all, e)
+		}
 	}
-	return cfg, nil
+	return cfg, all.Err()
+}
+
+// coveredBy reports whether key, or a key it lies under, has an error in l
+// already: validating a value the walk left out repeats it.
+func coveredBy(l ErrorList, key string) bool {
+	for _, e := range l {
+		if e.Key != "" && (key == e.Key || strings.HasPrefix(key, e.Key+".") || strings.HasPrefix(key, e.Key+"[")) {
+			return true
+		}
+	}
+	return false
 }
 
 // ConfigError is the error of Load, Parse and Validate. The CLI

@@ -20,6 +20,7 @@ import (
 type configWalker struct {
 	file  string
 	lines map[string]int // key path -> line of the key (list item: of the item)
+	errs  ErrorList      // what the walk found, in the order it did
 }
 
 var yamlErrRE = regexp.MustCompile(`(?s)^(?:yaml: )?line (\d+): (.*)$`)
@@ -83,11 +84,14 @@ func tabIndentedLine(data []byte, line int) bool {
 
 var yamlUnmarshalerType = reflect.TypeFor[yaml.Unmarshaler]()
 
-// walk checks n against type t at key path. It recurses only along t, so
-// it stays shallow whatever the document holds (aliases included). Inside
-// an alias, aliasLine is the alias's line: errors and recorded lines point
-// where the value is used, which is what the key path names.
-func (w *configWalker) walk(n *yaml.Node, t reflect.Type, path string, aliasLine int) error {
+// walk checks n against type t at key path, noting every problem (note)
+// and going on; false means n is bad and its parent drops it (prune), so
+// that the rest of the file still decodes and is validated. It recurses
+// only along t, so it stays shallow whatever the document holds (aliases
+// included). Inside an alias, aliasLine is the alias's line: errors and
+// recorded lines point where the value is used, which is what the key path
+// names.
+func (w *configWalker) walk(n *yaml.Node, t reflect.Type, path string, aliasLine int) bool {
 	if n.Kind == yaml.AliasNode && aliasLine == 0 {
 		aliasLine = n.Line
 	}
@@ -96,34 +100,46 @@ func (w *configWalker) walk(n *yaml.Node, t reflect.Type, path string, aliasLine
 		n = n.Alias
 	}
 	if isYAMLNull(n) {
-		return nil // a key with no value keeps its default
+		return true // a key with no value keeps its default
 	}
 	if reflect.PointerTo(t).Implements(yamlUnmarshalerType) {
-		return w.leaf(n, line, t, path)
+		return w.note(w.leaf(n, line, t, path))
 	}
 	switch t.Kind() {
 	case reflect.Struct:
 		if n.Kind != yaml.MappingNode {
-			return w.errorf(line, path, "expected a mapping of keys (%s), got %s", strings.Join(yamlFieldNames(t), ", "), describeYAMLNode(n))
+			return w.note(w.errorf(line, path, "expected a mapping of keys (%s), got %s", strings.Join(yamlFieldNames(t), ", "), describeYAMLNode(n)))
 		}
-		return w.mapping(n, t, path, aliasLine)
+		w.mapping(n, t, path, aliasLine)
+		return true
 	case reflect.Slice:
 		if n.Kind != yaml.SequenceNode {
-			return w.errorf(line, path, "expected a list, got %s", describeYAMLNode(n))
+			return w.note(w.errorf(line, path, "expected a list, got %s", describeYAMLNode(n)))
 		}
+		ok := true
 		for i, item := range n.Content {
 			key := fmt.Sprintf("%s[%d]", path, i)
 			w.lines[key] = cmp.Or(aliasLine, item.Line)
-			if err := w.walk(item, t.Elem(), key, aliasLine); err != nil {
-				return err
-			}
+			// A bad item drops the whole list: dropping the item alone
+			// would renumber the ones after it in later errors.
+			ok = w.walk(item, t.Elem(), key, aliasLine) && ok
 		}
-		return nil
+		return ok
 	}
-	return w.leaf(n, line, t, path)
+	return w.note(w.leaf(n, line, t, path))
 }
 
-func (w *configWalker) mapping(n *yaml.Node, t reflect.Type, path string, aliasLine int) error {
+// note records err, if any, and returns whether there was none.
+func (w *configWalker) note(err error) bool {
+	if err == nil {
+		return true
+	}
+	w.errs.add(err)
+	return false
+}
+
+// mapping walks n's keys, dropping from n those it notes a problem with.
+func (w *configWalker) mapping(n *yaml.Node, t reflect.Type, path string, aliasLine int) {
 	fields := map[string]reflect.Type{}
 	for i := range t.NumField() {
 		f := t.Field(i)
@@ -132,35 +148,40 @@ func (w *configWalker) mapping(n *yaml.Node, t reflect.Type, path string, aliasL
 		}
 	}
 	firstLine := map[string]int{}
+	keep := n.Content[:0:0]
 	for i := 0; i+1 < len(n.Content); i += 2 {
-		k, v := n.Content[i], n.Content[i+1]
-		line := cmp.Or(aliasLine, k.Line)
-		if k.Kind != yaml.ScalarNode {
-			return w.errorf(line, path, "a key must be a plain name, not %s", describeYAMLNode(k))
-		}
-		key := k.Value
-		if path != "" {
-			key = path + "." + k.Value
-		}
-		if k.ShortTag() == "!!merge" {
-			// The walk would have to mirror yaml.v3's override rules to
-			// know each key's line; a config file does not need merges.
-			return w.errorf(line, path, "merge keys (<<) are not supported; write the keys out")
-		}
-		ft, ok := fields[k.Value]
-		if !ok {
-			return w.errorf(line, key, "unknown key %q%s", key, unknownKeyHint(k.Value, path, yamlFieldNames(t)))
-		}
-		if first, dup := firstLine[k.Value]; dup {
-			return w.errorf(line, key, "duplicate key %q (first at line %d)", key, first)
-		}
-		firstLine[k.Value] = k.Line
-		w.lines[key] = line
-		if err := w.walk(v, ft, key, aliasLine); err != nil {
-			return err
+		if w.pair(n.Content[i], n.Content[i+1], t, fields, firstLine, path, aliasLine) {
+			keep = append(keep, n.Content[i], n.Content[i+1])
 		}
 	}
-	return nil
+	n.Content = keep
+}
+
+// pair checks one key and its value of a mapping; false drops them.
+func (w *configWalker) pair(k, v *yaml.Node, t reflect.Type, fields map[string]reflect.Type, firstLine map[string]int, path string, aliasLine int) bool {
+	line := cmp.Or(aliasLine, k.Line)
+	if k.Kind != yaml.ScalarNode {
+		return w.note(w.errorf(line, path, "a key must be a plain name, not %s", describeYAMLNode(k)))
+	}
+	key := k.Value
+	if path != "" {
+		key = path + "." + k.Value
+	}
+	if k.ShortTag() == "!!merge" {
+		// The walk would have to mirror yaml.v3's override rules to
+		// know each key's line; a config file does not need merges.
+		return w.note(w.errorf(line, path, "merge keys (<<) are not supported; write the keys out"))
+	}
+	ft, ok := fields[k.Value]
+	if !ok {
+		return w.note(w.errorf(line, key, "unknown key %q%s", key, unknownKeyHint(k.Value, path, yamlFieldNames(t))))
+	}
+	if first, dup := firstLine[k.Value]; dup {
+		return w.note(w.errorf(line, key, "duplicate key %q (first at line %d)", key, first))
+	}
+	firstLine[k.Value] = k.Line
+	w.lines[key] = line
+	return w.walk(v, ft, key, aliasLine)
 }
 
 // leaf decodes a scalar into a scratch value of type t to find type errors

@@ -15,10 +15,12 @@ import (
 )
 
 // Validate fills zero fields with their defaults (see Config), then checks
-// the whole Config. It returns the first problem as a *ConfigError naming
-// the key; Validate cannot know lines, so only Load and Parse
-// add File and Line.
-func (c *Config) Validate() error { return c.validate(nil) }
+// the whole Config. It returns every problem: one as a *ConfigError naming
+// the key, several as an ErrorList of them; Validate cannot know lines
+// (unless the Config came from Load), so Load and Parse add File and Line.
+func (c *Config) Validate() error {
+	return c.validate(c.walker())
+}
 
 func (c *Config) validate(w *configWalker) error {
 	c.setDefaults()
@@ -90,7 +92,8 @@ func (c *Config) validate(w *configWalker) error {
 	}
 	ck.topics(c.Topics)
 	ck.uplinks(c)
-	return ck.err
+	ck.ports(c)
+	return ck.errs.Err()
 }
 
 // tls checks the TLS listener's settings hang together; the files are read
@@ -163,22 +166,19 @@ func (ck *configChecker) limits(m MQTTConfig) {
 	}
 }
 
-// configChecker keeps the first validation error, so that validate reads
-// as a list of rules.
+// configChecker collects the validation errors, so that validate reads as
+// a list of rules and reports every broken one.
 type configChecker struct {
-	w   *configWalker // nil when the Config did not come from a file
-	err error
+	w    *configWalker // nil when the Config did not come from a file
+	errs ErrorList
 }
 
 func (ck *configChecker) report(key string, line int, msg string) {
-	if ck.err != nil {
-		return
-	}
 	e := &ConfigError{Line: line, Key: key, Msg: msg}
 	if ck.w != nil {
 		e.File = ck.w.file
 	}
-	ck.err = e
+	ck.errs = append(ck.errs, e)
 }
 
 func (ck *configChecker) failf(key, format string, args ...any) {

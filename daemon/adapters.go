@@ -63,7 +63,10 @@ func (a *logAdapter) Propose(m *mqtt.Message, mode mqtt.AckMode, done func(error
 	data := storage.AppendRecord(make([]byte, 0, 64+len(m.Topic)+len(m.ClientID)+len(m.Payload)), &rec)
 	a.d.gw.Node().Propose(data, rmode, func(_ uint64, err error) {
 		if errors.Is(err, replication.ErrStorage) {
-			err = errors.Join(mqtt.ErrQuota, err)
+			// One line: the text becomes the PUBACK's reason string,
+			// where a control character (errors.Join's newline) makes
+			// strict clients (mosquitto) drop the packet as malformed.
+			err = fmt.Errorf("%w: %w", mqtt.ErrQuota, err)
 		}
 		a.d.acks.push(done, err) // to the broker on the queue's goroutine, not raft's
 	})

@@ -8,6 +8,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/tandem-edge/tandem/admin"
@@ -80,14 +81,11 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	c := d.cfg
 	// The users, ACL and TLS files are configuration too: a bad one exits
 	// 2, before the data dir is touched.
-	access, err := loadAccess(c.MQTT)
+	in, err := loadInputs(c)
 	if err != nil {
 		return config.UsageError{Err: err}
 	}
-	tlsCfg, err := mqttTLS(c.MQTT.TLS)
-	if err != nil {
-		return config.UsageError{Err: err}
-	}
+	access, tlsCfg := in.access, in.tls
 	admin.WarnLooseMode(d.log, "mqtt.users_file", c.MQTT.UsersFile)
 	admin.WarnLooseMode(d.log, "mqtt.tls.key_file", c.MQTT.TLS.KeyFile)
 	d.live = c
@@ -263,7 +261,10 @@ func (d *Daemon) Stop() error {
 					close(d.apply.ready)
 				}
 			}
-			if err := d.broker.Stop(); err != nil {
+			switch err := d.broker.Stop(); {
+			case noSpace(err):
+				d.log.Warn("stopped without writing the sessions' last state (cursors, packet ids): the disk is full; the next start goes on from the state written before, so a session may get some messages again", "error", err)
+			case err != nil:
 				errs = append(errs, err)
 			}
 		}
@@ -274,13 +275,26 @@ func (d *Daemon) Stop() error {
 			d.acks.stop() // after replication: its last outcomes (stopped) reach the broker
 		}
 		if d.db != nil {
-			if err := d.db.Close(); err != nil {
+			err := d.db.Close()
+			switch {
+			case errors.Is(err, storage.ErrNotCheckpointed):
+				// A full disk: the data file could not take the WAL's
+				// last entries, but the WAL holds them, fsynced; the
+				// next start replays them. A clean stop all the same.
+				d.log.Warn("stopped without checkpointing the WAL into the data file: nothing is lost, the next start replays it from the WAL; free space on the data dir's filesystem before then", "error", err, "data", d.cfg.Node.DataDir)
+			case err != nil:
 				errs = append(errs, err)
 			}
 			d.log.Info("gateway stopped")
 		}
 	})
 	return errors.Join(errs...)
+}
+
+// noSpace reports whether err is the filesystem's lack of room (a full
+// disk, a quota, a file size limit): what a stop may meet and survive.
+func noSpace(err error) bool {
+	return errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) || errors.Is(err, syscall.EFBIG)
 }
 
 // startHTTP serves the admin API, the metrics and the status page (admin/),

@@ -12,19 +12,13 @@ import (
 	"github.com/eclipse/paho.golang/paho"
 
 	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // A full disk refuses publishes with 0x97 (quota exceeded), corrupts
 // nothing, and the gateway takes publishes again once space returns.
 func TestDiskFullRefusesThenRecovers(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to mount a small tmpfs as a full disk")
-	}
-	dir := t.TempDir()
-	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size=8m", "tandem-test", dir).CombinedOutput(); err != nil {
-		t.Skipf("cannot mount a tmpfs here: %v %s", err, out)
-	}
-	t.Cleanup(func() { exec.Command("umount", "-l", dir).Run() })
+	dir := testutil.SmallDisk(t, "8m")
 	data := filepath.Join(dir, "data")
 	d := testGateway(t, data, func(c *config.Config) { c.Cluster.SyncTimeout = config.Duration(2 * time.Second) })
 	pub, _ := v5(t, d.MQTTAddr(), "filler", nil)
@@ -32,26 +26,7 @@ func TestDiskFullRefusesThenRecovers(t *testing.T) {
 		t.Fatalf("reason %#x before the disk filled", r.ReasonCode)
 	}
 
-	// Fill the file system to the last byte.
-	filler := filepath.Join(dir, "filler")
-	f, err := os.Create(filler)
-	if err != nil {
-		t.Fatal(err)
-	}
-	chunk := make([]byte, 64<<10)
-	for {
-		if _, err := f.Write(chunk); err != nil {
-			break
-		}
-	}
-	for n := 4096; n > 0; n /= 2 {
-		for {
-			if _, err := f.Write(chunk[:n]); err != nil {
-				break
-			}
-		}
-	}
-	f.Close()
+	filler := testutil.FillDisk(t, dir)
 
 	var refused bool
 	// A few pages per commit, so the next one needs room; 100 of them are
@@ -110,17 +85,7 @@ func TestDiskFullRefusesThenRecovers(t *testing.T) {
 // subscribers are still served; once space returns, publishes are taken
 // again by themselves.
 func TestMinFreeRefusesUntilSpaceReturns(t *testing.T) {
-	if os.Geteuid() != 0 {
-		if os.Getenv("CI") == "true" {
-			t.Fatal("needs root to mount a small tmpfs (CI runs as root)")
-		}
-		t.Skip("needs root to mount a small tmpfs as a nearly full disk")
-	}
-	dir := t.TempDir()
-	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size=64m", "tandem-test", dir).CombinedOutput(); err != nil {
-		t.Fatalf("cannot mount a tmpfs: %v %s", err, out)
-	}
-	t.Cleanup(func() { exec.Command("umount", "-l", dir).Run() })
+	dir := testutil.SmallDisk(t, "64m")
 	d := testGateway(t, filepath.Join(dir, "data"), func(c *config.Config) { c.Storage.MinFree = 16 << 20 })
 	sub, got := v5(t, d.MQTTAddr(), "watcher", nil)
 	subscribe(t, sub, "w/#", 1)

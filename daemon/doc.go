@@ -19,6 +19,9 @@
 //   - serving.go: whether the gateway takes publishes (/healthz), devices
 //     sent to another member while it cannot, and which members are down
 //     since when (status).
+//   - check.go: the validation `tandem run` and `tandem check` share (the
+//     config's rules, then the users, ACL, TLS, token and uplink files it
+//     names), every error at once.
 //   - logapi.go: POST /v1/log, `tandem inspect` of the running gateway.
 //   - admin.go, status.go, clusterapi.go: the daemon as admin.Gateway and
 //     admin.Cluster, and the status JSON it assembles.

@@ -73,21 +73,22 @@ func (d *Daemon) topicPolicies(rules []config.TopicRule) ([]mqtt.TopicPolicy, er
 	return topics, nil
 }
 
-// loadAccess reads the users and ACL files m names.
+// loadAccess reads the users and ACL files m names; the error holds a
+// keyError per file that failed.
 func loadAccess(m config.MQTTConfig) (mqtt.Access, error) {
 	a := mqtt.Access{AllowAnonymous: m.AnonymousAllowed()}
-	var err error
+	var uerr, aerr error
 	if m.UsersFile != "" {
-		if a.Users, err = mqtt.LoadUsers(m.UsersFile); err != nil {
-			return a, fmt.Errorf("mqtt.users_file: %w", err)
+		if a.Users, uerr = mqtt.LoadUsers(m.UsersFile); uerr != nil {
+			uerr = keyError{"mqtt.users_file", uerr}
 		}
 	}
 	if m.ACLFile != "" {
-		if a.ACL, err = mqtt.LoadACL(m.ACLFile); err != nil {
-			return a, fmt.Errorf("mqtt.acl_file: %w", err)
+		if a.ACL, aerr = mqtt.LoadACL(m.ACLFile); aerr != nil {
+			aerr = keyError{"mqtt.acl_file", aerr}
 		}
 	}
-	return a, nil
+	return a, errors.Join(uerr, aerr)
 }
 
 // mqttTLS converts the TLS settings, nil when the listener is off, and

@@ -31,12 +31,24 @@ import (
 //     passes without it (a master cut off from the majority steps down
 //     then, check-quorum), and an election settles within a few hundred
 //     milliseconds after that: a second more without one means none is in
-//     reach, so devices are told an election timeout plus about a second
-//     after the cut;
+//     reach. A master knows sooner: once it has heard from no majority of
+//     the voters for an election timeout (replication's CutOff), it sends
+//     its devices to the others cutOffFor later, rather than at
+//     check-quorum's next look (one to two election timeouts) plus that
+//     second;
 //   - a gateway whose disk is below storage.min_free, or whose log is full
-//     of what a member lacks, answers 503 but keeps its devices: every
-//     publish goes into the master's log, so another member would refuse
-//     them too (handing the mastership over is the bounded-log issue's).
+//     of what a member lacks, cannot log publishes itself. As a slave it
+//     needs not: its devices' publishes go to the master on the forward
+//     stream, so it serves them (200) and keeps its subscribers. As the
+//     master it hands the mastership to a voter that can write
+//     (replication/handoff.go) and serves again once that one leads;
+//     until then, or when no member can take it (a 2-gateway slave is a
+//     learner), it answers 503 with the reason and keeps its devices,
+//     since the others send every publish to it;
+//   - a gateway whose log writes fail (its raft loop retries the save)
+//     applies nothing either, so its subscribers get nothing: it sends
+//     its devices to the master, or, as a master of three voters (the
+//     others elect a new one once its heartbeats stop), to the others.
 
 // servingEvery is how often the watch looks; leaderlessFor how long a
 // member of a cluster may see no master before it sends its devices away.
@@ -44,6 +56,16 @@ const (
 	servingEvery  = 200 * time.Millisecond
 	leaderlessFor = time.Second
 )
+
+// cutOffFor is how long a master must have known itself cut off before it
+// sends its devices away: a shorter blip of the LAN, or peers stalled for
+// a moment, costs them nothing.
+const cutOffFor = 500 * time.Millisecond
+
+// cutOffReason is why a member cut off from the majority sends its
+// devices away: one text whichever way it found out, so the devices are
+// told once.
+const cutOffReason = "no master reachable: cut off from the cluster's majority"
 
 // servingWatch is the state of the watch.
 type servingWatch struct {
@@ -148,29 +170,62 @@ func (d *Daemon) checkServing(leaderless *time.Time, now time.Time) (why, ref st
 	if n.Fenced() {
 		return "replaced by a promoted master: rejoining as its slave", ""
 	}
+	if t := n.CutOff(); !t.IsZero() && now.Sub(t) >= cutOffFor {
+		// A master that heard from no majority for an election timeout
+		// and a bit: the others elect a new one meanwhile.
+		return cutOffReason, d.mqttRefs(n, members)
+	}
 	if len(members) > 1 && n.Leader() == 0 {
 		if leaderless.IsZero() {
 			*leaderless = now
 		}
 		if now.Sub(*leaderless) > leaderlessFor {
-			voters := 0
-			for _, m := range members {
-				if m.Voter {
-					voters++
-				}
-			}
-			if voters >= 3 {
-				return "no master reachable: cut off from the cluster's majority", d.mqttRefs(n, members)
+			if voters(members) >= 3 {
+				return cutOffReason, d.mqttRefs(n, members)
 			}
 			return "no master reachable", ""
 		}
 	} else {
 		*leaderless = time.Time{}
 	}
-	if why := d.db.RefusingReason(); why != "" {
-		return why, ""
+	if why := d.db.RefusingReason(); why != "" || n.SaveFailing() {
+		return d.diskServing(n, members, why)
 	}
 	return "", ""
+}
+
+// diskServing is checkServing for a gateway whose own log refuses
+// records, why saying so ("" when only its saves fail).
+func (d *Daemon) diskServing(n *replication.Node, members []replication.Member, why string) (string, string) {
+	if why == "" {
+		why = "disk: writing the log fails; retrying"
+	}
+	lead := n.Leader()
+	away := lead != 0 && lead != n.ID() && d.gw.Reachable(lead)
+	if n.SaveFailing() {
+		if away || (lead == n.ID() && voters(members) >= 3) {
+			return why, d.mqttRefs(n, members)
+		}
+		return why, ""
+	}
+	if away {
+		return "", "" // publishes go to the master on the forward stream
+	}
+	if _, stuck := n.Handoff(); stuck != "" {
+		why += "; " + stuck
+	}
+	return why, ""
+}
+
+// voters counts the voters among members.
+func voters(members []replication.Member) int {
+	n := 0
+	for _, m := range members {
+		if m.Voter {
+			n++
+		}
+	}
+	return n
 }
 
 // mqttRefs names the other members' MQTT listeners for a Server

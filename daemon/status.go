@@ -46,6 +46,13 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 	s.Disk.UsedBytes = rt.UsedBytes
 	s.Storage.DroppedRecords = rt.Dropped
 	if why := d.db.RefusingReason(); why != "" {
+		// What the gateway did about it (replication/handoff.go).
+		switch to, stuck := n.Handoff(); {
+		case stuck != "":
+			why += "; " + stuck
+		case to != 0 && n.Leader() != n.ID():
+			why += "; the mastership went to a member with space, which takes this gateway's publishes"
+		}
 		s.Storage.Refusing = &why
 	}
 	d.damageStatus(&s.Storage)

@@ -25,11 +25,11 @@ func (g *gw) healthz() int {
 
 // Devices follow the master (DESIGN: "a node that cannot take publishes
 // tells MQTT 5 clients 0x9C use another server with a Server Reference and
-// /healthz says 503"): a master cut off from its two peers tells its MQTT 5
-// device to use another server, naming the other members, about an
-// election timeout plus a second after the cut; the device's publishes
-// succeed there; the cut-off gateway answers /healthz with 503 and, healed,
-// serves again.
+// /healthz says 503"): a master cut off from its two peers for 30 s tells
+// its MQTT 5 device to use another server, naming the other members, about
+// an election timeout after the cut; the device's publishes succeed there
+// for the whole cut; the cut-off gateway answers /healthz with 503 and
+// CONNECTs with 0x9C throughout and, healed, serves again.
 func TestCutOffMasterSendsItsDevicesToTheMajority(t *testing.T) {
 	nt := netns.New(t, 4) // three gateways and a device's host, which reaches all
 	g1, g2, g3 := startThree(t, nt)
@@ -91,12 +91,38 @@ func TestCutOffMasterSendsItsDevicesToTheMajority(t *testing.T) {
 		t.Fatalf("connect to %s: %v %+v", refs[0], err, ca)
 	}
 	cancel()
-	testutil.WaitFor(t, 15*time.Second, "a publish acked where the device was sent", func() bool {
+	moved := func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 6*time.Second)
 		defer cancel()
 		r, err := dev2.Publish(ctx, &paho.Publish{Topic: "a/moved", QoS: 1, Payload: []byte("here")})
 		return err == nil && r.ReasonCode == 0
-	})
+	}
+	testutil.WaitFor(t, 15*time.Second, "a publish acked where the device was sent", moved)
+
+	// The cut lasts 30 s (the issue's case): all along, gw-1 keeps sending
+	// devices away, a new CONNECT included, and the device's publishes
+	// keep succeeding where it went.
+	if conn3, err := dialIn(devHost, g1.h.Addr()+":1883"); err == nil {
+		late := paho.NewClient(paho.ClientConfig{ClientID: "late", Conn: conn3})
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		ca, err := late.Connect(ctx, &paho.Connect{ClientID: "late", CleanStart: true, KeepAlive: 30})
+		cancel()
+		conn3.Close()
+		if ca == nil || ca.ReasonCode != 0x9C || ca.Properties == nil || ca.Properties.ServerReference == "" {
+			t.Fatalf("a CONNECT to the cut-off gw-1: %+v %v, want CONNACK 0x9C with a Server Reference", ca, err)
+		}
+	} else {
+		t.Fatal(err)
+	}
+	for time.Since(cut) < 30*time.Second {
+		if code := g1.healthz(); code != 503 {
+			t.Fatalf("cut-off gw-1 /healthz %d %v after the cut, want 503", code, time.Since(cut).Round(time.Second))
+		}
+		if !moved() {
+			t.Fatalf("a publish where the device went failed %v after the cut", time.Since(cut).Round(time.Second))
+		}
+		time.Sleep(time.Second) // pacing of the checks, not synchronisation
+	}
 
 	nt.HealAll()
 	testutil.WaitFor(t, 30*time.Second, "gw-1 serving again after the heal", func() bool { return g1.healthz() == 200 })

@@ -221,6 +221,16 @@ type Node struct {
 	// fenced is set by Fence: this node learned that another was promoted
 	// over it, and takes no more proposals (promote.go).
 	fenced atomic.Bool
+	// handoff hands the mastership over while this node cannot write
+	// (handoff.go).
+	handoff handoff
+	// cutOff is when this master found itself cut off from the majority
+	// (unix nanoseconds; 0 while it is not); heard is the tick at which
+	// each peer was last heard from, ticks counts the loop's ticks (both
+	// loop-owned): handoff.go.
+	cutOff atomic.Int64
+	heard  map[uint64]uint64
+	ticks  uint64
 
 	// fwd is the forward stream (forward.go); inMu guards inboundBy, the
 	// order of each peer's stream on this node as master.
@@ -238,13 +248,16 @@ type Node struct {
 	confSeq      uint64        // ids of the conf changes this node proposed
 	confWait     []*confWaiter // conf changes proposed here, not yet applied
 	savedHS      pb.HardState  // the last hard state written by Save
+	flushFailed  time.Time     // when tick's Flush of staged metadata last failed; zero when it works
 	resolvedSome bool          // callbacks ran since the last flushResolved
 	settle       settler       // the outcomes of sync records, as master (settle.go)
 
-	// heard is when each other member last answered (silentMembers);
-	// installing the snapshot handed to the apply goroutine
-	// (installSnapshot), written before the send on applyc, read after.
-	heard      map[uint64]time.Time
+	// answered is when each other member was last seen active by raft
+	// (silentMembers), in wall time: it bounds how long a silent member
+	// holds retention; installing is the snapshot handed to the apply
+	// goroutine (installSnapshot), written before the send on applyc,
+	// read after.
+	answered   map[uint64]time.Time
 	installing *snapInstall
 	bf         backfillProgress // the catch-up after a snapshot (backfill.go)
 }
@@ -289,6 +302,9 @@ func NewNode(cfg Config) (*Node, error) {
 		inboundBy:  map[uint64]*fwdInbound{},
 	}
 	n.fwd.sig = make(chan struct{}, 1)
+	if cfg.Transport != nil {
+		n.cfg.Transport = tagTransport{inner: cfg.Transport, n: n}
+	}
 	if err := n.loadMembers(); err != nil {
 		return nil, err
 	}
@@ -375,6 +391,7 @@ func (n *Node) NextSeq() uint64 { return n.seq.Add(1) }
 // while the node is busy (back-pressure on the peer's connection) and drops
 // the message once the node has stopped.
 func (n *Node) Step(m pb.Message) {
+	n.noteDiskTag(&m)
 	select {
 	case n.recvc <- m:
 	case <-n.stopc:
@@ -413,7 +430,7 @@ func (n *Node) Stop() {
 	n.stopOnce.Do(func() { close(n.stopc) })
 	n.wg.Wait()
 	if err := n.db.Flush(); err != nil && !errors.Is(err, storage.ErrClosed) {
-		n.log.Error("flush at stop failed", "error", err)
+		n.log.Warn("staged metadata (applied index, sessions) could not be written at stop; the next start goes on from the last state written, so a session may get some messages again", "error", err)
 	}
 }
 
@@ -452,6 +469,7 @@ func (n *Node) run() {
 		case <-n.propSig:
 			n.proposeQueued()
 		case m := <-n.recvc:
+			n.noteHeard(m.From)
 			_ = n.rn.Step(m)
 			if m.Type == pb.MsgAppResp {
 				// A learner's ack moves no commit index, so no Ready
@@ -507,12 +525,24 @@ func (n *Node) tick() {
 		// replaying history must not start any.
 		n.rn.Tick()
 	}
+	now := time.Now()
+	n.maybeHandOff(now)
+	n.checkCutOff(now)
 	n.updateFloor()
-	if n.db.Pending() && !n.rn.HasReady() {
+	if n.db.Pending() && !n.rn.HasReady() && time.Since(n.flushFailed) >= time.Second {
 		// Staged metadata (applied index, sessions) with no log traffic
-		// to ride on: commit it on its own.
-		if err := n.db.Flush(); err != nil {
-			n.fail(fmt.Errorf("%w: %v", ErrStorage, err))
+		// to ride on: commit it on its own. A full disk fails it: the
+		// stage keeps it and a later tick tries again, as a failing save
+		// does, rather than stopping a gateway that still serves.
+		switch err := n.db.Flush(); {
+		case err != nil && !errors.Is(err, storage.ErrClosed):
+			if n.flushFailed.IsZero() {
+				n.log.Warn("writing staged metadata (applied index, sessions) failed; it stays staged and is retried every second", "error", err)
+			}
+			n.flushFailed = time.Now()
+		case err == nil && !n.flushFailed.IsZero():
+			n.log.Info("staged metadata written again")
+			n.flushFailed = time.Time{}
 		}
 	}
 }

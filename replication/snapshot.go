@@ -107,8 +107,8 @@ func (n *Node) applySnapshot() {
 // answered for longer than Config.SilentMemberHold: they no longer hold
 // retention, and get a snapshot when they return. Loop-owned.
 func (n *Node) silentMembers(now time.Time) map[uint64]bool {
-	if n.heard == nil {
-		n.heard = map[uint64]time.Time{}
+	if n.answered == nil {
+		n.answered = map[uint64]time.Time{}
 	}
 	hold := n.cfg.SilentMemberHold
 	if hold == 0 {
@@ -121,9 +121,9 @@ func (n *Node) silentMembers(now time.Time) map[uint64]bool {
 			return
 		}
 		seen[id] = true
-		last, ok := n.heard[id]
+		last, ok := n.answered[id]
 		if pr.RecentActive || !ok {
-			n.heard[id] = now // a new master counts silence from now
+			n.answered[id] = now // a new master counts silence from now
 			return
 		}
 		if now.Sub(last) > hold {
@@ -133,9 +133,9 @@ func (n *Node) silentMembers(now time.Time) map[uint64]bool {
 			silent[id] = true
 		}
 	})
-	for id := range n.heard {
+	for id := range n.answered {
 		if !seen[id] {
-			delete(n.heard, id)
+			delete(n.answered, id)
 		}
 	}
 	return silent

@@ -648,7 +648,14 @@ func (db *DB) Close() error {
 		close(db.ckStop)
 		<-db.ckDone
 		if err := db.commit(nil); err != nil {
-			ferr = fmt.Errorf("storage: checkpoint at close: %w", err)
+			db.mu.RLock()
+			from, to, bytes := db.boltLast+1, db.last, db.pendBytes
+			db.mu.RUnlock()
+			what := "no entries, only metadata"
+			if to >= from {
+				what = fmt.Sprintf("entries %d to %d, %d bytes", from, to, bytes)
+			}
+			ferr = fmt.Errorf("%w (%s): %w", ErrNotCheckpointed, what, err)
 		}
 	}
 	// Under the writers' locks: a Flush or Sync that passed its closed

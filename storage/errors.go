@@ -21,6 +21,11 @@ var (
 	// ErrInUse reports a data file locked by another process.
 	ErrInUse = errors.New("data dir in use by another process (is another tandem running?)")
 
+	// ErrNotCheckpointed is returned by Close when the WAL could not be
+	// checkpointed into the data file (a full disk): nothing is lost, the
+	// WAL keeps those entries and the next Open replays them.
+	ErrNotCheckpointed = errors.New("storage: the WAL could not be checkpointed into the data file; it keeps its entries for the next start")
+
 	// ErrClosed is returned by any operation on a closed DB.
 	ErrClosed = errors.New("storage: closed")
 

@@ -1,0 +1,67 @@
+package replication
+
+import (
+	"time"
+
+	"go.etcd.io/raft/v3"
+	"go.etcd.io/raft/v3/tracker"
+)
+
+// A master cut off from the majority.
+//
+// check-quorum makes such a master step down, but only at its next check,
+// one to two election timeouts after the cut (raft looks at who was heard
+// since the previous check), and the member then waits for a master that
+// never comes. The raft goroutine notes when it last heard from each peer;
+// a master that has heard from no majority of the voters for an election
+// timeout knows it is cut off at once, and says so (CutOff) until it hears
+// a majority again, whatever raft makes of it meanwhile: its devices can
+// be sent to the others an election timeout after the cut.
+
+// noteHeard records a message from a peer; raft goroutine only. Time is
+// counted in the loop's ticks, as raft's own check-quorum does: a loop held
+// up by a slow disk counts no ticks meanwhile, so the messages queued for
+// it are read before a majority can seem silent.
+func (n *Node) noteHeard(from uint64) {
+	if n.heard == nil {
+		n.heard = map[uint64]uint64{}
+	}
+	n.heard[from] = n.ticks
+}
+
+// checkCutOff runs on every tick: it starts a cut-off episode when this
+// master has heard from no majority for an election timeout and ends it
+// when a majority is heard again.
+func (n *Node) checkCutOff(now time.Time) {
+	n.ticks++
+	timeout := uint64(n.cfg.ElectionTimeout / n.cfg.Heartbeat)
+	voters, heard := 1, 1 // this node
+	n.rn.WithProgress(func(id uint64, _ raft.ProgressType, pr tracker.Progress) {
+		if id == n.id || pr.IsLearner {
+			return
+		}
+		voters++
+		if h, ok := n.heard[id]; ok && n.ticks-h < timeout {
+			heard++
+		}
+	})
+	switch {
+	case voters < 3 || 2*heard > voters:
+		if n.cutOff.Swap(0) != 0 {
+			n.log.Info("a majority of the cluster is in reach again")
+		}
+	case n.leader && n.cutOff.Load() == 0 && !n.catchingUp():
+		n.cutOff.Store(now.UnixNano())
+		n.log.Warn("this master has heard from no majority of the voters for an election timeout: it is cut off", "voters", voters, "heard", heard, "term", n.rn.BasicStatus().Term)
+	}
+}
+
+// CutOff returns when this node, as the master of three voters, found
+// itself cut off from the majority (zero while it is not): from then until
+// it hears a majority again, it cannot commit anything, whatever its role.
+func (n *Node) CutOff() time.Time {
+	if t := n.cutOff.Load(); t != 0 {
+		return time.Unix(0, t)
+	}
+	return time.Time{}
+}
