@@ -549,6 +549,9 @@ func TestGrowAndShrinkUnderLoad(t *testing.T) {
 }
 
 func TestMasterFoundAgainAfterAddressChange(t *testing.T) {
+	// Mostly waiting (a cut, a slow link, a lease, mDNS), on a network of
+	// its own: it runs beside the other waiting ones (make test's time).
+	t.Parallel()
 	nt := netns.New(t, 2)
 	g1, _ := startPair(t, nt)
 	// The master's DHCP lease changes: the slave knows only the old

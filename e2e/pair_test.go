@@ -82,6 +82,9 @@ func (g *gw) members(want int) {
 // unchanged, strangers on the peer port get nowhere, and no code reaches
 // the logs.
 func TestPairOverMDNS(t *testing.T) {
+	// Mostly waiting (a cut, a slow link, a lease, mDNS), on a network of
+	// its own: it runs beside the other waiting ones (make test's time).
+	t.Parallel()
 	nt := netns.New(t, 3)
 	g1, g2, g3 := newPairGW(t, nt.Hosts[0], "gw-1"), newPairGW(t, nt.Hosts[1], "gw-2"), newPairGW(t, nt.Hosts[2], "gw-3")
 	tandemBin(t)

@@ -31,6 +31,9 @@ func (g *gw) healthz() int {
 // for the whole cut; the cut-off gateway answers /healthz with 503 and
 // CONNECTs with 0x9C throughout and, healed, serves again.
 func TestCutOffMasterSendsItsDevicesToTheMajority(t *testing.T) {
+	// Mostly waiting (a cut, a slow link, a lease, mDNS), on a network of
+	// its own: it runs beside the other waiting ones (make test's time).
+	t.Parallel()
 	nt := netns.New(t, 4) // three gateways and a device's host, which reaches all
 	g1, g2, g3 := startThree(t, nt)
 	g2.join(g1)

@@ -166,6 +166,9 @@ func settle(t *testing.T, l1, l2 *load, g1, g2 *gw) map[string]time.Time {
 // link; both logs hold every acked record; a subscriber on the deposed
 // master gets each record once, its own tail included.
 func TestTwoGatewaysSlowLinkRejoinLeavesOneMaster(t *testing.T) {
+	// Mostly waiting (a cut, a slow link, a lease, mDNS), on a network of
+	// its own: it runs beside the other waiting ones (make test's time).
+	t.Parallel()
 	nt, link, g1, g2 := slowPair(t)
 	// The subscriber follows paced publishers on both sides (p/…), beside
 	// the unpaced load (a/…): the broker of today drops deliveries to a
@@ -198,6 +201,9 @@ func TestTwoGatewaysSlowLinkRejoinLeavesOneMaster(t *testing.T) {
 // old master) but the old master never reads an answer. Its later knocks
 // must be answered alike.
 func TestTwoGatewaysRejoinSurvivesLostKnockAnswers(t *testing.T) {
+	// Mostly waiting on a slow link of its own network: it runs beside the
+	// other waiting ones (make test's time).
+	t.Parallel()
 	nt, link, g1, g2 := slowPair(t)
 	link.DropReplies(true)
 	l1, l2 := splitByCut(t, nt, g1, g2)
@@ -223,6 +229,9 @@ func TestTwoGatewaysRejoinSurvivesLostKnockAnswers(t *testing.T) {
 // and 1 % loss, appends still flowing, and the slave does not promote
 // itself.
 func TestAutoFailoverNotFooledBySlowLossyLink(t *testing.T) {
+	// Mostly waiting on a slow link of its own network: it runs beside the
+	// other waiting ones (make test's time).
+	t.Parallel()
 	_, link, g1, g2 := slowPair(t)
 	l := startLoad(t, 2, "a/slow", func(int) []*gw { return []*gw{g1} })
 	l.waitAcks(t, 200, 20*time.Second)
