@@ -41,6 +41,9 @@ type JoinResponse struct {
 	// Voter: this gateway and the others vote (three members, all
 	// promoted); false for a 2-gateway slave, or while one catches up.
 	Voter bool `json:"voter"`
+	// CatchUpTo is the master's commit index when it took this gateway
+	// in: the history the gateway replays, or takes in as a snapshot.
+	CatchUpTo uint64 `json:"catch_up_to"`
 }
 
 // RemoveRequest is the body of POST /v1/cluster/remove.

@@ -21,21 +21,24 @@ const (
 	catchUpLine = 5 * time.Second
 )
 
-// showCatchUp follows the catch-up of a gateway that installed the
-// cluster's snapshot when it joined (status log.catching_up): it draws a
-// progress bar of the records pulled from the master (records and bytes,
-// rate, ETA) until the catch-up ends, and says how long it took. The
-// gateway catches up whether or not anyone watches: stopping the command
-// (Ctrl-C) stops only the display.
-func showCatchUp(w io.Writer, f *apiFlags) error {
+// showCatchUp follows a gateway that just joined as it takes in the
+// cluster's history: the log up to to (the master's commit index when it
+// took the gateway in), replayed or installed as a snapshot, and then,
+// after a snapshot (status log.catching_up), the records before it that
+// the master still holds. It draws a progress bar (records and bytes,
+// rate, ETA) until both are done and says how long it took. The gateway
+// catches up whether or not anyone watches: stopping the command (Ctrl-C)
+// stops only the display.
+func showCatchUp(w io.Writer, f *apiFlags, to uint64) error {
 	tty := false
 	if file, ok := w.(*os.File); ok {
 		tty = term.IsTerminal(int(file.Fd()))
 	}
 	start := time.Now()
 	var last time.Time
-	shown := false
+	shown, pulled := false, false
 	var got admin.StatusCatchUp
+	var applied uint64
 	for {
 		_, body, err := f.getStatus()
 		if err != nil {
@@ -45,18 +48,28 @@ func showCatchUp(w io.Writer, f *apiFlags) error {
 		if err := json.Unmarshal(body, &st); err != nil {
 			return fmt.Errorf("reading the gateway's status: %w", err)
 		}
-		if !st.Log.CatchingUp || st.Log.CatchUp == nil {
+		var line string
+		switch {
+		case st.Log.CatchingUp && st.Log.CatchUp != nil:
+			got, pulled = *st.Log.CatchUp, true
+			line = catchUpText(got, time.Since(start))
+		case st.Log.AppliedIndex < to:
+			applied = st.Log.AppliedIndex
+			line = historyText(applied, to)
+		default:
 			if shown {
 				if tty {
 					fmt.Fprintln(w)
 				}
-				fmt.Fprintf(w, "caught up: %d records (%s) pulled from the master in %s\n", got.RecordsPulled, sizeText(got.BytesPulled), time.Since(start).Round(time.Second))
+				if pulled {
+					fmt.Fprintf(w, "caught up: %d records (%s) pulled from the master in %s\n", got.RecordsPulled, sizeText(got.BytesPulled), time.Since(start).Round(time.Second))
+				} else {
+					fmt.Fprintf(w, "caught up: the cluster's log is here up to index %d, in %s\n", to, time.Since(start).Round(time.Second))
+				}
 			}
 			return nil
 		}
-		got = *st.Log.CatchUp
 		if now := time.Now(); tty || !shown || now.Sub(last) >= catchUpLine {
-			line := catchUpText(got, time.Since(start))
 			if tty {
 				fmt.Fprintf(w, "\r%s\x1b[K", line)
 			} else {
@@ -66,6 +79,16 @@ func showCatchUp(w io.Writer, f *apiFlags) error {
 		}
 		time.Sleep(catchUpPoll) // a display's refresh, not a synchronisation
 	}
+}
+
+// historyText is the progress line while the gateway takes in the log up
+// to the index the master had committed when it took it in.
+func historyText(applied, to uint64) string {
+	const width = 24
+	frac := float64(applied) / float64(max(to, 1))
+	done := int(frac * width)
+	return fmt.Sprintf("taking in the cluster's log: [%s%s] %3.0f%% index %d of %d (replayed, or a snapshot of the broker state)",
+		strings.Repeat("#", done), strings.Repeat(".", width-done), frac*100, applied, to)
 }
 
 // catchUpText is one line of the progress bar.

@@ -58,9 +58,10 @@ func newClusterCmd() *cobra.Command {
 		Use:   "join TOKEN",
 		Short: "Make this gateway a member of the cluster that issued TOKEN",
 		Long: "Make this gateway a member of the cluster that issued TOKEN. A gateway whose log holds records must say what becomes of them: " +
-			"--requeue publishes them into the cluster, --discard drops them. When the cluster's log no longer starts at its first record, " +
-			"the gateway installs the cluster's state (a snapshot) and then pulls the records the master still holds before it: join shows " +
-			"that catch-up as a progress bar (records, bytes, rate, ETA) until it ends; stopping join then stops only the display.",
+			"--requeue publishes them into the cluster, --discard drops them. Once joined, the gateway takes in the cluster's history: " +
+			"it replays the log, or, when the log no longer starts at its first record, installs the cluster's state (a snapshot) and then pulls " +
+			"the records the master still holds before it. join shows that as a progress bar (records, bytes, rate, ETA) until it ends; " +
+			"stopping join then stops only the display.",
 		Args: cobra.ExactArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
 			if requeue && discard {
@@ -80,9 +81,10 @@ func newClusterCmd() *cobra.Command {
 				return err
 			}
 			fmt.Fprintf(c.OutOrStdout(), "joined cluster %s (master %s; members %s)%s\n", out.Cluster, out.Master, strings.Join(out.Members, ", "), joinedAs(out))
-			// A joiner to a compacted log installed the cluster's state
-			// and now pulls the records before it: show how far.
-			return showCatchUp(c.OutOrStdout(), &jf)
+			// The gateway takes in the cluster's history (a joiner to a
+			// compacted log installs its state and pulls the records
+			// before it): show how far.
+			return showCatchUp(c.OutOrStdout(), &jf, out.CatchUpTo)
 		},
 	}
 	join.Flags().BoolVar(&requeue, "requeue", false, "publish this gateway's records into the cluster")

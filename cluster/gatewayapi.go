@@ -101,10 +101,13 @@ type Joined struct {
 	// Voter says this gateway and every other member vote in elections:
 	// three members, all promoted (a 2-gateway slave never votes).
 	Voter bool
+	// CatchUpTo is the master's commit index when it took this gateway
+	// in: the history it replays (or takes in as a snapshot) first.
+	CatchUpTo uint64
 }
 
 func joinedOf(rep JoinReply) Joined {
-	out := Joined{Cluster: rep.Cluster, Master: rep.Master}
+	out := Joined{Cluster: rep.Cluster, Master: rep.Master, CatchUpTo: rep.Commit}
 	for _, m := range rep.Members {
 		out.Members = append(out.Members, m.Name)
 	}
