@@ -74,8 +74,9 @@ var errNoBackfill = errors.New("replication: backfill asked of a member that is 
 
 // HandleBackfill is the master's side of a backfill request (below, n):
 // the n committed records before index below, or those of them from its
-// first index on, with its first index. When they pass backfillChunk bytes
-// it answers Reject, for a smaller n.
+// first index on, with its first index; when they pass backfillChunk
+// bytes, the newest of them that fit. (Reject, which asked for a smaller
+// n, is no longer sent; a member still takes it.)
 func (n *Node) HandleBackfill(req []byte) ([]byte, error) {
 	if len(req) != 16 {
 		return nil, fmt.Errorf("replication: backfill request of %d bytes", len(req))
@@ -90,14 +91,25 @@ func (n *Node) HandleBackfill(req []byte) ([]byte, error) {
 	ans := pb.Message{Index: first}
 	if count > 0 && hi > first {
 		lo := max(first, hi-min(count, hi-first))
-		ents, err := n.db.Entries(lo, hi, backfillChunk)
-		if err != nil {
-			return nil, err
-		}
-		if len(ents) == 0 || ents[len(ents)-1].Index != hi-1 {
-			ans.Reject = true // more than a chunk: ask for fewer
-		} else {
-			ans.Entries = ents
+		for {
+			ents, err := n.db.Entries(lo, hi, backfillChunk)
+			if err != nil {
+				return nil, err
+			}
+			if len(ents) > 0 && ents[len(ents)-1].Index == hi-1 {
+				ans.Entries = ents
+				break
+			}
+			// More than a chunk from lo on: the len(ents) records from
+			// lo fit, and as many just before hi are about as large.
+			// Answering those (nearer hi each time; one record always
+			// fits) keeps every answer a full chunk: a Reject made the
+			// member halve its count and double it again, every other
+			// request wasted (0.8 MB/s instead of the cap, measured).
+			if len(ents) == 0 || hi-lo < 2 {
+				break // nothing readable there now: the member asks again
+			}
+			lo = hi - min(uint64(len(ents)), hi-lo-1)
 		}
 	}
 	return ans.Marshal()

@@ -2,6 +2,7 @@ package replication
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"maps"
@@ -297,4 +298,29 @@ func TestJoinerPullsTheRecordsBeforeTheSnapshot(t *testing.T) {
 	c.stop(b)
 	joiner, _ = c.startState(b, false, backfill)
 	check(joiner)
+}
+
+// A backfill request for more records than a chunk holds is answered with
+// the newest that fit, a full chunk, ending just before the index asked
+// for: never a refusal the member must answer by asking again.
+func TestBackfillAnswersAFullChunkOfTheNewest(t *testing.T) {
+	_, master := loneMaster(t, 64<<20, nil)
+	last, _ := proposeBytes(t, master, 1<<20) // 1 KiB records
+	req := binary.BigEndian.AppendUint64(binary.BigEndian.AppendUint64(nil, last+1), 1024)
+	b, err := master.HandleBackfill(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ans pb.Message
+	if err := ans.Unmarshal(b); err != nil {
+		t.Fatal(err)
+	}
+	size, end := 0, uint64(0)
+	for _, e := range ans.Entries {
+		size, end = size+len(e.Data), e.Index
+	}
+	if ans.Reject || end != last || size < backfillChunk*3/4 || size > backfillChunk+2<<10 {
+		t.Fatalf("answer: reject %v, %d records (%d bytes) ending at %d; want a full chunk of %d bytes ending at %d",
+			ans.Reject, len(ans.Entries), size, end, backfillChunk, last)
+	}
 }
