@@ -331,10 +331,12 @@ func TestRepairDamagedLoneGateway(t *testing.T) {
 				t.Errorf("repair reports lost indexes %v, want exactly the damaged record's, %d", lost, from)
 			case from == 0 && (len(lost) != 0 || !strings.Contains(stdout, "Lost records: none")):
 				t.Errorf("repair reports lost indexes %v, want none", lost)
-			case tc.name == "truncated to two thirds" && len(lost) == 0 && !strings.Contains(stdout, "the commit before it was read instead"):
+			case tc.name == "truncated to two thirds" && len(lost) == 0 && !strings.Contains(stdout, "the commit before it was read instead") && !strings.Contains(stdout, "read page by page"):
 				// A third of the pages gone: unless the commit before
-				// the newest still had all its pages (and the WAL the
-				// rest), records on them are lost, and named.
+				// the newest still had all its pages, or the log's leaf
+				// pages all survived and were read one by one (with the
+				// WAL for the rest; every index is checked above),
+				// records on them are lost, and named.
 				t.Errorf("repair names no lost index after a third of the data file was cut off, and read no older commit:\n%s", stdout)
 			}
 			var lastBefore uint64
