@@ -15,9 +15,16 @@ import (
 // together. Order is kept. A write error is returned by the next Write
 // and ends the connection (it is closed, so paho's reader sees it too).
 // Safe for concurrent use: it also serves as paho's thread-safe conn.
+//
+// Its Lock and Unlock (sync.Locker) are what paho.golang looks for to hold
+// one packet's writes together: it writes a packet as a header and a body,
+// each a Write of its own, and a PUBACK sent while a SUBSCRIBE is written
+// would otherwise land between them (the cloud then ends the connection
+// for a malformed packet).
 type batchConn struct {
 	net.Conn
 	r       *bufio.Reader // paho reads a packet in small pieces; one reader
+	packet  sync.Mutex    // held over the writes of one packet (Lock)
 	mu      sync.Mutex
 	cond    *sync.Cond
 	buf     []byte // what waits to be written
@@ -41,6 +48,12 @@ func newBatchConn(c net.Conn) *batchConn {
 // Read reads through a buffer: the acks of a window come in one segment.
 // paho reads from one goroutine only.
 func (b *batchConn) Read(p []byte) (int, error) { return b.r.Read(p) }
+
+// Lock holds the writes of one packet together (see batchConn).
+func (b *batchConn) Lock() { b.packet.Lock() }
+
+// Unlock lets the next packet's writes in.
+func (b *batchConn) Unlock() { b.packet.Unlock() }
 
 // Write queues p for the flusher.
 func (b *batchConn) Write(p []byte) (int, error) {
