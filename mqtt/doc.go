@@ -39,11 +39,13 @@
 // waits for a session. A session whose queue is full, or whose client is
 // offline, is "behind": its writer reads the log from its cursor (the
 // index up to which it has handed everything out) through its filters, in
-// batches, until it is level again. So a persistent session holds only
-// its cursor while its client is away, and nothing is copied. A record
-// taken under a sync rule is held (hold.go): a session does not move past
-// it until the master's settlement (Settle) confirms it, and skips it for
-// ever when it is aborted.
+// batches, until it is level again: up to the last record Deliver was
+// given, not the last it finished, since a record left to the replay by
+// an offer is in the log before Deliver returns. So a persistent session
+// holds only its cursor while its client is away, and nothing is copied.
+// A record taken under a sync rule is held (hold.go): a session does not
+// move past it until the master's settlement (Settle) confirms it, and
+// skips it for ever when it is aborted.
 //
 // Session state is staged into a SessionStore (the daemon's data file,
 // durable with the next log commit): the session, its subscriptions, its

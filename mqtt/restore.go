@@ -135,7 +135,7 @@ wait:
 	s.skipMu.Lock()
 	s.skip = nil
 	s.skipMu.Unlock()
-	s.applied.Store(index)
+	s.setApplied(index)
 	s.holds.mu.Lock()
 	s.holds.waiting = nil // sessions that are no more; loadState reads the snapshot's holds
 	s.holds.mu.Unlock()

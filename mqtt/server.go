@@ -67,12 +67,18 @@ type Server struct {
 	retained *retainStore
 	routes   routeCache
 
-	applied  atomic.Uint64       // the last log index handed to Deliver or Applied
-	holds    holds               // sync records held or aborted (hold.go)
-	skipMu   sync.Mutex          // guards skip
-	skip     map[uint64]struct{} // indexes delivered before a rejoin (Delivered)
-	clients  atomic.Int64        // connected clients
-	inflight atomic.Int64        // QoS 1/2 messages in flight, both directions
+	// applied is the last log index whose Deliver (or Applied) is done:
+	// every session it matched has been offered it. handed is the last
+	// index Deliver has been given, ahead of applied while Deliver offers
+	// it: committed, so a replay reads up to there, or a record offered
+	// to a session that is behind would be in neither its queue nor its
+	// replay.
+	applied, handed atomic.Uint64
+	holds           holds               // sync records held or aborted (hold.go)
+	skipMu          sync.Mutex          // guards skip
+	skip            map[uint64]struct{} // indexes delivered before a rejoin (Delivered)
+	clients         atomic.Int64        // connected clients
+	inflight        atomic.Int64        // QoS 1/2 messages in flight, both directions
 
 	wg      sync.WaitGroup // every goroutine the server starts
 	stopc   chan struct{}
@@ -81,6 +87,9 @@ type Server struct {
 	// scratch is Deliver's per-record list of matching sessions; Deliver
 	// runs on one goroutine.
 	scratch []target
+	// offered, set by tests only, runs in Deliver after a record's offers
+	// and before it counts as applied: a test starts a replay there.
+	offered func(index uint64)
 }
 
 // target is one session a record goes to, its matching subscriptions
@@ -336,9 +345,25 @@ func (s *Server) Retained() int64 { return int64(s.retained.len()) }
 // records that Deliver was not given (nobody subscribed): a session that
 // replays reads up to there.
 func (s *Server) Applied(index uint64) {
+	s.hand(index)
 	if index > s.applied.Load() {
 		s.applied.Store(index)
 	}
+}
+
+// hand notes that the applier has given the broker the record at index.
+// Only the applier goroutine moves it forward.
+func (s *Server) hand(index uint64) {
+	if index > s.handed.Load() {
+		s.handed.Store(index)
+	}
+}
+
+// setApplied moves both counters to index, back or forth: the log was
+// replaced.
+func (s *Server) setApplied(index uint64) {
+	s.handed.Store(index)
+	s.applied.Store(index)
 }
 
 // Delivered tells the server that the record at index was delivered here
@@ -372,7 +397,7 @@ func (s *Server) skipped(index uint64) bool {
 // applied and at least skip, the end of a joined cluster's history, which
 // no session is to be handed.
 func (s *Server) Rewind(applied, skip uint64) {
-	s.applied.Store(applied)
+	s.setApplied(applied)
 	// The retained store is a function of the log: what records past
 	// applied set is gone with them (a wiped log, a deposed master's
 	// tail), and the new log's records set it again as they apply.
@@ -405,6 +430,7 @@ func (s *Server) Rewind(applied, skip uint64) {
 // into its bounded queue or, when that is full or its client offline,
 // reads it from the log later.
 func (s *Server) Deliver(index uint64, m *Message) error {
+	s.hand(index) // before any offer: a replay under way must read it
 	defer s.Applied(index)
 	if isControl(m.Topic) {
 		s.applyControl(index, m)
@@ -451,6 +477,9 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 		ts[i] = target{}
 	}
 	s.scratch = ts[:0]
+	if s.offered != nil {
+		s.offered(index)
+	}
 	return nil
 }
 

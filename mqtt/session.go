@@ -254,9 +254,10 @@ func (s *session) received(pid uint16, failed bool) (ok, release bool) {
 
 // replay reads the log past scanned for a session that is behind, and
 // queues what matches its subscriptions, up to a batch; it clears behind
-// once it reaches the end of the applied log with nothing offered
-// meanwhile. It runs on the connection's writer, and reports whether it
-// queued anything (the writer then goes round again).
+// once it reaches the end of what the applier has handed the server with
+// nothing offered meanwhile. It runs on the connection's writer, and
+// reports whether the writer is to go round again: it queued something,
+// or the session is still behind.
 func (s *session) replay(c *conn) bool {
 	const batch = 256
 	s.mu.Lock()
@@ -287,7 +288,11 @@ func (s *session) replay(c *conn) bool {
 		}
 	}
 	s.mu.Unlock()
-	to := s.srv.applied.Load()
+	// Up to what the applier has handed over, not only what it has done
+	// with: a record offered while this session is behind is past
+	// applied until its Deliver returns, and once more is cleared above
+	// nothing else would send this replay to it.
+	to := s.srv.handed.Load()
 	var items []*outItem
 	last := from - 1
 	full := false
@@ -334,7 +339,10 @@ func (s *session) replay(c *conn) bool {
 	if !full && !s.more {
 		s.behind = false
 	}
-	return len(items) > 0 || full
+	// Still behind with nothing queued: a record was offered during the
+	// scan, and its offer did not wake the writer, so this one goes round
+	// again.
+	return len(items) > 0 || s.behind
 }
 
 // matchReplay is Deliver's matching for one session reading the log: the
