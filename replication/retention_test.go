@@ -45,7 +45,10 @@ func proposeBytes(t *testing.T, tn *testNode, n int) (last uint64, full bool) {
 // refusing. Once the slave is back and caught up, the master drops.
 func TestRetentionKeepsWhatAStoppedSlaveLacks(t *testing.T) {
 	const budget = 8 << 20
-	c := newCluster(t, 0)
+	// The slave holds the log however long the three budgets take (a loaded
+	// machine took longer than the default hold, and the master rightly
+	// stopped waiting for a silent slave).
+	c := newClusterWith(t, 0, func(cfg *Config) { cfg.SilentMemberHold = time.Hour })
 	c.storeOpts = &storage.Options{MaxBytes: budget}
 	dir := t.TempDir()
 	ident, err := LoadOrCreateIdentity(dir)
