@@ -252,14 +252,14 @@ type Node struct {
 	resolvedSome bool          // callbacks ran since the last flushResolved
 	settle       settler       // the outcomes of sync records, as master (settle.go)
 
-	// answered is when each other member was last seen active by raft
-	// (silentMembers), in wall time: it bounds how long a silent member
-	// holds retention; installing is the snapshot handed to the apply
-	// goroutine (installSnapshot), written before the send on applyc,
-	// read after.
-	answered   map[uint64]time.Time
-	installing *snapInstall
-	bf         backfillProgress // the catch-up after a snapshot (backfill.go)
+	// silentSince is the tick from which each other member's silence is
+	// counted while this node is master, if it was never heard since
+	// (silentMembers); cleared when it stops leading. installing is the
+	// snapshot handed to the apply goroutine (installSnapshot), written
+	// before the send on applyc, read after.
+	silentSince map[uint64]uint64
+	installing  *snapInstall
+	bf          backfillProgress // the catch-up after a snapshot (backfill.go)
 }
 
 // NewNode opens the raft group stored in cfg.Storage, bootstrapping a

@@ -151,6 +151,7 @@ func firstIndex(ents []pb.Entry) uint64 {
 
 func (n *Node) setLeader(leader bool, lead uint64) {
 	if leader != n.leader {
+		clear(n.silentSince) // a new term as master counts silence afresh
 		n.log.Info("role changed", "master", leader, "leader", IDString(lead), "term", n.rn.BasicStatus().Term)
 		n.settleLead(leader)
 	}
@@ -185,7 +186,7 @@ func (n *Node) setLeader(leader bool, lead uint64) {
 func (n *Node) updateFloor() {
 	floor := uint64(math.MaxUint64)
 	if n.leader {
-		silent := n.silentMembers(time.Now())
+		silent := n.silentMembers()
 		first, _ := n.db.FirstIndex()
 		n.rn.WithProgress(func(id uint64, _ raft.ProgressType, pr tracker.Progress) {
 			// A member the log has passed already needs a snapshot:
