@@ -298,15 +298,20 @@ func TestJoinerPullsTheRecordsBeforeTheSnapshot(t *testing.T) {
 	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {
 		t.Fatal(err)
 	}
-	waitSameState(t, master, joiner)
-	// Cut the link in the middle of the pull: it goes on once healed.
-	snapAt, _ := joiner.db.FirstIndex()
-	waitFor(t, "the pull to start", func() bool { below, ok := joiner.db.BackfillWanted(); return ok && below < snapAt })
+	// Cut the link in the middle of the pull: it goes on once healed. The
+	// cut comes as soon as the pull has started (on a loaded machine a
+	// wait for the whole state first outlasted the pull).
+	waitFor(t, "the pull to start", func() bool {
+		snapAt, _ := joiner.db.FirstIndex()
+		below, ok := joiner.db.BackfillWanted()
+		return snapAt > 1 && ok && below < snapAt
+	})
 	c.net.isolate(b)
 	if _, wanted := joiner.db.BackfillWanted(); !wanted {
 		t.Fatal("the pull ended before the cut: too few records for this test")
 	}
 	c.net.heal()
+	waitSameState(t, master, joiner)
 	waitFor(t, "the joiner to catch up", func() bool {
 		_, wanted := joiner.db.BackfillWanted()
 		return !wanted && !joiner.CatchingUp()
@@ -356,5 +361,87 @@ func TestBackfillAnswersAFullChunkOfTheNewest(t *testing.T) {
 	if ans.Reject || end != last || size < backfillChunk*3/4 || size > backfillChunk+2<<10 {
 		t.Fatalf("answer: reject %v, %d records (%d bytes) ending at %d; want a full chunk of %d bytes ending at %d",
 			ans.Reject, len(ans.Entries), size, end, backfillChunk, last)
+	}
+}
+
+// proposeLarge proposes n records of size bytes on topics prefix/0..,
+// retained or not, a window at a time, and waits for them.
+func proposeLarge(t *testing.T, tn *testNode, prefix string, n, size int, retain bool) {
+	t.Helper()
+	const window = 16
+	for sent := 0; sent < n; sent += window {
+		ch := make(chan result, window)
+		k := min(window, n-sent)
+		for i := range k {
+			payload := fmt.Appendf(nil, "%s/%d:", prefix, sent+i)
+			payload = append(payload, make([]byte, size-len(payload))...)
+			r := storage.Record{Origin: tn.ID(), Seq: tn.NextSeq(), ClientID: "c", Topic: fmt.Sprintf("%s/%d", prefix, sent+i), QoS: 1, Retain: retain,
+				Time: time.Now().UnixNano(), Payload: payload}
+			tn.Propose(storage.AppendRecord(nil, &r), Async, func(i uint64, err error) { ch <- result{i, err} })
+		}
+		for range k {
+			if r := wait(t, ch); r.err != nil {
+				t.Fatal(r.err)
+			}
+		}
+	}
+}
+
+// failCounter is a memBackfiller that counts the requests a cut link
+// failed.
+type failCounter struct {
+	memBackfiller
+	fails *atomic.Int32
+}
+
+func (f failCounter) Backfill(ctx context.Context, master uint64, req []byte) ([]byte, error) {
+	b, err := f.memBackfiller.Backfill(ctx, master, req)
+	if err != nil {
+		f.fails.Add(1)
+	}
+	return b, err
+}
+
+// A broker state larger than a peer frame (16 MiB: here 17 MiB of retained
+// messages) reaches a joiner: raft's message names the snapshot, the
+// joiner pulls its body in chunks, resuming after a cut link, and ends
+// with the master's retained set and sessions; it then acks sync records.
+func TestJoinerPullsASnapshotLargerThanAFrame(t *testing.T) {
+	const budget = 32 << 20
+	c, master := loneMaster(t, budget, nil)
+	const n, size = 272, 64 << 10 // 17 MiB of retained messages
+	proposeLarge(t, master, "big", n, size, true)
+	proposeLarge(t, master, "filler", 160, size, false)
+	waitFor(t, "the master to drop the retained records' part of the log", func() bool { f, _ := master.db.FirstIndex(); return f > n+5 })
+
+	b := c.newDir()
+	var fails atomic.Int32
+	joiner, app := c.startState(b, true, func(cfg *Config) {
+		cfg.Backfill = failCounter{memBackfiller{c.net, b}, &fails}
+		cfg.snapChunk, cfg.snapEvery = 256<<10, 5*time.Millisecond
+	})
+	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the pull to start", func() bool { return joiner.pull.pulling.Load() > 0 })
+	c.net.isolate(b)
+	if got := joiner.pull.pulling.Load(); got < 0 {
+		t.Fatal("the pull ended before the cut: too small a snapshot for this test")
+	}
+	waitFor(t, "a pull to fail on the cut link", func() bool { return fails.Load() > 0 })
+	c.net.heal()
+	waitSameState(t, master, joiner)
+	if app.restores.Load() == 0 {
+		t.Error("the joiner's applier was never asked to restore")
+	}
+	snap, err := master.db.Snapshot()
+	if ref, ok := storage.ParseSnapshotRef(snap.Data); err != nil || !ok || ref.Size <= MaxFrameSize {
+		t.Fatalf("master's snapshot: %d bytes of data, ref %+v %v, %v: want a ref to more than a frame", len(snap.Data), ref, ok, err)
+	}
+	if got := sessionsOf(t, joiner)["R\x00big/7"]; len(got) != size || got[:6] != "big/7:" {
+		t.Errorf("retained big/7 on the joiner: %d bytes %.8q", len(got), got)
+	}
+	if r := c.propose("after-join", Sync); r.err != nil {
+		t.Fatalf("sync with the joined slave: %v", r.err)
 	}
 }
