@@ -125,14 +125,7 @@ func (n *Node) backfillLoop() {
 	defer t.Stop()
 	count := uint64(backfillCount)
 	pulling, pulled := false, 0
-	for {
-		select {
-		case <-n.stopc:
-			return
-		case <-n.failc:
-			return
-		case <-t.C:
-		}
+	for n.pace(t.C, nil) {
 		below, ok := n.db.BackfillWanted()
 		if !ok {
 			if pulling {

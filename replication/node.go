@@ -288,6 +288,7 @@ func NewNode(cfg Config) (*Node, error) {
 	case stored != id:
 		return nil, fmt.Errorf("data file %s was written by node %s, this node's key is %s: %w", db.Path(), IDString(stored), IDString(id), ErrIdentity)
 	}
+	db.DropSnapshotFiles() // an earlier run's: none is in use yet
 	epoch, err := db.NextEpoch()
 	if err != nil {
 		return nil, err

@@ -120,15 +120,7 @@ func (n *Node) snapPullLoop() {
 		n.pull.pulling.Store(-1)
 	}
 	defer drop()
-	for {
-		select {
-		case <-n.stopc:
-			return
-		case <-n.failc:
-			return
-		case <-n.pull.sig:
-		case <-t.C:
-		}
+	for n.pace(t.C, n.pull.sig) {
 		n.pull.mu.Lock()
 		o := n.pull.offered
 		n.pull.offered = nil
@@ -175,6 +167,20 @@ func (n *Node) snapPullLoop() {
 		m.Snapshot = &snap
 		n.Step(m)
 	}
+}
+
+// pace waits for a tick of c or a wake-up on wake (nil: none); false once
+// the node stops.
+func (n *Node) pace(c <-chan time.Time, wake <-chan struct{}) bool {
+	select {
+	case <-n.stopc:
+		return false
+	case <-n.failc:
+		return false
+	case <-wake:
+	case <-c:
+	}
+	return true
 }
 
 // pullChunk asks master for the next chunk of in and stores it.

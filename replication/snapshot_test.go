@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"maps"
 	"math"
+	"os"
+	"path/filepath"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -437,6 +439,9 @@ func TestJoinerPullsASnapshotLargerThanAFrame(t *testing.T) {
 	snap, err := master.db.Snapshot()
 	if ref, ok := storage.ParseSnapshotRef(snap.Data); err != nil || !ok || ref.Size <= MaxFrameSize {
 		t.Fatalf("master's snapshot: %d bytes of data, ref %+v %v, %v: want a ref to more than a frame", len(snap.Data), ref, ok, err)
+	}
+	if _, err := os.Stat(filepath.Join(c.dirs[b], "snapshot-in.tsnp")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the received body is still in the joiner's data dir: %v", err)
 	}
 	if got := sessionsOf(t, joiner)["R\x00big/7"]; len(got) != size || got[:6] != "big/7:" {
 		t.Errorf("retained big/7 on the joiner: %d bytes %.8q", len(got), got)

@@ -667,3 +667,20 @@ func (in *SnapshotIn) Close() {
 	}
 	os.Remove(in.path)
 }
+
+// DropSnapshotFiles removes the snapshot files an earlier run left in the
+// data dir: a body built for raft (it is rebuilt when asked for) and one
+// being received (a new pull starts over). Call it before the node starts.
+func (db *DB) DropSnapshotFiles() {
+	if db.ro {
+		return
+	}
+	db.snapMu.Lock()
+	defer db.snapMu.Unlock()
+	dir := filepath.Dir(db.path)
+	if db.snaps.built == nil && !db.snaps.building {
+		os.Remove(filepath.Join(dir, snapshotFile))
+		os.Remove(filepath.Join(dir, snapshotFile+".tmp"))
+	}
+	os.Remove(filepath.Join(dir, snapshotInFile))
+}
