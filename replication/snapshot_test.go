@@ -418,20 +418,40 @@ func TestJoinerPullsASnapshotLargerThanAFrame(t *testing.T) {
 
 	b := c.newDir()
 	var fails atomic.Int32
-	joiner, app := c.startState(b, true, func(cfg *Config) {
+	joinerCfg := func(cfg *Config) {
 		cfg.Backfill = failCounter{memBackfiller{c.net, b}, &fails}
-		cfg.snapChunk, cfg.snapEvery = 256<<10, 5*time.Millisecond
-	})
+		cfg.snapChunk, cfg.snapEvery = 128<<10, 5*time.Millisecond
+	}
+	joiner, app := c.startState(b, true, joinerCfg)
 	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the pull to start", func() bool { return joiner.pull.pulling.Load() > 0 })
+	pulled := func() int64 { return joiner.pull.pulling.Load() }
+	waitFor(t, "the pull to start", func() bool { return pulled() > 0 })
+	// A cut link: the pull goes on from where it was once healed.
 	c.net.isolate(b)
-	if got := joiner.pull.pulling.Load(); got < 0 {
+	cutAt := pulled()
+	if cutAt < 0 {
 		t.Fatal("the pull ended before the cut: too small a snapshot for this test")
 	}
 	waitFor(t, "a pull to fail on the cut link", func() bool { return fails.Load() > 0 })
 	c.net.heal()
+	for i := range 10 {
+		if r := c.propose(fmt.Sprintf("during/%d", i), Async); r.err != nil {
+			t.Fatalf("a publish while a member pulls the snapshot: %v", r.err)
+		}
+	}
+	waitFor(t, "the pull to resume", func() bool { return pulled() > cutAt || pulled() < 0 })
+	if got := pulled(); got >= 0 && got < cutAt {
+		t.Fatalf("the pull started over after the cut: %d bytes, %d before it", got, cutAt)
+	}
+	// A restart in the middle: the master, hearing no pull, sends the
+	// snapshot again and the new run pulls it from the start.
+	if pulled() < 0 {
+		t.Fatal("the pull ended before the restart: too small a snapshot for this test")
+	}
+	c.stop(b)
+	joiner, app = c.startState(b, true, joinerCfg)
 	waitSameState(t, master, joiner)
 	if app.restores.Load() == 0 {
 		t.Error("the joiner's applier was never asked to restore")
