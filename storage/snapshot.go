@@ -203,13 +203,17 @@ func (db *DB) buildSnapshot() {
 	var (
 		snap pb.Snapshot
 		ref  SnapshotRef
+		tmp  string
 	)
 	if err == nil {
-		snap, ref, err = db.buildSnapshotFile()
+		snap, ref, tmp, err = db.buildSnapshotFile()
 	}
 	db.snapMu.Lock()
 	defer db.snapMu.Unlock()
 	db.snaps.building = false
+	if err == nil {
+		err = db.swapSnapshotFileLocked(tmp)
+	}
 	if err != nil {
 		if db.snaps.failed == nil || db.snaps.failed.Error() != err.Error() {
 			db.log.Error("building a snapshot of the broker state failed: a member behind the first index cannot be brought up to date", "error", err)
@@ -225,51 +229,60 @@ func (db *DB) buildSnapshot() {
 	go db.forgetSnapshot(db.snaps.built)
 }
 
-// buildSnapshotFile encodes the broker state into snapshotFile. A body
-// within the inline limit is read back into the snapshot's data and the
-// file removed; a larger one stays there, and the snapshot's data is its
-// ref. Called by buildSnapshot only (one build at a time).
-func (db *DB) buildSnapshotFile() (pb.Snapshot, SnapshotRef, error) {
+// buildSnapshotFile encodes the broker state into a temporary file. A
+// body within the inline limit is read back into the snapshot's data and
+// the file removed; a larger one stays there (tmp names it), and the
+// snapshot's data is its ref. Called by buildSnapshot only (one build at a
+// time).
+func (db *DB) buildSnapshotFile() (snap pb.Snapshot, ref SnapshotRef, tmp string, err error) {
 	db.snapMu.Lock()
 	inline := db.snaps.inline
 	db.snapMu.Unlock()
 	if inline <= 0 {
 		inline = InlineSnapshotBytes
 	}
-	path := filepath.Join(filepath.Dir(db.path), snapshotFile)
-	tmp := path + ".tmp"
+	tmp = filepath.Join(filepath.Dir(db.path), snapshotFile+".tmp")
 	f, err := os.Create(tmp)
 	if err != nil {
-		return pb.Snapshot{}, SnapshotRef{}, fmt.Errorf("storage: snapshot: %w", err)
+		return snap, ref, "", fmt.Errorf("storage: snapshot: %w", err)
 	}
-	defer os.Remove(tmp) // gone once renamed
 	md, ref, err := db.encodeSnapshot(f)
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
-	if err != nil {
-		return pb.Snapshot{}, SnapshotRef{}, fmt.Errorf("storage: snapshot: %w", err)
-	}
-	snap := pb.Snapshot{Metadata: md}
-	if int64(ref.Size) <= inline {
+	snap.Metadata = md
+	switch {
+	case err != nil:
+	case int64(ref.Size) <= inline:
 		snap.Data, err = os.ReadFile(tmp)
-		if err == nil {
-			db.snapMu.Lock()
-			err = os.Remove(path) // a larger one built before
-			db.snapMu.Unlock()
-			if errors.Is(err, os.ErrNotExist) {
-				err = nil
-			}
-		}
-		return snap, ref, err
+	default:
+		snap.Data = ref.encode()
+		return snap, ref, tmp, nil
 	}
-	snap.Data = ref.encode()
-	// Pulls of the previous body read it under snapMu: they see the old
-	// file or the new one, each with its own ref.
-	db.snapMu.Lock()
-	err = os.Rename(tmp, path)
-	db.snapMu.Unlock()
-	return snap, ref, err
+	os.Remove(tmp)
+	if err != nil {
+		return snap, ref, "", fmt.Errorf("storage: snapshot: %w", err)
+	}
+	return snap, ref, "", nil
+}
+
+// swapSnapshotFileLocked puts the body a build left in tmp ("" for none:
+// the snapshot is inline) in place of the previous one, under snapMu, at
+// the same time as the build replaces the previous snapshot: a pull then
+// reads a body and a ref of the same build.
+func (db *DB) swapSnapshotFileLocked(tmp string) error {
+	path := filepath.Join(filepath.Dir(db.path), snapshotFile)
+	if tmp == "" {
+		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("storage: snapshot: %w", err)
+		}
+		return nil
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("storage: snapshot: %w", err)
+	}
+	return nil
 }
 
 // forgetSnapshot drops the built snapshot b once it is too old to be
