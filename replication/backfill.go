@@ -78,6 +78,9 @@ var errNoBackfill = errors.New("replication: backfill asked of a member that is 
 // bytes, the newest of them that fit. (Reject, which asked for a smaller
 // n, is no longer sent; a member still takes it.)
 func (n *Node) HandleBackfill(req []byte) ([]byte, error) {
+	if len(req) == snapPullLen && req[0] == snapPullTag {
+		return n.handleSnapshotPull(req) // a snapshot's body (snappull.go)
+	}
 	if len(req) != 16 {
 		return nil, fmt.Errorf("replication: backfill request of %d bytes", len(req))
 	}
@@ -122,14 +125,7 @@ func (n *Node) backfillLoop() {
 	defer t.Stop()
 	count := uint64(backfillCount)
 	pulling, pulled := false, 0
-	for {
-		select {
-		case <-n.stopc:
-			return
-		case <-n.failc:
-			return
-		case <-t.C:
-		}
+	for n.pace(t.C, nil) {
 		below, ok := n.db.BackfillWanted()
 		if !ok {
 			if pulling {

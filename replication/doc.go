@@ -27,12 +27,14 @@
 // leadership, retention floor); settle.go the settlement of sync records;
 // apply.go the apply goroutine and membership entries; snapshot.go the
 // install of a snapshot (in log order, through a Restorer applier) and
-// which members hold retention; backfill.go the pull of the records before
-// an installed snapshot; forward.go the slave → master forward stream;
-// handoff.go the hand-over of the mastership by a master that cannot write
-// (members' disk reports on heartbeat responses); cutoff.go how a master
-// finds it is cut off from the majority; transport.go, link.go and
-// handshake.go the peer TCP transport.
+// which members hold retention; snappull.go the pull of a snapshot too
+// large for raft's message, in chunks; backfill.go the pull of the records
+// before an installed snapshot; forward.go the slave → master forward
+// stream; handoff.go the hand-over of the mastership by a master that
+// cannot write (members' disk reports on heartbeat responses); cutoff.go
+// how a master finds it is cut off from the majority (and the clock of
+// when each peer was last heard, which silence is counted on too);
+// transport.go, link.go and handshake.go the peer TCP transport.
 //
 // Threading: Propose, Status and Stop may be called from any goroutine.
 // Proposal callbacks run on the raft goroutine (or, for forwarded records,

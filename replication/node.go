@@ -121,6 +121,10 @@ type Config struct {
 	// ticker: each receive is one raft tick, so time is logical and a
 	// seeded test replays exactly (etcd raft's own tests tick by hand).
 	ticks <-chan struct{}
+	// snapChunk and snapEvery, set by tests only, replace the size of a
+	// snapshot pull's chunk and the least time between two (snappull.go).
+	snapChunk int
+	snapEvery time.Duration
 	// afterTurn, set by tests only, runs at the end of every turn of the
 	// raft loop: the turn a delivered message, a tick or a proposal
 	// caused is over, and what it sent is with the Transport.
@@ -252,14 +256,20 @@ type Node struct {
 	resolvedSome bool          // callbacks ran since the last flushResolved
 	settle       settler       // the outcomes of sync records, as master (settle.go)
 
-	// answered is when each other member was last seen active by raft
-	// (silentMembers), in wall time: it bounds how long a silent member
-	// holds retention; installing is the snapshot handed to the apply
-	// goroutine (installSnapshot), written before the send on applyc,
-	// read after.
-	answered   map[uint64]time.Time
-	installing *snapInstall
-	bf         backfillProgress // the catch-up after a snapshot (backfill.go)
+	// silentSince is the tick from which each other member's silence is
+	// counted while this node is master, if it was never heard since
+	// (silentMembers); cleared when it stops leading. installing is the
+	// snapshot handed to the apply goroutine (installSnapshot), written
+	// before the send on applyc, read after.
+	silentSince map[uint64]uint64
+	installing  *snapInstall
+	bf          backfillProgress // the catch-up after a snapshot (backfill.go)
+	// pull takes snapshots sent by reference to the pull loop; serve and
+	// snapWait (loop-owned: the tick since which raft waits for each
+	// member's snapshot) watch the pulls as master (snappull.go).
+	pull     snapPuller
+	serve    snapServer
+	snapWait map[uint64]uint64
 }
 
 // NewNode opens the raft group stored in cfg.Storage, bootstrapping a
@@ -278,6 +288,7 @@ func NewNode(cfg Config) (*Node, error) {
 	case stored != id:
 		return nil, fmt.Errorf("data file %s was written by node %s, this node's key is %s: %w", db.Path(), IDString(stored), IDString(id), ErrIdentity)
 	}
+	db.DropSnapshotFiles() // an earlier run's: none is in use yet
 	epoch, err := db.NextEpoch()
 	if err != nil {
 		return nil, err
@@ -302,6 +313,8 @@ func NewNode(cfg Config) (*Node, error) {
 		inboundBy:  map[uint64]*fwdInbound{},
 	}
 	n.fwd.sig = make(chan struct{}, 1)
+	n.pull.sig = make(chan struct{}, 1)
+	n.pull.pulling.Store(-1)
 	if cfg.Transport != nil {
 		n.cfg.Transport = tagTransport{inner: cfg.Transport, n: n}
 	}
@@ -366,6 +379,7 @@ start:
 	}
 	if cfg.Backfill != nil {
 		n.goFunc(n.backfillLoop)
+		n.goFunc(n.snapPullLoop)
 	}
 	return n, nil
 }
@@ -470,6 +484,9 @@ func (n *Node) run() {
 			n.proposeQueued()
 		case m := <-n.recvc:
 			n.noteHeard(m.From)
+			if n.pullInstead(m) {
+				break // a snapshot to pull first (snappull.go)
+			}
 			_ = n.rn.Step(m)
 			if m.Type == pb.MsgAppResp {
 				// A learner's ack moves no commit index, so no Ready
@@ -528,6 +545,9 @@ func (n *Node) tick() {
 	now := time.Now()
 	n.maybeHandOff(now)
 	n.checkCutOff(now)
+	if n.leader {
+		n.watchSnapshots()
+	}
 	n.updateFloor()
 	if n.db.Pending() && !n.rn.HasReady() && time.Since(n.flushFailed) >= time.Second {
 		// Staged metadata (applied index, sessions) with no log traffic

@@ -151,6 +151,7 @@ func firstIndex(ents []pb.Entry) uint64 {
 
 func (n *Node) setLeader(leader bool, lead uint64) {
 	if leader != n.leader {
+		clear(n.silentSince) // a new term as master counts silence afresh
 		n.log.Info("role changed", "master", leader, "leader", IDString(lead), "term", n.rn.BasicStatus().Term)
 		n.settleLead(leader)
 	}
@@ -179,19 +180,26 @@ func (n *Node) setLeader(leader bool, lead uint64) {
 // long as it stays away, and gets a snapshot of the broker state when it
 // returns; so does a member whose Match the log has passed already. A
 // member that never answered has Match 0 and holds everything until then
-// if nothing was dropped yet (it then gets the whole log, not a snapshot).
+// if nothing was dropped yet (it then gets the whole log, not a snapshot);
+// one receiving a snapshot holds the log after it.
 // On a slave (and a candidate) storage's own bound applies: what it has
 // applied.
 func (n *Node) updateFloor() {
 	floor := uint64(math.MaxUint64)
 	if n.leader {
-		silent := n.silentMembers(time.Now())
+		silent := n.silentMembers()
 		first, _ := n.db.FirstIndex()
 		n.rn.WithProgress(func(id uint64, _ raft.ProgressType, pr tracker.Progress) {
 			// A member the log has passed already needs a snapshot:
 			// holding the log for it keeps nothing it can use.
-			if id != n.id && !silent[id] && pr.Match+1 >= first {
+			switch {
+			case id == n.id || silent[id]:
+			case pr.Match+1 >= first:
 				floor = min(floor, pr.Match)
+			case pr.State == tracker.StateSnapshot:
+				// Receiving a snapshot (a large one is pulled for a
+				// while): the log after it is what it needs next.
+				floor = min(floor, pr.PendingSnapshot)
 			}
 		})
 	}

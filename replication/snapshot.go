@@ -2,7 +2,6 @@ package replication
 
 import (
 	"fmt"
-	"time"
 
 	"go.etcd.io/raft/v3"
 	pb "go.etcd.io/raft/v3/raftpb"
@@ -105,37 +104,52 @@ func (n *Node) applySnapshot() {
 
 // silentMembers returns the members other than this one that have not
 // answered for longer than Config.SilentMemberHold: they no longer hold
-// retention, and get a snapshot when they return. Loop-owned.
-func (n *Node) silentMembers(now time.Time) map[uint64]bool {
-	if n.answered == nil {
-		n.answered = map[uint64]time.Time{}
+// retention, and get a snapshot when they return. Loop-owned; it runs on
+// every tick, after checkCutOff counted it.
+//
+// Silence is counted on the clock of cutoff.go: the tick at which the raft
+// goroutine last took a message from the member (noteHeard). raft's own
+// RecentActive is no such clock: check-quorum clears it every election
+// timeout and any answer sets it, so it says only "heard since the last
+// check". Counted in ticks, a loop held up by a slow disk counts no time
+// meanwhile, and a member is silent only once this loop had the chance to
+// read what it sent. A member this node never heard from as master (a new
+// master, a member just added) counts its silence from the tick it was
+// first seen here.
+func (n *Node) silentMembers() map[uint64]bool {
+	if n.silentSince == nil {
+		n.silentSince = map[uint64]uint64{}
 	}
 	hold := n.cfg.SilentMemberHold
 	if hold == 0 {
 		hold = silentHold * n.cfg.ElectionTimeout
 	}
+	holdTicks := uint64((hold + n.cfg.Heartbeat - 1) / n.cfg.Heartbeat)
 	var silent map[uint64]bool
 	seen := map[uint64]bool{}
-	n.rn.WithProgress(func(id uint64, _ raft.ProgressType, pr tracker.Progress) {
+	n.rn.WithProgress(func(id uint64, _ raft.ProgressType, _ tracker.Progress) {
 		if id == n.id {
 			return
 		}
 		seen[id] = true
-		last, ok := n.answered[id]
-		if pr.RecentActive || !ok {
-			n.answered[id] = now // a new master counts silence from now
-			return
+		since, ok := n.silentSince[id]
+		if !ok {
+			since = n.ticks
+			n.silentSince[id] = since
 		}
-		if now.Sub(last) > hold {
+		if h, ok := n.heard[id]; ok && h > since {
+			since = h
+		}
+		if n.ticks-since > holdTicks {
 			if silent == nil {
 				silent = map[uint64]bool{}
 			}
 			silent[id] = true
 		}
 	})
-	for id := range n.answered {
+	for id := range n.silentSince {
 		if !seen[id] {
-			delete(n.answered, id)
+			delete(n.silentSince, id)
 		}
 	}
 	return silent

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"maps"
 	"math"
+	"os"
+	"path/filepath"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -181,7 +183,24 @@ func TestJoinerAfterCompactionInstallsTheBrokerState(t *testing.T) {
 func TestSilentSlaveStopsHoldingRetentionAndGetsASnapshot(t *testing.T) {
 	const budget = 8 << 20
 	hold := func(cfg *Config) { cfg.SilentMemberHold = 100 * time.Millisecond }
-	c, master := loneMaster(t, budget, hold)
+	// Once the stopped slave is silent, every turn of the master's loop
+	// checks that nobody holds the log.
+	var (
+		self   atomic.Pointer[Node]
+		watch  atomic.Bool
+		heldAt atomic.Uint64
+	)
+	c, master := loneMaster(t, budget, func(cfg *Config) {
+		hold(cfg)
+		cfg.afterTurn = func() {
+			if n := self.Load(); n != nil && watch.Load() {
+				if f := n.floor.Load(); f != math.MaxUint64 {
+					heldAt.CompareAndSwap(0, f)
+				}
+			}
+		}
+	})
+	self.Store(master.Node)
 	b := c.newDir()
 	c.startState(b, true, hold)
 	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {
@@ -192,19 +211,30 @@ func TestSilentSlaveStopsHoldingRetentionAndGetsASnapshot(t *testing.T) {
 		t.Fatalf("sync with the slave: %v", r.err)
 	}
 	slaveLast, _ := c.nodes[b].db.LastIndex()
+	floor := func() uint64 {
+		t.Helper()
+		st, err := master.Status(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.RetentionFloor
+	}
+	// Live, it holds the log, however short the hold.
+	waitFor(t, "the live slave to hold the log", func() bool { return floor() <= slaveLast })
 	c.stop(b)
 
-	waitFor(t, "the master to stop counting the silent slave", func() bool {
-		st, err := master.Status(t.Context())
-		return err == nil && st.RetentionFloor == math.MaxUint64 // nobody holds the log
-	})
-	if _, full := proposeBytes(t, master, 3*budget); full {
-		// A refusal is the slave's doing only if it still holds the log;
-		// a slow machine (qemu) can refuse for a moment while the
+	waitFor(t, "the master to stop counting the silent slave", func() bool { return floor() == math.MaxUint64 })
+	// Stopped, it never holds it again (raft's RecentActive, which
+	// check-quorum clears and sets in turn, once made it hold again).
+	watch.Store(true)
+	_, full := proposeBytes(t, master, 3*budget)
+	watch.Store(false)
+	if f := heldAt.Load(); f != 0 {
+		t.Fatalf("the stopped slave held the log again: retention floor %d (refused %v)", f, full)
+	}
+	if full {
+		// A slow machine (qemu) can refuse for a moment while the
 		// applier, which retention waits for, is a burst behind.
-		if st, err := master.Status(t.Context()); err != nil || st.RetentionFloor != math.MaxUint64 {
-			t.Fatalf("the master refused publishes for a slave silent past the hold (retention floor %d, %v)", st.RetentionFloor, err)
-		}
 		t.Log("a publish was refused while the applier was behind; nobody holds the log")
 	}
 	waitFor(t, "the master to drop what the slave lacks", func() bool { f, _ := master.db.FirstIndex(); return f > slaveLast+1 })
@@ -270,18 +300,20 @@ func TestJoinerPullsTheRecordsBeforeTheSnapshot(t *testing.T) {
 	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {
 		t.Fatal(err)
 	}
-	waitSameState(t, master, joiner)
-	// The state may be in before the log's first index moves to the
-	// snapshot's: the pull is measured from there.
-	var snapAt uint64
-	waitFor(t, "the snapshot's first index", func() bool { snapAt, _ = joiner.db.FirstIndex(); return snapAt > 1 })
-	// Cut the link in the middle of the pull: it goes on once healed.
-	waitFor(t, "the pull to start", func() bool { below, ok := joiner.db.BackfillWanted(); return ok && below < snapAt })
+	// Cut the link in the middle of the pull: it goes on once healed. The
+	// cut comes as soon as the pull has started (on a loaded machine a
+	// wait for the whole state first outlasted the pull).
+	waitFor(t, "the pull to start", func() bool {
+		snapAt, _ := joiner.db.FirstIndex()
+		below, ok := joiner.db.BackfillWanted()
+		return snapAt > 1 && ok && below < snapAt
+	})
 	c.net.isolate(b)
 	if _, wanted := joiner.db.BackfillWanted(); !wanted {
 		t.Fatal("the pull ended before the cut: too few records for this test")
 	}
 	c.net.heal()
+	waitSameState(t, master, joiner)
 	waitFor(t, "the joiner to catch up", func() bool {
 		_, wanted := joiner.db.BackfillWanted()
 		return !wanted && !joiner.CatchingUp()
@@ -331,5 +363,110 @@ func TestBackfillAnswersAFullChunkOfTheNewest(t *testing.T) {
 	if ans.Reject || end != last || size < backfillChunk*3/4 || size > backfillChunk+2<<10 {
 		t.Fatalf("answer: reject %v, %d records (%d bytes) ending at %d; want a full chunk of %d bytes ending at %d",
 			ans.Reject, len(ans.Entries), size, end, backfillChunk, last)
+	}
+}
+
+// proposeLarge proposes n records of size bytes on topics prefix/0..,
+// retained or not, a window at a time, and waits for them.
+func proposeLarge(t *testing.T, tn *testNode, prefix string, n, size int, retain bool) {
+	t.Helper()
+	const window = 16
+	for sent := 0; sent < n; sent += window {
+		ch := make(chan result, window)
+		k := min(window, n-sent)
+		for i := range k {
+			payload := fmt.Appendf(nil, "%s/%d:", prefix, sent+i)
+			payload = append(payload, make([]byte, size-len(payload))...)
+			r := storage.Record{Origin: tn.ID(), Seq: tn.NextSeq(), ClientID: "c", Topic: fmt.Sprintf("%s/%d", prefix, sent+i), QoS: 1, Retain: retain,
+				Time: time.Now().UnixNano(), Payload: payload}
+			tn.Propose(storage.AppendRecord(nil, &r), Async, func(i uint64, err error) { ch <- result{i, err} })
+		}
+		for range k {
+			if r := wait(t, ch); r.err != nil {
+				t.Fatal(r.err)
+			}
+		}
+	}
+}
+
+// failCounter is a memBackfiller that counts the requests a cut link
+// failed.
+type failCounter struct {
+	memBackfiller
+	fails *atomic.Int32
+}
+
+func (f failCounter) Backfill(ctx context.Context, master uint64, req []byte) ([]byte, error) {
+	b, err := f.memBackfiller.Backfill(ctx, master, req)
+	if err != nil {
+		f.fails.Add(1)
+	}
+	return b, err
+}
+
+// A broker state larger than a peer frame (16 MiB: here 17 MiB of retained
+// messages) reaches a joiner: raft's message names the snapshot, the
+// joiner pulls its body in chunks, resuming after a cut link, and ends
+// with the master's retained set and sessions; it then acks sync records.
+func TestJoinerPullsASnapshotLargerThanAFrame(t *testing.T) {
+	const budget = 32 << 20
+	c, master := loneMaster(t, budget, nil)
+	const n, size = 272, 64 << 10 // 17 MiB of retained messages
+	proposeLarge(t, master, "big", n, size, true)
+	proposeLarge(t, master, "filler", 160, size, false)
+	waitFor(t, "the master to drop the retained records' part of the log", func() bool { f, _ := master.db.FirstIndex(); return f > n+5 })
+
+	b := c.newDir()
+	var fails atomic.Int32
+	joinerCfg := func(cfg *Config) {
+		cfg.Backfill = failCounter{memBackfiller{c.net, b}, &fails}
+		cfg.snapChunk, cfg.snapEvery = 128<<10, 5*time.Millisecond
+	}
+	joiner, app := c.startState(b, true, joinerCfg)
+	if err := c.change(pb.ConfChangeAddLearnerNode, b); err != nil {
+		t.Fatal(err)
+	}
+	pulled := func() int64 { return joiner.pull.pulling.Load() }
+	waitFor(t, "the pull to start", func() bool { return pulled() > 0 })
+	// A cut link: the pull goes on from where it was once healed.
+	c.net.isolate(b)
+	cutAt := pulled()
+	if cutAt < 0 {
+		t.Fatal("the pull ended before the cut: too small a snapshot for this test")
+	}
+	waitFor(t, "a pull to fail on the cut link", func() bool { return fails.Load() > 0 })
+	c.net.heal()
+	for i := range 10 {
+		if r := c.propose(fmt.Sprintf("during/%d", i), Async); r.err != nil {
+			t.Fatalf("a publish while a member pulls the snapshot: %v", r.err)
+		}
+	}
+	waitFor(t, "the pull to resume", func() bool { return pulled() > cutAt || pulled() < 0 })
+	if got := pulled(); got >= 0 && got < cutAt {
+		t.Fatalf("the pull started over after the cut: %d bytes, %d before it", got, cutAt)
+	}
+	// A restart in the middle: the master, hearing no pull, sends the
+	// snapshot again and the new run pulls it from the start.
+	if pulled() < 0 {
+		t.Fatal("the pull ended before the restart: too small a snapshot for this test")
+	}
+	c.stop(b)
+	joiner, app = c.startState(b, true, joinerCfg)
+	waitSameState(t, master, joiner)
+	if app.restores.Load() == 0 {
+		t.Error("the joiner's applier was never asked to restore")
+	}
+	snap, err := master.db.Snapshot()
+	if ref, ok := storage.ParseSnapshotRef(snap.Data); err != nil || !ok || ref.Size <= MaxFrameSize {
+		t.Fatalf("master's snapshot: %d bytes of data, ref %+v %v, %v: want a ref to more than a frame", len(snap.Data), ref, ok, err)
+	}
+	if _, err := os.Stat(filepath.Join(c.dirs[b], "snapshot-in.tsnp")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the received body is still in the joiner's data dir: %v", err)
+	}
+	if got := sessionsOf(t, joiner)["R\x00big/7"]; len(got) != size || got[:6] != "big/7:" {
+		t.Errorf("retained big/7 on the joiner: %d bytes %.8q", len(got), got)
+	}
+	if r := c.propose("after-join", Sync); r.err != nil {
+		t.Fatalf("sync with the joined slave: %v", r.err)
 	}
 }

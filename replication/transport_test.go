@@ -730,3 +730,21 @@ func TestTransportCloseLeavesNothingRunning(t *testing.T) {
 	a.tr.Close()
 	waitFor(t, "goroutines to end", func() bool { return runtime.NumGoroutine() <= base })
 }
+
+// The largest answer a snapshot pull may get (4 chunks; snappull.go)
+// crosses a member link whole.
+func TestTransportCarriesTheLargestSnapshotChunk(t *testing.T) {
+	chunk := make([]byte, 4*snapChunk)
+	for i := range chunk {
+		chunk[i] = byte(i * 7)
+	}
+	a, b := tpPair(t, nil, func(c *TransportConfig) {
+		c.OnRequest = func(context.Context, uint64, byte, []byte) ([]byte, error) { return chunk, nil }
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	got, err := a.tr.Request(ctx, b.id.ID, 'B', make([]byte, snapPullLen))
+	if err != nil || !bytes.Equal(got, chunk) {
+		t.Fatalf("chunk of %d bytes: %d bytes back, %v", len(chunk), len(got), err)
+	}
+}

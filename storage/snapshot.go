@@ -1,11 +1,16 @@
 package storage
 
 import (
+	"bufio"
 	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash"
 	"hash/crc32"
+	"io"
+	"os"
+	"path/filepath"
 	"slices"
 	"time"
 
@@ -34,28 +39,75 @@ import (
 // Encoding (version 1): "TSNP", version byte, applied index (8), then per
 // bucket: 1, name (uvarint length + bytes), then per key 2, key, value
 // (uvarint length + bytes each), and 0 at the end; a CRC-32C of all of it
-// closes it. The whole snapshot travels in one raft message, so it is
-// bounded by MaxSnapshotBytes: a broker state larger than that cannot be
-// sent (logged), and the member it was for waits.
+// closes it.
+//
+// Transfer. The build writes the encoding to a file in the data dir
+// (snapshotFile), never whole into memory. One that fits in
+// SetSnapshotInline's limit (default InlineSnapshotBytes) travels in the
+// raft message itself, as with builds before the limit existed. A larger
+// one cannot (a peer frame holds 16 MiB) and need not: raft's message then
+// carries a SnapshotRef ("TSNR", version, index, size, CRC), and the member
+// pulls the body in chunks (ReadSnapshot on the master's side, SnapshotIn
+// on its own, which keeps the received part on disk) before raft sees the
+// snapshot. A new build replaces the file; a pull of the old one is then
+// answered ErrSnapshotGone, and raft sends the new one.
 
-// MaxSnapshotBytes bounds an encoded snapshot: it must fit in one frame of
-// the peer transport (16 MiB) with room to spare.
-const MaxSnapshotBytes = 15 << 20
+// InlineSnapshotBytes is the default of SetSnapshotInline: snapshots up to
+// this size travel inside raft's message, larger ones by reference.
+const InlineSnapshotBytes = 4 << 20
 
 // snapshotVersion is the encoding this build writes and reads.
 const snapshotVersion = 1
 
-// snapshotMagic starts every encoded snapshot.
-const snapshotMagic = "TSNP"
+// snapshotMagic starts every encoded snapshot; snapshotRefMagic a
+// SnapshotRef.
+const (
+	snapshotMagic    = "TSNP"
+	snapshotRefMagic = "TSNR"
+	snapshotRefLen   = 4 + 1 + 8 + 8 + 4
+)
+
+// Files in the data dir: the master's built snapshot, and the one a member
+// is receiving. Both can be rebuilt or pulled again: neither is fsynced.
+const (
+	snapshotFile   = "snapshot.tsnp"
+	snapshotInFile = "snapshot-in.tsnp"
+)
 
 // snapshotMaxAge is how old a built snapshot may be before a request
 // starts a fresher one (the old one is still handed out meanwhile): a
 // member installing it then has fewer entries to fetch.
 const snapshotMaxAge = time.Minute
 
-// ErrSnapshotTooLarge reports a broker state whose snapshot would pass
-// MaxSnapshotBytes.
-var ErrSnapshotTooLarge = errors.New("storage: broker state too large for a snapshot")
+// ErrSnapshotGone answers a pull of a snapshot this member no longer holds
+// (a newer build replaced it, or none was built): the member waits for
+// raft to send the current one.
+var ErrSnapshotGone = errors.New("storage: that snapshot is no longer held here")
+
+// SnapshotRef names a built snapshot that is pulled, not sent: what raft's
+// message carries when the snapshot is larger than the inline limit.
+type SnapshotRef struct {
+	Index uint64 // its applied index, the same as its metadata's
+	Size  uint64 // the encoding's bytes
+	CRC   uint32 // the encoding's own closing CRC
+}
+
+// encode is the ref as raft's snapshot data.
+func (r SnapshotRef) encode() []byte {
+	b := append([]byte(snapshotRefMagic), snapshotVersion)
+	b = binary.BigEndian.AppendUint64(b, r.Index)
+	b = binary.BigEndian.AppendUint64(b, r.Size)
+	return binary.BigEndian.AppendUint32(b, r.CRC)
+}
+
+// ParseSnapshotRef reads the ref a raft snapshot's data carries; false
+// when the data is a snapshot itself (or anything else).
+func ParseSnapshotRef(data []byte) (SnapshotRef, bool) {
+	if len(data) != snapshotRefLen || string(data[:4]) != snapshotRefMagic || data[4] != snapshotVersion {
+		return SnapshotRef{}, false
+	}
+	return SnapshotRef{Index: binary.BigEndian.Uint64(data[5:]), Size: binary.BigEndian.Uint64(data[13:]), CRC: binary.BigEndian.Uint32(data[21:])}, true
+}
 
 // SnapshotConverter writes one bucket's part of a snapshot: it reads the
 // bucket through scan (keys with the prefix, in order; k and v are only
@@ -78,6 +130,20 @@ type snapState struct {
 	building bool
 	closed   bool  // Close began: no more builds
 	failed   error // the last build's error, logged once
+	// ref names the body in snapshotFile when built is sent by reference.
+	ref SnapshotRef
+	// inline is the largest snapshot sent inside raft's message (0: the
+	// default).
+	inline int64
+}
+
+// SetSnapshotInline sets the largest snapshot that travels inside raft's
+// message (n <= 0: InlineSnapshotBytes); larger ones are pulled by
+// reference. Tests set it low to exercise the pull.
+func (db *DB) SetSnapshotInline(n int64) {
+	db.snapMu.Lock()
+	db.snaps.inline = n
+	db.snapMu.Unlock()
 }
 
 // SnapshotBucket adds bucket to what snapshots carry (members and
@@ -134,13 +200,20 @@ func (db *DB) buildSnapshot() {
 	// Save waits for its cut only, not for its commit.
 	db.retainDue.Store(true)
 	err := db.checkpoint()
-	var snap pb.Snapshot
+	var (
+		snap pb.Snapshot
+		ref  SnapshotRef
+		tmp  string
+	)
 	if err == nil {
-		snap, err = db.BuildSnapshot()
+		snap, ref, tmp, err = db.buildSnapshotFile()
 	}
 	db.snapMu.Lock()
 	defer db.snapMu.Unlock()
 	db.snaps.building = false
+	if err == nil {
+		err = db.swapSnapshotFileLocked(tmp)
+	}
 	if err != nil {
 		if db.snaps.failed == nil || db.snaps.failed.Error() != err.Error() {
 			db.log.Error("building a snapshot of the broker state failed: a member behind the first index cannot be brought up to date", "error", err)
@@ -149,11 +222,67 @@ func (db *DB) buildSnapshot() {
 		return
 	}
 	db.snaps.failed = nil
-	db.snaps.built, db.snaps.builtAt = &snap, time.Now()
-	db.log.Info("snapshot of the broker state built", "index", snap.Metadata.Index, "bytes", len(snap.Data))
-	// Nobody may ask again: do not keep up to MaxSnapshotBytes for ever.
+	db.snaps.built, db.snaps.builtAt, db.snaps.ref = &snap, time.Now(), ref
+	db.log.Info("snapshot of the broker state built", "index", snap.Metadata.Index, "bytes", ref.Size, "by_reference", len(snap.Data) < int(ref.Size))
+	// Nobody may ask again: do not keep it for ever.
 	db.bgWG.Add(1)
 	go db.forgetSnapshot(db.snaps.built)
+}
+
+// buildSnapshotFile encodes the broker state into a temporary file. A
+// body within the inline limit is read back into the snapshot's data and
+// the file removed; a larger one stays there (tmp names it), and the
+// snapshot's data is its ref. Called by buildSnapshot only (one build at a
+// time).
+func (db *DB) buildSnapshotFile() (snap pb.Snapshot, ref SnapshotRef, tmp string, err error) {
+	db.snapMu.Lock()
+	inline := db.snaps.inline
+	db.snapMu.Unlock()
+	if inline <= 0 {
+		inline = InlineSnapshotBytes
+	}
+	tmp = filepath.Join(filepath.Dir(db.path), snapshotFile+".tmp")
+	f, err := os.Create(tmp)
+	if err != nil {
+		return snap, ref, "", fmt.Errorf("storage: snapshot: %w", err)
+	}
+	md, ref, err := db.encodeSnapshot(f)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	snap.Metadata = md
+	switch {
+	case err != nil:
+	case int64(ref.Size) <= inline:
+		snap.Data, err = os.ReadFile(tmp)
+	default:
+		snap.Data = ref.encode()
+		return snap, ref, tmp, nil
+	}
+	os.Remove(tmp)
+	if err != nil {
+		return snap, ref, "", fmt.Errorf("storage: snapshot: %w", err)
+	}
+	return snap, ref, "", nil
+}
+
+// swapSnapshotFileLocked puts the body a build left in tmp ("" for none:
+// the snapshot is inline) in place of the previous one, under snapMu, at
+// the same time as the build replaces the previous snapshot: a pull then
+// reads a body and a ref of the same build.
+func (db *DB) swapSnapshotFileLocked(tmp string) error {
+	path := filepath.Join(filepath.Dir(db.path), snapshotFile)
+	if tmp == "" {
+		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("storage: snapshot: %w", err)
+		}
+		return nil
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("storage: snapshot: %w", err)
+	}
+	return nil
 }
 
 // forgetSnapshot drops the built snapshot b once it is too old to be
@@ -169,14 +298,56 @@ func (db *DB) forgetSnapshot(b *pb.Snapshot) {
 	}
 	db.snapMu.Lock()
 	if db.snaps.built == b {
-		db.snaps.built = nil
+		db.snaps.built, db.snaps.ref = nil, SnapshotRef{}
+		os.Remove(filepath.Join(filepath.Dir(db.path), snapshotFile))
 	}
 	db.snapMu.Unlock()
 }
 
+// ReadSnapshot is the master's side of a pull: up to max bytes of the body
+// ref names, from off. ErrSnapshotGone when ref is not the snapshot held
+// now.
+func (db *DB) ReadSnapshot(ref SnapshotRef, off uint64, max int) ([]byte, error) {
+	db.snapMu.Lock()
+	held := db.snaps.built != nil && db.snaps.ref == ref && len(db.snaps.built.Data) < int(ref.Size)
+	var f *os.File
+	var err error
+	if held {
+		f, err = os.Open(filepath.Join(filepath.Dir(db.path), snapshotFile))
+	}
+	db.snapMu.Unlock()
+	switch {
+	case !held || errors.Is(err, os.ErrNotExist):
+		return nil, ErrSnapshotGone
+	case err != nil:
+		return nil, fmt.Errorf("storage: snapshot: %w", err)
+	case off > ref.Size:
+		f.Close()
+		return nil, fmt.Errorf("storage: snapshot: offset %d past its %d bytes", off, ref.Size)
+	}
+	defer f.Close()
+	buf := make([]byte, min(uint64(max), ref.Size-off))
+	if _, err := f.ReadAt(buf, int64(off)); err != nil {
+		return nil, fmt.Errorf("storage: snapshot: %w", err)
+	}
+	return buf, nil
+}
+
 // BuildSnapshot reads the broker state in one read transaction, at the
-// applied index that transaction holds, and encodes it.
+// applied index that transaction holds, and encodes it in memory (the
+// background build, buildSnapshot, writes a file instead).
 func (db *DB) BuildSnapshot() (pb.Snapshot, error) {
+	var buf bytes.Buffer
+	md, _, err := db.encodeSnapshot(&buf)
+	if err != nil {
+		return pb.Snapshot{}, fmt.Errorf("storage: snapshot: %w", err)
+	}
+	return pb.Snapshot{Metadata: md, Data: buf.Bytes()}, nil
+}
+
+// encodeSnapshot writes the broker state, read in one read transaction at
+// the applied index it holds, to out.
+func (db *DB) encodeSnapshot(out io.Writer) (pb.SnapshotMetadata, SnapshotRef, error) {
 	db.snapMu.Lock()
 	buckets := slices.Clone(db.snaps.buckets)
 	db.snapMu.Unlock()
@@ -185,33 +356,34 @@ func (db *DB) BuildSnapshot() (pb.Snapshot, error) {
 			buckets = slices.Insert(buckets, 0, snapBucket{name: name})
 		}
 	}
-	var snap pb.Snapshot
+	var (
+		md  pb.SnapshotMetadata
+		ref SnapshotRef
+	)
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		md, err := db.snapshotMeta(tx)
-		if err != nil {
+		var err error
+		if md, err = db.snapshotMeta(tx); err != nil {
 			return err
 		}
-		w := &snapWriter{}
-		w.buf.WriteString(snapshotMagic)
-		w.buf.WriteByte(snapshotVersion)
-		w.buf.Write(u64(md.Index))
+		w := &snapWriter{w: bufio.NewWriterSize(out, 64<<10), crc: crc32.New(castagnoli)}
+		w.write([]byte(snapshotMagic))
+		w.write([]byte{snapshotVersion})
+		w.write(u64(md.Index))
 		for _, sb := range buckets {
 			if err := w.bucket(tx, sb); err != nil {
 				return fmt.Errorf("bucket %s: %w", sb.name, err)
 			}
 		}
-		w.buf.WriteByte(0)
-		w.buf.Write(binary.BigEndian.AppendUint32(nil, crc32.Checksum(w.buf.Bytes(), castagnoli)))
-		if w.buf.Len() > MaxSnapshotBytes {
-			return fmt.Errorf("%d bytes, limit %d: %w", w.buf.Len(), MaxSnapshotBytes, ErrSnapshotTooLarge)
+		w.write([]byte{0})
+		ref = SnapshotRef{Index: md.Index, CRC: w.crc.Sum32()}
+		w.write(binary.BigEndian.AppendUint32(nil, ref.CRC))
+		ref.Size = w.n
+		if w.err == nil {
+			w.err = w.w.Flush()
 		}
-		snap = pb.Snapshot{Metadata: md, Data: w.buf.Bytes()}
-		return nil
+		return w.err
 	})
-	if err != nil {
-		return pb.Snapshot{}, fmt.Errorf("storage: snapshot: %w", err)
-	}
-	return snap, nil
+	return md, ref, err
 }
 
 // snapshotMeta is the index, term and membership a snapshot read in tx is
@@ -254,17 +426,33 @@ func (db *DB) snapshotMeta(tx *bolt.Tx) (pb.SnapshotMetadata, error) {
 	return md, nil
 }
 
-// snapWriter encodes a snapshot.
-type snapWriter struct{ buf bytes.Buffer }
+// snapWriter encodes a snapshot into w, summing its CRC; the first write
+// error sticks.
+type snapWriter struct {
+	w   *bufio.Writer
+	crc hash.Hash32
+	n   uint64
+	err error
+	tmp [binary.MaxVarintLen64]byte
+}
+
+func (w *snapWriter) write(p []byte) {
+	if w.err != nil {
+		return
+	}
+	w.crc.Write(p)
+	_, w.err = w.w.Write(p)
+	w.n += uint64(len(p))
+}
 
 func (w *snapWriter) bytes(b []byte) {
-	w.buf.Write(binary.AppendUvarint(nil, uint64(len(b))))
-	w.buf.Write(b)
+	w.write(binary.AppendUvarint(w.tmp[:0], uint64(len(b))))
+	w.write(b)
 }
 
 // bucket writes sb's section: what its converter emits, or every key.
 func (w *snapWriter) bucket(tx *bolt.Tx, sb snapBucket) error {
-	w.buf.WriteByte(1)
+	w.write([]byte{1})
 	w.bytes([]byte(sb.name))
 	b := tx.Bucket([]byte(sb.name))
 	scan := func(prefix string, fn func(k, v []byte) error) error {
@@ -281,13 +469,10 @@ func (w *snapWriter) bucket(tx *bolt.Tx, sb snapBucket) error {
 		return nil
 	}
 	emit := func(k, v []byte) error {
-		if w.buf.Len() > MaxSnapshotBytes {
-			return fmt.Errorf("past %d bytes: %w", MaxSnapshotBytes, ErrSnapshotTooLarge)
-		}
-		w.buf.WriteByte(2)
+		w.write([]byte{2})
 		w.bytes(k)
 		w.bytes(v)
-		return nil
+		return w.err
 	}
 	if sb.conv != nil {
 		return sb.conv(scan, emit)
@@ -401,4 +586,114 @@ func (db *DB) forgetBuilt() {
 	db.snapMu.Lock()
 	db.snaps.built = nil
 	db.snapMu.Unlock()
+}
+
+// SnapshotIn is a snapshot body a member is pulling (SnapshotRef): the part
+// received so far is kept in snapshotInFile, not in memory, so a cut link
+// resumes at Offset. One goroutine uses it.
+type SnapshotIn struct {
+	ref  SnapshotRef
+	path string
+	f    *os.File
+	off  uint64
+	crc  hash.Hash32 // of the bytes before the closing CRC, so far
+	tail []byte      // the last bytes received, up to 4: the closing CRC at the end
+}
+
+// ReceiveSnapshot starts receiving the body ref names, replacing any
+// partial one.
+func (db *DB) ReceiveSnapshot(ref SnapshotRef) (*SnapshotIn, error) {
+	if ref.Size < uint64(len(snapshotMagic)+1+8+1+4) {
+		return nil, fmt.Errorf("storage: snapshot of %d bytes: %w", ref.Size, ErrCorrupt)
+	}
+	path := filepath.Join(filepath.Dir(db.path), snapshotInFile)
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, fmt.Errorf("storage: receiving a snapshot: %w", err)
+	}
+	return &SnapshotIn{ref: ref, path: path, f: f, crc: crc32.New(castagnoli)}, nil
+}
+
+// Ref is the snapshot being received.
+func (in *SnapshotIn) Ref() SnapshotRef { return in.ref }
+
+// Offset is how many bytes have been received.
+func (in *SnapshotIn) Offset() uint64 { return in.off }
+
+// Done reports whether the whole body is here.
+func (in *SnapshotIn) Done() bool { return in.off == in.ref.Size }
+
+// Write appends the next bytes of the body.
+func (in *SnapshotIn) Write(p []byte) error {
+	if uint64(len(p)) > in.ref.Size-in.off {
+		return fmt.Errorf("storage: snapshot chunk passes its %d bytes: %w", in.ref.Size, ErrCorrupt)
+	}
+	if _, err := in.f.Write(p); err != nil {
+		return fmt.Errorf("storage: receiving a snapshot: %w", err)
+	}
+	// Everything but the last 4 bytes of the body is summed: the newest
+	// 4 bytes wait in tail.
+	if len(p) >= 4 {
+		in.crc.Write(in.tail)
+		in.crc.Write(p[:len(p)-4])
+		in.tail = append(in.tail[:0], p[len(p)-4:]...)
+	} else {
+		all := append(in.tail, p...)
+		keep := min(len(all), 4)
+		in.crc.Write(all[:len(all)-keep])
+		in.tail = append([]byte(nil), all[len(all)-keep:]...)
+	}
+	in.off += uint64(len(p))
+	return nil
+}
+
+// Body checks the whole body against its ref and its own CRC and returns
+// it, read back into memory for raft (the one copy held), then removes the
+// file.
+func (in *SnapshotIn) Body() ([]byte, error) {
+	if !in.Done() {
+		return nil, fmt.Errorf("storage: snapshot has %d of its %d bytes", in.off, in.ref.Size)
+	}
+	sum := in.crc.Sum32()
+	if stored := binary.BigEndian.Uint32(in.tail); sum != stored || sum != in.ref.CRC {
+		in.Close()
+		return nil, fmt.Errorf("storage: pulled snapshot: CRC %08x, it says %08x, its ref %08x: %w", sum, stored, in.ref.CRC, ErrCorrupt)
+	}
+	if err := in.f.Close(); err != nil {
+		in.Close()
+		return nil, fmt.Errorf("storage: receiving a snapshot: %w", err)
+	}
+	in.f = nil
+	data, err := os.ReadFile(in.path)
+	in.Close()
+	if err != nil {
+		return nil, fmt.Errorf("storage: receiving a snapshot: %w", err)
+	}
+	return data, nil
+}
+
+// Close abandons the body and removes its file.
+func (in *SnapshotIn) Close() {
+	if in.f != nil {
+		in.f.Close()
+		in.f = nil
+	}
+	os.Remove(in.path)
+}
+
+// DropSnapshotFiles removes the snapshot files an earlier run left in the
+// data dir: a body built for raft (it is rebuilt when asked for) and one
+// being received (a new pull starts over). Call it before the node starts.
+func (db *DB) DropSnapshotFiles() {
+	if db.ro {
+		return
+	}
+	db.snapMu.Lock()
+	defer db.snapMu.Unlock()
+	dir := filepath.Dir(db.path)
+	if db.snaps.built == nil && !db.snaps.building {
+		os.Remove(filepath.Join(dir, snapshotFile))
+		os.Remove(filepath.Join(dir, snapshotFile+".tmp"))
+	}
+	os.Remove(filepath.Join(dir, snapshotInFile))
 }

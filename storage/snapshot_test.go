@@ -264,3 +264,65 @@ func TestBackfillCompletes(t *testing.T) {
 		t.Errorf("OldestIndex %d, want 10", o)
 	}
 }
+
+// A snapshot past the inline limit travels as a ref: the member pulls its
+// body in chunks from the master's file, checks it and installs it, with
+// the same broker state; a damaged body is refused, a stale ref answered
+// ErrSnapshotGone.
+func TestLargeSnapshotIsPulledInChunks(t *testing.T) {
+	master := testOpen(t, t.TempDir(), nil)
+	master.SetSnapshotInline(4 << 10)
+	mustSave(t, master, pb.HardState{Term: 1, Commit: 10}, makeEntries(1, 10, 1))
+	for i := range 500 {
+		master.Stage(BucketSessions, fmt.Sprintf("R\x00t/%d", i), []byte(strings.Repeat("x", 100)))
+	}
+	master.SetApplied(10)
+	if err := master.commit(nil); err != nil {
+		t.Fatal(err)
+	}
+	snap := waitSnapshot(t, master)
+	ref, ok := ParseSnapshotRef(snap.Data)
+	if !ok || ref.Index != 10 || ref.Size < 50<<10 {
+		t.Fatalf("snapshot data of %d bytes, ref %+v %v: want a ref to a body of 50KiB or more", len(snap.Data), ref, ok)
+	}
+	pull := func(ref SnapshotRef, damage bool) ([]byte, error) {
+		in, err := master.ReceiveSnapshot(ref)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for !in.Done() {
+			chunk, err := master.ReadSnapshot(ref, in.Offset(), 7777)
+			if err != nil {
+				in.Close()
+				return nil, err
+			}
+			if damage && in.Offset() == 0 {
+				chunk[100] ^= 1
+			}
+			if err := in.Write(chunk); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return in.Body()
+	}
+	if _, err := pull(ref, true); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("damaged body: %v, want ErrCorrupt", err)
+	}
+	stale := ref
+	stale.CRC++
+	if _, err := pull(stale, false); !errors.Is(err, ErrSnapshotGone) {
+		t.Fatalf("stale ref: %v, want ErrSnapshotGone", err)
+	}
+	body, err := pull(ref, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	joiner := testOpen(t, t.TempDir(), nil)
+	snap.Data = body
+	if err := joiner.ApplySnapshot(snap); err != nil {
+		t.Fatal(err)
+	}
+	if want, got := bucketContents(t, master, BucketSessions), bucketContents(t, joiner, BucketSessions); !maps.Equal(want, got) {
+		t.Fatalf("joiner holds %d keys, the master %d", len(got), len(want))
+	}
+}
