@@ -379,24 +379,14 @@ func TestRetentionBudgetWithLargeRecords(t *testing.T) {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				for {
-					select {
-					case <-stop:
-						return
-					default:
-					}
+				for !isClosed(stop) {
 					first, _ := db.FirstIndex()
 					n := 0
 					err := db.Scan(first, func(pb.Entry) bool {
 						if n++; n%4 == 0 {
 							time.Sleep(200 * time.Microsecond) // a slow consumer, not a wait for anything
 						}
-						select {
-						case <-stop:
-							return false
-						default:
-							return true
-						}
+						return !isClosed(stop)
 					})
 					if err != nil {
 						readErr.Store(err)
@@ -457,5 +447,15 @@ func TestRetentionBudgetWithLargeRecords(t *testing.T) {
 				t.Errorf("only %d bytes of records kept for a budget of %d", kept, budget)
 			}
 		})
+	}
+}
+
+// isClosed says whether ch is closed.
+func isClosed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
 	}
 }
