@@ -193,6 +193,7 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 	db.boltLast = max(db.boltLast, c.last)
 	db.pendBytes -= c.bytes
 	db.mu.Unlock()
+	db.shrinkDeadWAL(&db.wal.segs[1-c.seg])
 	db.applyDrop(drop)
 	db.syncs.Add(2)
 	db.committed()
@@ -215,6 +216,24 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 	// its key framed there would replay over the file's newer one.
 	db.dropFresh(c.gen)
 	return nil
+}
+
+// shrinkDeadWAL cuts the WAL file the commit just made dead back to
+// walPrealloc, if frames outpacing a checkpoint grew it, when the data dir
+// has a budget: the data file does not shrink, so a WAL that stayed grown
+// would keep the data dir past the budget by as much for good (retention
+// only frees pages in the file, which keeps its size). The file is not
+// written again before the next cut, which needs ckMu, held by the caller;
+// its frames are dead, so a truncation a crash undoes loses nothing. A
+// failed one is only retried at the next commit.
+func (db *DB) shrinkDeadWAL(seg *walSeg) {
+	if db.ret.maxBytes <= 0 || seg.f == nil || seg.size <= walPrealloc {
+		return
+	}
+	if err := seg.f.Truncate(walPrealloc); err != nil {
+		return
+	}
+	seg.size = walPrealloc
 }
 
 // maxKeptBuf and maxKeptOps bound the buffers kept from one write to the

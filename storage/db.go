@@ -423,7 +423,15 @@ func openBolt(path string, timeout time.Duration, ro bool) (*bolt.DB, error) {
 		Timeout:        timeout,
 		ReadOnly:       ro,
 		NoFreelistSync: true,
-		FreelistType:   bolt.FreelistMapType,
+		// First fit (the lowest free run long enough), not the map
+		// freelist's pick of any longer run: that one splits the long runs
+		// retention frees at the log's front for the one-page writes of
+		// every commit, until a record larger than a page (a run of
+		// contiguous pages) finds none and bbolt grows the file, past the
+		// budget (a mix of 100 B to 64 KiB records: 15 MiB for 12 MiB).
+		// Retention keeps the free pages few (about a checkpoint's worth
+		// and a grow chunk), so the array's linear search stays short.
+		FreelistType: bolt.FreelistArrayType,
 	})
 	if err == nil {
 		return bdb, nil

@@ -183,39 +183,78 @@ func (db *DB) SetNodeID(id uint64) error {
 // returns false or the log ends. Entries are decoded and CRC-checked; fn may
 // keep them. Below the first index it reads the records pulled from before
 // an installed snapshot (backfill.go), if any; entries retention has
-// dropped are not shown while the checkpoint that deletes them commits.
+// dropped are not shown.
+//
+// It reads the file in chunks (scanChunkMin growing to scanChunkMax bytes
+// of entries), each in a read transaction of its own that ends before fn
+// sees the chunk: a reader pins every page that was in the file when it
+// began (bbolt reuses none of them until it ends), so one transaction
+// across a whole scan, or across a slow fn, let the file grow by whatever
+// retention freed meanwhile, up to the whole log past the budget. Between
+// two chunks retention may drop the oldest entries: the scan then goes on
+// at the new first index, and the indexes fn is given show the gap.
 func (db *DB) Scan(from uint64, fn func(e pb.Entry) bool) error {
-	first, _ := db.FirstIndex()
 	boltLast, pend := db.pending()
-	more := true
-	err := db.bolt.View(func(tx *bolt.Tx) error {
-		if from < first {
-			// Records before an installed snapshot, pulled since.
-			var err error
-			if more, err = scanBackfill(tx, from, first, fn); err != nil || !more {
-				return err
-			}
-			from = first
+	var batch []pb.Entry
+	for limit := scanChunkMin; from <= boltLast; limit = min(2*limit, scanChunkMax) {
+		first, _ := db.FirstIndex()
+		batch = batch[:0]
+		size, full := 0, false
+		collect := func(e pb.Entry) bool {
+			batch = append(batch, e)
+			size += len(e.Data)
+			full = size >= limit
+			return !full
 		}
-		return eachEntry(tx.Bucket(bucketLog), from, func(i uint64, v []byte) (bool, error) {
-			if i > boltLast {
-				return false, nil // a checkpoint since pending(): the copy has it
+		err := db.bolt.View(func(tx *bolt.Tx) error {
+			at := from
+			if at < first {
+				// Records before an installed snapshot, pulled since.
+				more, err := scanBackfill(tx, at, first, collect)
+				if err != nil || !more {
+					return err
+				}
+				at = first
 			}
-			e, err := decodeEntry(i, v)
-			if err != nil {
-				return false, err
-			}
-			more = fn(e)
-			return more, nil
+			return eachEntry(tx.Bucket(bucketLog), at, func(i uint64, v []byte) (bool, error) {
+				if i > boltLast {
+					return false, nil // a checkpoint since pending(): the copy has it
+				}
+				e, err := decodeEntry(i, v)
+				if err != nil {
+					return false, err
+				}
+				return collect(e), nil
+			})
 		})
-	})
-	for i := 0; err == nil && more && i < len(pend); i++ {
-		if pend[i].Index >= from {
-			more = fn(pend[i])
+		for i := range batch {
+			if !fn(batch[i]) {
+				return nil
+			}
+		}
+		if err != nil {
+			return err // after the entries before the damage
+		}
+		if !full {
+			break // the file has no more up to boltLast
+		}
+		from = batch[len(batch)-1].Index + 1
+	}
+	for i := range pend {
+		if pend[i].Index >= from && !fn(pend[i]) {
+			return nil
 		}
 	}
-	return err
+	return nil
 }
+
+// scanChunkMin and scanChunkMax bound the bytes of entries Scan reads in
+// one read transaction: small at first, for the callers that stop after a
+// few records (a session's replay batch), larger for long scans.
+const (
+	scanChunkMin = 64 << 10
+	scanChunkMax = 1 << 20
+)
 
 // pending returns the last index in the log bucket and a copy of the
 // entries past it, which only the WAL and the tail hold.
