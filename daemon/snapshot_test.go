@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"maps"
@@ -101,7 +102,9 @@ func sessionKeys(t *testing.T, d *Daemon, id string) map[string]string {
 // snapshot that the session still lacks, serves them to devices, and keeps
 // them across a restart.
 func TestJoinerToACompactedLogHoldsTheMastersState(t *testing.T) {
-	const budget = 8 << 20
+	// The broker state (below: over 4 MiB of retained messages) is in the
+	// data dir too, and so within the budget: the log gets the rest.
+	const budget = 16 << 20
 	withBudget := func(c *config.Config) { c.Storage.MaxBytes = budget }
 	g1 := clusterGateway(t, "gw-1", withBudget)
 
@@ -117,6 +120,12 @@ func TestJoinerToACompactedLogHoldsTheMastersState(t *testing.T) {
 	}
 	publish(t, pub, &paho.Publish{Topic: "ret/3", QoS: 1, Retain: true, Payload: []byte("value-3-again")})
 	publish(t, pub, &paho.Publish{Topic: "ret/4", QoS: 1, Retain: true}) // clears ret/4
+	// Enough retained bytes that the snapshot does not ride in a raft
+	// message: the joiner pulls it from the master in chunks.
+	const nBig, bigSize = 80, 60 << 10
+	for i := range nBig {
+		publish(t, pub, &paho.Publish{Topic: fmt.Sprintf("big/%d", i), QoS: 1, Retain: true, Payload: bytes.Repeat([]byte{byte(i)}, bigSize)})
+	}
 	stateEnd := statusOfGW(t, g1).Log.LastIndex
 	flood(t, g1, 3*budget)
 	testutil.WaitFor(t, 20*time.Second, "the master to drop the records that built its state", func() bool {
@@ -154,12 +163,16 @@ func TestJoinerToACompactedLogHoldsTheMastersState(t *testing.T) {
 		if got := sessionKeys(t, g, "keeper"); !maps.Equal(got, wantSession) {
 			t.Errorf("%s's session of keeper %q, the master's %q", g.cfg.Node.Name, got, wantSession)
 		}
+		if got, want := g.broker.Retained(), g1.broker.Retained(); got != want || want != nRetained-1+nBig {
+			t.Errorf("%s holds %d retained messages, the master %d, want %d", g.cfg.Node.Name, got, want, nRetained-1+nBig)
+		}
 	}
 	pullFrom := time.Now()
 	testutil.WaitFor(t, 20*time.Second, "gw-2 to pull the records before its snapshot", func() bool { return !statusOfGW(t, g2).Log.CatchingUp })
 	t.Logf("gw-2 pulled the records before its snapshot in %v (gw-1's log: %d records, data dir %d bytes)", time.Since(pullFrom).Round(time.Millisecond),
 		statusOfGW(t, g1).Log.LastIndex-statusOfGW(t, g1).Log.FirstIndex, g1.db.RetentionStats().UsedBytes)
-	if !strings.Contains(logs.String(), "installed its snapshot") || !strings.Contains(logs.String(), "took in the cluster's sessions") {
+	if !strings.Contains(logs.String(), "installed its snapshot") || !strings.Contains(logs.String(), "took in the cluster's sessions") ||
+		!strings.Contains(logs.String(), "pulling the master's snapshot") {
 		t.Errorf("gw-2's log says nothing of a snapshot:\n%s", logs.String())
 	}
 	check(g2, "look2")
