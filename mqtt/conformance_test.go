@@ -762,6 +762,54 @@ func TestRetentionDropsAreCountedPerSession(t *testing.T) {
 	}
 }
 
+// Retention may drop records while a session's replay is reading the
+// log (the store reads in chunks and goes on at the new first index): the
+// positions it jumped over are counted as dropped too, and the session
+// gets the rest.
+func TestRetentionDropsDuringAReplayAreCounted(t *testing.T) {
+	obs := &countingObserver{}
+	s, log := testServer(t, nil, func(c *Config) { c.Observer = obs })
+	c := dialRaw(t, s.Addr(), 4)
+	c.connect("behind", false, nil)
+	c.subscribe(1, packets.Subscription{Filter: "rt/#", Qos: 1})
+	c.c.Close()
+	testutil.WaitFor(t, 5*time.Second, "the connection to end", func() bool { return s.Clients() == 0 })
+	pub := dialRaw(t, s.Addr(), 4)
+	pub.connect("pub", true, nil)
+	for i := 0; i < 10; i++ {
+		pub.publish("rt/x", 1, uint16(i+1), fmt.Sprint(i))
+		pub.expect(packets.Puback)
+	}
+	log.mu.Lock()
+	at := map[string]uint64{}
+	for i, m := range log.recs {
+		if m.Topic == "rt/x" {
+			at[string(m.Payload)] = uint64(i + 1)
+		}
+	}
+	// Once the replay has read message 1, retention takes 2..5.
+	log.scanHook = func(idx uint64) {
+		if idx == at["1"] {
+			log.mu.Lock()
+			log.first = at["6"]
+			log.mu.Unlock()
+		}
+	}
+	log.mu.Unlock()
+	back := dialRaw(t, s.Addr(), 4)
+	back.connect("behind", false, nil)
+	for _, want := range []string{"0", "1", "6", "7", "8", "9"} {
+		p := back.expect(packets.Publish)
+		if string(p.Payload) != want {
+			t.Fatalf("got %q, want %s: the records kept only", p.Payload, want)
+		}
+		back.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+	}
+	if got, want := obs.dropped.Load(), at["6"]-at["1"]-1; got != want {
+		t.Fatalf("%d log positions counted as dropped, want %d", got, want)
+	}
+}
+
 // A record the applier reports as delivered before a rejoin (Delivered)
 // is skipped by a replaying session as by the live path: a subscriber
 // gets each record once across a deposed master's rejoin.

@@ -40,6 +40,8 @@ type memLog struct {
 	store *memStore
 	// aborts are the aborted indexes of the settlement record at an index.
 	aborts map[uint64][]uint64
+	// scanHook, when set, is called after a scan has handed over index.
+	scanHook func(index uint64)
 }
 
 func newMemLog() *memLog {
@@ -108,20 +110,26 @@ func (l *memLog) FirstIndex() uint64 {
 }
 
 func (l *memLog) Committed(from, to uint64, fn func(uint64, *Message) bool) error {
-	l.mu.Lock()
-	from = max(from, l.first)
-	var batch []*Message
-	for i := from; i <= to && int(i) <= len(l.recs); i++ {
-		batch = append(batch, l.recs[i-1])
-	}
-	l.mu.Unlock()
-	for i, m := range batch {
-		c := *m
-		if !fn(from+uint64(i), &c) {
-			break
+	// One record at a time, from the first index kept then: like the
+	// store's chunked reads, a scan goes on past what retention drops
+	// under it.
+	for i := from; ; i++ {
+		l.mu.Lock()
+		i = max(i, l.first)
+		if i > to || int(i) > len(l.recs) {
+			l.mu.Unlock()
+			return nil
+		}
+		c := *l.recs[i-1]
+		hook := l.scanHook
+		l.mu.Unlock()
+		if !fn(i, &c) {
+			return nil
+		}
+		if hook != nil {
+			hook(i)
 		}
 	}
-	return nil
 }
 
 // apply runs the applier until stop.

@@ -266,16 +266,10 @@ func (s *session) replay(c *conn) bool {
 		return false
 	}
 	from := s.scanned + 1
-	if r, ok := s.srv.reader.(Retained); ok {
-		if first := r.FirstIndex(); from < first {
-			// Retention dropped records this session had not been
-			// handed: counted, logged once per session.
-			lost := first - from
-			if s.dropped == 0 {
-				s.srv.lines.Warn("session fell behind the log's retention: its oldest messages are gone", "client", s.id, "log_positions", lost)
-			}
-			s.dropped += lost
-			s.srv.observer().Dropped(lost)
+	ret, hasRet := s.srv.reader.(Retained)
+	if hasRet {
+		if first := ret.FirstIndex(); from < first {
+			s.droppedLocked(first - from)
 			s.scanned = first - 1
 			from = first
 		}
@@ -296,8 +290,17 @@ func (s *session) replay(c *conn) bool {
 	var items []*outItem
 	last := from - 1
 	full := false
+	var lost uint64 // taken by retention while this scan read the log
 	if s.srv.reader != nil && from <= to && len(subs) > 0 {
 		err := s.srv.reader.Committed(from, to, func(idx uint64, m *Message) bool {
+			if idx > last+1 && hasRet {
+				// The log reads on past what retention drops under it: a
+				// jump to at or past the new first index lost those
+				// positions (other jumps are records that carry no message).
+				if first := ret.FirstIndex(); first > last+1 {
+					lost += min(idx, first) - (last + 1)
+				}
+			}
 			last = idx
 			if s.srv.skipped(idx) {
 				return true // delivered here before the rejoin
@@ -324,6 +327,9 @@ func (s *session) replay(c *conn) bool {
 	if s.conn != c {
 		return false
 	}
+	if lost > 0 {
+		s.droppedLocked(lost)
+	}
 	s.queue = append(s.queue, items...)
 	if last > s.scanned {
 		s.scanned = last
@@ -343,6 +349,16 @@ func (s *session) replay(c *conn) bool {
 	// scan, and its offer did not wake the writer, so this one goes round
 	// again.
 	return len(items) > 0 || s.behind
+}
+
+// droppedLocked counts lost log positions that retention took before this
+// session was handed them; the first loss of a session is logged.
+func (s *session) droppedLocked(lost uint64) {
+	if s.dropped == 0 {
+		s.srv.lines.Warn("session fell behind the log's retention: its oldest messages are gone", "client", s.id, "log_positions", lost)
+	}
+	s.dropped += lost
+	s.srv.observer().Dropped(lost)
 }
 
 // matchReplay is Deliver's matching for one session reading the log: the
