@@ -728,11 +728,10 @@ type countingObserver struct {
 
 func (o *countingObserver) Dropped(n uint64) { o.dropped.Add(n) }
 
-// A persistent session offline while retention drops the log's oldest
-// records gets the records kept, and what it lost is counted.
-func TestRetentionDropsAreCountedPerSession(t *testing.T) {
-	obs := &countingObserver{}
-	s, log := testServer(t, nil, func(c *Config) { c.Observer = obs })
+// offlineWithTen leaves a persistent session "behind" on rt/# offline and
+// publishes 0..9 on rt/x meanwhile.
+func offlineWithTen(t *testing.T, s *Server) {
+	t.Helper()
 	c := dialRaw(t, s.Addr(), 4)
 	c.connect("behind", false, nil)
 	c.subscribe(1, packets.Subscription{Filter: "rt/#", Qos: 1})
@@ -744,6 +743,14 @@ func TestRetentionDropsAreCountedPerSession(t *testing.T) {
 		pub.publish("rt/x", 1, uint16(i+1), fmt.Sprint(i))
 		pub.expect(packets.Puback)
 	}
+}
+
+// A persistent session offline while retention drops the log's oldest
+// records gets the records kept, and what it lost is counted.
+func TestRetentionDropsAreCountedPerSession(t *testing.T) {
+	obs := &countingObserver{}
+	s, log := testServer(t, nil, func(c *Config) { c.Observer = obs })
+	offlineWithTen(t, s)
 	log.mu.Lock()
 	n := len(log.recs)
 	log.first = uint64(n - 3) // the last four records are kept
@@ -769,17 +776,7 @@ func TestRetentionDropsAreCountedPerSession(t *testing.T) {
 func TestRetentionDropsDuringAReplayAreCounted(t *testing.T) {
 	obs := &countingObserver{}
 	s, log := testServer(t, nil, func(c *Config) { c.Observer = obs })
-	c := dialRaw(t, s.Addr(), 4)
-	c.connect("behind", false, nil)
-	c.subscribe(1, packets.Subscription{Filter: "rt/#", Qos: 1})
-	c.c.Close()
-	testutil.WaitFor(t, 5*time.Second, "the connection to end", func() bool { return s.Clients() == 0 })
-	pub := dialRaw(t, s.Addr(), 4)
-	pub.connect("pub", true, nil)
-	for i := 0; i < 10; i++ {
-		pub.publish("rt/x", 1, uint16(i+1), fmt.Sprint(i))
-		pub.expect(packets.Puback)
-	}
+	offlineWithTen(t, s)
 	log.mu.Lock()
 	at := map[string]uint64{}
 	for i, m := range log.recs {
