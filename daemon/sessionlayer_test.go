@@ -225,7 +225,7 @@ func TestClientChaos(t *testing.T) {
 	})
 	seed := time.Now().UnixNano()
 	t.Logf("seed %d", seed)
-	dur := 30 * time.Second
+	dur := 15 * time.Second
 	if raceEnabled || testing.Short() {
 		dur = 10 * time.Second
 	}
