@@ -654,6 +654,45 @@ func TestRetainedFollowsARewoundLog(t *testing.T) {
 	}
 }
 
+// A log replaced under a live session (a join with devices connected)
+// takes the session's queued records of the old log with it: the session
+// reads the new log from its cursor, and no old index moves it over the
+// new log's records there.
+func TestRewindDropsTheQueuedRecordsOfTheOldLog(t *testing.T) {
+	s, log := testServer(t, nil, nil)
+	c := dialRaw(t, s.Addr(), 5)
+	c.connect("live", true, &packets.Properties{ReceiveMaximum: 1})
+	c.subscribe(1, packets.Subscription{Filter: "j/#", Qos: 1})
+	pub := dialRaw(t, s.Addr(), 5)
+	pub.connect("pub", true, nil)
+	for i := range 5 {
+		pub.publish("j/x", 1, uint16(i+1), fmt.Sprint("old", i))
+		pub.expect(packets.Puback)
+	}
+	first := c.expect(packets.Publish) // old0 in flight, old1..old4 queued
+	if string(first.Payload) != "old0" {
+		t.Fatalf("first delivery %q", first.Payload)
+	}
+	// The join: the cluster's history is two records, on another topic.
+	log.mu.Lock()
+	log.recs = []*Message{{Topic: "h/x", QoS: 1, Payload: []byte("h0")}, {Topic: "h/x", QoS: 1, Payload: []byte("h1")}}
+	log.applied = 2
+	log.mu.Unlock()
+	s.Rewind(2, 2)
+	for i := range 3 {
+		pub.publish("j/x", 1, uint16(10+i), fmt.Sprint("new", i))
+		pub.expect(packets.Puback)
+	}
+	c.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: first.PacketID})
+	for i := range 3 {
+		p := c.expect(packets.Publish)
+		if want := fmt.Sprint("new", i); string(p.Payload) != want {
+			t.Fatalf("after the rewind got %q, want %s: the old log's queue was handed out", p.Payload, want)
+		}
+		c.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+	}
+}
+
 // With DisconnectWhenQueueFull a client that falls further behind than its
 // queue is disconnected with 0x97 rather than read the log for; its
 // persistent session resumes from its cursor and loses nothing.

@@ -420,7 +420,26 @@ func (s *Server) Rewind(applied, skip uint64) {
 		se.mu.Lock()
 		se.cursor = max(min(se.cursor, applied), skip)
 		se.scanned = se.cursor
+		// What the queue holds of the old log is gone with it: handed out,
+		// an old index past the cursor would move it over the new log's
+		// records there. The new log is read for them instead.
+		kept := se.queue[:0]
+		for _, it := range se.queue {
+			if it.idx == 0 { // a retained message sent on subscribe
+				kept = append(kept, it)
+			}
+		}
+		dropped := len(kept) < len(se.queue)
+		clear(se.queue[len(kept):])
+		se.queue = kept
+		c := se.conn
+		if dropped && c != nil {
+			se.behind, se.more = true, true
+		}
 		se.mu.Unlock()
+		if dropped && c != nil {
+			c.kick()
+		}
 	}
 }
 
