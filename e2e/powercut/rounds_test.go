@@ -72,15 +72,20 @@ const (
 	checkpoint             // a page of a checkpoint into bbolt written, not yet synced
 	anytime                // a random instant
 	interval               // storage.flush: interval, a random instant
+	retention              // a data file write once retention drops records (an 8MiB budget)
 	nKinds
 )
 
 func (k kind) String() string {
-	return [...]string{"wal-write", "wal-sync", "checkpoint", "anytime", "flush-interval"}[k]
+	return [...]string{"wal-write", "wal-sync", "checkpoint", "anytime", "flush-interval", "retention"}[k]
 }
 
 // flushInterval is the interval rounds' storage.flush_interval.
 const flushInterval = 50 * time.Millisecond
+
+// retentionBudget is the storage.max_bytes of retention rounds: the least
+// the config takes, so that the load passes it within a round.
+const retentionBudget = "8MiB"
 
 // client is one publisher of a round.
 type client struct {
@@ -267,7 +272,7 @@ func freeAddr() (string, error) {
 
 // startGateway starts the gateway on dir with flush mode and waits for
 // /healthz; an error says it did not come up (a refusal to start).
-func startGateway(bin, base, dir, flush string) (*gateway, error) {
+func startGateway(bin, base, dir, flush, maxBytes string) (*gateway, error) {
 	var last error
 	for attempt := 0; attempt < 3; attempt++ {
 		mq, err1 := freeAddr()
@@ -277,6 +282,9 @@ func startGateway(bin, base, dir, flush string) (*gateway, error) {
 		}
 		cfg := filepath.Join(base, "tandem.yaml")
 		yaml := fmt.Sprintf("storage:\n  flush: %s\n  flush_interval: %s\n", flush, flushInterval)
+		if maxBytes != "" {
+			yaml += "  max_bytes: " + maxBytes + "\n"
+		}
 		if err := os.WriteFile(cfg, []byte(yaml), 0o644); err != nil {
 			return nil, err
 		}
@@ -433,6 +441,7 @@ type outcome struct {
 	present    int
 	lostByDesn int           // flush: interval: acked records lost after the last WAL sync, allowed
 	lostAge    time.Duration // the oldest of those: acked that long before the cut
+	dropped    int           // retention rounds: acked records older than every kept one, allowed
 	violations []string
 	phases     []string // how long each part took
 }
@@ -443,8 +452,8 @@ func (o *outcome) phase(name string, since *time.Time) {
 }
 
 func (o *outcome) String() string {
-	return fmt.Sprintf("seed %d (%s, tear=%v): %d acked, %d present, %d lost after the last WAL sync (acked up to %s before the cut); cut at %v, %d writes and %d names %v dropped, torn %q",
-		o.seed, o.kind, o.tear, o.acked, o.present, o.lostByDesn, o.lostAge.Round(time.Millisecond), o.cut.Op, o.cut.Writes, o.cut.Names, o.cut.NameList, o.cut.Torn)
+	return fmt.Sprintf("seed %d (%s, tear=%v): %d acked, %d present, %d lost after the last WAL sync (acked up to %s before the cut), %d oldest dropped by retention; cut at %v, %d writes and %d names %v dropped, torn %q",
+		o.seed, o.kind, o.tear, o.acked, o.present, o.lostByDesn, o.lostAge.Round(time.Millisecond), o.dropped, o.cut.Op, o.cut.Writes, o.cut.Names, o.cut.NameList, o.cut.Torn)
 }
 
 // round runs one round in a fresh dir under base, of one of kinds (any
@@ -454,10 +463,14 @@ func (o *outcome) String() string {
 func round(bin, base string, seed uint64, kinds ...kind) (*outcome, error) {
 	rng := rand.New(rand.NewPCG(seed, 0x706f77657263))
 	if len(kinds) == 0 {
-		kinds = []kind{walWrite, walSync, checkpoint, anytime, interval}
+		kinds = []kind{walWrite, walSync, checkpoint, anytime, interval, retention}
 	}
 	o := &outcome{seed: seed, kind: kinds[rng.IntN(len(kinds))]}
 	o.tear = o.kind != anytime && o.kind != interval && rng.IntN(2) == 0
+	budget := ""
+	if o.kind == retention {
+		budget = retentionBudget
+	}
 	backing, mnt := filepath.Join(base, "backing"), filepath.Join(base, "mnt")
 	for _, d := range []string{backing, mnt} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
@@ -474,7 +487,7 @@ func round(bin, base string, seed uint64, kinds ...kind) (*outcome, error) {
 	if o.kind == interval {
 		flush = "interval"
 	}
-	g, err := startGateway(bin, base, mnt, flush)
+	g, err := startGateway(bin, base, mnt, flush, budget)
 	if err != nil {
 		return nil, fmt.Errorf("first start: %w", err)
 	}
@@ -493,9 +506,18 @@ func round(bin, base string, seed uint64, kinds ...kind) (*outcome, error) {
 	delay := time.Duration(200+rng.IntN(600)) * time.Millisecond
 	skip := rng.IntN(6)
 	time.Sleep(delay) // the seeded moment: load runs meanwhile
+	if o.kind == retention {
+		// The cut comes among the data file writes of the checkpoints
+		// that drop the oldest records.
+		if err := waitDropping(g.http, 20*time.Second); err != nil {
+			return nil, err
+		}
+	}
 	var cutAt time.Time
 	want := func(op pc.Op) bool {
 		switch o.kind {
+		case retention:
+			return op.Kind == pc.Write && op.Path == "tandem.db"
 		case walWrite:
 			return op.Kind == pc.Write && strings.HasPrefix(op.Path, "tandem.wal")
 		case walSync:
@@ -535,7 +557,7 @@ func round(bin, base string, seed uint64, kinds ...kind) (*outcome, error) {
 	o.phase("unmount", &t0)
 	// Restart on what survived: it must come up, answer, take a publish
 	// and stop on SIGTERM.
-	g2, err := startGateway(bin, base, backing, flush)
+	g2, err := startGateway(bin, base, backing, flush, budget)
 	if err != nil {
 		o.violations = append(o.violations, fmt.Sprintf("the gateway refused to start on what survived: %v", err))
 		return o, nil
@@ -566,6 +588,30 @@ func round(bin, base string, seed uint64, kinds ...kind) (*outcome, error) {
 	return o, nil
 }
 
+// waitDropping waits until the gateway's log has dropped records (its
+// first index is past 1).
+func waitDropping(http string, d time.Duration) error {
+	deadline := time.Now().Add(d)
+	for {
+		var st struct {
+			Log struct {
+				FirstIndex uint64 `json:"first_index"`
+			} `json:"log"`
+		}
+		if r, err := httpc.Get("http://" + http + "/v1/status"); err == nil {
+			err = json.NewDecoder(r.Body).Decode(&st)
+			r.Body.Close()
+			if err == nil && st.Log.FirstIndex > 1 {
+				return nil
+			}
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("retention dropped nothing within %v of load on a %s budget", d, retentionBudget)
+		}
+		time.Sleep(20 * time.Millisecond) // polling a live gateway's status
+	}
+}
+
 // check compares what client c was acked with what the log holds.
 //
 // flush: always: every acked seq is present. flush: interval (DESIGN.md: a
@@ -573,7 +619,9 @@ func round(bin, base string, seed uint64, kinds ...kind) (*outcome, error) {
 // fdatasync covers every frame written before it): a missing acked seq
 // must have been acked after the last WAL fdatasync that reached the disk
 // (walSynced, as the filesystem saw it), and be part of the tail: nothing
-// present after it. Both: seqs in publish order, QoS 2 ones once.
+// present after it. Retention rounds: a missing acked seq must be older
+// than every seq present, the oldest records being the ones dropped. All:
+// seqs in publish order, QoS 2 ones once.
 func (o *outcome) check(c *client, got []int, cutAt, walSynced time.Time) {
 	present := map[int]int{}
 	prev := -1
@@ -592,9 +640,15 @@ func (o *outcome) check(c *client, got []int, cutAt, walSynced time.Time) {
 	}
 	o.acked += len(c.acked)
 	o.present += len(present)
-	maxPresent := -1
+	maxPresent, minPresent := -1, -1
 	for s := range present {
 		maxPresent = max(maxPresent, s)
+		if minPresent < 0 || s < minPresent {
+			minPresent = s
+		}
+	}
+	if o.kind == retention && len(present) == 0 && len(c.acked) > 0 {
+		o.violations = append(o.violations, fmt.Sprintf("%s: none of %d acked seqs is in the log: retention kept nothing of it", c.id, len(c.acked)))
 	}
 	var lost []int
 	for s, at := range c.acked {
@@ -604,6 +658,10 @@ func (o *outcome) check(c *client, got []int, cutAt, walSynced time.Time) {
 		if o.kind == interval && s > maxPresent && !at.Before(walSynced) {
 			o.lostByDesn++
 			o.lostAge = max(o.lostAge, cutAt.Sub(at))
+			continue
+		}
+		if o.kind == retention && s < minPresent {
+			o.dropped++
 			continue
 		}
 		lost = append(lost, s)
