@@ -240,6 +240,10 @@ func (db *DB) Scan(from uint64, fn func(e pb.Entry) bool) error {
 		}
 		from = batch[len(batch)-1].Index + 1
 	}
+	// The copy of what the checkpoint has not moved yet may hold records
+	// retention dropped meanwhile: none before the first index is shown.
+	first, _ := db.FirstIndex()
+	from = max(from, first)
 	for i := range pend {
 		if pend[i].Index >= from && !fn(pend[i]) {
 			return nil

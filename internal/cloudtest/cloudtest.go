@@ -101,12 +101,16 @@ func (c *Cloud) run(bin string) {
 	c.done = make(chan struct{})
 	cmd, done := c.cmd, c.done
 	go func() { _ = cmd.Wait(); close(done) }()
-	// It writes its log once it listens.
+	// Its log says it opens the socket a moment before the socket takes
+	// connections (a dial in between was refused, under load): both.
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		b, _ := os.ReadFile(filepath.Join(c.Dir, "mosquitto.log"))
 		if len(b) > 0 && containsListening(string(b)) {
-			return
+			if nc, err := net.DialTimeout("tcp", c.Addr(), time.Second); err == nil {
+				nc.Close()
+				return
+			}
 		}
 		select {
 		case <-done:
