@@ -111,7 +111,8 @@ func startTandem(t *testing.T, dataDir string, addrs *tandemAddrs, extra ...stri
 		if addrs != nil {
 			a = *addrs
 		} else {
-			a = tandemAddrs{mqtt: testutil.FreeAddr(t), http: testutil.FreeAddr(t)}
+			two := testutil.FreeAddrs(t, 2)
+			a = tandemAddrs{mqtt: two[0], http: two[1]}
 		}
 		p := &tandemProc{t: t, dataDir: dataDir, addrs: a, out: &testutil.Buffer{}, exited: make(chan struct{})}
 		p.cmd = exec.Command(bin, append([]string{"run", "--data", dataDir, "--mqtt", a.mqtt, "--http", a.http, "--peer", "127.0.0.1:0"}, extra...)...)

@@ -40,8 +40,9 @@ func (g *fixedGateway) start(t *testing.T, mutate func(*config.Config)) {
 // by mutate, if set) and makes gw-2 gw-1's slave, caught up.
 func inProcessPair(t *testing.T, mutate func(*config.Config)) (g1, g2 *fixedGateway) {
 	t.Helper()
-	g1 = &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
-	g2 = &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
+	peers := testutil.FreeAddrs(t, 2)
+	g1 = &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: peers[0]}
+	g2 = &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: peers[1]}
 	g1.start(t, mutate)
 	g2.start(t, mutate)
 	joinWith(t, g2.d, inviteToken(t, g1.d))
@@ -168,9 +169,10 @@ func TestPromoteRefusals(t *testing.T) {
 // master was not yet a member: it must keep its link to that master while
 // it catches up (found by review: it dropped it and never caught up).
 func TestJoinAfterAPromotionCatchesUp(t *testing.T) {
-	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
-	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
-	g3 := &fixedGateway{name: "gw-3", dir: t.TempDir(), peer: testutil.FreeAddr(t)}
+	peers := testutil.FreeAddrs(t, 3)
+	g1 := &fixedGateway{name: "gw-1", dir: t.TempDir(), peer: peers[0]}
+	g2 := &fixedGateway{name: "gw-2", dir: t.TempDir(), peer: peers[1]}
+	g3 := &fixedGateway{name: "gw-3", dir: t.TempDir(), peer: peers[2]}
 	g1.start(t, nil)
 	pub1, _ := v5(t, g1.d.MQTTAddr(), "pub1", nil)
 	big := bytes.Repeat([]byte("x"), 8000)

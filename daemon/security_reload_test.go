@@ -140,7 +140,8 @@ func TestSIGHUPReloadsRunningDaemon(t *testing.T) {
 	dir := t.TempDir()
 	users := usersFile(t, filepath.Join(dir, "users"), "alice", "a")
 	acl := writeFile(t, filepath.Join(dir, "acl"), "user alice\ntopic readwrite alice/#\n")
-	mqttAddr, httpAddr := testutil.FreeAddr(t), testutil.FreeAddr(t)
+	two := testutil.FreeAddrs(t, 2)
+	mqttAddr, httpAddr := two[0], two[1]
 	cfgPath := writeFile(t, filepath.Join(dir, "tandem.yaml"), fmt.Sprintf(
 		"node:\n  data_dir: %s\nmqtt:\n  listen: %s\n  users_file: %s\n  acl_file: %s\nhttp:\n  listen: %s\npeer:\n  listen: 127.0.0.1:0\n",
 		filepath.Join(dir, "data"), mqttAddr, users, acl, httpAddr))

@@ -277,6 +277,9 @@ func startGateway(bin, base, dir, flush, maxBytes string) (*gateway, error) {
 	for attempt := 0; attempt < 3; attempt++ {
 		mq, err1 := freeAddr()
 		ht, err2 := freeAddr()
+		for err2 == nil && ht == mq { // the port just freed may come again
+			ht, err2 = freeAddr()
+		}
 		if err := errors.Join(err1, err2); err != nil {
 			return nil, err
 		}

@@ -46,6 +46,23 @@ func FreeAddr(t testing.TB) string {
 	return ln.Addr().String()
 }
 
+// FreeAddrs is n FreeAddr that differ from each other: each port is held
+// until all are picked (two FreeAddr in a row may give the same port, the
+// first being free again once closed).
+func FreeAddrs(t testing.TB, n int) []string {
+	t.Helper()
+	out := make([]string, 0, n)
+	for range n {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatalf("picking a free port: %v", err)
+		}
+		defer ln.Close()
+		out = append(out, ln.Addr().String())
+	}
+	return out
+}
+
 // FreePort is FreeAddr's port, for configs that take the port alone.
 func FreePort(t testing.TB) int {
 	t.Helper()
