@@ -124,7 +124,7 @@ func wait(t *testing.T, ch chan result) result {
 // waitFor is testutil.WaitFor with the deadline every test here uses.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	testutil.WaitFor(t, 10*time.Second, what, cond)
+	testutil.WaitFor(t, 20*time.Second, what, cond) // ample: these run under -race, qemu and beside other packages
 }
 
 func TestAsyncProposalResolvesWhenDurable(t *testing.T) {

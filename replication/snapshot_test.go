@@ -16,6 +16,7 @@ import (
 	"go.etcd.io/raft/v3"
 	pb "go.etcd.io/raft/v3/raftpb"
 
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/storage"
 )
 
@@ -414,7 +415,9 @@ func TestJoinerPullsASnapshotLargerThanAFrame(t *testing.T) {
 	const n, size = 272, 64 << 10 // 17 MiB of retained messages
 	proposeLarge(t, master, "big", n, size, true)
 	proposeLarge(t, master, "filler", 160, size, false)
-	waitFor(t, "the master to drop the retained records' part of the log", func() bool { f, _ := master.db.FirstIndex(); return f > n+5 })
+	// 27 MiB of 64 KiB records through checkpoints and retention: longer
+	// than waitFor's 10 s on a loaded machine (seen in CI).
+	testutil.WaitFor(t, 30*time.Second, "the master to drop the retained records' part of the log", func() bool { f, _ := master.db.FirstIndex(); return f > n+5 })
 
 	b := c.newDir()
 	var fails atomic.Int32
