@@ -423,21 +423,16 @@ func (s *Server) Rewind(applied, skip uint64) {
 		// What the queue holds of the old log is gone with it: handed out,
 		// an old index past the cursor would move it over the new log's
 		// records there. The new log is read for them instead.
-		kept := se.queue[:0]
-		for _, it := range se.queue {
-			if it.idx == 0 { // a retained message sent on subscribe
-				kept = append(kept, it)
-			}
-		}
-		dropped := len(kept) < len(se.queue)
-		clear(se.queue[len(kept):])
-		se.queue = kept
+		// Retained messages sent on subscribe (index 0) stay.
+		queued := len(se.queue)
+		se.queue = slices.DeleteFunc(se.queue, func(it *outItem) bool { return it.idx > 0 })
 		c := se.conn
-		if dropped && c != nil {
+		replay := c != nil && len(se.queue) < queued
+		if replay {
 			se.behind, se.more = true, true
 		}
 		se.mu.Unlock()
-		if dropped && c != nil {
+		if replay {
 			c.kick()
 		}
 	}
