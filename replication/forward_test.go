@@ -391,3 +391,55 @@ func TestForwardedPublishersShareBatches(t *testing.T) {
 		}
 	}
 }
+
+// A retried forward is answered from the log only if the master still
+// knows where the record went: recentLogged must find each of the last
+// recentLoggedCap records of every origin, the newest place of a record
+// logged twice, and nothing it was never given or has forgotten.
+func TestRecentLoggedRemembersTheLastRecordsOfEachOrigin(t *testing.T) {
+	var r recentLogged
+	const epoch = 7 << 32
+	for s := uint64(1); s <= recentLoggedCap+10; s++ {
+		r.add(recID{1, epoch + s}, 100+s)
+		r.add(recID{2, epoch + s}, 200+s)
+	}
+	for _, o := range []uint64{1, 2} {
+		for _, s := range []uint64{11, 5000, recentLoggedCap + 10} {
+			if idx, ok := r.get(recID{o, epoch + s}); !ok || idx != o*100+s {
+				t.Fatalf("origin %d seq %d: got %d %v, want %d", o, s, idx, ok, o*100+s)
+			}
+		}
+		// The first ten were overwritten by the ten that came 64 Ki later.
+		if _, ok := r.get(recID{o, epoch + 10}); ok {
+			t.Fatalf("origin %d: seq 10 should be forgotten", o)
+		}
+	}
+	if _, ok := r.get(recID{3, epoch + 11}); ok {
+		t.Fatal("an origin never seen was found")
+	}
+	if _, ok := r.get(recID{1, (epoch + 1<<32) + 11}); ok {
+		t.Fatal("a later epoch's record was taken for an earlier one")
+	}
+	r.add(recID{1, epoch + 11}, 999) // logged again: the newest place counts
+	if idx, _ := r.get(recID{1, epoch + 11}); idx != 999 {
+		t.Fatalf("relogged: got %d, want 999", idx)
+	}
+	// Origins past maxLoggedOrigins: the least recently used goes.
+	var m recentLogged
+	for o := uint64(1); o <= maxLoggedOrigins; o++ {
+		m.add(recID{o, epoch + 1}, o)
+	}
+	m.get(recID{1, epoch + 1}) // origin 1 is used again; 2 is now the oldest
+	m.add(recID{maxLoggedOrigins + 1, epoch + 1}, 1)
+	if _, ok := m.get(recID{2, epoch + 1}); ok {
+		t.Fatal("origin 2, the least recently used, should be forgotten")
+	}
+	for o := uint64(1); o <= maxLoggedOrigins+1; o++ {
+		if _, ok := m.get(recID{o, epoch + 1}); !ok && o != 2 {
+			t.Fatalf("origin %d was forgotten", o)
+		}
+	}
+	if len(m.origins) != maxLoggedOrigins {
+		t.Fatalf("%d rings kept, want %d", len(m.origins), maxLoggedOrigins)
+	}
+}
