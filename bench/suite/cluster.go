@@ -47,10 +47,14 @@ var clusterWorkloads = []clusterWorkload{
 	{"C7 sync, 3 gw, on a slave", 3, bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "s/%c", "forwarded", true},
 }
 
-// runClusters runs the cluster workloads, reps times each on a fresh
-// cluster per size, and prints medians and the replication lag seen.
+// runClusters runs the cluster workloads reps times each, on one cluster
+// per size, and prints medians and the replication lag seen. The reps go
+// round by round (C1, C2, ... then C1, C2, ... again) and each workload's
+// ratio is the median of its ratios to the C1 of the same round: this
+// machine's speed drifts by a fifth over minutes, which running one
+// workload's reps back to back put into the ratios.
 func runClusters(bin, dir string, reps int, only string) {
-	fmt.Printf("\nclusters on loopback (every member fsyncs before it reports; clients on the master unless said), %d runs each, medians\n", reps)
+	fmt.Printf("\nclusters on loopback (every member fsyncs before it reports; clients on the master unless said), %d rounds, medians; the ratio is the median of each round's against that round's C1\n", reps)
 	fmt.Printf("%-30s %10s %9s %9s %11s %11s %9s %10s  %s\n", "", "msg/s", "p50 ms", "p99 ms", "max lag rec", "max lag s", "µs/msg", "fsync/msg", "ratio (goal)")
 	clusters := map[int][]*broker{}
 	defer func() {
@@ -60,20 +64,27 @@ func runClusters(bin, dir string, reps int, only string) {
 			}
 		}
 	}()
-	var ref float64
+	var ws []clusterWorkload
 	for _, w := range clusterWorkloads {
-		if first, _, _ := strings.Cut(w.name, " "); only != "" && first != "C1" && !slices.Contains(strings.Split(only, ","), first) {
-			continue
+		if first, _, _ := strings.Cut(w.name, " "); only == "" || first == "C1" || slices.Contains(strings.Split(only, ","), first) {
+			ws = append(ws, w)
 		}
-		bs := clusters[w.members]
-		if bs == nil {
-			bs = startCluster(bin, filepath.Join(dir, fmt.Sprintf("c%d", w.members)), w.members)
-			clusters[w.members] = bs
-		}
-		var ss []sample
-		var lagRec uint64
-		var lagSec float64
-		for r := 0; r < reps; r++ {
+	}
+	type result struct {
+		ss     []sample
+		ratios []float64
+		lagRec uint64
+		lagSec float64
+	}
+	results := make([]result, len(ws))
+	for r := 0; r < reps; r++ {
+		var ref float64
+		for i, w := range ws {
+			bs := clusters[w.members]
+			if bs == nil {
+				bs = startCluster(bin, filepath.Join(dir, fmt.Sprintf("c%d", w.members)), w.members)
+				clusters[w.members] = bs
+			}
 			o := w.o
 			o.Broker = bs[0].addr
 			if w.onSlave {
@@ -81,23 +92,30 @@ func runClusters(bin, dir string, reps int, only string) {
 			}
 			o.Topic = w.topic
 			o.Version = 5
-			stopLag := watchLag(bs[0].http, &lagRec, &lagSec)
+			res := &results[i]
+			stopLag := watchLag(bs[0].http, &res.lagRec, &res.lagSec)
 			cpu0, fsyncs0 := membersCPU(bs), tandemFsyncs(bs[0])
-			res, err := bench.Run(context.Background(), o)
+			out, err := bench.Run(context.Background(), o)
 			cpu, fsyncs := membersCPU(bs)-cpu0, tandemFsyncs(bs[0])-fsyncs0
 			stopLag()
 			check(err)
-			if res.Failed > 0 {
-				fmt.Fprintf(os.Stderr, "%s: %d failed: %s\n", w.name, res.Failed, res.FirstFailure)
+			if out.Failed > 0 {
+				fmt.Fprintf(os.Stderr, "%s: %d failed: %s\n", w.name, out.Failed, out.FirstFailure)
 			}
-			acked := float64(max(res.Acked, 1))
-			ss = append(ss, sample{res: res, cpuUsPerMsg: cpu * 1e6 / acked, fsyncsPerMsg: float64(fsyncs) / acked})
+			acked := float64(max(out.Acked, 1))
+			res.ss = append(res.ss, sample{res: out, cpuUsPerMsg: cpu * 1e6 / acked, fsyncsPerMsg: float64(fsyncs) / acked})
+			if i == 0 {
+				ref = out.MsgPerSec
+			}
+			res.ratios = append(res.ratios, out.MsgPerSec/ref)
 		}
-		m := median(ss)
-		if ref == 0 {
-			ref = m.res.MsgPerSec
-		}
-		fmt.Printf("%-30s %10.0f %9.3f %9.3f %11d %11.3f %9.1f %10.3f  %.2f× C1 (%s)\n", w.name, m.res.MsgPerSec, m.res.AckP50Ms, m.res.AckP99Ms, lagRec, lagSec, m.cpuUsPerMsg, m.fsyncsPerMsg, m.res.MsgPerSec/ref, w.goal)
+	}
+	for i, w := range ws {
+		res := &results[i]
+		m := median(res.ss)
+		slices.Sort(res.ratios)
+		ratio := res.ratios[len(res.ratios)/2]
+		fmt.Printf("%-30s %10.0f %9.3f %9.3f %11d %11.3f %9.1f %10.3f  %.2f× C1 (%s)\n", w.name, m.res.MsgPerSec, m.res.AckP50Ms, m.res.AckP99Ms, res.lagRec, res.lagSec, m.cpuUsPerMsg, m.fsyncsPerMsg, ratio, w.goal)
 	}
 }
 
