@@ -673,6 +673,14 @@ func TestRewindDropsTheQueuedRecordsOfTheOldLog(t *testing.T) {
 	if string(first.Payload) != "old0" {
 		t.Fatalf("first delivery %q", first.Payload)
 	}
+	// The join stops the node before it rewinds (restartNode), so no
+	// record of the old log is being applied meanwhile: a PUBACK comes at
+	// the record's commit, before its apply.
+	testutil.WaitFor(t, 5*time.Second, "the old log to be applied", func() bool {
+		log.mu.Lock()
+		defer log.mu.Unlock()
+		return log.applied == 5
+	})
 	// The join: the cluster's history is two records, on another topic.
 	log.mu.Lock()
 	log.recs = []*Message{{Topic: "h/x", QoS: 1, Payload: []byte("h0")}, {Topic: "h/x", QoS: 1, Payload: []byte("h1")}}
