@@ -152,7 +152,14 @@ func firstIndex(ents []pb.Entry) uint64 {
 func (n *Node) setLeader(leader bool, lead uint64) {
 	if leader != n.leader {
 		clear(n.silentSince) // a new term as master counts silence afresh
-		n.log.Info("role changed", "master", leader, "leader", IDString(lead), "term", n.rn.BasicStatus().Term)
+		term := n.rn.BasicStatus().Term
+		if leader {
+			// Before this Ready saves the term's first entry: what this
+			// node writes as master stays its own through a snapshot
+			// install (storage.DB.ApplySnapshot).
+			n.db.NoteLed(term)
+		}
+		n.log.Info("role changed", "master", leader, "leader", IDString(lead), "term", term)
 		n.settleLead(leader)
 	}
 	n.leader = leader

@@ -473,3 +473,65 @@ func TestJoinerPullsASnapshotLargerThanAFrame(t *testing.T) {
 		t.Fatalf("sync with the joined slave: %v", r.err)
 	}
 }
+
+// A master cut off from the others acks async publishes the others never
+// get; if the new master's retention passes them before the cut heals, the
+// deposed master is sent a snapshot, not an append that overwrites its
+// tail (which would requeue it). What it wrote as master past its commit
+// index must still be re-published, not go with its log: every async ack
+// it gave ends up on every member.
+func TestDeposedMasterGivenASnapshotRepublishesItsTail(t *testing.T) {
+	const budget = 8 << 20
+	c := newClusterWith(t, 0, func(cfg *Config) { cfg.SilentMemberHold = 100 * time.Millisecond })
+	c.storeOpts = &storage.Options{MaxBytes: budget}
+	for range 3 {
+		c.newDir()
+	}
+	c.peers = nil
+	for _, id := range c.ids {
+		c.peers = append(c.peers, raft.Peer{ID: id})
+	}
+	for _, id := range c.ids {
+		c.start(id)
+	}
+	old := c.leader()
+	if r := c.propose("before", Sync); r.err != nil {
+		t.Fatal(r.err)
+	}
+	c.net.isolate(old.ID())
+	var acked []string
+	for i := 0; i < 5; i++ {
+		topic := fmt.Sprintf("cut/%d", i)
+		if r := wait(t, old.propose(t, topic, Async)); r.err == nil {
+			acked = append(acked, topic)
+		}
+	}
+	if len(acked) == 0 {
+		t.Fatal("the cut-off master acked nothing; the test needs it to")
+	}
+	oldLast, _ := old.db.LastIndex()
+	lead2 := c.masterOtherThan(old.ID())
+	proposeBytes(t, lead2, 3*budget)
+	waitFor(t, "the new master's log to start past the deposed master's", func() bool {
+		f, _ := lead2.db.FirstIndex()
+		return f > oldLast+1
+	})
+	c.net.heal()
+	for _, id := range c.ids {
+		waitFor(t, "every async ack of the deposed master on every member", func() bool {
+			got := map[string]bool{}
+			for _, tp := range c.applied(id) {
+				got[tp] = true
+			}
+			for _, tp := range acked {
+				if !got[tp] {
+					return false
+				}
+			}
+			return true
+		})
+	}
+	if r := c.propose("after", Sync); r.err != nil {
+		t.Fatalf("sync after the heal: %v", r.err)
+	}
+}

@@ -61,6 +61,7 @@ var (
 	keyNodeID    = []byte("node_id")
 	keyApplied   = []byte("applied")
 	keyEpoch     = []byte("epoch")
+	keyLed       = []byte("led") // the last term this node was the master of
 	keyWAL       = []byte("wal") // the id live WAL frames carry
 )
 

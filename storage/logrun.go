@@ -241,8 +241,9 @@ func (db *DB) putEntries(tx *bolt.Tx, ents []pb.Entry) error {
 // requeueFrom moves the data entries from index from on out of the log into
 // the requeue bucket, keyed by their old index and term: a node overwritten
 // twice at the same indexes keeps both generations. A run that starts
-// before from keeps its head, written anew.
-func requeueFrom(tx *bolt.Tx, lb *bolt.Bucket, from uint64) error {
+// before from keeps its head, written anew. With term set, only the
+// entries of that term move; the others go with the log all the same.
+func requeueFrom(tx *bolt.Tx, lb *bolt.Bucket, from, term uint64) error {
 	type kv struct{ k, v []byte }
 	var gone [][]byte // keys to delete
 	var moved []kv    // requeue bucket puts
@@ -266,7 +267,7 @@ func requeueFrom(tx *bolt.Tx, lb *bolt.Bucket, from uint64) error {
 				h := append([]byte(nil), v[:len(v)-len(rest)]...)
 				head = &kv{append([]byte(nil), k...), h}
 			}
-			if idx >= from && len(ev) > entryHdr && pb.EntryType(ev[12]) == pb.EntryNormal {
+			if idx >= from && len(ev) > entryHdr && pb.EntryType(ev[12]) == pb.EntryNormal && (term == 0 || binary.BigEndian.Uint64(ev[4:12]) == term) {
 				rk := append(u64(idx), ev[4:12]...)
 				moved = append(moved, kv{rk, append([]byte(nil), ev...)})
 			}

@@ -376,7 +376,7 @@ func (db *DB) ResetRaftFrom(from uint64) error {
 	err := db.commitSync(0, func(tx *bolt.Tx) error {
 		lb := tx.Bucket(bucketLog)
 		if requeue {
-			if err := requeueFrom(tx, lb, from); err != nil {
+			if err := requeueFrom(tx, lb, from, 0); err != nil {
 				return err
 			}
 		}

@@ -37,6 +37,16 @@ func (db *DB) LastIndex() (uint64, error) {
 // data (from a build before snapshots carried the broker state) carries the
 // membership only. The records before the snapshot's index are not on this
 // member afterwards.
+//
+// Except the ones only this member may hold: the entries past its commit
+// index that it wrote as the master (in the term NoteLed recorded last) are
+// records it may have acked as async while cut off, and a master whose log
+// has since passed them sends a snapshot, not an append that would
+// overwrite them. They move to the requeue bucket, as overwritten ones do,
+// and are re-published (DESIGN.md: storage never drops a persisted data
+// entry silently). Those the cluster had after all come back as duplicates
+// the master cannot tell by id once its retention dropped its copies: the
+// records a cut-off master had sent, but not heard committed.
 func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 	if db.ro {
 		return fmt.Errorf("storage: apply snapshot on a read-only file")
@@ -60,11 +70,24 @@ func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 		buckets = bs
 	}
 	hs := db.HardState()
+	led, err := db.ledTerm()
+	if err != nil {
+		return fmt.Errorf("storage: apply snapshot: %w", err)
+	}
+	last, _ := db.LastIndex()
+	requeue := led != 0 && led <= hs.Term && last > hs.Commit
+	from := hs.Commit + 1
 	hs.Commit = max(hs.Commit, md.Index)
 	if md.Term > hs.Term {
 		hs.Term, hs.Vote = md.Term, 0
 	}
-	err := db.commitSync(0, func(tx *bolt.Tx) error {
+	err = db.commitSync(0, func(tx *bolt.Tx) error {
+		if requeue {
+			if err := requeueFrom(tx, tx.Bucket(bucketLog), from, led); err != nil {
+				return err
+			}
+			db.requeued.Store(true)
+		}
 		if err := tx.DeleteBucket(bucketLog); err != nil {
 			return err
 		}
@@ -112,6 +135,21 @@ func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 		return fmt.Errorf("storage: apply snapshot: %w", err)
 	}
 	return nil
+}
+
+// NoteLed records that this node is the master of term: the entries it
+// writes in that term are its own, acked perhaps before any other member
+// holds them, which ApplySnapshot keeps. Staged: durable no later than the
+// first entry saved after it, the one raft appends for the new term.
+func (db *DB) NoteLed(term uint64) { db.stage(string(bucketMeta), string(keyLed), u64(term)) }
+
+// ledTerm returns the term NoteLed recorded last, 0 if none.
+func (db *DB) ledTerm() (uint64, error) {
+	v, err := db.GetMeta(string(keyLed))
+	if err != nil || len(v) != 8 {
+		return 0, err
+	}
+	return binary.BigEndian.Uint64(v), nil
 }
 
 // Term implements raft.Storage.
@@ -371,7 +409,7 @@ func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry, lazy bool) error {
 func (db *DB) saveOverwriting(hs pb.HardState, ents []pb.Entry, last uint64) error {
 	err := db.commitSync(len(ents), func(tx *bolt.Tx) error {
 		lb := tx.Bucket(bucketLog)
-		if err := requeueFrom(tx, lb, ents[0].Index); err != nil {
+		if err := requeueFrom(tx, lb, ents[0].Index, 0); err != nil {
 			return err
 		}
 		db.requeued.Store(true)

@@ -5,6 +5,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -458,4 +459,60 @@ func isClosed(ch <-chan struct{}) bool {
 	default:
 		return false
 	}
+}
+
+// A snapshot replaces the log, but not what only this member may hold:
+// the entries past its commit index of the term it was the master of
+// (NoteLed), records it may have acked while cut off, go to the requeue
+// bucket, durably; earlier terms' entries and a member that never led
+// requeue nothing.
+func TestApplySnapshotRequeuesTheTailWrittenAsMaster(t *testing.T) {
+	snap := pb.Snapshot{Metadata: pb.SnapshotMetadata{Index: 500, Term: 3, ConfState: pb.ConfState{Voters: []uint64{1, 2, 3}}}}
+	indexes := func(db *DB) []uint64 {
+		t.Helper()
+		rs, err := db.Requeued(100)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out []uint64
+		for _, r := range rs {
+			if r.Term != 2 {
+				t.Errorf("requeued entry %d of term %d, want 2", r.Index, r.Term)
+			}
+			out = append(out, r.Index)
+		}
+		return out
+	}
+	t.Run("led", func(t *testing.T) {
+		dir := t.TempDir()
+		db := testOpen(t, dir, nil)
+		mustSave(t, db, pb.HardState{Term: 1, Commit: 8}, makeEntries(1, 10, 1)) // 9, 10: term 1, past the commit, another master's
+		db.NoteLed(2)
+		mustSave(t, db, pb.HardState{Term: 2, Vote: 1, Commit: 8}, makeEntries(11, 8, 2))
+		if err := db.ApplySnapshot(snap); err != nil {
+			t.Fatal(err)
+		}
+		if !db.TakeRequeueSignal() {
+			t.Error("no requeue signal")
+		}
+		want := []uint64{11, 12, 13, 14, 15, 16, 17, 18}
+		if got := indexes(db); !slices.Equal(got, want) {
+			t.Fatalf("requeued %v, want %v", got, want)
+		}
+		mustClose(t, db)
+		db = testOpen(t, dir, nil)
+		if got := indexes(db); !slices.Equal(got, want) {
+			t.Fatalf("after reopen: requeued %v, want %v", got, want)
+		}
+	})
+	t.Run("never led", func(t *testing.T) {
+		db := testOpen(t, t.TempDir(), nil)
+		mustSave(t, db, pb.HardState{Term: 2, Commit: 8}, makeEntries(1, 18, 2))
+		if err := db.ApplySnapshot(snap); err != nil {
+			t.Fatal(err)
+		}
+		if got := indexes(db); len(got) != 0 {
+			t.Fatalf("a member that never led requeued %v", got)
+		}
+	})
 }
