@@ -14,11 +14,13 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
 	raftpb "go.etcd.io/raft/v3/raftpb"
 
+	"github.com/tandem-edge/tandem/discovery"
 	"github.com/tandem-edge/tandem/replication"
 )
 
@@ -264,8 +266,9 @@ func (d *Gateway) Resync(old *replication.Identity, known KnownCluster, done fun
 		})
 		wait := 500 * time.Millisecond
 		var lastErr string
+		seen := map[uint64][]string{} // where mDNS shows the known members now
 		for {
-			rep, err := c.resyncRound(ctx, old, known)
+			rep, err := c.resyncRound(ctx, old, known, seen)
 			if err == nil {
 				if _, err = c.becomeMember(ctx, rep, JoinFresh, 0); err == nil {
 					done(Resynced{Master: rep.Master, MasterLast: rep.Last, Fork: rep.Fork})
@@ -279,6 +282,9 @@ func (d *Gateway) Resync(old *replication.Identity, known KnownCluster, done fun
 				d.log.Warn("re-syncing from the cluster: no master admitted this gateway yet; will retry", "error", err)
 				lastErr = err.Error()
 			}
+			if d.cfg.Discovery.MDNS {
+				c.resyncBrowse(ctx, known, seen)
+			}
 			select {
 			case <-ctx.Done():
 				return
@@ -289,9 +295,32 @@ func (d *Gateway) Resync(old *replication.Identity, known KnownCluster, done fun
 	})
 }
 
-// resyncRound knocks once on every address of every other known member
-// and returns the first master's answer.
-func (c *cluster) resyncRound(ctx context.Context, old *replication.Identity, known KnownCluster) (JoinReply, error) {
+// resyncBrowse adds to seen the addresses mDNS shows for the other known
+// members, by id and cluster: a member that moved since MembersFile was
+// written (a new DHCP lease while this gateway was down) is knocked at
+// there. mDNS is not authenticated, but the knock checks the member's
+// pinned fingerprint, so an impostor announcing its id gains nothing.
+func (c *cluster) resyncBrowse(ctx context.Context, known KnownCluster, seen map[uint64][]string) {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	peers, err := discovery.Browse(ctx, discovery.BrowseOptions{Interface: c.d.cfg.Discovery.Interface, Timeout: 1500 * time.Millisecond})
+	if err != nil {
+		c.d.log.Debug("browsing for members failed", "error", err)
+		return
+	}
+	for _, m := range known.Others() {
+		for _, p := range peers {
+			if p.ID == replication.IDString(m.ID) && p.Cluster == known.Cluster && len(p.Addrs) > 0 && !slices.Equal(p.Addrs, seen[m.ID]) {
+				c.d.log.Info("member found at a new address", "peer", m.Name, "addrs", p.Addrs, "was", m.Addrs)
+				seen[m.ID] = slices.Clone(p.Addrs)
+			}
+		}
+	}
+}
+
+// resyncRound knocks once on every address of every other known member,
+// those mDNS showed (seen) first, and returns the first master's answer.
+func (c *cluster) resyncRound(ctx context.Context, old *replication.Identity, known KnownCluster, seen map[uint64][]string) (JoinReply, error) {
 	self := c.d.self()
 	proof, err := signResync(old, known.Cluster, self)
 	if err != nil {
@@ -300,7 +329,13 @@ func (c *cluster) resyncRound(ctx context.Context, old *replication.Identity, kn
 	payload, _ := json.Marshal(JoinRequest{Member: self, Resync: proof})
 	var errs []error
 	for _, m := range known.Others() {
-		for _, addr := range c.peerAddrs(m) {
+		addrs := slices.Clone(seen[m.ID])
+		for _, a := range c.peerAddrs(m) {
+			if !slices.Contains(addrs, a) {
+				addrs = append(addrs, a)
+			}
+		}
+		for _, addr := range addrs {
 			kctx, cancel := context.WithTimeout(ctx, knockTimeout(c.rtt.get(), 0))
 			reply, remote, err := c.tr.Knock(kctx, addr, m.Fingerprint, replication.KnockJoin, payload)
 			cancel()

@@ -208,6 +208,28 @@ func TestDamagedSlaveResyncsFromMaster(t *testing.T) {
 	finish(t, acked, g1, g2)
 }
 
+// A slave found damaged at start re-syncs under a fresh id, knocking at the
+// members its members.json names, where they were. The master's DHCP
+// lease changed while the slave was down: the slave finds it by mDNS, by
+// its id, and re-syncs there.
+func TestDamagedSlaveResyncsFromAMasterThatMoved(t *testing.T) {
+	// Mostly waiting (knocks at a dead address, mDNS), on a network of its
+	// own: it runs beside the other waiting ones (make test's time).
+	t.Parallel()
+	nt := netns.New(t, 2)
+	g1, g2 := startPair(t, nt)
+	acked := publishOn(t, g1, "a/moved", 2, 100)
+	converge(t, 20*time.Second, g1, g2)
+	before := g2.status()
+	g2.stop()
+	nt.Hosts[0].SetAddr("101")
+	noneLost(t, g2, heal(t, g2, g1, before, damages[1]))
+	logLine(t, g2, "member found at a new address")
+	waitShape(t, g1, 0, 1, 20*time.Second)
+	servesNew(t, g2, g1, "a/after-move", acked)
+	finish(t, acked, g1, g2)
+}
+
 // A master stopped and promoted over (tandem promote on its slave), whose
 // data file is then found damaged, rejoins the new master as its slave the
 // same way, under a fresh id.
