@@ -86,14 +86,22 @@ func (c *cluster) announce() {
 
 // browse looks for unreachable members under new addresses.
 func (c *cluster) browse(ctx context.Context) {
+	if peers, ok := c.browsePeers(ctx); ok {
+		c.found(peers)
+	}
+}
+
+// browsePeers is one mDNS browse for gateways, of at most 3 s; false if
+// it failed (logged at debug level: the LAN may simply have no mDNS).
+func (c *cluster) browsePeers(ctx context.Context) ([]discovery.Peer, bool) {
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	peers, err := discovery.Browse(ctx, discovery.BrowseOptions{Interface: c.d.cfg.Discovery.Interface, Timeout: 1500 * time.Millisecond})
 	if err != nil {
 		c.d.log.Debug("browsing for members failed", "error", err)
-		return
+		return nil, false
 	}
-	c.found(peers)
+	return peers, true
 }
 
 // found takes the members' addresses mDNS saw: a member whose addresses

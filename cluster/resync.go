@@ -20,7 +20,6 @@ import (
 
 	raftpb "go.etcd.io/raft/v3/raftpb"
 
-	"github.com/tandem-edge/tandem/discovery"
 	"github.com/tandem-edge/tandem/replication"
 )
 
@@ -301,11 +300,8 @@ func (d *Gateway) Resync(old *replication.Identity, known KnownCluster, done fun
 // there. mDNS is not authenticated, but the knock checks the member's
 // pinned fingerprint, so an impostor announcing its id gains nothing.
 func (c *cluster) resyncBrowse(ctx context.Context, known KnownCluster, seen map[uint64][]string) {
-	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
-	defer cancel()
-	peers, err := discovery.Browse(ctx, discovery.BrowseOptions{Interface: c.d.cfg.Discovery.Interface, Timeout: 1500 * time.Millisecond})
-	if err != nil {
-		c.d.log.Debug("browsing for members failed", "error", err)
+	peers, ok := c.browsePeers(ctx)
+	if !ok {
 		return
 	}
 	for _, m := range known.Others() {

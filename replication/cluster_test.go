@@ -545,6 +545,27 @@ func TestDeposedMastersAsyncAcksAreRequeued(t *testing.T) {
 	if r := c.propose("before", Async); r.err != nil {
 		t.Fatal(r.err)
 	}
+	acked := cutOffAcks(t, c, old)
+	// The others elect a master and write over the same indexes.
+	lead2 := c.masterOtherThan(old.ID())
+	for i := 0; i < 10; i++ {
+		if r := wait(t, lead2.propose(t, fmt.Sprintf("new/%d", i), Sync)); r.err != nil {
+			t.Fatal(r.err)
+		}
+	}
+	c.net.heal()
+	waitAppliedEverywhere(t, c, acked)
+	// The count follows the re-published records' answers, which may come
+	// after the records are applied everywhere (seen under ARM qemu).
+	waitFor(t, fmt.Sprintf("the deposed master to count at least %d re-published records", len(acked)), func() bool {
+		return old.Requeued() >= uint64(len(acked))
+	})
+}
+
+// cutOffAcks cuts old, the master, off from the others and has it ack a
+// few async publishes they never get; it returns their topics.
+func cutOffAcks(t *testing.T, c *cluster, old *testNode) []string {
+	t.Helper()
 	c.net.isolate(old.ID())
 	var acked []string
 	for i := 0; i < 5; i++ {
@@ -556,31 +577,24 @@ func TestDeposedMastersAsyncAcksAreRequeued(t *testing.T) {
 	if len(acked) == 0 {
 		t.Fatal("the cut-off master acked nothing; the test needs it to")
 	}
-	// The others elect a master and write over the same indexes.
-	lead2 := c.masterOtherThan(old.ID())
-	for i := 0; i < 10; i++ {
-		if r := wait(t, lead2.propose(t, fmt.Sprintf("new/%d", i), Sync)); r.err != nil {
-			t.Fatal(r.err)
-		}
-	}
-	c.net.heal()
+	return acked
+}
+
+// waitAppliedEverywhere waits until every member applied every topic.
+func waitAppliedEverywhere(t *testing.T, c *cluster, topics []string) {
+	t.Helper()
 	for _, id := range c.ids {
 		waitFor(t, "every async ack of the deposed master on every member", func() bool {
-			got := map[string]int{}
+			got := map[string]bool{}
 			for _, tp := range c.applied(id) {
-				got[tp]++
+				got[tp] = true
 			}
-			for _, tp := range acked {
-				if got[tp] == 0 {
+			for _, tp := range topics {
+				if !got[tp] {
 					return false
 				}
 			}
 			return true
 		})
 	}
-	// The count follows the re-published records' answers, which may come
-	// after the records are applied everywhere (seen under ARM qemu).
-	waitFor(t, fmt.Sprintf("the deposed master to count at least %d re-published records", len(acked)), func() bool {
-		return old.Requeued() >= uint64(len(acked))
-	})
 }

@@ -498,17 +498,7 @@ func TestDeposedMasterGivenASnapshotRepublishesItsTail(t *testing.T) {
 	if r := c.propose("before", Sync); r.err != nil {
 		t.Fatal(r.err)
 	}
-	c.net.isolate(old.ID())
-	var acked []string
-	for i := 0; i < 5; i++ {
-		topic := fmt.Sprintf("cut/%d", i)
-		if r := wait(t, old.propose(t, topic, Async)); r.err == nil {
-			acked = append(acked, topic)
-		}
-	}
-	if len(acked) == 0 {
-		t.Fatal("the cut-off master acked nothing; the test needs it to")
-	}
+	acked := cutOffAcks(t, c, old)
 	oldLast, _ := old.db.LastIndex()
 	lead2 := c.masterOtherThan(old.ID())
 	proposeBytes(t, lead2, 3*budget)
@@ -517,20 +507,7 @@ func TestDeposedMasterGivenASnapshotRepublishesItsTail(t *testing.T) {
 		return f > oldLast+1
 	})
 	c.net.heal()
-	for _, id := range c.ids {
-		waitFor(t, "every async ack of the deposed master on every member", func() bool {
-			got := map[string]bool{}
-			for _, tp := range c.applied(id) {
-				got[tp] = true
-			}
-			for _, tp := range acked {
-				if !got[tp] {
-					return false
-				}
-			}
-			return true
-		})
-	}
+	waitAppliedEverywhere(t, c, acked)
 	if r := c.propose("after", Sync); r.err != nil {
 		t.Fatalf("sync after the heal: %v", r.err)
 	}
