@@ -169,6 +169,7 @@ type dropResult struct {
 	blockedAt           uint64 // the floor the next drop needs; 0 when none waits
 	some                bool   // something was dropped
 	capped              bool   // the pass stopped at maxDropShare: another follows
+	applyAt             uint64 // the pass stopped at records not applied yet: the next waits for this index
 }
 
 // dropFront drops the runs retention asks for in tx, which will also write
@@ -249,6 +250,11 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 			// a later checkpoint. Before replication has set a floor
 			// at all (at Open) nobody is known to lack anything.
 			res.blocked, res.blockedAt = byBytes && last > floor && db.floorSet.Load(), last
+			if last <= floor {
+				// Only not applied yet: the next pass once it is,
+				// not at the next write, which may never come.
+				res.applyAt = last
+			}
 			break
 		}
 		// A key, its value and the element header bbolt keeps in the leaf.
@@ -331,6 +337,7 @@ func (db *DB) applyDrop(res dropResult) {
 	}
 	db.oldest.Store(res.oldest)
 	db.blockedAt.Store(res.blockedAt)
+	db.applyAt.Store(res.applyAt)
 	if res.capped {
 		db.kickRetention() // the rest of the excess, measured again
 	}

@@ -2,6 +2,7 @@ package storage
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -12,6 +13,8 @@ import (
 	"time"
 
 	pb "go.etcd.io/raft/v3/raftpb"
+
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // recordEntries returns n entries from index lo at term 1, each a record of
@@ -515,4 +518,33 @@ func TestApplySnapshotRequeuesTheTailWrittenAsMaster(t *testing.T) {
 			t.Fatalf("a member that never led requeued %v", got)
 		}
 	})
+}
+
+// A pass that stops at records not applied yet (the applier a burst
+// behind) goes on once they are: not at the next write, which an idle
+// gateway may not see for hours, leaving its data dir over the budget.
+func TestRetentionGoesOnOnceTheRecordsAreApplied(t *testing.T) {
+	const budget = 8 << 20
+	db := testOpen(t, t.TempDir(), &Options{MaxBytes: budget})
+	db.SetRetentionFloor(math.MaxUint64)
+	now := time.Now()
+	at := func(uint64) time.Time { return now }
+	next := uint64(1)
+	for written := 0; written < 3*budget; written += 100 * 1000 {
+		mustSave(t, db, pb.HardState{Term: 1, Commit: next + 99}, recordEntries(next, 100, 1000, at))
+		next += 100
+	}
+	mustCheckpoint(t, db)
+	if f, _ := db.FirstIndex(); f != 1 {
+		t.Fatalf("records nobody applied were dropped: first index %d", f)
+	}
+	db.SetApplied(next - 1)
+	// The file grew past the budget while nothing could go, and bbolt
+	// does not shrink it: what is checked is that the records go.
+	testutil.WaitFor(t, 10*time.Second, "retention to drop once the records are applied", func() bool {
+		f, _ := db.FirstIndex()
+		return f > 1
+	}, func() string { f, _ := db.FirstIndex(); return fmt.Sprintf("first index %d, %+v", f, db.RetentionStats()) })
+	f, _ := db.FirstIndex()
+	t.Logf("first index %d of %d after the records were applied, %+v", f, next-1, db.RetentionStats())
 }
