@@ -544,7 +544,10 @@ func TestRetentionGoesOnOnceTheRecordsAreApplied(t *testing.T) {
 	testutil.WaitFor(t, 10*time.Second, "retention to drop once the records are applied", func() bool {
 		f, _ := db.FirstIndex()
 		return f > 1
-	}, func() string { f, _ := db.FirstIndex(); return fmt.Sprintf("first index %d, %+v", f, db.RetentionStats()) })
+	}, func() string {
+		f, _ := db.FirstIndex()
+		return fmt.Sprintf("first index %d, %+v", f, db.RetentionStats())
+	})
 	f, _ := db.FirstIndex()
 	t.Logf("first index %d of %d after the records were applied, %+v", f, next-1, db.RetentionStats())
 }
