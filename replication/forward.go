@@ -62,8 +62,8 @@ const (
 	// fwdIdlePoll is forwardLoop's poll while the stream holds nothing:
 	// there is no deadline to keep then, and fwdTake follows a master
 	// change itself before the first record goes. Polling every fwdPoll
-	// when idle was half of an idle member's CPU (11-15 ms/s against 5-6
-	// on the bench machine; more on a gateway's ARM core).
+	// when idle cost an idle member a third of its CPU (9-15 ms/s against
+	// 7-8 on the bench machine; more on a gateway's ARM core).
 	fwdIdlePoll = 250 * time.Millisecond
 	// fwdBackoff is the pause after a failed request before the tail goes
 	// again, so a master that cannot answer does not spin the senders.

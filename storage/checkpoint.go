@@ -365,6 +365,16 @@ func (db *DB) checkpointer() {
 		defer t.Stop()
 		ageC = t.C
 	}
+	// A pass that stopped at records not applied yet goes on once they
+	// are: at the next checkpoint under load, or within a second on an
+	// idle gateway, which may see no write for hours (and would stay over
+	// its budget meanwhile).
+	var applyC <-chan time.Time
+	if db.ret.maxBytes > 0 {
+		t := time.NewTicker(time.Second)
+		defer t.Stop()
+		applyC = t.C
+	}
 	var spaceC <-chan time.Time
 	if db.space.on() {
 		db.space.check()
@@ -382,6 +392,11 @@ func (db *DB) checkpointer() {
 			continue
 		case <-ageC:
 			if !db.ageDue() {
+				continue
+			}
+			db.retainDue.Store(true)
+		case <-applyC:
+			if b := db.applyAt.Load(); b == 0 || db.Applied() < b {
 				continue
 			}
 			db.retainDue.Store(true)

@@ -194,7 +194,7 @@ type DB struct {
 	floorSet  atomic.Bool   // SetRetentionFloor was called: only then may a floor refuse
 	blockedAt atomic.Uint64 // the floor the next drop waits for; 0 when none
 	retainDue atomic.Bool   // a retention pass is wanted even if no checkpoint is due
-	applyAt   atomic.Uint64 // SetApplied past it wakes a retention pass (dropResult.applyAt)
+	applyAt   atomic.Uint64 // applied past it, an idle checkpointer runs a retention pass (dropResult.applyAt)
 	refusing  atomic.Bool   // over budget with nothing droppable
 	space     watermark     // free space on the data dir's filesystem
 	dropped   atomic.Uint64 // records dropped since Open

@@ -476,12 +476,6 @@ func (db *DB) SetApplied(i uint64) {
 	db.applied = i
 	db.mu.Unlock()
 	db.stage(string(bucketMeta), string(keyApplied), u64(i))
-	if b := db.applyAt.Load(); b != 0 && i >= b && db.applyAt.CompareAndSwap(b, 0) {
-		// A retention pass stopped at records not applied then: a lone
-		// gateway's last burst would otherwise stay over its budget
-		// until the next publish.
-		db.kickRetention()
-	}
 }
 
 // Applied returns the applied index recorded in the file, never past the
