@@ -348,6 +348,9 @@ func TestJoinerPullsTheRecordsBeforeTheSnapshot(t *testing.T) {
 func TestBackfillAnswersAFullChunkOfTheNewest(t *testing.T) {
 	_, master := loneMaster(t, 64<<20, nil)
 	last, _ := proposeBytes(t, master, 1<<20) // 1 KiB records
+	// Backfill serves committed records; an async ack comes at the save,
+	// a Ready before the commit index moves (armhf qemu saw 1019 of 1026).
+	waitFor(t, "the records to be committed", func() bool { return master.db.HardState().Commit >= last })
 	req := binary.BigEndian.AppendUint64(binary.BigEndian.AppendUint64(nil, last+1), 1024)
 	b, err := master.HandleBackfill(req)
 	if err != nil {
