@@ -629,8 +629,7 @@ func (n *Node) HandleForward(ctx context.Context, from uint64, batch []byte) ([]
 // 64 Ki ids cost 10-14 % of a slave's CPU in C2 and C6 (cache misses, and
 // an insert plus a delete per record), the ring one store.
 type recentLogged struct {
-	origins []*loggedRing // few: the members that ever originated records
-	last    *loggedRing   // the origin of the previous call, most often the next
+	origins []*loggedRing // few, most recently used first: the members that ever originated records
 }
 
 // loggedRing is one origin's ring: slot seq%recentLoggedCap holds seq and
@@ -653,15 +652,12 @@ const (
 
 // ring returns origin's ring, making it when create is set (nil otherwise).
 func (r *recentLogged) ring(origin uint64, create bool) *loggedRing {
-	if r.last != nil && r.last.origin == origin {
-		return r.last
-	}
 	for i, g := range r.origins {
 		if g.origin == origin {
-			// Move to the front: the least recently used is last.
+			// Move to the front (most often it is there already): the
+			// least recently used is last.
 			copy(r.origins[1:i+1], r.origins[:i])
 			r.origins[0] = g
-			r.last = g
 			return g
 		}
 	}
@@ -674,7 +670,6 @@ func (r *recentLogged) ring(origin uint64, create bool) *loggedRing {
 	}
 	copy(r.origins[1:], r.origins)
 	r.origins[0] = g
-	r.last = g
 	return g
 }
 
