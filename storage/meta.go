@@ -399,7 +399,13 @@ func (db *DB) ResetRaftFrom(from uint64) error {
 				return err
 			}
 		}
-		return tx.Bucket(bucketMeta).Delete(keyApplied)
+		m := tx.Bucket(bucketMeta)
+		if err := m.Delete(keyApplied); err != nil {
+			return err
+		}
+		// The terms start again with the raft state: a term this node led
+		// before means nothing in the log it joins (ApplySnapshot).
+		return m.Delete(keyLed)
 	}, func() {
 		db.mu.Lock()
 		db.hs, db.cs = pb.HardState{}, pb.ConfState{}

@@ -508,6 +508,22 @@ func TestApplySnapshotRequeuesTheTailWrittenAsMaster(t *testing.T) {
 			t.Fatalf("after reopen: requeued %v, want %v", got, want)
 		}
 	})
+	t.Run("led before a reset", func(t *testing.T) {
+		db := testOpen(t, t.TempDir(), nil)
+		db.NoteLed(2)
+		mustSave(t, db, pb.HardState{Term: 2, Vote: 1, Commit: 4}, makeEntries(1, 6, 2))
+		if err := db.ResetRaft(false); err != nil {
+			t.Fatal(err)
+		}
+		// Another master's term 2, in the cluster this node joined.
+		mustSave(t, db, pb.HardState{Term: 2, Commit: 8}, makeEntries(1, 18, 2))
+		if err := db.ApplySnapshot(snap); err != nil {
+			t.Fatal(err)
+		}
+		if got := indexes(db); len(got) != 0 {
+			t.Fatalf("a term led before the raft state was reset requeued %v", got)
+		}
+	})
 	t.Run("never led", func(t *testing.T) {
 		db := testOpen(t, t.TempDir(), nil)
 		mustSave(t, db, pb.HardState{Term: 2, Commit: 8}, makeEntries(1, 18, 2))
