@@ -352,6 +352,11 @@ func Open(dir string, opts *Options) (*DB, error) {
 			go db.flusher()
 		}
 	}
+	// Open read every page of the file through the mapping (the checks
+	// of load, bbolt's rebuild of its freelist): without a release they
+	// would count in the gateway's RSS for as long as it runs (124 MB on
+	// a 111 MB file, 7 MB of it the process's own).
+	db.releaseMapped()
 	lg.Info("data file opened", "path", path, "first_index", db.first, "last_index", db.last, "applied", db.applied, "wal_frames_replayed", len(frames))
 	return db, nil
 }
