@@ -13,6 +13,13 @@ func unmapPages(addr, n uintptr) {
 	_, _, _ = unix.Syscall(unix.SYS_MADVISE, addr, n, unix.MADV_DONTNEED)
 }
 
+// adviseSequential tells the kernel that the n bytes mapped at addr are
+// about to be read in order: readahead then fetches them in large reads,
+// where bbolt's MADV_RANDOM would fault them in a page at a time.
+func adviseSequential(addr, n uintptr) {
+	_, _, _ = unix.Syscall(unix.SYS_MADVISE, addr, n, unix.MADV_SEQUENTIAL)
+}
+
 // fdatasync flushes f's data (and the metadata needed to read it back) to
 // the device, not its timestamps: what bbolt does too.
 func fdatasync(f *os.File) error {

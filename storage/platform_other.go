@@ -7,6 +7,9 @@ import "os"
 // unmapPages is a no-op off Linux.
 func unmapPages(uintptr, uintptr) {}
 
+// adviseSequential is a no-op off Linux.
+func adviseSequential(uintptr, uintptr) {}
+
 // fdatasync is a full fsync where fdatasync does not exist.
 func fdatasync(f *os.File) error { return f.Sync() }
 
