@@ -490,8 +490,8 @@ func verifyFile(path string, timeout time.Duration) (err error) {
 // with MADV_RANDOM, so each page came in by a read of its own: 21,926 reads
 // and 1.37 s to open a 91 MB file out of the page cache (BenchmarkOpenCold),
 // 16 and 0.15 s with the advice; a gateway started on a 111 MB file in
-// 1.68 s, 0.22 s now. On an SD card, where a small read costs nearly what a
-// large one does, that is minutes against seconds for a log of a GiB.
+// 1.68 s, 0.22 s now. Flash cards serve few small reads a second, so on a
+// gateway's SD card the difference grows (not measured here).
 func (db *DB) readAhead() {
 	_ = db.bolt.View(func(tx *bolt.Tx) error {
 		adviseSequential(db.bolt.Info().Data, uintptr(tx.Size()))
