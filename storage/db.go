@@ -357,8 +357,8 @@ func Open(dir string, opts *Options) (*DB, error) {
 	}
 	// Open read every page of the file through the mapping (the checks
 	// of load, bbolt's rebuild of its freelist): without a release they
-	// would count in the gateway's RSS for as long as it runs (124 MB on
-	// a 111 MB file, 7 MB of it the process's own).
+	// would count in the gateway's RSS for as long as it runs (a gateway
+	// on a 111 MB file: RssFile 124 MB, 16 MB with the release).
 	db.releaseMapped()
 	lg.Info("data file opened", "path", path, "first_index", db.first, "last_index", db.last, "applied", db.applied, "wal_frames_replayed", len(frames))
 	return db, nil
