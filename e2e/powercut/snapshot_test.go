@@ -12,7 +12,6 @@ import (
 	"maps"
 	"math/rand/v2"
 	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -185,37 +184,11 @@ func snapshotRound(bin, base string, seed uint64) (*snapshotOutcome, error) {
 		o.phases = append(o.phases, fmt.Sprintf("%s %s", name, time.Since(t0).Round(time.Millisecond)))
 		t0 = time.Now()
 	}
-	var ms []*member
-	for i := range 3 {
-		m := &member{name: fmt.Sprintf("gw-%d", i+1)}
-		if err := m.pickPorts(); err != nil {
-			return nil, err
-		}
-		dir := filepath.Join(base, m.name)
-		m.backing, m.mnt, m.cfg = filepath.Join(dir, "backing"), filepath.Join(dir, "mnt"), filepath.Join(dir, "tandem.yaml")
-		for _, d := range []string{m.backing, m.mnt} {
-			if err := os.MkdirAll(d, 0o755); err != nil {
-				return nil, err
-			}
-		}
-		if err := os.WriteFile(m.cfg, fmt.Appendf(nil, snapshotYAML, m.name), 0o644); err != nil {
-			return nil, err
-		}
-		fs, err := pc.Mount(m.backing, m.mnt, &pc.Options{Seed: seed + uint64(i)})
-		if err != nil {
-			return nil, err
-		}
-		m.fs = fs
-		defer fs.Unmount()
-		ms = append(ms, m)
+	ms, cleanup, err := mountMembers(base, snapshotYAML, seed)
+	defer cleanup()
+	if err != nil {
+		return nil, err
 	}
-	defer func() {
-		for _, m := range ms {
-			if m.g != nil {
-				m.g.kill()
-			}
-		}
-	}()
 	if err := formCluster(bin, ms); err != nil {
 		return nil, err
 	}
@@ -355,23 +328,9 @@ func snapshotRound(bin, base string, seed uint64) (*snapshotOutcome, error) {
 			o.violations = append(o.violations, fmt.Sprintf("%s: retained messages: %v %s", m.name, rerr, diffRetained(want, got)))
 		}
 	}
-	for _, m := range ms {
-		if err := m.g.stop(5 * time.Second); err != nil {
-			o.violations = append(o.violations, m.name+": "+err.Error())
-		}
-	}
 	// Every member's log: each acked record newer than its oldest, QoS 2
 	// once, in order (retention drops the oldest, on every member).
-	for _, m := range ms {
-		recs, err := inspectSeqs(bin, m.backing)
-		if err != nil {
-			o.violations = append(o.violations, m.name+": "+err.Error())
-			continue
-		}
-		for _, c := range clients {
-			o.checkSuffix(m.name, c, recs[c.id])
-		}
-	}
+	o.violations = append(o.violations, stopAndCheck(bin, ms, clients, o.checkSuffix)...)
 	for _, c := range clients {
 		o.acked[c.id] = len(c.acked)
 		if c.err != nil && len(c.acked) == 0 {
@@ -382,42 +341,13 @@ func snapshotRound(bin, base string, seed uint64) (*snapshotOutcome, error) {
 	return o, nil
 }
 
-// checkSuffix checks what member name's log holds of client c: QoS 2
-// records once, in publish order, and every acked record newer than the
-// oldest one kept present.
+// checkSuffix checks what member name's log holds of client c (checkLog,
+// retention on): a member must hold some of it.
 func (o *snapshotOutcome) checkSuffix(name string, c *client, got []logSeq) {
-	present := map[int]int{}
-	prev, oldest := -1, -1
-	for _, r := range got {
-		present[r.seq]++
-		if present[r.seq] > 1 {
-			if c.qos == 2 {
-				o.violations = append(o.violations, fmt.Sprintf("%s: %s: QoS 2 seq %d is in the log %d times", name, c.id, r.seq, present[r.seq]))
-			}
-			continue
-		}
-		if oldest < 0 || r.seq < oldest {
-			oldest = r.seq
-		}
-		if r.seq < prev {
-			o.violations = append(o.violations, fmt.Sprintf("%s: %s: seq %d after seq %d: out of order", name, c.id, r.seq, prev))
-		}
-		prev = r.seq
-	}
-	if len(present) == 0 && len(c.acked) > 0 {
+	l := checkLog(name, c, got, true)
+	o.violations = append(o.violations, l.violations...)
+	if len(l.present) == 0 && len(c.acked) > 0 {
 		o.violations = append(o.violations, fmt.Sprintf("%s: %s: none of %d acked seqs is in the log", name, c.id, len(c.acked)))
-		return
-	}
-	missing := 0
-	for s := range c.acked {
-		if s > oldest && present[s] == 0 {
-			if missing++; missing <= 3 {
-				o.violations = append(o.violations, fmt.Sprintf("%s: %s: acked seq %d is not in the log, which holds seq %d and later", name, c.id, s, oldest))
-			}
-		}
-	}
-	if missing > 3 {
-		o.violations = append(o.violations, fmt.Sprintf("%s: %s: %d acked seqs missing in all", name, c.id, missing))
 	}
 }
 
