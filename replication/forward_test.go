@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/storage"
 )
 
@@ -118,7 +119,18 @@ func TestForwardedPublishesKeepOrderAcrossAMasterChange(t *testing.T) {
 	// An async publish the old master acked before a slave had it lives
 	// on its disk only, until it comes back and re-publishes its tail
 	// (DESIGN's guarantee table): bring it back.
+	st, err := lead.Status(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
 	c.start(old.ID())
+	// Its tail goes to the requeue only when the new master's log
+	// overwrites it: before that, nothing is pending, and a marker
+	// proposed then would come before the tail it re-publishes.
+	waitFor(t, "the old master holding the new master's log", func() bool {
+		s, err := c.nodes[old.ID()].Status(context.Background())
+		return err == nil && s.Commit >= st.Commit
+	})
 	waitFor(t, "the old master's tail re-published", func() bool {
 		n, err := c.nodes[old.ID()].db.RequeuePending()
 		return err == nil && n == 0
@@ -126,12 +138,7 @@ func TestForwardedPublishesKeepOrderAcrossAMasterChange(t *testing.T) {
 	if r := c.propose("marker", Async); r.err != nil { // everything before it is applied once it is
 		t.Fatal(r.err)
 	}
-	for id := range c.nodes {
-		waitFor(t, "the marker applied", func() bool {
-			got := c.applied(id)
-			return len(got) > 0 && got[len(got)-1] == "marker"
-		})
-	}
+	c.waitMarker(t)
 	// The old master's recorder saw only what it applied since its
 	// restart: the two others' logs are checked.
 	c.stop(old.ID())
@@ -283,12 +290,7 @@ func TestRequeuedTailKeepsEachPublishersOrder(t *testing.T) {
 	if r := c.propose("marker", Async); r.err != nil {
 		t.Fatal(r.err)
 	}
-	for id := range c.nodes {
-		waitFor(t, "the marker applied", func() bool {
-			got := c.applied(id)
-			return len(got) > 0 && got[len(got)-1] == "marker"
-		})
-	}
+	c.waitMarker(t)
 	checkPublishers(t, c, pubs)
 }
 
@@ -441,5 +443,19 @@ func TestRecentLoggedRemembersTheLastRecordsOfEachOrigin(t *testing.T) {
 	}
 	if len(m.origins) != maxLoggedOrigins {
 		t.Fatalf("%d rings kept, want %d", len(m.origins), maxLoggedOrigins)
+	}
+}
+
+// waitMarker waits until every node's last applied record is the
+// "marker" proposed last: everything before it is applied then.
+func (c *cluster) waitMarker(t *testing.T) {
+	t.Helper()
+	for id := range c.nodes {
+		var tail []string
+		testutil.WaitFor(t, 20*time.Second, "the marker applied on "+ShortID(id), func() bool {
+			got := c.applied(id)
+			tail = got[max(0, len(got)-5):]
+			return len(got) > 0 && got[len(got)-1] == "marker"
+		}, func() string { return fmt.Sprintf("the last records applied there: %q", tail) })
 	}
 }
