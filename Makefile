@@ -73,8 +73,9 @@ $(TESTSUM): $(wildcard internal/testsummary/*.go)
 	$(GO) build -o $@ ./internal/testsummary
 
 # The storage and replication tests on arm64 and armv7, run by qemu-user
-# (Debian's qemu-user-static): go test -exec needs no binfmt_misc. CI
-# installs qemu; elsewhere its absence skips this with a message.
+# (Debian's qemu-user-static): go test -exec needs no binfmt_misc, and
+# TANDEM_TEST_EXEC lets a test start its binary as a child through qemu
+# too. CI installs qemu; elsewhere its absence skips this with a message.
 # -trimpath as in make cross, so both share the compiled dependencies.
 test-arm: $(TESTSUM)
 	@for q in qemu-aarch64-static qemu-arm-static; do \
@@ -83,9 +84,9 @@ test-arm: $(TESTSUM)
 		echo "test-arm: SKIPPED: $$q missing (apt-get install qemu-user-static)"; exit 0; \
 	done; \
 	set -x; \
-	CGO_ENABLED=0 GOARCH=arm64 $(GO) test -json -trimpath -count=1 -timeout 8m -exec qemu-aarch64-static $(ARM_TEST_PKGS) \
+	TANDEM_TEST_EXEC=qemu-aarch64-static CGO_ENABLED=0 GOARCH=arm64 $(GO) test -json -trimpath -count=1 -timeout 8m -exec qemu-aarch64-static $(ARM_TEST_PKGS) \
 		| $(TESTSUM) $(if $(TESTREC),-record $(TESTREC)) && \
-	CGO_ENABLED=0 GOARCH=arm GOARM=7 $(GO) test -json -trimpath -count=1 -timeout 8m -exec qemu-arm-static $(ARM_TEST_PKGS) \
+	TANDEM_TEST_EXEC=qemu-arm-static CGO_ENABLED=0 GOARCH=arm GOARM=7 $(GO) test -json -trimpath -count=1 -timeout 8m -exec qemu-arm-static $(ARM_TEST_PKGS) \
 		| $(TESTSUM) $(if $(TESTREC),-record $(TESTREC))
 
 # Static, stripped, version-stamped binaries: $(BINDIR)/tandem-linux-ARCH.

@@ -328,6 +328,10 @@ func TestOpenFallsBackPastTornMetaPage(t *testing.T) {
 // page, and only a child process can show that without killing the suite.
 const childEnv = "TANDEM_STORAGE_TEST_OPEN_DIR"
 
+// execEnv names the emulator the test binary runs under, if any (make
+// test-arm sets it to qemu's): the child is started through it.
+const execEnv = "TANDEM_TEST_EXEC"
+
 // A page of the log damaged on the medium (SD cards and eMMC do that) must
 // stop the daemon with ErrCorrupt and a message, not a Go panic, and must
 // not be written to.
@@ -374,12 +378,18 @@ func TestOpenDamagedPage(t *testing.T) {
 			f.Close()
 			before := fileHash(t, path)
 
-			cmd := exec.Command(os.Args[0], "-test.run=^TestOpenDamagedPage$", "-test.count=1")
+			name, args := os.Args[0], []string{"-test.run=^TestOpenDamagedPage$", "-test.count=1"}
+			if emu := os.Getenv(execEnv); emu != "" {
+				// Under qemu-user (make test-arm) the child needs the
+				// emulator as much as this process did.
+				name, args = emu, append([]string{os.Args[0]}, args...)
+			}
+			cmd := exec.Command(name, args...)
 			cmd.Env = append(os.Environ(), childEnv+"="+dir, fmt.Sprintf("%s_RO=%d", childEnv, map[bool]int{false: 0, true: 1}[ro]))
 			out, err := cmd.CombinedOutput()
 			var ee *exec.Error
 			if errors.As(err, &ee) || errors.Is(err, syscall.ENOEXEC) {
-				t.Skipf("cannot run the test binary as a child: %v", err)
+				t.Skipf("cannot run the test binary as a child: %v (under an emulator, name it in %s)", err, execEnv)
 			}
 			result := regexp.MustCompile(`OPEN-RESULT .*`).Find(out)
 			switch {
