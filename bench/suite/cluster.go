@@ -53,6 +53,14 @@ var clusterWorkloads = []clusterWorkload{
 // ratio is the median of its ratios to the C1 of the same round: this
 // machine's speed drifts by a fifth over minutes, which running one
 // workload's reps back to back put into the ratios.
+//
+// Beside each ratio: the cores the run kept busy (the members and the load
+// generator, which share the machine), and the CPU/msg ratio, C1's CPU per
+// message over the workload's, counting both. The msg/s ratio is the
+// CPU/msg ratio times the workload's busy cores over C1's: on a machine
+// the runs keep busy, where the cores run out, a ratio can pass its
+// CPU/msg ratio only by as much as C1 left idle, and no change but less
+// CPU per message lifts it.
 func runClusters(bin, dir string, reps int, only string) {
 	fmt.Printf("\nclusters on loopback (every member fsyncs before it reports; clients on the master unless said), %d rounds, medians; the ratio is the median of each round's against that round's C1\n", reps)
 	fmt.Printf("%-30s %10s %9s %9s %11s %11s %9s %10s  %s\n", "", "msg/s", "p50 ms", "p99 ms", "max lag rec", "max lag s", "µs/msg", "fsync/msg", "ratio (goal)")
@@ -73,12 +81,14 @@ func runClusters(bin, dir string, reps int, only string) {
 	type result struct {
 		ss     []sample
 		ratios []float64
+		costs  []float64 // per round: C1's CPU per message over this one's
+		busy   []float64 // per round: cores busy (members and load generator)
 		lagRec uint64
 		lagSec float64
 	}
 	results := make([]result, len(ws))
 	for r := 0; r < reps; r++ {
-		var ref float64
+		var ref, refCost float64
 		for i, w := range ws {
 			bs := clusters[w.members]
 			if bs == nil {
@@ -94,9 +104,10 @@ func runClusters(bin, dir string, reps int, only string) {
 			o.Version = 5
 			res := &results[i]
 			stopLag := watchLag(bs[0].http, &res.lagRec, &res.lagSec)
-			cpu0, fsyncs0 := membersCPU(bs), tandemFsyncs(bs[0])
+			self := os.Getpid() // bench.Run's clients run in this process
+			cpu0, lg0, fsyncs0 := membersCPU(bs), procCPU(self), tandemFsyncs(bs[0])
 			out, err := bench.Run(context.Background(), o)
-			cpu, fsyncs := membersCPU(bs)-cpu0, tandemFsyncs(bs[0])-fsyncs0
+			cpu, lg, fsyncs := membersCPU(bs)-cpu0, procCPU(self)-lg0, tandemFsyncs(bs[0])-fsyncs0
 			stopLag()
 			check(err)
 			if out.Failed > 0 {
@@ -104,18 +115,28 @@ func runClusters(bin, dir string, reps int, only string) {
 			}
 			acked := float64(max(out.Acked, 1))
 			res.ss = append(res.ss, sample{res: out, cpuUsPerMsg: cpu * 1e6 / acked, fsyncsPerMsg: float64(fsyncs) / acked})
+			cost := (cpu + lg) / acked // the machine's CPU seconds per message
 			if i == 0 {
-				ref = out.MsgPerSec
+				ref, refCost = out.MsgPerSec, cost
 			}
 			res.ratios = append(res.ratios, out.MsgPerSec/ref)
+			res.costs = append(res.costs, refCost/cost)
+			res.busy = append(res.busy, (cpu+lg)/max(out.Seconds, 1e-9))
 		}
 	}
 	for i, w := range ws {
 		res := &results[i]
 		m := median(res.ss)
-		slices.Sort(res.ratios)
-		ratio := res.ratios[len(res.ratios)/2]
-		fmt.Printf("%-30s %10.0f %9.3f %9.3f %11d %11.3f %9.1f %10.3f  %.2f× C1 (%s)\n", w.name, m.res.MsgPerSec, m.res.AckP50Ms, m.res.AckP99Ms, res.lagRec, res.lagSec, m.cpuUsPerMsg, m.fsyncsPerMsg, ratio, w.goal)
+		for _, xs := range [][]float64{res.ratios, res.costs, res.busy} {
+			slices.Sort(xs)
+		}
+		mid := len(res.ratios) / 2
+		ratio, cost, busy := res.ratios[mid], res.costs[mid], res.busy[mid]
+		goal := w.goal + fmt.Sprintf("; %.1f cores busy", busy)
+		if i > 0 {
+			goal += fmt.Sprintf("; CPU/msg ratio %.2f×", cost)
+		}
+		fmt.Printf("%-30s %10.0f %9.3f %9.3f %11d %11.3f %9.1f %10.3f  %.2f× C1 (%s)\n", w.name, m.res.MsgPerSec, m.res.AckP50Ms, m.res.AckP99Ms, res.lagRec, res.lagSec, m.cpuUsPerMsg, m.fsyncsPerMsg, ratio, goal)
 	}
 }
 
