@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -54,13 +55,14 @@ var clusterWorkloads = []clusterWorkload{
 // machine's speed drifts by a fifth over minutes, which running one
 // workload's reps back to back put into the ratios.
 //
-// Beside each ratio: the cores the run kept busy (the members and the load
-// generator, which share the machine), and the CPU/msg ratio, C1's CPU per
-// message over the workload's, counting both. The msg/s ratio is the
-// CPU/msg ratio times the workload's busy cores over C1's: on a machine
-// the runs keep busy, where the cores run out, a ratio can pass its
-// CPU/msg ratio only by as much as C1 left idle, and no change but less
-// CPU per message lifts it.
+// Beside each ratio: the cores the machine was busy during the run (the
+// members, the load generator, which shares the machine, and the kernel's
+// threads working for them: the journal, block I/O, softirqs; /proc/stat,
+// so anything else running counts too), and the CPU/msg ratio, C1's busy
+// CPU per message over the workload's. The msg/s ratio is the CPU/msg
+// ratio times the workload's busy cores over C1's: where the cores run
+// out, a ratio can pass its CPU/msg ratio only by as much as C1 left idle,
+// and no change but less CPU per message lifts it.
 func runClusters(bin, dir string, reps int, only string) {
 	fmt.Printf("\nclusters on loopback (every member fsyncs before it reports; clients on the master unless said), %d rounds, medians; the ratio is the median of each round's against that round's C1\n", reps)
 	fmt.Printf("%-30s %10s %9s %9s %11s %11s %9s %10s  %s\n", "", "msg/s", "p50 ms", "p99 ms", "max lag rec", "max lag s", "µs/msg", "fsync/msg", "ratio (goal)")
@@ -82,7 +84,7 @@ func runClusters(bin, dir string, reps int, only string) {
 		ss     []sample
 		ratios []float64
 		costs  []float64 // per round: C1's CPU per message over this one's
-		busy   []float64 // per round: cores busy (members and load generator)
+		busy   []float64 // per round: the machine's cores busy
 		lagRec uint64
 		lagSec float64
 	}
@@ -104,10 +106,9 @@ func runClusters(bin, dir string, reps int, only string) {
 			o.Version = 5
 			res := &results[i]
 			stopLag := watchLag(bs[0].http, &res.lagRec, &res.lagSec)
-			self := os.Getpid() // bench.Run's clients run in this process
-			cpu0, lg0, fsyncs0 := membersCPU(bs), procCPU(self), tandemFsyncs(bs[0])
+			cpu0, busy0, fsyncs0 := membersCPU(bs), machineBusy(), tandemFsyncs(bs[0])
 			out, err := bench.Run(context.Background(), o)
-			cpu, lg, fsyncs := membersCPU(bs)-cpu0, procCPU(self)-lg0, tandemFsyncs(bs[0])-fsyncs0
+			cpu, busy, fsyncs := membersCPU(bs)-cpu0, machineBusy()-busy0, tandemFsyncs(bs[0])-fsyncs0
 			stopLag()
 			check(err)
 			if out.Failed > 0 {
@@ -115,13 +116,13 @@ func runClusters(bin, dir string, reps int, only string) {
 			}
 			acked := float64(max(out.Acked, 1))
 			res.ss = append(res.ss, sample{res: out, cpuUsPerMsg: cpu * 1e6 / acked, fsyncsPerMsg: float64(fsyncs) / acked})
-			cost := (cpu + lg) / acked // the machine's CPU seconds per message
+			cost := busy / acked // the machine's CPU seconds per message
 			if i == 0 {
 				ref, refCost = out.MsgPerSec, cost
 			}
 			res.ratios = append(res.ratios, out.MsgPerSec/ref)
 			res.costs = append(res.costs, refCost/cost)
-			res.busy = append(res.busy, (cpu+lg)/max(out.Seconds, 1e-9))
+			res.busy = append(res.busy, busy/max(out.Seconds, 1e-9))
 		}
 	}
 	for i, w := range ws {
@@ -138,6 +139,24 @@ func runClusters(bin, dir string, reps int, only string) {
 		}
 		fmt.Printf("%-30s %10.0f %9.3f %9.3f %11d %11.3f %9.1f %10.3f  %.2f× C1 (%s)\n", w.name, m.res.MsgPerSec, m.res.AckP50Ms, m.res.AckP99Ms, res.lagRec, res.lagSec, m.cpuUsPerMsg, m.fsyncsPerMsg, ratio, goal)
 	}
+}
+
+// machineBusy is the CPU seconds the machine's cores have spent on
+// anything but idling, waiting for I/O and a hypervisor's other guests
+// (steal), from /proc/stat.
+func machineBusy() float64 {
+	b, err := os.ReadFile("/proc/stat")
+	check(err)
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line) // cpu user nice system idle iowait irq softirq steal …
+	total := 0.0
+	for _, i := range []int{1, 2, 3, 6, 7} {
+		if i < len(f) {
+			v, _ := strconv.ParseFloat(f[i], 64)
+			total += v
+		}
+	}
+	return total / 100 // USER_HZ
 }
 
 // membersCPU sums the members' user+system CPU seconds: what a message
