@@ -8,11 +8,12 @@
 // Maximum 20): its row shows deliveries/s, end-to-end p50/p99 and broker
 // CPU µs per delivery. W6 opens 5,000 idle connections to a newly
 // started broker (tandem restarted on the data W1-W5 left) and shows its
-// RSS with them open, beside its RSS before and the KiB each connection added. The storage workloads (storage.go) then compare tandem
-// with itself, and the cluster workloads (cluster.go) run last. For W6 tandem runs with mqtt.max_clients 10000 and its
-// per-address connect rate limit lifted (every connection comes from
-// 127.0.0.1); the suite raises its own RLIMIT_NOFILE, which both brokers
-// inherit. A run that fails (or hangs past its time-out) restarts that
+// RSS with them open, beside its RSS before and the KiB each connection
+// added. The storage workloads (storage.go) then compare tandem with
+// itself, and the cluster workloads (cluster.go) run last. For W6 tandem
+// runs with mqtt.max_clients 10000 and its per-address connect rate limit
+// lifted (every connection comes from 127.0.0.1); the suite raises its own
+// RLIMIT_NOFILE, which both brokers inherit. A run that fails (or hangs past its time-out) restarts that
 // broker before the next run, so one stuck broker does not stall the rest.
 package main
 
