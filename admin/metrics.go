@@ -87,8 +87,10 @@ type FieldView struct {
 	// syncInDoubt counts sync records confirmed without their outcome
 	// known (an earlier master logged them and never settled them).
 	syncInDoubt prometheus.Counter
-	fsync       prometheus.Observer
-	batch       prometheus.Observer
+	// recordsSkipped counts the records the applier skipped, by kind.
+	recordsSkipped *prometheus.CounterVec
+	fsync          prometheus.Observer
+	batch          prometheus.Observer
 
 	// ruleCounts[i+1] counts the publishes that topic rule i matched,
 	// ruleCounts[0] those no rule matched; acksOK counts acks sent. Plain
@@ -164,7 +166,11 @@ func NewFieldView(gw Gateway, cfg *config.Config, log *slog.Logger) *FieldView {
 		Name: "tandem_sync_in_doubt_total",
 		Help: "Sync records this gateway delivered on a new master's word alone: the master that logged them failed before logging whether their ack rule was met, so their publishers may have been refused.",
 	})
-	fv.reg.MustRegister(published, acked, latency, fsync, batch, build, fv.refused, fv.sessionDropped, fv.syncInDoubt, statusCollector{fv},
+	fv.recordsSkipped = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tandem_records_skipped_total",
+		Help: "Records the applier could not read or apply and skipped, by kind (message, settle, session, cursors, uplinks, unreadable, or a kind this build does not know); every member skips the same ones and goes on serving.",
+	}, []string{"kind"})
+	fv.reg.MustRegister(published, acked, latency, fsync, batch, build, fv.refused, fv.sessionDropped, fv.syncInDoubt, fv.recordsSkipped, statusCollector{fv},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return fv
 }
@@ -182,6 +188,9 @@ func (fv *FieldView) Dropped(n uint64) { fv.sessionDropped.Add(float64(n)) }
 
 // InDoubt implements mqtt.Observer.
 func (fv *FieldView) InDoubt(n uint64) { fv.syncInDoubt.Add(float64(n)) }
+
+// RecordSkipped counts a record the applier skipped, of kind.
+func (fv *FieldView) RecordSkipped(kind string) { fv.recordsSkipped.WithLabelValues(kind).Inc() }
 
 // Refused implements mqtt.Observer.
 func (fv *FieldView) Refused(reason string) { fv.refused.WithLabelValues(reason).Inc() }

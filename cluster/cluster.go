@@ -314,6 +314,12 @@ func (c *cluster) startTransport() error {
 		Logger:     d.log, // the transport adds component=peer
 		ClusterID:  c.clusterID,
 		Generation: c.generation,
+		FeatureLevel: func() int {
+			if n := d.node(); n != nil {
+				return n.FeatureLevel()
+			}
+			return d.db.FeatureLevelOf()
+		},
 		OnGeneration: func(_, gen uint64) bool {
 			// A member in a later generation promoted itself over this
 			// node: no raft with it before the wipe; the keeper's

@@ -1,10 +1,8 @@
 package daemon
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
-	"strings"
 	"sync/atomic"
 
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -59,7 +57,10 @@ func (a *logAdapter) Propose(m *mqtt.Message, mode mqtt.AckMode, done func(error
 	// A publish under a sync rule is held on every member until the
 	// master settles it; the cluster's own records are applied as they
 	// come (their senders act on their outcome themselves).
-	rec.Sync = rmode == replication.Sync && !strings.HasPrefix(m.Topic, controlPrefix)
+	rec.Sync = rmode == replication.Sync && rec.Kind == storage.KindMessage
+	// Below FeatureControlKinds a member may still run a build that reads
+	// control records by their topic only.
+	rec.Legacy = rec.Kind != storage.KindMessage && a.d.gw.Node().FeatureLevel() < storage.FeatureControlKinds
 	data := storage.AppendRecord(make([]byte, 0, 64+len(m.Topic)+len(m.ClientID)+len(m.Payload)), &rec)
 	a.d.gw.Node().Propose(data, rmode, func(_ uint64, err error) {
 		if errors.Is(err, replication.ErrStorage) {
@@ -72,8 +73,15 @@ func (a *logAdapter) Propose(m *mqtt.Message, mode mqtt.AckMode, done func(error
 	})
 }
 
+// The broker's record kinds as the log's.
+var (
+	storageKinds = [...]storage.Kind{mqtt.KindMessage: storage.KindMessage, mqtt.KindSession: storage.KindSession, mqtt.KindCursors: storage.KindCursors}
+	mqttKinds    = map[storage.Kind]mqtt.Kind{storage.KindMessage: mqtt.KindMessage, storage.KindSession: mqtt.KindSession, storage.KindCursors: mqtt.KindCursors}
+)
+
 func recordOf(m *mqtt.Message) storage.Record {
 	r := storage.Record{
+		Kind:   storageKinds[m.Kind],
 		Origin: m.Origin, Seq: m.Seq, ClientID: m.ClientID, Topic: m.Topic, QoS: m.QoS,
 		Retain: m.Retain, Will: m.Will, PacketID: m.PacketID, Time: m.Time, Payload: m.Payload,
 		Props: storage.Properties{
@@ -90,6 +98,7 @@ func recordOf(m *mqtt.Message) storage.Record {
 
 func messageOf(r *storage.Record) *mqtt.Message {
 	m := &mqtt.Message{
+		Kind:   mqttKinds[r.Kind],
 		Origin: r.Origin, Seq: r.Seq, ClientID: r.ClientID, Topic: r.Topic, QoS: r.QoS,
 		Retain: r.Retain, Will: r.Will, Sync: r.Sync, PacketID: r.PacketID, Time: r.Time, Payload: r.Payload,
 		PayloadFormat: r.Props.PayloadFormat, PayloadFormatSet: r.Props.PayloadFormatSet,
@@ -110,35 +119,49 @@ type applier struct {
 	ready  chan struct{}
 	broker *mqtt.Server
 	ups    *uplinks // nil without uplinks
+	skips  *skips
 	// quietUntil: records up to this index are a joined cluster's
 	// history; they only update the retained store.
 	quietUntil atomic.Uint64
 }
 
 // Apply decodes a record in full only when it is retained or has a local
-// subscriber: on a gateway most records have neither.
+// subscriber: on a gateway most records have neither. It never fails: a
+// record it cannot read or apply is counted and skipped, as every member
+// skips it at the same index, and the member goes on serving (DESIGN.md,
+// "The record").
 func (a *applier) Apply(index uint64, data []byte) error {
 	<-a.ready
-	topic, retain, err := storage.RecordTopic(data)
+	kind, topic, retain, err := storage.RecordHead(data)
 	if err != nil {
-		return err
+		a.skip(index, "unreadable", err)
+		return nil
 	}
 	held := storage.RecordSync(data) // held until the master settles it
 	a.ups.notify(index, topic, len(data), held)
-	if a.ups != nil && string(topic) == positionsTopic {
-		if err := a.ups.applyRecord(index, data); err != nil {
-			return err
+	switch kind {
+	case storage.KindMessage, storage.KindSession, storage.KindCursors:
+	case storage.KindUplinks:
+		if a.ups != nil {
+			a.ups.applyRecord(index, data)
 		}
 		a.broker.Applied(index)
 		return nil
-	}
-	if string(topic) == replication.SettleTopic {
-		return a.settle(index, data)
+	case storage.KindSettle:
+		a.settle(index, data)
+		return nil
+	case storage.KindFeature:
+		// Replication applies a readable one and never hands it on.
+		a.skip(index, "feature", errors.New("a feature level record without its one-byte level"))
+		return nil
+	default:
+		a.skip(index, kind.String(), errors.New("a control record of a kind this build does not know"))
+		return nil
 	}
 	quiet := index <= a.quietUntil.Load()
 	// The cluster's own records (persistent sessions) are applied in the
 	// quiet history too: a joiner learns the sessions.
-	control := bytes.HasPrefix(topic, []byte(controlPrefix))
+	control := kind != storage.KindMessage
 	// A sync record nobody subscribes to needs no hold (a subscription
 	// made later starts after it), unless an uplink forwards it: uplinks
 	// ask the broker whether it is settled.
@@ -148,7 +171,8 @@ func (a *applier) Apply(index uint64, data []byte) error {
 	}
 	rec, err := storage.DecodeRecord(data)
 	if err != nil {
-		return err
+		a.skip(index, "unreadable", err)
+		return nil
 	}
 	if quiet {
 		a.broker.Retain(index, messageOf(&rec))
@@ -169,25 +193,32 @@ func (a *applier) Restore(index uint64, install func() error) error {
 	return a.ups.restore()
 }
 
-// controlPrefix starts the topics of the cluster's own records.
-const controlPrefix = "$tandem/"
+// skip counts and logs a record the applier skips.
+func (a *applier) skip(index uint64, kind string, err error) {
+	a.broker.Applied(index)
+	a.skips.note(index, kind, err)
+}
 
 // settle applies the master's settlement record, in the quiet history too:
-// what a joiner holds is settled the same way.
-func (a *applier) settle(index uint64, data []byte) error {
+// what a joiner holds is settled the same way. One it cannot read is
+// skipped like any other record: only a master writes settlements (no
+// device can: the kind is in the header), and the next settlement's
+// Upto covers what this one would have confirmed; what it would have
+// aborted, and no later one names, is confirmed by it. A member stopped
+// by its own log would serve nobody.
+func (a *applier) settle(index uint64, data []byte) {
 	rec, err := storage.DecodeRecord(data)
 	if err != nil {
-		return err
+		a.skip(index, "settle", err)
+		return
 	}
 	s, err := replication.DecodeSettlement(rec.Payload)
 	if err != nil {
-		// Skipping it could deliver what it aborts: a CRC-valid record
-		// this build cannot read stops the apply, as a damaged one does.
-		return fmt.Errorf("record %d: %w", index, err)
+		a.skip(index, "settle", err)
+		return
 	}
 	a.broker.Settle(index, s.Upto, s.Abort, s.Doubt, s.Alone)
 	a.ups.settled()
-	return nil
 }
 
 // Holding implements replication.Holder: a new master settles the sync
@@ -222,7 +253,6 @@ func (a *logAdapter) Committed(from, to uint64, fn func(index uint64, m *mqtt.Me
 	if from > to {
 		return nil
 	}
-	var derr error
 	err := a.d.db.Scan(from, func(e raftpb.Entry) bool {
 		if e.Index > to {
 			return false
@@ -231,16 +261,12 @@ func (a *logAdapter) Committed(from, to uint64, fn func(index uint64, m *mqtt.Me
 			return true
 		}
 		rec, err := storage.DecodeRecord(e.Data)
-		if err != nil {
-			derr = fmt.Errorf("record %d: %w", e.Index, err)
-			return false
+		if err != nil || rec.Kind != storage.KindMessage {
+			return true // the applier counted what it could not read
 		}
 		return fn(e.Index, messageOf(&rec))
 	})
-	if err != nil {
-		return err
-	}
-	return derr
+	return err
 }
 
 // sessionStore keeps the broker's sessions in the data file, staged so they

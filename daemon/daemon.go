@@ -51,6 +51,7 @@ type Daemon struct {
 	serving servingWatch // whether publishes are taken; devices sent away (serving.go)
 	acks    *ackQueue    // proposal outcomes, from replication's goroutine to the broker (acks.go)
 	ups     *uplinks     // the cloud uplinks; nil without any (uplinks.go)
+	skips   *skips       // the records the applier skipped (records.go)
 
 	// resync is set while this gateway, whose data file was damaged,
 	// rejoins its cluster (resync.go); lost once it did, or from an
@@ -115,6 +116,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		return fmt.Errorf("peer port: %w", inUse(err, "peer address", c.Peer.Listen, "--peer", "peer.listen"))
 	}
 	d.acks = newAckQueue()
+	d.skips = newSkips(d.log, d.fieldView().RecordSkipped)
 	la := &logAdapter{d: d}
 	d.broker, err = mqtt.NewServer(mqtt.Config{
 		Listen:         c.MQTT.Listen,
@@ -137,6 +139,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		Sessions:                sessionStore{d.db},
 		Logger:                  d.log.With("component", "mqtt"),
 		Observer:                d.fieldView(),
+		Unreadable:              d.skips.note,
 	}, la)
 	if err != nil {
 		return inUse(err, "MQTT address", c.MQTT.Listen, "--mqtt", "mqtt.listen")
@@ -147,7 +150,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if d.ups != nil {
 		d.fieldView().RegisterUplinks(d.ups)
 	}
-	d.apply = &applier{ready: make(chan struct{}), broker: d.broker, ups: d.ups}
+	d.apply = &applier{ready: make(chan struct{}), broker: d.broker, ups: d.ups, skips: d.skips}
 	d.redeliver = &redeliverer{d: d}
 	if d.resync != nil {
 		err = d.gw.StartNodeResyncing()

@@ -23,16 +23,15 @@ import (
 )
 
 // The uplinks of `uplinks:` and what plugs them into the gateway: the log
-// they read (uplinkLog), the replicated positions (positionsTopic records,
+// they read (uplinkLog), the replicated positions (KindUplinks records,
 // kept by every member in bucketUplinks), the master-only lifecycle (a
 // role watcher), the retention hold and the local publish path of their
 // downlinks.
 
-// positionsTopic is the control record of uplink positions: a JSON object
-// name → index. Like session cursors, it is replicated in batches, and
-// every member keeps the highest position per name, so the next master
-// resumes there.
-const positionsTopic = "$tandem/uplinks"
+// Uplink positions travel as control records of storage.KindUplinks: a
+// JSON object name → index. Like session cursors, they are replicated in
+// batches, and every member keeps the highest position per name, so the
+// next master resumes there.
 
 // bucketUplinks holds the replicated positions, by uplink name (8 bytes,
 // big-endian), staged so they commit with the log they describe;
@@ -42,7 +41,7 @@ const (
 	bucketPaused  = "uplinks-paused"
 )
 
-// pauseClient marks a positionsTopic record that pauses or resumes an
+// pauseClient marks a KindUplinks record that pauses or resumes an
 // uplink (pauseOp) rather than carrying positions: a pause holds on
 // every member, so it outlives a failover and a restart, and may be
 // asked of any member.
@@ -353,7 +352,7 @@ func (us *uplinks) refuses(topic string) bool {
 func (us *uplinks) applyPositions(index uint64, payload []byte) {
 	var ps map[string]uint64
 	if err := json.Unmarshal(payload, &ps); err != nil {
-		us.d.log.Warn("uplink positions record unreadable: skipped", "index", index, "error", err)
+		us.d.skips.note(index, "uplinks", err)
 		return
 	}
 	us.mu.Lock()
@@ -425,7 +424,6 @@ func (l uplinkLog) Committed(from, to uint64, fn func(r *uplink.Record) bool) er
 	}
 	for from <= to {
 		var batch []*uplink.Record
-		var derr error
 		next := to + 1
 		err := l.db.Scan(from, func(e raftpb.Entry) bool {
 			if e.Index > to {
@@ -442,17 +440,13 @@ func (l uplinkLog) Committed(from, to uint64, fn func(r *uplink.Record) bool) er
 			}
 			rec, err := storage.DecodeRecord(e.Data)
 			if err != nil {
-				derr = fmt.Errorf("record %d: %w", e.Index, err)
-				return false
+				return len(batch) < scanChunk // the applier counted and skipped it
 			}
 			batch = append(batch, uplinkRecord(e.Index, &rec, len(e.Data)))
 			return len(batch) < scanChunk
 		})
 		if err != nil {
 			return err
-		}
-		if derr != nil {
-			return derr
 		}
 		for _, r := range batch {
 			if !fn(r) {
@@ -519,7 +513,7 @@ func (s positionSink) Save(name string, index uint64) {
 	}
 	b, _ := json.Marshal(map[string]uint64{name: index}) // cannot fail
 	n := s.d.gw.Node()
-	rec := storage.Record{Origin: n.ID(), Seq: n.NextSeq(), ClientID: "", Topic: positionsTopic, Time: time.Now().UnixNano(), Payload: b}
+	rec := controlRecord(n, storage.KindUplinks, "", b)
 	n.Propose(storage.AppendRecord(nil, &rec), replication.Async, func(_ uint64, err error) {
 		if err != nil && !errors.Is(err, replication.ErrStopped) {
 			s.d.log.Debug("uplink position not logged", "uplink", name, "index", index, "error", err)
@@ -565,18 +559,19 @@ func (p localPublisher) Publish(ctx context.Context, m *uplink.Message) error {
 	}
 }
 
-// applyRecord applies a committed positions record (its encoded bytes).
-func (us *uplinks) applyRecord(index uint64, data []byte) error {
+// applyRecord applies a committed positions record (its encoded bytes);
+// one it cannot read is counted and skipped.
+func (us *uplinks) applyRecord(index uint64, data []byte) {
 	rec, err := storage.DecodeRecord(data)
 	if err != nil {
-		return err
+		us.d.skips.note(index, "uplinks", err)
+		return
 	}
 	if rec.ClientID == pauseClient {
 		us.applyPause(index, rec.Payload)
-		return nil
+		return
 	}
 	us.applyPositions(index, rec.Payload)
-	return nil
 }
 
 // applyPause applies a committed pause record on this member: its uplink
@@ -584,7 +579,7 @@ func (us *uplinks) applyRecord(index uint64, data []byte) error {
 func (us *uplinks) applyPause(index uint64, payload []byte) {
 	var op pauseOp
 	if err := json.Unmarshal(payload, &op); err != nil {
-		us.d.log.Warn("uplink pause record unreadable: skipped", "index", index, "error", err)
+		us.d.skips.note(index, "uplinks", err)
 		return
 	}
 	u := us.byName(op.Name)
@@ -614,7 +609,7 @@ func (a uplinkAPI) SetPaused(name string, paused bool) (admin.UplinkResponse, er
 	}
 	b, _ := json.Marshal(pauseOp{Name: name, Paused: paused}) // cannot fail
 	n := a.d.gw.Node()
-	rec := storage.Record{Origin: n.ID(), Seq: n.NextSeq(), ClientID: pauseClient, Topic: positionsTopic, Time: time.Now().UnixNano(), Payload: b}
+	rec := controlRecord(n, storage.KindUplinks, pauseClient, b)
 	type result struct {
 		index uint64
 		err   error

@@ -1,7 +1,6 @@
 package mqtt
 
 import (
-	"bytes"
 	"encoding/json"
 	"strings"
 	"sync/atomic"
@@ -11,7 +10,7 @@ import (
 // Persistent sessions across the cluster.
 //
 // A persistent session's life is written into the log as small records of
-// its own, on the topic sessionTopic, so that every member that applies the
+// its own, of KindSession, so that every member that applies the
 // log holds the session too: its start (user, expiry, clean start), its
 // subscriptions, its going offline, its end, and, in batches, its cursor.
 // A device whose gateway died, or that simply connects elsewhere, finds its
@@ -21,10 +20,12 @@ import (
 //
 // The member where the session lives applies its own records as no-ops
 // (it has the state already); the others apply them to an offline copy.
-// Clients cannot subscribe or publish to these topics.
+// The record's kind says what it is (the log keeps it in the header); the
+// topics below only name them, as builds before record kinds logged them,
+// and clients can neither subscribe nor publish to them.
 const (
-	sessionTopic = "$tandem/session" // one session's record; ClientID names it
-	cursorTopic  = "$tandem/cursors" // a batch of cursors, by client id
+	sessionTopic = "$tandem/session" // KindSession; ClientID names the session
+	cursorTopic  = "$tandem/cursors" // KindCursors, by client id
 	controlPref  = "$tandem/"
 )
 
@@ -48,9 +49,6 @@ type sessionOp struct {
 // isControl reports whether a topic is one of the cluster's own records.
 func isControl(topic string) bool { return strings.HasPrefix(topic, controlPref) }
 
-// isControlBytes is isControl on a record's topic bytes.
-func isControlBytes(topic []byte) bool { return bytes.HasPrefix(topic, []byte(controlPref)) }
-
 // proposeSession logs op for client id. Nobody waits for it: the session
 // is live here already, and the record only tells the other members.
 func (s *Server) proposeSession(id string, op sessionOp) {
@@ -61,7 +59,7 @@ func (s *Server) proposeSession(id string, op sessionOp) {
 // the outcome.
 func (s *Server) proposeOp(id string, op sessionOp, mode AckMode, done func(error)) {
 	b, _ := json.Marshal(op) // a struct of strings and numbers: cannot fail
-	s.proposeRecord(sessionTopic, id, b, mode, done)
+	s.proposeRecord(KindSession, id, b, mode, done)
 }
 
 // proposeSessionOps logs ops for client id, in order, and calls then once
@@ -90,13 +88,17 @@ func (s *Server) proposeSessionOps(id string, ops []sessionOp, then func()) {
 }
 
 // proposeControl logs one of the cluster's own records; nobody waits for it.
-func (s *Server) proposeControl(topic, client string, payload []byte) {
-	s.proposeRecord(topic, client, payload, Async, s.logFailure)
+func (s *Server) proposeControl(kind Kind, client string, payload []byte) {
+	s.proposeRecord(kind, client, payload, Async, s.logFailure)
 }
 
 // proposeRecord logs a record of the cluster's own under mode.
-func (s *Server) proposeRecord(topic, client string, payload []byte, mode AckMode, done func(error)) {
-	m := &Message{ClientID: client, Topic: topic, Payload: payload, Time: time.Now().UnixNano()}
+func (s *Server) proposeRecord(kind Kind, client string, payload []byte, mode AckMode, done func(error)) {
+	topic := sessionTopic
+	if kind == KindCursors {
+		topic = cursorTopic
+	}
+	m := &Message{Kind: kind, ClientID: client, Topic: topic, Payload: payload, Time: time.Now().UnixNano()}
 	s.log.Reserve(m)
 	s.log.Propose(m, mode, done)
 }
@@ -104,21 +106,23 @@ func (s *Server) proposeRecord(topic, client string, payload []byte, mode AckMod
 // applyControl applies a committed session or cursor record; it runs on
 // the applier, in log order.
 func (s *Server) applyControl(index uint64, m *Message) {
-	switch m.Topic {
-	case sessionTopic:
+	switch m.Kind {
+	case KindSession:
 		var op sessionOp
 		if err := json.Unmarshal(m.Payload, &op); err != nil {
-			s.lines.Warn("session record unreadable: skipped", "index", index, "error", err)
+			s.unreadable(index, "session", err)
 			return
 		}
 		s.applySession(index, m.ClientID, m.Origin == s.cfg.NodeID, &op)
-	case cursorTopic:
-		if m.Origin == s.cfg.NodeID {
-			return
-		}
+	case KindCursors:
 		var cs map[string]uint64
 		if err := json.Unmarshal(m.Payload, &cs); err != nil {
-			s.lines.Warn("cursor record unreadable: skipped", "index", index, "error", err)
+			// Read on its origin too, so that every member counts
+			// the same records skipped.
+			s.unreadable(index, "cursors", err)
+			return
+		}
+		if m.Origin == s.cfg.NodeID {
 			return
 		}
 		s.mu.Lock()
@@ -144,6 +148,16 @@ func (s *Server) applyControl(index uint64, m *Message) {
 			s.saveCursor(se)
 		}
 	}
+}
+
+// unreadable reports a control record it skips: the member goes on
+// serving (DESIGN.md, "The record").
+func (s *Server) unreadable(index uint64, kind string, err error) {
+	if f := s.cfg.Unreadable; f != nil {
+		f(index, kind, err)
+		return
+	}
+	s.lines.Warn("control record unreadable: skipped", "index", index, "kind", kind, "error", err)
 }
 
 // applySession applies one session record. own is true on the member
@@ -277,7 +291,7 @@ func (s *Server) replicateCursors() {
 	}
 	b, err := json.Marshal(cs)
 	if err == nil {
-		s.proposeControl(cursorTopic, "", b)
+		s.proposeControl(KindCursors, "", b)
 	}
 }
 

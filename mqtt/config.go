@@ -60,4 +60,8 @@ type Config struct {
 	// Observer is told of each publish and ack, for metrics; nil means
 	// none.
 	Observer Observer
+	// Unreadable is told of a control record the broker cannot read
+	// (kind names it): the broker skips it and goes on, as every member
+	// does at the same index; nil only logs it.
+	Unreadable func(index uint64, kind string, err error)
 }

@@ -188,8 +188,13 @@ func (c *conn) authenticate(pk *packets.Packet) (user string, ok bool) {
 func (c *conn) checkWill(pk *packets.Packet) bool {
 	cp := &pk.Connect
 	topic := cp.WillTopic
-	if why := c.srv.cfg.Limits.topicProblem(topic); why != "" || !validTopic(topic) {
-		if why == "" {
+	if why := c.srv.cfg.Limits.topicProblem(topic); why != "" || !validTopic(topic) || hasDollar(topic) {
+		switch {
+		case hasDollar(topic):
+			// $ topics are the server's: a will there is refused as
+			// a PUBLISH there is (DESIGN.md, "The record").
+			why = "topic starts with $: reserved for the server"
+		case why == "":
 			why = "topic invalid"
 		}
 		if c.v != 5 {
@@ -200,7 +205,7 @@ func (c *conn) checkWill(pk *packets.Packet) bool {
 	if !c.srv.access.Load().ACL.Allowed(c.user, c.id, topic, true) {
 		return c.refuse(pk, packets.ErrNotAuthorized, 0x05, "will topic denied by ACL", "topic", topic)
 	}
-	w := &Message{ClientID: c.id, Topic: topic, QoS: cp.WillQos, Retain: cp.WillRetain, Will: true, Payload: cp.WillPayload}
+	w := &Message{ClientID: c.id, Topic: topic, QoS: cp.WillQos, Retain: cp.WillRetain, Will: true, Payload: cp.WillPayload, user: c.user}
 	if c.v == 5 {
 		wp := &cp.WillProperties
 		w.PayloadFormat, w.PayloadFormatSet = wp.PayloadFormat, wp.PayloadFormatFlag
@@ -400,26 +405,15 @@ func (s *Server) endSessionLocked(se *session, tell bool) {
 
 // proposeWill logs a will as a record.
 func (s *Server) proposeWill(m *Message) {
-	if !s.access.Load().ACL.Allowed(s.userOf(m.ClientID), m.ClientID, m.Topic, true) {
+	// Checked again (a reload may have changed the ACL since CONNECT) as
+	// the user who connected: a clean session is gone by now.
+	if !s.access.Load().ACL.Allowed(m.user, m.ClientID, m.Topic, true) {
 		s.refusal(m.ClientID, "will denied by ACL: dropped", "client", m.ClientID, "topic", m.Topic)
 		return
 	}
 	m.Time = time.Now().UnixNano()
 	s.log.Reserve(m)
 	s.log.Propose(m, AckFor(s.topicPolicies(), m.Topic), s.logFailure)
-}
-
-// userOf returns the user of client id's session, "" when none.
-func (s *Server) userOf(id string) string {
-	s.mu.Lock()
-	se := s.sessions[id]
-	s.mu.Unlock()
-	if se == nil {
-		return ""
-	}
-	se.mu.Lock()
-	defer se.mu.Unlock()
-	return se.user
 }
 
 // logFailure is the done callback of publishes nobody acks (QoS 0, wills).

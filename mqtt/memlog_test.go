@@ -149,7 +149,7 @@ func (l *memLog) apply() {
 		l.mu.Unlock()
 		if m.Topic == testSettleTopic {
 			l.srv.Settle(idx, m.Seq, aborts, 0, false)
-		} else if l.srv.Unrouted([]byte(m.Topic)) && !m.Retain {
+		} else if m.Kind == KindMessage && l.srv.Unrouted([]byte(m.Topic)) && !m.Retain {
 			l.srv.Applied(idx)
 		} else if err := l.srv.Deliver(idx, &m); err != nil {
 			panic(err)

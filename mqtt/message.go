@@ -90,8 +90,12 @@ func MatchTopic(filter, topic string) bool {
 // Message is one publish as the broker hands it to the log and gets it back
 // when committed. It mirrors the record of DESIGN.md; the daemon converts.
 type Message struct {
-	Origin   uint64 // set by the log: node that took the publish
-	Seq      uint64 // set by the log: per-origin sequence number
+	Origin uint64 // set by the log: node that took the publish
+	Seq    uint64 // set by the log: per-origin sequence number
+	// Kind is KindMessage for what a device sent, or one of the broker's
+	// own records (cluster.go); the log keeps it in the record's header,
+	// so no device can make its message one of them.
+	Kind     Kind
 	ClientID string
 	Topic    string
 	QoS      byte
@@ -112,7 +116,22 @@ type Message struct {
 	ResponseTopic    string
 	CorrelationData  []byte
 	User             []packets.UserProperty
+
+	// user is who sent a will: its ACL is checked again, as that user,
+	// when it is published.
+	user string
 }
+
+// Kind tells a device's message from the broker's own records of
+// persistent sessions, which travel through the log beside them.
+type Kind uint8
+
+// The kinds of Message.
+const (
+	KindMessage Kind = iota // a PUBLISH, a will, a downlink message
+	KindSession             // a persistent session's life (sessionOp)
+	KindCursors             // a batch of session cursors
+)
 
 // fromPacket fills m from a PUBLISH.
 func (m *Message) fromPacket(clientID string, pk *packets.Packet, now int64) {

@@ -446,7 +446,7 @@ func (s *Server) Rewind(applied, skip uint64) {
 func (s *Server) Deliver(index uint64, m *Message) error {
 	s.hand(index) // before any offer: a replay under way must read it
 	defer s.Applied(index)
-	if isControl(m.Topic) {
+	if m.Kind != KindMessage {
 		s.applyControl(index, m)
 		return nil
 	}
@@ -501,7 +501,7 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 // on it without retain needs neither a Message nor Deliver. The topic is
 // still in its record's bytes: a topic seen before costs no allocation.
 func (s *Server) Unrouted(topic []byte) bool {
-	return !isControlBytes(topic) && s.routes.unrouted(s.index, topic)
+	return s.routes.unrouted(s.index, topic)
 }
 
 // Retain applies the committed record at index to the retained store
@@ -509,7 +509,7 @@ func (s *Server) Unrouted(topic []byte) bool {
 // the cluster's history, and how a record already delivered here is
 // applied again.
 func (s *Server) Retain(index uint64, m *Message) {
-	if isControl(m.Topic) {
+	if m.Kind != KindMessage {
 		s.applyControl(index, m) // a joiner learns the sessions from the history
 		return
 	}

@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/tandem-edge/tandem/storage"
 )
 
 // flood keeps up to n sockets open from each of the source addresses to
@@ -42,7 +44,7 @@ func flood(t *testing.T, addr string, sources []string, n int, knocker *Identity
 					if knocker != nil {
 						tc := tls.Client(nc, &tls.Config{Certificates: []tls.Certificate{knocker.Cert}, InsecureSkipVerify: true, MinVersion: tls.VersionTLS13, NextProtos: []string{peerALPN}})
 						if tc.HandshakeContext(ctx) == nil {
-							tc.Write(appendHello(nil, hello{version: peerProtocolVersion, purpose: purposeKnock, id: knocker.ID}))
+							tc.Write(appendHello(nil, hello{version: peerProtocolMin, maxVersion: peerProtocolMax, level: storage.FeatureLevel, purpose: purposeKnock, id: knocker.ID}))
 						}
 					}
 					var b [256]byte

@@ -60,6 +60,9 @@ func (n *Node) applyLoop() {
 			if e.Type != pb.EntryNormal || len(e.Data) == 0 {
 				continue
 			}
+			if n.applyFeature(e) {
+				continue // the cluster's, not the Applier's
+			}
 			if err := n.cfg.Applier.Apply(e.Index, e.Data); err != nil {
 				n.fail(fmt.Errorf("replication: apply %d: %w", e.Index, err))
 				break

@@ -9,6 +9,8 @@ import (
 	"slices"
 
 	pb "go.etcd.io/raft/v3/raftpb"
+
+	"github.com/tandem-edge/tandem/storage"
 )
 
 // The peer protocol's framing. After the TLS handshake every byte on the
@@ -38,9 +40,14 @@ import (
 const MaxFrameSize = 16 << 20
 
 const (
-	// peerProtocolVersion is sent in every hello; a peer speaking another
-	// version is refused (it logs why) rather than misread.
-	peerProtocolVersion = 1
+	// peerProtocolMin and peerProtocolMax are the peer protocol versions
+	// this build speaks. A hello's version field says the lowest (builds
+	// before negotiation refuse any version but their own, 1), its
+	// trailer the highest; the link speaks the highest both know, and a
+	// peer whose range does not meet ours is refused (it logs why) rather
+	// than misread (DESIGN.md, "Versions and upgrades").
+	peerProtocolMin = 1
+	peerProtocolMax = 1
 
 	// maxSmallFrame bounds every frame read before the other side is known
 	// to be a member: hellos, knocks and whatever a stranger sends. A
@@ -150,6 +157,13 @@ type hello struct {
 	id      uint64
 	gen     uint64
 	cluster string
+
+	// The trailer, after the cluster id; builds before it neither send
+	// nor read it, and decode as maxVersion = version, level =
+	// storage.FeatureBase, build "".
+	maxVersion uint16 // the highest protocol version the sender speaks
+	level      byte   // the highest feature level its build knows
+	build      string // its release (version.Version), for status
 }
 
 func appendHello(dst []byte, h hello) []byte {
@@ -164,6 +178,13 @@ func appendHello(dst []byte, h hello) []byte {
 	body = binary.BigEndian.AppendUint64(body, h.gen)
 	body = append(body, byte(len(cl)))
 	body = append(body, cl...)
+	build := h.build
+	if len(build) > 255 {
+		build = build[:255]
+	}
+	body = binary.BigEndian.AppendUint16(body, h.maxVersion)
+	body = append(body, h.level, byte(len(build)))
+	body = append(body, build...)
 	return appendFrame(dst, frameHello, body)
 }
 
@@ -182,6 +203,13 @@ func decodeHello(body []byte) (hello, error) {
 		return hello{}, fmt.Errorf("%w: hello cluster id cut short", errBadFrame)
 	}
 	h.cluster = string(body[helloLen : helloLen+n])
+	h.maxVersion, h.level = h.version, storage.FeatureBase
+	if t := body[helloLen+n:]; len(t) >= 4 {
+		h.maxVersion, h.level = binary.BigEndian.Uint16(t), t[2]
+		if b := t[4:]; len(b) >= int(t[3]) {
+			h.build = string(b[:t[3]])
+		}
+	}
 	return h, nil
 }
 

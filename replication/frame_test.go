@@ -8,6 +8,8 @@ import (
 	"testing"
 
 	pb "go.etcd.io/raft/v3/raftpb"
+
+	"github.com/tandem-edge/tandem/storage"
 )
 
 // frameSeeds are one valid frame of each type.
@@ -21,7 +23,7 @@ func frameSeeds(t testing.TB) [][]byte {
 		t.Fatal(err)
 	}
 	return [][]byte{
-		appendHello(nil, hello{version: peerProtocolVersion, purpose: purposeLink, id: 0xfeed, gen: 3, cluster: "plant-7"}),
+		appendHello(nil, hello{version: peerProtocolMin, maxVersion: peerProtocolMax, level: storage.FeatureLevel, purpose: purposeLink, id: 0xfeed, gen: 3, cluster: "plant-7"}),
 		raft,
 		appendRequest(nil, requestFrame{id: 9, timeoutMs: 5000, kind: 'F', payload: []byte("record")}),
 		appendResponse(nil, responseFrame{id: 9, status: statusError, payload: []byte("not the master")}),
@@ -46,7 +48,7 @@ func TestFramesRoundTrip(t *testing.T) {
 		switch typ {
 		case frameHello:
 			h, err := decodeHello(body)
-			if err != nil || h != (hello{version: peerProtocolVersion, purpose: purposeLink, id: 0xfeed, gen: 3, cluster: "plant-7"}) {
+			if err != nil || h != (hello{version: peerProtocolMin, maxVersion: peerProtocolMax, level: storage.FeatureLevel, purpose: purposeLink, id: 0xfeed, gen: 3, cluster: "plant-7"}) {
 				t.Fatalf("hello %+v, %v", h, err)
 			}
 		case frameRaft:

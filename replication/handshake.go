@@ -11,6 +11,9 @@ import (
 	"net"
 	"slices"
 	"time"
+
+	"github.com/tandem-edge/tandem/internal/version"
+	"github.com/tandem-edge/tandem/storage"
 )
 
 // Stranger request kinds: the only two things a node whose fingerprint is
@@ -185,18 +188,20 @@ func (t *PeerTransport) greetIO(ctx context.Context, tc *tls.Conn, purpose byte,
 	if err != nil {
 		return r, 0, nil, err
 	}
-	if h.version != peerProtocolVersion {
-		return r, 0, nil, fmt.Errorf("peer protocol version %d, this node speaks %d", h.version, peerProtocolVersion)
+	if h.version > peerProtocolMax || h.maxVersion < peerProtocolMin || h.maxVersion < h.version {
+		return r, 0, nil, fmt.Errorf("peer speaks protocol versions %d to %d, this node %d to %d: upgrade the older one", h.version, h.maxVersion, peerProtocolMin, peerProtocolMax)
 	}
 	if key := NodeIDFromPublicKey(leaf.RawSubjectPublicKeyInfo); h.id != key {
 		return r, 0, nil, fmt.Errorf("hello claims node %s, the certificate's key is node %s", IDString(h.id), IDString(key))
 	}
 	r.ID, r.Generation, r.ClusterID = h.id, h.gen, h.cluster
+	r.Protocol, r.Level, r.Build = min(h.maxVersion, peerProtocolMax), int(h.level), h.build
 	return r, h.purpose, fr, nil
 }
 
 func (t *PeerTransport) sendHello(tc *tls.Conn, purpose byte) error {
-	h := hello{version: peerProtocolVersion, purpose: purpose, id: t.id, gen: t.cfg.Generation(), cluster: t.cfg.ClusterID()}
+	h := hello{version: peerProtocolMin, maxVersion: peerProtocolMax, level: storage.FeatureLevel, build: version.Version,
+		purpose: purpose, id: t.id, gen: t.cfg.Generation(), cluster: t.cfg.ClusterID()}
 	_, err := tc.Write(appendHello(nil, h))
 	return err
 }
@@ -231,6 +236,9 @@ func (t *PeerTransport) dialPeer(p *peer, addr string) (*conn, error) {
 	}
 	if err == nil {
 		err = t.generationOK(r)
+	}
+	if err == nil {
+		err = t.levelOK(r)
 	}
 	if err != nil {
 		t.untrack(tc.NetConn())
@@ -326,6 +334,10 @@ func (t *PeerTransport) serve(nc net.Conn, host string) {
 		return
 	}
 	if err := t.generationOK(r); err != nil {
+		t.refuse(addr, "member link refused", err)
+		return
+	}
+	if err := t.levelOK(r); err != nil {
 		t.refuse(addr, "member link refused", err)
 		return
 	}

@@ -173,6 +173,13 @@ type Node struct {
 	rn  *raft.RawNode
 	log *slog.Logger
 
+	// level is the cluster's feature level as applied here (feature.go);
+	// builds is the transport as PeerBuilds (nil without one) and raiseAt
+	// when the loop next looks whether it may raise the level.
+	level   atomic.Int32
+	builds  PeerBuilds
+	raiseAt time.Time
+
 	// propMu guards propQ, the proposals not yet taken by the loop; propSig
 	// wakes the loop. A mutex-guarded slice costs one lock per publish and
 	// lets the loop take a whole burst at once.
@@ -316,8 +323,11 @@ func NewNode(cfg Config) (*Node, error) {
 	n.pull.sig = make(chan struct{}, 1)
 	n.pull.pulling.Store(-1)
 	if cfg.Transport != nil {
+		n.builds, _ = cfg.Transport.(PeerBuilds)
 		n.cfg.Transport = tagTransport{inner: cfg.Transport, n: n}
 	}
+	db.SnapshotBucket(storage.BucketFeature, nil)
+	n.level.Store(int32(db.FeatureLevelOf()))
 	if err := n.loadMembers(); err != nil {
 		return nil, err
 	}
@@ -547,6 +557,7 @@ func (n *Node) tick() {
 	n.checkCutOff(now)
 	if n.leader {
 		n.watchSnapshots()
+		n.maybeRaiseLevel(now)
 	}
 	n.updateFloor()
 	if n.db.Pending() && !n.rn.HasReady() && time.Since(n.flushFailed) >= time.Second {

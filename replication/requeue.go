@@ -84,7 +84,8 @@ func (n *Node) republish() (int, bool) {
 		// A settlement names indexes of the log it was cut from, which
 		// hold other records now: the new master settles what it
 		// inherited itself (settle.go).
-		if rec.Topic == SettleTopic {
+		// A feature level raise is the master's to log, once.
+		if rec.Kind == storage.KindSettle || rec.Kind == storage.KindFeature {
 			n.db.DropRequeued(it.Key)
 			stale++
 			continue

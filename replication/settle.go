@@ -35,8 +35,9 @@ import (
 // other member at all (a lone gateway restarting): nobody could have held
 // those records, so none was acked, and they are aborted (Alone).
 
-// SettleTopic is the topic of the master's settlement records. Clients
-// cannot publish to it ($tandem/ is the cluster's own).
+// SettleTopic names the master's settlement records (storage.KindSettle):
+// their topic before record kinds, kept as their name. Clients cannot
+// publish to it ($ topics are the server's).
 const SettleTopic = "$tandem/settle"
 
 // settleEvery bounds how often the master logs a settlement: every outcome
@@ -210,7 +211,8 @@ func (n *Node) settleTurn(now time.Time) {
 	}
 	s := Settlement{Upto: max(upto, st.sentUpto), Abort: st.aborts, Doubt: st.doubt, Alone: st.doubt > 0 && st.alone}
 	b, _ := json.Marshal(s) // numbers only: cannot fail
-	rec := storage.Record{Origin: n.id, Seq: n.NextSeq(), Topic: SettleTopic, Time: now.UnixNano(), Payload: b}
+	rec := storage.Record{Kind: storage.KindSettle, Legacy: n.FeatureLevel() < storage.FeatureControlKinds,
+		Origin: n.id, Seq: n.NextSeq(), Topic: SettleTopic, Time: now.UnixNano(), Payload: b}
 	st.aborts, st.doubt, st.dirty, st.last = nil, 0, false, now
 	prevUpto := st.sentUpto
 	st.sentUpto = s.Upto

@@ -85,6 +85,7 @@ func (n *Node) applySnapshot() {
 		if err := n.db.ApplySnapshot(req.snap); err != nil {
 			return err
 		}
+		n.level.Store(int32(n.db.FeatureLevelOf())) // the snapshot's cluster's
 		n.membersMu.Lock()
 		err := n.loadMembers()
 		n.membersMu.Unlock()

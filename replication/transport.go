@@ -74,6 +74,12 @@ type Remote struct {
 	Addr        string
 	Generation  uint64
 	ClusterID   string
+	// Protocol is the peer protocol version the link speaks, Level the
+	// highest feature level the peer's build knows, Build its release
+	// ("" from builds before they said).
+	Protocol uint16
+	Level    int
+	Build    string
 	// Binding is this TLS connection's exporter value (RFC 8446 7.5, label
 	// BindingLabel, 32 bytes): the same on both ends of one connection,
 	// different on any other. A proof computed over it (a pairing MAC)
@@ -106,6 +112,10 @@ type TransportConfig struct {
 	// the connection (DESIGN.md: a node that meets a higher generation
 	// must wipe before it talks raft). Nil accepts all.
 	OnGeneration func(from, gen uint64) bool
+	// FeatureLevel is the cluster's feature level, read at each member
+	// handshake: a member whose build knows less is refused, since the
+	// log may hold records it cannot read. Nil means storage.FeatureBase.
+	FeatureLevel func() int
 	// OnRaft receives raft messages from member from, already checked to be
 	// From that member and To this node, in the order sent on one link (a
 	// pair's two links may reorder, which raft tolerates). It may block
@@ -261,6 +271,8 @@ type PeerTransport struct {
 	// seenHosts maps the host each member's last link came from to its
 	// id, for admission's reservation; guarded by mu.
 	seenHosts map[string]uint64
+
+	levels peerLevels // what each member's build knows (feature.go)
 
 	// notesMu guards unreach and snaps, the reports waiting for notifyLoop.
 	notesMu  sync.Mutex

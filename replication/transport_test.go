@@ -16,6 +16,8 @@ import (
 	"time"
 
 	pb "go.etcd.io/raft/v3/raftpb"
+
+	"github.com/tandem-edge/tandem/storage"
 )
 
 // tpNode is one transport under test and what its callbacks saw.
@@ -264,7 +266,7 @@ func tpRawDial(t *testing.T, id *Identity, addr string, purpose byte) (*tls.Conn
 	}
 	t.Cleanup(func() { tc.Close() })
 	tc.SetDeadline(time.Now().Add(10 * time.Second))
-	if _, err := tc.Write(appendHello(nil, hello{version: peerProtocolVersion, purpose: purpose, id: id.ID})); err != nil {
+	if _, err := tc.Write(appendHello(nil, hello{version: peerProtocolMin, maxVersion: peerProtocolMax, level: storage.FeatureLevel, purpose: purpose, id: id.ID})); err != nil {
 		t.Fatal(err)
 	}
 	return tc, newFrameReader(tc, MaxFrameSize)
@@ -652,7 +654,7 @@ func TestTransportSilentPeerTimesOut(t *testing.T) {
 			go func() { // handshake, hello, then silence until the client gives up
 				defer held.Done()
 				defer c.Close()
-				c.Write(appendHello(nil, hello{version: peerProtocolVersion, purpose: purposeLink, id: bid.ID}))
+				c.Write(appendHello(nil, hello{version: peerProtocolMin, maxVersion: peerProtocolMax, level: storage.FeatureLevel, purpose: purposeLink, id: bid.ID}))
 				accepted.Add(1)
 				select {
 				case <-done:

@@ -538,6 +538,9 @@ func (db *DB) load(verify bool) (err error) {
 		} else {
 			db.format = f
 		}
+		if err := checkFeatureLevel(tx); err != nil {
+			return err
+		}
 		if v := m.Get(keyWAL); len(v) == 16 {
 			db.walID = binary.BigEndian.Uint64(v)
 			db.walSeg = int(binary.BigEndian.Uint64(v[8:]) & 1)

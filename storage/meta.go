@@ -333,7 +333,9 @@ func (db *DB) PutMeta(key string, val []byte) error {
 	return nil
 }
 
-// DataRecords counts the data entries (records) in the log.
+// DataRecords counts the data entries (records) in the log, less the
+// feature level's: a lone gateway logs its own at first start, which is
+// no data of anyone's (a join resets the level with the raft state).
 func (db *DB) DataRecords() (int, error) {
 	boltLast, pend := db.pending()
 	n := 0
@@ -342,14 +344,14 @@ func (db *DB) DataRecords() (int, error) {
 			if i > boltLast {
 				return false, nil
 			}
-			if len(v) > entryHdr && pb.EntryType(v[12]) == pb.EntryNormal {
+			if len(v) > entryHdr && pb.EntryType(v[12]) == pb.EntryNormal && !isFeatureRecord(v[entryHdr:]) {
 				n++
 			}
 			return true, nil
 		})
 	})
 	for i := range pend {
-		if pend[i].Type == pb.EntryNormal && len(pend[i].Data) > 0 {
+		if pend[i].Type == pb.EntryNormal && len(pend[i].Data) > 0 && !isFeatureRecord(pend[i].Data) {
 			n++
 		}
 	}
@@ -383,7 +385,7 @@ func (db *DB) ResetRaftFrom(from uint64) error {
 		if err := startBackfill(tx, 0); err != nil {
 			return err
 		}
-		for _, b := range [][]byte{bucketLog, []byte(BucketMembers)} {
+		for _, b := range [][]byte{bucketLog, []byte(BucketMembers), []byte(BucketFeature)} {
 			if tx.Bucket(b) != nil {
 				if err := tx.DeleteBucket(b); err != nil {
 					return err

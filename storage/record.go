@@ -24,7 +24,16 @@ type Record struct {
 	// Sync marks a record taken under a sync ack rule: no member delivers
 	// it until the master's settlement confirms it, and none ever does
 	// once it is aborted (DESIGN.md, "Delivery waits for the ack rule").
-	Sync     bool
+	Sync bool
+	// Kind tells a device message (KindMessage) from one of the broker's
+	// own control records. It is part of the header, so nothing a device
+	// sends can become a control record, whatever its topic.
+	Kind Kind
+	// Legacy marks a control record in the encoding of builds before
+	// record kinds (version 1 on its kind's $tandem/ topic): what a
+	// cluster below FeatureControlKinds writes, so that every member can
+	// read it (DESIGN.md, "Versions and upgrades").
+	Legacy   bool
 	PacketID uint16 // MQTT packet id at the origin (0 for QoS 0)
 	Time     int64  // publish time, Unix nanoseconds, taken at the origin
 	Payload  []byte
@@ -50,17 +59,109 @@ type Properties struct {
 // UserProperty is one MQTT 5 user property (order and duplicates are kept).
 type UserProperty struct{ Key, Value string }
 
+// Kind is what a record is: a device message, or one of the broker's own
+// state changes. Raft tells a membership entry from a data entry by its
+// type; a record tells its kinds apart by its header in the same way,
+// never by its content.
+type Kind uint8
+
+// The record kinds. A control kind this build does not know decodes (the
+// encoding is shared) and is skipped by the applier, which counts it.
+const (
+	KindMessage Kind = iota // a device's PUBLISH, will, or a downlink message
+	KindSettle              // the master's settlement of sync records
+	KindSession             // a persistent session's life
+	KindCursors             // a batch of session cursors
+	KindUplinks             // uplink positions, or an uplink's pause
+	KindFeature             // the cluster's feature level, raised
+)
+
+// legacyTopics are the topics the control kinds travelled on before the
+// record header carried them (version 1, FeatureLevel 1).
+var legacyTopics = [...]string{
+	KindSettle:  "$tandem/settle",
+	KindSession: "$tandem/session",
+	KindCursors: "$tandem/cursors",
+	KindUplinks: "$tandem/uplinks",
+}
+
+// String names the kind as metrics and logs label it.
+func (k Kind) String() string {
+	switch k {
+	case KindMessage:
+		return "message"
+	case KindSettle:
+		return "settle"
+	case KindSession:
+		return "session"
+	case KindCursors:
+		return "cursors"
+	case KindUplinks:
+		return "uplinks"
+	case KindFeature:
+		return "feature"
+	}
+	return fmt.Sprintf("kind-%d", uint8(k))
+}
+
+// LegacyTopic is the topic kind k travelled on before record kinds, ""
+// for KindMessage and the kinds that have no legacy form.
+func (k Kind) LegacyTopic() string {
+	if int(k) < len(legacyTopics) {
+		return legacyTopics[k]
+	}
+	return ""
+}
+
+// legacyKind says which control kind a version-1 record is, KindMessage
+// for a device message. Builds before record kinds wrote their control
+// records as version-1 records on $tandem/ topics, QoS 0, neither will
+// nor retained; those builds also let a device will reach such a topic.
+// So a legacy record is trusted as control only in the shape its
+// writers gave it: a will, a retained or a QoS 1/2 record on
+// $tandem/settle is a device's, and is never obeyed.
+func legacyKind(topic []byte, flags, qos byte) Kind {
+	if len(topic) < len("$tandem/") || topic[0] != '$' || flags&(flagWill|flagRetain) != 0 || qos != 0 {
+		return KindMessage
+	}
+	for k, t := range legacyTopics {
+		if t != "" && string(topic) == t {
+			return Kind(k)
+		}
+	}
+	return KindMessage
+}
+
 // RecordVersion is the encoding version AppendRecord writes for a record
 // taken without a sync ack rule, RecordVersionSync the same layout with
 // flagSync, written exactly when Record.Sync is set. Async records keep
 // version 1, so a build that reads version 1 only still reads them (a
 // rolling upgrade); a sync record stops such a build, rightly: it would
-// deliver the record before its ack rule is met. DecodeRecord reads these
-// two versions only: a record from a newer tandem must stop the daemon
-// rather than be half understood.
+// deliver the record before its ack rule is met. RecordVersionControl is
+// a control record (Kind other than KindMessage): the same fixed header
+// followed by the kind byte, written only once the cluster's feature level
+// is FeatureControlKinds, since earlier builds reject the version.
+// DecodeRecord reads these three versions only: a record from a newer
+// tandem is reported, not half understood (the applier counts and skips
+// it).
 const (
-	RecordVersion     = 1
-	RecordVersionSync = 2
+	RecordVersion        = 1
+	RecordVersionSync    = 2
+	RecordVersionControl = 3
+)
+
+// Feature levels: what the cluster's records and peer messages may use
+// (DESIGN.md, "Versions and upgrades"). A level is used only once every
+// member runs a build that knows it.
+const (
+	// FeatureBase is what builds before feature levels speak: control
+	// records as version-1 records on $tandem/ topics.
+	FeatureBase = 1
+	// FeatureControlKinds: control records carry their kind in the
+	// header (RecordVersionControl).
+	FeatureControlKinds = 2
+	// FeatureLevel is the highest level this build knows.
+	FeatureLevel = FeatureControlKinds
 )
 
 // Flag bits of byte 1. Unknown bits are rejected so that a future version
@@ -86,6 +187,7 @@ const (
 	offTime     = 19
 	offPacketID = 27
 	headerLen   = 29
+	offKind     = 29 // version 3 only
 
 	crcLen = 4
 
@@ -103,12 +205,19 @@ var crcTable = crc32.MakeTable(crc32.Castagnoli)
 // sizes the encoding first and grows dst at most once; with enough capacity
 // it does not allocate.
 //
-// It panics if r.QoS is above 2: the decoder treats such a record as
-// corruption and the daemon would refuse to start on it, so a caller bug must
-// fail here rather than poison the log.
+// A control record (Kind other than KindMessage) is written as version 3,
+// or, with Legacy, as version 1 on its kind's legacy topic.
+//
+// It panics if r.QoS is above 2, or on a control record that is sync,
+// has a QoS, or is legacy without a legacy topic: the decoder would treat
+// such a record as corruption or as a device's, so a caller bug must fail
+// here rather than poison the log.
 func AppendRecord(dst []byte, r *Record) []byte {
 	if r.QoS > 2 {
 		panic(fmt.Sprintf("storage: AppendRecord: QoS %d is not 0, 1 or 2", r.QoS))
+	}
+	if r.Kind != KindMessage && (r.Sync || r.QoS != 0 || r.Will || r.Retain || (r.Legacy && (r.Kind.LegacyTopic() == "" || r.Topic != r.Kind.LegacyTopic()))) {
+		panic(fmt.Sprintf("storage: AppendRecord: control record of kind %s in the shape of a message (topic %q)", r.Kind, r.Topic))
 	}
 	p := &r.Props
 	dst = slices.Grow(dst, encodedLen(r))
@@ -135,12 +244,19 @@ func AppendRecord(dst []byte, r *Record) []byte {
 		flags |= flagSync
 		version = RecordVersionSync
 	}
+	control := r.Kind != KindMessage && !r.Legacy
+	if control {
+		version = RecordVersionControl
+	}
 
 	dst = append(dst, version, flags, r.QoS)
 	dst = binary.BigEndian.AppendUint64(dst, r.Origin)
 	dst = binary.BigEndian.AppendUint64(dst, r.Seq)
 	dst = binary.BigEndian.AppendUint64(dst, uint64(r.Time))
 	dst = binary.BigEndian.AppendUint16(dst, r.PacketID)
+	if control {
+		dst = append(dst, byte(r.Kind))
+	}
 
 	dst = appendString(dst, r.ClientID)
 	dst = appendString(dst, r.Topic)
@@ -168,6 +284,7 @@ func AppendRecord(dst []byte, r *Record) []byte {
 func encodedLen(r *Record) int {
 	p := &r.Props
 	n := headerLen +
+		bodyStart(r.Kind != KindMessage && !r.Legacy) - headerLen +
 		fieldLen(len(r.ClientID)) +
 		fieldLen(len(r.Topic)) +
 		fieldLen(len(r.Payload)) +
@@ -186,6 +303,15 @@ func encodedLen(r *Record) int {
 		n += fieldLen(len(p.User[i].Key)) + fieldLen(len(p.User[i].Value))
 	}
 	return n
+}
+
+// bodyStart is where the variable fields begin: after the kind byte in a
+// version-3 record.
+func bodyStart(control bool) int {
+	if control {
+		return headerLen + 1
+	}
+	return headerLen
 }
 
 func fieldLen(n int) int { return uvarintLen(uint64(n)) + n }
@@ -219,6 +345,7 @@ func DecodeRecord(b []byte) (Record, error) {
 	}
 	end := len(b) - crcLen
 	flags, qos := b[offFlags], b[offQoS]
+	control := b[offVersion] == RecordVersionControl
 	r := Record{
 		Origin:      binary.BigEndian.Uint64(b[offOrigin:]),
 		Seq:         binary.BigEndian.Uint64(b[offSeq:]),
@@ -231,9 +358,17 @@ func DecodeRecord(b []byte) (Record, error) {
 		Time:        int64(binary.BigEndian.Uint64(b[offTime:])),
 	}
 
-	d := decoder{b: b[headerLen:end]}
+	if control {
+		r.Kind = Kind(b[offKind])
+	}
+	d := decoder{b: b[bodyStart(control):end]}
 	r.ClientID = string(d.field("client id"))
 	r.Topic = string(d.field("topic"))
+	if !control && b[offVersion] == RecordVersion {
+		if r.Kind = legacyKind([]byte(r.Topic), flags, qos); r.Kind != KindMessage {
+			r.Legacy = true
+		}
+	}
 	r.Payload = cloneBytes(d.field("payload"))
 	r.Props.ContentType = string(d.field("content type"))
 	r.Props.ResponseTopic = string(d.field("response topic"))
@@ -277,16 +412,30 @@ func DecodeRecord(b []byte) (Record, error) {
 // the rest or allocating: the apply path uses it to skip the records no
 // subscriber would receive. topic aliases b.
 func RecordTopic(b []byte) (topic []byte, retain bool, err error) {
+	_, topic, retain, err = RecordHead(b)
+	return topic, retain, err
+}
+
+// RecordHead is RecordTopic with the record's kind, as DecodeRecord gives
+// it: the applier dispatches on it before anything else.
+func RecordHead(b []byte) (kind Kind, topic []byte, retain bool, err error) {
 	if err := checkRecord(b); err != nil {
-		return nil, false, err
+		return 0, nil, false, err
 	}
-	d := decoder{b: b[headerLen : len(b)-crcLen]}
+	control := b[offVersion] == RecordVersionControl
+	d := decoder{b: b[bodyStart(control) : len(b)-crcLen]}
 	d.field("client id")
 	topic = d.field("topic")
 	if d.err != nil {
-		return nil, false, d.err
+		return 0, nil, false, d.err
 	}
-	return topic, b[offFlags]&flagRetain != 0, nil
+	switch {
+	case control:
+		kind = Kind(b[offKind])
+	case b[offVersion] == RecordVersion:
+		kind = legacyKind(topic, b[offFlags], b[offQoS])
+	}
+	return kind, topic, b[offFlags]&flagRetain != 0, nil
 }
 
 // RecordSync reports whether an encoded record was taken under a sync ack
@@ -337,6 +486,19 @@ func checkRecord(b []byte) error {
 	if qos := b[offQoS]; qos > 2 {
 		return fmt.Errorf("record: qos %d: %w", qos, ErrCorrupt)
 	}
+	if b[offVersion] == RecordVersionControl {
+		// Canonical: a message is never version 3, and a control record
+		// carries nothing of a message's delivery.
+		if len(b) < minRecordLen+1 {
+			return fmt.Errorf("record: %d bytes, shorter than a control record's %d-byte minimum: %w", len(b), minRecordLen+1, ErrTruncated)
+		}
+		if b[offKind] == byte(KindMessage) {
+			return fmt.Errorf("record: version %d with kind %s: %w", RecordVersionControl, KindMessage, ErrCorrupt)
+		}
+		if b[offQoS] != 0 || b[offFlags]&(flagWill|flagRetain) != 0 {
+			return fmt.Errorf("record: control record with a qos or will/retain flags: %w", ErrCorrupt)
+		}
+	}
 	return nil
 }
 
@@ -346,8 +508,8 @@ func checkHeader(b []byte) error {
 	if len(b) == 0 {
 		return fmt.Errorf("record: empty input: %w", ErrTruncated)
 	}
-	if v := b[offVersion]; v != RecordVersion && v != RecordVersionSync {
-		return fmt.Errorf("record: version %d, this build reads versions %d and %d only: %w", v, RecordVersion, RecordVersionSync, ErrUnknownVersion)
+	if v := b[offVersion]; v != RecordVersion && v != RecordVersionSync && v != RecordVersionControl {
+		return fmt.Errorf("record: version %d, this build reads versions %d to %d only: %w", v, RecordVersion, RecordVersionControl, ErrUnknownVersion)
 	}
 	if len(b) < minRecordLen {
 		return fmt.Errorf("record: %d bytes, shorter than the %d-byte minimum: %w", len(b), minRecordLen, ErrTruncated)

@@ -186,7 +186,7 @@ func TestDecodeRecordBitFlips(t *testing.T) {
 				b[i] ^= 1 << bit
 				_, err := DecodeRecord(b)
 				want := ErrCorrupt
-				if i == offVersion {
+				if v := b[offVersion]; i == offVersion && v != RecordVersion && v != RecordVersionSync && v != RecordVersionControl {
 					want = ErrUnknownVersion
 				}
 				if !errors.Is(err, want) {
@@ -247,7 +247,7 @@ func TestRecordSyncVersion(t *testing.T) {
 
 func TestDecodeRecordUnknownVersion(t *testing.T) {
 	r := fullRecord()
-	for _, v := range []byte{0, 3, 255} {
+	for _, v := range []byte{0, 4, 255} {
 		b := AppendRecord(nil, &r)
 		b[offVersion] = v
 		reseal(b)
@@ -366,6 +366,9 @@ func FuzzDecodeRecord(f *testing.F) {
 			f.Add(enc)
 		}
 	}
+	for _, r := range controlRecords() {
+		f.Add(AppendRecord(nil, &r))
+	}
 	f.Add([]byte{})
 	f.Add([]byte{RecordVersion})
 	f.Add(raw(0, 0, emptyFields, []byte{0}))
@@ -400,6 +403,9 @@ func checkDecode(t *testing.T, b []byte) {
 	topic, retain, topicErr := RecordTopic(b)
 	if topicErr != nil || string(topic) != r.Topic || retain != r.Retain {
 		t.Fatalf("RecordTopic = %q, %v, %v; DecodeRecord says %q, %v", topic, retain, topicErr, r.Topic, r.Retain)
+	}
+	if kind, _, _, err := RecordHead(b); err != nil || kind != r.Kind {
+		t.Fatalf("RecordHead kind = %s, %v; DecodeRecord says %s", kind, err, r.Kind)
 	}
 	origin, seq, idErr := RecordID(b)
 	if idErr != nil || origin != r.Origin || seq != r.Seq {

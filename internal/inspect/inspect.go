@@ -32,7 +32,8 @@ type Query struct {
 type Record struct {
 	Index   uint64 `json:"index"`
 	Term    uint64 `json:"term"`
-	Type    string `json:"type,omitempty"` // only with --all: "record" or "conf_change"
+	Type    string `json:"type,omitempty"` // only with --all: "record", "control" or "conf_change"
+	Kind    string `json:"kind,omitempty"` // a control record's kind (storage.Kind), with --all
 	Topic   string `json:"topic,omitempty"`
 	QoS     byte   `json:"qos"`
 	Retain  bool   `json:"retain"`
@@ -128,6 +129,9 @@ func Write(w io.Writer, db *storage.DB, q Query) error {
 				werr = fmt.Errorf("entry %d: %w", e.Index, err)
 				return false
 			}
+			if rec.Kind != storage.KindMessage && !all {
+				return true // the gateway's own records: --all shows them
+			}
 			out = Record{
 				Index: e.Index, Term: e.Term, Topic: rec.Topic, QoS: rec.QoS, Retain: rec.Retain,
 				Client: rec.ClientID,
@@ -139,6 +143,9 @@ func Write(w io.Writer, db *storage.DB, q Query) error {
 			out.Props = propsOf(&rec.Props)
 			if all {
 				out.Type = "record"
+				if rec.Kind != storage.KindMessage {
+					out.Type, out.Kind = "control", rec.Kind.String()
+				}
 			}
 		case all && e.Type != pb.EntryNormal:
 			out = Record{Index: e.Index, Term: e.Term, Type: "conf_change"}
