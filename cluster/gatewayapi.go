@@ -79,6 +79,21 @@ func (d *Gateway) PairGuesses() map[string]uint64 {
 	return out
 }
 
+// StrangerRefusals counts the peer port's connections that admission
+// refused or evicted since the start, by reason (the names in
+// replication.StrangerRefusals); nil before the transport starts.
+func (d *Gateway) StrangerRefusals() map[string]uint64 {
+	if d.cl.tr == nil {
+		return nil
+	}
+	n := d.cl.tr.Stats().StrangerRefusals
+	out := make(map[string]uint64, len(n))
+	for i, v := range n {
+		out[replication.StrangerRefusals[i]] = v
+	}
+	return out
+}
+
 // Promotions and Depositions count this process's promotions to master and
 // the times it found itself replaced as master.
 func (d *Gateway) Promotions() uint64 { return d.cl.promotions.Load() }

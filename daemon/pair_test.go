@@ -148,6 +148,13 @@ func TestPairClosesAfterFiveWrongCodes(t *testing.T) {
 	if s := statusOfGW(t, g1); s.Pairing.Open {
 		t.Fatal("still open after five wrong codes")
 	}
+	mfs := scrape(t, g1)
+	if w, c := value(mfs, "tandem_pair_guesses_total", "outcome", "wrong"), value(mfs, "tandem_pair_guesses_total", "outcome", "closed"); w != cluster.PairMaxFailures || c != 2 {
+		t.Fatalf("tandem_pair_guesses_total: wrong %v, closed %v; want %d and 2", w, c, cluster.PairMaxFailures)
+	}
+	if v := value(mfs, "tandem_peer_stranger_refusals_total", "reason", "evicted"); v != 0 {
+		t.Fatalf("tandem_peer_stranger_refusals_total{reason=evicted} %v, want 0", v)
+	}
 	if exit, out := pairJoin(t, g2, code, g1.PeerAddr()); exit == 0 || !strings.Contains(out, "tandem pair open") {
 		t.Fatalf("the real joiner once closed: exit %d: %s", exit, out)
 	}
