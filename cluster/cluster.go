@@ -347,8 +347,10 @@ func (c *cluster) startTransport() error {
 				n.ReportUnreachable(id)
 			}
 		},
-		OnRequest:  c.onRequest,
-		OnStranger: c.onStranger,
+		OnRequest:             c.onRequest,
+		OnStranger:            c.onStranger,
+		MaxStrangers:          d.cfg.Peer.MaxStrangers,
+		MaxStrangersPerSource: d.cfg.Peer.MaxStrangersPerAddress,
 	})
 	if err != nil {
 		return err

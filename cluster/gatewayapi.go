@@ -67,6 +67,33 @@ func (d *Gateway) HasSyncTopics() bool { return d.hasSyncTopics() }
 // PairState says whether pairing is open here, and until when.
 func (d *Gateway) PairState() (open bool, expires time.Time) { return d.cl.pairState() }
 
+// PairGuesses counts the pairing attempts this gateway answered since it
+// started, by outcome (the names in PairOutcomes): checked and right or
+// wrong, or refused unchecked, over the global cap or with no pairing open.
+func (d *Gateway) PairGuesses() map[string]uint64 {
+	n := d.cl.invites.pair.counts()
+	out := make(map[string]uint64, len(n))
+	for i, v := range n {
+		out[PairOutcomes[i]] = v
+	}
+	return out
+}
+
+// StrangerRefusals counts the peer port's connections that admission
+// refused or evicted since the start, by reason (the names in
+// replication.StrangerRefusals); nil before the transport starts.
+func (d *Gateway) StrangerRefusals() map[string]uint64 {
+	if d.cl.tr == nil {
+		return nil
+	}
+	n := d.cl.tr.Stats().StrangerRefusals
+	out := make(map[string]uint64, len(n))
+	for i, v := range n {
+		out[replication.StrangerRefusals[i]] = v
+	}
+	return out
+}
+
 // Promotions and Depositions count this process's promotions to master and
 // the times it found itself replaced as master.
 func (d *Gateway) Promotions() uint64 { return d.cl.promotions.Load() }

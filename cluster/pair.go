@@ -12,13 +12,20 @@ package cluster
 // is a token join: addMember on the master, becomeMember on the joiner.
 //
 // A code is 12 symbols of Crockford's base32 (60 bits). Guessing online is
-// what the master limits, per source address so that a stranger cannot
-// lock the real joiner out: one attempt a second, five failures and that
-// address may try no more (the pairing stays open for the others), and the
-// code lives ten minutes. Even an attacker who rotates addresses is held
-// to the rate the peer port takes knocks at: under a million guesses in
-// ten minutes against 2^60 codes. Offline guessing from a
-// captured proof meets scrypt before each HMAC.
+// what the master limits, for the code as a whole and not per source
+// address, since a stranger with forty addresses would otherwise get forty
+// times the guesses: at most pairGuessBurst checked guesses at once and
+// one a second after that, from all sources together; a guess over that
+// cap is refused unchecked and counts as nothing. PairMaxFailures wrong
+// codes in total close the pairing until `tandem pair open` is run again.
+// So one opened code admits at most 5 checked guesses: the chance that an
+// attacker hits a code is 5 in 2^60 (about 4e-18) per `pair open`, and
+// the expected number of guesses to hit one is 2^59 (about 5.8e17), which
+// at the cap's one a second is some 1.8e10 years, or 2.3e17 pairings
+// opened for it. The price is that a stranger on the LAN can close a
+// pairing with five wrong codes: loud (each wrong code and the closing are
+// logged with the address), and undone by opening a new code. Offline
+// guessing from a captured proof meets scrypt before each HMAC.
 
 import (
 	"context"
@@ -29,10 +36,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/crypto/scrypt"
@@ -47,16 +54,16 @@ const (
 	DefaultPairTTL = 10 * time.Minute
 	// pairCodeLen is the number of symbols in a code: 5 bits each.
 	pairCodeLen = 12
-	// PairMaxFailures wrong proofs from one source address end that
-	// address's attempts on this code.
+	// PairMaxFailures wrong codes in total, from any sources, close the
+	// pairing: `tandem pair open` must be run again.
 	PairMaxFailures = 5
-	// pairMinInterval is the least time between two checked attempts
-	// from one source address.
-	pairMinInterval = time.Second
-	// pairMaxSources bounds the addresses one code keeps counts for, the
-	// memory a scan costs; past it the address idle longest is forgotten,
-	// so that many addresses crowd nobody out.
-	pairMaxSources = 256
+	// pairGuessEvery is the pace of checked guesses, from all sources
+	// together, once the burst is spent; the joiner waits a little more
+	// than this before it asks again after a refusal for the cap.
+	pairGuessEvery = time.Second
+	// pairGuessBurst checked guesses may come at once: a joiner that
+	// mistyped the code tries again at once without meeting the cap.
+	pairGuessBurst = 3
 )
 
 // pairAlphabet is Crockford's base32: digits and capitals without I, L, O
@@ -75,8 +82,11 @@ var (
 	errPairExpired = errors.New("the pairing code expired: open a new one (tandem pair open)")
 	errPairUsed    = errors.New("the pairing code was already used: each code pairs one gateway")
 	errPairBusy    = errors.New("pairing attempts are limited to one a second: try again in a second")
-	ErrPairWrong   = errors.New("wrong pairing code")
-	ErrPairLocked  = errors.New("too many wrong pairing codes from this address: open a new pairing (tandem pair open)")
+	// ErrPairWrong is a checked guess that was not the code.
+	ErrPairWrong = errors.New("wrong pairing code")
+	// ErrPairLocked is any attempt once PairMaxFailures wrong codes closed
+	// the pairing.
+	ErrPairLocked = errors.New("too many wrong pairing codes: the pairing is closed, open a new one (tandem pair open)")
 )
 
 // newPairCode returns a fresh random code in its grouped form.
@@ -175,16 +185,27 @@ type PairReply struct {
 type pairing struct {
 	key      []byte
 	expires  time.Time
-	failures int                    // wrong proofs from every source, for the log
-	bySrc    map[string]*pairSource // attempts per source address
-	usedBy   uint64                 // the node that paired with it, 0 while unused
+	failures int       // wrong codes, from every source
+	tokens   float64   // checked guesses the cap allows now, up to pairGuessBurst
+	filled   time.Time // when tokens was last brought up to date
+	usedBy   uint64    // the node that paired with it, 0 while unused
 }
 
-// pairSource is what one source address did with a code.
-type pairSource struct {
-	failures int
-	lastTry  time.Time
-}
+// closed reports whether the wrong codes closed p.
+func (p *pairing) closed() bool { return p.failures >= PairMaxFailures }
+
+// Outcomes of a pairing attempt, the "outcome" label of
+// tandem_pair_guesses_total.
+const (
+	pairRight   = iota // checked: the code
+	pairWrong          // checked: not the code
+	pairOverCap        // refused unchecked: over the global cap
+	pairClosed         // refused unchecked: none open, expired, used or closed
+	numPairOutcomes
+)
+
+// PairOutcomes names the outcomes PairGuesses counts, in its order.
+var PairOutcomes = [numPairOutcomes]string{"right", "wrong", "over_cap", "closed"}
 
 // pairBook holds the master's open pairing, in memory only (a restart
 // closes it). At most one is open: a new `pair open` replaces it.
@@ -194,6 +215,8 @@ type pairBook struct {
 	// clock is the time source of the master's checks; nil is time.Now.
 	// Tests step it past the rate limit instead of waiting.
 	clock func() time.Time
+	// guesses counts attempts by outcome since the start.
+	guesses [numPairOutcomes]atomic.Uint64
 }
 
 // now is the book's clock.
@@ -207,32 +230,35 @@ func (b *pairBook) now() time.Time {
 	return time.Now()
 }
 
-// open makes key the open pairing until expires.
+// open makes key the open pairing until expires, with the cap's burst
+// whole: a new code starts with no wrong guesses against it.
 func (b *pairBook) open(key []byte, expires time.Time) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.cur = &pairing{key: key, expires: expires, bySrc: map[string]*pairSource{}}
+	b.cur = &pairing{key: key, expires: expires, tokens: pairGuessBurst}
 }
 
 // state reports whether a pairing is open for a new gateway at now.
 func (b *pairBook) state(now time.Time) (bool, time.Time) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if p := b.cur; p != nil && p.usedBy == 0 && now.Before(p.expires) {
+	if p := b.cur; p != nil && p.usedBy == 0 && !p.closed() && now.Before(p.expires) {
 		return true, p.expires
 	}
 	return false, time.Time{}
 }
 
-// try checks a proof from node at source address src at now. macOf
-// computes the expected MAC from the key. On success the pairing is marked
-// used by node (the same node may try again: a joiner whose answer was
-// lost retries) and its key is returned for the master's own proof.
-// Attempts are limited per src, never for the pairing as a whole, so that
-// a stranger's wrong proofs cannot close it for the real joiner. failures
-// says how many wrong proofs the pairing has seen from every source (for
-// the log).
-func (b *pairBook) try(src string, node uint64, mac []byte, macOf func(key []byte) []byte, now time.Time) (p *pairing, failures int, err error) {
+// try checks a proof from node at now. macOf computes the expected MAC
+// from the key. On success the pairing is marked used by node (the same
+// node may try again: a joiner whose answer was lost retries) and its key
+// is returned for the master's own proof. Checked guesses are capped for
+// the pairing as a whole, whoever sends them (see the file's comment); a
+// guess over the cap is refused before it is checked and is no failure.
+// failures says how many wrong codes the pairing has seen; the one that
+// reaches PairMaxFailures closes it.
+func (b *pairBook) try(node uint64, mac []byte, macOf func(key []byte) []byte, now time.Time) (p *pairing, failures int, err error) {
+	out := pairClosed
+	defer func() { b.guesses[out].Add(1) }()
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	p = b.cur
@@ -242,46 +268,40 @@ func (b *pairBook) try(src string, node uint64, mac []byte, macOf func(key []byt
 	case !now.Before(p.expires):
 		b.cur = nil
 		return nil, p.failures, errPairExpired
+	case p.closed():
+		return nil, p.failures, ErrPairLocked
 	case p.usedBy != 0 && p.usedBy != node:
 		return nil, p.failures, errPairUsed
 	}
-	s := p.bySrc[src]
-	if s == nil {
-		if len(p.bySrc) >= pairMaxSources {
-			p.forgetIdlest()
-		}
-		s = &pairSource{}
-		p.bySrc[src] = s
+	if now.After(p.filled) {
+		p.tokens = min(pairGuessBurst, p.tokens+float64(now.Sub(p.filled))/float64(pairGuessEvery))
+		p.filled = now
 	}
-	switch {
-	case s.failures >= PairMaxFailures:
-		return nil, p.failures, ErrPairLocked
-	case now.Sub(s.lastTry) < pairMinInterval:
+	if p.tokens < 1 {
+		out = pairOverCap
 		return nil, p.failures, errPairBusy
 	}
-	s.lastTry = now
+	p.tokens--
 	if !hmac.Equal(mac, macOf(p.key)) {
-		s.failures++
+		out = pairWrong
 		p.failures++
-		if s.failures >= PairMaxFailures {
-			return nil, p.failures, fmt.Errorf("%w: no more attempts from this address after %d (the pairing stays open for others)", ErrPairWrong, s.failures)
+		if p.closed() {
+			return nil, p.failures, fmt.Errorf("%w: %d wrong codes closed the pairing: open a new one (tandem pair open)", ErrPairWrong, p.failures)
 		}
 		return nil, p.failures, ErrPairWrong
 	}
+	out = pairRight
 	p.usedBy = node
 	return p, p.failures, nil
 }
 
-// forgetIdlest drops the source whose last attempt is the oldest.
-func (p *pairing) forgetIdlest() {
-	var idlest string
-	var at time.Time
-	for src, s := range p.bySrc {
-		if idlest == "" || s.lastTry.Before(at) {
-			idlest, at = src, s.lastTry
-		}
+// counts is the attempts since the start, by outcome (PairOutcomes).
+func (b *pairBook) counts() [numPairOutcomes]uint64 {
+	var n [numPairOutcomes]uint64
+	for i := range n {
+		n[i] = b.guesses[i].Load()
 	}
-	delete(p.bySrc, idlest)
+	return n
 }
 
 // release makes p usable again after its node could not be added.
@@ -291,6 +311,25 @@ func (b *pairBook) release(p *pairing) {
 	if b.cur == p {
 		p.usedBy = 0
 	}
+}
+
+// check is onPair's verdict on a proof from r, who claims to be name: it
+// tries the book and logs what the master's operator must know: each wrong
+// code with the address, and the one that closes the pairing with a line
+// saying so; refusals nothing was checked for are debug lines, so a
+// stranger knocking in a loop does not flood the journal.
+func (b *pairBook) check(ctx context.Context, log *slog.Logger, r replication.Remote, name string, mac []byte, macOf func(key []byte) []byte) (*pairing, error) {
+	p, failures, err := b.try(r.ID, mac, macOf, b.now())
+	switch {
+	case err == nil:
+	case errors.Is(err, ErrPairWrong) && failures >= PairMaxFailures:
+		log.Warn("pairing closed: too many wrong codes; run tandem pair open again", "from", r.Addr, "peer", replication.IDString(r.ID), "name", name, "failures", failures)
+	case errors.Is(err, errPairBusy) || errors.Is(err, ErrPairLocked):
+		log.Debug("pairing attempt refused", "from", r.Addr, "peer", replication.IDString(r.ID), "name", name, "reason", err, "failures", failures)
+	default:
+		log.Warn("pairing attempt refused", "from", r.Addr, "peer", replication.IDString(r.ID), "name", name, "reason", err, "failures", failures)
+	}
+	return p, err
 }
 
 // openPairing opens pairing on this node, the master, and returns the code.
@@ -329,21 +368,10 @@ func (c *cluster) onPair(ctx context.Context, r replication.Remote, payload []by
 		return nil, errors.New("this gateway is not the master: pairing is held by the master")
 	}
 	self := c.d.self().Fingerprint
-	src, _, serr := net.SplitHostPort(r.Addr)
-	if serr != nil {
-		src = r.Addr
-	}
-	p, failures, err := c.invites.pair.try(src, m.ID, req.MAC, func(key []byte) []byte {
+	p, err := c.invites.pair.check(ctx, c.d.log, r, m.Name, req.MAC, func(key []byte) []byte {
 		return PairMAC(key, PairRoleJoiner, r.Fingerprint, self, r.Binding, nil)
-	}, c.invites.pair.now())
+	})
 	if err != nil {
-		level := slog.LevelWarn
-		if errors.Is(err, errPairBusy) || errors.Is(err, ErrPairLocked) {
-			// Not checked: a stranger knocking in a loop must not
-			// flood the journal; its wrong proofs were logged.
-			level = slog.LevelDebug
-		}
-		c.d.log.Log(ctx, level, "pairing attempt refused", "from", r.Addr, "peer", replication.IDString(r.ID), "name", m.Name, "reason", err, "failures", failures)
 		return nil, err
 	}
 	rep, err := c.addMember(ctx, m, func() { c.invites.pair.release(p) })
@@ -454,7 +482,7 @@ func (c *cluster) pairWith(ctx context.Context, tg pairTarget, key []byte, me re
 			}
 			if errors.Is(err, replication.ErrRemote) && strings.Contains(err.Error(), errPairBusy.Error()) && try < 3 {
 				select {
-				case <-time.After(pairMinInterval + 100*time.Millisecond):
+				case <-time.After(pairGuessEvery + 100*time.Millisecond):
 					continue
 				case <-ctx.Done():
 					return JoinReply{}, ctx.Err()

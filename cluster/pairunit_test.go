@@ -2,12 +2,19 @@ package cluster
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
+	"io"
+	"log/slog"
 	"math"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/tandem-edge/tandem/replication"
 )
 
 func TestPairCodeFormat(t *testing.T) {
@@ -106,92 +113,44 @@ func TestPairMACBinding(t *testing.T) {
 	}
 }
 
-func TestPairBookLimits(t *testing.T) {
+// pairTestMAC is the MAC a guess of key sends in the book's unit tests.
+func pairTestMAC(k []byte) []byte {
+	return PairMAC(k, PairRoleJoiner, [32]byte{}, [32]byte{}, nil, nil)
+}
+
+func TestPairBookSingleUseAndExpiry(t *testing.T) {
 	key := []byte("key")
-	macOf := func(k []byte) []byte { return PairMAC(k, PairRoleJoiner, [32]byte{}, [32]byte{}, nil, nil) }
-	right, wrong := macOf(key), macOf([]byte("guess"))
+	right := pairTestMAC(key)
 	now := time.Unix(1_000_000, 0)
 	var b pairBook
 
 	if open, _ := b.state(now); open {
 		t.Fatal("open before pair open")
 	}
-	if _, _, err := b.try("a", 7, right, macOf, now); !errors.Is(err, errPairClosed) {
+	if _, _, err := b.try(7, right, pairTestMAC, now); !errors.Is(err, errPairClosed) {
 		t.Fatalf("closed book: %v", err)
 	}
-
-	// Rate limit: a second attempt within a second from one address is
-	// not even checked (and not counted); five wrong ones end that
-	// address's attempts, not the pairing.
-	b.open(key, now.Add(10*time.Minute))
-	if open, exp := b.state(now); !open || !exp.Equal(now.Add(10*time.Minute)) {
-		t.Fatalf("state after open: %v %v", open, exp)
-	}
-	if _, n, err := b.try("a", 7, wrong, macOf, now); !errors.Is(err, ErrPairWrong) || n != 1 {
-		t.Fatalf("wrong code: %v (%d failures)", err, n)
-	}
-	if _, n, err := b.try("a", 7, right, macOf, now.Add(500*time.Millisecond)); !errors.Is(err, errPairBusy) || n != 1 {
-		t.Fatalf("second attempt within a second: %v (%d failures)", err, n)
-	}
-	for i := 2; i <= PairMaxFailures; i++ {
-		now = now.Add(pairMinInterval)
-		_, n, err := b.try("a", 7, wrong, macOf, now)
-		if !errors.Is(err, ErrPairWrong) || n != i {
-			t.Fatalf("wrong code %d: %v (%d failures)", i, err, n)
-		}
-	}
-	now = now.Add(pairMinInterval)
-	if _, _, err := b.try("a", 7, right, macOf, now); !errors.Is(err, ErrPairLocked) {
-		t.Fatalf("right code after %d failures from one address: %v, want locked", PairMaxFailures, err)
-	}
-	if open, _ := b.state(now); !open {
-		t.Fatal("a stranger's failures closed the pairing")
-	}
-	if _, _, err := b.try("b", 7, wrong, macOf, now); !errors.Is(err, ErrPairWrong) {
-		t.Fatalf("wrong code from another address: %v", err)
-	}
-	if _, _, err := b.try("c", 7, right, macOf, now); err != nil {
-		t.Fatalf("right code from a third address: %v", err)
-	}
-	// Only so many addresses are remembered per code, and many addresses
-	// crowd nobody out: the one idle longest is forgotten.
-	b.open(key, now.Add(10*time.Minute))
-	for i := range pairMaxSources + 10 {
-		if _, _, err := b.try(fmt.Sprint("s", i), 7, wrong, macOf, now.Add(time.Duration(i)*time.Millisecond)); !errors.Is(err, ErrPairWrong) {
-			t.Fatalf("source %d: %v", i, err)
-		}
-	}
-	if n := len(b.cur.bySrc); n != pairMaxSources {
-		t.Fatalf("%d sources remembered, want %d", n, pairMaxSources)
-	}
-	if _, ok := b.cur.bySrc["s0"]; ok {
-		t.Fatal("the source idle longest was kept")
-	}
-	if _, _, err := b.try("late", 7, right, macOf, now); err != nil {
-		t.Fatalf("a joiner after many addresses: %v", err)
-	}
-
 	// Single use: the pairing node may retry, another may not; release
 	// (the node could not be added) reopens it.
 	b.open(key, now.Add(time.Minute))
-	p, _, err := b.try("a", 7, right, macOf, now)
+	if open, exp := b.state(now); !open || !exp.Equal(now.Add(time.Minute)) {
+		t.Fatalf("state after open: %v %v", open, exp)
+	}
+	p, _, err := b.try(7, right, pairTestMAC, now)
 	if err != nil || !bytes.Equal(p.key, key) {
 		t.Fatalf("right code: %v", err)
 	}
 	if open, _ := b.state(now); open {
 		t.Fatal("still advertised open once used")
 	}
-	now = now.Add(pairMinInterval)
-	if _, _, err := b.try("b", 8, right, macOf, now); !errors.Is(err, errPairUsed) {
+	if _, _, err := b.try(8, right, pairTestMAC, now); !errors.Is(err, errPairUsed) {
 		t.Fatalf("reused by another node: %v", err)
 	}
-	now = now.Add(pairMinInterval)
-	if _, _, err := b.try("a", 7, right, macOf, now); err != nil {
+	if _, _, err := b.try(7, right, pairTestMAC, now); err != nil {
 		t.Fatalf("retry by the same node: %v", err)
 	}
 	b.release(p)
-	now = now.Add(pairMinInterval)
-	if _, _, err := b.try("b", 8, right, macOf, now); err != nil {
+	if _, _, err := b.try(8, right, pairTestMAC, now); err != nil {
 		t.Fatalf("after release: %v", err)
 	}
 
@@ -201,7 +160,130 @@ func TestPairBookLimits(t *testing.T) {
 	if open, _ := b.state(now); open {
 		t.Fatal("open at its expiry")
 	}
-	if _, _, err := b.try("a", 7, right, macOf, now); !errors.Is(err, errPairExpired) {
+	if _, _, err := b.try(7, right, pairTestMAC, now); !errors.Is(err, errPairExpired) {
 		t.Fatalf("expired: %v", err)
+	}
+}
+
+// TestPairingGuessesAreCappedGlobally: forty source addresses guessing in
+// parallel, ten times a second each, get the checks one address would:
+// the burst at once, then one a second. The guesses over the cap are
+// refused unchecked and are not wrong codes, so they close nothing.
+func TestPairingGuessesAreCappedGlobally(t *testing.T) {
+	key := []byte("key")
+	start := time.Unix(1_000_000, 0)
+	var mu sync.Mutex
+	now := start
+	b := pairBook{clock: func() time.Time { mu.Lock(); defer mu.Unlock(); return now }}
+	b.open(key, start.Add(10*time.Minute))
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+
+	var wrong, overCap atomic.Int64
+	wrongAt := map[int]time.Duration{} // the n-th wrong code, by its time since the start
+	for tick := 0; tick < 50 && len(wrongAt) < PairMaxFailures; tick++ {
+		at := time.Duration(tick) * 100 * time.Millisecond
+		mu.Lock()
+		now = start.Add(at)
+		mu.Unlock()
+		var wg sync.WaitGroup
+		for i := range 40 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				r := replication.Remote{ID: uint64(100 + i), Addr: fmt.Sprintf("127.0.0.%d:40000", i+2)}
+				_, err := b.check(context.Background(), log, r, "guesser", pairTestMAC([]byte(fmt.Sprint("guess", i, tick))), pairTestMAC)
+				switch {
+				case errors.Is(err, errPairBusy):
+					overCap.Add(1)
+				case errors.Is(err, ErrPairWrong):
+					wrong.Add(1)
+				case errors.Is(err, ErrPairLocked):
+					// In the tick the fifth wrong code closed it
+					// (that the fifth came no sooner is checked below).
+				default:
+					t.Errorf("guess from 127.0.0.%d at %v: %v", i+2, at, err)
+				}
+			}()
+		}
+		wg.Wait()
+		for n := len(wrongAt) + 1; n <= int(wrong.Load()); n++ {
+			wrongAt[n] = at
+		}
+	}
+	// Within the first second: the burst and no more, from 400 guesses.
+	if wrongAt[pairGuessBurst] != 0 || wrongAt[pairGuessBurst+1] < pairGuessEvery {
+		t.Fatalf("checked guesses at %v: the burst of %d at once, the next a second later expected", wrongAt, pairGuessBurst)
+	}
+	for n := pairGuessBurst + 1; n <= PairMaxFailures; n++ {
+		if want := time.Duration(n-pairGuessBurst) * pairGuessEvery; wrongAt[n] < want || n > len(wrongAt) {
+			t.Fatalf("wrong code %d checked at %v, before %v: checked guesses %v", n, wrongAt[n], want, wrongAt)
+		}
+	}
+	if wrong.Load() != PairMaxFailures || overCap.Load() < 400 {
+		t.Fatalf("%d checked, %d refused over the cap", wrong.Load(), overCap.Load())
+	}
+	got := b.counts()
+	if got[pairWrong] != PairMaxFailures || got[pairOverCap] != uint64(overCap.Load()) || got[pairRight] != 0 {
+		t.Fatalf("counted outcomes %v: want %d wrong, %d over the cap", got, PairMaxFailures, overCap.Load())
+	}
+}
+
+// TestPairingClosesAfterFiveWrongCodes: five wrong codes in total, from
+// any addresses, close the pairing with a log line saying so; the right
+// code is refused from then on until a new pair open, which starts afresh.
+// Guesses refused over the cap in between are no wrong codes.
+func TestPairingClosesAfterFiveWrongCodes(t *testing.T) {
+	key := []byte("key")
+	right, wrong := pairTestMAC(key), pairTestMAC([]byte("guess"))
+	now := time.Unix(1_000_000, 0)
+	b := pairBook{clock: func() time.Time { return now }}
+	var logs bytes.Buffer
+	log := slog.New(slog.NewTextHandler(&logs, nil))
+	from := func(i int) replication.Remote {
+		return replication.Remote{ID: uint64(100 + i), Addr: fmt.Sprintf("127.0.0.%d:40000", i+2)}
+	}
+
+	b.open(key, now.Add(10*time.Minute))
+	// Ten guesses at once from ten addresses: the burst is checked, the
+	// rest is refused over the cap and counts for nothing.
+	var busy int
+	for i := range 10 {
+		_, err := b.check(context.Background(), log, from(i), "guesser", wrong, pairTestMAC)
+		switch {
+		case errors.Is(err, errPairBusy):
+			busy++
+		case !errors.Is(err, ErrPairWrong):
+			t.Fatalf("guess %d: %v", i+1, err)
+		}
+	}
+	if busy != 10-pairGuessBurst || b.cur.failures != pairGuessBurst {
+		t.Fatalf("%d refused over the cap, %d wrong codes counted; want %d and %d", busy, b.cur.failures, 10-pairGuessBurst, pairGuessBurst)
+	}
+	for n := pairGuessBurst + 1; n <= PairMaxFailures; n++ {
+		if open, _ := b.state(now); !open {
+			t.Fatalf("closed after %d wrong codes", n-1)
+		}
+		now = now.Add(pairGuessEvery)
+		if _, err := b.check(context.Background(), log, from(n), "guesser", wrong, pairTestMAC); !errors.Is(err, ErrPairWrong) {
+			t.Fatalf("wrong code %d: %v", n, err)
+		}
+	}
+	if open, _ := b.state(now); open {
+		t.Fatal("still open after five wrong codes")
+	}
+	if !strings.Contains(logs.String(), "pairing closed: too many wrong codes") || !strings.Contains(logs.String(), "127.0.0.") {
+		t.Fatalf("the closing was not logged with the address:\n%s", logs.String())
+	}
+	_, err := b.check(context.Background(), log, from(9), "joiner", right, pairTestMAC)
+	if !errors.Is(err, ErrPairLocked) || !strings.Contains(err.Error(), "tandem pair open") {
+		t.Fatalf("the right code once closed: %v, want %v", err, ErrPairLocked)
+	}
+	// pair open again: a fresh code with a fresh count.
+	b.open(key, now.Add(10*time.Minute))
+	if _, err := b.check(context.Background(), log, from(0), "guesser", wrong, pairTestMAC); !errors.Is(err, ErrPairWrong) {
+		t.Fatalf("wrong code after a new open: %v", err)
+	}
+	if _, err := b.check(context.Background(), log, from(9), "joiner", right, pairTestMAC); err != nil {
+		t.Fatalf("the right code after a new open: %v", err)
 	}
 }

@@ -204,6 +204,14 @@ type PeerConfig struct {
 	// for when the listener's own address is not reachable as is (NAT,
 	// several interfaces). Empty means the addresses found at run time.
 	Advertise []string `yaml:"advertise"`
+	// MaxStrangers bounds the peer port's connections not yet proven to
+	// be a member's (join and pairing knocks, handshakes under way); when
+	// all are held, a newcomer from an address holding none evicts the
+	// oldest of the address holding the most. Default 64.
+	MaxStrangers int `yaml:"max_strangers"`
+	// MaxStrangersPerAddress is what one source address (IPv6: its /64)
+	// may hold of them; more are refused at once. Default 2.
+	MaxStrangersPerAddress int `yaml:"max_strangers_per_address"`
 }
 
 // HTTPConfig configures the HTTP API (status, metrics, cluster commands).
@@ -350,6 +358,8 @@ func (c *Config) setDefaults() {
 		setDefaultIfZero(&c.MQTT.TLS.MinVersion, "1.2")
 	}
 	setDefaultIfZero(&c.Peer.Listen, "127.0.0.1:7883")
+	setDefaultIfZero(&c.Peer.MaxStrangers, 64)
+	setDefaultIfZero(&c.Peer.MaxStrangersPerAddress, 2)
 	setDefaultIfZero(&c.HTTP.Listen, "127.0.0.1:7880")
 	setDefaultIfZero(&c.Log.Level, "info")
 	setDefaultIfZero(&c.Log.Format, "text")

@@ -28,7 +28,7 @@ func TestDefaultConfig(t *testing.T) {
 		Node: NodeConfig{Name: host, DataDir: "./tandem-data"},
 		MQTT: MQTTConfig{Listen: "127.0.0.1:1883", MaxInflight: 1024, MaxPacketSize: 1 << 20, MaxClients: 1000,
 			MaxTopicLength: 1024, MaxTopicLevels: 32, ConnectRate: 20, ConnectBurst: 100},
-		Peer: PeerConfig{Listen: "127.0.0.1:7883"},
+		Peer: PeerConfig{Listen: "127.0.0.1:7883", MaxStrangers: 64, MaxStrangersPerAddress: 2},
 		HTTP: HTTPConfig{Listen: "127.0.0.1:7880"},
 		Log:  LogConfig{Level: "info", Format: "text"},
 		Cluster: ClusterConfig{
@@ -105,7 +105,7 @@ func fullConfig() *Config {
 			TopicAliasMaximum: 50,
 			WebSocket:         WebSocketConfig{Listen: "0.0.0.0:8080", TLS: true, Origins: []string{"dash.example.com"}},
 		},
-		Peer: PeerConfig{Listen: "0.0.0.0:7884", Advertise: []string{"198.51.100.1:7884", "gw-1.local:7884"}},
+		Peer: PeerConfig{Listen: "0.0.0.0:7884", Advertise: []string{"198.51.100.1:7884", "gw-1.local:7884"}, MaxStrangers: 128, MaxStrangersPerAddress: 3},
 		HTTP: HTTPConfig{Listen: "127.0.0.1:7881", TokenFile: "/etc/tandem/http-token", AllowedHosts: []string{"gw-1.example.net"}},
 		Log:  LogConfig{Level: "debug", Format: "json"},
 		Cluster: ClusterConfig{
@@ -288,6 +288,9 @@ func TestParseConfigErrors(t *testing.T) {
 		{"election timeout default too short", "cluster:\n  heartbeat: 600ms\n", 2, "cluster.election_timeout", []string{"1s must be more than twice"}},
 		{"listen not host:port", "http:\n  listen: 7880\n", 2, "http.listen", []string{`"7880" is not host:port`, `write ":7880"`}},
 		{"listen bad port", "peer:\n  listen: \":99999\"\n", 2, "peer.listen", []string{`port "99999"`}},
+		{"max_strangers range", "peer:\n  max_strangers: 1\n", 2, "peer.max_strangers", []string{"2 to 65536"}},
+		{"max_strangers_per_address over the total", "peer:\n  max_strangers: 8\n  max_strangers_per_address: 9\n", 3, "peer.max_strangers_per_address",
+			[]string{"1 to peer.max_strangers (8)"}},
 		{"advertise without host", "peer:\n  advertise:\n    - 10.0.0.1:7883\n    - :7883\n", 4, "peer.advertise[1]", []string{"no host"}},
 		{"anonymous on the network", "mqtt:\n  listen: 0.0.0.0:1883\n", 2, "mqtt.listen",
 			[]string{"requires users", "mqtt.users_file", "mqtt.allow_anonymous: true"}},

@@ -63,6 +63,12 @@ func (c *Config) validate(w *configWalker) error {
 	for i, a := range c.Peer.Advertise {
 		ck.advertiseAddr(fmt.Sprintf("peer.advertise[%d]", i), a)
 	}
+	if c.Peer.MaxStrangers < 2 || c.Peer.MaxStrangers > 65536 {
+		ck.failf("peer.max_strangers", "%d is out of range: 2 to 65536 (a join from a fresh address needs a slot beside a flood's)", c.Peer.MaxStrangers)
+	}
+	if c.Peer.MaxStrangersPerAddress < 1 || c.Peer.MaxStrangersPerAddress > c.Peer.MaxStrangers {
+		ck.failf("peer.max_strangers_per_address", "%d is out of range: 1 to peer.max_strangers (%d)", c.Peer.MaxStrangersPerAddress, c.Peer.MaxStrangers)
+	}
 	ck.hostPort("http.listen", c.HTTP.Listen)
 	ck.oneOf("log.level", c.Log.Level, "debug", "info", "warn", "error")
 	ck.oneOf("log.format", c.Log.Format, "text", "json")

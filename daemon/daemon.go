@@ -115,6 +115,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if err = d.gw.StartTransport(); err != nil {
 		return fmt.Errorf("peer port: %w", inUse(err, "peer address", c.Peer.Listen, "--peer", "peer.listen"))
 	}
+	d.fieldView().RegisterPeerPort(d.gw)
 	d.acks = newAckQueue()
 	d.skips = newSkips(d.log, d.fieldView().RecordSkipped)
 	la := &logAdapter{d: d}

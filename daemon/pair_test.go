@@ -113,10 +113,11 @@ func TestPairInProcess(t *testing.T) {
 	}
 }
 
-// TestPairStrangerCannotCloseThePairing: five wrong proofs from a stranger
-// at another address end that address's attempts, not the pairing: the
-// real joiner pairs with the code afterwards.
-func TestPairStrangerCannotCloseThePairing(t *testing.T) {
+// TestPairClosesAfterFiveWrongCodes: five wrong proofs in total close
+// the pairing, as the README says, whoever sent them: the real joiner is
+// refused with the code and told to open a new one, and pairs with the
+// code of the next pair open.
+func TestPairClosesAfterFiveWrongCodes(t *testing.T) {
 	g1 := clusterGateway(t, "gw-1", nil)
 	g2 := clusterGateway(t, "gw-2", nil)
 	// Each reading of the master's clock is 1.1 s after the last: the
@@ -144,11 +145,21 @@ func TestPairStrangerCannotCloseThePairing(t *testing.T) {
 			t.Fatalf("stranger's attempt %d: %v, want %v", i+1, err, want)
 		}
 	}
-	if s := statusOfGW(t, g1); !s.Pairing.Open {
-		t.Fatal("the stranger's wrong proofs closed the pairing")
+	if s := statusOfGW(t, g1); s.Pairing.Open {
+		t.Fatal("still open after five wrong codes")
 	}
-	if exit, out := pairJoin(t, g2, code, g1.PeerAddr()); exit != 0 || !strings.Contains(out, "paired") {
-		t.Fatalf("the real joiner after the stranger: exit %d: %s", exit, out)
+	mfs := scrape(t, g1)
+	if w, c := value(mfs, "tandem_pair_guesses_total", "outcome", "wrong"), value(mfs, "tandem_pair_guesses_total", "outcome", "closed"); w != cluster.PairMaxFailures || c != 2 {
+		t.Fatalf("tandem_pair_guesses_total: wrong %v, closed %v; want %d and 2", w, c, cluster.PairMaxFailures)
+	}
+	if v := value(mfs, "tandem_peer_stranger_refusals_total", "reason", "evicted"); v != 0 {
+		t.Fatalf("tandem_peer_stranger_refusals_total{reason=evicted} %v, want 0", v)
+	}
+	if exit, out := pairJoin(t, g2, code, g1.PeerAddr()); exit == 0 || !strings.Contains(out, "tandem pair open") {
+		t.Fatalf("the real joiner once closed: exit %d: %s", exit, out)
+	}
+	if exit, out := pairJoin(t, g2, pairOpen(t, g1), g1.PeerAddr()); exit != 0 || !strings.Contains(out, "paired") {
+		t.Fatalf("the real joiner with a new code: exit %d: %s", exit, out)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"fmt"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -151,30 +152,160 @@ func TestTransportKnockFloodFromOneAddress(t *testing.T) {
 	relinked(t, a, b, "the member link back after a reconnect")
 }
 
-// TestTransportFloodFromManyAddressesLeavesMembersAWayIn: silent sockets
-// from forty addresses fill every shared handshake slot; a member, known
-// by the host its link came from, still gets back in after its link drops.
-func TestTransportFloodFromManyAddressesLeavesMembersAWayIn(t *testing.T) {
+// sourcesFrom are n loopback addresses from prefix.first on, each a source
+// address of its own to the peer port.
+func sourcesFrom(prefix string, first, n int) []string {
+	var out []string
+	for i := range n {
+		out = append(out, fmt.Sprintf("%s.%d", prefix, first+i))
+	}
+	return out
+}
+
+// strangersFull waits until every stranger slot of n is held.
+func strangersFull(t *testing.T, n *tpNode) {
+	t.Helper()
+	waitFor(t, "every stranger slot held", func() bool {
+		held, _ := n.tr.strangers.counts()
+		return held >= n.tr.cfg.MaxStrangers
+	})
+}
+
+// TestPeerStrangersCannotLockOutAJoin: forty addresses hold every stranger
+// slot with sockets that send the knock hello and stall (issue #31: 17
+// addresses × 4 sockets locked out 121 of 122 other strangers); real joins
+// knocking from a fresh address, one after another, each get in within a
+// few seconds, by evicting the oldest socket of an address holding two.
+func TestPeerStrangersCannotLockOutAJoin(t *testing.T) {
 	b := knockServer(t)
+	b.tr.Start()
+	baddr := b.tr.Addr().String()
+	flood(t, baddr, sourcesFrom("127.0.0", 2, 40), 2, tpIdentity(t))
+	strangersFull(t, b)
+
+	// Each join's one knock must get in: a fresh address never waits for a
+	// flooder's socket to time out.
+	j := newTP(t, tpIdentity(t), "", nil) // dials from 127.0.0.1, holding no slot
+	for i := range 3 {
+		want := fmt.Sprintf("join %d", i)
+		start := time.Now()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		reply, _, err := j.tr.Knock(ctx, baddr, b.id.Fingerprint, KnockJoin, []byte(want))
+		cancel()
+		if err != nil || string(reply) != "welcome:"+want {
+			t.Fatalf("join knock %d during the flood, after %v: %q, %v", i, time.Since(start).Round(time.Millisecond), reply, err)
+		}
+		t.Logf("join knock %d answered in %v", i, time.Since(start).Round(time.Millisecond))
+	}
+	st := b.tr.Stats().StrangerRefusals
+	if st[refusedEvicted] < 3 || st[refusedFull] == 0 {
+		t.Fatalf("refusals %v: the joins must have evicted, the flood been refused", st)
+	}
+}
+
+// TestMemberLinkUnaffectedByStrangerFlood: with every stranger slot held
+// by forty addresses, a member's link comes up from a host the server
+// does not know yet (a stranger until its hello, which then no longer
+// counts), and comes back after each drop.
+func TestMemberLinkUnaffectedByStrangerFlood(t *testing.T) {
+	b := knockServer(t)
+	b.tr.Start()
+	flood(t, b.tr.Addr().String(), sourcesFrom("127.0.1", 1, 40), 2, tpIdentity(t))
+	strangersFull(t, b)
+
 	a := newTP(t, tpIdentity(t), "", nil)
 	a.tr.SetPeers([]PeerInfo{b.info(true)})
-	b.tr.SetPeers([]PeerInfo{a.info(false)})
-	b.tr.Start()
+	b.tr.SetPeers([]PeerInfo{a.info(false)}) // no address: 127.0.0.1 is no member host yet
 	a.tr.Start()
-	waitFor(t, "the member link up", func() bool { return a.tr.Reachable(b.id.ID) && b.tr.Reachable(a.id.ID) })
-
-	var sources []string
-	for i := range 40 {
-		sources = append(sources, fmt.Sprintf("127.0.1.%d", i+1))
-	}
-	flood(t, b.tr.Addr().String(), sources, srcHandshakes, nil)
-	waitFor(t, "the shared slots full", func() bool {
-		b.tr.handshakes.mu.Lock()
-		defer b.tr.handshakes.mu.Unlock()
-		return b.tr.handshakes.n >= maxHandshakes
+	waitFor(t, "the member link up through the flood", func() bool {
+		return a.tr.Reachable(b.id.ID) && b.tr.Reachable(a.id.ID)
 	})
 	for i := range 3 {
 		relinked(t, a, b, fmt.Sprintf("the member link back during the flood (%d)", i))
+	}
+}
+
+// TestStrangerSlotsEvictTheAddressHoldingTheMost pins admission's rules:
+// per address, the global cap, who is evicted, and that members and knocks
+// being answered are not.
+func TestStrangerSlotsEvictTheAddressHoldingTheMost(t *testing.T) {
+	s := newStrangerSlots(4, 2, 1)
+	now := time.Unix(1_000_000, 0)
+	admit := func(host string, member bool) (*strangerSlot, *strangerSlot, int) {
+		t.Helper()
+		c1, c2 := net.Pipe()
+		t.Cleanup(func() { c1.Close(); c2.Close() })
+		now = now.Add(time.Millisecond)
+		return s.admit(c1, host, member, now)
+	}
+	mustAdmit := func(host string) *strangerSlot {
+		t.Helper()
+		sl, victim, why := admit(host, false)
+		if sl == nil || victim != nil {
+			t.Fatalf("%s: refused (%s) or evicted %v with room", host, StrangerRefusals[why], victim)
+		}
+		return sl
+	}
+	a1, a2 := mustAdmit("a"), mustAdmit("a")
+	if sl, _, why := admit("a", false); sl != nil || why != refusedPerSource {
+		t.Fatal("a third slot for one address")
+	}
+	b1, _ := mustAdmit("b"), mustAdmit("b")
+
+	// Full. A newcomer holding nothing takes the oldest slot of the
+	// address holding the most (a and b hold two: a's is older).
+	c1, victim, _ := admit("c", false)
+	if c1 == nil || victim != a1 || !a1.wasEvicted() || a2.wasEvicted() {
+		t.Fatalf("newcomer c evicted %v, want a's oldest", victim)
+	}
+	// An address holding a slot already is refused, not let in by eviction.
+	if sl, _, why := admit("a", false); sl != nil || why != refusedFull {
+		t.Fatalf("a, holding one, when full: %v %s", sl, StrangerRefusals[why])
+	}
+	if _, victim, _ := admit("d", false); victim != b1 {
+		t.Fatalf("newcomer d evicted %v, want b's oldest (b holds two)", victim)
+	}
+	// Everyone holds one: the oldest goes.
+	if _, victim, _ := admit("e", false); victim != a2 {
+		t.Fatalf("newcomer e evicted %v, want the oldest of all, a's", victim)
+	}
+	// Knocks being answered are never evicted; a member host gets a
+	// reserved slot instead.
+	s.mu.Lock()
+	held := slices.Clone(s.held)
+	s.mu.Unlock()
+	for _, sl := range held {
+		if !s.answering(sl) {
+			t.Fatal("a held slot reported evicted")
+		}
+	}
+	if s.answering(a1) {
+		t.Fatal("an evicted slot may not start answering")
+	}
+	if sl, _, why := admit("f", false); sl != nil || why != refusedFull {
+		t.Fatal("a knock being answered was evictable")
+	}
+	m1, _, _ := admit("m", true)
+	if m1 == nil {
+		t.Fatal("a member host refused with a reserved slot free")
+	}
+	if sl, _, _ := admit("m", true); sl != nil {
+		t.Fatal("a member host past the reserved slots")
+	}
+	for _, sl := range append(held, m1, a1, b1) {
+		s.release(sl)
+		s.release(sl) // twice, or after an eviction: nothing
+	}
+	if n, srcs := s.counts(); n != 0 || srcs != 0 {
+		t.Fatalf("after releasing all: %d held from %d sources", n, srcs)
+	}
+	// A member host evicts a stranger when full, whatever it holds.
+	x := mustAdmit("x")
+	for _, h := range []string{"y", "z", "w"} {
+		mustAdmit(h)
+	}
+	if sl, victim, _ := admit("m", true); sl == nil || victim != x {
+		t.Fatalf("a member host when full: evicted %v, want the oldest stranger", victim)
 	}
 }
 

@@ -270,44 +270,50 @@ func (t *PeerTransport) acceptLoop() {
 		delay = 0
 		addr := nc.RemoteAddr().String()
 		host := hostOf(addr)
-		if !t.handshakes.acquire(host, t.memberHost(host)) {
+		slot, victim, why := t.strangers.admit(nc, host, t.memberHost(host), time.Now())
+		if victim != nil {
+			t.stats.strangers[refusedEvicted].Add(1)
+			t.logLimited("evict|"+victim.src, slog.LevelWarn, "peer stranger evicted: all stranger slots held, its address held the most",
+				"addr", victim.addr, "held_since", victim.at.Format(time.RFC3339Nano), "for", addr)
+		}
+		if slot == nil {
 			nc.Close()
-			t.refuse(addr, "too many handshakes at once", nil)
+			t.stats.strangers[why].Add(1)
+			reason := "too many stranger connections from this address"
+			if why == refusedFull {
+				reason = "every stranger slot held, none to evict"
+			}
+			t.refuse(addr, reason, nil)
 			continue
 		}
 		if !t.track(nc) {
-			t.handshakes.release(host)
+			t.strangers.release(slot)
 			nc.Close()
 			return
 		}
-		t.goChild(func() { t.serve(nc, host) })
+		t.goChild(func() { t.serve(nc, slot) })
 	}
 }
 
-// serve runs an accepted connection from host, which holds a handshake
-// slot: handshake, then one knock or a member link; anything else closes
-// it.
-func (t *PeerTransport) serve(nc net.Conn, host string) {
+// serve runs an accepted connection, which holds a stranger slot until it
+// proves to be a member's or its knock is answered: handshake, then one
+// knock or a member link; anything else closes it.
+func (t *PeerTransport) serve(nc net.Conn, slot *strangerSlot) {
 	defer t.untrack(nc)
-	held := true
-	release := func() {
-		if held {
-			held = false
-			t.handshakes.release(host)
-		}
-	}
-	defer release()
+	defer t.strangers.release(slot)
 	addr := nc.RemoteAddr().String()
+	host := hostOf(addr)
 	tc := tls.Server(nc, t.serverTLS)
 	r, purpose, fr, err := t.greet(t.ctx, tc, purposeLink, true)
 	if err != nil {
-		t.refuse(addr, "handshake failed", err)
+		if !slot.wasEvicted() { // an eviction was logged as such
+			t.refuse(addr, "handshake failed", err)
+		}
 		return
 	}
 	if purpose == purposeKnock {
-		release()
 		if t.sendHello(tc, purposeLink) == nil {
-			t.serveKnock(tc, fr, r, host)
+			t.serveKnock(tc, fr, r, host, slot)
 		}
 		return
 	}
@@ -328,6 +334,12 @@ func (t *PeerTransport) serve(nc net.Conn, host string) {
 		t.refuse(addr, "member link refused", err) // closed without a word
 		return
 	}
+	// A member: no longer a stranger, so no longer counted among them, nor
+	// evictable by them (an eviction until now only cost it a redial).
+	t.strangers.release(slot)
+	if slot.wasEvicted() {
+		return
+	}
 	// Our hello goes out before the generation verdict: a peer refused for
 	// its generation still learns ours, which may be what it must act on.
 	if err := t.sendHello(tc, purposeLink); err != nil {
@@ -342,30 +354,20 @@ func (t *PeerTransport) serve(nc net.Conn, host string) {
 		return
 	}
 	nc.SetDeadline(time.Time{})
-	release()
 	t.sawMember(p.id, host)
 	t.runConn(t.newConn(tc, fr, p.id, addr, false), p, &p.in)
 }
 
 // serveKnock answers one knock from host, then closes. A second frame is
-// never read.
-func (t *PeerTransport) serveKnock(tc *tls.Conn, fr *frameReader, r Remote, host string) {
+// never read. The stranger slot stays held, evictable, while the knock
+// frame is awaited and the knock waits for its turn to be answered; it is
+// no longer evictable once answering starts, and is given back when the
+// answer is ready.
+func (t *PeerTransport) serveKnock(tc *tls.Conn, fr *frameReader, r Remote, host string, slot *strangerSlot) {
 	if t.cfg.OnStranger == nil {
 		t.refuse(r.Addr, "knock refused: no handler", nil)
 		return
 	}
-	if !t.knocks.acquire(host, t.memberHost(host)) {
-		t.refuse(r.Addr, "knock refused: too many at once", nil)
-		return
-	}
-	held := true
-	release := func() {
-		if held {
-			held = false
-			t.knocks.release(host)
-		}
-	}
-	defer release()
 	tc.SetReadDeadline(time.Now().Add(knockFrameTimeout))
 	typ, body, err := fr.next()
 	var kind byte
@@ -380,14 +382,36 @@ func (t *PeerTransport) serveKnock(tc *tls.Conn, fr *frameReader, r Remote, host
 		err = fmt.Errorf("knock kind %d", kind)
 	}
 	if err != nil {
-		t.refuse(r.Addr, "bad knock", err)
+		if !slot.wasEvicted() {
+			t.refuse(r.Addr, "bad knock", err)
+		}
 		return
+	}
+	// Handlers answer a stranger in milliseconds: wait for a turn rather
+	// than refuse, for as long again as the knock frame had.
+	if !t.knocks.acquireWait(host, t.memberHost(host), time.Now().Add(knockFrameTimeout), t.ctx.Done(), slot.evicted) {
+		if !slot.wasEvicted() {
+			t.refuse(r.Addr, "knock refused: too many at once", nil)
+		}
+		return
+	}
+	held := true
+	release := func() {
+		if held {
+			held = false
+			t.knocks.release(host)
+			t.strangers.release(slot)
+		}
+	}
+	defer release()
+	if !t.strangers.answering(slot) {
+		return // evicted just now
 	}
 	t.stats.knocks.Add(1)
 	ctx, cancel := context.WithTimeout(t.ctx, knockTimeout)
 	reply, herr := t.cfg.OnStranger(ctx, r, kind, slices.Clone(payload))
 	cancel()
-	// The slot bounds the waiting and the handling; the answer's write and
+	// The slots bound the waiting and the handling; the answer's write and
 	// the linger after it are the knocker's to end, and its next knock
 	// (a retry, the next step of a join) may already be on its way.
 	release()

@@ -48,14 +48,18 @@ const (
 	// knockFrameTimeout bounds the wait for the knock after the hellos;
 	// a knocker has its payload ready by then.
 	knockFrameTimeout = 2 * time.Second
-	maxHandshakes     = 64          // unauthenticated connections at once, shared
-	reservedHandshake = 16          // more of them, for member hosts only
-	srcHandshakes     = 4           // unauthenticated connections per source address
-	maxKnocks         = 4           // stranger requests being handled at once, shared
-	reservedKnocks    = 2           // more of them, for member hosts (a deposed master's rejoin)
-	srcKnocks         = 1           // stranger requests per source address
-	maxHandlers       = 1024        // OnRequest calls in flight per connection
-	logEvery          = time.Minute // rate of repeated refusal lines per address
+	// DefaultMaxStrangers is TransportConfig.MaxStrangers's default:
+	// connections not yet proven a member's, at once (admission.go).
+	DefaultMaxStrangers = 64
+	// DefaultMaxStrangersPerSource is the default of
+	// TransportConfig.MaxStrangersPerSource.
+	DefaultMaxStrangersPerSource = 2
+	reservedStrangers            = 16          // more slots, for member hosts when no stranger can be evicted
+	maxKnocks                    = 4           // stranger requests being handled at once, shared
+	reservedKnocks               = 2           // more of them, for member hosts (a deposed master's rejoin)
+	srcKnocks                    = 1           // stranger requests per source address
+	maxHandlers                  = 1024        // OnRequest calls in flight per connection
+	logEvery                     = time.Minute // rate of repeated refusal lines per address
 )
 
 // PeerInfo is what the transport needs to know of one member.
@@ -141,6 +145,13 @@ type TransportConfig struct {
 	// 4096 and 16 MiB). A message that does not fit is dropped.
 	QueueMessages int
 	QueueBytes    int
+	// MaxStrangers bounds the accepted connections not yet proven to be
+	// a member's (peer.max_strangers; 0 is DefaultMaxStrangers), and
+	// MaxStrangersPerSource what one source address may hold of them
+	// (peer.max_strangers_per_address; 0 is
+	// DefaultMaxStrangersPerSource). See admission.go.
+	MaxStrangers          int
+	MaxStrangersPerSource int
 	// IdleTimeout closes a link on which nothing arrived for this long, or
 	// whose writes stall this long (default 10 s); idle links carry a ping
 	// every third of it. Members should agree on it: a peer pings at the
@@ -152,7 +163,7 @@ func (c *TransportConfig) validate() error {
 	if c.Identity == nil {
 		return errors.New("replication: transport needs an Identity")
 	}
-	if c.QueueMessages < 0 || c.QueueBytes < 0 || c.IdleTimeout < 0 {
+	if c.QueueMessages < 0 || c.QueueBytes < 0 || c.IdleTimeout < 0 || c.MaxStrangers < 0 || c.MaxStrangersPerSource < 0 {
 		return errors.New("replication: negative transport limit")
 	}
 	if c.Logger == nil {
@@ -190,6 +201,12 @@ func (c *TransportConfig) validate() error {
 	if c.IdleTimeout == 0 {
 		c.IdleTimeout = 10 * time.Second
 	}
+	if c.MaxStrangers == 0 {
+		c.MaxStrangers = DefaultMaxStrangers
+	}
+	if c.MaxStrangersPerSource == 0 {
+		c.MaxStrangersPerSource = DefaultMaxStrangersPerSource
+	}
 	return nil
 }
 
@@ -208,6 +225,9 @@ type TransportStats struct {
 	Refused uint64
 	// Knocks counts stranger requests handed to OnStranger.
 	Knocks uint64
+	// StrangerRefusals counts the connections admission refused or
+	// evicted, by the reason StrangerRefusals names.
+	StrangerRefusals [numRefusals]uint64
 }
 
 // transportCounters are the live counters behind TransportStats; atomic
@@ -215,6 +235,7 @@ type TransportStats struct {
 type transportCounters struct {
 	framesSent, framesRecv, bytesSent, bytesRecv atomic.Uint64
 	msgsSent, msgsRecv, dropped, refused, knocks atomic.Uint64
+	strangers                                    [numRefusals]atomic.Uint64
 }
 
 // PeerTransport carries raft messages and tandem's own requests between
@@ -235,9 +256,10 @@ type transportCounters struct {
 // own hello and only then asks OnGeneration. The dialler asks OnGeneration
 // on the server's hello. Neither side sends or delivers a raft frame on a
 // link before its own check passed. Before any of that, an accepted socket
-// must be admitted: per-source bounds, short deadlines and slots kept for
-// member hosts (admission.go) stop a flood from strangers from holding the
-// port.
+// must be admitted to a stranger slot, held until it proves to be a
+// member's: per-source bounds, eviction of the address holding the most
+// slots, short deadlines and member hosts first (admission.go) keep
+// strangers from locking out a member or a real join.
 //
 // Queueing: Send never blocks. Each link has a bounded queue (messages and
 // bytes); when it is full, or the peer is down, the new message is dropped,
@@ -266,8 +288,8 @@ type PeerTransport struct {
 	closed    bool
 	closeOnce sync.Once
 
-	handshakes *srcLimiter // unauthenticated connections (admission.go)
-	knocks     *srcLimiter // knocks being handled
+	strangers *strangerSlots // connections not yet proven a member's (admission.go)
+	knocks    *srcLimiter    // knocks being handled
 	// seenHosts maps the host each member's last link came from to its
 	// id, for admission's reservation; guarded by mu.
 	seenHosts map[string]uint64
@@ -301,8 +323,8 @@ func NewPeerTransport(cfg TransportConfig) (*PeerTransport, error) {
 	t := &PeerTransport{
 		cfg: cfg, id: cfg.Identity.ID, log: cfg.Logger.With("component", "peer"),
 		peers: map[uint64]*peer{}, byFP: map[[32]byte]*peer{}, live: map[net.Conn]struct{}{},
-		handshakes: newSrcLimiter(maxHandshakes, reservedHandshake, srcHandshakes),
-		knocks:     newSrcLimiter(maxKnocks, reservedKnocks, srcKnocks), seenHosts: map[string]uint64{},
+		strangers: newStrangerSlots(cfg.MaxStrangers, cfg.MaxStrangersPerSource, reservedStrangers),
+		knocks:    newSrcLimiter(maxKnocks, reservedKnocks, srcKnocks), seenHosts: map[string]uint64{},
 		unreach: map[uint64]struct{}{}, notesSig: make(chan struct{}, 1), logged: map[string]time.Time{},
 	}
 	// The server cannot pin at the TLS layer: strangers must get through
@@ -387,12 +409,16 @@ func (t *PeerTransport) Reachable(id uint64) bool {
 // Stats returns the counters.
 func (t *PeerTransport) Stats() TransportStats {
 	s := &t.stats
-	return TransportStats{
+	st := TransportStats{
 		FramesSent: s.framesSent.Load(), FramesReceived: s.framesRecv.Load(),
 		BytesSent: s.bytesSent.Load(), BytesReceived: s.bytesRecv.Load(),
 		MsgsSent: s.msgsSent.Load(), MsgsReceived: s.msgsRecv.Load(),
 		Dropped: s.dropped.Load(), Refused: s.refused.Load(), Knocks: s.knocks.Load(),
 	}
+	for i := range st.StrangerRefusals {
+		st.StrangerRefusals[i] = s.strangers[i].Load()
+	}
+	return st
 }
 
 // SetPeers replaces the member set. Links to removed members, or to a
