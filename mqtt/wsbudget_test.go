@@ -3,6 +3,7 @@ package mqtt
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -198,4 +199,38 @@ func TestWebSocketConnectionsCountInSocketCap(t *testing.T) {
 	if ack := dialRaw(t, s.Addr(), 5).connect("device", true, nil); ack.ReasonCode != 0 {
 		t.Fatalf("CONNACK %#x once the sockets closed", ack.ReasonCode)
 	}
+}
+
+// Over wss:// the same budget holds under TLS: a socket that never
+// starts its TLS handshake is closed at the connect timeout, and one that
+// does upgrades and connects as over ws://.
+func TestWebSocketTLSHandshakeTimesOut(t *testing.T) {
+	obs := &reasonObserver{}
+	cert, key := selfSigned(t, t.TempDir())
+	s, _ := testServer(t, nil, func(c *Config) {
+		c.TLS = &TLSConfig{Listen: "127.0.0.1:0", CertFile: cert, KeyFile: key}
+		c.WebSocket = &WebSocketConfig{Listen: "127.0.0.1:0", TLS: true}
+		c.Observer = obs
+		c.Limits.ConnectTimeout = 300 * time.Millisecond
+	})
+	silent := dialTCP(t, s.WSAddr())
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	hc := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
+	wc, _, err := websocket.Dial(ctx, "wss://"+s.WSAddr()+"/mqtt", &websocket.DialOptions{Subprotocols: []string{"mqtt"}, HTTPClient: hc})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nc := websocket.NetConn(context.Background(), wc, websocket.MessageBinary)
+	t.Cleanup(func() { nc.Close() })
+	dev := &raw{t: t, c: nc, v: 4, rd: &bytesReader{nc}}
+	if ack := dev.connect("dash", true, nil); ack.ReasonCode != 0 {
+		t.Fatalf("CONNACK %#x over wss", ack.ReasonCode)
+	}
+	if !closedByServer(silent, 5*time.Second) {
+		t.Fatal("a socket that never started its TLS handshake is still open")
+	}
+	testutil.WaitFor(t, 5*time.Second, "the timeout counted", func() bool { return obs.count(refusedWSTimeout) == 1 }, obs.String)
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	dev.expect(packets.Pingresp)
 }
