@@ -15,7 +15,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -44,15 +43,14 @@ const apiTokenFile = "http-token"
 
 // Bounds of the HTTP server: a handful of CLI calls, a scraper and a
 // browser are its real load, so these only stop a slow or flooding client
-// from holding memory and goroutines.
+// from holding memory and goroutines. The connection budget is in
+// connlimit.go.
 const (
-	httpMaxConns       = 64
 	httpMaxHeaderBytes = 16 << 10
 	httpReadTimeout    = 30 * time.Second
 	// httpWriteTimeout must exceed the longest handler: pair join browses
 	// up to maxPairBrowse and then joins (up to 60 s).
 	httpWriteTimeout = 2 * time.Minute
-	httpIdleTimeout  = 60 * time.Second
 	// apiMaxBody bounds a request body: every request is a small object.
 	apiMaxBody = 64 << 10
 )
@@ -267,53 +265,6 @@ func (g *apiGuard) mutating(h http.HandlerFunc) http.HandlerFunc {
 			h(w, r)
 		}
 	}
-}
-
-// limitListener accepts at most n connections at once; Accept waits for a
-// slot, so a flood queues in the kernel's backlog instead of in memory.
-type limitListener struct {
-	net.Listener
-	sem       chan struct{}
-	done      chan struct{} // closed by Close: a waiting Accept returns
-	closeOnce sync.Once
-}
-
-func newLimitListener(ln net.Listener, n int) net.Listener {
-	return &limitListener{Listener: ln, sem: make(chan struct{}, n), done: make(chan struct{})}
-}
-
-// Accept waits for a free slot, then for a connection.
-func (l *limitListener) Accept() (net.Conn, error) {
-	select {
-	case l.sem <- struct{}{}:
-	case <-l.done:
-		return nil, net.ErrClosed
-	}
-	c, err := l.Listener.Accept()
-	if err != nil {
-		<-l.sem
-		return nil, err
-	}
-	return &limitConn{Conn: c, release: func() { <-l.sem }}, nil
-}
-
-// Close closes the listener and ends an Accept waiting for a slot.
-func (l *limitListener) Close() error {
-	l.closeOnce.Do(func() { close(l.done) })
-	return l.Listener.Close()
-}
-
-type limitConn struct {
-	net.Conn
-	once    sync.Once
-	release func()
-}
-
-// Close frees the connection's slot once.
-func (c *limitConn) Close() error {
-	err := c.Conn.Close()
-	c.once.Do(c.release)
-	return err
 }
 
 // TokenFile is where the daemon run with c keeps its API token:

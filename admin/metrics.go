@@ -81,6 +81,9 @@ type FieldView struct {
 	acked      [2][numOutcomes]prometheus.Counter
 	ackLatency [2]prometheus.Observer
 	refused    *prometheus.CounterVec // by the mqtt layer's reason
+	// httpRefusedBy counts the HTTP listener's refused connections, by
+	// reason (connlimit.go's).
+	httpRefusedBy map[string]prometheus.Counter
 	// sessionDropped counts log positions retention took before a
 	// session was handed them.
 	sessionDropped prometheus.Counter
@@ -158,6 +161,14 @@ func NewFieldView(gw Gateway, cfg *config.Config, log *slog.Logger) *FieldView {
 		Name: "tandem_mqtt_refused_total",
 		Help: "Clients, packets and subscriptions the MQTT listener refused, by reason (rate limits, bad logins, ACLs, limits, protocol errors).",
 	}, []string{"reason"})
+	httpRefused := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tandem_http_refused_total",
+		Help: "Connections the HTTP API refused (answered 503 or closed at accept), by reason: over http.max_conns_per_address or http.max_conns.",
+	}, []string{"reason"})
+	fv.httpRefusedBy = map[string]prometheus.Counter{}
+	for _, r := range []string{refusedHTTPAddr, refusedHTTPTotal} {
+		fv.httpRefusedBy[r] = httpRefused.WithLabelValues(r)
+	}
 	fv.sessionDropped = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "tandem_session_dropped_messages_total",
 		Help: "Log positions that retention dropped before a persistent session was handed them: an upper bound of the messages sessions lost by falling further behind than the budget.",
@@ -170,7 +181,7 @@ func NewFieldView(gw Gateway, cfg *config.Config, log *slog.Logger) *FieldView {
 		Name: "tandem_records_skipped_total",
 		Help: "Records the applier could not read or apply and skipped, by kind (message, settle, session, cursors, uplinks, unreadable, or a kind this build does not know); every member skips the same ones and goes on serving.",
 	}, []string{"kind"})
-	fv.reg.MustRegister(published, acked, latency, fsync, batch, build, fv.refused, fv.sessionDropped, fv.syncInDoubt, fv.recordsSkipped, statusCollector{fv},
+	fv.reg.MustRegister(published, acked, latency, fsync, batch, build, fv.refused, httpRefused, fv.sessionDropped, fv.syncInDoubt, fv.recordsSkipped, statusCollector{fv},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return fv
 }
@@ -194,6 +205,13 @@ func (fv *FieldView) RecordSkipped(kind string) { fv.recordsSkipped.WithLabelVal
 
 // Refused implements mqtt.Observer.
 func (fv *FieldView) Refused(reason string) { fv.refused.WithLabelValues(reason).Inc() }
+
+// httpRefused counts a connection the HTTP listener refused.
+func (fv *FieldView) httpRefused(reason string) {
+	if c := fv.httpRefusedBy[reason]; c != nil {
+		c.Inc()
+	}
+}
 
 // Acked implements mqtt.Observer. Only successful acks go into the latency
 // histogram: a refusal's latency is sync_timeout or nothing, and would hide

@@ -1,6 +1,7 @@
 package admin
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -8,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"sync"
 	"time"
 
@@ -39,8 +41,9 @@ type Gateway interface {
 
 // Server is the HTTP listener of http.listen: the /v1 API, /healthz,
 // /metrics and the status page, behind the guard of guard.go and with
-// bounds on time, header size and connections, so a slow or flooding
-// client cannot hold the daemon's memory.
+// bounds on time, header size and connections (connlimit.go), so a slow or
+// flooding client cannot hold the daemon's memory, nor every connection
+// `tandem status` needs.
 //
 // NewServer registers the read-only endpoints; the daemon adds the
 // mutating ones with HandleMutating before Start.
@@ -54,8 +57,18 @@ type Server struct {
 	// check, so that a test can try every one of them.
 	mutating []string
 
+	// The connection budget: http.max_conns, max_conns_per_address and
+	// idle_timeout, defaults filled in.
+	maxConns, maxConnsPerAddr int
+	idleTimeout               time.Duration
+	// isLocal judges a source loopback; nil means netip.Addr.IsLoopback.
+	// Tests set it to make some loopback addresses strangers.
+	isLocal      func(netip.Addr) bool
+	refusalLines lineLimiter
+
 	srv *http.Server
 	ln  net.Listener
+	lim *connLimiter
 	wg  sync.WaitGroup // the Serve goroutine
 }
 
@@ -68,7 +81,9 @@ func NewServer(cfg *config.Config, log *slog.Logger, gw Gateway, fv *FieldView) 
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{gw: gw, log: log, fv: fv, guard: g, mux: http.NewServeMux()}
+	s := &Server{gw: gw, log: log, fv: fv, guard: g, mux: http.NewServeMux(),
+		maxConns: cmp.Or(cfg.HTTP.MaxConns, defaultHTTPMaxConns), maxConnsPerAddr: cmp.Or(cfg.HTTP.MaxConnsPerAddress, defaultHTTPMaxConnsPerAddr),
+		idleTimeout: cmp.Or(time.Duration(cfg.HTTP.IdleTimeout), defaultHTTPIdleTimeout), refusalLines: lineLimiter{every: time.Minute}}
 	s.mux.HandleFunc("GET /healthz", s.handleHealthz)
 	s.mux.HandleFunc("GET /v1/status", s.handleStatus)
 	s.mux.Handle("GET /metrics", fv.metricsHandler())
@@ -94,20 +109,25 @@ func (s *Server) Start(addr string) error {
 		return err
 	}
 	s.ln = ln
+	s.lim = newConnLimiter(ln, s.maxConns, s.maxConnsPerAddr, s.refused)
+	if s.isLocal != nil {
+		s.lim.isLocal = s.isLocal
+	}
 	s.srv = &http.Server{
-		Handler:           s.guard.readOnly(s.mux),
-		ReadHeaderTimeout: 5 * time.Second,
+		Handler:           refuseOver(s.guard.readOnly(s.mux), s.idleTimeout),
+		ReadHeaderTimeout: min(httpReadHeaderTimeout, s.idleTimeout),
 		ReadTimeout:       httpReadTimeout,
 		WriteTimeout:      httpWriteTimeout,
-		IdleTimeout:       httpIdleTimeout,
+		IdleTimeout:       s.idleTimeout,
 		MaxHeaderBytes:    httpMaxHeaderBytes,
+		ConnContext:       connContext,
 		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
 	}
 	s.fv.start()
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
-		if err := s.srv.Serve(newLimitListener(ln, httpMaxConns)); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		if err := s.srv.Serve(s.lim); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			s.log.Error("http server stopped", "error", err)
 		}
 	}()
@@ -132,6 +152,16 @@ func (s *Server) Stop() {
 	_ = s.srv.Shutdown(ctx)
 	cancel()
 	s.wg.Wait()
+}
+
+// refused counts a connection the budget refused and logs it, once a
+// minute per source address.
+func (s *Server) refused(reason, source string, open int) {
+	s.fv.httpRefused(reason)
+	if s.refusalLines.allow(source, time.Now()) {
+		s.log.Warn("http connection refused: "+reason, "remote", source, "open", open,
+			"max_conns", s.maxConns, "max_conns_per_address", s.maxConnsPerAddr)
+	}
 }
 
 func (s *Server) handleHealthz(w http.ResponseWriter, r *http.Request) {

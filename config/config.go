@@ -230,6 +230,20 @@ type HTTPConfig struct {
 	// Any other name is refused, so that a DNS-rebinding web page cannot
 	// reach the API under its own domain.
 	AllowedHosts []string `yaml:"allowed_hosts"`
+	// MaxConns caps the connections open at once from other hosts;
+	// loopback connections count too but may go a few past it, so that
+	// `tandem status` on the gateway answers while strangers hold every
+	// other slot. A connection over a cap is answered 503 and closed.
+	// 0 means the default, 64.
+	MaxConns int `yaml:"max_conns"`
+	// MaxConnsPerAddress caps the connections of one other host (an IPv4
+	// address, an IPv6 /64); loopback is not capped by it. 0 means the
+	// default, 8.
+	MaxConnsPerAddress int `yaml:"max_conns_per_address"`
+	// IdleTimeout closes a kept-alive connection that sends no request
+	// for this long, and bounds the wait for a request's header. 0 means
+	// the default, 10s.
+	IdleTimeout Duration `yaml:"idle_timeout"`
 }
 
 // LogConfig configures the daemon's log.

@@ -70,6 +70,13 @@ func (c *Config) validate(w *configWalker) error {
 		ck.failf("peer.max_strangers_per_address", "%d is out of range: 1 to peer.max_strangers (%d)", c.Peer.MaxStrangersPerAddress, c.Peer.MaxStrangers)
 	}
 	ck.hostPort("http.listen", c.HTTP.Listen)
+	if c.HTTP.MaxConns < 0 {
+		ck.failf("http.max_conns", "%d is out of range: 1 or more (0 means the default, 64)", c.HTTP.MaxConns)
+	}
+	if c.HTTP.MaxConnsPerAddress < 0 {
+		ck.failf("http.max_conns_per_address", "%d is out of range: 1 or more (0 means the default, 8)", c.HTTP.MaxConnsPerAddress)
+	}
+	ck.nonNegative("http.idle_timeout", c.HTTP.IdleTimeout)
 	ck.oneOf("log.level", c.Log.Level, "debug", "info", "warn", "error")
 	ck.oneOf("log.format", c.Log.Format, "text", "json")
 	ck.oneOf("cluster.failover", c.Cluster.Failover, "manual", "auto")

@@ -41,7 +41,8 @@ type Limits struct {
 	// keep-alive of 0 (never time out) is above any maximum.
 	KeepAliveMin, KeepAliveMax uint16
 	// ConnectTimeout is how long a new connection has for its TLS
-	// handshake and its CONNECT. Default 10s.
+	// handshake and its CONNECT; on the WebSocket listener also for its
+	// HTTP upgrade, counted from accept. Default 10s.
 	ConnectTimeout time.Duration
 }
 

@@ -9,6 +9,23 @@ import (
 	"time"
 )
 
+// Reasons of the listeners' refusals of a socket (Observer.Refused).
+const (
+	// refusedRate: the source opened connections faster than
+	// Limits.ConnectRate allows.
+	refusedRate = "connection rate exceeded: closed before CONNECT"
+	// refusedBusy: the server's socket cap, twice Limits.MaxClients
+	// and some, is reached: the sockets of every listener count, those
+	// not yet a client included.
+	refusedBusy = "too many open connections: closed before CONNECT"
+	// refusedWSUpgrade: a request on the WebSocket port that is not an
+	// acceptable upgrade (a plain GET, another origin, no key).
+	refusedWSUpgrade = "websocket upgrade refused"
+	// refusedWSTimeout: a WebSocket socket that did not finish its TLS
+	// handshake and upgrade within Limits.ConnectTimeout of its accept.
+	refusedWSTimeout = "websocket handshake timed out"
+)
+
 // srvListener is one TCP or TLS listener of a Server: it refuses
 // connections over the per-address rate and the socket cap before reading
 // a byte, survives accept errors such as running out of file descriptors,
@@ -74,13 +91,13 @@ func (l *srvListener) admit(nc net.Conn) {
 	host := sourceKey(nc.RemoteAddr())
 	if !s.connRate.allow(host, time.Now()) {
 		nc.Close()
-		s.refusal(host, "connection rate exceeded: closed before CONNECT", "listener", l.id, "source", host)
+		s.refusal(host, refusedRate, "listener", l.id, "source", host)
 		return
 	}
 	if n := s.openConns.Add(1); n > s.maxOpenConns {
 		s.openConns.Add(-1)
 		nc.Close()
-		s.refusal("", "too many open connections: closed before CONNECT", "listener", l.id, "open", n-1)
+		s.refusal("", refusedBusy, "listener", l.id, "open", n-1, "source", host)
 		return
 	}
 	l.mu.Lock()

@@ -4,8 +4,10 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"sync"
 	"time"
 
@@ -29,7 +31,12 @@ type WebSocketConfig struct {
 	OriginPatterns []string
 }
 
-// wsListener serves MQTT over WebSocket.
+// wsListener serves MQTT over WebSocket. Every socket it accepts counts
+// against the server's socket cap from accept until it is closed, as the
+// TCP listener's do, and has Limits.ConnectTimeout from accept for its TLS
+// handshake and its HTTP upgrade; a request that is not an upgrade, or
+// an upgrade refused, gets its answer and the socket is closed: the port
+// speaks HTTP only to become a WebSocket, never to keep a connection.
 type wsListener struct {
 	srv    *Server
 	lst    *srvListener // its connection set and close
@@ -48,46 +55,58 @@ func newWSListener(s *Server, c *WebSocketConfig) (*wsListener, error) {
 		}
 		l.lst.tls = &tls.Config{GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) { return s.tlsConf.Load(), nil }}
 	}
-	if err := l.lst.listen(); err != nil {
+	ln, err := net.Listen("tcp", c.Listen)
+	if err != nil {
 		return nil, err
 	}
+	// Admission sits under TLS: a socket over the cap costs no handshake.
+	var outer net.Listener = &wsAdmission{Listener: ln, l: l}
+	if l.lst.tls != nil {
+		outer = tls.NewListener(outer, l.lst.tls)
+	}
+	l.lst.ln = outer
 	opts := &websocket.AcceptOptions{Subprotocols: []string{"mqtt"}, OriginPatterns: c.OriginPatterns}
 	l.http = &http.Server{
 		ReadHeaderTimeout: s.cfg.Limits.ConnectTimeout,
 		MaxHeaderBytes:    16 << 10,
-		ErrorLog:          nil,
+		// Refusals are logged as refusals; what net/http has to say
+		// (a failed TLS handshake, an accept error) is for debugging.
+		ErrorLog: slog.NewLogLogger(s.cfg.Logger.Handler(), slog.LevelDebug),
+		ConnContext: func(ctx context.Context, c net.Conn) context.Context {
+			if tc, ok := c.(*tls.Conn); ok {
+				c = tc.NetConn()
+			}
+			return context.WithValue(ctx, wsSocketKey{}, c)
+		},
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			l.serveWS(w, r, opts)
 		}),
 	}
+	// One request per socket: an answer that is not a 101 ends it
+	// (Connection: close), so a socket is an upgrade or nothing.
+	l.http.SetKeepAlivesEnabled(false)
 	return l, nil
 }
 
 // serveWS upgrades one request and runs its MQTT connection.
 func (l *wsListener) serveWS(w http.ResponseWriter, r *http.Request, opts *websocket.AcceptOptions) {
 	s := l.srv
-	host := sourceKey(addrOf(r.RemoteAddr))
+	sock, _ := r.Context().Value(wsSocketKey{}).(*wsSocket)
+	if sock == nil {
+		http.Error(w, "internal error", http.StatusInternalServerError)
+		return
+	}
+	sock.requested()
 	if s.closing.Load() {
 		http.Error(w, "stopping", http.StatusServiceUnavailable)
 		return
 	}
-	if !s.connRate.allow(host, time.Now()) {
-		s.refusal(host, "connection rate exceeded: closed before CONNECT", "listener", wsListenerID, "source", host)
-		http.Error(w, "connection rate exceeded", http.StatusTooManyRequests)
-		return
-	}
-	if n := s.openConns.Add(1); n > s.maxOpenConns {
-		s.openConns.Add(-1)
-		s.refusal("", "too many open connections: closed before CONNECT", "listener", wsListenerID, "open", n-1)
-		http.Error(w, "busy", http.StatusServiceUnavailable)
-		return
-	}
-	defer s.openConns.Add(-1)
 	wc, err := websocket.Accept(w, r, opts)
 	if err != nil {
-		s.refusal(host, "websocket upgrade refused", "remote", r.RemoteAddr, "error", err)
+		s.refusal(sock.host, refusedWSUpgrade, "listener", wsListenerID, "remote", r.RemoteAddr, "error", err)
 		return
 	}
+	sock.upgraded()
 	if wc.Subprotocol() != "mqtt" {
 		wc.Close(websocket.StatusPolicyViolation, "subprotocol mqtt required")
 		return
@@ -113,7 +132,7 @@ func (l *wsListener) serveWS(w http.ResponseWriter, r *http.Request, opts *webso
 		l.active.Done()
 	}()
 	ended := make(chan struct{})
-	newConn(s, nc, wsListenerID, host).run(func() { close(ended) })
+	newConn(s, nc, wsListenerID, sock.host).run(func() { close(ended) })
 	<-ended // the hijacked connection is served until it ends
 }
 
@@ -123,11 +142,141 @@ func (l *wsListener) serve() {
 	}
 }
 
-// addrOf parses "host:port" for sourceKey.
-func addrOf(s string) net.Addr {
-	a, err := net.ResolveTCPAddr("tcp", s)
-	if err != nil {
-		return &net.TCPAddr{}
+// wsAdmission is the WebSocket listener's TCP listener: it refuses a
+// socket over its source's connect rate or over the server's socket cap
+// before reading a byte, as srvListener.admit does, and wraps the rest.
+type wsAdmission struct {
+	net.Listener
+	l *wsListener
+}
+
+// Accept returns the next socket admitted; refused ones are closed on the
+// way, so net/http never sees them.
+func (a *wsAdmission) Accept() (net.Conn, error) {
+	for {
+		nc, err := a.Listener.Accept()
+		if err != nil {
+			return nil, err
+		}
+		if c := a.admit(nc); c != nil {
+			return c, nil
+		}
 	}
-	return a
+}
+
+// admit counts nc in the socket cap and gives it its handshake deadline,
+// or closes it and returns nil.
+func (a *wsAdmission) admit(nc net.Conn) net.Conn {
+	s := a.l.srv
+	host := sourceKey(nc.RemoteAddr())
+	if !s.connRate.allow(host, time.Now()) {
+		nc.Close()
+		s.refusal(host, refusedRate, "listener", wsListenerID, "source", host)
+		return nil
+	}
+	if n := s.openConns.Add(1); n > s.maxOpenConns {
+		s.openConns.Add(-1)
+		nc.Close()
+		s.refusal("", refusedBusy, "listener", wsListenerID, "open", n-1, "source", host)
+		return nil
+	}
+	c := &wsSocket{Conn: nc, srv: s, host: host, handshake: time.Now().Add(s.cfg.Limits.ConnectTimeout)}
+	_ = nc.SetDeadline(c.handshake)
+	return c
+}
+
+// wsSocketKey is the request context key of the *wsSocket a request
+// came on.
+type wsSocketKey struct{}
+
+// wsSocket is one socket of the WebSocket listener. It holds its place in
+// the server's socket count until it is closed, and until its upgrade no
+// deadline set on it (net/http sets several) reaches past the handshake
+// deadline: a socket that does not become a WebSocket within
+// Limits.ConnectTimeout of its accept is closed.
+type wsSocket struct {
+	net.Conn
+	srv  *Server
+	host string // sourceKey of the remote address
+
+	mu sync.Mutex // guards the fields below
+	// handshake is the deadline of the TLS handshake and the upgrade;
+	// zero once upgraded.
+	handshake time.Time
+	asked     bool // a request was read whole
+	timedOut  bool // a read hit the handshake deadline
+	closed    bool
+}
+
+// Read notes a read that ran into the handshake deadline, for the
+// refusal Close reports.
+func (c *wsSocket) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if err != nil && errors.Is(err, os.ErrDeadlineExceeded) {
+		c.mu.Lock()
+		c.timedOut = c.timedOut || !c.handshake.IsZero()
+		c.mu.Unlock()
+	}
+	return n, err
+}
+
+// SetDeadline sets both deadlines, no later than the handshake's.
+func (c *wsSocket) SetDeadline(t time.Time) error { return c.Conn.SetDeadline(c.clamp(t)) }
+
+// SetReadDeadline sets the read deadline, no later than the handshake's.
+func (c *wsSocket) SetReadDeadline(t time.Time) error { return c.Conn.SetReadDeadline(c.clamp(t)) }
+
+// SetWriteDeadline sets the write deadline, no later than the handshake's.
+func (c *wsSocket) SetWriteDeadline(t time.Time) error { return c.Conn.SetWriteDeadline(c.clamp(t)) }
+
+func (c *wsSocket) clamp(t time.Time) time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if hs := c.handshake; !hs.IsZero() && (t.IsZero() || t.After(hs)) {
+		return hs
+	}
+	return t
+}
+
+// CloseWrite lets net/http half-close the socket after a refusal, so the
+// client reads the answer before the close instead of a reset.
+func (c *wsSocket) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
+}
+
+// requested notes that a whole request came in time.
+func (c *wsSocket) requested() {
+	c.mu.Lock()
+	c.asked = true
+	c.mu.Unlock()
+}
+
+// upgraded lifts the handshake deadline: from here the MQTT connection
+// keeps its own (the CONNECT's, then the keep-alive's) on the WebSocket.
+func (c *wsSocket) upgraded() {
+	c.mu.Lock()
+	c.handshake = time.Time{}
+	c.mu.Unlock()
+	_ = c.Conn.SetDeadline(time.Time{})
+}
+
+// Close closes the socket and frees its place in the socket count, once.
+func (c *wsSocket) Close() error {
+	err := c.Conn.Close()
+	c.mu.Lock()
+	first := !c.closed
+	c.closed = true
+	timedOut := c.timedOut && !c.asked
+	c.mu.Unlock()
+	if first {
+		c.srv.openConns.Add(-1)
+		if timedOut {
+			c.srv.refusal(c.host, refusedWSTimeout, "listener", wsListenerID, "remote", c.RemoteAddr().String(),
+				"timeout", c.srv.cfg.Limits.ConnectTimeout)
+		}
+	}
+	return err
 }
