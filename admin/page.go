@@ -39,6 +39,7 @@ type pageData struct {
 	Clients, Inflight, Retained                string
 	Log                                        [4]string // first, last, commit, applied
 	Pairing                                    string
+	FeatureLevel                               string // the cluster's
 	PairingOpen                                bool
 	InRate, AckRate                            string
 	Throughput, Lag                            sparkline
@@ -48,6 +49,7 @@ type pageData struct {
 
 type nodeRow struct {
 	Name, ID, Role, Term, Addr, Health, Lag string
+	Version                                 string // release and the feature level its build knows
 	Self, OK, Learner                       bool
 }
 
@@ -109,13 +111,18 @@ func (fv *FieldView) pageData(ctx context.Context) *pageData {
 	if s.Leader != nil {
 		p.Leader = NameOr(s.Leader.Name, s.Leader.ID)
 	}
-	self := nodeRow{Name: s.Node.Name, ID: ShortID(s.Node.ID), Role: s.Role, Term: p.Term, Addr: fv.peerAddr(s), Self: true, OK: true, Health: "serving", Lag: "—"}
+	self := nodeRow{Name: s.Node.Name, ID: ShortID(s.Node.ID), Role: s.Role, Term: p.Term, Addr: fv.peerAddr(s), Self: true, OK: true, Health: "serving", Lag: "—",
+		Version: fmt.Sprintf("%s (level %d)", s.Node.Version, s.Cluster.FeatureLevelKnown)}
+	p.FeatureLevel = strconv.Itoa(s.Cluster.FeatureLevel)
 	if err := fv.gw.Err(); err != nil {
 		self.OK, self.Health = false, err.Error()
 	}
 	p.Nodes = append(p.Nodes, self)
 	for _, m := range s.Members {
-		row := nodeRow{Name: NameOr(m.Name, m.ID), ID: ShortID(m.ID), Role: m.Role, Term: "—", Addr: OrDash(m.Addr), OK: m.Reachable, Learner: !m.Voter}
+		row := nodeRow{Name: NameOr(m.Name, m.ID), ID: ShortID(m.ID), Role: m.Role, Term: "—", Addr: OrDash(m.Addr), OK: m.Reachable, Learner: !m.Voter, Version: "—"}
+		if m.FeatureLevel > 0 {
+			row.Version = fmt.Sprintf("%s (level %d)", OrDash(m.Version), m.FeatureLevel)
+		}
 		row.Health, row.Lag = "unreachable", "—"
 		if m.Reachable {
 			row.Health = "reachable"

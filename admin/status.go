@@ -37,6 +37,12 @@ type StatusCluster struct {
 	// started; RequeuePending those still waiting to be.
 	Requeued       uint64 `json:"requeued"`
 	RequeuePending int    `json:"requeue_pending"`
+	// FeatureLevel is the cluster's feature level as this member applied
+	// it, FeatureLevelKnown the highest this build knows: the master
+	// raises the first to the second once every member's build knows it
+	// (README, "Rolling upgrades and the feature level").
+	FeatureLevel      int `json:"feature_level"`
+	FeatureLevelKnown int `json:"feature_level_known"`
 }
 
 // StatusNode identifies the gateway answering.
@@ -70,6 +76,12 @@ type StatusMember struct {
 	// TopicsMatch is false when the member's topic rules differ from
 	// this gateway's; nil while unknown.
 	TopicsMatch *bool `json:"topics_match"`
+	// Version is the member's release and FeatureLevel the highest
+	// feature level its build knows, as its latest peer hello said; ""
+	// and 0 while no link was made (or from a build before they were
+	// sent: version "", level 1).
+	Version      string `json:"version"`
+	FeatureLevel int    `json:"feature_level"`
 }
 
 // StatusLog gives the log's bounds.

@@ -60,6 +60,13 @@ func writeStatus(w io.Writer, s *admin.Status) error {
 	if s.Cluster.ID != "" {
 		fmt.Fprintf(tw, "cluster\t%s, generation %d\n", admin.ShortID(s.Cluster.ID), s.Cluster.Generation)
 	}
+	if s.Cluster.FeatureLevel > 0 {
+		level := fmt.Sprintf("%d", s.Cluster.FeatureLevel)
+		if s.Cluster.FeatureLevel < s.Cluster.FeatureLevelKnown {
+			level += fmt.Sprintf(" (this build knows %d: raised once every member runs a build that does)", s.Cluster.FeatureLevelKnown)
+		}
+		fmt.Fprintf(tw, "feature level\t%s\n", level)
+	}
 	fmt.Fprintf(tw, "log\tfirst %d, last %d, committed %d, applied %d\n", s.Log.FirstIndex, s.Log.LastIndex, s.Log.CommitIndex, s.Log.AppliedIndex)
 	disk := fmt.Sprintf("%s used, %s free", admin.FormatBytes(uint64(max(s.Disk.UsedBytes, 0))), admin.FormatBytes(s.Disk.FreeBytes))
 	if s.Disk.BudgetBytes > 0 {
@@ -95,7 +102,7 @@ func writeStatus(w io.Writer, s *admin.Status) error {
 		return writeUplinks(w, s)
 	}
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "MEMBER\tID\tROLE\tVOTER\tADDRESS\tREACHABLE\tMATCH\tLAG RECORDS\tLAG SECONDS")
+	fmt.Fprintln(tw, "MEMBER\tID\tROLE\tVOTER\tADDRESS\tREACHABLE\tMATCH\tLAG RECORDS\tLAG SECONDS\tVERSION")
 	for _, m := range s.Members {
 		reach := "yes"
 		match, lagRecs, lagSecs := fmt.Sprint(m.MatchIndex), fmt.Sprint(m.LagRecords), fmt.Sprintf("%.2f", m.LagSeconds)
@@ -113,8 +120,12 @@ func writeStatus(w io.Writer, s *admin.Status) error {
 				match, lagRecs, lagSecs = "—", "—", "—"
 			}
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", admin.NameOr(m.Name, m.ID), admin.ShortID(m.ID), m.Role, yesNo(m.Voter),
-			admin.OrDash(m.Addr), reach, match, lagRecs, lagSecs)
+		ver := admin.OrDash(m.Version)
+		if m.FeatureLevel > 0 {
+			ver += fmt.Sprintf(" (level %d)", m.FeatureLevel)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", admin.NameOr(m.Name, m.ID), admin.ShortID(m.ID), m.Role, yesNo(m.Voter),
+			admin.OrDash(m.Addr), reach, match, lagRecs, lagSecs, ver)
 	}
 	if err := tw.Flush(); err != nil {
 		return err

@@ -54,6 +54,12 @@ func (d *Gateway) PeerAddrs() []string { return d.cl.myAddrs() }
 // Reachable reports whether the peer link to member id is up.
 func (d *Gateway) Reachable(id uint64) bool { return d.cl.tr.Reachable(id) }
 
+// PeerBuild is what member id's build said in its latest peer hello: the
+// highest feature level it knows and its release.
+func (d *Gateway) PeerBuild(id uint64) (level int, build string, ok bool) {
+	return d.cl.tr.PeerBuild(id)
+}
+
 // TopicsOf is member id's topic rules hash as it last told it, "" when
 // unknown; TopicsHash is this gateway's.
 func (d *Gateway) TopicsOf(id uint64) string { return d.cl.topicsOf(id) }

@@ -230,3 +230,42 @@ func TestDataDirOfANewerFeatureLevelIsRefused(t *testing.T) {
 		t.Fatalf("the refused data file changed (%v)", err)
 	}
 }
+
+// A cluster of this build runs at its feature level (a lone gateway raises
+// it at once; a joiner takes it from the log); status shows it with each
+// member's release, and the control records carry their kind in the
+// header on every member.
+func TestFeatureLevelOfAClusterInStatusAndRecords(t *testing.T) {
+	master, slave := twoGateways(t, "gw-level")
+	for _, d := range []*Daemon{master, slave} {
+		testutil.WaitFor(t, 10*time.Second, d.cfg.Node.Name+" at feature level 2", func() bool {
+			return statusOfGW(t, d).Cluster.FeatureLevel == storage.FeatureControlKinds
+		})
+		s := statusOfGW(t, d)
+		if len(s.Members) != 1 || s.Members[0].FeatureLevel != storage.FeatureLevel || s.Members[0].Version == "" {
+			t.Fatalf("%s: members %+v, want the other's build and level", d.cfg.Node.Name, s.Members)
+		}
+	}
+	// A persistent session's records, written now, are control records
+	// in the header's encoding on both members' logs.
+	offlineSession(t, slave.MQTTAddr(), "level-session", "a/#")
+	for _, d := range []*Daemon{master, slave} {
+		testutil.WaitFor(t, 10*time.Second, d.cfg.Node.Name+" holding the session record", func() bool {
+			found := false
+			_ = d.db.Scan(1, func(e pbEntry) bool {
+				if e.Type == 0 && len(e.Data) > 0 && e.Data[0] == storage.RecordVersionControl {
+					if r, err := storage.DecodeRecord(e.Data); err == nil && r.Kind == storage.KindSession && r.ClientID == "level-session" {
+						found = true
+					}
+				}
+				return !found
+			})
+			return found
+		})
+	}
+	for _, r := range logRecords(t, master) {
+		if r.Kind == storage.KindSession && r.ClientID == "level-session" && r.Legacy {
+			t.Fatal("a session record after the raise in the legacy encoding")
+		}
+	}
+}

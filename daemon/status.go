@@ -37,7 +37,8 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 		Disk:    admin.StatusDisk{BudgetBytes: uint64(d.cfg.Storage.MaxBytes)},
 		MQTT:    admin.StatusMQTT{Clients: d.broker.Clients(), Inflight: d.broker.Inflight()},
 		Storage: admin.StatusStorage{Commits: d.db.Commits(), Fsyncs: d.db.Syncs()},
-		Cluster: admin.StatusCluster{ID: d.gw.ClusterID(), Generation: d.gw.Generation(), TopicsHash: d.gw.TopicsHash(), PeerAddrs: d.gw.PeerAddrs(), Requeued: n.Requeued()},
+		Cluster: admin.StatusCluster{ID: d.gw.ClusterID(), Generation: d.gw.Generation(), TopicsHash: d.gw.TopicsHash(), PeerAddrs: d.gw.PeerAddrs(), Requeued: n.Requeued(),
+			FeatureLevel: n.FeatureLevel(), FeatureLevelKnown: storage.FeatureLevel},
 	}
 	rt := d.db.RetentionStats()
 	s.Storage.UsedBytes, s.Storage.BudgetBytes = rt.UsedBytes, rt.BudgetBytes
@@ -87,6 +88,9 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 		sm.Reachable = d.gw.Reachable(m.ID)
 		if t, ok := d.downSince(m.ID); ok && !sm.Reachable {
 			sm.DownSince = &t
+		}
+		if level, build, ok := d.gw.PeerBuild(m.ID); ok {
+			sm.Version, sm.FeatureLevel = build, level
 		}
 		if h := d.gw.TopicsOf(m.ID); h != "" {
 			same := h == s.Cluster.TopicsHash

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"io"
+	"strings"
 	"testing"
 
 	pb "go.etcd.io/raft/v3/raftpb"
@@ -177,4 +178,38 @@ func FuzzFrameDecoder(f *testing.F) {
 			}
 		}
 	})
+}
+
+// A hello from a build before negotiation has no trailer: it reads as
+// protocol version 1 only and feature level 1, and is admitted until the
+// cluster's level is raised past it, then refused with both levels named.
+func TestHelloOfABuildBeforeFeatureLevels(t *testing.T) {
+	old := appendHello(nil, hello{version: 1, purpose: purposeLink, id: 7, gen: 1, cluster: "c"})
+	// Cut the trailer this build appends: what an older build sends.
+	body := old[frameHeaderLen : frameHeaderLen+helloLen+1]
+	h, err := decodeHello(body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h.maxVersion != 1 || h.level != storage.FeatureBase || h.build != "" {
+		t.Fatalf("old hello read as %+v", h)
+	}
+	level := storage.FeatureBase
+	tr := &PeerTransport{cfg: TransportConfig{FeatureLevel: func() int { return level }}}
+	r := Remote{ID: 7, Level: int(h.level)}
+	if err := tr.levelOK(r); err != nil {
+		t.Fatalf("an old build refused before the raise: %v", err)
+	}
+	level = storage.FeatureControlKinds
+	err = tr.levelOK(r)
+	if err == nil || !strings.Contains(err.Error(), "feature levels up to 1") || !strings.Contains(err.Error(), "level 2") {
+		t.Fatalf("an old build after the raise: %v", err)
+	}
+	r.Level, r.Build = storage.FeatureLevel, "9.9.9"
+	if err := tr.levelOK(r); err != nil {
+		t.Fatal(err)
+	}
+	if l, b, ok := tr.PeerBuild(7); !ok || l != storage.FeatureLevel || b != "9.9.9" {
+		t.Fatalf("PeerBuild = %d %q %v", l, b, ok)
+	}
 }
