@@ -108,10 +108,19 @@ func newConn(s *Server, nc net.Conn, listener, host string) *conn {
 	return c
 }
 
-// errProtocol wraps the reason a connection broke the protocol.
-type errProtocol struct{ code packets.Code }
+// errProtocol wraps the reason a connection broke the protocol: code for
+// the client, why (may be empty) for the log.
+type errProtocol struct {
+	code packets.Code
+	why  string
+}
 
-func (e errProtocol) Error() string { return "protocol error: " + e.code.Reason }
+func (e errProtocol) Error() string {
+	if e.why != "" {
+		return "protocol error: " + e.code.Reason + ": " + e.why
+	}
+	return "protocol error: " + e.code.Reason
+}
 
 // run is the read loop: CONNECT, then packets until the connection ends.
 //
@@ -181,12 +190,12 @@ func (c *conn) read() (pk packets.Packet, err error) {
 		return pk, err
 	}
 	if err := pk.FixedHeader.Decode(hb); err != nil {
-		return pk, errProtocol{packets.ErrMalformedPacket}
+		return pk, errProtocol{code: packets.ErrMalformedPacket}
 	}
 	rem, lenBytes, err := packets.DecodeLength(c.br)
 	if err != nil {
 		if errors.Is(err, packets.ErrMalformedVariableByteInteger) {
-			return pk, errProtocol{packets.ErrMalformedPacket}
+			return pk, errProtocol{code: packets.ErrMalformedPacket}
 		}
 		return pk, err
 	}
@@ -195,7 +204,7 @@ func (c *conn) read() (pk packets.Packet, err error) {
 		limit = min(limit, preAuthMaxPacket)
 	}
 	if 1+lenBytes+rem > limit {
-		return pk, errProtocol{packets.ErrPacketTooLarge} // [MQTT-3.2.2-15]
+		return pk, errProtocol{code: packets.ErrPacketTooLarge} // [MQTT-3.2.2-15]
 	}
 	if !c.authed {
 		if !c.srv.preAuth.take(rem) {
@@ -213,7 +222,10 @@ func (c *conn) read() (pk packets.Packet, err error) {
 		return pk, err
 	}
 	if err := decode(&pk, buf); err != nil {
-		return pk, errProtocol{packets.ErrMalformedPacket}
+		return pk, errProtocol{code: packets.ErrMalformedPacket, why: err.Error()}
+	}
+	if e := checkWire(&pk, buf); e != nil {
+		return pk, errProtocol{e.code, e.why}
 	}
 	return pk, nil
 }
@@ -267,7 +279,7 @@ func (c *conn) readFailed(err error) {
 		if pe.code == packets.ErrPacketTooLarge {
 			c.srv.refusal(c.host, "packet larger than max_packet_size: disconnected", "remote", c.remote(), "client", c.id)
 		} else {
-			c.srv.refusal(c.host, "protocol error: disconnected", "remote", c.remote(), "client", c.id, "error", pe.code.Reason)
+			c.srv.refusal(c.host, "protocol error: disconnected", "remote", c.remote(), "client", c.id, "error", pe.Error())
 		}
 		c.end(pe.code)
 	case errors.Is(err, os.ErrDeadlineExceeded) && !c.authed:

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -12,6 +13,14 @@ import (
 // connect reads and answers the CONNECT; false ends the connection.
 func (c *conn) connect() bool {
 	pk, err := c.read()
+	var pe errProtocol
+	if errors.As(err, &pe) && pk.FixedHeader.Type == packets.Connect && pk.ProtocolVersion == 5 {
+		// Decoded far enough to know an MQTT 5 client: it reads why in
+		// the CONNACK [MQTT-3.1.4-1]; 3.1.1 has no code for it, and the
+		// connection just closes.
+		c.v = 5
+		return c.refuse(&pk, pe.code, 0, "invalid CONNECT: "+pe.code.Reason, "error", pe.why)
+	}
 	if err != nil {
 		c.readFailed(err)
 		return false
