@@ -118,6 +118,10 @@ type MQTTConfig struct {
 	KeepAliveMin Duration `yaml:"keepalive_min"`
 	// KeepAliveMax: see KeepAliveMin.
 	KeepAliveMax Duration `yaml:"keepalive_max"`
+	// MaxClientIDLength bounds a client id, in bytes; a longer one is
+	// refused with CONNACK 0x85 client identifier not valid (3.1.1: 0x02
+	// identifier rejected). Default 256, at most 65535.
+	MaxClientIDLength int `yaml:"max_client_id_length"`
 	// MaxSubscriptions caps the subscriptions of one client; a filter over
 	// it gets SUBACK 0x97 quota exceeded (3.1.1: 0x80). Default 1000.
 	MaxSubscriptions int `yaml:"max_subscriptions"`
@@ -341,6 +345,7 @@ func (c *Config) setDefaults() {
 	setDefaultIfZero(&c.MQTT.MaxTopicLevels, 32)
 	setDefaultIfZero(&c.MQTT.ConnectRate, 20)
 	setDefaultIfZero(&c.MQTT.ConnectBurst, 100)
+	setDefaultIfZero(&c.MQTT.MaxClientIDLength, 256)
 	if c.MQTT.TLS.CertFile != "" {
 		// A certificate is the sign that TLS is wanted; 8883 is MQTT's
 		// registered TLS port.

@@ -148,6 +148,9 @@ func (ck *configChecker) limits(m MQTTConfig) {
 	if m.ConnectBurst < 1 {
 		ck.failf("mqtt.connect_burst", "%d is out of range: at least 1", m.ConnectBurst)
 	}
+	if m.MaxClientIDLength < 1 || m.MaxClientIDLength > 65535 {
+		ck.failf("mqtt.max_client_id_length", "%d is out of range: 1 to 65535 bytes, MQTT's longest string", m.MaxClientIDLength)
+	}
 	for _, k := range []struct {
 		key string
 		d   Duration

@@ -56,6 +56,11 @@ func (c *conn) connect() bool {
 		c.keepalive = ka // told in the CONNACK's server keep alive [MQTT-3.2.2-21]
 	}
 	c.id = cp.ClientIdentifier
+	if len(c.id) > c.srv.cfg.Limits.MaxClientIDLength {
+		// Before the password check: it costs nothing to refuse, and the
+		// id would be a key of the session map and of every record.
+		return c.refuse(&pk, packets.ErrClientIdentifierNotValid, 0x02, "client id longer than max_client_id_length", "length", len(c.id))
+	}
 	assigned := false
 	if c.id == "" {
 		if !v5 && !cp.Clean {
@@ -232,10 +237,12 @@ func (c *conn) refuse(pk *packets.Packet, code5 packets.Code, code3 byte, reason
 	} else {
 		ack.ReasonCode = code3
 	}
+	// Counted before the client can read it: whoever sees the CONNACK
+	// finds it in the metrics.
+	c.srv.refusal(c.host, reason, append(args, "client", truncate(pk.Connect.ClientIdentifier), "remote", c.remote())...)
 	if ack.ReasonCode != 0 {
 		c.send(ack)
 	}
-	c.srv.refusal(c.host, reason, append(args, "client", pk.Connect.ClientIdentifier, "remote", c.remote())...)
 	return false
 }
 

@@ -43,6 +43,11 @@ type Limits struct {
 	// ConnectTimeout is how long a new connection has for its TLS
 	// handshake and its CONNECT. Default 10s.
 	ConnectTimeout time.Duration
+	// MaxClientIDLength bounds a client id, in bytes: it keys the session
+	// map and goes into every record and log line of the client. Over it
+	// a CONNECT gets CONNACK 0x85 client identifier not valid (3.1.1:
+	// 0x02 identifier rejected). Default 256.
+	MaxClientIDLength int
 }
 
 func (l *Limits) setDefaults() {
@@ -63,6 +68,9 @@ func (l *Limits) setDefaults() {
 	}
 	if l.ConnectTimeout <= 0 {
 		l.ConnectTimeout = 10 * time.Second
+	}
+	if l.MaxClientIDLength <= 0 {
+		l.MaxClientIDLength = 256
 	}
 }
 
