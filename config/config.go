@@ -122,9 +122,11 @@ type MQTTConfig struct {
 	// refused with CONNACK 0x85 client identifier not valid (3.1.1: 0x02
 	// identifier rejected). Default 256, at most 65535.
 	MaxClientIDLength int `yaml:"max_client_id_length"`
-	// MaxSubscriptions caps the subscriptions of one client; a filter over
-	// it gets SUBACK 0x97 quota exceeded (3.1.1: 0x80). Default 1000.
-	MaxSubscriptions int `yaml:"max_subscriptions"`
+	// MaxFiltersPerSession caps the subscriptions of one session; a filter
+	// over it gets SUBACK 0x97 quota exceeded (3.1.1: 0x80). Subscribing
+	// to a filter the session holds replaces that subscription, as MQTT
+	// says, and does not count again. Default 100.
+	MaxFiltersPerSession int `yaml:"max_filters_per_session"`
 	// TopicAliasMaximum is how many topic aliases an MQTT 5 client may set
 	// (told in the CONNACK); an alias over it ends the connection (0x94).
 	// Default 100, at most 65535.
@@ -346,6 +348,7 @@ func (c *Config) setDefaults() {
 	setDefaultIfZero(&c.MQTT.ConnectRate, 20)
 	setDefaultIfZero(&c.MQTT.ConnectBurst, 100)
 	setDefaultIfZero(&c.MQTT.MaxClientIDLength, 256)
+	setDefaultIfZero(&c.MQTT.MaxFiltersPerSession, 100)
 	if c.MQTT.TLS.CertFile != "" {
 		// A certificate is the sign that TLS is wanted; 8883 is MQTT's
 		// registered TLS port.

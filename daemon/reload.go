@@ -121,14 +121,15 @@ func mqttWebSocket(w config.WebSocketConfig) *mqtt.WebSocketConfig {
 // mqttLimits converts the limits of the mqtt section.
 func mqttLimits(m config.MQTTConfig) mqtt.Limits {
 	return mqtt.Limits{
-		MaxClients:        m.MaxClients,
-		MaxTopicLength:    m.MaxTopicLength,
-		MaxTopicLevels:    m.MaxTopicLevels,
-		ConnectRate:       m.ConnectRate,
-		ConnectBurst:      m.ConnectBurst,
-		KeepAliveMin:      uint16(m.KeepAliveMin.Duration().Seconds()),
-		KeepAliveMax:      uint16(m.KeepAliveMax.Duration().Seconds()),
-		MaxClientIDLength: m.MaxClientIDLength,
+		MaxClients:           m.MaxClients,
+		MaxTopicLength:       m.MaxTopicLength,
+		MaxTopicLevels:       m.MaxTopicLevels,
+		ConnectRate:          m.ConnectRate,
+		ConnectBurst:         m.ConnectBurst,
+		KeepAliveMin:         uint16(m.KeepAliveMin.Duration().Seconds()),
+		KeepAliveMax:         uint16(m.KeepAliveMax.Duration().Seconds()),
+		MaxClientIDLength:    m.MaxClientIDLength,
+		MaxFiltersPerSession: m.MaxFiltersPerSession,
 	}
 }
 

@@ -1,7 +1,9 @@
 package mqtt
 
 import (
+	"bytes"
 	"context"
+	"fmt"
 	"net"
 	"strings"
 	"sync"
@@ -82,5 +84,58 @@ func TestClientIDLongerThanMaxIsRefused(t *testing.T) {
 	}
 	if n := d.Clients(); n != 0 {
 		t.Fatalf("%d clients connected after the refusal", n)
+	}
+}
+
+// A SUBSCRIBE that would take a session past max_filters_per_session gets
+// 0x97 quota exceeded (3.1.1: 0x80) for the filters over it, and the rest
+// granted; a filter the session holds replaces its subscription
+// [MQTT-3.8.4-3] and takes no second place; an unsubscribe frees one.
+func TestFiltersPerSessionOverMaxGetQuotaExceeded(t *testing.T) {
+	obs := &refusalCounter{}
+	s, _ := testServer(t, nil, func(c *Config) { c.Limits.MaxFiltersPerSession = 3; c.Observer = obs })
+	pub := connected(t, s, 5, "pub")
+	for _, v := range []byte{4, 5} {
+		over := packets.ErrQuotaExceeded.Code
+		if v == 4 {
+			over = 0x80
+		}
+		id := fmt.Sprintf("filters%d", v)
+		c := connected(t, s, v, id)
+		sub := func(pid uint16, filters ...packets.Subscription) []byte {
+			t.Helper()
+			sa := c.subscribe(pid, filters...)
+			if sa.PacketID != pid {
+				t.Fatalf("SUBACK for packet id %d, want %d", sa.PacketID, pid)
+			}
+			return sa.ReasonCodes
+		}
+		a, b := id+"/a", id+"/b"
+		if got := sub(1, packets.Subscription{Filter: a, Qos: 1}, packets.Subscription{Filter: b, Qos: 1}); !bytes.Equal(got, []byte{1, 1}) {
+			t.Fatalf("MQTT %d: first two filters: SUBACK %x", v, got)
+		}
+		// a again at QoS 0 replaces its subscription: c is the third
+		// filter, d the fourth.
+		got := sub(2, packets.Subscription{Filter: a, Qos: 0}, packets.Subscription{Filter: id + "/c", Qos: 1},
+			packets.Subscription{Filter: id + "/d", Qos: 1})
+		if !bytes.Equal(got, []byte{0, 1, over}) {
+			t.Fatalf("MQTT %d: a again, c, d: SUBACK %x, want 00 01 %02x", v, got, over)
+		}
+		// Replaced, not added: a delivers at QoS 0 (two subscriptions
+		// would merge to the highest, 1).
+		pub.publish(a, 1, 1, "to a")
+		pub.expect(packets.Puback)
+		if p := c.expect(packets.Publish); p.FixedHeader.Qos != 0 || string(p.Payload) != "to a" {
+			t.Fatalf("MQTT %d: delivery on a: QoS %d %q, want QoS 0", v, p.FixedHeader.Qos, p.Payload)
+		}
+		c.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Unsubscribe, Qos: 1}, PacketID: 3,
+			Filters: packets.Subscriptions{{Filter: b}}})
+		c.expect(packets.Unsuback)
+		if got := sub(4, packets.Subscription{Filter: id + "/d", Qos: 1}); !bytes.Equal(got, []byte{1}) {
+			t.Fatalf("MQTT %d: d after unsubscribing b: SUBACK %x", v, got)
+		}
+	}
+	if n := obs.count("max_filters_per_session reached: subscription refused"); n != 2 {
+		t.Fatalf("%d refusals counted, want 2", n)
 	}
 }

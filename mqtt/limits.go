@@ -48,6 +48,13 @@ type Limits struct {
 	// a CONNECT gets CONNACK 0x85 client identifier not valid (3.1.1:
 	// 0x02 identifier rejected). Default 256.
 	MaxClientIDLength int
+	// MaxFiltersPerSession caps the subscriptions of one session; a filter
+	// over it gets SUBACK 0x97 quota exceeded (3.1.1: 0x80 failure). A
+	// filter the session holds already replaces its subscription
+	// [MQTT-3.8.4-3], so it never counts twice. Each filter is a node of
+	// the topic index and, for a persistent session, a record and a key
+	// on disk. Default 100.
+	MaxFiltersPerSession int
 }
 
 func (l *Limits) setDefaults() {
@@ -71,6 +78,9 @@ func (l *Limits) setDefaults() {
 	}
 	if l.MaxClientIDLength <= 0 {
 		l.MaxClientIDLength = 256
+	}
+	if l.MaxFiltersPerSession <= 0 {
+		l.MaxFiltersPerSession = 100
 	}
 }
 

@@ -185,9 +185,6 @@ func (c *Config) fill() error {
 	if c.TopicAliasMaximum == 0 {
 		c.TopicAliasMaximum = 100
 	}
-	if c.MaxSubscriptions <= 0 {
-		c.MaxSubscriptions = 1000
-	}
 	if c.MaxQueued <= 0 {
 		c.MaxQueued = 1000
 	}
