@@ -122,6 +122,15 @@ type MQTTConfig struct {
 	// refused with CONNACK 0x85 client identifier not valid (3.1.1: 0x02
 	// identifier rejected). Default 256, at most 65535.
 	MaxClientIDLength int `yaml:"max_client_id_length"`
+	// MaxConnectionsPerAddress caps the clients connected at once from one
+	// source address (IPv4 address, IPv6 /64), loopback included; one more
+	// is refused with CONNACK 0x97 quota exceeded (3.1.1: 0x03 server
+	// unavailable). Default 64.
+	MaxConnectionsPerAddress int `yaml:"max_connections_per_address"`
+	// MaxConnectionsPerUser caps the clients connected at once under one
+	// user name, as MaxConnectionsPerAddress; anonymous clients are counted
+	// by address only. Default 64.
+	MaxConnectionsPerUser int `yaml:"max_connections_per_user"`
 	// MaxFiltersPerSession caps the subscriptions of one session; a filter
 	// over it gets SUBACK 0x97 quota exceeded (3.1.1: 0x80). Subscribing
 	// to a filter the session holds replaces that subscription, as MQTT
@@ -349,6 +358,8 @@ func (c *Config) setDefaults() {
 	setDefaultIfZero(&c.MQTT.ConnectBurst, 100)
 	setDefaultIfZero(&c.MQTT.MaxClientIDLength, 256)
 	setDefaultIfZero(&c.MQTT.MaxFiltersPerSession, 100)
+	setDefaultIfZero(&c.MQTT.MaxConnectionsPerAddress, 64)
+	setDefaultIfZero(&c.MQTT.MaxConnectionsPerUser, 64)
 	if c.MQTT.TLS.CertFile != "" {
 		// A certificate is the sign that TLS is wanted; 8883 is MQTT's
 		// registered TLS port.

@@ -148,6 +148,12 @@ func (ck *configChecker) limits(m MQTTConfig) {
 	if m.ConnectBurst < 1 {
 		ck.failf("mqtt.connect_burst", "%d is out of range: at least 1", m.ConnectBurst)
 	}
+	if m.MaxConnectionsPerAddress < 1 {
+		ck.failf("mqtt.max_connections_per_address", "%d is out of range: at least 1", m.MaxConnectionsPerAddress)
+	}
+	if m.MaxConnectionsPerUser < 1 {
+		ck.failf("mqtt.max_connections_per_user", "%d is out of range: at least 1", m.MaxConnectionsPerUser)
+	}
 	if m.MaxClientIDLength < 1 || m.MaxClientIDLength > 65535 {
 		ck.failf("mqtt.max_client_id_length", "%d is out of range: 1 to 65535 bytes, MQTT's longest string", m.MaxClientIDLength)
 	}

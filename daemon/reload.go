@@ -130,6 +130,9 @@ func mqttLimits(m config.MQTTConfig) mqtt.Limits {
 		KeepAliveMax:         uint16(m.KeepAliveMax.Duration().Seconds()),
 		MaxClientIDLength:    m.MaxClientIDLength,
 		MaxFiltersPerSession: m.MaxFiltersPerSession,
+
+		MaxConnectionsPerAddress: m.MaxConnectionsPerAddress,
+		MaxConnectionsPerUser:    m.MaxConnectionsPerUser,
 	}
 }
 

@@ -12,6 +12,8 @@ import (
 
 	"github.com/eclipse/paho.golang/paho"
 	"github.com/mochi-mqtt/server/v2/packets"
+
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // Per-client caps (DESIGN.md, "Budgets"): each refuses the client that
@@ -137,5 +139,111 @@ func TestFiltersPerSessionOverMaxGetQuotaExceeded(t *testing.T) {
 	}
 	if n := obs.count("max_filters_per_session reached: subscription refused"); n != 2 {
 		t.Fatalf("%d refusals counted, want 2", n)
+	}
+}
+
+// dialFrom is dialRaw from the loopback address local (127.0.0.x).
+func dialFrom(t *testing.T, addr, local string, v byte) *raw {
+	t.Helper()
+	d := net.Dialer{Timeout: 5 * time.Second, LocalAddr: &net.TCPAddr{IP: net.ParseIP(local)}}
+	c, err := d.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return &raw{t: t, c: c, v: v, rd: &bytesReader{c}}
+}
+
+// loginFrame is a CONNECT of protocol version v with a user name and
+// password.
+func loginFrame(t *testing.T, v byte, id, user, password string) []byte {
+	t.Helper()
+	pk := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connect}, ProtocolVersion: v,
+		Connect: packets.ConnectParams{ProtocolName: []byte("MQTT"), ClientIdentifier: id, Clean: true, Keepalive: 30,
+			UsernameFlag: true, Username: []byte(user), PasswordFlag: true, Password: []byte(password)}}
+	var b bytes.Buffer
+	if err := pk.ConnectEncode(&b); err != nil {
+		t.Fatal(err)
+	}
+	return b.Bytes()
+}
+
+// Clients connected at once from one address are capped by
+// max_connections_per_address, loopback included: one more gets CONNACK
+// 0x97 (3.1.1: 0x03) and is counted; another address is not affected;
+// a connection that ends frees its place.
+func TestConnectionsPerAddressOverMaxAreRefused(t *testing.T) {
+	obs := &refusalCounter{}
+	s, _ := testServer(t, nil, func(c *Config) { c.Limits.MaxConnectionsPerAddress = 2; c.Observer = obs })
+	const why = "max_connections_per_address reached: CONNECT refused"
+	first := connected(t, s, 5, "a1")
+	connected(t, s, 4, "a2")
+	if code := connack(t, dialRaw(t, s.Addr(), 5), connectFrame(5, "a3", nil, nil)); code != packets.ErrQuotaExceeded.Code {
+		t.Fatalf("MQTT 5, third from 127.0.0.1: CONNACK %#x, want 0x97", code)
+	}
+	if code := connack(t, dialRaw(t, s.Addr(), 4), connectFrame(4, "a3", nil, nil)); code != 0x03 {
+		t.Fatalf("3.1.1, third from 127.0.0.1: CONNACK %#x, want 0x03", code)
+	}
+	// A real client reads the reason.
+	conn, err := net.DialTimeout("tcp", s.Addr(), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pc := paho.NewClient(paho.ClientConfig{Conn: conn})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if ca, err := pc.Connect(ctx, &paho.Connect{ClientID: "a3", CleanStart: true, KeepAlive: 30}); ca == nil || ca.ReasonCode != packets.ErrQuotaExceeded.Code {
+		t.Fatalf("paho, third from 127.0.0.1: CONNACK %+v (%v), want 0x97", ca, err)
+	}
+	if n := obs.count(why); n != 3 {
+		t.Fatalf("%d refusals counted, want 3", n)
+	}
+	other := dialFrom(t, s.Addr(), "127.0.0.2", 5)
+	if code := connack(t, other, connectFrame(5, "b1", nil, nil)); code != 0 {
+		t.Fatalf("first from 127.0.0.2: CONNACK %#x", code)
+	}
+	first.c.Close()
+	testutil.WaitFor(t, 5*time.Second, "the first connection to end", func() bool { return s.Clients() == 2 })
+	if code := connack(t, dialRaw(t, s.Addr(), 5), connectFrame(5, "a3", nil, nil)); code != 0 {
+		t.Fatalf("after one of 127.0.0.1's ended: CONNACK %#x, want 0", code)
+	}
+}
+
+// Clients connected at once under one user name are capped by
+// max_connections_per_user, whatever their addresses: one more gets
+// CONNACK 0x97 (3.1.1: 0x03) and is counted; other users are not
+// affected.
+func TestConnectionsPerUserOverMaxAreRefused(t *testing.T) {
+	users, err := ParseUsers(strings.NewReader(hashLine(t, "alice", "pw")+"\n"+hashLine(t, "bob", "pw")+"\n"), "users")
+	if err != nil {
+		t.Fatal(err)
+	}
+	obs := &refusalCounter{}
+	s, _ := testServer(t, nil, func(c *Config) {
+		c.Users, c.AllowAnonymous = users, false
+		c.Limits.MaxConnectionsPerUser = 2
+		c.Observer = obs
+	})
+	const why = "max_connections_per_user reached: CONNECT refused"
+	for i, local := range []string{"127.0.0.1", "127.0.0.2"} {
+		v := byte(4 + i%2)
+		if code := connack(t, dialFrom(t, s.Addr(), local, v), loginFrame(t, v, "alice"+local, "alice", "pw")); code != 0 {
+			t.Fatalf("alice from %s: CONNACK %#x", local, code)
+		}
+	}
+	for _, v := range []byte{4, 5} {
+		want := packets.ErrQuotaExceeded.Code
+		if v == 4 {
+			want = 0x03
+		}
+		if code := connack(t, dialFrom(t, s.Addr(), "127.0.0.3", v), loginFrame(t, v, "alice3", "alice", "pw")); code != want {
+			t.Fatalf("MQTT %d, alice's third: CONNACK %#x, want %#x", v, code, want)
+		}
+	}
+	if n := obs.count(why); n != 2 {
+		t.Fatalf("%d refusals counted, want 2", n)
+	}
+	if code := connack(t, dialFrom(t, s.Addr(), "127.0.0.3", 5), loginFrame(t, 5, "bob1", "bob", "pw")); code != 0 {
+		t.Fatalf("bob: CONNACK %#x", code)
 	}
 }

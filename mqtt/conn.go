@@ -54,6 +54,8 @@ type conn struct {
 	noProblem bool   // the client asked for no reason strings [MQTT-3.1.2-29]
 	will      *Message
 	willDelay uint32
+	addrSlot  bool // counted in the server's connCounts by address, until finish
+	userSlot  bool // ... and by user
 
 	aliasIn map[uint16]string // read loop only
 
@@ -468,6 +470,7 @@ func (c *conn) finish() {
 	c.end(packets.Code{})
 	<-c.writerEnd
 	c.nc.Close()
+	c.giveSlots()
 	close(c.done)
 	if c.sess != nil {
 		c.srv.detach(c)

@@ -68,6 +68,9 @@ func (c *conn) connect() bool {
 		}
 		c.id, assigned = newClientID(), true // [MQTT-3.1.3-6]
 	}
+	if !c.takeAddrSlot(&pk) {
+		return false
+	}
 	user, ok := c.authenticate(&pk)
 	if !ok {
 		return false
@@ -83,6 +86,9 @@ func (c *conn) connect() bool {
 	}
 	if c.srv.clients.Load() >= int64(c.srv.cfg.Limits.MaxClients) {
 		return c.refuse(&pk, packets.ErrServerBusy, 0x03, "max_clients reached: CONNECT refused")
+	}
+	if !c.takeUserSlot(&pk) {
+		return false
 	}
 	// The client's own limits, for what the server sends it.
 	c.window = c.srv.cfg.MaxInflight
@@ -230,6 +236,11 @@ func (c *conn) checkWill(pk *packets.Packet) bool {
 // clients, code3 to older ones; none when that code is zero) and logs the
 // refusal once a minute per reason and address. It returns false.
 func (c *conn) refuse(pk *packets.Packet, code5 packets.Code, code3 byte, reason string, args ...any) bool {
+	return c.refuseKeyed(c.host, pk, code5, code3, reason, args...)
+}
+
+// refuseKeyed is refuse logging once a minute per reason and key.
+func (c *conn) refuseKeyed(key string, pk *packets.Packet, code5 packets.Code, code3 byte, reason string, args ...any) bool {
 	ack := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connack}}
 	if c.v == 5 {
 		ack.ReasonCode = code5.Code
@@ -239,7 +250,7 @@ func (c *conn) refuse(pk *packets.Packet, code5 packets.Code, code3 byte, reason
 	}
 	// Counted before the client can read it: whoever sees the CONNACK
 	// finds it in the metrics.
-	c.srv.refusal(c.host, reason, append(args, "client", truncate(pk.Connect.ClientIdentifier), "remote", c.remote())...)
+	c.srv.refusal(key, reason, append(args, "client", truncate(pk.Connect.ClientIdentifier), "remote", c.remote())...)
 	if ack.ReasonCode != 0 {
 		c.send(ack)
 	}

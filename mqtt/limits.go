@@ -55,6 +55,12 @@ type Limits struct {
 	// the topic index and, for a persistent session, a record and a key
 	// on disk. Default 100.
 	MaxFiltersPerSession int
+	// MaxConnectionsPerAddress and MaxConnectionsPerUser cap the clients
+	// connected at once from one source address (as ConnectRate counts
+	// them) and under one user name (anonymous clients have none). Over
+	// either a CONNECT gets CONNACK 0x97 quota exceeded (3.1.1: 0x03
+	// server unavailable). Loopback is not exempt. Defaults 64.
+	MaxConnectionsPerAddress, MaxConnectionsPerUser int
 }
 
 func (l *Limits) setDefaults() {
@@ -81,6 +87,12 @@ func (l *Limits) setDefaults() {
 	}
 	if l.MaxFiltersPerSession <= 0 {
 		l.MaxFiltersPerSession = 100
+	}
+	if l.MaxConnectionsPerAddress <= 0 {
+		l.MaxConnectionsPerAddress = 64
+	}
+	if l.MaxConnectionsPerUser <= 0 {
+		l.MaxConnectionsPerUser = 64
 	}
 }
 

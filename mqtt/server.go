@@ -55,6 +55,7 @@ type Server struct {
 	bcryptSem    chan struct{} // bounds concurrent password checks
 	preAuth      *byteBudget   // bytes buffered for connections not yet authenticated
 	logins       loginBackoff  // failed logins by source and user
+	conns        connCounts    // connected clients by source and user
 
 	tcp, tlsLn *srvListener
 	ws         *wsListener // nil without a WebSocket listener
