@@ -118,9 +118,24 @@ type MQTTConfig struct {
 	KeepAliveMin Duration `yaml:"keepalive_min"`
 	// KeepAliveMax: see KeepAliveMin.
 	KeepAliveMax Duration `yaml:"keepalive_max"`
-	// MaxSubscriptions caps the subscriptions of one client; a filter over
-	// it gets SUBACK 0x97 quota exceeded (3.1.1: 0x80). Default 1000.
-	MaxSubscriptions int `yaml:"max_subscriptions"`
+	// MaxClientIDLength bounds a client id, in bytes; a longer one is
+	// refused with CONNACK 0x85 client identifier not valid (3.1.1: 0x02
+	// identifier rejected). Default 256, at most 65535.
+	MaxClientIDLength int `yaml:"max_client_id_length"`
+	// MaxConnectionsPerAddress caps the clients connected at once from one
+	// source address (IPv4 address, IPv6 /64), loopback included; one more
+	// is refused with CONNACK 0x97 quota exceeded (3.1.1: 0x03 server
+	// unavailable). Default 64.
+	MaxConnectionsPerAddress int `yaml:"max_connections_per_address"`
+	// MaxConnectionsPerUser caps the clients connected at once under one
+	// user name, as MaxConnectionsPerAddress; anonymous clients are counted
+	// by address only. Default 64.
+	MaxConnectionsPerUser int `yaml:"max_connections_per_user"`
+	// MaxFiltersPerSession caps the subscriptions of one session; a filter
+	// over it gets SUBACK 0x97 quota exceeded (3.1.1: 0x80). Subscribing
+	// to a filter the session holds replaces that subscription, as MQTT
+	// says, and does not count again. Default 100.
+	MaxFiltersPerSession int `yaml:"max_filters_per_session"`
 	// TopicAliasMaximum is how many topic aliases an MQTT 5 client may set
 	// (told in the CONNACK); an alias over it ends the connection (0x94).
 	// Default 100, at most 65535.
@@ -363,6 +378,10 @@ func (c *Config) setDefaults() {
 	setDefaultIfZero(&c.MQTT.MaxTopicLevels, 32)
 	setDefaultIfZero(&c.MQTT.ConnectRate, 20)
 	setDefaultIfZero(&c.MQTT.ConnectBurst, 100)
+	setDefaultIfZero(&c.MQTT.MaxClientIDLength, 256)
+	setDefaultIfZero(&c.MQTT.MaxFiltersPerSession, 100)
+	setDefaultIfZero(&c.MQTT.MaxConnectionsPerAddress, 64)
+	setDefaultIfZero(&c.MQTT.MaxConnectionsPerUser, 64)
 	if c.MQTT.TLS.CertFile != "" {
 		// A certificate is the sign that TLS is wanted; 8883 is MQTT's
 		// registered TLS port.

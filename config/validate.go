@@ -51,8 +51,8 @@ func (c *Config) validate(w *configWalker) error {
 	if c.MQTT.QueueFull != "" {
 		ck.oneOf("mqtt.queue_full", c.MQTT.QueueFull, "read_log", "disconnect")
 	}
-	if c.MQTT.MaxSubscriptions < 0 {
-		ck.failf("mqtt.max_subscriptions", "%d is out of range: 1 or more (0 means the default, 1000)", c.MQTT.MaxSubscriptions)
+	if c.MQTT.MaxFiltersPerSession < 1 {
+		ck.failf("mqtt.max_filters_per_session", "%d is out of range: 1 or more (0 means the default, 100)", c.MQTT.MaxFiltersPerSession)
 	}
 	if c.MQTT.TopicAliasMaximum < 0 || c.MQTT.TopicAliasMaximum > 65535 {
 		ck.failf("mqtt.topic_alias_maximum", "%d is out of range: 1 to 65535 (0 means the default, 100)", c.MQTT.TopicAliasMaximum)
@@ -160,6 +160,15 @@ func (ck *configChecker) limits(m MQTTConfig) {
 	}
 	if m.ConnectBurst < 1 {
 		ck.failf("mqtt.connect_burst", "%d is out of range: at least 1", m.ConnectBurst)
+	}
+	if m.MaxConnectionsPerAddress < 1 {
+		ck.failf("mqtt.max_connections_per_address", "%d is out of range: at least 1", m.MaxConnectionsPerAddress)
+	}
+	if m.MaxConnectionsPerUser < 1 {
+		ck.failf("mqtt.max_connections_per_user", "%d is out of range: at least 1", m.MaxConnectionsPerUser)
+	}
+	if m.MaxClientIDLength < 1 || m.MaxClientIDLength > 65535 {
+		ck.failf("mqtt.max_client_id_length", "%d is out of range: 1 to 65535 bytes, MQTT's longest string", m.MaxClientIDLength)
 	}
 	for _, k := range []struct {
 		key string

@@ -131,7 +131,6 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		WebSocket:      mqttWebSocket(c.MQTT.WebSocket),
 
 		NodeID:                  d.id.ID,
-		MaxSubscriptions:        c.MQTT.MaxSubscriptions,
 		MaxQueued:               c.MQTT.MaxQueued,
 		DisconnectWhenQueueFull: c.MQTT.QueueFull == "disconnect",
 		TopicAliasMaximum:       uint16(c.MQTT.TopicAliasMaximum),

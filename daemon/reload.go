@@ -121,13 +121,18 @@ func mqttWebSocket(w config.WebSocketConfig) *mqtt.WebSocketConfig {
 // mqttLimits converts the limits of the mqtt section.
 func mqttLimits(m config.MQTTConfig) mqtt.Limits {
 	return mqtt.Limits{
-		MaxClients:     m.MaxClients,
-		MaxTopicLength: m.MaxTopicLength,
-		MaxTopicLevels: m.MaxTopicLevels,
-		ConnectRate:    m.ConnectRate,
-		ConnectBurst:   m.ConnectBurst,
-		KeepAliveMin:   uint16(m.KeepAliveMin.Duration().Seconds()),
-		KeepAliveMax:   uint16(m.KeepAliveMax.Duration().Seconds()),
+		MaxClients:           m.MaxClients,
+		MaxTopicLength:       m.MaxTopicLength,
+		MaxTopicLevels:       m.MaxTopicLevels,
+		ConnectRate:          m.ConnectRate,
+		ConnectBurst:         m.ConnectBurst,
+		KeepAliveMin:         uint16(m.KeepAliveMin.Duration().Seconds()),
+		KeepAliveMax:         uint16(m.KeepAliveMax.Duration().Seconds()),
+		MaxClientIDLength:    m.MaxClientIDLength,
+		MaxFiltersPerSession: m.MaxFiltersPerSession,
+
+		MaxConnectionsPerAddress: m.MaxConnectionsPerAddress,
+		MaxConnectionsPerUser:    m.MaxConnectionsPerUser,
 	}
 }
 

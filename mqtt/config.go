@@ -31,9 +31,6 @@ type Config struct {
 	// TopicAliasMaximum is how many topic aliases an MQTT 5 client may
 	// set; 0 means 100.
 	TopicAliasMaximum uint16
-	// MaxSubscriptions caps one client's subscriptions; over it a filter
-	// gets SUBACK 0x97 (3.1.1: 0x80). 0 means 1,000.
-	MaxSubscriptions int
 	// NodeID is this member's id, the Origin the Log gives the records
 	// taken here: a session record of this member's own is not applied
 	// again.

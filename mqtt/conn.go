@@ -54,6 +54,8 @@ type conn struct {
 	noProblem bool   // the client asked for no reason strings [MQTT-3.1.2-29]
 	will      *Message
 	willDelay uint32
+	addrSlot  bool // counted in the server's connCounts by address, until finish
+	userSlot  bool // ... and by user
 
 	aliasIn map[uint16]string // read loop only
 
@@ -68,9 +70,12 @@ type conn struct {
 	writing    bool       // a writer goroutine runs
 	again      bool       // work arrived while the writer ran
 	closeAfter bool       // close the socket once ctrl is written
-	resume     bool       // the session's inflight messages are owed a resend
-	connacked  bool       // the CONNACK is queued: only then may anything else go out
-	ended      bool
+	// refusedConnect: a refusing CONNACK was sent (the read loop's own);
+	// the socket lingers before it closes, as after a DISCONNECT.
+	refusedConnect bool
+	resume         bool // the session's inflight messages are owed a resend
+	connacked      bool // the CONNACK is queued: only then may anything else go out
+	ended          bool
 
 	startWriter func() // runWriter as a func value, made once
 
@@ -108,10 +113,19 @@ func newConn(s *Server, nc net.Conn, listener, host string) *conn {
 	return c
 }
 
-// errProtocol wraps the reason a connection broke the protocol.
-type errProtocol struct{ code packets.Code }
+// errProtocol wraps the reason a connection broke the protocol: code for
+// the client, why (may be empty) for the log.
+type errProtocol struct {
+	code packets.Code
+	why  string
+}
 
-func (e errProtocol) Error() string { return "protocol error: " + e.code.Reason }
+func (e errProtocol) Error() string {
+	if e.why != "" {
+		return "protocol error: " + e.code.Reason + ": " + e.why
+	}
+	return "protocol error: " + e.code.Reason
+}
 
 // run is the read loop: CONNECT, then packets until the connection ends.
 //
@@ -181,12 +195,12 @@ func (c *conn) read() (pk packets.Packet, err error) {
 		return pk, err
 	}
 	if err := pk.FixedHeader.Decode(hb); err != nil {
-		return pk, errProtocol{packets.ErrMalformedPacket}
+		return pk, errProtocol{code: packets.ErrMalformedPacket}
 	}
 	rem, lenBytes, err := packets.DecodeLength(c.br)
 	if err != nil {
 		if errors.Is(err, packets.ErrMalformedVariableByteInteger) {
-			return pk, errProtocol{packets.ErrMalformedPacket}
+			return pk, errProtocol{code: packets.ErrMalformedPacket}
 		}
 		return pk, err
 	}
@@ -195,7 +209,7 @@ func (c *conn) read() (pk packets.Packet, err error) {
 		limit = min(limit, preAuthMaxPacket)
 	}
 	if 1+lenBytes+rem > limit {
-		return pk, errProtocol{packets.ErrPacketTooLarge} // [MQTT-3.2.2-15]
+		return pk, errProtocol{code: packets.ErrPacketTooLarge} // [MQTT-3.2.2-15]
 	}
 	if !c.authed {
 		if !c.srv.preAuth.take(rem) {
@@ -213,7 +227,10 @@ func (c *conn) read() (pk packets.Packet, err error) {
 		return pk, err
 	}
 	if err := decode(&pk, buf); err != nil {
-		return pk, errProtocol{packets.ErrMalformedPacket}
+		return pk, errProtocol{code: packets.ErrMalformedPacket, why: err.Error()}
+	}
+	if e := checkWire(&pk, buf); e != nil {
+		return pk, errProtocol{e.code, e.why}
 	}
 	return pk, nil
 }
@@ -267,7 +284,7 @@ func (c *conn) readFailed(err error) {
 		if pe.code == packets.ErrPacketTooLarge {
 			c.srv.refusal(c.host, "packet larger than max_packet_size: disconnected", "remote", c.remote(), "client", c.id)
 		} else {
-			c.srv.refusal(c.host, "protocol error: disconnected", "remote", c.remote(), "client", c.id, "error", pe.code.Reason)
+			c.srv.refusal(c.host, "protocol error: disconnected", "remote", c.remote(), "client", c.id, "error", pe.Error())
 		}
 		c.end(pe.code)
 	case errors.Is(err, os.ErrDeadlineExceeded) && !c.authed:
@@ -455,11 +472,37 @@ func (c *conn) isEnded() bool {
 func (c *conn) finish() {
 	c.end(packets.Code{})
 	<-c.writerEnd
+	if c.endCode.Code >= 0x80 || c.refusedConnect {
+		c.linger()
+	}
 	c.nc.Close()
+	c.giveSlots()
 	close(c.done)
 	if c.sess != nil {
 		c.srv.detach(c)
 	}
+}
+
+// lingerFor and lingerBytes bound how long, and how much, a connection the
+// server ended with a reason is drained before it is closed.
+const (
+	lingerFor   = 500 * time.Millisecond
+	lingerBytes = 4 << 20
+)
+
+// linger closes the write side after the DISCONNECT or refusing CONNACK,
+// then reads and discards what the client still sends, until it closes,
+// lingerFor passes or lingerBytes came: a close with unread data in the
+// socket sends a reset, which makes the client's stack throw away the
+// reason code it has not read yet (FACTS.md: the paho suite saw
+// ConnectionResetError instead of 0x93).
+func (c *conn) linger() {
+	cw, ok := c.nc.(interface{ CloseWrite() error })
+	if !ok || cw.CloseWrite() != nil {
+		return
+	}
+	_ = c.nc.SetReadDeadline(time.Now().Add(lingerFor))
+	_, _ = io.CopyN(io.Discard, c.nc, lingerBytes)
 }
 
 // kick has the writer run: started if none runs, told to go round again

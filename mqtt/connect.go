@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -12,6 +13,14 @@ import (
 // connect reads and answers the CONNECT; false ends the connection.
 func (c *conn) connect() bool {
 	pk, err := c.read()
+	var pe errProtocol
+	if errors.As(err, &pe) && pk.FixedHeader.Type == packets.Connect && pk.ProtocolVersion == 5 {
+		// Decoded far enough to know an MQTT 5 client: it reads why in
+		// the CONNACK [MQTT-3.1.4-1]; 3.1.1 has no code for it, and the
+		// connection just closes.
+		c.v = 5
+		return c.refuse(&pk, pe.code, 0, "invalid CONNECT: "+pe.code.Reason, "error", pe.why)
+	}
 	if err != nil {
 		c.readFailed(err)
 		return false
@@ -47,12 +56,20 @@ func (c *conn) connect() bool {
 		c.keepalive = ka // told in the CONNACK's server keep alive [MQTT-3.2.2-21]
 	}
 	c.id = cp.ClientIdentifier
+	if len(c.id) > c.srv.cfg.Limits.MaxClientIDLength {
+		// Before the password check: it costs nothing to refuse, and the
+		// id would be a key of the session map and of every record.
+		return c.refuse(&pk, packets.ErrClientIdentifierNotValid, 0x02, "client id longer than max_client_id_length", "length", len(c.id))
+	}
 	assigned := false
 	if c.id == "" {
 		if !v5 && !cp.Clean {
 			return c.refuse(&pk, packets.Code{}, 0x02, "empty client id with a persistent session") // [MQTT-3.1.3-8]
 		}
 		c.id, assigned = newClientID(), true // [MQTT-3.1.3-6]
+	}
+	if !c.takeAddrSlot(&pk) {
+		return false
 	}
 	user, ok := c.authenticate(&pk)
 	if !ok {
@@ -69,6 +86,9 @@ func (c *conn) connect() bool {
 	}
 	if c.srv.clients.Load() >= int64(c.srv.cfg.Limits.MaxClients) {
 		return c.refuse(&pk, packets.ErrServerBusy, 0x03, "max_clients reached: CONNECT refused")
+	}
+	if !c.takeUserSlot(&pk) {
+		return false
 	}
 	// The client's own limits, for what the server sends it.
 	c.window = c.srv.cfg.MaxInflight
@@ -221,6 +241,11 @@ func (c *conn) checkWill(pk *packets.Packet) bool {
 // clients, code3 to older ones; none when that code is zero) and logs the
 // refusal once a minute per reason and address. It returns false.
 func (c *conn) refuse(pk *packets.Packet, code5 packets.Code, code3 byte, reason string, args ...any) bool {
+	return c.refuseKeyed(c.host, pk, code5, code3, reason, args...)
+}
+
+// refuseKeyed is refuse logging once a minute per reason and key.
+func (c *conn) refuseKeyed(key string, pk *packets.Packet, code5 packets.Code, code3 byte, reason string, args ...any) bool {
 	ack := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connack}}
 	if c.v == 5 {
 		ack.ReasonCode = code5.Code
@@ -228,10 +253,13 @@ func (c *conn) refuse(pk *packets.Packet, code5 packets.Code, code3 byte, reason
 	} else {
 		ack.ReasonCode = code3
 	}
+	// Counted before the client can read it: whoever sees the CONNACK
+	// finds it in the metrics.
+	c.srv.refusal(key, reason, append(args, "client", truncate(pk.Connect.ClientIdentifier), "remote", c.remote())...)
 	if ack.ReasonCode != 0 {
 		c.send(ack)
+		c.refusedConnect = true
 	}
-	c.srv.refusal(c.host, reason, append(args, "client", pk.Connect.ClientIdentifier, "remote", c.remote())...)
 	return false
 }
 

@@ -6,8 +6,10 @@
 // # Connections
 //
 // A connection is a read loop and one writer. The read loop decodes
-// packets and acts on them; it never waits for the log, and it never
-// writes the socket. The writer alone writes: control packets (CONNACK,
+// packets (mochi's codec, then wire.go for what mochi lets through: a
+// property sent twice, a zero MQTT forbids, reserved bits; such a packet
+// ends its connection with 0x81 or 0x82) and acts on them; it never waits
+// for the log, and it never writes the socket. The writer alone writes: control packets (CONNACK,
 // SUBACK, PINGRESP, PUBREL, PUBCOMP, DISCONNECT) that the read loop
 // encoded, the PUBACK/PUBREC of the client's publishes in the order they
 // came, and deliveries from the session, all in one write per round. It

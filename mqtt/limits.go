@@ -44,6 +44,24 @@ type Limits struct {
 	// handshake and its CONNECT; on the WebSocket listener also for its
 	// HTTP upgrade, counted from accept. Default 10s.
 	ConnectTimeout time.Duration
+	// MaxClientIDLength bounds a client id, in bytes: it keys the session
+	// map and goes into every record and log line of the client. Over it
+	// a CONNECT gets CONNACK 0x85 client identifier not valid (3.1.1:
+	// 0x02 identifier rejected). Default 256.
+	MaxClientIDLength int
+	// MaxFiltersPerSession caps the subscriptions of one session; a filter
+	// over it gets SUBACK 0x97 quota exceeded (3.1.1: 0x80 failure). A
+	// filter the session holds already replaces its subscription
+	// [MQTT-3.8.4-3], so it never counts twice. Each filter is a node of
+	// the topic index and, for a persistent session, a record and a key
+	// on disk. Default 100.
+	MaxFiltersPerSession int
+	// MaxConnectionsPerAddress and MaxConnectionsPerUser cap the clients
+	// connected at once from one source address (as ConnectRate counts
+	// them) and under one user name (anonymous clients have none). Over
+	// either a CONNECT gets CONNACK 0x97 quota exceeded (3.1.1: 0x03
+	// server unavailable). Loopback is not exempt. Defaults 64.
+	MaxConnectionsPerAddress, MaxConnectionsPerUser int
 }
 
 func (l *Limits) setDefaults() {
@@ -64,6 +82,18 @@ func (l *Limits) setDefaults() {
 	}
 	if l.ConnectTimeout <= 0 {
 		l.ConnectTimeout = 10 * time.Second
+	}
+	if l.MaxClientIDLength <= 0 {
+		l.MaxClientIDLength = 256
+	}
+	if l.MaxFiltersPerSession <= 0 {
+		l.MaxFiltersPerSession = 100
+	}
+	if l.MaxConnectionsPerAddress <= 0 {
+		l.MaxConnectionsPerAddress = 64
+	}
+	if l.MaxConnectionsPerUser <= 0 {
+		l.MaxConnectionsPerUser = 64
 	}
 }
 

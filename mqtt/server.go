@@ -55,6 +55,7 @@ type Server struct {
 	bcryptSem    chan struct{} // bounds concurrent password checks
 	preAuth      *byteBudget   // bytes buffered for connections not yet authenticated
 	logins       loginBackoff  // failed logins by source and user
+	conns        connCounts    // connected clients by source and user
 
 	tcp, tlsLn *srvListener
 	ws         *wsListener // nil without a WebSocket listener
@@ -184,9 +185,6 @@ func (c *Config) fill() error {
 	}
 	if c.TopicAliasMaximum == 0 {
 		c.TopicAliasMaximum = 100
-	}
-	if c.MaxSubscriptions <= 0 {
-		c.MaxSubscriptions = 1000
 	}
 	if c.MaxQueued <= 0 {
 		c.MaxQueued = 1000

@@ -54,9 +54,9 @@ func (c *conn) subscribe(pk *packets.Packet) bool {
 		}
 		s.mu.Lock()
 		prev := s.subs[f.Filter]
-		if prev == nil && len(s.subs) >= srv.cfg.MaxSubscriptions {
+		if prev == nil && len(s.subs) >= srv.cfg.Limits.MaxFiltersPerSession {
 			s.mu.Unlock()
-			refuse(packets.ErrQuotaExceeded, "max_subscriptions reached")
+			refuse(packets.ErrQuotaExceeded, "max_filters_per_session reached")
 			continue
 		}
 		if prev != nil {

@@ -11,8 +11,8 @@
 // RSS with them open, beside its RSS before and the KiB each connection
 // added. The storage workloads (storage.go) then compare tandem with
 // itself, and the cluster workloads (cluster.go) run last. For W6 tandem
-// runs with mqtt.max_clients 10000 and its per-address connect rate limit
-// lifted (every connection comes from 127.0.0.1); the suite raises its own
+// runs with mqtt.max_clients 10000 and its per-address connect rate and
+// connection limits lifted (every connection comes from 127.0.0.1); the suite raises its own
 // RLIMIT_NOFILE, which both brokers inherit. A run that fails (or hangs past its time-out) restarts that
 // broker before the next run, so one stuck broker does not stall the rest.
 package main
@@ -79,11 +79,13 @@ type sample struct {
 }
 
 // tandemConfig is the gateway's config for the suite: enough clients for
-// W6, and no per-address connect rate limit (every client is 127.0.0.1).
+// W6, and no per-address connect rate or connection limit (every client
+// is 127.0.0.1).
 const tandemConfig = `node:
   data_dir: %s
 mqtt:
   max_clients: 10000
+  max_connections_per_address: 10000
   connect_rate: 1000000
   connect_burst: 100000
 `
