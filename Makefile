@@ -33,7 +33,12 @@ BINDIR       ?= bin
 DISTDIR      ?= dist
 SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
 
-.PHONY: build run test test-arm vet fuzz bench clean cross package man powercut
+.PHONY: build run test test-arm vet fuzz bench clean cross package man powercut deps
+
+# What the tests need (mosquitto, iproute2, iptables, qemu-user-static,
+# chromium, fuse3, ...): installed as root, named otherwise (.ci/deps).
+deps:
+	@bash .ci/deps
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/tandem .
@@ -58,7 +63,7 @@ vet:
 # Go 1.27). Each count is about 8 s of fuzzing on the 2-core CI machine.
 # The plain pass runs three test binaries at once (-p 3): e2e mostly waits
 # on timeouts and elections, and a third binary fills the cores meanwhile.
-test: vet build $(TESTSUM)
+test: deps vet build $(TESTSUM)
 	@rm -f $(TESTREC)
 	$(GO) test -json -count=1 -p 3 -timeout 8m ./... | $(TESTSUM) -record $(TESTREC)
 	$(GO) test -json -count=1 -race -timeout 8m -skip '$(RACE_SKIP)' $(RACE_PKGS) | $(TESTSUM) -record $(TESTREC)

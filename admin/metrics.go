@@ -200,6 +200,18 @@ func (fv *FieldView) Dropped(n uint64) { fv.sessionDropped.Add(float64(n)) }
 // InDoubt implements mqtt.Observer.
 func (fv *FieldView) InDoubt(n uint64) { fv.syncInDoubt.Add(float64(n)) }
 
+// RegisterMemory adds the memory account's gauges: tandem_memory_bytes
+// (what clients make the gateway hold), tandem_memory_budget_bytes
+// (limits.memory) and tandem_memory_held_connections (not read from for
+// it now).
+func (fv *FieldView) RegisterMemory(used, held func() int64, budget int64) {
+	fv.reg.MustRegister(
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "tandem_memory_bytes", Help: "Bytes clients make the gateway hold now (publishes waiting for the log and what is kept for each client), charged to limits.memory."}, func() float64 { return float64(used()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "tandem_memory_budget_bytes", Help: "limits.memory: near it the connections holding the most are not read from; at it publishes are refused with 0x97."}, func() float64 { return float64(budget) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "tandem_memory_held_connections", Help: "Connections not read from now because they, or the gateway, hold too much of limits.memory (TCP back-pressure)."}, func() float64 { return float64(held()) }),
+	)
+}
+
 // RecordSkipped counts a record the applier skipped, of kind.
 func (fv *FieldView) RecordSkipped(kind string) { fv.recordsSkipped.WithLabelValues(kind).Inc() }
 

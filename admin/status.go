@@ -116,6 +116,12 @@ type StatusDisk struct {
 type StatusMQTT struct {
 	Clients  int64 `json:"clients"`
 	Inflight int64 `json:"inflight"`
+	// MemoryBytes is what clients make the gateway hold now, charged to
+	// limits.memory (MemoryBudgetBytes); HeldForMemory the connections
+	// not read from meanwhile.
+	MemoryBytes       int64 `json:"memory_bytes"`
+	MemoryBudgetBytes int64 `json:"memory_budget_bytes"`
+	HeldForMemory     int64 `json:"held_for_memory"`
 }
 
 // StatusPairing says whether pairing is open.

@@ -38,6 +38,8 @@ type Config struct {
 	// Uplinks are the cloud brokers the committed log is forwarded to
 	// (uplinks.go).
 	Uplinks []UplinkConfig `yaml:"uplinks"`
+	// Limits are the gateway-wide budgets no client may push it past.
+	Limits LimitsConfig `yaml:"limits"`
 
 	// file is the path Load read, which a reload (SIGHUP) reads again for
 	// the topic rules and the users and ACL files; "" for a Config that did
@@ -300,6 +302,24 @@ type ClusterConfig struct {
 	ElectionTimeout Duration `yaml:"election_timeout"`
 }
 
+// LimitsConfig holds the gateway-wide budgets (DESIGN.md, "Budgets").
+type LimitsConfig struct {
+	// Memory bounds what clients make the gateway hold in memory:
+	// publishes waiting for the log, and what the broker keeps for each
+	// client. Near it the connections holding the most are not read from
+	// (TCP back-pressure); at it publishes get 0x97 Quota exceeded (QoS 0:
+	// dropped and counted; MQTT 3.1.1: disconnected). The process needs
+	// some 30-60 MiB beside it. Default 256MiB, sized for a 1 GB Raspberry
+	// Pi; at least 16MiB.
+	Memory ByteSize `yaml:"memory"`
+}
+
+// DefaultMemory is limits.memory when the config does not set it.
+const DefaultMemory ByteSize = 256 << 20
+
+// MinMemory is the least limits.memory accepted.
+const MinMemory ByteSize = 16 << 20
+
 // DefaultMaxBytes is storage.max_bytes when the config does not set it;
 // the packaged config sets 1GiB.
 const DefaultMaxBytes ByteSize = 256 << 20
@@ -390,6 +410,7 @@ func (c *Config) setDefaults() {
 	if c.MQTT.TLS.Enabled() {
 		setDefaultIfZero(&c.MQTT.TLS.MinVersion, "1.2")
 	}
+	setDefaultIfZero(&c.Limits.Memory, DefaultMemory)
 	setDefaultIfZero(&c.Peer.Listen, "127.0.0.1:7883")
 	setDefaultIfZero(&c.Peer.MaxStrangers, 64)
 	setDefaultIfZero(&c.Peer.MaxStrangersPerAddress, 2)

@@ -41,6 +41,7 @@ func TestDefaultConfig(t *testing.T) {
 			ElectionTimeout: Duration(time.Second),
 		},
 		Storage: StorageConfig{Flush: "always", FlushInterval: Duration(200 * time.Millisecond), MaxBytes: 256 << 20, OnDamage: "resync"},
+		Limits:  LimitsConfig{Memory: DefaultMemory},
 	}
 	if !reflect.DeepEqual(c, want) {
 		t.Fatalf("DefaultConfig() =\n%+v\nwant\n%+v", c, want)
@@ -144,6 +145,7 @@ func fullConfig() *Config {
 			MaxInflight: 64, Rate: 500, MaxBacklog: 256 << 20, OnFull: "refuse",
 			KeepAlive: Duration(30 * time.Second), ReconnectMin: Duration(time.Second), ReconnectMax: Duration(2 * time.Minute),
 		}},
+		Limits: LimitsConfig{Memory: 192 << 20},
 	}
 }
 

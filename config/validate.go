@@ -100,6 +100,9 @@ func (c *Config) validate(w *configWalker) error {
 	ck.nonNegative("storage.flush_interval", c.Storage.FlushInterval)
 	ck.oneOf("storage.on_damage", c.Storage.OnDamage, "resync", "refuse")
 	ck.nonNegative("storage.max_age", c.Storage.MaxAge)
+	if c.Limits.Memory < MinMemory {
+		ck.failf("limits.memory", "%s is below the least budget of %s", c.Limits.Memory, ByteSize(MinMemory))
+	}
 	if c.Storage.MaxBytes < MinMaxBytes {
 		ck.failf("storage.max_bytes", "%s is below the least budget of %s: the WAL and the data file's reserve take 4MiB of it", c.Storage.MaxBytes, ByteSize(MinMaxBytes))
 	}

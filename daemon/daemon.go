@@ -125,7 +125,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		AllowAnonymous: access.AllowAnonymous,
 		Users:          access.Users,
 		ACL:            access.ACL,
-		Limits:         mqttLimits(c.MQTT),
+		Limits:         mqttLimits(c),
 		MaxInflight:    c.MQTT.MaxInflight,
 		MaxPacketSize:  uint32(c.MQTT.MaxPacketSize),
 		WebSocket:      mqttWebSocket(c.MQTT.WebSocket),
@@ -150,6 +150,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	if d.ups != nil {
 		d.fieldView().RegisterUplinks(d.ups)
 	}
+	d.fieldView().RegisterMemory(d.broker.MemoryUsed, d.broker.HeldForMemory, int64(c.Limits.Memory))
 	d.apply = &applier{ready: make(chan struct{}), broker: d.broker, ups: d.ups, skips: d.skips}
 	d.redeliver = &redeliverer{d: d}
 	if d.resync != nil {

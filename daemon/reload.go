@@ -119,8 +119,10 @@ func mqttWebSocket(w config.WebSocketConfig) *mqtt.WebSocketConfig {
 }
 
 // mqttLimits converts the limits of the mqtt section.
-func mqttLimits(m config.MQTTConfig) mqtt.Limits {
+func mqttLimits(c *config.Config) mqtt.Limits {
+	m := c.MQTT
 	return mqtt.Limits{
+		Memory:               int64(c.Limits.Memory),
 		MaxClients:           m.MaxClients,
 		MaxTopicLength:       m.MaxTopicLength,
 		MaxTopicLevels:       m.MaxTopicLevels,

@@ -12,6 +12,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -70,6 +71,11 @@ type conn struct {
 	writing    bool       // a writer goroutine runs
 	again      bool       // work arrived while the writer ran
 	closeAfter bool       // close the socket once ctrl is written
+	// heldIn is what this connection's publishes waiting for the log are
+	// charged in the memory account; memSig is signalled when it drops
+	// (memory.go).
+	heldIn atomic.Int64
+	memSig chan struct{}
 	// refusedConnect: a refusing CONNACK was sent (the read loop's own);
 	// the socket lingers before it closes, as after a DISCONNECT.
 	refusedConnect bool
@@ -103,11 +109,14 @@ type inAck struct {
 	resend bool // a QoS 2 resend answered without a new record
 	msg    Message
 	in2    *inbound2 // QoS 2: the inbound entry this publish made
+	// release gives back the memory this publish is charged while the log
+	// takes it (memory.go); nil when nothing was charged.
+	release func()
 }
 
 func newConn(s *Server, nc net.Conn, listener, host string) *conn {
 	c := &conn{srv: s, nc: nc, listener: listener, host: host, br: bufio.NewReaderSize(nc, 1024),
-		done: make(chan struct{}), writerEnd: make(chan struct{})}
+		done: make(chan struct{}), writerEnd: make(chan struct{}), memSig: make(chan struct{}, 1)}
 	c.acond = sync.NewCond(&c.amu)
 	c.startWriter = c.runWriter
 	return c
@@ -172,7 +181,7 @@ func (c *conn) loop() {
 		}
 		// After the deadline is set: an end that came meanwhile set its
 		// own deadline before or after this one, and ended before it.
-		if c.isEnded() {
+		if c.isEnded() || !c.waitMemory() {
 			return
 		}
 		pk, err := c.read()

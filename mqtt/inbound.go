@@ -3,6 +3,7 @@ package mqtt
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -66,15 +67,31 @@ func (c *conn) publish(pk *packets.Packet) bool {
 		}
 		return true
 	}
+	if srv.mem.full() {
+		// What waiting cannot fix: the gateway holds its whole memory
+		// budget and this client holds nothing of it waiting (or it
+		// would not have been read from).
+		srv.refusal(c.host, "memory budget full (limits.memory): publish refused", "client", c.id, "used_bytes", srv.mem.used.Load())
+		if qos > 0 {
+			a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now}
+			c.queueAck(a)
+			c.resolve(a, errMemoryFull)
+		}
+		return true
+	}
 	srv.observer().Published(mode, qos, rule)
+	release := c.chargeIn(publishCost(len(pk.TopicName), len(pk.Payload)))
 	if qos == 0 {
 		m := &Message{}
 		m.fromPacket(c.id, pk, now.UnixNano())
 		srv.log.Reserve(m)
-		srv.log.Propose(m, mode, srv.logFailure)
+		srv.log.Propose(m, mode, func(err error) {
+			release()
+			srv.logFailure(err)
+		})
 		return true
 	}
-	a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now}
+	a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now, release: release}
 	m := &a.msg
 	m.fromPacket(c.id, pk, now.UnixNano())
 	srv.log.Reserve(m)
@@ -99,6 +116,10 @@ func (c *conn) publish(pk *packets.Packet) bool {
 	srv.log.Propose(m, mode, a.resolved)
 	return true
 }
+
+// errMemoryFull refuses a publish read while the memory account is full:
+// 0x97 Quota exceeded.
+var errMemoryFull = fmt.Errorf("%w: the gateway's memory budget is full (limits.memory)", ErrQuota)
 
 // qos2Resend answers a QoS 2 PUBLISH whose id is still in the inbound
 // table: a resend (DUP) gets the PUBREC of the publish it repeats, in its
@@ -200,6 +221,9 @@ func (c *conn) queueAck(a *inAck) {
 // resolved is the done callback of a publish's proposal; it runs on the
 // log's goroutine and must not block.
 func (a *inAck) resolved(err error) {
+	if a.release != nil {
+		a.release()
+	}
 	if in := a.in2; in != nil {
 		s := a.c.sess
 		s.mu.Lock()

@@ -44,6 +44,11 @@ type Limits struct {
 	// handshake and its CONNECT; on the WebSocket listener also for its
 	// HTTP upgrade, counted from accept. Default 10s.
 	ConnectTimeout time.Duration
+	// Memory is the gateway-wide budget, in bytes, of what clients make it
+	// hold (memory.go): near it the connections that hold the most are
+	// not read from, at it publishes are refused with 0x97. 0 means no
+	// budget (a library user's choice; the daemon always sets one).
+	Memory int64
 	// MaxClientIDLength bounds a client id, in bytes: it keys the session
 	// map and goes into every record and log line of the client. Over it
 	// a CONNECT gets CONNACK 0x85 client identifier not valid (3.1.1:

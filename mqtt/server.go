@@ -80,6 +80,8 @@ type Server struct {
 	skip            map[uint64]struct{} // indexes delivered before a rejoin (Delivered)
 	clients         atomic.Int64        // connected clients
 	inflight        atomic.Int64        // QoS 1/2 messages in flight, both directions
+	mem             *memAccount         // what clients make the gateway hold (limits.memory)
+	memHeld         atomic.Int64        // connections not read from for memory now
 
 	wg      sync.WaitGroup // every goroutine the server starts
 	stopc   chan struct{}
@@ -126,6 +128,7 @@ func NewServer(cfg Config, log Log) (*Server, error) {
 		maxOpenConns: int64(2*cfg.Limits.MaxClients + 16),
 		bcryptSem:    make(chan struct{}, max(1, runtime.GOMAXPROCS(0)/2)),
 		preAuth:      &byteBudget{max: preAuthBudget},
+		mem:          newMemAccount(cfg.Limits.Memory),
 		sessions:     map[string]*session{},
 		wills:        map[string]*time.Timer{},
 		index:        newTopicIndex(),
