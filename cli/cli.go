@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime"
+	"runtime/debug"
 	"strings"
 	"syscall"
 
@@ -186,6 +187,21 @@ func newLogger(cfg config.LogConfig, w io.Writer) *slog.Logger {
 	return slog.New(slog.NewTextHandler(w, opts))
 }
 
+// memoryHeadroom is what the process may hold beside limits.memory: the
+// runtime, the binary's heap, raft's and the storage's buffers.
+const memoryHeadroom = 48 << 20
+
+// setMemoryLimit gives Go's collector a soft limit of limits.memory plus
+// memoryHeadroom, unless GOMEMLIMIT says otherwise: near it the collector
+// runs more often instead of letting garbage double the heap (GOGC's
+// default), so the RSS stays near what the budget promises.
+func setMemoryLimit(cfg *config.Config) {
+	if os.Getenv("GOMEMLIMIT") != "" {
+		return
+	}
+	debug.SetMemoryLimit(int64(cfg.Limits.Memory) + memoryHeadroom)
+}
+
 // runDaemon runs until SIGTERM/SIGINT (clean stop, nil) or a failure.
 func runDaemon(cfg *config.Config, logw io.Writer) error {
 	// Signals first: a reload or stop that arrives while the daemon starts
@@ -194,6 +210,7 @@ func runDaemon(cfg *config.Config, logw io.Writer) error {
 	signal.Notify(sigc, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
 	defer signal.Stop(sigc)
 	log := newLogger(cfg.Log, logw)
+	setMemoryLimit(cfg)
 	d, err := daemon.New(cfg, log)
 	if err != nil {
 		return config.UsageError{Err: err}

@@ -131,6 +131,9 @@ func (n *Node) refuseNow(done func(uint64, error), err error) {
 	}
 }
 
+// maxTakeBytes bounds the records one proposeQueued hands raft.
+const maxTakeBytes = 1 << 20
+
 // proposeQueued hands the queued proposals to raft in one MsgProp.
 func (n *Node) proposeQueued() {
 	n.propMu.Lock()
@@ -138,8 +141,22 @@ func (n *Node) proposeQueued() {
 		n.propMu.Unlock()
 		return
 	}
-	ps := n.propQ
-	n.propQ = nil
+	// At most maxTakeBytes of records per Ready: what one WAL append
+	// and one raft message carry stays bounded whatever a flood of large
+	// publishes queued, so the WAL and the memory raft holds do too; the
+	// rest waits for the next turn of the loop.
+	take, size := 0, 0
+	for take < len(n.propQ) && (take == 0 || size+len(n.propQ[take].data) <= maxTakeBytes) {
+		size += len(n.propQ[take].data)
+		take++
+	}
+	ps := n.propQ[:take:take]
+	if take == len(n.propQ) {
+		n.propQ = nil
+	} else {
+		n.propQ = append([]*proposal(nil), n.propQ[take:]...)
+		defer n.wakeProposals()
+	}
 	n.propMu.Unlock()
 	if len(ps) == 0 {
 		return

@@ -196,7 +196,7 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 	db.shrinkDeadWAL(&db.wal.segs[1-c.seg])
 	db.applyDrop(drop)
 	db.syncs.Add(2)
-	db.committed()
+	db.committed(c.bytes)
 	if db.onCommit != nil {
 		db.onCommit(time.Since(built), entries+len(c.ents))
 	}

@@ -177,11 +177,14 @@ type DB struct {
 	tailBytes int
 	closed    bool
 
-	commits   atomic.Uint64            // durable writes (WAL appends and bbolt commits)
-	syncs     atomic.Uint64            // fdatasyncs they cost, for fsyncs-per-message figures
-	syncDelay time.Duration            // Options.SyncDelay
-	onCommit  func(time.Duration, int) // Options.OnCommit
-	requeued  atomic.Bool              // entries were moved to the requeue bucket (TakeRequeueSignal)
+	commits atomic.Uint64 // durable writes (WAL appends and bbolt commits)
+	// sinceRelease counts the bytes checkpointed since the data file's
+	// mappings were last released (mapped.go).
+	sinceRelease atomic.Int64
+	syncs        atomic.Uint64            // fdatasyncs they cost, for fsyncs-per-message figures
+	syncDelay    time.Duration            // Options.SyncDelay
+	onCommit     func(time.Duration, int) // Options.OnCommit
+	requeued     atomic.Bool              // entries were moved to the requeue bucket (TakeRequeueSignal)
 
 	// flush: interval (Options.FlushInterval): the flusher goroutine.
 	flushEvery     time.Duration

@@ -9,10 +9,18 @@ import bolt "go.etcd.io/bbolt"
 // between two.
 const releaseEvery = 256
 
-// committed counts a durable write, and releases the mappings every
-// releaseEvery of them.
-func (db *DB) committed() {
-	if db.commits.Add(1)%releaseEvery == 0 {
+// releaseBytes is how many bytes of entries checkpointed pass between two
+// releaseMapped calls however few the commits: a flood of large publishes
+// makes few, large checkpoints that map the data file as fast as they
+// fill it (a lone gateway under two clients sending 256 KiB publishes had
+// 87 MiB of its 76 MiB file mapped; 8 MiB bounds it).
+const releaseBytes = 8 << 20
+
+// committed counts a durable write of n bytes of entries, and releases the
+// mappings every releaseEvery writes or releaseBytes bytes.
+func (db *DB) committed(n int) {
+	if db.commits.Add(1)%releaseEvery == 0 || db.sinceRelease.Add(int64(n)) >= releaseBytes {
+		db.sinceRelease.Store(0)
 		db.releaseMapped()
 	}
 }

@@ -396,7 +396,7 @@ func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry, lazy bool) error {
 			}
 		}
 	}
-	db.committed()
+	db.committed(0) // the WAL's files are not mapped
 	if db.onCommit != nil {
 		db.onCommit(took, len(ents))
 	}
