@@ -92,6 +92,10 @@ func hostileAttacks() []attack {
 		{"two clients flooding 256 KiB QoS 0 publishes", attackLargeQoS0Flood},
 		{"persistent sessions with 60 KB client ids", attackLongClientIDs},
 		{"protocol errors the codec lets through", attackProtocolErrors},
+		{"retained messages of 100 KB", attackRetainedFlood},
+		{"persistent sessions of 1 KB filters", attackSessionFilters},
+		{"a subscriber that never acks 1 MB messages", attackNeverAcks},
+		{"one SUBSCRIBE of 2000 × # over 1000 retained", attackRepeatedFilter},
 	}
 }
 
@@ -244,7 +248,14 @@ func stopWithin(t *testing.T, g *gw, d time.Duration) {
 	t.Helper()
 	_ = g.proc.Cmd.Process.Signal(syscall.SIGTERM)
 	if err := g.proc.Wait(d); err != nil {
-		t.Fatalf("%s: not stopped within %v of SIGTERM: %v", g.name, d, err)
+		// A hang: the goroutine dump says where.
+		_ = g.proc.Cmd.Process.Signal(syscall.SIGQUIT)
+		_ = g.proc.Wait(5 * time.Second)
+		out := g.proc.Output()
+		if i := strings.Index(out, "SIGQUIT"); i >= 0 {
+			out = out[i:]
+		}
+		t.Fatalf("%s: not stopped within %v of SIGTERM: %v; goroutines:\n%s", g.name, d, err, tail(out, 60000))
 	}
 }
 
@@ -660,4 +671,189 @@ func attackProtocolErrors(ctx context.Context, a *attacker, g *gw) string {
 		n++
 	}
 	return fmt.Sprintf("%d connections", n)
+}
+
+// subscribeFrame is a SUBSCRIBE of version with each filter at qos.
+func subscribeFrame(version byte, pid uint16, qos byte, filters ...string) []byte {
+	b := binary.BigEndian.AppendUint16(nil, pid)
+	if version == 5 {
+		b = append(b, 0)
+	}
+	for _, f := range filters {
+		b = mqttString(b, f)
+		b = append(b, qos)
+	}
+	return testutil.MQTTFrame(0x82, b)
+}
+
+// session opens a connection to g with CONNECT frame and returns it once
+// the CONNACK came (nil when refused or closed).
+func (a *attacker) session(g *gw, connect []byte) net.Conn {
+	c, err := a.dial(g)
+	if err != nil {
+		return nil
+	}
+	if _, err := c.Write(connect); err != nil {
+		c.Close()
+		return nil
+	}
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	typ, body, err := testutil.ReadMQTTFrame(c)
+	if err != nil || typ != 0x20 || len(body) < 2 || body[1] != 0 {
+		c.Close()
+		return nil
+	}
+	_ = c.SetReadDeadline(time.Time{})
+	return c
+}
+
+// drain reads and discards what c receives until it closes.
+func drain(c net.Conn) {
+	buf := make([]byte, 64<<10)
+	for {
+		if _, err := c.Read(buf); err != nil {
+			return
+		}
+	}
+}
+
+// publishQoS1 sends n QoS 1 publishes of payload on c, with at most window
+// unacknowledged, reading the acks in between; it stops at ctx's end or
+// when the connection does. It returns how many were acked, and how many
+// refused.
+func publishQoS1(ctx context.Context, c net.Conn, version byte, topic func(i int) string, retain bool, payload []byte, n, window int) (acked, refused int) {
+	acks := make(chan byte, window)
+	go func() {
+		defer close(acks)
+		for {
+			typ, body, err := testutil.ReadMQTTFrame(c)
+			if err != nil {
+				return
+			}
+			if typ>>4 == 4 { // PUBACK
+				code := byte(0)
+				if len(body) > 2 {
+					code = body[2]
+				}
+				acks <- code
+			}
+		}
+	}()
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	defer stop()
+	out := 0
+	for i := 0; i < n && ctx.Err() == nil; i++ {
+		for out >= window {
+			code, ok := <-acks
+			if !ok {
+				return
+			}
+			out--
+			if code < 0x80 {
+				acked++
+			} else {
+				refused++
+			}
+		}
+		f := publishFrame(version, topic(i), 1, uint16(i%60000+1), payload)
+		if retain {
+			f[0] |= 0x01
+		}
+		if _, err := c.Write(f); err != nil {
+			return
+		}
+		out++
+	}
+	return
+}
+
+// attackRetainedFlood: retained messages of 100 KB on topics of their own,
+// QoS 1, as fast as the acks come.
+func attackRetainedFlood(ctx context.Context, a *attacker, g *gw) string {
+	c := a.session(g, connectFrame(5, "retainer", true, "", "", nil))
+	if c == nil {
+		return "not connected"
+	}
+	defer c.Close()
+	acked, refused := publishQoS1(ctx, c, 5, func(i int) string { return fmt.Sprintf("ret/%d", i) }, true, bytes.Repeat([]byte{'r'}, 100<<10), 3000, 16)
+	return fmt.Sprintf("%d retained acked, %d refused", acked, refused)
+}
+
+// attackSessionFilters: persistent sessions that never expire, each
+// subscribing filters of 1 KB, 100 to a SUBSCRIBE.
+func attackSessionFilters(ctx context.Context, a *attacker, g *gw) string {
+	sessions, granted := 0, 0
+	props := []byte{0x11, 0xff, 0xff, 0xff, 0xff}
+	for s := 0; s < 120 && ctx.Err() == nil; s++ {
+		c := a.session(g, connectFrame(5, fmt.Sprintf("hoarder-%d", s), false, "", "", props))
+		if c == nil {
+			continue
+		}
+		sessions++
+		for k := 0; k < 10 && ctx.Err() == nil; k++ {
+			filters := make([]string, 100)
+			for i := range filters {
+				filters[i] = fmt.Sprintf("f/%d/%d/%s", k, i, strings.Repeat("x", 1000))
+			}
+			if _, err := c.Write(subscribeFrame(5, uint16(k+1), 1, filters...)); err != nil {
+				break
+			}
+			_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+			typ, body, err := testutil.ReadMQTTFrame(c)
+			if err != nil || typ != 0x90 {
+				break
+			}
+			for _, code := range body[3:] {
+				if code < 0x80 {
+					granted++
+				}
+			}
+		}
+		c.Close()
+	}
+	return fmt.Sprintf("%d sessions, %d filters granted", sessions, granted)
+}
+
+// attackNeverAcks: an MQTT 5 subscriber with no Receive Maximum (65535)
+// that reads but never acks, and 1 MB QoS 1 publishes for it.
+func attackNeverAcks(ctx context.Context, a *attacker, g *gw) string {
+	sub := a.session(g, connectFrame(5, "never-acks", true, "", "", nil))
+	if sub == nil {
+		return "not connected"
+	}
+	defer sub.Close()
+	if _, err := sub.Write(subscribeFrame(5, 1, 1, "big/#")); err != nil {
+		return "subscribe failed"
+	}
+	go drain(sub)
+	pub := a.session(g, connectFrame(5, "big-publisher", true, "", "", nil))
+	if pub == nil {
+		return "publisher not connected"
+	}
+	defer pub.Close()
+	acked, refused := publishQoS1(ctx, pub, 5, func(int) string { return "big/x" }, false, bytes.Repeat([]byte{'b'}, 1000<<10), 400, 8)
+	return fmt.Sprintf("%d acked, %d refused", acked, refused)
+}
+
+// attackRepeatedFilter: 1000 retained messages, then one SUBSCRIBE of 2000
+// × "#" from a client that never reads.
+func attackRepeatedFilter(ctx context.Context, a *attacker, g *gw) string {
+	c := a.session(g, connectFrame(5, "rep-retainer", true, "", "", nil))
+	if c == nil {
+		return "not connected"
+	}
+	acked, _ := publishQoS1(ctx, c, 5, func(i int) string { return fmt.Sprintf("rep/%d", i) }, true, bytes.Repeat([]byte{'p'}, 1000), 1000, 32)
+	c.Close()
+	s := a.session(g, connectFrame(5, "rep-subscriber", true, "", "", nil))
+	if s == nil {
+		return fmt.Sprintf("%d retained; subscriber not connected", acked)
+	}
+	defer s.Close()
+	filters := make([]string, 2000)
+	for i := range filters {
+		filters[i] = "#"
+	}
+	_, _ = s.Write(subscribeFrame(5, 1, 1, filters...))
+	<-ctx.Done() // it never reads
+	return fmt.Sprintf("%d retained, one SUBSCRIBE of 2000 × #", acked)
 }

@@ -19,7 +19,8 @@ import (
 //     fill them;
 //   - eviction when they are full: a newcomer from an address holding no
 //     slot takes the slot of the oldest connection of the address holding
-//     the most (never one whose knock is being answered). So a real
+//     the most, if that is more than one (never one whose knock is being
+//     answered, never an address's only slot). So a real
 //     joiner from a fresh address always gets a slot at once, and keeps it
 //     while any address holds more than its one; an attacker must bring
 //     ever new addresses to take slots back, and with every address
@@ -122,7 +123,15 @@ func (s *strangerSlots) evictable(src string, member bool) *strangerSlot {
 		return nil
 	}
 	var victim *strangerSlot
-	most := 0
+	// A stranger newcomer takes a slot only from an address holding more
+	// than one: taking an address's only slot would trade one address for
+	// another, and would let a flood of fresh addresses evict a real
+	// joiner whose TLS handshake is slow (under -race on a loaded machine
+	// it took over 2 s, and the churning flood took its slot meanwhile).
+	most := 1
+	if member {
+		most = 0
+	}
 	for _, sl := range s.held { // oldest first: the first of a source is its oldest
 		if sl.member || sl.busy || sl.src == src {
 			continue
