@@ -58,11 +58,17 @@ func flood(t *testing.T, addr string, sources []string, n int, knocker *Identity
 					nc.Close()
 					// A refused socket comes back at a flood's pace, not in a
 					// tight loop: under qemu-user on a loaded machine the
-					// flooder (in this process, emulated too) took the CPU the
-					// joins' TLS handshakes needed within firstHelloTimeout.
+					// flooder (in this process, emulated too: each refused
+					// socket costs it a TLS handshake's start) took the CPU
+					// the joins' TLS handshakes needed within
+					// firstHelloTimeout. Since every socket holds a stranger
+					// slot from its accept, the server refuses most of them
+					// at once, so each goroutine comes back at most ten
+					// times a second (a thousand sockets a second from a
+					// hundred goroutines).
 					select {
 					case <-ctx.Done():
-					case <-time.After(10 * time.Millisecond):
+					case <-time.After(100 * time.Millisecond):
 					}
 				}
 			}()
