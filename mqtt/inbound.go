@@ -79,8 +79,33 @@ func (c *conn) publish(pk *packets.Packet) bool {
 		}
 		return true
 	}
+	var unreserve func()
+	if pk.FixedHeader.Retain {
+		// Checked here, on the member that takes the publish, so that
+		// its publisher is told; the log gets only what fits.
+		var probe Message
+		probe.fromPacket(c.id, pk, 0)
+		size := retainedSize(&probe)
+		var why string
+		if unreserve, why = srv.retained.reserve(pk.TopicName, size, len(pk.Payload) == 0); why != "" {
+			srv.refusal(c.id, why, "client", c.id, "topic", truncate(pk.TopicName), "bytes", size)
+			if qos > 0 {
+				a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now}
+				c.queueAck(a)
+				c.resolve(a, errRetainedFull)
+			}
+			return true
+		}
+	}
 	srv.observer().Published(mode, qos, rule)
 	release := c.chargeIn(publishCost(len(pk.TopicName), len(pk.Payload)))
+	if unreserve != nil {
+		uncharge := release
+		release = func() {
+			uncharge()
+			unreserve()
+		}
+	}
 	if qos == 0 {
 		m := &Message{}
 		m.fromPacket(c.id, pk, now.UnixNano())
@@ -120,6 +145,10 @@ func (c *conn) publish(pk *packets.Packet) bool {
 // errMemoryFull refuses a publish read while the memory account is full:
 // 0x97 Quota exceeded.
 var errMemoryFull = fmt.Errorf("%w: the gateway's memory budget is full (limits.memory)", ErrQuota)
+
+// errRetainedFull refuses a retained publish past max_retained or
+// max_retained_bytes: 0x97 Quota exceeded.
+var errRetainedFull = fmt.Errorf("%w: the gateway's retained messages are at their cap (max_retained, max_retained_bytes)", ErrQuota)
 
 // qos2Resend answers a QoS 2 PUBLISH whose id is still in the inbound
 // table: a resend (DUP) gets the PUBREC of the publish it repeats, in its
