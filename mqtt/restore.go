@@ -129,6 +129,7 @@ wait:
 		delete(s.wills, id)
 	}
 	s.retained.reset()
+	s.retained.dropPending()
 	s.inflight.Store(0)
 	s.skipMu.Lock()
 	s.skip = nil

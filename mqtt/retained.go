@@ -58,9 +58,14 @@ type retainStore struct {
 	m     map[string]*retained
 	bytes int64 // the sizes of m, summed
 	// pendNew and pendBytes are what publishes taken here and not yet
-	// through the log were admitted for: new topics and bytes.
+	// applied were admitted for: new topics and bytes. pend has their
+	// reservations by record sequence number, given back when the
+	// record is applied (or the log refuses it): until then the record
+	// is in neither m nor the log's past, and a publish racing it must
+	// count it.
 	pendNew   int
 	pendBytes int64
+	pend      map[uint64]*reservation
 
 	maxCount int
 	maxBytes int64
@@ -109,41 +114,100 @@ const (
 	whyRetainedApply = "retained message past max_retained or max_retained_bytes at apply: delivered, not retained"
 )
 
+// reservation is what a retained publish taken here was admitted for,
+// until its record is applied.
+type reservation struct {
+	r         *retainStore
+	newTopics int
+	grow      int64
+	seq       uint64 // the record's, once tracked
+	done      bool   // guarded by r.mu
+}
+
 // reserve admits a retained publish of size bytes on topic taken here,
-// before it is logged, counting what earlier ones not yet through the log
-// were admitted for; release gives that back once the log has taken or
-// refused it. why is the refusal's reason, "" when admitted. Replacing a
-// topic's message is admitted whenever the bytes stay within the cap, and
-// clearing one (an empty payload) always is.
-func (r *retainStore) reserve(topic string, size int64, empty bool) (release func(), why string) {
+// before it is logged, counting what earlier ones not yet applied were
+// admitted for. why is the refusal's reason, "" when admitted; a nil
+// reservation with no reason means there is nothing to hold (clearing a
+// topic, an empty payload, is always taken). Replacing a topic's message
+// is admitted whenever the bytes stay within the cap.
+func (r *retainStore) reserve(topic string, size int64, empty bool) (res *reservation, why string) {
 	if empty {
-		return func() {}, ""
+		return nil, ""
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	newTopics, grow := 0, size
+	res = &reservation{r: r, grow: size}
 	if old := r.m[topic]; old != nil {
-		grow = max(0, size-old.size)
+		res.grow = max(0, size-old.size)
 	} else {
-		newTopics = 1
+		res.newTopics = 1
 		if len(r.m)+r.pendNew+1 > r.maxCount {
 			return nil, whyRetainedCount
 		}
 	}
-	if r.bytes+r.pendBytes+grow > r.maxBytes {
+	if r.bytes+r.pendBytes+res.grow > r.maxBytes {
 		return nil, whyRetainedBytes
 	}
-	r.pendNew += newTopics
-	r.pendBytes += grow
-	var once sync.Once
-	return func() {
-		once.Do(func() {
-			r.mu.Lock()
-			r.pendNew -= newTopics
-			r.pendBytes -= grow
-			r.mu.Unlock()
-		})
-	}, ""
+	r.pendNew += res.newTopics
+	r.pendBytes += res.grow
+	return res, ""
+}
+
+// track notes the sequence number of the record res was made for, whose
+// apply gives it back (applied).
+func (res *reservation) track(seq uint64) {
+	r := res.r
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if res.done {
+		return
+	}
+	if r.pend == nil {
+		r.pend = map[uint64]*reservation{}
+	}
+	res.seq = seq
+	r.pend[seq] = res
+}
+
+// release gives res back: its record was applied, or will never be.
+func (res *reservation) release() {
+	r := res.r
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	res.releaseLocked()
+}
+
+func (res *reservation) releaseLocked() {
+	if res.done {
+		return
+	}
+	res.done = true
+	r := res.r
+	r.pendNew -= res.newTopics
+	r.pendBytes -= res.grow
+	if r.pend[res.seq] == res {
+		delete(r.pend, res.seq)
+	}
+}
+
+// applied gives back the reservation of the record seq of this member,
+// which the applier has now applied.
+func (r *retainStore) applied(seq uint64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if res := r.pend[seq]; res != nil {
+		res.releaseLocked()
+	}
+}
+
+// dropPending forgets every reservation: the log was replaced, and the
+// records they wait for may never be applied.
+func (r *retainStore) dropPending() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, res := range r.pend {
+		res.releaseLocked()
+	}
 }
 
 // fits is the rule at apply: whether a committed record setting topic to

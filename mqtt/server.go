@@ -400,6 +400,7 @@ func (s *Server) skipped(index uint64) bool {
 // no session is to be handed.
 func (s *Server) Rewind(applied, skip uint64) {
 	s.setApplied(applied)
+	s.retained.dropPending()
 	// The retained store is a function of the log: what records past
 	// applied set is gone with them (a wiped log, a deposed master's
 	// tail), and the new log's records set it again as they apply.
@@ -448,6 +449,9 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 	}
 	if m.QoS == 2 && m.PacketID != 0 && !m.Will && m.Origin != s.cfg.NodeID {
 		s.noteInbound(m)
+	}
+	if m.Retain && m.Origin == s.cfg.NodeID {
+		defer s.retained.applied(m.Seq) // after retain: counted in the store by then
 	}
 	if m.Sync {
 		s.hold(index, m) // offered now, handed out once confirmed
@@ -513,6 +517,9 @@ func (s *Server) Retain(index uint64, m *Message) {
 	if m.Kind != KindMessage {
 		s.applyControl(index, m) // a joiner learns the sessions from the history
 		return
+	}
+	if m.Retain && m.Origin == s.cfg.NodeID {
+		defer s.retained.applied(m.Seq)
 	}
 	if m.Sync {
 		s.hold(index, m) // retained, if at all, once confirmed
