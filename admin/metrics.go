@@ -212,6 +212,17 @@ func (fv *FieldView) RegisterMemory(used, held func() int64, budget int64) {
 	)
 }
 
+// RegisterBrokerState adds the gauges of the broker's capped state: the
+// retained messages (mqtt.max_retained), the bytes they count
+// (mqtt.max_retained_bytes) and the persistent sessions (mqtt.max_sessions).
+func (fv *FieldView) RegisterBrokerState(retained, retainedBytes, sessions func() int64) {
+	fv.reg.MustRegister(
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "tandem_retained_messages", Help: "Topics with a retained message; past mqtt.max_retained a new one is refused with 0x97."}, func() float64 { return float64(retained()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "tandem_retained_bytes", Help: "Bytes the retained messages take in the data file, as counted against mqtt.max_retained_bytes."}, func() float64 { return float64(retainedBytes()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "tandem_sessions_persistent", Help: "Persistent sessions held, online or not, the other members' included; past mqtt.max_sessions a new one is refused with 0x97."}, func() float64 { return float64(sessions()) }),
+	)
+}
+
 // RecordSkipped counts a record the applier skipped, of kind.
 func (fv *FieldView) RecordSkipped(kind string) { fv.recordsSkipped.WithLabelValues(kind).Inc() }
 

@@ -138,6 +138,31 @@ type MQTTConfig struct {
 	// to a filter the session holds replaces that subscription, as MQTT
 	// says, and does not count again. Default 100.
 	MaxFiltersPerSession int `yaml:"max_filters_per_session"`
+	// MaxRetained caps the topics with a retained message. A retained
+	// publish that would add one past it gets PUBACK 0x97 quota exceeded
+	// (QoS 0: dropped and counted; 3.1.1: disconnected) and is not
+	// logged; replacing or clearing a topic's message is always taken.
+	// Default 10000.
+	MaxRetained int `yaml:"max_retained"`
+	// MaxRetainedBytes caps the bytes the retained messages take in the
+	// data file, refused as MaxRetained past it; replacing a message is
+	// taken when the bytes stay within it. Default 1/8 of
+	// storage.max_bytes, at most half of it: retained messages are state
+	// the log's retention cannot drop, and they count in max_bytes like
+	// the log. A share rather than a fixed 32MiB: the log keeps at least
+	// 7/8 of whatever budget is set (a fixed 32MiB would be half of a
+	// 64MiB budget), and a larger budget (the packaged 1GiB) lets
+	// retained messages grow with it; at the default 256MiB it is 32MiB.
+	// Memory holds only each message's topic and the payloads up to
+	// 1KiB, charged to limits.memory; larger ones are read from the
+	// data file when delivered.
+	MaxRetainedBytes ByteSize `yaml:"max_retained_bytes"`
+	// MaxSessions caps the persistent sessions (session expiry above 0,
+	// 3.1.1 clean session 0), the cluster's whole: every member holds
+	// each one. A CONNECT that would start one past it gets CONNACK 0x97
+	// quota exceeded (3.1.1: 0x03 server unavailable); a session resuming
+	// is always taken. Default 10000.
+	MaxSessions int `yaml:"max_sessions"`
 	// TopicAliasMaximum is how many topic aliases an MQTT 5 client may set
 	// (told in the CONNACK); an alias over it ends the connection (0x94).
 	// Default 100, at most 65535.
@@ -170,6 +195,16 @@ type WebSocketConfig struct {
 	// refused, so a web page cannot reach a gateway through its visitor's
 	// browser.
 	Origins []string `yaml:"origins,omitempty"`
+}
+
+// RetainedBytes is mqtt.max_retained_bytes, or its default when unset:
+// 1/8 of storage.max_bytes (a share of a budget the file may set after
+// the defaults are filled, so it is worked out here).
+func (c *Config) RetainedBytes() ByteSize {
+	if c.MQTT.MaxRetainedBytes > 0 {
+		return c.MQTT.MaxRetainedBytes
+	}
+	return c.Storage.MaxBytes / 8
 }
 
 // AnonymousAllowed reports whether the broker should accept clients without
@@ -427,6 +462,8 @@ func (c *Config) setDefaults() {
 	setDefaultIfZero(&c.Storage.FlushInterval, Duration(200*time.Millisecond))
 	setDefaultIfZero(&c.Storage.OnDamage, "resync")
 	setDefaultIfZero(&c.Storage.MaxBytes, DefaultMaxBytes)
+	setDefaultIfZero(&c.MQTT.MaxRetained, 10000)
+	setDefaultIfZero(&c.MQTT.MaxSessions, 10000)
 }
 
 func setDefaultIfZero[T comparable](p *T, def T) {

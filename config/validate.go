@@ -54,6 +54,15 @@ func (c *Config) validate(w *configWalker) error {
 	if c.MQTT.MaxFiltersPerSession < 1 {
 		ck.failf("mqtt.max_filters_per_session", "%d is out of range: 1 or more (0 means the default, 100)", c.MQTT.MaxFiltersPerSession)
 	}
+	if c.MQTT.MaxRetained < 1 {
+		ck.failf("mqtt.max_retained", "%d is out of range: 1 or more (0 means the default, 10000)", c.MQTT.MaxRetained)
+	}
+	if c.MQTT.MaxSessions < 1 {
+		ck.failf("mqtt.max_sessions", "%d is out of range: 1 or more (0 means the default, 10000)", c.MQTT.MaxSessions)
+	}
+	if c.MQTT.MaxRetainedBytes > c.Storage.MaxBytes/2 {
+		ck.failf("mqtt.max_retained_bytes", "%s is more than half of storage.max_bytes (%s): retained messages count in it, and the log needs the rest", c.MQTT.MaxRetainedBytes, c.Storage.MaxBytes)
+	}
 	if c.MQTT.TopicAliasMaximum < 0 || c.MQTT.TopicAliasMaximum > 65535 {
 		ck.failf("mqtt.topic_alias_maximum", "%d is out of range: 1 to 65535 (0 means the default, 100)", c.MQTT.TopicAliasMaximum)
 	}

@@ -132,6 +132,9 @@ func mqttLimits(c *config.Config) mqtt.Limits {
 		KeepAliveMax:         uint16(m.KeepAliveMax.Duration().Seconds()),
 		MaxClientIDLength:    m.MaxClientIDLength,
 		MaxFiltersPerSession: m.MaxFiltersPerSession,
+		MaxRetained:          m.MaxRetained,
+		MaxRetainedBytes:     int64(c.RetainedBytes()),
+		MaxSessions:          m.MaxSessions,
 
 		MaxConnectionsPerAddress: m.MaxConnectionsPerAddress,
 		MaxConnectionsPerUser:    m.MaxConnectionsPerUser,

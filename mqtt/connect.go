@@ -113,6 +113,9 @@ func (c *conn) connect() bool {
 	// it from another goroutine at once.
 	c.authed = true
 	s, present, why := c.srv.attach(c, cp.Clean, expiry)
+	if s == nil && why == whyMaxSessions {
+		return c.refuse(&pk, packets.ErrQuotaExceeded, 0x03, why, "max_sessions", c.srv.cfg.Limits.MaxSessions)
+	}
 	if s == nil {
 		return c.refuse(&pk, packets.ErrClientIdentifierNotValid, 0x02, why)
 	}
@@ -295,6 +298,19 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 			}
 			se.mu.Unlock()
 		}
+		if expiry > 0 && (se == nil || clean) {
+			// A new persistent session: within max_sessions, or
+			// refused. One resuming always comes back; one started
+			// over in its own place takes no more room.
+			n := s.persistentSessionsLocked()
+			if se != nil && se.persistent() {
+				n--
+			}
+			if n >= s.cfg.Limits.MaxSessions {
+				s.mu.Unlock()
+				return nil, false, whyMaxSessions
+			}
+		}
 		if t := s.wills[c.id]; t != nil {
 			t.Stop() // [MQTT-3.1.3-9]: back before its will's delay ran out
 			delete(s.wills, c.id)
@@ -345,6 +361,33 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 		}
 		return se, present, ""
 	}
+}
+
+// whyMaxSessions is attach's refusal of a new persistent session past
+// max_sessions.
+const whyMaxSessions = "persistent sessions at max_sessions: CONNECT refused"
+
+// persistentSessionsLocked counts the persistent sessions this member
+// holds, online or not, its own and the other members' alike. Called with
+// s.mu held.
+func (s *Server) persistentSessionsLocked() int {
+	n := 0
+	for _, se := range s.sessions {
+		se.mu.Lock()
+		if se.persistent() && !se.ended {
+			n++
+		}
+		se.mu.Unlock()
+	}
+	return n
+}
+
+// PersistentSessions is how many persistent sessions this member holds,
+// for metrics.
+func (s *Server) PersistentSessions() int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return int64(s.persistentSessionsLocked())
 }
 
 // detach runs when c's read loop has ended: its session goes offline or

@@ -230,10 +230,7 @@ func (s *Server) supersedeHeld(topic string) {
 // retainIfNewer applies a confirmed retained record unless a later record
 // already set its topic.
 func (s *Server) retainIfNewer(index uint64, m *Message) {
-	s.retained.mu.RLock()
-	cur := s.retained.m[m.Topic]
-	s.retained.mu.RUnlock()
-	if cur != nil && cur.index > index {
+	if cur, ok := s.retained.index(m.Topic); ok && cur > index {
 		return
 	}
 	s.retain(index, m)

@@ -79,14 +79,38 @@ func (c *conn) publish(pk *packets.Packet) bool {
 		}
 		return true
 	}
+	var res *reservation
+	if pk.FixedHeader.Retain {
+		// Checked here, on the member that takes the publish, so that
+		// its publisher is told; the log gets only what fits.
+		var probe Message
+		probe.fromPacket(c.id, pk, 0)
+		size := retainedSize(&probe)
+		var why string
+		if res, why = srv.retained.reserve(pk.TopicName, size, len(pk.Payload) == 0); why != "" {
+			srv.refusal(c.id, why, "client", c.id, "topic", truncate(pk.TopicName), "bytes", size)
+			if qos > 0 {
+				a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now}
+				c.queueAck(a)
+				c.resolve(a, errRetainedFull)
+			}
+			return true
+		}
+	}
 	srv.observer().Published(mode, qos, rule)
 	release := c.chargeIn(publishCost(len(pk.TopicName), len(pk.Payload)))
 	if qos == 0 {
 		m := &Message{}
 		m.fromPacket(c.id, pk, now.UnixNano())
 		srv.log.Reserve(m)
+		if res != nil {
+			res.track(m.Seq)
+		}
 		srv.log.Propose(m, mode, func(err error) {
 			release()
+			if err != nil && res != nil {
+				res.release()
+			}
 			srv.logFailure(err)
 		})
 		return true
@@ -95,6 +119,19 @@ func (c *conn) publish(pk *packets.Packet) bool {
 	m := &a.msg
 	m.fromPacket(c.id, pk, now.UnixNano())
 	srv.log.Reserve(m)
+	resolved := a.resolved
+	if res != nil {
+		// Held until the record is applied: acked before that, it is
+		// in neither the store nor the log's past, and the next
+		// retained publish must still count it.
+		res.track(m.Seq)
+		resolved = func(err error) {
+			if err != nil {
+				res.release()
+			}
+			a.resolved(err)
+		}
+	}
 	if qos == 2 {
 		in := &inbound2{origin: m.Origin, seq: m.Seq}
 		a.in2 = in
@@ -113,13 +150,17 @@ func (c *conn) publish(pk *packets.Packet) bool {
 		}
 	}
 	c.queueAck(a)
-	srv.log.Propose(m, mode, a.resolved)
+	srv.log.Propose(m, mode, resolved)
 	return true
 }
 
 // errMemoryFull refuses a publish read while the memory account is full:
 // 0x97 Quota exceeded.
 var errMemoryFull = fmt.Errorf("%w: the gateway's memory budget is full (limits.memory)", ErrQuota)
+
+// errRetainedFull refuses a retained publish past max_retained or
+// max_retained_bytes: 0x97 Quota exceeded.
+var errRetainedFull = fmt.Errorf("%w: the gateway's retained messages are at their cap (max_retained, max_retained_bytes)", ErrQuota)
 
 // qos2Resend answers a QoS 2 PUBLISH whose id is still in the inbound
 // table: a resend (DUP) gets the PUBREC of the publish it repeats, in its

@@ -67,6 +67,24 @@ type Limits struct {
 	// either a CONNECT gets CONNACK 0x97 quota exceeded (3.1.1: 0x03
 	// server unavailable). Loopback is not exempt. Defaults 64.
 	MaxConnectionsPerAddress, MaxConnectionsPerUser int
+	// MaxRetained caps the retained topics and MaxRetainedBytes the bytes
+	// their messages take (retainedSize: about their size in the data
+	// file, where they count in storage.max_bytes and retention cannot
+	// drop them). A retained publish that would add a topic past the
+	// first or grow the bytes past the second gets PUBACK 0x97 quota
+	// exceeded (3.1.1: disconnected; QoS 0: dropped) and is not logged;
+	// replacing a topic's message within the bytes, or clearing it, is
+	// always taken. Defaults 10,000 and 32 MiB (the daemon sets 1/8 of
+	// storage.max_bytes).
+	MaxRetained      int
+	MaxRetainedBytes int64
+	// MaxSessions caps the persistent sessions (session expiry above 0,
+	// or a 3.1.1 client without clean session), those of every member of
+	// the cluster included: each is kept on disk and in memory by every
+	// member, offline or not. A CONNECT that would start one past it gets
+	// CONNACK 0x97 quota exceeded (3.1.1: 0x03 server unavailable); a
+	// session resuming is always taken. Default 10,000.
+	MaxSessions int
 }
 
 func (l *Limits) setDefaults() {
@@ -99,6 +117,15 @@ func (l *Limits) setDefaults() {
 	}
 	if l.MaxConnectionsPerUser <= 0 {
 		l.MaxConnectionsPerUser = 64
+	}
+	if l.MaxRetained <= 0 {
+		l.MaxRetained = 10000
+	}
+	if l.MaxRetainedBytes <= 0 {
+		l.MaxRetainedBytes = 32 << 20
+	}
+	if l.MaxSessions <= 0 {
+		l.MaxSessions = 10000
 	}
 }
 

@@ -128,9 +128,8 @@ wait:
 		w.Stop()
 		delete(s.wills, id)
 	}
-	s.retained.mu.Lock()
-	clear(s.retained.m)
-	s.retained.mu.Unlock()
+	s.retained.reset()
+	s.retained.dropPending()
 	s.inflight.Store(0)
 	s.skipMu.Lock()
 	s.skip = nil

@@ -119,6 +119,7 @@ func NewServer(cfg Config, log Log) (*Server, error) {
 	if err := cfg.fill(); err != nil {
 		return nil, err
 	}
+	mem := newMemAccount(cfg.Limits.Memory)
 	s := &Server{cfg: cfg, log: log,
 		lines:        slog.New(limitedHandler{cfg.Logger.Handler(), newLogLimiter(time.Minute)}),
 		refusalLines: cfg.Logger,
@@ -128,11 +129,11 @@ func NewServer(cfg Config, log Log) (*Server, error) {
 		maxOpenConns: int64(2*cfg.Limits.MaxClients + 16),
 		bcryptSem:    make(chan struct{}, max(1, runtime.GOMAXPROCS(0)/2)),
 		preAuth:      &byteBudget{max: preAuthBudget},
-		mem:          newMemAccount(cfg.Limits.Memory),
+		mem:          mem,
 		sessions:     map[string]*session{},
 		wills:        map[string]*time.Timer{},
 		index:        newTopicIndex(),
-		retained:     &retainStore{m: map[string]*retained{}},
+		retained:     newRetainStore(&cfg.Limits, cfg.Sessions, mem),
 		stopc:        make(chan struct{}),
 	}
 	s.reader, _ = log.(LogReader)
@@ -399,18 +400,13 @@ func (s *Server) skipped(index uint64) bool {
 // no session is to be handed.
 func (s *Server) Rewind(applied, skip uint64) {
 	s.setApplied(applied)
+	s.retained.dropPending()
 	// The retained store is a function of the log: what records past
 	// applied set is gone with them (a wiped log, a deposed master's
 	// tail), and the new log's records set it again as they apply.
-	s.retained.mu.Lock()
-	var gone []string
-	for t, r := range s.retained.m {
-		if r.index > applied || applied == 0 { // 0: the log was wiped, even what an earlier build stored without an index goes
-			gone = append(gone, t)
-			delete(s.retained.m, t)
-		}
-	}
-	s.retained.mu.Unlock()
+	gone := s.retained.removeIf(func(r *retained) bool {
+		return r.index > applied || applied == 0 // 0: the log was wiped, even what an earlier build stored without an index goes
+	})
 	for _, t := range gone {
 		s.stageDelete(keyRetained + t)
 	}
@@ -454,15 +450,23 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 	if m.QoS == 2 && m.PacketID != 0 && !m.Will && m.Origin != s.cfg.NodeID {
 		s.noteInbound(m)
 	}
+	if m.Retain && m.Origin == s.cfg.NodeID {
+		defer s.retained.applied(m.Seq) // after retain: counted in the store by then
+	}
 	if m.Sync {
 		s.hold(index, m) // offered now, handed out once confirmed
 	}
 	if _, live := m.expiryLeft(time.Now()); !live {
 		return nil // its message expiry ran out before it was delivered
 	}
+	// A record past the retained caps is delivered as a plain message:
+	// not retained, nor flagged so to those who asked for the flag as
+	// published.
+	retain := m.Retain
 	if m.Retain && !m.Sync {
-		s.supersedeHeld(m.Topic)
-		s.retain(index, m)
+		if retain = s.retain(index, m); retain {
+			s.supersedeHeld(m.Topic)
+		}
 	}
 	ts := s.scratch[:0]
 	s.index.match(m.Topic, func(se *session, sub *subscription) {
@@ -488,7 +492,7 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 	})
 	for i := range ts {
 		t := &ts[i]
-		t.s.offer(&outItem{idx: index, m: m, qos: min(m.QoS, t.qos), retain: m.Retain && t.rap, ids: t.ids})
+		t.s.offer(&outItem{idx: index, m: m, qos: min(m.QoS, t.qos), retain: retain && t.rap, ids: t.ids})
 		ts[i] = target{}
 	}
 	s.scratch = ts[:0]
@@ -514,13 +518,17 @@ func (s *Server) Retain(index uint64, m *Message) {
 		s.applyControl(index, m) // a joiner learns the sessions from the history
 		return
 	}
+	if m.Retain && m.Origin == s.cfg.NodeID {
+		defer s.retained.applied(m.Seq)
+	}
 	if m.Sync {
 		s.hold(index, m) // retained, if at all, once confirmed
 		return
 	}
 	if _, live := m.expiryLeft(time.Now()); live && m.Retain {
-		s.supersedeHeld(m.Topic)
-		s.retain(index, m)
+		if s.retain(index, m) {
+			s.supersedeHeld(m.Topic)
+		}
 	}
 }
 

@@ -5,10 +5,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"sort"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -213,55 +211,6 @@ func splitKey(k, prefix string) (id, rest string, ok bool) {
 	return strings.Cut(strings.TrimPrefix(k, prefix), "\x00")
 }
 
-// retainStore holds the retained messages, by topic.
-type retainStore struct {
-	mu sync.RWMutex // guards m
-	m  map[string]*retained
-}
-
-type retained struct {
-	index uint64
-	m     *Message
-}
-
-func (r *retainStore) len() int {
-	r.mu.RLock()
-	defer r.mu.RUnlock()
-	return len(r.m)
-}
-
-// matching returns the retained messages whose topic filter matches.
-func (r *retainStore) matching(filter string) []*retained {
-	r.mu.RLock()
-	defer r.mu.RUnlock()
-	var out []*retained
-	for t, rm := range r.m {
-		if MatchTopic(filter, t) {
-			out = append(out, rm)
-		}
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].index < out[j].index })
-	return out
-}
-
-// retain applies a retained record: an empty payload clears the topic
-// [MQTT-3.3.1-10]. The store on disk moves with the applied index.
-func (s *Server) retain(index uint64, m *Message) {
-	key := keyRetained + m.Topic
-	s.retained.mu.Lock()
-	if len(m.Payload) == 0 {
-		delete(s.retained.m, m.Topic)
-	} else {
-		s.retained.m[m.Topic] = &retained{index: index, m: m}
-	}
-	s.retained.mu.Unlock()
-	if len(m.Payload) == 0 {
-		s.stageDelete(key)
-		return
-	}
-	s.stageJSON(key, retainedRec{Index: index, M: m})
-}
-
 // load reads the sessions and retained messages at start, converting the
 // layout of earlier builds first.
 func (s *Server) load() error {
@@ -287,7 +236,12 @@ func (s *Server) loadState(checkLog bool) error {
 		if err := json.Unmarshal(v, &rec); err != nil || rec.M == nil {
 			return fmt.Errorf("retained message %q: bad record", strings.TrimPrefix(k, keyRetained))
 		}
-		s.retained.m[rec.M.Topic] = &retained{index: rec.Index, m: rec.M}
+		// Every one is taken in, over the caps or not: they were
+		// admitted under the caps of their day, and dropping some now
+		// would make this member differ from the others. The counts
+		// rebuilt here are what the next retained publish is checked
+		// against.
+		s.retained.set(rec.M.Topic, rec.Index, rec.M)
 		return nil
 	})
 	if err != nil {

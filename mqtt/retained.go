@@ -1,0 +1,387 @@
+package mqtt
+
+import (
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"weak"
+)
+
+// The retained store (DESIGN.md, "Budgets: what one device may take").
+//
+// Retained messages are state, not log: retention cannot drop them, so
+// they are capped, by topics (Limits.MaxRetained) and by bytes
+// (Limits.MaxRetainedBytes). A retained publish that would pass a cap is
+// refused on the member that takes it, before it is logged (PUBACK 0x97),
+// so its publisher knows. Publishes racing on several members, or a will,
+// may still bring the log a record past a cap: at apply every member
+// applies the same rule to the same committed state, and such a record is
+// delivered as a plain message, not retained, everywhere alike.
+//
+// Only what routing needs is held in memory: the topic, the size and the
+// index of each, and the payload of the small ones. A large payload is
+// read from the session store when a subscription asks for it; the copy
+// read is kept through a weak pointer, so subscribers served at the same
+// moment share one copy and none is held once they are done.
+
+// retainedInline is the largest payload kept in memory; larger ones are
+// read from the session store when delivered.
+const retainedInline = 1 << 10
+
+// retainedOverhead is what a retained message costs beyond its topic,
+// client id, payload and properties: its key and the JSON around it in the
+// data file, and its entry in memory.
+const retainedOverhead = 256
+
+// retainedSize is what a retained message counts against
+// max_retained_bytes: about what its record in the data file takes (the
+// payload is stored in base64). It reads only fields the record carries,
+// so every member finds the same size for the same record.
+func retainedSize(m *Message) int64 {
+	b64 := base64.StdEncoding.EncodedLen
+	n := retainedOverhead + len(m.Topic) + len(m.ClientID) + b64(len(m.Payload)) +
+		len(m.ContentType) + len(m.ResponseTopic) + b64(len(m.CorrelationData))
+	for _, u := range m.User {
+		n += len(u.Key) + len(u.Val) + 16
+	}
+	return int64(n)
+}
+
+// retainStore holds the retained messages, by topic.
+type retainStore struct {
+	// mu guards m, bytes, pendNew and pendBytes, and the entries' cache.
+	// Only the applier changes m (and Start, Restore before it serves).
+	mu    sync.RWMutex
+	m     map[string]*retained
+	bytes int64 // the sizes of m, summed
+	// pendNew and pendBytes are what publishes taken here and not yet
+	// applied were admitted for: new topics and bytes. pend has their
+	// reservations by record sequence number, given back when the
+	// record is applied (or the log refuses it): until then the record
+	// is in neither m nor the log's past, and a publish racing it must
+	// count it.
+	pendNew   int
+	pendBytes int64
+	pend      map[uint64]*reservation
+
+	maxCount int
+	maxBytes int64
+	store    SessionStore // nil: every payload is kept in memory
+	mem      *memAccount  // charged what the store holds in memory
+}
+
+type retained struct {
+	index uint64
+	size  int64    // retainedSize
+	m     *Message // nil when the payload is read from the store
+	// cache is the copy last read from the store, while a delivery
+	// holds it.
+	cache weak.Pointer[Message]
+}
+
+// held is what an entry keeps in memory, for the memory account.
+func (e *retained) held(topic string) int64 {
+	n := int64(len(topic) + 64)
+	if e.m != nil {
+		n += int64(len(e.m.Payload) + len(e.m.ClientID))
+	}
+	return n
+}
+
+func newRetainStore(l *Limits, store SessionStore, mem *memAccount) *retainStore {
+	return &retainStore{m: map[string]*retained{}, maxCount: l.MaxRetained, maxBytes: l.MaxRetainedBytes, store: store, mem: mem}
+}
+
+func (r *retainStore) len() int {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	return len(r.m)
+}
+
+func (r *retainStore) size() int64 {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	return r.bytes
+}
+
+// Reasons a retained publish is refused, as logged and counted.
+const (
+	whyRetainedCount = "retained topics at max_retained: retained publish refused"
+	whyRetainedBytes = "retained bytes at max_retained_bytes: retained publish refused"
+	whyRetainedApply = "retained message past max_retained or max_retained_bytes at apply: delivered, not retained"
+)
+
+// reservation is what a retained publish taken here was admitted for,
+// until its record is applied.
+type reservation struct {
+	r         *retainStore
+	newTopics int
+	grow      int64
+	seq       uint64 // the record's, once tracked
+	done      bool   // guarded by r.mu
+}
+
+// reserve admits a retained publish of size bytes on topic taken here,
+// before it is logged, counting what earlier ones not yet applied were
+// admitted for. why is the refusal's reason, "" when admitted; a nil
+// reservation with no reason means there is nothing to hold (clearing a
+// topic, an empty payload, is always taken). Replacing a topic's message
+// is admitted whenever the bytes stay within the cap.
+func (r *retainStore) reserve(topic string, size int64, empty bool) (res *reservation, why string) {
+	if empty {
+		return nil, ""
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	res = &reservation{r: r, grow: size}
+	if old := r.m[topic]; old != nil {
+		res.grow = max(0, size-old.size)
+	} else {
+		res.newTopics = 1
+		if len(r.m)+r.pendNew+1 > r.maxCount {
+			return nil, whyRetainedCount
+		}
+	}
+	if r.bytes+r.pendBytes+res.grow > r.maxBytes {
+		return nil, whyRetainedBytes
+	}
+	r.pendNew += res.newTopics
+	r.pendBytes += res.grow
+	return res, ""
+}
+
+// track notes the sequence number of the record res was made for, whose
+// apply gives it back (applied).
+func (res *reservation) track(seq uint64) {
+	r := res.r
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if res.done {
+		return
+	}
+	if r.pend == nil {
+		r.pend = map[uint64]*reservation{}
+	}
+	res.seq = seq
+	r.pend[seq] = res
+}
+
+// release gives res back: its record was applied, or will never be.
+func (res *reservation) release() {
+	r := res.r
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	res.releaseLocked()
+}
+
+func (res *reservation) releaseLocked() {
+	if res.done {
+		return
+	}
+	res.done = true
+	r := res.r
+	r.pendNew -= res.newTopics
+	r.pendBytes -= res.grow
+	if r.pend[res.seq] == res {
+		delete(r.pend, res.seq)
+	}
+}
+
+// applied gives back the reservation of the record seq of this member,
+// which the applier has now applied.
+func (r *retainStore) applied(seq uint64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if res := r.pend[seq]; res != nil {
+		res.releaseLocked()
+	}
+}
+
+// dropPending forgets every reservation: the log was replaced, and the
+// records they wait for may never be applied.
+func (r *retainStore) dropPending() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, res := range r.pend {
+		res.releaseLocked()
+	}
+}
+
+// fits is the rule at apply: whether a committed record setting topic to
+// a message of size stays within the caps, counting the committed state
+// only, the same on every member.
+func (r *retainStore) fits(topic string, size int64) bool {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	old := r.m[topic]
+	if old == nil {
+		return len(r.m) < r.maxCount && r.bytes+size <= r.maxBytes
+	}
+	return size <= old.size || r.bytes-old.size+size <= r.maxBytes
+}
+
+// set makes m topic's retained message, without looking at the caps.
+func (r *retainStore) set(topic string, index uint64, m *Message) {
+	e := &retained{index: index, size: retainedSize(m), m: m}
+	if r.store != nil && len(m.Payload) > retainedInline {
+		e.m = nil
+	}
+	r.mu.Lock()
+	old := r.m[topic]
+	r.m[topic] = e
+	r.bytes += e.size
+	if old != nil {
+		r.bytes -= old.size
+	}
+	r.mu.Unlock()
+	r.mem.charge(e.held(topic))
+	if old != nil {
+		r.mem.release(old.held(topic))
+	}
+}
+
+// remove drops topic's retained message.
+func (r *retainStore) remove(topic string) {
+	r.mu.Lock()
+	old := r.m[topic]
+	if old != nil {
+		delete(r.m, topic)
+		r.bytes -= old.size
+	}
+	r.mu.Unlock()
+	if old != nil {
+		r.mem.release(old.held(topic))
+	}
+}
+
+// removeIf drops the retained messages gone reports, and returns their
+// topics.
+func (r *retainStore) removeIf(gone func(e *retained) bool) []string {
+	var topics []string
+	var held int64
+	r.mu.Lock()
+	for t, e := range r.m {
+		if gone(e) {
+			topics = append(topics, t)
+			delete(r.m, t)
+			r.bytes -= e.size
+			held += e.held(t)
+		}
+	}
+	r.mu.Unlock()
+	r.mem.release(held)
+	return topics
+}
+
+// index returns the log index that set topic's retained message, and
+// whether it has one.
+func (r *retainStore) index(topic string) (uint64, bool) {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	e := r.m[topic]
+	if e == nil {
+		return 0, false
+	}
+	return e.index, true
+}
+
+// matching returns the retained messages whose topic matches filter, in
+// the order they were set, their messages read from the store where
+// memory holds none. A message replaced or cleared meanwhile is returned
+// as the store has it now, or not at all.
+func (r *retainStore) matching(filter string) []*retained {
+	type found struct {
+		topic string
+		e     *retained
+	}
+	var fs []found
+	r.mu.RLock()
+	for t, e := range r.m {
+		if MatchTopic(filter, t) {
+			fs = append(fs, found{t, e})
+		}
+	}
+	r.mu.RUnlock()
+	out := make([]*retained, 0, len(fs))
+	for _, f := range fs {
+		if f.e.m != nil {
+			out = append(out, f.e)
+			continue
+		}
+		r.mu.RLock()
+		m := f.e.cache.Value()
+		r.mu.RUnlock()
+		index := f.e.index
+		if m == nil {
+			rec, err := r.read(f.topic)
+			if err != nil || rec == nil {
+				continue // cleared meanwhile, or unreadable (read logs it)
+			}
+			m, index = rec.M, rec.Index
+			r.mu.Lock()
+			if r.m[f.topic] == f.e && f.e.index == index {
+				f.e.cache = weak.Make(m)
+			}
+			r.mu.Unlock()
+		}
+		out = append(out, &retained{index: index, size: f.e.size, m: m})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].index < out[j].index })
+	return out
+}
+
+// read reads topic's retained record from the store; nil when it has
+// none.
+func (r *retainStore) read(topic string) (*retainedRec, error) {
+	key := keyRetained + topic
+	var rec *retainedRec
+	// The key itself comes first among those it prefixes.
+	err := r.store.Load(key, func(k string, v []byte) error {
+		if k == key {
+			var got retainedRec
+			if err := json.Unmarshal(v, &got); err != nil || got.M == nil {
+				return fmt.Errorf("retained message %q: bad record", topic)
+			}
+			rec = &got
+		}
+		return errStopLoad
+	})
+	if err != nil && !errors.Is(err, errStopLoad) {
+		return nil, err
+	}
+	return rec, nil
+}
+
+// reset empties the store: a snapshot replaces it.
+func (r *retainStore) reset() {
+	r.removeIf(func(*retained) bool { return true })
+}
+
+// retain applies a retained record: an empty payload clears the topic
+// [MQTT-3.3.1-10]. The store on disk moves with the applied index. A
+// record past the caps is not retained (the rule at apply, the same on
+// every member); retain reports whether the record was.
+func (s *Server) retain(index uint64, m *Message) bool {
+	key := keyRetained + m.Topic
+	if len(m.Payload) == 0 {
+		s.retained.remove(m.Topic)
+		s.stageDelete(key)
+		return true
+	}
+	if !s.retained.fits(m.Topic, retainedSize(m)) {
+		s.refusal(m.ClientID, whyRetainedApply, "client", m.ClientID, "topic", truncate(m.Topic), "index", index)
+		return false
+	}
+	// Staged before the entry is set: a delivery that finds the entry
+	// without its payload reads it from the store.
+	s.stageJSON(key, retainedRec{Index: index, M: m})
+	s.retained.set(m.Topic, index, m)
+	return true
+}
+
+// RetainedBytes is what the retained messages count against
+// max_retained_bytes, for metrics.
+func (s *Server) RetainedBytes() int64 { return s.retained.size() }
