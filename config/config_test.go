@@ -106,6 +106,9 @@ func fullConfig() *Config {
 
 			MaxFiltersPerSession: 500,
 			MaxQueued:            2000,
+			MaxQueuedBytes:       8 << 20,
+			MaxInflightOut:       50,
+			MaxInflightOutBytes:  2 << 20,
 			QueueFull:            "disconnect",
 			TopicAliasMaximum:    50,
 			WebSocket:            WebSocketConfig{Listen: "0.0.0.0:8080", TLS: true, Origins: []string{"dash.example.com"}},
@@ -290,6 +293,8 @@ func TestParseConfigErrors(t *testing.T) {
 			[]string{`repeats topics[0] (line 2)`}},
 		{"min_sync_replicas", "cluster:\n  min_sync_replicas: 3\n", 2, "cluster.min_sync_replicas", []string{"1 or 2"}},
 		{"max_inflight range", "mqtt:\n  max_inflight: 70000\n", 2, "mqtt.max_inflight", []string{"1 to 65535"}},
+		{"max_inflight_out range", "mqtt:\n  max_inflight_out: 70000\n", 2, "mqtt.max_inflight_out", []string{"1 to 65535"}},
+		{"subscriber bounds over half the memory", "mqtt:\n  max_queued_bytes: 200MiB\n", 2, "mqtt.max_queued_bytes", []string{"more than half of limits.memory"}},
 		{"http max_conns negative", "http:\n  max_conns: -1\n", 2, "http.max_conns", []string{"-1 is out of range"}},
 		{"http max_conns_per_address negative", "http:\n  max_conns_per_address: -8\n", 2, "http.max_conns_per_address", []string{"-8 is out of range"}},
 		{"http idle_timeout negative", "http:\n  idle_timeout: -1s\n", 2, "http.idle_timeout", []string{`"-1s" is negative`}},

@@ -233,6 +233,16 @@ func (s *session) checkBudget(c *conn, held int64) {
 	}
 	s.srv.refusal(s.id, "session holds over half of limits.memory: disconnected", "client", s.id, "held_bytes", held, "limit", m.limit)
 	c.end(packets.ErrQuotaExceeded)
+	// What it holds goes now, not once its connection has drained, and
+	// nothing more is queued for it: the log keeps the records past its
+	// cursor.
+	s.mu.Lock()
+	if s.conn == c {
+		s.releaseHeldLocked(false)
+		s.behind, s.more = true, true
+		s.scanned = s.cursor
+	}
+	s.mu.Unlock()
 }
 
 // droppedQoS0 counts QoS 0 messages a connected session did not take

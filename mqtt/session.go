@@ -276,6 +276,9 @@ func (s *session) received(pid uint16, failed bool) (ok, release bool) {
 // or the session is still behind.
 func (s *session) replay(c *conn) bool {
 	const batch = 256
+	if c.isEnded() {
+		return false // nothing more is queued for a connection that is ending
+	}
 	s.mu.Lock()
 	if s.conn == c && len(s.owed) > 0 {
 		// Owed retained messages go first; the writer goes round again
@@ -355,6 +358,9 @@ func (s *session) replay(c *conn) bool {
 	}
 	if !full {
 		last = max(last, to)
+	}
+	if c.isEnded() {
+		return false
 	}
 	more, held := s.replayed(c, items, last, lost, full)
 	if len(items) > 0 {
