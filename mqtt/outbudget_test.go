@@ -61,7 +61,7 @@ func (r *raw) readUntilQuiet(quiet time.Duration) []packets.Packet {
 func TestSubscriberThatNeverAcksHoldsAtMostItsWindow(t *testing.T) {
 	const n, size = 400, 256 << 10
 	s, log := testServer(t, nil, func(c *Config) { c.Limits.Memory = 256 << 20 })
-	window, windowBytes := s.cfg.MaxInflightOut, s.cfg.MaxInflightOutBytes
+	const window, windowBytes = 100, 4 << 20 // the defaults
 	sub := dialRaw(t, s.Addr(), 5)
 	sub.connect("never-acks", true, &packets.Properties{ReceiveMaximum: 65535})
 	sub.subscribe(1, packets.Subscription{Filter: "win/#", Qos: 1})
@@ -77,7 +77,7 @@ func TestSubscriberThatNeverAcksHoldsAtMostItsWindow(t *testing.T) {
 	waitApplied(t, s, log.lastIndex())
 	got := sub.readUntilQuiet(300 * time.Millisecond)
 	inflight, flightBytes, queueBytes := sessionHeld(s, "never-acks")
-	if len(got) == 0 || len(got) > window || int64(len(got))*size > windowBytes+size {
+	if len(got) == 0 || len(got) > window || len(got)*size > windowBytes+size {
 		t.Fatalf("a subscriber that never acks got %d messages of %d bytes; want at most %d and %d bytes and one more", len(got), size, window, windowBytes)
 	}
 	if inflight != len(got) || flightBytes > windowBytes+size+outOverhead+16 {
