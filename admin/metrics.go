@@ -223,6 +223,15 @@ func (fv *FieldView) RegisterBrokerState(retained, retainedBytes, sessions func(
 	)
 }
 
+// RegisterQoS0Dropped adds tandem_mqtt_qos0_dropped_total: QoS 0 messages
+// subscribers did not take, past their queue's bounds (dropped reads the
+// broker's count).
+func (fv *FieldView) RegisterQoS0Dropped(dropped func() uint64) {
+	fv.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "tandem_mqtt_qos0_dropped_total",
+		Help: "QoS 0 messages dropped for subscribers that read slower than they came (past mqtt.max_queued or mqtt.max_queued_bytes, or while catching up from the log); QoS 0 is never read back from the log."},
+		func() float64 { return float64(dropped()) }))
+}
+
 // RecordSkipped counts a record the applier skipped, of kind.
 func (fv *FieldView) RecordSkipped(kind string) { fv.recordsSkipped.WithLabelValues(kind).Inc() }
 

@@ -170,6 +170,19 @@ type MQTTConfig struct {
 	// MaxQueued is how many messages a connected client's session holds
 	// in memory ready to send. Default 1000.
 	MaxQueued int `yaml:"max_queued"`
+	// MaxQueuedBytes bounds the same queue in bytes (topic and payload,
+	// and some 256 bytes a message); past it as past max_queued. A
+	// message larger than it still goes alone. 0 means the default, 4MiB.
+	MaxQueuedBytes ByteSize `yaml:"max_queued_bytes"`
+	// MaxInflightOut is the server's outbound window per subscriber: how
+	// many QoS 1/2 messages may await a client's ack, whatever Receive
+	// Maximum the client gave (the smaller wins). A subscriber whose
+	// window is full is handed nothing more until it acks; the rest waits
+	// in the log. 0 means the default, 100.
+	MaxInflightOut int `yaml:"max_inflight_out"`
+	// MaxInflightOutBytes bounds that window in bytes, as MaxQueuedBytes.
+	// 0 means the default, 4MiB.
+	MaxInflightOutBytes ByteSize `yaml:"max_inflight_out_bytes"`
 	// QueueFull says what happens to a client that falls further behind
 	// than max_queued: read_log (the default) hands it the rest from the
 	// log as it catches up, slowing nobody else; disconnect ends its

@@ -48,6 +48,10 @@ func (c *Config) validate(w *configWalker) error {
 	if c.MQTT.MaxQueued < 0 {
 		ck.failf("mqtt.max_queued", "%d is out of range: 1 or more (0 means the default, 1000)", c.MQTT.MaxQueued)
 	}
+	if c.MQTT.MaxInflightOut < 0 || c.MQTT.MaxInflightOut > 65535 {
+		ck.failf("mqtt.max_inflight_out", "%d is out of range: 1 to 65535 (0 means the default, 100)", c.MQTT.MaxInflightOut)
+	}
+	ck.subscriberBytes(c)
 	if c.MQTT.QueueFull != "" {
 		ck.oneOf("mqtt.queue_full", c.MQTT.QueueFull, "read_log", "disconnect")
 	}
@@ -339,3 +343,28 @@ func (ck *configChecker) topics(rules []TopicRule) {
 
 // checkTopicFilter applies the MQTT rules for topic filters (4.7).
 func checkTopicFilter(f string) error { return mqtt.ValidFilter(f) }
+
+// subscriberBytes checks that one subscriber's queue and in-flight window
+// fit in half of limits.memory: a session holding more is disconnected
+// (0x97), so bounds above it would end every slow subscriber.
+func (ck *configChecker) subscriberBytes(c *Config) {
+	const def = 4 << 20
+	q, w := c.MQTT.MaxQueuedBytes, c.MQTT.MaxInflightOutBytes
+	if q == 0 {
+		q = def
+	}
+	if w == 0 {
+		w = def
+	}
+	if q+w <= c.Limits.Memory/2 || c.Limits.Memory < MinMemory {
+		return // a budget below its least is reported on its own
+	}
+	key := "limits.memory"
+	for _, k := range []string{"mqtt.max_inflight_out_bytes", "mqtt.max_queued_bytes"} {
+		if _, set := ck.lineOf(k); set {
+			key = k
+		}
+	}
+	ck.failf(key, "mqtt.max_queued_bytes (%s) and mqtt.max_inflight_out_bytes (%s) together are more than half of limits.memory (%s): a subscriber holding more is disconnected, so every slow one would be",
+		ByteSize(q), ByteSize(w), c.Limits.Memory)
+}

@@ -132,6 +132,9 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 
 		NodeID:                  d.id.ID,
 		MaxQueued:               c.MQTT.MaxQueued,
+		MaxQueuedBytes:          int64(c.MQTT.MaxQueuedBytes),
+		MaxInflightOut:          c.MQTT.MaxInflightOut,
+		MaxInflightOutBytes:     int64(c.MQTT.MaxInflightOutBytes),
 		DisconnectWhenQueueFull: c.MQTT.QueueFull == "disconnect",
 		TopicAliasMaximum:       uint16(c.MQTT.TopicAliasMaximum),
 		Topics:                  topics,
@@ -152,6 +155,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	}
 	d.fieldView().RegisterMemory(d.broker.MemoryUsed, d.broker.HeldForMemory, int64(c.Limits.Memory))
 	d.fieldView().RegisterBrokerState(d.broker.Retained, d.broker.RetainedBytes, d.broker.PersistentSessions)
+	d.fieldView().RegisterQoS0Dropped(d.broker.QoS0Dropped)
 	d.apply = &applier{ready: make(chan struct{}), broker: d.broker, ups: d.ups, skips: d.skips}
 	d.redeliver = &redeliverer{d: d}
 	if d.resync != nil {

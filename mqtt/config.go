@@ -38,6 +38,18 @@ type Config struct {
 	// MaxQueued is how many messages a connected session holds ready in
 	// memory; past it the session reads the log instead. 0 means 1,000.
 	MaxQueued int
+	// MaxQueuedBytes bounds the same queue in bytes (topic, payload and
+	// outOverhead per message); a message larger than it still goes
+	// alone when the queue is empty. 0 means 4 MiB.
+	MaxQueuedBytes int64
+	// MaxInflightOut is the server's own outbound window per subscriber:
+	// how many QoS 1/2 deliveries may await their ack, whatever the
+	// client's Receive Maximum (the smaller wins). 0 means 100.
+	MaxInflightOut int
+	// MaxInflightOutBytes bounds that window in bytes, as MaxQueuedBytes;
+	// a message larger than it still goes alone when nothing is in
+	// flight. 0 means 4 MiB.
+	MaxInflightOutBytes int64
 	// DisconnectWhenQueueFull ends the connection of a client whose queue
 	// is full (MQTT 5: DISCONNECT 0x97) instead of reading the log for it;
 	// its session, if persistent, resumes from its cursor when it comes

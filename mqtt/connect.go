@@ -343,7 +343,7 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 		// client was away.
 		se.behind, se.more = true, false
 		se.scanned = se.cursor
-		se.queue = nil
+		se.releaseHeldLocked(true)
 		se.mu.Unlock()
 		s.mu.Unlock()
 		if se.persistent() || wasPersistent {
@@ -408,7 +408,8 @@ func (s *Server) detach(c *conn) {
 		// Everything applied so far was offered, and handed out.
 		se.cursor = max(se.cursor, s.applied.Load())
 	}
-	se.scanned, se.queue = se.cursor, nil
+	se.scanned = se.cursor
+	se.releaseHeldLocked(true)
 	expiry := se.expiry
 	if expiry > 0 && expiry != 0xFFFFFFFF {
 		se.expireAt = time.Now().Add(time.Duration(expiry) * time.Second)
@@ -462,6 +463,7 @@ func (s *Server) endSessionLocked(se *session, tell bool) {
 	}
 	subs := se.subs
 	se.subs = map[string]*subscription{}
+	se.releaseHeldLocked(false)
 	s.inflight.Add(-int64(len(se.inflight) + len(se.inbound)))
 	se.inflight, se.inbound = map[uint16]*outItem{}, map[uint16]*inbound2{}
 	se.mu.Unlock()

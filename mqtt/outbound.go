@@ -8,9 +8,11 @@ import (
 )
 
 // takeDeliveries hands out what the session's queue holds, as far as the
-// client's receive maximum allows, each QoS 1/2 message under a packet id
-// of the session's outbound space, and appends the PUBLISHes to buf. It
-// runs on the writer.
+// in-flight window allows (the client's receive maximum and the server's
+// own bounds, outbudget.go), each QoS 1/2 message under a packet id of the
+// session's outbound space, and appends the PUBLISHes to buf. Retained
+// messages owed to new subscriptions are queued first, as there is room.
+// It runs on the writer.
 func (c *conn) takeDeliveries(buf []byte) []byte {
 	s := c.sess
 	if s == nil {
@@ -24,10 +26,11 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 		s.mu.Unlock()
 		return buf
 	}
+	s.refillLocked()
 	n := 0
 	for n < len(s.queue) {
 		it := s.queue[n]
-		if it.qos > 0 && len(s.inflight) >= c.window {
+		if it.qos > 0 && s.windowFullLocked(c, it.cost) {
 			break
 		}
 		if it.idx > s.cursor && it.m.Sync {
@@ -39,6 +42,7 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 			}
 			if st == recAborted {
 				n++
+				s.unqueuedLocked(it)
 				s.cursor = it.idx
 				continue
 			}
@@ -49,6 +53,7 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 			}
 		}
 		n++
+		s.unqueuedLocked(it)
 		if it.idx > 0 {
 			if it.idx <= s.cursor {
 				continue // handed out already (a replay and an offer crossed)
@@ -88,6 +93,7 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 			s.sendSeq++
 			it.seq = s.sendSeq
 			s.inflight[it.pid] = it
+			s.flyLocked(it)
 			c.srv.inflight.Add(1)
 			if s.persistent() {
 				staged = append(staged, it)
@@ -99,10 +105,12 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 	if len(s.queue) == 0 {
 		s.queue = nil
 	}
+	held := s.heldLocked()
 	s.mu.Unlock()
 	for _, it := range staged {
 		c.srv.stagePut(outKey(s.id, it.pid), encodeOut(it))
 	}
+	s.checkBudget(c, held)
 	return buf
 }
 
@@ -132,6 +140,16 @@ func (c *conn) resend(buf []byte) []byte {
 		expiry, _ := it.m.expiryLeft(now)
 		buf, _ = c.appendPublish(buf, it, expiry, true)
 	}
+	// What the resend read from the log is held in flight again.
+	s.mu.Lock()
+	for _, it := range items {
+		if s.inflight[it.pid] == it {
+			s.flyLocked(it)
+		}
+	}
+	held := s.heldLocked()
+	s.mu.Unlock()
+	s.checkBudget(c, held)
 	return buf
 }
 

@@ -82,6 +82,7 @@ type Server struct {
 	inflight        atomic.Int64        // QoS 1/2 messages in flight, both directions
 	mem             *memAccount         // what clients make the gateway hold (limits.memory)
 	memHeld         atomic.Int64        // connections not read from for memory now
+	qos0Dropped     atomic.Uint64       // QoS 0 messages connected sessions could not take (outbudget.go)
 
 	wg      sync.WaitGroup // every goroutine the server starts
 	stopc   chan struct{}
@@ -192,6 +193,15 @@ func (c *Config) fill() error {
 	}
 	if c.MaxQueued <= 0 {
 		c.MaxQueued = 1000
+	}
+	if c.MaxQueuedBytes <= 0 {
+		c.MaxQueuedBytes = 4 << 20
+	}
+	if c.MaxInflightOut <= 0 {
+		c.MaxInflightOut = 100
+	}
+	if c.MaxInflightOutBytes <= 0 {
+		c.MaxInflightOutBytes = 4 << 20
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
@@ -422,7 +432,12 @@ func (s *Server) Rewind(applied, skip uint64) {
 		// records there. The new log is read for them instead.
 		// Retained messages sent on subscribe (index 0) stay.
 		queued := len(se.queue)
-		se.queue = slices.DeleteFunc(se.queue, func(it *outItem) bool { return it.idx > 0 })
+		se.queue = slices.DeleteFunc(se.queue, func(it *outItem) bool {
+			if it.idx > 0 {
+				se.unqueuedLocked(it)
+			}
+			return it.idx > 0
+		})
 		c := se.conn
 		replay := c != nil && len(se.queue) < queued
 		if replay {

@@ -56,6 +56,15 @@ type session struct {
 	// record was offered meanwhile, so a replay that reached the end must
 	// look again.
 	behind, more bool
+	// owed are the retained messages new subscriptions are owed, queued
+	// as the queue has room (outbudget.go); while any are, offers go to
+	// the log, so a subscription's retained messages come before what is
+	// published after it.
+	owed []*retainedOwed
+	// queueBytes, flightBytes and owedBytes are what the queue, the
+	// in-flight messages and owed hold, charged to the memory account
+	// while the client is connected.
+	queueBytes, flightBytes, owedBytes int64
 
 	inflight map[uint16]*outItem // handed out, awaiting PUBACK / PUBREC / PUBCOMP
 	nextPID  uint16
@@ -90,6 +99,7 @@ type outItem struct {
 	pid    uint16
 	rel    bool   // QoS 2: PUBREC received, PUBREL sent, PUBCOMP awaited
 	seq    uint64 // send order
+	cost   int64  // charged to the memory account while queued or in flight (0: nothing)
 }
 
 // inbound2 is a QoS 2 publish received and proposed: its PUBREC goes out
@@ -117,21 +127,39 @@ func (s *session) current() *conn {
 func (s *session) persistent() bool { return s.expiry > 0 }
 
 // offer hands the session a record the applier matched to it. A session
-// offline, behind, or whose queue is full reads it from the log later.
+// offline, behind, or whose queue is full reads it from the log later;
+// QoS 0 is not read back (matchReplay): a connected session drops it, and
+// counts it.
 func (s *session) offer(it *outItem) {
 	s.mu.Lock()
 	c := s.conn
 	switch {
-	case c == nil || it.idx <= s.scanned:
-		// Offline: the log has it for the replay at reconnect. At or
-		// below scanned: a replay has it already.
+	case c == nil:
+		// Offline: the log has it for the replay at reconnect.
 		s.mu.Unlock()
 		return
-	case s.behind:
-		s.more = true
+	case it.idx <= s.scanned:
+		// A replay has it already: queued, or skipped if QoS 0.
 		s.mu.Unlock()
+		if it.qos == 0 {
+			s.droppedQoS0()
+		}
 		return
-	case len(s.queue) >= s.srv.cfg.MaxQueued:
+	case s.behind || len(s.owed) > 0:
+		s.behind, s.more = true, true
+		s.mu.Unlock()
+		if it.qos == 0 {
+			s.droppedQoS0()
+		}
+		return
+	case !s.roomLocked(outCost(it.m)):
+		if it.qos == 0 {
+			// Past the queue's bounds: dropped, and the session does
+			// not go to the log for it.
+			s.mu.Unlock()
+			s.droppedQoS0()
+			return
+		}
 		s.behind, s.more = true, true
 		s.mu.Unlock()
 		if s.srv.cfg.DisconnectWhenQueueFull {
@@ -142,26 +170,12 @@ func (s *session) offer(it *outItem) {
 		c.kick()
 		return
 	}
-	s.queue = append(s.queue, it)
+	s.queueLocked(it)
 	s.scanned = it.idx
+	held := s.heldLocked()
 	s.mu.Unlock()
 	c.kick()
-}
-
-// enqueueRetained queues retained messages for a new subscription; they
-// bypass the cursor and the queue bound (a subscription's retained set is
-// bounded by the store).
-func (s *session) enqueueRetained(items []*outItem) {
-	if len(items) == 0 {
-		return
-	}
-	s.mu.Lock()
-	s.queue = append(s.queue, items...)
-	c := s.conn
-	s.mu.Unlock()
-	if c != nil {
-		c.kick()
-	}
+	s.checkBudget(c, held)
 }
 
 // newPIDLocked returns a packet id free in the outbound space.
@@ -199,6 +213,7 @@ func (s *session) acked(pid uint16, qos byte) bool {
 	}
 	delete(s.inflight, pid)
 	s.srv.inflight.Add(-1)
+	s.landedLocked(it)
 	if qos == 2 && it.idx > s.cursor {
 		if s.doneAbove == nil {
 			s.doneAbove = map[uint64]bool{}
@@ -234,6 +249,7 @@ func (s *session) received(pid uint16, failed bool) (ok, release bool) {
 	if failed {
 		delete(s.inflight, pid)
 		s.srv.inflight.Add(-1)
+		s.landedLocked(it)
 		s.mu.Unlock()
 		if persist {
 			s.srv.stageDelete(outKey(s.id, pid))
@@ -260,11 +276,23 @@ func (s *session) received(pid uint16, failed bool) (ok, release bool) {
 // or the session is still behind.
 func (s *session) replay(c *conn) bool {
 	const batch = 256
+	if c.isEnded() {
+		return false // nothing more is queued for a connection that is ending
+	}
 	s.mu.Lock()
+	if s.conn == c && len(s.owed) > 0 {
+		// Owed retained messages go first; the writer goes round again
+		// to queue them while there is room.
+		more := s.owedRoomLocked()
+		s.mu.Unlock()
+		return more
+	}
 	if s.conn != c || !s.behind || len(s.queue) > 0 || s.awaitingStartLocked() {
 		s.mu.Unlock()
 		return false
 	}
+	// One scan fills the queue at most to its bounds.
+	maxItems, maxBytes := min(batch, s.srv.cfg.MaxQueued), s.srv.cfg.MaxQueuedBytes
 	from := s.scanned + 1
 	ret, hasRet := s.srv.reader.(Retained)
 	if hasRet {
@@ -288,11 +316,13 @@ func (s *session) replay(c *conn) bool {
 	// nothing else would send this replay to it.
 	to := s.srv.handed.Load()
 	var items []*outItem
+	var bytes int64
 	last := from - 1
 	full := false
 	var lost uint64 // taken by retention while this scan read the log
 	if s.srv.reader != nil && from <= to && len(subs) > 0 {
 		err := s.srv.reader.Committed(from, to, func(idx uint64, m *Message) bool {
+			prevLast, prevLost := last, lost
 			if idx > last+1 && hasRet {
 				// The log reads on past what retention drops under it: a
 				// jump to at or past the new first index lost those
@@ -309,9 +339,16 @@ func (s *session) replay(c *conn) bool {
 				return true // its publisher was refused
 			}
 			if it := matchReplay(subs, s.id, idx, m); it != nil && !s.inFlight(it) {
+				cost := outCost(m)
+				if len(items) > 0 && bytes+cost > maxBytes {
+					// Not taken: the next scan starts at it.
+					last, lost, full = prevLast, prevLost, true
+					return false
+				}
 				items = append(items, it)
+				bytes += cost
 			}
-			full = len(items) >= batch
+			full = len(items) >= maxItems
 			return !full
 		})
 		if err != nil {
@@ -322,15 +359,30 @@ func (s *session) replay(c *conn) bool {
 	if !full {
 		last = max(last, to)
 	}
+	if c.isEnded() {
+		return false
+	}
+	more, held := s.replayed(c, items, last, lost, full)
+	if len(items) > 0 {
+		s.checkBudget(c, held)
+	}
+	return more
+}
+
+// replayed queues what a replay read, up to last, and reports whether the
+// writer is to go round again, and what the session holds now.
+func (s *session) replayed(c *conn, items []*outItem, last, lost uint64, full bool) (more bool, held int64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.conn != c {
-		return false
+		return false, 0
 	}
 	if lost > 0 {
 		s.droppedLocked(lost)
 	}
-	s.queue = append(s.queue, items...)
+	for _, it := range items {
+		s.queueLocked(it)
+	}
 	if last > s.scanned {
 		s.scanned = last
 	}
@@ -348,7 +400,7 @@ func (s *session) replay(c *conn) bool {
 	// Still behind with nothing queued: a record was offered during the
 	// scan, and its offer did not wake the writer, so this one goes round
 	// again.
-	return len(items) > 0 || s.behind
+	return len(items) > 0 || s.behind, s.heldLocked()
 }
 
 // droppedLocked counts lost log positions that retention took before this

@@ -1,13 +1,21 @@
 package mqtt
 
 import (
+	"slices"
+
 	"github.com/mochi-mqtt/server/v2/packets"
 )
 
 // subscribe answers a SUBSCRIBE: each filter is granted or refused on its
 // own; granted ones are durable before the SUBACK (a device told it is
 // subscribed stays subscribed across a crash), and the retained messages
-// they match follow it. False ends the loop.
+// they match follow it, once per distinct filter: a filter named again in
+// the same packet replaces the earlier subscription [MQTT-3.8.4-3] and
+// the packet counts as a sequence of SUBSCRIBEs [MQTT-3.8.4-4], so the
+// retained messages the earlier one was owed, not yet sent, are what the
+// later one re-sends [MQTT-3.3.1-9] — with the last options. They go
+// through the session's bounded queue and window (outbudget.go), never in
+// one burst. False ends the loop.
 func (c *conn) subscribe(pk *packets.Packet) bool {
 	if code := pk.SubscribeValidate(); code != packets.CodeSuccess {
 		c.protocolError(code, "invalid SUBSCRIBE: "+code.Reason) // [MQTT-3.8.3-3] [MQTT-3.8.1-1]
@@ -17,7 +25,7 @@ func (c *conn) subscribe(pk *packets.Packet) bool {
 	s := c.sess
 	acl := srv.access.Load().ACL
 	codes := make([]byte, len(pk.Filters))
-	var retainedOut []*outItem
+	var owed []*retainedOwed // subscriptions owed their retained messages
 	granted := false
 	var records []sessionOp // a persistent session's new subscriptions, for the other members
 	for i, f := range pk.Filters {
@@ -80,15 +88,15 @@ func (c *conn) subscribe(pk *packets.Packet) bool {
 		if shared || sub.rh == 2 || (sub.rh == 1 && prev != nil) {
 			continue
 		}
-		for _, r := range srv.retained.matching(match) {
-			if sub.noLocal && r.m.ClientID == c.id {
-				continue
-			}
-			it := &outItem{m: r.m, qos: min(r.m.QoS, sub.qos), retain: true}
-			if sub.id > 0 {
-				it.ids = []int{sub.id}
-			}
-			retainedOut = append(retainedOut, it)
+		owed = append(owed, &retainedOwed{filter: f.Filter, match: match})
+	}
+	// Once per distinct filter, where it was last named; the retained store
+	// is read then, and the options (QoS, no local, identifier) are the
+	// subscription's when each message is queued.
+	owed = lastOfEach(owed)
+	for _, o := range owed {
+		for _, r := range srv.retained.matching(o.match) {
+			o.msgs = append(o.msgs, r.m)
 		}
 	}
 	if granted && s.persistent() && srv.store != nil {
@@ -99,7 +107,7 @@ func (c *conn) subscribe(pk *packets.Packet) bool {
 	suback := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Suback}, PacketID: pk.PacketID, ReasonCodes: codes}
 	srv.proposeSessionOps(c.id, records, func() {
 		c.send(suback)
-		s.enqueueRetained(retainedOut)
+		s.owe(owed)
 	})
 	return true
 }
@@ -135,4 +143,19 @@ func (c *conn) unsubscribe(pk *packets.Packet) bool {
 	}
 	c.srv.proposeSessionOps(c.id, records, func() { c.send(ack) })
 	return true
+}
+
+// lastOfEach keeps, of entries for the same filter, the last one, in the
+// order of the ones kept.
+func lastOfEach(owed []*retainedOwed) []*retainedOwed {
+	seen := make(map[string]bool, len(owed))
+	out := owed[:0:0]
+	for i := len(owed) - 1; i >= 0; i-- {
+		if !seen[owed[i].filter] {
+			seen[owed[i].filter] = true
+			out = append(out, owed[i])
+		}
+	}
+	slices.Reverse(out)
+	return out
 }
