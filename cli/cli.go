@@ -189,7 +189,7 @@ func newLogger(cfg config.LogConfig, w io.Writer) *slog.Logger {
 
 // memoryHeadroom is what the process may hold beside limits.memory: the
 // runtime, the binary's heap, raft's and the storage's buffers.
-const memoryHeadroom = 48 << 20
+const memoryHeadroom = 32 << 20
 
 // setMemoryLimit gives Go's collector a soft limit of limits.memory plus
 // memoryHeadroom, unless GOMEMLIMIT says otherwise: near it the collector

@@ -396,6 +396,10 @@ func (db *DB) checkpointer() {
 			}
 			db.retainDue.Store(true)
 		case <-applyC:
+			// Reads map the file's pages too (retained payloads and
+			// sessions read from the data file, replays): release
+			// them once a second, as writes do every releaseBytes.
+			db.releaseMapped()
 			if b := db.applyAt.Load(); b == 0 || db.Applied() < b {
 				continue
 			}
