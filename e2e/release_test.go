@@ -4,8 +4,11 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -514,4 +517,111 @@ func (p *publisher) stop() (acked map[string]time.Time, refused int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.acked, p.refused
+}
+
+// inspectRecord is the part of a `tandem inspect --all` line these tests
+// read.
+type inspectRecord struct {
+	Type    string `json:"type"`
+	Kind    string `json:"kind"`
+	Payload []byte `json:"payload"` // base64 in the JSON
+}
+
+// inspectAll reads g's whole log, control records too, with bin's tandem
+// inspect: from the data dir of a stopped gateway, over the HTTP API of a
+// running one.
+func inspectAll(t *testing.T, bin string, g *gw) []inspectRecord {
+	t.Helper()
+	cmd := g.h.Command(bin, "inspect", "--data", g.dir, "--all", "--config", g.cfg)
+	var errb bytes.Buffer
+	cmd.Stderr = &errb
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("%s inspect %s: %v: %s", filepath.Base(bin), g.name, err, errb.String())
+	}
+	var recs []inspectRecord
+	dec := json.NewDecoder(bytes.NewReader(out))
+	for dec.More() {
+		var r inspectRecord
+		if err := dec.Decode(&r); err != nil {
+			t.Fatalf("inspect %s: %v", g.name, err)
+		}
+		recs = append(recs, r)
+	}
+	return recs
+}
+
+// logOf is g's device messages' payloads in log order, read with bin.
+func logOf(t *testing.T, bin string, g *gw) []string {
+	t.Helper()
+	var log []string
+	for _, r := range inspectAll(t, bin, g) {
+		if r.Type == "record" {
+			log = append(log, string(r.Payload))
+		}
+	}
+	return log
+}
+
+// checkLogged fails unless every acked payload is in log, g's.
+func checkLogged(t *testing.T, g *gw, log []string, acked map[string]time.Time) {
+	t.Helper()
+	in := map[string]bool{}
+	for _, p := range log {
+		in[p] = true
+	}
+	missing := 0
+	for p := range acked {
+		if !in[p] {
+			if missing++; missing < 5 {
+				t.Errorf("%s: acked %q not in its log", g.name, p)
+			}
+		}
+	}
+	if missing > 0 {
+		t.Fatalf("%s: %d of %d acked records missing", g.name, missing, len(acked))
+	}
+	t.Logf("%s: all %d acked records in its log (%d records)", g.name, len(acked), len(log))
+}
+
+// nextBin builds this tree with -tags tandem_next (a test build of a next
+// release: feature level 3, storage/kind_next.go) once per test binary.
+func nextBin(t *testing.T) string {
+	t.Helper()
+	otherMu.Lock()
+	defer otherMu.Unlock()
+	if b := otherBuilt["next"]; b != "" {
+		return b
+	}
+	out := filepath.Join(binDir, "tandem-next")
+	cmd := exec.Command("go", "build", "-tags", "tandem_next", "-o", out, ".")
+	cmd.Dir = ".."
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build -tags tandem_next: %v\n%s", err, b)
+	}
+	otherBuilt["next"] = out
+	return out
+}
+
+// dirDigest is a digest of every file under dir: names, sizes and
+// contents.
+func dirDigest(t *testing.T, dir string) string {
+	t.Helper()
+	h := sha256.New()
+	err := filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(h, "%s %d\n", path, len(b))
+		h.Write(b)
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return hex.EncodeToString(h.Sum(nil))
 }
