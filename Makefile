@@ -3,7 +3,10 @@
 
 GO       ?= go
 PKG      := github.com/tandem-edge/tandem
-VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+# git describe --tags --always --dirty, with the releases listed in
+# RELEASES standing in for tags a checkout lacks (tags need not travel with
+# the commits): 0.1.0+18.g37fe1f0 for a build 18 commits past v0.1.0.
+VERSION  ?= $(shell sh packaging/describe.sh 2>/dev/null || echo dev)
 COMMIT   ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
 LDFLAGS  := -s -w -X $(PKG)/internal/version.Version=$(VERSION) -X $(PKG)/internal/version.Commit=$(COMMIT)
 # Packages with goroutines of their own run under the race detector. The

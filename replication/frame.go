@@ -45,9 +45,9 @@ const (
 	// before negotiation refuse any version but their own, 1), its
 	// trailer the highest; the link speaks the highest both know, and a
 	// peer whose range does not meet ours is refused (it logs why) rather
-	// than misread (DESIGN.md, "Versions and upgrades").
+	// than misread (DESIGN.md, "Versions and upgrades"). peerProtocolMax
+	// is in feature_default.go (feature_next.go in a tandem_next build).
 	peerProtocolMin = 1
-	peerProtocolMax = 1
 
 	// maxSmallFrame bounds every frame read before the other side is known
 	// to be a member: hellos, knocks and whatever a stranger sends. A

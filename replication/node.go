@@ -179,6 +179,9 @@ type Node struct {
 	level   atomic.Int32
 	builds  PeerBuilds
 	raiseAt time.Time
+	// extras is what a build's levels above the release's need kept
+	// (feature_default.go, feature_next.go).
+	extras levelExtras
 
 	// propMu guards propQ, the proposals not yet taken by the loop; propSig
 	// wakes the loop. A mutex-guarded slice costs one lock per publish and
@@ -558,6 +561,7 @@ func (n *Node) tick() {
 	if n.leader {
 		n.watchSnapshots()
 		n.maybeRaiseLevel(now)
+		n.levelWork(now)
 	}
 	n.updateFloor()
 	if n.db.Pending() && !n.rn.HasReady() && time.Since(n.flushFailed) >= time.Second {

@@ -160,9 +160,10 @@ const (
 	// FeatureControlKinds: control records carry their kind in the
 	// header (RecordVersionControl).
 	FeatureControlKinds = 2
-	// FeatureLevel is the highest level this build knows.
-	FeatureLevel = FeatureControlKinds
 )
+
+// FeatureLevel, the highest level this build knows, is in kind_default.go
+// (kind_next.go in a tandem_next test build).
 
 // Flag bits of byte 1. Unknown bits are rejected so that a future version
 // cannot smuggle meaning past an old decoder under the same version byte.

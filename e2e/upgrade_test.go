@@ -1,0 +1,354 @@
+package e2e
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/tandem-edge/tandem/internal/netns"
+	"github.com/tandem-edge/tandem/internal/testutil"
+)
+
+// upgradeLoad is what runs on a cluster while it is upgraded: a sync and
+// an async QoS 1 publisher (MQTT 5, one in flight each, moving to the next
+// gateway when theirs goes) and a persistent-session subscriber to both.
+type upgradeLoad struct {
+	sync, async *publisher
+	sub         *persistentSub
+}
+
+func startUpgradeLoad(t *testing.T, g1, g2, g3 *gw) *upgradeLoad {
+	t.Helper()
+	all := func(first int) []*gw {
+		gws := []*gw{g1, g2, g3}
+		return []*gw{gws[first%3], gws[(first+1)%3], gws[(first+2)%3]}
+	}
+	u := &upgradeLoad{
+		sub: startPersistentSub(t, "sub-persistent", []string{"s/up/#", "a/up/#"}, all(2)...),
+		// Paced: a subscriber that follows the cluster from member to
+		// member replays what it missed meanwhile.
+		sync:  startPublisher(t, "pub-sync", "s/up/1", 5*time.Millisecond, all(0)...),
+		async: startPublisher(t, "pub-async", "a/up/1", 5*time.Millisecond, all(1)...),
+	}
+	u.sync.waitAcks(t, 50, 15*time.Second)
+	u.async.waitAcks(t, 50, 15*time.Second)
+	return u
+}
+
+// restartOn stops g (SIGTERM), starts bin on its data dir and waits until
+// it is back in the cluster of gws and sync publishes are acked again.
+func (u *upgradeLoad) restartOn(t *testing.T, g *gw, bin string, gws ...*gw) {
+	t.Helper()
+	began := time.Now()
+	g.stopWithin(15 * time.Second)
+	g.startBin(bin)
+	masterOf(t, 20*time.Second, gws...)
+	u.sync.waitAcks(t, 20, 10*time.Second)
+	u.async.waitAcks(t, 20, 10*time.Second)
+	u.checkGaps(t, g.name+" restarted on "+binName(bin), began)
+}
+
+// maxAckGap is the longest a publisher may go without an ack while a
+// member restarts: a sync publish held by a stopping master is refused
+// after sync_timeout (5 s), and the next one taken by the new master.
+const maxAckGap = 8 * time.Second
+
+// checkGaps fails if a publisher went longer than maxAckGap without an
+// ack since began.
+func (u *upgradeLoad) checkGaps(t *testing.T, what string, began time.Time) {
+	t.Helper()
+	sg, ag := u.sync.longestGap(began), u.async.longestGap(began)
+	t.Logf("%s: back in the cluster %v after its SIGTERM; longest time without an ack: sync %v, async %v", what, time.Since(began).Round(time.Millisecond), sg.Round(time.Millisecond), ag.Round(time.Millisecond))
+	if sg > maxAckGap || ag > maxAckGap {
+		t.Errorf("%s: publishes went unacked for %v (sync) and %v (async), want at most %v", what, sg, ag, maxAckGap)
+	}
+}
+
+// finish stops the load, waits until the members agree, and checks what
+// a rolling upgrade must keep: every acked record in every member's log
+// in each publisher's order, the persistent subscriber got every acked
+// record, every member answers its status and stops on SIGTERM in 5 s.
+// Their logs are read with inspectBin (a build that knows their level).
+func (u *upgradeLoad) finish(t *testing.T, inspectBin string, gws ...*gw) {
+	t.Helper()
+	syncAcked, syncRefused := u.sync.stop()
+	asyncAcked, asyncRefused := u.async.stop()
+	acked := map[string]time.Time{}
+	for p, at := range syncAcked {
+		acked[p] = at
+	}
+	for p, at := range asyncAcked {
+		acked[p] = at
+	}
+	converge(t, 20*time.Second, gws...)
+	u.sub.waitGot(t, acked, 20*time.Second)
+	conns, lost, dups := u.sub.stop()
+	t.Logf("%d sync and %d async publishes acked (%d and %d refused); the persistent subscriber got them all over %d connections (%d duplicates)", len(syncAcked), len(asyncAcked), syncRefused, asyncRefused, conns, dups)
+	if lost > 0 {
+		t.Errorf("the persistent subscriber found its session gone on %d of %d connects", lost, conns)
+	}
+	for _, g := range gws {
+		s := g.status()
+		if s == nil {
+			t.Fatalf("%s does not answer its status", g.name)
+		}
+		if s.Storage.Damaged != nil || len(s.Storage.Lost) > 0 {
+			t.Errorf("%s: storage damaged %+v, lost %v", g.name, s.Storage.Damaged, s.Storage.Lost)
+		}
+	}
+	for _, g := range gws {
+		g.stopWithin(5 * time.Second)
+	}
+	for _, g := range gws {
+		log := logOf(t, inspectBin, g)
+		checkLogged(t, g, log, acked)
+		checkLoadOrder(t, g, log, "pub-sync-", syncAcked)
+		checkLoadOrder(t, g, log, "pub-async-", asyncAcked)
+	}
+}
+
+func binName(bin string) string {
+	if bin == builtBin {
+		return "the build under test"
+	}
+	i := strings.LastIndex(bin, "/")
+	return bin[i+1:]
+}
+
+// From the previous release to this build, one member at a time under
+// load, then one member back to the previous release and forth again
+// (DESIGN.md, "Versions and upgrades"): nothing acked is lost, the feature
+// level rises once every member runs this build, and an old build is then
+// kept out without harm to anyone's data.
+func TestUpgradeFromPreviousRelease(t *testing.T) {
+	netns.Skip(t)
+	old, tag := releaseBin(t)
+	cur := tandemBin(t)
+	began := time.Now()
+	nt := netns.New(t, 3)
+	g1, g2, g3 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")
+	gws := []*gw{g1, g2, g3}
+	for _, g := range gws {
+		g.startBin(old)
+	}
+	g2.joinBin(old, g1)
+	waitShape(t, g1, 0, 1, 15*time.Second)
+	g3.joinBin(old, g1)
+	waitShape(t, g1, 2, 0, 15*time.Second)
+	u := startUpgradeLoad(t, g1, g2, g3)
+	t.Logf("a cluster of %s under load after %v", tag, time.Since(began).Round(time.Millisecond))
+
+	for i, g := range slavesFirst(t, gws...) {
+		u.restartOn(t, g, cur, gws...)
+		if i < len(gws)-1 {
+			// A member still runs the previous release: the level stays.
+			if s := g.levels(); s == nil || s.Cluster.FeatureLevel != 1 {
+				t.Fatalf("%s: feature level %+v with a member still on %s, want 1", g.name, s, tag)
+			}
+		}
+	}
+	waitLevel(t, 2, 15*time.Second, gws...)
+	m := masterOf(t, 15*time.Second, gws...)
+	if s := m.levels(); s != nil {
+		for _, mb := range s.Members {
+			if mb.FeatureLevel != 2 {
+				t.Errorf("master %s: member %s says level %d (release %q), want 2", m.name, mb.Name, mb.FeatureLevel, mb.Version)
+			}
+		}
+	}
+	t.Logf("every member on the build under test, feature level 2, after %v", time.Since(began).Round(time.Millisecond))
+
+	// One slave back to the previous release: the level is raised, so its
+	// peers refuse it at the handshake (or it rejoins); the others serve.
+	var back *gw
+	for _, g := range gws {
+		if g != m {
+			back = g
+			break
+		}
+	}
+	downAt := time.Now()
+	back.stopWithin(15 * time.Second)
+	back.spawn(old)
+	oldProc := back.proc
+	refusal := "knows feature levels up to 1"
+	var outcome string
+	testutil.WaitFor(t, 20*time.Second, back.name+" on "+tag+" refused, exited or rejoined", func() bool {
+		select {
+		case <-oldProc.Done():
+			outcome = "exited"
+			return true
+		default:
+		}
+		for _, g := range gws {
+			if g != back && strings.Contains(g.proc.Output(), refusal) {
+				outcome = "refused at the handshake by " + g.name
+				return true
+			}
+		}
+		if s := m.status(); s != nil {
+			for _, mb := range s.Members {
+				if mb.Name == back.name && mb.Reachable && mb.LagRecords == 0 {
+					outcome = "rejoined"
+					return true
+				}
+			}
+		}
+		return false
+	})
+	// A while of load with the old build beside the cluster, retrying.
+	u.sync.waitAcks(t, 200, 15*time.Second)
+	u.async.waitAcks(t, 20, 10*time.Second)
+	select {
+	case <-oldProc.Done():
+	default:
+		back.stopWithin(15 * time.Second)
+	}
+	t.Logf("%s on %s: %s; the others kept serving. Its last output:\n%s", back.name, tag, outcome, lastLines(oldProc.Output(), 6))
+	back.startBin(cur)
+	masterOf(t, 20*time.Second, gws...)
+	u.sync.waitAcks(t, 20, 10*time.Second)
+	u.async.waitAcks(t, 20, 10*time.Second)
+	u.checkGaps(t, back.name+" to "+tag+" and back", downAt)
+	waitLevel(t, 2, 10*time.Second, gws...)
+
+	u.finish(t, cur, gws...)
+	t.Logf("upgrade test done in %v", time.Since(began).Round(time.Millisecond))
+}
+
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// notes counts the KindNote records (a kind the release build does not
+// know: inspect names it by number) in g's log, read with bin.
+func notes(t *testing.T, bin string, g *gw) int {
+	t.Helper()
+	n := 0
+	for _, r := range inspectAll(t, bin, g) {
+		if r.Type == "control" && r.Kind == noteKind {
+			n++
+		}
+	}
+	return n
+}
+
+// noteKind is how inspect names storage.KindNote, which only a tandem_next
+// build defines.
+const noteKind = "kind-6"
+
+// From this build (feature level 2) to a test build of a next release
+// (-tags tandem_next: level 3 and a record kind gated behind it), one
+// member at a time under load: while a member of this build remains, the
+// level stays 2 and no record of the new kind is written, also with a
+// next build as master; once all run it, the level is 3 and the new
+// record is in every member's log. A data dir at level 3 then refuses
+// this build, unchanged. The gating is proven before a real format change
+// relies on it.
+func TestUpgradeToNextLevel(t *testing.T) {
+	netns.Skip(t)
+	cur, next := tandemBin(t), nextBin(t)
+	began := time.Now()
+	nt := netns.New(t, 3)
+	g1, g2, g3 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")
+	gws := []*gw{g1, g2, g3}
+	for _, g := range gws {
+		g.startBin(cur)
+	}
+	g2.joinBin(cur, g1)
+	waitShape(t, g1, 0, 1, 15*time.Second)
+	g3.joinBin(cur, g1)
+	waitShape(t, g1, 2, 0, 15*time.Second)
+	waitLevel(t, 2, 15*time.Second, gws...)
+	u := startUpgradeLoad(t, g1, g2, g3)
+
+	// A slave, then the master: a next build may now be master with a
+	// member of this build left.
+	order := slavesFirst(t, gws...)
+	first, master, last := order[0], order[2], order[1]
+	u.restartOn(t, first, next, gws...)
+	u.restartOn(t, master, next, gws...)
+	if m := masterOf(t, 15*time.Second, gws...); m == last {
+		// This build's member leads: it cannot raise the level anyway.
+		// Restarted on its build, it hands the lead to a next build.
+		u.restartOn(t, last, cur, gws...)
+	}
+	m := masterOf(t, 15*time.Second, gws...)
+	if m == last {
+		t.Fatalf("%s, on this build, is master again", m.name)
+	}
+	// The next build's master knows the member of this build says level
+	// 2; for two of its raise checks (every 2 s), nothing may change.
+	testutil.WaitFor(t, 15*time.Second, m.name+" seeing "+last.name+" at level 2", func() bool {
+		s := m.levels()
+		if s == nil {
+			return false
+		}
+		for _, mb := range s.Members {
+			if mb.Name == last.name && mb.FeatureLevel == 2 {
+				return true
+			}
+		}
+		return false
+	})
+	watched := time.Now()
+	testutil.WaitFor(t, 15*time.Second, "5 s of a mixed cluster", func() bool {
+		for _, g := range gws {
+			if s := g.levels(); s != nil && s.Cluster.FeatureLevel != 2 {
+				t.Fatalf("%s: feature level %d with %s still on this build", g.name, s.Cluster.FeatureLevel, last.name)
+			}
+		}
+		return time.Since(watched) > 5*time.Second
+	})
+	for _, g := range gws {
+		if n := notes(t, cur, g); n > 0 {
+			t.Fatalf("%s: %d notes logged with %s still on this build", g.name, n, last.name)
+		}
+	}
+	t.Logf("a mixed cluster, master %s on the next build, %s on this one: level 2, no note", m.name, last.name)
+
+	u.restartOn(t, last, next, gws...)
+	waitLevel(t, 3, 15*time.Second, gws...)
+	for _, g := range gws {
+		testutil.WaitFor(t, 10*time.Second, "the note in "+g.name+"'s log", func() bool { return notes(t, next, g) > 0 })
+	}
+	t.Logf("every member on the next build: level 3 and the note on every member, after %v", time.Since(began).Round(time.Millisecond))
+
+	// A data dir at level 3 refuses this build, which changes nothing.
+	m = masterOf(t, 15*time.Second, gws...)
+	var slave *gw
+	for _, g := range gws {
+		if g != m {
+			slave = g
+			break
+		}
+	}
+	downAt := time.Now()
+	slave.stopWithin(15 * time.Second)
+	before := dirDigest(t, slave.dir)
+	slave.spawn(cur)
+	select {
+	case <-slave.proc.Done():
+	case <-time.After(15 * time.Second):
+		t.Fatalf("%s: this build still runs on a data dir at level 3", slave.name)
+	}
+	if out := slave.proc.Output(); slave.proc.Cmd.ProcessState.Success() || !strings.Contains(out, "feature level 3") {
+		t.Fatalf("%s: this build on a data dir at level 3: exit %v, output:\n%s", slave.name, slave.proc.Cmd.ProcessState, out)
+	}
+	if after := dirDigest(t, slave.dir); after != before {
+		t.Fatalf("%s: this build changed a data dir it refused", slave.name)
+	}
+	t.Logf("%s: this build refused its data dir: %s", slave.name, lastLines(slave.proc.Output(), 1))
+	slave.startBin(next)
+	masterOf(t, 20*time.Second, gws...)
+	u.sync.waitAcks(t, 20, 10*time.Second)
+	u.async.waitAcks(t, 20, 10*time.Second)
+	u.checkGaps(t, slave.name+" refused by this build and back on the next", downAt)
+
+	u.finish(t, next, gws...)
+	t.Logf("next-level upgrade test done in %v", time.Since(began).Round(time.Millisecond))
+}
