@@ -84,8 +84,10 @@ func (n *Node) republish() (int, bool) {
 		// A settlement names indexes of the log it was cut from, which
 		// hold other records now: the new master settles what it
 		// inherited itself (settle.go).
-		// A feature level raise is the master's to log, once.
-		if rec.Kind == storage.KindSettle || rec.Kind == storage.KindFeature {
+		// A feature level raise is the master's to log, once; a control
+		// kind this build does not know (a newer master's, in a tail
+		// cut off by a downgrade) is nobody's to publish again.
+		if rec.Kind == storage.KindSettle || rec.Kind == storage.KindFeature || rec.Kind > storage.KindFeature {
 			n.db.DropRequeued(it.Key)
 			stale++
 			continue
