@@ -151,16 +151,22 @@ type gwStatus struct {
 
 // status asks the gateway's HTTP API; nil when it does not answer.
 func (g *gw) status() *gwStatus {
-	resp, err := g.http.Get("http://127.0.0.1:7880/v1/status")
-	if err != nil {
-		return nil
-	}
-	defer resp.Body.Close()
 	var s gwStatus
-	if resp.StatusCode != 200 || json.NewDecoder(resp.Body).Decode(&s) != nil {
+	if !g.statusAs(&s) {
 		return nil
 	}
 	return &s
+}
+
+// statusAs decodes the gateway's status JSON into v (the fields a test
+// reads); false when it does not answer.
+func (g *gw) statusAs(v any) bool {
+	resp, err := g.http.Get("http://127.0.0.1:7880/v1/status")
+	if err != nil {
+		return false
+	}
+	defer resp.Body.Close()
+	return resp.StatusCode == 200 && json.NewDecoder(resp.Body).Decode(v) == nil
 }
 
 // cli runs a tandem command in the gateway's namespace (so it reaches the

@@ -205,13 +205,8 @@ type levelStatus struct {
 // levels asks the gateway's status for its releases and feature level;
 // nil when it does not answer.
 func (g *gw) levels() *levelStatus {
-	resp, err := g.http.Get("http://127.0.0.1:7880/v1/status")
-	if err != nil {
-		return nil
-	}
-	defer resp.Body.Close()
 	var s levelStatus
-	if resp.StatusCode != 200 || json.NewDecoder(resp.Body).Decode(&s) != nil {
+	if !g.statusAs(&s) {
 		return nil
 	}
 	return &s

@@ -125,16 +125,8 @@ func TestUpgradeFromPreviousRelease(t *testing.T) {
 	old, tag := releaseBin(t)
 	cur := tandemBin(t)
 	began := time.Now()
-	nt := netns.New(t, 3)
-	g1, g2, g3 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")
+	g1, g2, g3 := threeOf(t, old)
 	gws := []*gw{g1, g2, g3}
-	for _, g := range gws {
-		g.startBin(old)
-	}
-	g2.joinBin(old, g1)
-	waitShape(t, g1, 0, 1, 15*time.Second)
-	g3.joinBin(old, g1)
-	waitShape(t, g1, 2, 0, 15*time.Second)
 	u := startUpgradeLoad(t, g1, g2, g3)
 	t.Logf("a cluster of %s under load after %v", tag, time.Since(began).Round(time.Millisecond))
 
@@ -253,16 +245,8 @@ func TestUpgradeToNextLevel(t *testing.T) {
 	netns.Skip(t)
 	cur, next := tandemBin(t), nextBin(t)
 	began := time.Now()
-	nt := netns.New(t, 3)
-	g1, g2, g3 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")
+	g1, g2, g3 := threeOf(t, cur)
 	gws := []*gw{g1, g2, g3}
-	for _, g := range gws {
-		g.startBin(cur)
-	}
-	g2.joinBin(cur, g1)
-	waitShape(t, g1, 0, 1, 15*time.Second)
-	g3.joinBin(cur, g1)
-	waitShape(t, g1, 2, 0, 15*time.Second)
 	waitLevel(t, 2, 15*time.Second, gws...)
 	u := startUpgradeLoad(t, g1, g2, g3)
 
@@ -351,4 +335,20 @@ func TestUpgradeToNextLevel(t *testing.T) {
 
 	u.finish(t, next, gws...)
 	t.Logf("next-level upgrade test done in %v", time.Since(began).Round(time.Millisecond))
+}
+
+// threeOf starts a 3-gateway cluster of the binary bin on hosts of its
+// own: gw-1 the master, then gw-2 and gw-3 joined and caught up.
+func threeOf(t *testing.T, bin string) (g1, g2, g3 *gw) {
+	t.Helper()
+	nt := netns.New(t, 3)
+	g1, g2, g3 = newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")
+	for _, g := range []*gw{g1, g2, g3} {
+		g.startBin(bin)
+	}
+	g2.joinBin(bin, g1)
+	waitShape(t, g1, 0, 1, 15*time.Second)
+	g3.joinBin(bin, g1)
+	waitShape(t, g1, 2, 0, 15*time.Second)
+	return g1, g2, g3
 }
