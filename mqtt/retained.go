@@ -66,6 +66,10 @@ type retainStore struct {
 	pendNew   int
 	pendBytes int64
 	pend      map[uint64]*reservation
+	// pendTopics holds, per topic not yet in m, how many reservations
+	// add it and the size the latest was admitted at: a second publish to
+	// it before the first is applied replaces that one, and adds no topic.
+	pendTopics map[string]*pendTopic
 
 	maxCount int
 	maxBytes int64
@@ -116,8 +120,15 @@ const (
 
 // reservation is what a retained publish taken here was admitted for,
 // until its record is applied.
+type pendTopic struct {
+	n    int
+	size int64
+}
+
 type reservation struct {
 	r         *retainStore
+	topic     string
+	pendTopic bool // counted in pendTopics
 	newTopics int
 	grow      int64
 	seq       uint64 // the record's, once tracked
@@ -136,10 +147,14 @@ func (r *retainStore) reserve(topic string, size int64, empty bool) (res *reserv
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	res = &reservation{r: r, grow: size}
-	if old := r.m[topic]; old != nil {
+	res = &reservation{r: r, topic: topic, grow: size}
+	switch old := r.m[topic]; {
+	case old != nil:
 		res.grow = max(0, size-old.size)
-	} else {
+	case r.pendTopics[topic] != nil:
+		// Added by a publish not applied yet: this one replaces it.
+		res.grow = max(0, size-r.pendTopics[topic].size)
+	default:
 		res.newTopics = 1
 		if len(r.m)+r.pendNew+1 > r.maxCount {
 			return nil, whyRetainedCount
@@ -150,6 +165,19 @@ func (r *retainStore) reserve(topic string, size int64, empty bool) (res *reserv
 	}
 	r.pendNew += res.newTopics
 	r.pendBytes += res.grow
+	if r.m[topic] == nil {
+		if r.pendTopics == nil {
+			r.pendTopics = map[string]*pendTopic{}
+		}
+		pt := r.pendTopics[topic]
+		if pt == nil {
+			pt = &pendTopic{}
+			r.pendTopics[topic] = pt
+		}
+		pt.n++
+		pt.size = max(pt.size, size)
+		res.pendTopic = true
+	}
 	return res, ""
 }
 
@@ -185,6 +213,11 @@ func (res *reservation) releaseLocked() {
 	r := res.r
 	r.pendNew -= res.newTopics
 	r.pendBytes -= res.grow
+	if pt := r.pendTopics[res.topic]; res.pendTopic && pt != nil {
+		if pt.n--; pt.n <= 0 {
+			delete(r.pendTopics, res.topic)
+		}
+	}
 	if r.pend[res.seq] == res {
 		delete(r.pend, res.seq)
 	}
