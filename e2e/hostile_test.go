@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/base64"
@@ -106,6 +107,8 @@ func hostileAttacks() []attack {
 		{"persistent sessions of 1 KB filters", attackSessionFilters},
 		{"a subscriber that never acks 1 MB messages", attackNeverAcks},
 		{"one SUBSCRIBE of 2000 × # over 1000 retained", attackRepeatedFilter},
+		{"WebSocket sockets that send one plain GET and idle", attackWebSocketIdle},
+		{"keep-alive connections holding the HTTP API", attackHTTPHogs},
 	}
 }
 
@@ -131,6 +134,7 @@ func runHostile(t *testing.T, members int) {
 	var gws []*gw
 	for i := range members {
 		g := newGW(t, nt.Hosts[i], fmt.Sprintf("gw-%d", i+1), hostileConfig)
+		exposeListeners(t, g)
 		g.start()
 		gws = append(gws, g)
 	}
@@ -258,6 +262,21 @@ func inspectTimes(t *testing.T, g *gw) []timedRecord {
 		recs = append(recs, timedRecord{string(b), at})
 	}
 	return recs
+}
+
+// exposeListeners opens a gateway's WebSocket listener (port 8080) and
+// its HTTP API (7880) on the LAN, where the attackers are.
+func exposeListeners(t *testing.T, g *gw) {
+	t.Helper()
+	b, err := os.ReadFile(g.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := strings.Replace(string(b), "  allow_anonymous: true\n", "  allow_anonymous: true\n  websocket:\n    listen: \"0.0.0.0:8080\"\n", 1)
+	s = strings.Replace(s, `  listen: "127.0.0.1:7880"`, `  listen: "0.0.0.0:7880"`, 1)
+	if err := os.WriteFile(g.cfg, []byte(s), 0o600); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // stopWithin sends SIGTERM and fails unless the process is gone within d.
@@ -880,4 +899,89 @@ func attackRepeatedFilter(ctx context.Context, a *attacker, g *gw) string {
 	_, _ = s.Write(subscribeFrame(5, 1, 1, filters...))
 	<-ctx.Done() // it never reads
 	return fmt.Sprintf("%d retained, one SUBSCRIBE of 2000 × #", acked)
+}
+
+// attackWebSocketIdle: sockets to the WebSocket port that send one plain
+// GET (no upgrade), or nothing at all, and stay.
+func attackWebSocketIdle(ctx context.Context, a *attacker, g *gw) string {
+	var held []net.Conn
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	opened := 0
+	for i := 0; i < 300 && ctx.Err() == nil; i++ {
+		c, err := dialIn(a.h, g.h.Addr()+":8080")
+		if err != nil {
+			continue
+		}
+		opened++
+		if i%2 == 0 {
+			fmt.Fprintf(c, "GET / HTTP/1.1\r\nHost: %s:8080\r\n\r\n", g.h.Addr())
+		}
+		held = append(held, c)
+	}
+	<-ctx.Done()
+	// What the gateway still holds open of them: a plain GET's answer is
+	// followed by a close, an idle socket is closed at connect_timeout.
+	open := 0
+	for _, c := range held {
+		_ = c.SetReadDeadline(time.Now().Add(10 * time.Millisecond))
+		var b [1024]byte
+		for {
+			_, err := c.Read(b[:])
+			if ne, ok := err.(net.Error); ok && ne.Timeout() {
+				open++
+				break
+			}
+			if err != nil {
+				break
+			}
+		}
+	}
+	return fmt.Sprintf("%d sockets, %d still open at the end", opened, open)
+}
+
+// attackHTTPHogs: keep-alive connections to the HTTP API, each sending a
+// request now and then, to hold every slot.
+func attackHTTPHogs(ctx context.Context, a *attacker, g *gw) string {
+	refused, served := 0, 0
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for i := 0; i < 64; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c, err := dialIn(a.h, g.h.Addr()+":7880")
+			if err != nil {
+				return
+			}
+			defer c.Close()
+			stop := context.AfterFunc(ctx, func() { c.Close() })
+			defer stop()
+			for ctx.Err() == nil {
+				fmt.Fprintf(c, "GET /healthz HTTP/1.1\r\nHost: %s:7880\r\n\r\n", g.h.Addr())
+				_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+				resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+				if err != nil {
+					return
+				}
+				resp.Body.Close()
+				mu.Lock()
+				if resp.StatusCode == 503 && resp.Header.Get("Retry-After") != "" {
+					refused++
+				} else {
+					served++
+				}
+				mu.Unlock()
+				select {
+				case <-ctx.Done():
+				case <-time.After(time.Second):
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return fmt.Sprintf("%d answered, %d refused", served, refused)
 }
