@@ -263,3 +263,30 @@ func TestSessionOverHalfTheMemoryBudgetIsDisconnected(t *testing.T) {
 		})
 	}
 }
+
+// A session whose replay filled its queue to its bounds stays behind: with
+// queue_full: disconnect, a record that finds the queue still full ends
+// the connection (0x97), as one that filled it live does. A replay that
+// stopped at the bounds used to leave the client connected for ever.
+func TestQueueFilledByAReplayDisconnectsWhenFull(t *testing.T) {
+	s, _ := testServer(t, nil, func(c *Config) { c.MaxQueued = 4; c.DisconnectWhenQueueFull = true })
+	props := &packets.Properties{ReceiveMaximum: 1, SessionExpiryInterval: 60, SessionExpiryIntervalFlag: true}
+	c := dialRaw(t, s.Addr(), 5)
+	c.connect("replayed", false, props)
+	c.subscribe(1, packets.Subscription{Filter: "rq/#", Qos: 1})
+	c.c.Close()
+	testutil.WaitFor(t, 5*time.Second, "the first connection to end", func() bool { return s.Clients() == 0 })
+	pub := dialRaw(t, s.Addr(), 5)
+	pub.connect("pub", true, nil)
+	for i := range 20 {
+		pub.publish("rq/x", 1, uint16(i+1), fmt.Sprint(i))
+		pub.expect(packets.Puback)
+	}
+	back := dialRaw(t, s.Addr(), 5)
+	back.connect("replayed", false, props) // reads nothing, acks nothing
+	pub.publish("rq/x", 1, 21, "live")
+	pub.expect(packets.Puback)
+	if code, ok := back.closed(); !ok || code != packets.ErrQuotaExceeded.Code {
+		t.Fatalf("a client whose replay filled its queue, then a live record: DISCONNECT %v %#x, want 0x97", ok, code)
+	}
+}

@@ -147,9 +147,18 @@ func (s *session) offer(it *outItem) {
 		return
 	case s.behind || len(s.owed) > 0:
 		s.behind, s.more = true, true
+		// A replay that filled the queue to its bounds leaves the
+		// session behind: with queue_full: disconnect, a record that
+		// finds it still full ends the connection, as it would have
+		// had the queue filled from live records.
+		full := it.qos > 0 && !s.roomLocked(outCost(it.m))
 		s.mu.Unlock()
 		if it.qos == 0 {
 			s.droppedQoS0()
+		}
+		if full && s.srv.cfg.DisconnectWhenQueueFull {
+			s.srv.refusal(s.id, "queue full: disconnected", "client", s.id)
+			c.end(packets.ErrQuotaExceeded)
 		}
 		return
 	case !s.roomLocked(outCost(it.m)):
@@ -291,8 +300,14 @@ func (s *session) replay(c *conn) bool {
 		s.mu.Unlock()
 		return false
 	}
-	// One scan fills the queue at most to its bounds.
+	// One scan fills the queue at most to its bounds. With queue_full:
+	// disconnect it may pass max_queued (not the byte bound): a client
+	// that reads nothing must find its queue over it, and be
+	// disconnected, rather than stay behind with room for one more.
 	maxItems, maxBytes := min(batch, s.srv.cfg.MaxQueued), s.srv.cfg.MaxQueuedBytes
+	if s.srv.cfg.DisconnectWhenQueueFull {
+		maxItems = batch
+	}
 	from := s.scanned + 1
 	ret, hasRet := s.srv.reader.(Retained)
 	if hasRet {
