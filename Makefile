@@ -15,6 +15,10 @@ LDFLAGS  := -s -w -X $(PKG)/internal/version.Version=$(VERSION) -X $(PKG)/intern
 # their clients; the plain pass runs them.
 RACE_PKGS := ./storage/ ./replication/ ./mqtt/ ./admin/ ./daemon/ ./uplink/
 RACE_SKIP := ^TestCrashKill9
+# The hostile-device suite floods its gateways as fast as two cores allow:
+# it runs on its own after the parallel pass, so that its load does not
+# starve the timing of the tests beside it.
+HOSTILE := ^TestHostileDevices
 # Packages whose tests also run on ARM under qemu-user (make test-arm).
 ARM_TEST_PKGS := ./storage/ ./replication/
 # Every go test run of make test and make test-arm goes through
@@ -68,7 +72,8 @@ vet:
 # on timeouts and elections, and a third binary fills the cores meanwhile.
 test: deps vet build $(TESTSUM)
 	@rm -f $(TESTREC)
-	$(GO) test -json -count=1 -p 3 -timeout 8m ./... | $(TESTSUM) -record $(TESTREC)
+	$(GO) test -json -count=1 -p 3 -timeout 8m -skip '$(HOSTILE)' ./... | $(TESTSUM) -record $(TESTREC)
+	$(GO) test -json -count=1 -timeout 8m -run '$(HOSTILE)' ./e2e/ | $(TESTSUM) -record $(TESTREC)
 	$(GO) test -json -count=1 -race -timeout 8m -skip '$(RACE_SKIP)' $(RACE_PKGS) | $(TESTSUM) -record $(TESTREC)
 	$(GO) test -json -run '^$$' -fuzz '^FuzzDecodeRecord$$' -fuzztime 60000x ./storage/ | $(TESTSUM) -record $(TESTREC)
 	$(GO) test -json -run '^$$' -fuzz '^FuzzDecodeFrame$$' -fuzztime 100000x ./storage/ | $(TESTSUM) -record $(TESTREC)
