@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"sync"
 	"time"
+
+	"github.com/tandem-edge/tandem/mqtt"
 )
 
 // The HTTP listener's connection budget. netutil.LimitListener makes
@@ -194,55 +196,8 @@ func refuseOver(h http.Handler, retryAfter time.Duration) http.Handler {
 }
 
 // sourceOf returns a's address and the key its connections are counted
-// by: the IPv4 address, or the /64 of an IPv6 address, which one host can
-// fill on its own (as the MQTT listener counts).
+// by, as the MQTT listener counts (mqtt.SourceKey).
 func sourceOf(a net.Addr) (netip.Addr, string) {
-	ap, err := netip.ParseAddrPort(a.String())
-	if err != nil {
-		return netip.Addr{}, a.String()
-	}
-	ip := ap.Addr().Unmap()
-	if ip.Is6() && !ip.IsLoopback() {
-		p, _ := ip.Prefix(64)
-		return ip, p.String()
-	}
-	return ip, ip.String()
-}
-
-// lineLimiter lets one log line per key through per interval, so a flood
-// of refused connections costs the journal a line a minute per address.
-type lineLimiter struct {
-	every time.Duration
-	mu    sync.Mutex           // guards next
-	next  map[string]time.Time // when each key may log again
-}
-
-const maxLineKeys = 4096
-
-// allow reports whether key may log now, and notes that it did.
-func (ll *lineLimiter) allow(key string, now time.Time) bool {
-	ll.mu.Lock()
-	defer ll.mu.Unlock()
-	if now.Before(ll.next[key]) {
-		return false
-	}
-	if ll.next == nil {
-		ll.next = map[string]time.Time{}
-	}
-	if len(ll.next) >= maxLineKeys {
-		for k, t := range ll.next {
-			if !now.Before(t) {
-				delete(ll.next, k)
-			}
-		}
-		if len(ll.next) >= maxLineKeys {
-			// Too many sources at once: one line a minute for the rest.
-			key = "\x00overflow"
-			if now.Before(ll.next[key]) {
-				return false
-			}
-		}
-	}
-	ll.next[key] = now.Add(ll.every)
-	return true
+	ap, _ := netip.ParseAddrPort(a.String())
+	return ap.Addr().Unmap(), mqtt.SourceKey(a)
 }

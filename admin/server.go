@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/mqtt"
 )
 
 // Gateway is what the admin server reads of the running gateway. The
@@ -64,7 +65,7 @@ type Server struct {
 	// isLocal judges a source loopback; nil means netip.Addr.IsLoopback.
 	// Tests set it to make some loopback addresses strangers.
 	isLocal      func(netip.Addr) bool
-	refusalLines lineLimiter
+	refusalLines *mqtt.LogLimiter
 
 	srv *http.Server
 	ln  net.Listener
@@ -83,7 +84,7 @@ func NewServer(cfg *config.Config, log *slog.Logger, gw Gateway, fv *FieldView) 
 	}
 	s := &Server{gw: gw, log: log, fv: fv, guard: g, mux: http.NewServeMux(),
 		maxConns: cmp.Or(cfg.HTTP.MaxConns, defaultHTTPMaxConns), maxConnsPerAddr: cmp.Or(cfg.HTTP.MaxConnsPerAddress, defaultHTTPMaxConnsPerAddr),
-		idleTimeout: cmp.Or(time.Duration(cfg.HTTP.IdleTimeout), defaultHTTPIdleTimeout), refusalLines: lineLimiter{every: time.Minute}}
+		idleTimeout: cmp.Or(time.Duration(cfg.HTTP.IdleTimeout), defaultHTTPIdleTimeout), refusalLines: mqtt.NewLogLimiter(time.Minute)}
 	s.mux.HandleFunc("GET /healthz", s.handleHealthz)
 	s.mux.HandleFunc("GET /v1/status", s.handleStatus)
 	s.mux.Handle("GET /metrics", fv.metricsHandler())
@@ -158,7 +159,7 @@ func (s *Server) Stop() {
 // minute per source address.
 func (s *Server) refused(reason, source string, open int) {
 	s.fv.httpRefused(reason)
-	if s.refusalLines.allow(source, time.Now()) {
+	if ok, _ := s.refusalLines.Allow(source, time.Now()); ok {
 		s.log.Warn("http connection refused: "+reason, "remote", source, "open", open,
 			"max_conns", s.maxConns, "max_conns_per_address", s.maxConnsPerAddr)
 	}

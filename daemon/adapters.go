@@ -58,9 +58,7 @@ func (a *logAdapter) Propose(m *mqtt.Message, mode mqtt.AckMode, done func(error
 	// master settles it; the cluster's own records are applied as they
 	// come (their senders act on their outcome themselves).
 	rec.Sync = rmode == replication.Sync && rec.Kind == storage.KindMessage
-	// Below FeatureControlKinds a member may still run a build that reads
-	// control records by their topic only.
-	rec.Legacy = rec.Kind != storage.KindMessage && a.d.gw.Node().FeatureLevel() < storage.FeatureControlKinds
+	rec.Legacy = rec.Kind != storage.KindMessage && a.d.gw.Node().LegacyControl()
 	data := storage.AppendRecord(make([]byte, 0, 64+len(m.Topic)+len(m.ClientID)+len(m.Payload)), &rec)
 	a.d.gw.Node().Propose(data, rmode, func(_ uint64, err error) {
 		if errors.Is(err, replication.ErrStorage) {

@@ -56,7 +56,7 @@ func newSkips(log *slog.Logger, counted func(string)) *skips {
 // else on its legacy topic, which every member's build reads.
 func controlRecord(n *replication.Node, kind storage.Kind, client string, payload []byte) storage.Record {
 	return storage.Record{
-		Kind: kind, Legacy: n.FeatureLevel() < storage.FeatureControlKinds,
+		Kind: kind, Legacy: n.LegacyControl(),
 		Origin: n.ID(), Seq: n.NextSeq(), ClientID: client, Topic: kind.LegacyTopic(),
 		Time: time.Now().UnixNano(), Payload: payload,
 	}

@@ -109,9 +109,9 @@ type inAck struct {
 	resend bool // a QoS 2 resend answered without a new record
 	msg    Message
 	in2    *inbound2 // QoS 2: the inbound entry this publish made
-	// release gives back the memory this publish is charged while the log
-	// takes it (memory.go); nil when nothing was charged.
-	release func()
+	// charged is the memory this publish holds while the log takes it
+	// (memory.go), given back when it is resolved.
+	charged int64
 }
 
 func newConn(s *Server, nc net.Conn, listener, host string) *conn {

@@ -98,7 +98,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 		}
 	}
 	srv.observer().Published(mode, qos, rule)
-	release := c.chargeIn(publishCost(len(pk.TopicName), len(pk.Payload)))
+	charged := c.chargeIn(publishCost(len(pk.TopicName), len(pk.Payload)))
 	if qos == 0 {
 		m := &Message{}
 		m.fromPacket(c.id, pk, now.UnixNano())
@@ -107,7 +107,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 			res.track(m.Seq)
 		}
 		srv.log.Propose(m, mode, func(err error) {
-			release()
+			c.releaseIn(charged)
 			if err != nil && res != nil {
 				res.release()
 			}
@@ -115,7 +115,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 		})
 		return true
 	}
-	a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now, release: release}
+	a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now, charged: charged}
 	m := &a.msg
 	m.fromPacket(c.id, pk, now.UnixNano())
 	srv.log.Reserve(m)
@@ -262,9 +262,7 @@ func (c *conn) queueAck(a *inAck) {
 // resolved is the done callback of a publish's proposal; it runs on the
 // log's goroutine and must not block.
 func (a *inAck) resolved(err error) {
-	if a.release != nil {
-		a.release()
-	}
+	a.c.releaseIn(a.charged)
 	if in := a.in2; in != nil {
 		s := a.c.sess
 		s.mu.Lock()

@@ -160,9 +160,10 @@ func quietEnd(err error) bool {
 		(errors.Is(err, os.ErrDeadlineExceeded) && !strings.HasPrefix(err.Error(), "read connection: "))
 }
 
-// sourceKey is what the connect rate is counted by: the IPv4 address, or
-// the /64 of an IPv6 address, which one host can fill on its own.
-func sourceKey(a net.Addr) string {
+// SourceKey is what the connect rate, and the HTTP API's connection budget,
+// are counted by: the IPv4 address, or the /64 of an IPv6 address, which
+// one host can fill on its own.
+func SourceKey(a net.Addr) string {
 	ap, err := netip.ParseAddrPort(a.String())
 	if err != nil {
 		return a.String()
@@ -234,10 +235,10 @@ func (c *connRate) pruneLocked(now time.Time) {
 	}
 }
 
-// logLimiter lets one log line per key through per interval and counts the
+// LogLimiter lets one log line per key through per interval and counts the
 // ones it holds back, so a flood of bad clients or packets costs the
 // journal one line a minute each, not one per packet.
-type logLimiter struct {
+type LogLimiter struct {
 	every time.Duration
 	mu    sync.Mutex // guards seen
 	seen  map[string]*logSeen
@@ -250,13 +251,13 @@ type logSeen struct {
 
 const maxLogKeys = 4096
 
-func newLogLimiter(every time.Duration) *logLimiter {
-	return &logLimiter{every: every, seen: map[string]*logSeen{}}
+func NewLogLimiter(every time.Duration) *LogLimiter {
+	return &LogLimiter{every: every, seen: map[string]*logSeen{}}
 }
 
-// allow reports whether a line with key may be logged now, and how many
+// Allow reports whether a line with key may be logged now, and how many
 // lines with that key were held back since the last one.
-func (l *logLimiter) allow(key string, now time.Time) (bool, int) {
+func (l *LogLimiter) Allow(key string, now time.Time) (bool, int) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	s := l.seen[key]
@@ -286,12 +287,12 @@ func (l *logLimiter) allow(key string, now time.Time) (bool, int) {
 	return true, held
 }
 
-// limitedHandler passes info and warning records through a logLimiter,
+// limitedHandler passes info and warning records through a LogLimiter,
 // keyed by message and client (or remote address); debug records, which
 // an operator asks for, and errors, which are rare, go through as they are.
 type limitedHandler struct {
 	slog.Handler
-	lim *logLimiter
+	lim *LogLimiter
 }
 
 // Handle passes r on unless its key has had its line this interval.
@@ -310,7 +311,7 @@ func (h limitedHandler) Handle(ctx context.Context, r slog.Record) error {
 	if now.IsZero() {
 		now = time.Now()
 	}
-	ok, held := h.lim.allow(key, now)
+	ok, held := h.lim.Allow(key, now)
 	if !ok {
 		return nil
 	}

@@ -60,15 +60,15 @@ func TestSourceKeyGroupsIPv6By64(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got := sourceKey(a); got != tt.want {
-			t.Errorf("sourceKey(%s) = %s, want %s", tt.addr, got, tt.want)
+		if got := SourceKey(a); got != tt.want {
+			t.Errorf("SourceKey(%s) = %s, want %s", tt.addr, got, tt.want)
 		}
 	}
 }
 
 func TestLimitedHandlerLogsOncePerKey(t *testing.T) {
 	var buf bytes.Buffer
-	h := limitedHandler{slog.NewTextHandler(&buf, nil), newLogLimiter(time.Minute)}
+	h := limitedHandler{slog.NewTextHandler(&buf, nil), NewLogLimiter(time.Minute)}
 	log := slog.New(h)
 	t0 := time.Now()
 	for i := 0; i < 100; i++ {
@@ -93,15 +93,15 @@ func TestLimitedHandlerLogsOncePerKey(t *testing.T) {
 }
 
 func TestLogLimiterBoundsItsKeys(t *testing.T) {
-	l := newLogLimiter(time.Minute)
+	l := NewLogLimiter(time.Minute)
 	t0 := time.Unix(1000, 0)
 	for i := 0; i < maxLogKeys; i++ {
-		l.allow(fmt.Sprint(i), t0)
+		l.Allow(fmt.Sprint(i), t0)
 	}
-	if ok, _ := l.allow("one more", t0); !ok {
+	if ok, _ := l.Allow("one more", t0); !ok {
 		t.Fatal("first line of the overflow key refused")
 	}
-	if ok, _ := l.allow("and another", t0); ok {
+	if ok, _ := l.Allow("and another", t0); ok {
 		t.Fatal("a flood of distinct keys must share one line a minute")
 	}
 	if len(l.seen) > maxLogKeys+1 {

@@ -88,7 +88,7 @@ func (l *srvListener) serve() {
 // admit refuses nc or starts its connection.
 func (l *srvListener) admit(nc net.Conn) {
 	s := l.srv
-	host := sourceKey(nc.RemoteAddr())
+	host := SourceKey(nc.RemoteAddr())
 	if !s.connRate.allow(host, time.Now()) {
 		nc.Close()
 		s.refusal(host, refusedRate, "listener", l.id, "source", host)

@@ -101,22 +101,31 @@ func publishCost(topic, payload int) int64 { return int64(2*(topic+payload) + me
 // inboundHeld is what this connection's publishes waiting for the log hold.
 func (c *conn) inboundHeld() int64 { return c.heldIn.Load() }
 
-// chargeIn charges a publish read from this connection; the returned func
-// releases it once the log has taken or refused it.
-func (c *conn) chargeIn(cost int64) func() {
+// chargeIn charges a publish read from this connection and returns what it
+// charged (0 without a budget), for releaseIn once the log has taken or
+// refused it. No closure: this is the publish path.
+func (c *conn) chargeIn(cost int64) int64 {
 	m := c.srv.mem
 	if !m.on() {
-		return func() {}
+		return 0
 	}
 	m.charge(cost)
 	c.heldIn.Add(cost)
-	return func() {
-		m.release(cost)
-		if c.heldIn.Add(-cost) < m.limit/16*inboundShare16 {
-			select {
-			case c.memSig <- struct{}{}:
-			default:
-			}
+	return cost
+}
+
+// releaseIn gives back what chargeIn charged, and wakes the read loop if
+// it waits for this connection's share.
+func (c *conn) releaseIn(cost int64) {
+	if cost == 0 {
+		return
+	}
+	m := c.srv.mem
+	m.release(cost)
+	if c.heldIn.Add(-cost) < m.limit/16*inboundShare16 {
+		select {
+		case c.memSig <- struct{}{}:
+		default:
 		}
 	}
 }

@@ -39,7 +39,7 @@ type Server struct {
 	reader       LogReader    // nil: replays find nothing
 	lines        *slog.Logger // rate-limited: info and warnings once a minute per message and client
 	refusalLines *slog.Logger // cfg.Logger, for lines limited by refusals
-	refusals     *logLimiter  // refused clients and packets: once a minute per reason and source
+	refusals     *LogLimiter  // refused clients and packets: once a minute per reason and source
 	store        SessionStore // nil: sessions and retained messages live in memory only
 
 	access atomic.Pointer[Access]
@@ -122,9 +122,9 @@ func NewServer(cfg Config, log Log) (*Server, error) {
 	}
 	mem := newMemAccount(cfg.Limits.Memory)
 	s := &Server{cfg: cfg, log: log,
-		lines:        slog.New(limitedHandler{cfg.Logger.Handler(), newLogLimiter(time.Minute)}),
+		lines:        slog.New(limitedHandler{cfg.Logger.Handler(), NewLogLimiter(time.Minute)}),
 		refusalLines: cfg.Logger,
-		refusals:     newLogLimiter(time.Minute),
+		refusals:     NewLogLimiter(time.Minute),
 		store:        cfg.Sessions,
 		connRate:     newConnRate(cfg.Limits.ConnectRate, cfg.Limits.ConnectBurst),
 		maxOpenConns: int64(2*cfg.Limits.MaxClients + 16),
@@ -617,7 +617,7 @@ func (s *Server) observer() Observer {
 // a connected client ("" for those tied to neither).
 func (s *Server) refusal(key, reason string, args ...any) {
 	s.observer().Refused(reason)
-	ok, held := s.refusals.allow(reason+"\x00"+key, time.Now())
+	ok, held := s.refusals.Allow(reason+"\x00"+key, time.Now())
 	if !ok {
 		return
 	}

@@ -168,7 +168,7 @@ func (a *wsAdmission) Accept() (net.Conn, error) {
 // or closes it and returns nil.
 func (a *wsAdmission) admit(nc net.Conn) net.Conn {
 	s := a.l.srv
-	host := sourceKey(nc.RemoteAddr())
+	host := SourceKey(nc.RemoteAddr())
 	if !s.connRate.allow(host, time.Now()) {
 		nc.Close()
 		s.refusal(host, refusedRate, "listener", wsListenerID, "source", host)

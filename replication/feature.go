@@ -92,6 +92,12 @@ func (t *PeerTransport) levelOK(r Remote) error {
 // it: what the records it writes may use.
 func (n *Node) FeatureLevel() int { return int(n.level.Load()) }
 
+// LegacyControl reports whether this member writes its control records in
+// the encoding before record kinds (storage.Record.Legacy): until the
+// cluster's level is FeatureControlKinds a member may run a build that
+// reads them by their topic only.
+func (n *Node) LegacyControl() bool { return n.FeatureLevel() < storage.FeatureControlKinds }
+
 // maybeRaiseLevel logs the raise of the cluster's feature level to this
 // build's once every member's build knows it. Loop-owned; a master calls
 // it from its ticks.

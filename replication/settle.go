@@ -211,7 +211,7 @@ func (n *Node) settleTurn(now time.Time) {
 	}
 	s := Settlement{Upto: max(upto, st.sentUpto), Abort: st.aborts, Doubt: st.doubt, Alone: st.doubt > 0 && st.alone}
 	b, _ := json.Marshal(s) // numbers only: cannot fail
-	rec := storage.Record{Kind: storage.KindSettle, Legacy: n.FeatureLevel() < storage.FeatureControlKinds,
+	rec := storage.Record{Kind: storage.KindSettle, Legacy: n.LegacyControl(),
 		Origin: n.id, Seq: n.NextSeq(), Topic: SettleTopic, Time: now.UnixNano(), Payload: b}
 	st.aborts, st.doubt, st.dirty, st.last = nil, 0, false, now
 	prevUpto := st.sentUpto
