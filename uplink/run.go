@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 	"sync"
 	"time"
 
@@ -513,11 +514,16 @@ func (u *Uplink) acker(ctx context.Context, fifo <-chan *entry, slots chan struc
 
 // downlinkRule is the downlink rule a message from the cloud on topic
 // falls under, nil for none (a subscription of an earlier config, kept in
-// the cloud session).
+// the cloud session). A message whose local topic would start with $ matches none: $ topics
+// are the server's, and no device, the cloud included, may write one
+// (DESIGN.md, "The record").
 func (u *Uplink) downlinkRule(topic string) *DownlinkRule {
 	for i := range u.cfg.Downlink {
-		if u.match(u.cfg.Downlink[i].Remote, topic) {
-			return &u.cfg.Downlink[i]
+		if d := &u.cfg.Downlink[i]; u.match(d.Remote, topic) {
+			if strings.HasPrefix(d.LocalPrefix+topic, "$") {
+				return nil
+			}
+			return d
 		}
 	}
 	return nil

@@ -761,3 +761,23 @@ func TestRefusedByTheCloudIsRetriedNotLost(t *testing.T) {
 	testutil.WaitFor(t, 10*time.Second, "the refused record, once allowed", func() bool { return rec.distinct() == 3 })
 	checkPerPublisher(t, rec.all(), map[string]int{"p": 3})
 }
+
+// A cloud message whose local topic would start with $ is no downlink
+// message: $ topics are the server's, and through them a cloud could
+// otherwise write what a gateway before record kinds read as its own
+// control records ($tandem/settle, $tandem/uplinks).
+func TestDownlinkNeverWritesADollarTopic(t *testing.T) {
+	u := &Uplink{match: filters.Match, cfg: Config{Downlink: []DownlinkRule{
+		{Remote: "$tandem/#"},
+		{Remote: "cmd/#", LocalPrefix: "$SYS/"},
+		{Remote: "ok/#", LocalPrefix: "cloud/"},
+	}}}
+	for _, topic := range []string{"$tandem/settle", "$tandem/uplinks", "cmd/x"} {
+		if r := u.downlinkRule(topic); r != nil {
+			t.Errorf("cloud topic %s goes down as %s", topic, r.LocalPrefix+topic)
+		}
+	}
+	if r := u.downlinkRule("ok/x"); r == nil || r.LocalPrefix != "cloud/" {
+		t.Fatalf("ok/x: rule %+v", r)
+	}
+}
