@@ -76,6 +76,9 @@ type conn struct {
 	// (memory.go).
 	heldIn atomic.Int64
 	memSig chan struct{}
+	// willCharge is what the will is charged while the connection holds
+	// it; the read loop's goroutine alone touches it.
+	willCharge int64
 	// refusedConnect: a refusing CONNACK was sent (the read loop's own);
 	// the socket lingers before it closes, as after a DISCONNECT.
 	refusedConnect bool
@@ -490,6 +493,7 @@ func (c *conn) finish() {
 	if c.sess != nil {
 		c.srv.detach(c)
 	}
+	c.srv.mem.release(c.willCharge) // proposed or dropped; a delayed one took it
 }
 
 // lingerFor and lingerBytes bound how long, and how much, a connection the

@@ -237,6 +237,10 @@ func (c *conn) checkWill(pk *packets.Packet) bool {
 		c.willDelay = wp.WillDelayInterval
 	}
 	c.will = w
+	// Held for as long as the connection (and a will delay after it):
+	// charged to the memory account (memory.go) until then.
+	c.willCharge = publishCost(len(topic), len(w.Payload))
+	c.srv.mem.charge(c.willCharge)
 	return true
 }
 
@@ -311,9 +315,8 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 				return nil, false, whyMaxSessions
 			}
 		}
-		if t := s.wills[c.id]; t != nil {
-			t.Stop() // [MQTT-3.1.3-9]: back before its will's delay ran out
-			delete(s.wills, c.id)
+		if w := s.wills[c.id]; w != nil {
+			s.dropWillLocked(c.id, w) // [MQTT-3.1.3-9]: back before its will's delay ran out
 		}
 		if se != nil && clean {
 			s.endSessionLocked(se, false) // the start record says clean
@@ -425,16 +428,20 @@ func (s *Server) detach(c *conn) {
 		// [MQTT-3.1.3-9]: the will waits for its delay or the session's
 		// end, whichever comes first; a reconnect cancels it.
 		d := time.Duration(min(delay, expiry)) * time.Second
-		s.wills[c.id] = time.AfterFunc(d, func() {
+		pw := &pendingWill{cost: c.willCharge}
+		c.willCharge = 0 // the pending will holds it now
+		pw.t = time.AfterFunc(d, func() {
 			s.mu.Lock()
-			if s.wills[c.id] == nil {
+			if s.wills[c.id] != pw {
 				s.mu.Unlock()
 				return
 			}
 			delete(s.wills, c.id)
 			s.mu.Unlock()
 			s.proposeWill(will)
+			s.mem.release(pw.cost)
 		})
+		s.wills[c.id] = pw
 		sendWill = false
 	}
 	s.mu.Unlock()
@@ -474,6 +481,21 @@ func (s *Server) endSessionLocked(se *session, tell bool) {
 		delete(s.sessions, se.id)
 	}
 	s.deleteSessionState(se.id)
+}
+
+// pendingWill is a will waiting for its delay, and what it is charged in
+// the memory account.
+type pendingWill struct {
+	t    *time.Timer
+	cost int64
+}
+
+// dropWillLocked cancels id's pending will w. Called with s.mu held.
+func (s *Server) dropWillLocked(id string, w *pendingWill) {
+	if w.t.Stop() {
+		s.mem.release(w.cost) // its func will not run
+	}
+	delete(s.wills, id)
 }
 
 // proposeWill logs a will as a record.

@@ -125,8 +125,7 @@ wait:
 		c.endTo(codeRestore, "", restoreWhy)
 	}
 	for id, w := range s.wills {
-		w.Stop()
-		delete(s.wills, id)
+		s.dropWillLocked(id, w)
 	}
 	s.retained.reset()
 	s.retained.dropPending()

@@ -62,7 +62,7 @@ type Server struct {
 
 	mu       sync.Mutex          // guards sessions and wills
 	sessions map[string]*session // by client id, online and offline
-	wills    map[string]*time.Timer
+	wills    map[string]*pendingWill
 
 	index    *topicIndex
 	retained *retainStore
@@ -132,7 +132,7 @@ func NewServer(cfg Config, log Log) (*Server, error) {
 		preAuth:      &byteBudget{max: preAuthBudget},
 		mem:          mem,
 		sessions:     map[string]*session{},
-		wills:        map[string]*time.Timer{},
+		wills:        map[string]*pendingWill{},
 		index:        newTopicIndex(),
 		retained:     newRetainStore(&cfg.Limits, cfg.Sessions, mem),
 		stopc:        make(chan struct{}),
@@ -319,9 +319,8 @@ func (s *Server) Stop() error {
 	}
 	s.wg.Wait()
 	s.mu.Lock()
-	for id, t := range s.wills {
-		t.Stop()
-		delete(s.wills, id)
+	for id, w := range s.wills {
+		s.dropWillLocked(id, w)
 	}
 	s.mu.Unlock()
 	if s.store != nil {
