@@ -136,6 +136,12 @@ func (a *applier) Apply(index uint64, data []byte) error {
 		return nil
 	}
 	held := storage.RecordSync(data) // held until the master settles it
+	if kind != storage.KindMessage {
+		// Uplinks count and forward device messages only; a control
+		// record moves them past its index under a $ topic, which no
+		// rule forwards, whatever topic (or none) the record carries.
+		topic = []byte("$tandem/" + kind.String())
+	}
 	a.ups.notify(index, topic, len(data), held)
 	switch kind {
 	case storage.KindMessage, storage.KindSession, storage.KindCursors:

@@ -17,6 +17,8 @@ import (
 	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/internal/cloudtest"
 	"github.com/tandem-edge/tandem/internal/testutil"
+	"github.com/tandem-edge/tandem/replication"
+	"github.com/tandem-edge/tandem/storage"
 	"github.com/tandem-edge/tandem/uplink"
 )
 
@@ -297,4 +299,45 @@ func TestUplinkDropOldestCountsWhatTheCloudMisses(t *testing.T) {
 	}
 	checkOrder(t, rec.Msgs())
 	assertAnswersAndStops(t, d)
+}
+
+// An uplink whose rule is # forwards device messages only: the gateway's
+// own records (its feature level, a control kind of a later release: they
+// have no device topic, or one that # would match) never reach the cloud,
+// count in no backlog, and do not stop the uplink.
+func TestUplinkOfEverythingForwardsNoControlRecord(t *testing.T) {
+	cloud := cloudtest.Start(t, "127.0.0.1", 0, nil)
+	rec := cloudtest.Record(t, dialTo(cloud.Addr()), "#")
+	d := testGateway(t, t.TempDir(), withUplink(cloud.URL(), func(u *config.UplinkConfig) {
+		u.Topics = []config.UplinkTopic{{Match: "#", RemotePrefix: "site/"}}
+		u.Downlink = nil
+	}))
+	n := d.gw.Node()
+	for _, r := range []storage.Record{
+		{Kind: storage.Kind(200), Topic: "dev/looks-like-a-device", Payload: []byte("later")},
+		{Kind: storage.KindFeature, Payload: []byte{storage.FeatureLevel}},
+	} {
+		r.Origin, r.Seq, r.Time = n.ID(), n.NextSeq(), time.Now().UnixNano()
+		done := make(chan error, 1)
+		n.Propose(storage.AppendRecord(nil, &r), replication.Async, func(_ uint64, err error) { done <- err })
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if codes := publishFrom(t, d, []string{"a"}, 5); codes[0] != 5 {
+		t.Fatalf("publish answers %v", codes)
+	}
+	testutil.WaitFor(t, 10*time.Second, "the 5 device messages at the cloud, and an empty backlog", func() bool {
+		s := uplinkStatus(t, d)
+		n, _ := rec.Distinct()
+		return n >= 5 && s.Connected && s.BacklogRecords == 0
+	}, func() string { return fmt.Sprintf("%+v; cloud has %d", uplinkStatus(t, d), len(rec.Msgs())) })
+	for _, m := range rec.Msgs() {
+		if m.Topic != "site/dev/a" {
+			t.Fatalf("the cloud got %q on %q: not a device message", m.Payload, m.Topic)
+		}
+	}
+	if s := uplinkStatus(t, d); s.LastError != "" {
+		t.Fatalf("uplink error: %s", s.LastError)
+	}
 }

@@ -439,8 +439,10 @@ func (l uplinkLog) Committed(from, to uint64, fn func(r *uplink.Record) bool) er
 				}
 			}
 			rec, err := storage.DecodeRecord(e.Data)
-			if err != nil {
-				return len(batch) < scanChunk // the applier counted and skipped it
+			if err != nil || rec.Kind != storage.KindMessage {
+				// The applier counted what it could not read; the
+				// gateway's own records never leave the cluster.
+				return len(batch) < scanChunk
 			}
 			batch = append(batch, uplinkRecord(e.Index, &rec, len(e.Data)))
 			return len(batch) < scanChunk

@@ -22,9 +22,10 @@ const (
 	SaveAcks  = 1000
 )
 
-// controlPrefix marks tandem's own records (sessions, cursors, uplink
-// positions): they never leave the cluster.
-const controlPrefix = "$tandem/"
+// serverPrefix starts the server's topics: no device writes one, and the
+// gateway's own records are notified under one (they never leave the
+// cluster), so no rule forwards them, # included.
+const serverPrefix = "$"
 
 // oldestScanLimit bounds the records Status looks at to find the oldest
 // undelivered one.
@@ -380,10 +381,10 @@ func (u *Uplink) Status() Status {
 }
 
 // ruleFor is the topic rule a record's topic goes up under, nil for none:
-// tandem's control records never, nor what this uplink's own downlink
-// brought in (a loop).
+// a $ topic never (tandem's control records), nor what this uplink's own
+// downlink brought in (a loop).
 func (u *Uplink) ruleFor(topic string) *TopicRule {
-	if strings.HasPrefix(topic, controlPrefix) {
+	if strings.HasPrefix(topic, serverPrefix) {
 		return nil
 	}
 	for i := range u.cfg.Downlink {
