@@ -33,9 +33,9 @@ func (h clusterHost) Remember(from uint64) error {
 // backlog and on_full: refuse holds back, as the publish path does for
 // the master's own devices.
 func (h clusterHost) Admit(data []byte) error {
-	topic, _, err := storage.RecordTopic(data)
-	if err != nil || !h.d.ups.refuses(string(topic)) {
-		return nil
+	kind, topic, _, err := storage.RecordHead(data)
+	if err != nil || kind != storage.KindMessage || !h.d.ups.refuses(string(topic)) {
+		return nil // a control record holds up no uplink
 	}
 	return fmt.Errorf("%w: an uplink's backlog is full (on_full: refuse)", replication.ErrStorage)
 }
