@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -42,7 +43,8 @@ import (
 // on SIGTERM within 5 s.
 //
 // TANDEM_HOSTILE_SEED replays a run; TANDEM_HOSTILE_LONG=1 runs each attack
-// for longer (make test runs the short form).
+// for longer (make test runs the short form); TANDEM_HOSTILE_ONLY=text runs
+// only the rows whose name holds text.
 
 const (
 	hostileMemory   = 64 << 20 // limits.memory of the gateways under attack
@@ -90,6 +92,7 @@ type attacker struct {
 	t   *testing.T
 	h   *netns.Host
 	rng *rand.Rand
+	gws []*gw // every member, for a row that must find the master
 }
 
 func (a *attacker) dial(g *gw) (net.Conn, error) {
@@ -109,6 +112,8 @@ func hostileAttacks() []attack {
 		{"one SUBSCRIBE of 2000 × # over 1000 retained", attackRepeatedFilter},
 		{"WebSocket sockets that send one plain GET and idle", attackWebSocketIdle},
 		{"keep-alive connections holding the HTTP API", attackHTTPHogs},
+		{"40 addresses guessing the pairing code in parallel", attackPairingGuesses},
+		{"40 addresses × 4 sockets holding the peer port", attackPeerStrangers},
 	}
 }
 
@@ -127,6 +132,9 @@ func runHostile(t *testing.T, members int) {
 		each = 30 * time.Second
 	}
 	rows := hostileAttacks()
+	if only := os.Getenv("TANDEM_HOSTILE_ONLY"); only != "" {
+		rows = slices.DeleteFunc(rows, func(r attack) bool { return !strings.Contains(r.name, only) })
+	}
 	// The members, the well-behaved device, and an attacker host per row:
 	// an address's connect rate and connection caps hold one row's
 	// attacker, not the next one's.
@@ -152,7 +160,7 @@ func runHostile(t *testing.T, members int) {
 
 	rng.Shuffle(len(rows), func(i, j int) { rows[i], rows[j] = rows[j], rows[i] })
 	for i, row := range rows {
-		a := &attacker{t: t, h: nt.Hosts[members+1+i], rng: rng}
+		a := &attacker{t: t, h: nt.Hosts[members+1+i], rng: rng, gws: gws}
 		target := gws[rng.IntN(len(gws))]
 		ctx, cancel := context.WithTimeout(context.Background(), each)
 		start := time.Now()

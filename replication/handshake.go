@@ -97,6 +97,9 @@ func (t *PeerTransport) KnockWith(ctx context.Context, addr string, pin [32]byte
 // a CA would vouch for.
 func (t *PeerTransport) dial(ctx context.Context, addr string, pin [32]byte, anyCert bool, purpose byte) (*tls.Conn, *frameReader, Remote, error) {
 	d := net.Dialer{Timeout: handshakeTimeout, KeepAlive: 15 * time.Second}
+	if t.cfg.LocalAddr != nil {
+		d.LocalAddr = t.cfg.LocalAddr
+	}
 	nc, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
 		return nil, nil, Remote{}, fmt.Errorf("%w: %v", ErrPeerUnreachable, err)

@@ -102,6 +102,10 @@ type TransportConfig struct {
 	Identity *Identity
 	// Listen is the peer port's address ("" to only dial, e.g. to Knock).
 	Listen string
+	// LocalAddr, if set, is the address this node dials from (a host of
+	// several addresses may pin the one its peers know it by); nil leaves
+	// the choice to the routing table.
+	LocalAddr *net.TCPAddr
 	// Peers is the initial member set; see SetPeers.
 	Peers []PeerInfo
 	// Logger receives connection events; nil discards them.
