@@ -254,6 +254,20 @@ func clusterRound(bin, base string, seed uint64) (*clusterOutcome, error) {
 	}
 	stop, wait := runClients(clients, ms[0].mqtt)
 	defer stop()
+	// A cut before any ack tests nothing: on a loaded host the clients may
+	// take a while to connect, so the seeded moment counts from the first
+	// ack of each.
+	waitFor(15*time.Second, func() bool {
+		for _, c := range clients {
+			c.mu.Lock()
+			n := len(c.acked)
+			c.mu.Unlock()
+			if n == 0 {
+				return false
+			}
+		}
+		return true
+	})
 	time.Sleep(time.Duration(300+rng.IntN(700)) * time.Millisecond) // the seeded moment: load runs meanwhile
 	// All three at once: the first in the seeded order (at the master's
 	// next WAL write, when aimed), the others right after it.
