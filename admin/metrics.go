@@ -18,6 +18,8 @@ import (
 	"github.com/tandem-edge/tandem/internal/version"
 	"github.com/tandem-edge/tandem/mqtt"
 	"github.com/tandem-edge/tandem/replication"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // Ack outcomes, the "outcome" label of tandem_mqtt_acks_sent_total. An enum
@@ -271,9 +273,9 @@ func (fv *FieldView) OnCommit(sync time.Duration, entries int) {
 		return
 	}
 	n := fv.slowCount.Add(1)
-	now := time.Now().UnixNano()
+	now := int64(clock.Mono()) // a jump back of the wall clock must not mute it
 	last := fv.slowLogged.Load()
-	if now-last < int64(slowFsyncEvery) || !fv.slowLogged.CompareAndSwap(last, now) {
+	if (last != 0 && now-last < int64(slowFsyncEvery)) || !fv.slowLogged.CompareAndSwap(last, now) {
 		return
 	}
 	fv.slowCount.Add(-n)

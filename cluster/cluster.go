@@ -21,6 +21,8 @@ import (
 	"github.com/tandem-edge/tandem/discovery"
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // Requests one member makes of another over the peer link (tandem's own,
@@ -333,7 +335,7 @@ func (c *cluster) startTransport() error {
 			return true
 		},
 		OnRaft: func(_ uint64, msgs []raftpb.Message) {
-			c.failover.heard.Store(time.Now().UnixNano())
+			c.failover.heard.Store(int64(clock.Mono()))
 			n := d.node()
 			if n == nil {
 				return // still starting: raft resends
@@ -493,7 +495,7 @@ func (c *cluster) onRequest(ctx context.Context, from uint64, kind byte, payload
 		return nil, errors.New("this gateway is still starting")
 	}
 	if from == n.Leader() {
-		c.failover.heard.Store(time.Now().UnixNano()) // the master is alive
+		c.failover.heard.Store(int64(clock.Mono())) // the master is alive
 	}
 	switch kind {
 	case reqForward:

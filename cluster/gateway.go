@@ -6,11 +6,12 @@ import (
 	"log/slog"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // Gateway is the control plane of one gateway: the replication node in
@@ -136,7 +137,7 @@ func (d *Gateway) restartNode(prep func() error, join bool, quietUntil uint64) e
 		return err
 	}
 	d.host.Rewind(quietUntil)
-	d.cl.failover.heard.Store(time.Now().UnixNano()) // a new membership: silence counts from now
+	d.cl.failover.heard.Store(int64(clock.Mono())) // a new membership: silence counts from now
 	if err := d.startNode(join); err != nil {
 		err = fmt.Errorf("restarting replication: %w", err)
 		d.host.Fail(err)
@@ -150,7 +151,7 @@ func (d *Gateway) restartNode(prep func() error, join bool, quietUntil uint64) e
 func NewGateway(cfg *config.Config, log *slog.Logger, id *replication.Identity, db *storage.DB, host Host) (*Gateway, error) {
 	d := &Gateway{cfg: cfg, log: log, id: id, db: db, host: host}
 	d.cl = &cluster{d: d, invites: &inviteBook{}, peerTopics: map[uint64]string{}, warned: map[uint64]string{}, stopc: make(chan struct{}), membersSig: make(chan struct{}, 1)}
-	d.cl.failover.heard.Store(time.Now().UnixNano()) // silence counts from the start
+	d.cl.failover.heard.Store(int64(clock.Mono())) // silence counts from the start
 	if err := d.cl.loadMeta(db); err != nil {
 		return nil, err
 	}

@@ -6,6 +6,8 @@ import (
 
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // Internals reaches into the control plane for the daemon's integration
@@ -50,7 +52,9 @@ func (i Internals) DeposedRecord() (old replication.Member, fork uint64, ok bool
 }
 
 // SetLastHeard pretends the master was last heard from at t.
-func (i Internals) SetLastHeard(t time.Time) { i.d.cl.failover.heard.Store(t.UnixNano()) }
+func (i Internals) SetLastHeard(t time.Time) {
+	i.d.cl.failover.heard.Store(int64(clock.Mono() - time.Since(t)))
+}
 
 // FailoverSilence is how long the master has not been heard from.
 func (i Internals) FailoverSilence() time.Duration { return i.d.cl.failover.silence() }

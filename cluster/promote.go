@@ -12,6 +12,8 @@ import (
 
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // Metadata a promotion leaves on the promoted node, for the deposed master
@@ -27,8 +29,8 @@ const ErrNotDeposed = "not deposed by this node"
 // failoverState is the keeper's view of the master's silence, for
 // failover: auto.
 type failoverState struct {
-	// heard is when anything last arrived from the master (Unix
-	// nanoseconds): raft messages of any kind, heartbeats included, and
+	// heard is when anything last arrived from the master (clock.Mono:
+	// a wall-clock jump neither fires nor stalls a failover): raft messages of any kind, heartbeats included, and
 	// requests. A delayed link that still flows keeps moving it.
 	heard   atomic.Int64
 	slowLog rateLimit // the "slow, not dead" warning
@@ -36,7 +38,7 @@ type failoverState struct {
 
 // silence is how long nothing has arrived from the master.
 func (f *failoverState) silence() time.Duration {
-	return time.Since(time.Unix(0, f.heard.Load()))
+	return clock.Mono() - time.Duration(f.heard.Load())
 }
 
 // promote makes this node, the slave of a 2-gateway cluster, its master
@@ -271,7 +273,7 @@ func (c *cluster) failoverRound(master replication.Member, after time.Duration) 
 	case alive:
 		// A slow or lossy link, not a dead master: promoting now would
 		// make two masters for as long as the link stays slow.
-		c.failover.heard.Store(time.Now().UnixNano())
+		c.failover.heard.Store(int64(clock.Mono()))
 		if c.failover.slowLog.allow(30 * time.Second) {
 			d.log.Warn("the master sent nothing on the raft link for a while but answers a probe: not promoting", "peer", master.Name, "silent", before.Round(time.Millisecond), "rtt", c.rtt.get().Round(time.Millisecond))
 		}
@@ -283,7 +285,7 @@ func (c *cluster) failoverRound(master replication.Member, after time.Duration) 
 	defer pcancel()
 	if _, err := c.promote(pctx, true, fmt.Sprintf("failover: auto, nothing from the master for %v and no answer to a probe", silent.Round(time.Second))); err != nil {
 		d.log.Error("automatic failover failed; will retry", "error", err)
-		c.failover.heard.Store(time.Now().UnixNano())
+		c.failover.heard.Store(int64(clock.Mono()))
 		return false
 	}
 	return true

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/tandem-edge/tandem/replication"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // The deposed master's side of a forced promotion (DESIGN.md, "Forced
@@ -43,9 +45,9 @@ type rateLimit struct{ last atomic.Int64 }
 
 // allow reports whether the event may happen now, and if so counts it.
 func (r *rateLimit) allow(every time.Duration) bool {
-	now := time.Now().UnixNano()
+	now := int64(clock.Mono()) // a jump back of the wall clock must not mute it
 	last := r.last.Load()
-	return now-last >= int64(every) && r.last.CompareAndSwap(last, now)
+	return (last == 0 || now-last >= int64(every)) && r.last.CompareAndSwap(last, now)
 }
 
 // rttEstimate is a smoothed round trip to the other members (RFC 6298's

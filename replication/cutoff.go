@@ -5,6 +5,8 @@ import (
 
 	"go.etcd.io/raft/v3"
 	"go.etcd.io/raft/v3/tracker"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // A master cut off from the majority.
@@ -51,7 +53,7 @@ func (n *Node) checkCutOff(now time.Time) {
 			n.log.Info("a majority of the cluster is in reach again")
 		}
 	case n.leader && n.cutOff.Load() == 0 && !n.catchingUp():
-		n.cutOff.Store(now.UnixNano())
+		n.cutOff.Store(int64(clock.Mono()))
 		n.log.Warn("this master has heard from no majority of the voters for an election timeout: it is cut off", "voters", voters, "heard", heard, "term", n.rn.BasicStatus().Term)
 	}
 }
@@ -61,7 +63,9 @@ func (n *Node) checkCutOff(now time.Time) {
 // it hears a majority again, it cannot commit anything, whatever its role.
 func (n *Node) CutOff() time.Time {
 	if t := n.cutOff.Load(); t != 0 {
-		return time.Unix(0, t)
+		// A reading of the monotonic clock: now.Sub of it is a duration
+		// no wall-clock jump moves.
+		return time.Now().Add(time.Duration(t) - clock.Mono())
 	}
 	return time.Time{}
 }

@@ -239,7 +239,7 @@ type Node struct {
 	// (handoff.go).
 	handoff handoff
 	// cutOff is when this master found itself cut off from the majority
-	// (unix nanoseconds; 0 while it is not); heard is the tick at which
+	// (clock.Mono; 0 while it is not); heard is the tick at which
 	// each peer was last heard from, ticks counts the loop's ticks (both
 	// loop-owned): handoff.go.
 	cutOff atomic.Int64
