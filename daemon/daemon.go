@@ -17,6 +17,8 @@ import (
 	"github.com/tandem-edge/tandem/mqtt"
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // Daemon is one running gateway: storage, replication, broker and the HTTP
@@ -74,6 +76,11 @@ func New(cfg *config.Config, log *slog.Logger) (*Daemon, error) {
 // Start opens the data dir and starts serving. On error everything started
 // so far is stopped again.
 func (d *Daemon) Start(ctx context.Context) (err error) {
+	lg := d.log
+	clock.Default.OnJump(func(jump, offset time.Duration) {
+		lg.Warn("the wall clock jumped: absorbed; record times, max_age and message expiry run on without the jump",
+			"jump", jump.Round(time.Millisecond), "offset", offset.Round(time.Millisecond))
+	})
 	defer func() {
 		if err != nil {
 			d.Stop()
@@ -156,6 +163,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	d.fieldView().RegisterMemory(d.broker.MemoryUsed, d.broker.HeldForMemory, int64(c.Limits.Memory))
 	d.fieldView().RegisterBrokerState(d.broker.Retained, d.broker.RetainedBytes, d.broker.PersistentSessions)
 	d.fieldView().RegisterQoS0Dropped(d.broker.QoS0Dropped)
+	d.fieldView().RegisterClock(clock.Default)
 	d.apply = &applier{ready: make(chan struct{}), broker: d.broker, ups: d.ups, skips: d.skips}
 	d.redeliver = &redeliverer{d: d}
 	if d.resync != nil {

@@ -3,10 +3,11 @@ package daemon
 import (
 	"log/slog"
 	"sync"
-	"time"
 
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // skips counts the records the applier could not read or apply and
@@ -58,6 +59,6 @@ func controlRecord(n *replication.Node, kind storage.Kind, client string, payloa
 	return storage.Record{
 		Kind: kind, Legacy: n.LegacyControl(),
 		Origin: n.ID(), Seq: n.NextSeq(), ClientID: client, Topic: kind.LegacyTopic(),
-		Time: time.Now().UnixNano(), Payload: payload,
+		Time: clock.Now().UnixNano(), Payload: payload,
 	}
 }

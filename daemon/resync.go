@@ -14,6 +14,8 @@ import (
 	"github.com/tandem-edge/tandem/cluster"
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // A cluster member whose data file fails its checks at start heals from
@@ -53,7 +55,7 @@ func (d *Daemon) storageOptions() *storage.Options {
 	c := d.cfg
 	return &storage.Options{Logger: d.log, SyncDelay: benchSyncDelay(), OnCommit: d.fieldView().OnCommit,
 		MaxBytes: int64(c.Storage.MaxBytes), MaxAge: time.Duration(c.Storage.MaxAge), MinFree: int64(c.Storage.MinFree),
-		FlushInterval: flushInterval(c.Storage)}
+		FlushInterval: flushInterval(c.Storage), Clock: clock.Default}
 }
 
 // openData opens the data file. A damaged one of a cluster member is moved

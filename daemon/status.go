@@ -12,6 +12,8 @@ import (
 	"github.com/tandem-edge/tandem/internal/version"
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // status assembles the status JSON.
@@ -61,7 +63,7 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 	sp := d.db.SpaceStats()
 	s.Storage.FreeBytes, s.Storage.MinFreeBytes = sp.FreeBytes, sp.MinFreeBytes
 	if !rt.Oldest.IsZero() {
-		s.Storage.OldestAgeSeconds = max(0, time.Since(rt.Oldest).Seconds())
+		s.Storage.OldestAgeSeconds = max(0, clock.Now().Sub(rt.Oldest).Seconds())
 	}
 	if n, err := d.db.RequeuePending(); err == nil {
 		s.Cluster.RequeuePending = n
@@ -71,7 +73,7 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 	for _, p := range rs.Members {
 		progress[p.ID] = p
 	}
-	now := time.Now()
+	now := clock.Now() // measured against record times
 	for _, m := range n.Members() {
 		if m.ID == d.id.ID {
 			continue

@@ -20,6 +20,8 @@ import (
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
 	"github.com/tandem-edge/tandem/uplink"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // The uplinks of `uplinks:` and what plugs them into the gateway: the log
@@ -533,7 +535,7 @@ type localPublisher struct {
 // Publish returns once m meets its topic's ack rule, or fails.
 func (p localPublisher) Publish(ctx context.Context, m *uplink.Message) error {
 	msg := &mqtt.Message{
-		ClientID: "uplink:" + p.name, Topic: m.Topic, QoS: m.QoS, Retain: m.Retain, Payload: m.Payload, Time: time.Now().UnixNano(),
+		ClientID: "uplink:" + p.name, Topic: m.Topic, QoS: m.QoS, Retain: m.Retain, Payload: m.Payload, Time: clock.Now().UnixNano(),
 		PayloadFormat: m.Props.PayloadFormat, PayloadFormatSet: m.Props.PayloadFormatSet,
 		MessageExpiry: m.Props.MessageExpiry, MessageExpirySet: m.Props.MessageExpirySet,
 		ContentType: m.Props.ContentType, ResponseTopic: m.Props.ResponseTopic, CorrelationData: m.Props.CorrelationData,

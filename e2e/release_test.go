@@ -581,20 +581,23 @@ func checkLogged(t *testing.T, g *gw, log []string, acked map[string]time.Time) 
 
 // nextBin builds this tree with -tags tandem_next (a test build of a next
 // release: feature level 3, storage/kind_next.go) once per test binary.
-func nextBin(t *testing.T) string {
+func nextBin(t *testing.T) string { return tagBin(t, "tandem_next", "tandem-next") }
+
+// tagBin builds this tree with -tags tag as binDir/name, once per run.
+func tagBin(t *testing.T, tag, name string) string {
 	t.Helper()
 	otherMu.Lock()
 	defer otherMu.Unlock()
-	if b := otherBuilt["next"]; b != "" {
+	if b := otherBuilt[name]; b != "" {
 		return b
 	}
-	out := filepath.Join(binDir, "tandem-next")
-	cmd := exec.Command("go", "build", "-tags", "tandem_next", "-o", out, ".")
+	out := filepath.Join(binDir, name)
+	cmd := exec.Command("go", "build", "-tags", tag, "-o", out, ".")
 	cmd.Dir = ".."
 	if b, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build -tags tandem_next: %v\n%s", err, b)
+		t.Fatalf("go build -tags %s: %v\n%s", tag, err, b)
 	}
-	otherBuilt["next"] = out
+	otherBuilt[name] = out
 	return out
 }
 

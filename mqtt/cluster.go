@@ -5,6 +5,8 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // Persistent sessions across the cluster.
@@ -98,7 +100,7 @@ func (s *Server) proposeRecord(kind Kind, client string, payload []byte, mode Ac
 	if kind == KindCursors {
 		topic = cursorTopic
 	}
-	m := &Message{Kind: kind, ClientID: client, Topic: topic, Payload: payload, Time: time.Now().UnixNano()}
+	m := &Message{Kind: kind, ClientID: client, Topic: topic, Payload: payload, Time: clock.Now().UnixNano()}
 	s.log.Reserve(m)
 	s.log.Propose(m, mode, done)
 }

@@ -6,7 +6,8 @@ import (
 	"errors"
 	"slices"
 	"sync"
-	"time"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // Sync records wait for their settlement (DESIGN.md, "Delivery waits for
@@ -170,7 +171,7 @@ func (s *Server) Settle(index, upto uint64, aborts []uint64, doubt uint64, alone
 		if m == nil {
 			continue
 		}
-		if _, live := m.expiryLeft(time.Now()); live {
+		if _, live := m.expiryLeft(clock.Now()); live {
 			s.retainIfNewer(c.index, m)
 		}
 	}

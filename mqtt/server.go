@@ -9,6 +9,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // LogReader is the read side of the log a Server needs: committed records,
@@ -470,7 +472,7 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 	if m.Sync {
 		s.hold(index, m) // offered now, handed out once confirmed
 	}
-	if _, live := m.expiryLeft(time.Now()); !live {
+	if _, live := m.expiryLeft(clock.Now()); !live {
 		return nil // its message expiry ran out before it was delivered
 	}
 	// A record past the retained caps is delivered as a plain message:
@@ -539,7 +541,7 @@ func (s *Server) Retain(index uint64, m *Message) {
 		s.hold(index, m) // retained, if at all, once confirmed
 		return
 	}
-	if _, live := m.expiryLeft(time.Now()); live && m.Retain {
+	if _, live := m.expiryLeft(clock.Now()); live && m.Retain {
 		if s.retain(index, m) {
 			s.supersedeHeld(m.Topic)
 		}

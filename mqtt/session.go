@@ -7,6 +7,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // session is the state MQTT keeps for a client id across connections:
@@ -433,7 +435,7 @@ func (s *session) droppedLocked(lost uint64) {
 // not replayed: at most once, and a client back from a day offline is not
 // to be flooded with them.
 func matchReplay(subs []*subscription, client string, idx uint64, m *Message) *outItem {
-	if _, live := m.expiryLeft(time.Now()); !live {
+	if _, live := m.expiryLeft(clock.Now()); !live {
 		return nil
 	}
 	var it *outItem

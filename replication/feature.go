@@ -8,6 +8,8 @@ import (
 	pb "go.etcd.io/raft/v3/raftpb"
 
 	"github.com/tandem-edge/tandem/storage"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // The cluster's feature level (DESIGN.md, "Versions and upgrades").
@@ -117,7 +119,7 @@ func (n *Node) maybeRaiseLevel(now time.Time) {
 			return // not yet: a member's build cannot read what the raise allows
 		}
 	}
-	rec := storage.Record{Kind: storage.KindFeature, Origin: n.id, Seq: n.NextSeq(), Time: now.UnixNano(), Payload: []byte{storage.FeatureLevel}}
+	rec := storage.Record{Kind: storage.KindFeature, Origin: n.id, Seq: n.NextSeq(), Time: clock.Now().UnixNano(), Payload: []byte{storage.FeatureLevel}}
 	p := &proposal{data: storage.AppendRecord(nil, &rec), mode: Async, control: true, deadline: now.Add(n.cfg.SyncTimeout)}
 	p.id = recID{rec.Origin, rec.Seq}
 	p.done = func(_ uint64, err error) {

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/tandem-edge/tandem/storage"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // A test build of a next release (go build -tags tandem_next; never
@@ -32,7 +34,7 @@ func (n *Node) levelWork(now time.Time) {
 	if n.FeatureLevel() < storage.FeatureNote || n.catchingUp() || !n.extras.noteLogged.CompareAndSwap(false, true) {
 		return
 	}
-	rec := storage.Record{Kind: storage.KindNote, Origin: n.id, Seq: n.NextSeq(), Time: now.UnixNano(),
+	rec := storage.Record{Kind: storage.KindNote, Origin: n.id, Seq: n.NextSeq(), Time: clock.Now().UnixNano(),
 		Payload: []byte("feature level 3: notes allowed")}
 	p := &proposal{data: storage.AppendRecord(nil, &rec), mode: Async, control: true, deadline: now.Add(n.cfg.SyncTimeout)}
 	p.id = recID{rec.Origin, rec.Seq}

@@ -9,6 +9,8 @@ import (
 	pb "go.etcd.io/raft/v3/raftpb"
 
 	"github.com/tandem-edge/tandem/storage"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // Settlement of sync records (DESIGN.md, "Delivery waits for the ack
@@ -212,7 +214,7 @@ func (n *Node) settleTurn(now time.Time) {
 	s := Settlement{Upto: max(upto, st.sentUpto), Abort: st.aborts, Doubt: st.doubt, Alone: st.doubt > 0 && st.alone}
 	b, _ := json.Marshal(s) // numbers only: cannot fail
 	rec := storage.Record{Kind: storage.KindSettle, Legacy: n.LegacyControl(),
-		Origin: n.id, Seq: n.NextSeq(), Topic: SettleTopic, Time: now.UnixNano(), Payload: b}
+		Origin: n.id, Seq: n.NextSeq(), Topic: SettleTopic, Time: clock.Now().UnixNano(), Payload: b}
 	st.aborts, st.doubt, st.dirty, st.last = nil, 0, false, now
 	prevUpto := st.sentUpto
 	st.sentUpto = s.Upto

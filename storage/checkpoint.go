@@ -171,6 +171,9 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 		if err := m.Put(keyWAL, v); err != nil {
 			return err
 		}
+		if err := db.putClock(m); err != nil {
+			return err
+		}
 		if fn != nil {
 			if err := fn(tx); err != nil {
 				return err

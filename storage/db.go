@@ -18,6 +18,8 @@ import (
 	bolterrors "go.etcd.io/bbolt/errors"
 	"go.etcd.io/raft/v3"
 	pb "go.etcd.io/raft/v3/raftpb"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 var (
@@ -104,8 +106,13 @@ type Options struct {
 	// MaxAge drops runs whose newest record is older than this. Zero
 	// means records are kept whatever their age.
 	MaxAge time.Duration
-	// Now is the clock MaxAge is measured with; nil means time.Now.
+	// Now is the clock MaxAge is measured with; nil means Clock's, or
+	// time.Now without one.
 	Now func() time.Time
+	// Clock is the gateway's time of day (internal/clock): the data dir
+	// keeps its offset across restarts and raises it to its last
+	// checkpoint's time at Open (clock.go). Nil keeps none.
+	Clock *clock.Clock
 	// MinFree is the free space the data dir's filesystem must keep, in
 	// bytes: below it the DB reports LowOnSpace and the replication layer
 	// refuses publishes until space returns (watermark.go). Zero means the
@@ -135,6 +142,7 @@ type Options struct {
 // the replication loop is the only caller of Save, which keeps the log's
 // order.
 type DB struct {
+	clock   *clock.Clock // Options.Clock, kept in the meta bucket; nil: none
 	path    string
 	bolt    *bolt.DB
 	log     *slog.Logger
@@ -293,6 +301,9 @@ func Open(dir string, opts *Options) (*DB, error) {
 	if !opts.ReadOnly {
 		db.flushEvery = opts.FlushInterval
 	}
+	if db.ret.now == nil && opts.Clock != nil {
+		db.ret.now = opts.Clock.Now
+	}
 	if db.ret.now == nil {
 		db.ret.now = time.Now
 	}
@@ -346,6 +357,11 @@ func Open(dir string, opts *Options) (*DB, error) {
 			}
 		}
 		if err := db.loadOldest(); err != nil {
+			return fail(err)
+		}
+		// Before the first checkpoint writes the clock, and before
+		// anything is stamped with it.
+		if err := db.restoreClock(opts.Clock); err != nil {
 			return fail(err)
 		}
 		if err := db.checkpointReplayed(); err != nil {

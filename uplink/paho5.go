@@ -11,6 +11,8 @@ import (
 	"github.com/eclipse/paho.golang/paho"
 	"github.com/eclipse/paho.golang/paho/session"
 	"github.com/eclipse/paho.golang/paho/session/state"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // link5 is an MQTT 5 connection through eclipse/paho.golang.
@@ -169,7 +171,7 @@ func publishProps(r *Record) *paho.PublishProperties {
 	}
 	if r.Props.MessageExpirySet {
 		// The time the record waited in the log counts against its expiry.
-		left := int64(r.Props.MessageExpiry) - (time.Now().UnixNano()-r.Time)/int64(time.Second)
+		left := int64(r.Props.MessageExpiry) - (clock.Now().UnixNano()-r.Time)/int64(time.Second)
 		v := uint32(max(left, 1))
 		pr.MessageExpiry = &v
 	}

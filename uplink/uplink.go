@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/eclipse/paho.golang/autopaho"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // How often the position is handed to the PositionSink: after SaveAcks
@@ -371,7 +373,7 @@ func (u *Uplink) Status() Status {
 		_ = u.log.Committed(from, to, func(r *Record) bool {
 			n++
 			if u.ruleFor(r.Topic) != nil {
-				s.OldestAgeSeconds = max(0, time.Since(time.Unix(0, r.Time)).Seconds())
+				s.OldestAgeSeconds = max(0, clock.Now().Sub(time.Unix(0, r.Time)).Seconds())
 				return false
 			}
 			return n < oldestScanLimit
