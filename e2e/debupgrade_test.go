@@ -32,12 +32,14 @@ import (
 // upgrade is decided by its maintainer scripts, which run systemctl
 // through init-system-helpers only where /run/systemd/system exists. So
 // dpkg runs in a mount namespace of its own with a tmpfs holding an empty
-// /run/systemd/system (the machine's /run is untouched), and with a
-// `systemctl` first on PATH that hands every call to serviceManager, a
-// service manager in the test: it runs the installed unit as systemd
-// would (its ExecStart, User, Group, WorkingDirectory, EnvironmentFile,
-// UMask, TimeoutStopSec; the unit as of the last daemon-reload), on a
-// netns host, and records each call. The maintainer scripts, dpkg and
+// /run/systemd/system (the machine's /run is untouched; a policy-rc.d
+// that forbids starts, as container images have, is overlaid there by
+// one that allows them), and with a `systemctl` first on PATH (this test
+// binary as runHelper's systemctl helper) that hands every call to
+// serviceManager, a service manager in the test: it runs the installed
+// unit as systemd would (its ExecStart, User, Group, WorkingDirectory,
+// EnvironmentFile, UMask, TimeoutStopSec; the unit as of the last
+// daemon-reload), on a netns host, and records each call. The maintainer scripts, dpkg and
 // init-system-helpers (deb-systemd-invoke, deb-systemd-helper) are the
 // real ones; only the service manager under them is the test's.
 
@@ -96,6 +98,17 @@ type serviceEvent struct {
 	clean  bool
 	at     time.Time // of the SIGTERM or the start
 	took   time.Duration
+}
+
+func (e serviceEvent) String() string {
+	if e.stop {
+		how := "exited"
+		if !e.clean {
+			how = "killed after TimeoutStopSec"
+		}
+		return fmt.Sprintf("systemctl %s: SIGTERM to pid %d, %s in %v", e.verb, e.pid, how, e.took.Round(time.Millisecond))
+	}
+	return fmt.Sprintf("systemctl %s: started pid %d (binary sha256 %x…)", e.verb, e.pid, e.binSum[:4])
 }
 
 // serviceManager runs tandem.service as installed, on host h, as g's
@@ -648,8 +661,8 @@ func TestDebUpgradeRestartsARunningMember(t *testing.T) {
 		t.Fatalf("this tree's package %s is not newer than %s's %s: %v %s", newVersion, tag, oldVersion, err, out)
 	}
 
-	// The previous release installed as in an image build (policy-rc.d
-	// lets nothing start), then configured as gw-3 and started.
+	// The previous release installed as in an image build (a policy-rc.d
+	// there forbids starts), then configured as gw-3 and started.
 	nt := netns.New(t, 3)
 	g1, g2 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2")
 	g3 := newGW(t, nt.Hosts[2], "gw-3") // its config and data are the package's:
@@ -715,7 +728,7 @@ func TestDebUpgradeRestartsARunningMember(t *testing.T) {
 	// left stopped, nor left running the old binary.
 	if len(sm.events) != 2 || !sm.events[0].stop || sm.events[0].pid != oldPID || sm.events[1].stop ||
 		sm.events[0].verb != "restart" || sm.events[1].verb != "restart" {
-		t.Fatalf("the upgrade did not restart tandem.service once (pid %d before): %+v", oldPID, sm.events)
+		t.Fatalf("the upgrade did not restart tandem.service once (pid %d before), it did: %v", oldPID, sm.events)
 	}
 	stop, start := sm.events[0], sm.events[1]
 	if !stop.clean {
