@@ -83,6 +83,9 @@ func testBinary(t testing.TB) string {
 //	TANDEM_E2E_INFO on TANDEM_E2E_IFACE. Prints "ready BACKEND". Each
 //	line of Info JSON on stdin replaces the info and calls Changed, then
 //	prints "changed"; EOF closes the advertiser and exits 0.
+//
+//	systemctl: systemctl for the service manager of a test whose unix
+//	socket TANDEM_E2E_SYSTEMCTL names (fakeSystemctl).
 func runHelper(name string) int {
 	switch name {
 	case "advertise":
@@ -123,6 +126,9 @@ func runHelper(name string) int {
 			return 1
 		}
 		return 0
+	case "systemctl":
+		// The service manager's systemctl (debupgrade_test.go).
+		return fakeSystemctl()
 	}
 	fmt.Println("unknown helper", name)
 	return 2
