@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -75,7 +76,15 @@ say where it listens).`,
 func (f *apiFlags) streamLog(w io.Writer, dir string, q inspectpkg.Query) error {
 	f.data = dir
 	body, _ := json.Marshal(admin.LogRequest(q))
-	addr, code, b, err := f.doTo(http.MethodPost, "/v1/log", body, 10*time.Minute, w)
+	lw := &logLines{w: w}
+	addr, code, b, err := f.doTo(http.MethodPost, "/v1/log", body, 10*time.Minute, lw)
+	if err == nil {
+		err = lw.end()
+	}
+	var se streamError
+	if errors.As(err, &se) {
+		return fmt.Errorf("%s (asked the running gateway holding %s)", se, dir)
+	}
 	if err != nil {
 		return fmt.Errorf("%s is in use by a running gateway, and asking it failed: %w", dir, err)
 	}
@@ -87,4 +96,57 @@ func (f *apiFlags) streamLog(w io.Writer, dir string, q inspectpkg.Query) error 
 		return fmt.Errorf("%s is in use by a running gateway; its API at %s answered %d: %s", dir, addr, code, ae.Error)
 	}
 	return nil
+}
+
+// streamError is the error a running gateway wrote into its /v1/log
+// stream, its status line being gone by then.
+type streamError string
+
+func (e streamError) Error() string { return string(e) }
+
+// logLines copies a /v1/log stream line by line, keeping back the error
+// line the gateway ends it with when reading failed (admin.ErrorResponse):
+// the CLI prints that on stderr and exits non-zero, never 0 with it among
+// the records.
+type logLines struct {
+	w       io.Writer
+	partial []byte
+	err     error
+}
+
+func (l *logLines) Write(p []byte) (int, error) {
+	l.partial = append(l.partial, p...)
+	for {
+		i := bytes.IndexByte(l.partial, '\n')
+		if i < 0 {
+			return len(p), nil
+		}
+		if err := l.line(l.partial[:i+1]); err != nil {
+			return 0, err
+		}
+		l.partial = l.partial[i+1:]
+	}
+}
+
+// line passes one line on, or keeps it as the stream's error.
+func (l *logLines) line(b []byte) error {
+	var ae admin.ErrorResponse
+	if bytes.HasPrefix(b, []byte(`{"error":`)) && json.Unmarshal(b, &ae) == nil && ae.Error != "" {
+		l.err = streamError(ae.Error)
+		return nil
+	}
+	_, err := l.w.Write(b)
+	return err
+}
+
+// end passes on a last line without its newline, and returns the
+// stream's error.
+func (l *logLines) end() error {
+	if len(l.partial) > 0 {
+		if err := l.line(l.partial); err != nil {
+			return err
+		}
+		l.partial = nil
+	}
+	return l.err
 }

@@ -8,6 +8,7 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"time"
@@ -161,5 +162,34 @@ func Write(w io.Writer, db *storage.DB, q Query) error {
 	if err == nil {
 		err = werr
 	}
+	if err == nil && n == 0 {
+		err = nothingIn(db, from, all)
+	}
 	return err
+}
+
+// ErrNothing is what Write returns when it printed nothing: an empty
+// answer always says why, and the CLI exits non-zero with it.
+var ErrNothing = errors.New("no records printed")
+
+// nothingIn says why a query from from printed no record.
+func nothingIn(db *storage.DB, from uint64, all bool) error {
+	first, err := db.FirstIndex()
+	if err != nil {
+		return err
+	}
+	last, err := db.LastIndex()
+	if err != nil {
+		return err
+	}
+	switch {
+	case last == 0 || last < first:
+		return fmt.Errorf("%w: the log holds none", ErrNothing)
+	case from > last:
+		return fmt.Errorf("%w: the log ends at index %d, before --from %d", ErrNothing, last, from)
+	case all:
+		return fmt.Errorf("%w: indexes %d to %d hold no entry this build can show", ErrNothing, max(from, first), last)
+	default:
+		return fmt.Errorf("%w: indexes %d to %d hold only the gateway's own records (--all shows them)", ErrNothing, max(from, first), last)
+	}
 }
