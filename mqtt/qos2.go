@@ -162,13 +162,16 @@ func (s *Server) noteInbound(m *Message) {
 }
 
 // mayHaveLocked reports whether the client of a resumed session may hold
-// it, a QoS 2 record, already: one committed before the session's start
-// record here (startIndex; 0 until it is applied) may have been sent by
-// the member the device came from. Such a delivery goes with DUP set, so
-// that the client's state decides whether it is new [MQTT-3.3.1-1]: "might
-// be re-delivery". Called with se.mu held.
+// it, a QoS 1 or 2 record, already: one committed before the session's
+// start record here (startIndex; 0 until it is applied) may have been sent
+// by the member the device came from. Such a delivery goes with DUP set
+// [MQTT-3.3.1-1]: "might be re-delivery"; for QoS 2 the client's state
+// then decides whether it is new (the packet id is the record's, as the
+// other member's was), for QoS 1 it tells the device that a message it
+// may have seen before comes again (at least once). Called with se.mu
+// held.
 func (se *session) mayHaveLocked(it *outItem) bool {
-	return it.qos == 2 && it.idx > 0 && se.resumed && (se.startIndex == 0 || it.idx < se.startIndex)
+	return it.qos > 0 && it.idx > 0 && se.resumed && (se.startIndex == 0 || it.idx < se.startIndex)
 }
 
 // clustered reports whether other members share the log (Clustered).
