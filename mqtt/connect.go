@@ -325,9 +325,11 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 		if se == nil {
 			se = newSession(s, c.id)
 			se.user = c.user
-			// Nothing already in the log is for a new session.
+			// Nothing already in the log is for a new session, nor
+			// its cursor for the other members: they start their copy
+			// at its start record.
 			se.cursor = s.applied.Load()
-			se.scanned, se.savedCursor = se.cursor, se.cursor
+			se.scanned, se.savedCursor, se.sentCursor = se.cursor, se.cursor, se.cursor
 			s.sessions[c.id] = se
 		} else {
 			present = true
@@ -341,6 +343,10 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 		se.expiry = expiry
 		se.expireAt = time.Time{}
 		se.remoteOnline, se.startIndex, se.startFailed = false, 0, false
+		if s.refs[se.ref] == se {
+			delete(s.refs, se.ref)
+		}
+		se.ref = 0 // until its new start record is applied
 		se.resumed = present
 		// Whatever the log holds past the cursor is read from it: the
 		// client was away.
@@ -479,6 +485,9 @@ func (s *Server) endSessionLocked(se *session, tell bool) {
 	}
 	if s.sessions[se.id] == se {
 		delete(s.sessions, se.id)
+	}
+	if s.refs[se.ref] == se {
+		delete(s.refs, se.ref)
 	}
 	s.deleteSessionState(se.id)
 }

@@ -121,6 +121,7 @@ wait:
 		}
 		delete(s.sessions, id)
 	}
+	s.refs = nil
 	for _, c := range late {
 		c.endTo(codeRestore, "", restoreWhy)
 	}

@@ -62,6 +62,7 @@ type Server struct {
 
 	mu       sync.Mutex          // guards sessions and wills
 	sessions map[string]*session // by client id, online and offline
+	refs     map[uint64]*session // by ref (cursors.go); stale entries are checked for
 	wills    map[string]*pendingWill
 
 	index    *topicIndex
