@@ -156,6 +156,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	d.fieldView().RegisterMemory(d.broker.MemoryUsed, d.broker.HeldForMemory, int64(c.Limits.Memory))
 	d.fieldView().RegisterBrokerState(d.broker.Retained, d.broker.RetainedBytes, d.broker.PersistentSessions)
 	d.fieldView().RegisterQoS0Dropped(d.broker.QoS0Dropped)
+	d.fieldView().RegisterSessionBytes(d.broker.SessionBytes)
 	d.apply = &applier{ready: make(chan struct{}), broker: d.broker, ups: d.ups, skips: d.skips}
 	d.redeliver = &redeliverer{d: d}
 	if d.resync != nil {

@@ -190,6 +190,7 @@ func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) 
 		se.mu.Lock()
 		se.user, se.expiry, se.remoteOnline = op.User, op.Expiry, true
 		se.expireAt = time.Time{}
+		s.recountLocked(se)
 		se.mu.Unlock()
 		s.setRefLocked(se, index)
 		s.saveSession(se)
@@ -202,6 +203,7 @@ func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) 
 			se.mu.Lock()
 			sub := se.subs[op.Filter]
 			delete(se.subs, op.Filter)
+			s.recountLocked(se)
 			se.mu.Unlock()
 			if sub != nil {
 				s.index.remove(se, sub)
@@ -217,6 +219,7 @@ func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) 
 			s.index.remove(se, old)
 		}
 		se.subs[op.Filter] = sub
+		s.recountLocked(se)
 		se.mu.Unlock()
 		s.index.add(se, sub)
 		s.saveSub(id, sub)

@@ -84,6 +84,7 @@ type Server struct {
 	mem             *memAccount         // what clients make the gateway hold (limits.memory)
 	memHeld         atomic.Int64        // connections not read from for memory now
 	qos0Dropped     atomic.Uint64       // QoS 0 messages connected sessions could not take (outbudget.go)
+	sessionBytes    atomic.Int64        // what persistent sessions count against max_session_bytes
 
 	wg      sync.WaitGroup // every goroutine the server starts
 	stopc   chan struct{}

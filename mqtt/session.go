@@ -91,6 +91,7 @@ type session struct {
 	doneAbove map[uint64]bool
 
 	dropped uint64 // log positions retention took before this session was handed them
+	bytes   int64  // counted in srv.sessionBytes (sessionbytes.go)
 }
 
 // outItem is one message for a session: a committed record (idx > 0) or a

@@ -302,6 +302,9 @@ func (s *Server) loadState(checkLog bool) error {
 	if err != nil {
 		return err
 	}
+	for _, se := range s.sessions {
+		s.recount(se) // taken in over the cap or not, as retained messages are
+	}
 	err = s.store.Load(keyOut, func(k string, v []byte) error {
 		id, p, ok := splitKey(k, keyOut)
 		pid, perr := strconv.Atoi(p)
