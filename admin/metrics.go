@@ -225,6 +225,14 @@ func (fv *FieldView) RegisterBrokerState(retained, retainedBytes, sessions func(
 	)
 }
 
+// RegisterSessionBytes adds tandem_session_bytes: what the persistent
+// sessions count against mqtt.max_session_bytes.
+func (fv *FieldView) RegisterSessionBytes(bytes func() int64) {
+	fv.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "tandem_session_bytes",
+		Help: "Bytes the persistent sessions (the other members' included) keep in the data file, as counted against mqtt.max_session_bytes; past it a new session or filter is refused with 0x97."},
+		func() float64 { return float64(bytes()) }))
+}
+
 // RegisterQoS0Dropped adds tandem_mqtt_qos0_dropped_total: QoS 0 messages
 // subscribers did not take, past their queue's bounds (dropped reads the
 // broker's count).

@@ -163,6 +163,16 @@ type MQTTConfig struct {
 	// quota exceeded (3.1.1: 0x03 server unavailable); a session resuming
 	// is always taken. Default 10000.
 	MaxSessions int `yaml:"max_sessions"`
+	// MaxSessionBytes caps the bytes the persistent sessions keep in the
+	// data file (client ids, user names, subscription filters, as
+	// stored), the cluster's whole as MaxSessions. A CONNECT that would
+	// start a new persistent session past it gets CONNACK 0x97 (3.1.1:
+	// 0x03), a SUBSCRIBE filter that would add bytes SUBACK 0x97 (3.1.1:
+	// 0x80); resuming, resubscribing and unsubscribing are always taken.
+	// Default 1/8 of storage.max_bytes, at most half of it: sessions are
+	// state the log's retention cannot drop, counted in max_bytes as
+	// retained messages are.
+	MaxSessionBytes ByteSize `yaml:"max_session_bytes"`
 	// TopicAliasMaximum is how many topic aliases an MQTT 5 client may set
 	// (told in the CONNACK); an alias over it ends the connection (0x94).
 	// Default 100, at most 65535.
@@ -216,6 +226,15 @@ type WebSocketConfig struct {
 func (c *Config) RetainedBytes() ByteSize {
 	if c.MQTT.MaxRetainedBytes > 0 {
 		return c.MQTT.MaxRetainedBytes
+	}
+	return c.Storage.MaxBytes / 8
+}
+
+// SessionBytes is mqtt.max_session_bytes, or its default when unset: 1/8
+// of storage.max_bytes, as RetainedBytes.
+func (c *Config) SessionBytes() ByteSize {
+	if c.MQTT.MaxSessionBytes > 0 {
+		return c.MQTT.MaxSessionBytes
 	}
 	return c.Storage.MaxBytes / 8
 }

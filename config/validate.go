@@ -67,6 +67,11 @@ func (c *Config) validate(w *configWalker) error {
 	if c.MQTT.MaxRetainedBytes > c.Storage.MaxBytes/2 {
 		ck.failf("mqtt.max_retained_bytes", "%s is more than half of storage.max_bytes (%s): retained messages count in it, and the log needs the rest", c.MQTT.MaxRetainedBytes, c.Storage.MaxBytes)
 	}
+	if c.MQTT.MaxSessionBytes > c.Storage.MaxBytes/2 {
+		ck.failf("mqtt.max_session_bytes", "%s is more than half of storage.max_bytes (%s): persistent sessions count in it, and the log needs the rest", c.MQTT.MaxSessionBytes, c.Storage.MaxBytes)
+	} else if c.MQTT.MaxRetainedBytes <= c.Storage.MaxBytes/2 && c.RetainedBytes()+c.SessionBytes() > c.Storage.MaxBytes*3/4 {
+		ck.failf("mqtt.max_session_bytes", "%s with mqtt.max_retained_bytes %s is more than 3/4 of storage.max_bytes (%s): both count in it, and the log needs the rest", c.SessionBytes(), c.RetainedBytes(), c.Storage.MaxBytes)
+	}
 	if c.MQTT.TopicAliasMaximum < 0 || c.MQTT.TopicAliasMaximum > 65535 {
 		ck.failf("mqtt.topic_alias_maximum", "%d is out of range: 1 to 65535 (0 means the default, 100)", c.MQTT.TopicAliasMaximum)
 	}

@@ -300,6 +300,10 @@ func (d *Daemon) otherMemberReachable() bool {
 	return false
 }
 
+// LegacyControl implements mqtt.ControlEncoding: below feature level 2 a
+// member may run v0.1.0, which reads cursor records as JSON only.
+func (a *logAdapter) LegacyControl() bool { return a.d.gw.Node().LegacyControl() }
+
 // OtherMembers implements mqtt.Clustered: whether the cluster has members
 // besides this gateway.
 func (a *logAdapter) OtherMembers() bool { return len(a.d.gw.Node().Members()) > 1 }

@@ -164,6 +164,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	d.fieldView().RegisterBrokerState(d.broker.Retained, d.broker.RetainedBytes, d.broker.PersistentSessions)
 	d.fieldView().RegisterQoS0Dropped(d.broker.QoS0Dropped)
 	d.fieldView().RegisterClock(clock.Default)
+	d.fieldView().RegisterSessionBytes(d.broker.SessionBytes)
 	d.apply = &applier{ready: make(chan struct{}), broker: d.broker, ups: d.ups, skips: d.skips}
 	d.redeliver = &redeliverer{d: d}
 	if d.resync != nil {

@@ -135,6 +135,7 @@ func mqttLimits(c *config.Config) mqtt.Limits {
 		MaxRetained:          m.MaxRetained,
 		MaxRetainedBytes:     int64(c.RetainedBytes()),
 		MaxSessions:          m.MaxSessions,
+		MaxSessionBytes:      int64(c.SessionBytes()),
 
 		MaxConnectionsPerAddress: m.MaxConnectionsPerAddress,
 		MaxConnectionsPerUser:    m.MaxConnectionsPerUser,

@@ -27,7 +27,7 @@ import (
 // and clients can neither subscribe nor publish to them.
 const (
 	sessionTopic = "$tandem/session" // KindSession; ClientID names the session
-	cursorTopic  = "$tandem/cursors" // KindCursors, by client id
+	cursorTopic  = "$tandem/cursors" // KindCursors, by session ref or client id (cursors.go)
 	controlPref  = "$tandem/"
 )
 
@@ -117,37 +117,15 @@ func (s *Server) applyControl(index uint64, m *Message) {
 		}
 		s.applySession(index, m.ClientID, m.Origin == s.cfg.NodeID, &op)
 	case KindCursors:
-		var cs map[string]uint64
-		if err := json.Unmarshal(m.Payload, &cs); err != nil {
+		b, err := decodeCursors(m.Payload)
+		if err != nil {
 			// Read on its origin too, so that every member counts
 			// the same records skipped.
 			s.unreadable(index, "cursors", err)
 			return
 		}
-		if m.Origin == s.cfg.NodeID {
-			return
-		}
-		s.mu.Lock()
-		var moved []*session
-		for id, cur := range cs {
-			se := s.sessions[id]
-			if se == nil {
-				continue
-			}
-			se.mu.Lock()
-			if se.conn == nil && cur > se.cursor {
-				se.cursor, se.scanned, se.sentCursor = cur, cur, cur
-				moved = append(moved, se)
-			}
-			done := se.completedLocked()
-			se.mu.Unlock()
-			for _, pid := range done {
-				s.stageDelete(outKey(id, pid))
-			}
-		}
-		s.mu.Unlock()
-		for _, se := range moved {
-			s.saveCursor(se)
+		if m.Origin != s.cfg.NodeID {
+			s.applyCursors(b)
 		}
 	}
 }
@@ -173,8 +151,12 @@ func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) 
 		if op.Op == "start" && se != nil {
 			se.mu.Lock()
 			se.startIndex = index
-			c := se.conn
+			c, keep := se.conn, se.persistent() && !se.ended
 			se.mu.Unlock()
+			s.setRefLocked(se, index)
+			if keep {
+				s.saveSession(se) // with its ref
+			}
 			if c != nil {
 				c.kick() // its replay waited for this (awaitingStartLocked)
 			}
@@ -210,7 +192,9 @@ func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) 
 		se.mu.Lock()
 		se.user, se.expiry, se.remoteOnline = op.User, op.Expiry, true
 		se.expireAt = time.Time{}
+		s.recountLocked(se)
 		se.mu.Unlock()
+		s.setRefLocked(se, index)
 		s.saveSession(se)
 		s.saveCursor(se)
 	case "sub", "unsub":
@@ -221,6 +205,7 @@ func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) 
 			se.mu.Lock()
 			sub := se.subs[op.Filter]
 			delete(se.subs, op.Filter)
+			s.recountLocked(se)
 			se.mu.Unlock()
 			if sub != nil {
 				s.index.remove(se, sub)
@@ -236,6 +221,7 @@ func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) 
 			s.index.remove(se, old)
 		}
 		se.subs[op.Filter] = sub
+		s.recountLocked(se)
 		se.mu.Unlock()
 		s.index.add(se, sub)
 		s.saveSub(id, sub)
@@ -277,24 +263,37 @@ func (se *session) ackedCursorLocked() uint64 {
 // sessions live here that moved since the last batch: after a failover
 // their devices are handed again at most what was delivered since.
 func (s *Server) replicateCursors() {
-	cs := map[string]uint64{}
+	legacy := s.legacyControl()
+	b := &cursorBatch{byRef: map[uint64]uint64{}, byID: map[string]uint64{}}
 	s.mu.Lock()
 	for id, se := range s.sessions {
 		se.mu.Lock()
-		if cur := se.ackedCursorLocked(); se.persistent() && cur > se.sentCursor {
-			cs[id] = cur
+		// A session that connected here and whose start record is not
+		// applied yet waits for it: the other members start their copy
+		// at that record, and name it by it from then on.
+		pending := se.conn != nil && se.startIndex == 0 && !se.startFailed
+		if cur := se.ackedCursorLocked(); se.persistent() && cur > se.sentCursor && !pending {
+			if legacy || se.ref == 0 {
+				b.byID[id] = cur // its start record not logged, or not read as a ref everywhere
+			} else {
+				b.byRef[se.ref] = cur
+			}
 			se.sentCursor = cur
 		}
 		se.mu.Unlock()
 	}
 	s.mu.Unlock()
-	if len(cs) == 0 {
+	if b.empty() {
 		return
 	}
-	b, err := json.Marshal(cs)
-	if err == nil {
-		s.proposeControl(KindCursors, "", b)
+	if legacy {
+		p, err := json.Marshal(b.byID)
+		if err == nil {
+			s.proposeControl(KindCursors, "", p)
+		}
+		return
 	}
+	s.proposeControl(KindCursors, "", encodeCursors(b))
 }
 
 // proposeStart logs the start record of se, a persistent session that just

@@ -118,6 +118,9 @@ func (c *conn) connect() bool {
 	if s == nil && why == whyMaxSessions {
 		return c.refuse(&pk, packets.ErrQuotaExceeded, 0x03, why, "max_sessions", c.srv.cfg.Limits.MaxSessions)
 	}
+	if s == nil && why == whySessionBytes {
+		return c.refuse(&pk, packets.ErrQuotaExceeded, 0x03, why, "max_session_bytes", c.srv.cfg.Limits.MaxSessionBytes)
+	}
 	if s == nil {
 		return c.refuse(&pk, packets.ErrClientIdentifierNotValid, 0x02, why)
 	}
@@ -316,6 +319,16 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 				s.mu.Unlock()
 				return nil, false, whyMaxSessions
 			}
+			var free int64 // the bytes of the session it starts over
+			if se != nil {
+				se.mu.Lock()
+				free = se.bytes
+				se.mu.Unlock()
+			}
+			if !s.sessionRoom(sessionRecSize(c.id, c.user), free) {
+				s.mu.Unlock()
+				return nil, false, whySessionBytes
+			}
 		}
 		if w := s.wills[c.id]; w != nil {
 			s.dropWillLocked(c.id, w) // [MQTT-3.1.3-9]: back before its will's delay ran out
@@ -327,9 +340,11 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 		if se == nil {
 			se = newSession(s, c.id)
 			se.user = c.user
-			// Nothing already in the log is for a new session.
+			// Nothing already in the log is for a new session, nor
+			// its cursor for the other members: they start their copy
+			// at its start record.
 			se.cursor = s.applied.Load()
-			se.scanned, se.savedCursor = se.cursor, se.cursor
+			se.scanned, se.savedCursor, se.sentCursor = se.cursor, se.cursor, se.cursor
 			s.sessions[c.id] = se
 		} else {
 			present = true
@@ -342,7 +357,12 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 		wasPersistent := se.persistent()
 		se.expiry = expiry
 		se.expireAt = time.Time{}
+		s.recountLocked(se)
 		se.remoteOnline, se.startIndex, se.startFailed = false, 0, false
+		if s.refs[se.ref] == se {
+			delete(s.refs, se.ref)
+		}
+		se.ref = 0 // until its new start record is applied
 		se.resumed = present
 		// Whatever the log holds past the cursor is read from it: the
 		// client was away.
@@ -472,6 +492,7 @@ func (s *Server) endSessionLocked(se *session, tell bool) {
 	}
 	subs := se.subs
 	se.subs = map[string]*subscription{}
+	s.recountLocked(se)
 	se.releaseHeldLocked(false)
 	s.inflight.Add(-int64(len(se.inflight) + len(se.inbound)))
 	se.inflight, se.inbound = map[uint16]*outItem{}, map[uint16]*inbound2{}
@@ -481,6 +502,9 @@ func (s *Server) endSessionLocked(se *session, tell bool) {
 	}
 	if s.sessions[se.id] == se {
 		delete(s.sessions, se.id)
+	}
+	if s.refs[se.ref] == se {
+		delete(s.refs, se.ref)
 	}
 	s.deleteSessionState(se.id)
 }

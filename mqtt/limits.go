@@ -85,6 +85,14 @@ type Limits struct {
 	// CONNACK 0x97 quota exceeded (3.1.1: 0x03 server unavailable); a
 	// session resuming is always taken. Default 10,000.
 	MaxSessions int
+	// MaxSessionBytes caps the bytes the persistent sessions keep in the
+	// data file, every member's together (sessionbytes.go): a CONNECT
+	// that would start a new one past it gets CONNACK 0x97 quota exceeded
+	// (3.1.1: 0x03 server unavailable), a SUBSCRIBE filter that would add
+	// bytes past it SUBACK 0x97 (3.1.1: 0x80); resuming, replacing and
+	// removing are always taken. Default 32 MiB (the daemon sets 1/8 of
+	// storage.max_bytes).
+	MaxSessionBytes int64
 }
 
 func (l *Limits) setDefaults() {
@@ -126,6 +134,9 @@ func (l *Limits) setDefaults() {
 	}
 	if l.MaxSessions <= 0 {
 		l.MaxSessions = 10000
+	}
+	if l.MaxSessionBytes <= 0 {
+		l.MaxSessionBytes = 32 << 20
 	}
 }
 

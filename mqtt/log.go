@@ -25,6 +25,15 @@ type Clustered interface {
 	OtherMembers() bool
 }
 
+// ControlEncoding is a Log that knows whether every member reads the
+// encodings of control records from feature level 2 on (compact cursor
+// records, cursors.go). A Log without it has no members of earlier builds.
+type ControlEncoding interface {
+	// LegacyControl reports whether control records are written as
+	// builds before feature level 2 read them.
+	LegacyControl() bool
+}
+
 // SessionStore keeps the server's persistent state: sessions of clients
 // that asked for one (subscriptions, cursor, messages in flight by log
 // index, inbound QoS 2 markers) and retained messages. The daemon backs it

@@ -40,6 +40,7 @@ type member struct {
 	seq     uint64
 	applied uint64
 	cut     bool // killed: its proposals are lost
+	legacy  bool // writes control records as a cluster below feature level 2
 	stopped bool
 	srv     *Server
 	store   *memStore
@@ -82,6 +83,9 @@ func (m *member) Logged(origin uint64, seqs []uint64) (map[uint64]bool, error) {
 }
 
 func (m *member) FirstIndex() uint64 { return 1 }
+
+// LegacyControl implements ControlEncoding.
+func (m *member) LegacyControl() bool { return m.legacy }
 
 // OtherMembers implements Clustered: a sharedLog has several members.
 func (m *member) OtherMembers() bool { return true }
@@ -183,9 +187,19 @@ func (m *member) halt(t *testing.T) {
 // startMember starts a member with node id on l, stopped at cleanup.
 func startMember(t *testing.T, l *sharedLog, id uint64) *member {
 	t.Helper()
-	m := &member{l: l, id: id, store: newMemStore(), done: make(chan struct{})}
-	cfg := Config{Listen: "127.0.0.1:0", AllowAnonymous: true, Sessions: m.store, NodeID: id}
+	return startMemberWith(t, &member{l: l, id: id, store: newMemStore()}, nil)
+}
+
+// startMemberWith starts m (its log, id, store, applied index and
+// legacy set), tune changing its config first.
+func startMemberWith(t *testing.T, m *member, tune func(*Config)) *member {
+	t.Helper()
+	m.done = make(chan struct{})
+	cfg := Config{Listen: "127.0.0.1:0", AllowAnonymous: true, Sessions: m.store, NodeID: m.id}
 	cfg.Limits.ConnectRate = -1
+	if tune != nil {
+		tune(&cfg)
+	}
 	s, err := NewServer(cfg, m)
 	if err != nil {
 		t.Fatal(err)

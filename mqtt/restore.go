@@ -115,12 +115,14 @@ wait:
 		// is no longer the server's (detach checks se.conn).
 		se.ended, se.conn, se.subs = true, nil, map[string]*subscription{}
 		se.on.Store(false)
+		s.recountLocked(se) // to 0: the snapshot's are counted as loaded
 		se.mu.Unlock()
 		for _, sub := range subs {
 			s.index.remove(se, sub)
 		}
 		delete(s.sessions, id)
 	}
+	s.refs = nil
 	for _, c := range late {
 		c.endTo(codeRestore, "", restoreWhy)
 	}

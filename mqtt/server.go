@@ -64,6 +64,7 @@ type Server struct {
 
 	mu       sync.Mutex          // guards sessions and wills
 	sessions map[string]*session // by client id, online and offline
+	refs     map[uint64]*session // by ref (cursors.go); stale entries are checked for
 	wills    map[string]*pendingWill
 
 	index    *topicIndex
@@ -85,6 +86,7 @@ type Server struct {
 	mem             *memAccount         // what clients make the gateway hold (limits.memory)
 	memHeld         atomic.Int64        // connections not read from for memory now
 	qos0Dropped     atomic.Uint64       // QoS 0 messages connected sessions could not take (outbudget.go)
+	sessionBytes    atomic.Int64        // what persistent sessions count against max_session_bytes
 
 	wg      sync.WaitGroup // every goroutine the server starts
 	stopc   chan struct{}

@@ -48,8 +48,13 @@ type session struct {
 	// was applied (0: not yet): a start from elsewhere after it means the
 	// device connected there later. remoteOnline: the session is live on
 	// another member, so it does not expire here.
-	startIndex   uint64
-	startFailed  bool // the start record could not be logged: replay without it
+	startIndex  uint64
+	startFailed bool // the start record could not be logged: replay without it
+	// ref is the number cursor records name the session by (cursors.go):
+	// the index of its latest start record, when applied at a feature
+	// level every member keeps it at; 0: none, named by its client id.
+	// Written with srv.mu and mu held.
+	ref          uint64
 	remoteOnline bool
 	// queue holds what was offered and not yet handed out, oldest first.
 	queue []*outItem
@@ -88,6 +93,7 @@ type session struct {
 	doneAbove map[uint64]bool
 
 	dropped uint64 // log positions retention took before this session was handed them
+	bytes   int64  // counted in srv.sessionBytes (sessionbytes.go)
 }
 
 // outItem is one message for a session: a committed record (idx > 0) or a

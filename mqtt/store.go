@@ -36,6 +36,9 @@ type sessionRec struct {
 	V      int    `json:"v"`
 	User   string `json:"user,omitempty"`
 	Expiry uint32 `json:"expiry"`
+	// Ref is the session's ref (cursors.go): cursor records from the
+	// other members name it by that after a restart or a snapshot too.
+	Ref uint64 `json:"ref,omitempty"`
 }
 
 // subRec is one subscription's durable record.
@@ -92,7 +95,7 @@ func (s *Server) stageJSON(k string, v any) {
 // saveSession stages se's record.
 func (s *Server) saveSession(se *session) {
 	se.mu.Lock()
-	rec := sessionRec{V: 1, User: se.user, Expiry: se.expiry}
+	rec := sessionRec{V: 1, User: se.user, Expiry: se.expiry, Ref: se.ref}
 	se.mu.Unlock()
 	s.stageJSON(sessKey(se.id), rec)
 }
@@ -253,7 +256,13 @@ func (s *Server) loadState(checkLog bool) error {
 			return fmt.Errorf("session %q: %w", strings.TrimPrefix(k, keySession), err)
 		}
 		se := newSession(s, strings.TrimPrefix(k, keySession))
-		se.user, se.expiry = rec.User, rec.Expiry
+		se.user, se.expiry, se.ref = rec.User, rec.Expiry, rec.Ref
+		if se.ref != 0 {
+			if s.refs == nil {
+				s.refs = map[uint64]*session{}
+			}
+			s.refs[se.ref] = se
+		}
 		if se.expiry != 0xFFFFFFFF {
 			se.expireAt = time.Now().Add(time.Duration(se.expiry) * time.Second)
 		}
@@ -292,6 +301,9 @@ func (s *Server) loadState(checkLog bool) error {
 	})
 	if err != nil {
 		return err
+	}
+	for _, se := range s.sessions {
+		s.recount(se) // taken in over the cap or not, as retained messages are
 	}
 	err = s.store.Load(keyOut, func(k string, v []byte) error {
 		id, p, ok := splitKey(k, keyOut)

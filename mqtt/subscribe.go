@@ -67,12 +67,18 @@ func (c *conn) subscribe(pk *packets.Packet) bool {
 			refuse(packets.ErrQuotaExceeded, "max_filters_per_session reached")
 			continue
 		}
+		if prev == nil && s.persistent() && !srv.sessionRoom(subRecSize(c.id, f.Filter), 0) {
+			s.mu.Unlock()
+			refuse(packets.ErrQuotaExceeded, whySessionSubBytes)
+			continue
+		}
 		if prev != nil {
 			// The same filter subscribed again (a client resuming its
 			// session does): what it matched meanwhile is still owed.
 			sub.since = prev.since
 		}
 		s.subs[f.Filter] = sub // [MQTT-3.8.4-3]: replaces one with the same filter
+		srv.recountLocked(s)
 		persist := s.persistent()
 		s.mu.Unlock()
 		srv.index.add(s, sub)
@@ -125,6 +131,7 @@ func (c *conn) unsubscribe(pk *packets.Packet) bool {
 		s.mu.Lock()
 		sub := s.subs[f.Filter]
 		delete(s.subs, f.Filter)
+		c.srv.recountLocked(s)
 		persist := s.persistent()
 		s.mu.Unlock()
 		if sub == nil {
