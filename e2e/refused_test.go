@@ -112,7 +112,13 @@ func TestPausedMasterLogsNothingItRefused(t *testing.T) {
 	g1, g2, g3 := threeOf(t, tandemBin(t))
 	gws := []*gw{g1, g2, g3}
 	m := masterOf(t, 15*time.Second, gws...)
-	syncPub := startOutcomePublisher(t, m, "paused-sync", "s/paused")
+	// Several sync publishers: each has one publish in flight, which the
+	// pause may catch in the master's tail, not yet on a slave.
+	var syncPubs []*outcomes
+	for i := range 6 {
+		syncPubs = append(syncPubs, startOutcomePublisher(t, m, fmt.Sprintf("paused-sync-%d", i), fmt.Sprintf("s/paused/%d", i)))
+	}
+	syncPub := syncPubs[0]
 	asyncPub := startOutcomePublisher(t, m, "paused-async", "a/paused")
 	testutil.WaitFor(t, 10*time.Second, "50 acks of each before the pause", func() bool {
 		s, _ := syncPub.count()
@@ -143,13 +149,15 @@ func TestPausedMasterLogsNothingItRefused(t *testing.T) {
 		s, _ := syncPub.count()
 		return s > s0+20 && time.Since(resumed) > 7*time.Second
 	})
-	syncPub.stop()
+	for _, o := range syncPubs {
+		o.stop()
+	}
 	asyncPub.stop()
 	converge(t, 30*time.Second, gws...)
 	for _, g := range gws {
 		g.stopWithin(5 * time.Second)
 	}
-	for _, o := range []*outcomes{syncPub, asyncPub} {
+	for _, o := range append(syncPubs, asyncPub) {
 		checkRefusedAbsent(t, o, gws...)
 	}
 }

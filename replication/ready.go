@@ -53,6 +53,7 @@ func (n *Node) handleReady() bool {
 			n.term.Store(hs.Term)
 		}
 		if n.db.TakeRequeueSignal() {
+			n.refuseRequeued()
 			select {
 			case n.requeueSig <- struct{}{}:
 			default:

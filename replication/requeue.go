@@ -2,6 +2,8 @@ package replication
 
 import (
 	"encoding/binary"
+	"fmt"
+	"math"
 	"sync"
 	"time"
 
@@ -49,6 +51,45 @@ func (n *Node) requeueLoop() {
 		if total > 0 {
 			n.log.Info("re-published requeued records (a deposed master's tail)", "records", total, "requeued_since_start", n.requeuedTotal.Load())
 		}
+	}
+}
+
+// errDeposedTail answers a publisher whose record a conflicting append
+// took out of this node's log: it is in no log, and is never re-published.
+var errDeposedTail = fmt.Errorf("%w: this gateway was deposed before the record met its ack rule, and the new master's log does not hold it", ErrNotLeader)
+
+// refuseRequeued answers, at once, the publishers still waiting here for
+// records a conflicting append just moved to the requeue bucket: the tail
+// of this node as a deposed (or paused) master, sync records whose ack
+// rule was not met. They are in no log now. Left waiting, they would be
+// refused at their sync_timeout, after the requeue loop had re-published
+// them: delivered, though their devices were told they failed (issue
+// #32). Refused now, their ids are noted refused (resolve) before the
+// requeue loop reads the bucket, and it drops them. Runs on the loop, only
+// when an append conflicted.
+func (n *Node) refuseRequeued() {
+	if len(n.live) == 0 {
+		return
+	}
+	items, err := n.db.Requeued(math.MaxInt)
+	if err != nil {
+		n.log.Error("reading requeued records failed", "error", err)
+		return
+	}
+	refused := 0
+	for _, it := range items {
+		origin, seq, err := storage.RecordID(it.Data)
+		if err != nil {
+			continue
+		}
+		if p := n.live[recID{origin, seq}]; p != nil && !p.resolved {
+			n.resolve(p, errDeposedTail)
+			refused++
+		}
+	}
+	if refused > 0 {
+		n.flushResolved()
+		n.log.Info("refused the publishes this gateway's cut-off tail held: they are in no log and will not be re-published", "records", refused)
 	}
 }
 
