@@ -232,7 +232,7 @@ func TestPreviousReleaseRefusesADataDirWithPieces(t *testing.T) {
 	payload := bytes.Repeat([]byte("large record "), 100<<10/13)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if r, err := c.Publish(ctx, &paho.Publish{Topic: "s/big", QoS: 1, Payload: payload}); err != nil || r.ReasonCode != 0 {
+	if r, err := c.Publish(ctx, &paho.Publish{Topic: "big/x", QoS: 1, Payload: payload}); err != nil || r.ReasonCode != 0 {
 		t.Fatalf("publish of %d bytes: %v, %+v", len(payload), err, r)
 	}
 	_ = c.Disconnect(&paho.Disconnect{})
