@@ -98,11 +98,14 @@ func TestEntriesInPiecesReadBackWhole(t *testing.T) {
 	sizes := pieceSizes(ps)
 	ents := sizedEntries(1, 1, sizes...)
 	// Two checkpoints, the second appending to a log that ends in pieces.
-	for _, part := range [][]pb.Entry{ents[:8], ents[8:]} {
+	for i, part := range [][]pb.Entry{ents[:8], ents[8:]} {
 		mustSave(t, db, pb.HardState{Term: 1, Vote: 1, Commit: part[len(part)-1].Index}, part)
 		mustCheckpoint(t, db)
 		if err := ms.Append(part); err != nil {
 			t.Fatal(err)
+		}
+		if i == 0 {
+			seekPastPieces(t, db, part[len(part)-1])
 		}
 	}
 	checkLog(t, db, ms)
@@ -144,6 +147,36 @@ func TestEntriesInPiecesReadBackWhole(t *testing.T) {
 		checkLog(t, db, ms)
 		scanAll(db)
 		mustClose(t, db)
+	}
+}
+
+// seekPastPieces checks a seek past the end of a log whose last entry,
+// last, is in pieces: the cursor goes back to its first piece, reads it
+// whole, and ends there.
+func seekPastPieces(t *testing.T, db *DB, last pb.Entry) {
+	t.Helper()
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		lb := tx.Bucket(bucketLog)
+		if k, _ := seekKey(lb.Cursor(), last.Index+1); !bytes.Equal(k, pieceKey(last.Index, 0)) {
+			return fmt.Errorf("seekKey past the end gave key %x, want the last entry's first piece", k)
+		}
+		lc := newLogCursor(lb)
+		if err := lc.seek(last.Index + 1); err != nil {
+			return err
+		}
+		if idx, v, err := lc.entry(); err != nil || v != nil {
+			return fmt.Errorf("entry after seeking past the end: %d, %d bytes, %v; want the end", idx, len(v), err)
+		}
+		return eachEntry(lb, last.Index, func(idx uint64, v []byte) (bool, error) {
+			e, err := decodeEntry(idx, v)
+			if err == nil && diffEntries([]pb.Entry{e}, []pb.Entry{last}) != "" {
+				err = fmt.Errorf("entry %d read back as %s", idx, diffEntries([]pb.Entry{e}, []pb.Entry{last}))
+			}
+			return false, err
+		})
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }
 
