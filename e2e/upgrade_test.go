@@ -1,9 +1,13 @@
 package e2e
 
 import (
+	"bytes"
+	"context"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/eclipse/paho.golang/paho"
 
 	"github.com/tandem-edge/tandem/internal/netns"
 	"github.com/tandem-edge/tandem/internal/testutil"
@@ -206,6 +210,61 @@ func TestUpgradeFromPreviousRelease(t *testing.T) {
 
 	u.finish(t, cur, gws...)
 	t.Logf("upgrade test done in %v", time.Since(began).Round(time.Millisecond))
+}
+
+// A record too large for a run of the log (over about 2 KB) is stored in
+// pieces of a page, which the previous release cannot read: the data file
+// says format 4 from then on, and that release refuses to start on it,
+// naming both formats, and leaves it as it is; this build serves it again,
+// the record in it. (A data dir that never held such a record stays at
+// format 3: TestUpgradeFromPreviousRelease takes one back.)
+func TestPreviousReleaseRefusesADataDirWithPieces(t *testing.T) {
+	netns.Skip(t)
+	old, tag := releaseBin(t)
+	cur := tandemBin(t)
+	nt := netns.New(t, 1)
+	g := newGW(t, nt.Hosts[0], "gw-1")
+	g.startBin(cur)
+	c, err := device(t, g, "big", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	payload := bytes.Repeat([]byte("large record "), 100<<10/13)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if r, err := c.Publish(ctx, &paho.Publish{Topic: "big/x", QoS: 1, Payload: payload}); err != nil || r.ReasonCode != 0 {
+		t.Fatalf("publish of %d bytes: %v, %+v", len(payload), err, r)
+	}
+	_ = c.Disconnect(&paho.Disconnect{})
+	g.stopWithin(15 * time.Second)
+
+	before := dirDigest(t, g.dir)
+	g.spawn(old)
+	select {
+	case <-g.proc.Done():
+	case <-time.After(15 * time.Second):
+		t.Fatalf("%s still runs on a data dir with a record in pieces", tag)
+	}
+	if out := g.proc.Output(); g.proc.Cmd.ProcessState.Success() || !strings.Contains(out, "data format 4, this build reads up to 3") {
+		t.Fatalf("%s on a data dir with a record in pieces: exit %v, output:\n%s", tag, g.proc.Cmd.ProcessState, out)
+	}
+	if after := dirDigest(t, g.dir); after != before {
+		t.Fatalf("%s changed a data dir it refused", tag)
+	}
+	t.Logf("%s refused the data dir: %s", tag, lastLines(g.proc.Output(), 1))
+
+	g.startBin(cur)
+	if s := g.status(); s == nil {
+		t.Fatal("no status from this build back on its data dir")
+	}
+	g.stopWithin(5 * time.Second)
+	found := false
+	for _, r := range inspectAll(t, cur, g) {
+		found = found || (r.Type == "record" && bytes.Equal(r.Payload, payload))
+	}
+	if !found {
+		t.Error("the large record is not in the log after going back and forth")
+	}
 }
 
 func lastLines(s string, n int) string {

@@ -162,8 +162,10 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 			return err
 		}
 		m := tx.Bucket(bucketMeta)
-		if err := m.Put(keyFormat, u64(FormatVersion)); err != nil {
-			return err
+		if metaU64(tx, bucketMeta, keyFormat) < formatRuns { // see FormatVersion
+			if err := m.Put(keyFormat, u64(formatRuns)); err != nil {
+				return err
+			}
 		}
 		v := make([]byte, 16)
 		binary.BigEndian.PutUint64(v, c.id)

@@ -30,14 +30,24 @@ var (
 // FileName is the name of the data file inside the data dir.
 const FileName = "tandem.db"
 
-// FormatVersion is the layout of buckets and values this build writes. A file
-// with a higher version is refused rather than misread. Version 2 has a WAL
-// (WALName) that may hold records the file does not: a build that knows only
-// version 1 would ignore it, so it refuses the file instead. Version 3 stores
-// the log in runs of entries (logrun.go), which version 2 cannot read. Older
-// files become version 3 at their first checkpoint, which is part of the
-// first read-write open; their entries stay as they are, readable alike.
-const FormatVersion = 3
+// FormatVersion is the newest layout of buckets and values this build
+// reads and writes. A file with a higher version is refused rather than
+// misread. Version 2 has a WAL (WALName) that may hold records the file does
+// not: a build that knows only version 1 would ignore it, so it refuses the
+// file instead. Version 3 stores the log in runs of entries (logrun.go),
+// which version 2 cannot read. Older files become version 3 at their first
+// checkpoint, which is part of the first read-write open; their entries stay
+// as they are, readable alike. Version 4 has entries in pieces (logrun.go):
+// a file becomes version 4 with the first entry too big for a run, not
+// before, so that a data dir that never held one still opens on the
+// releases that read version 3.
+const FormatVersion = formatPieces
+
+// The format versions this build writes.
+const (
+	formatRuns   = 3
+	formatPieces = 4
+)
 
 // Bucket names. Big-endian uint64 keys in the log bucket keep cursor order
 // equal to log order.
@@ -526,7 +536,7 @@ func (db *DB) create() error {
 				return err
 			}
 		}
-		return tx.Bucket(bucketMeta).Put(keyFormat, u64(FormatVersion))
+		return tx.Bucket(bucketMeta).Put(keyFormat, u64(formatRuns))
 	})
 }
 
@@ -643,7 +653,7 @@ func (db *DB) fillTailLocked(lb *bolt.Bucket) error {
 	var start uint64
 	size := 0
 	for k, v := c.Last(); k != nil && size < db.maxTail; k, v = c.Prev() {
-		first, _, err := keyFirst(k, v)
+		first, _, _, err := keyIndex(k)
 		if err != nil {
 			return err
 		}

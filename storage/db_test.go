@@ -259,16 +259,28 @@ func flipLastByte(tx *bolt.Tx, idx uint64) error {
 }
 
 // entryAt finds entry idx in the log bucket: the key holding it, that key's
-// value, and where the entry is in it, its length field included.
+// value, and where the entry is in it, its length field included. Of an
+// entry in pieces it gives the last piece, all of its value.
 func entryAt(lb *bolt.Bucket, idx uint64) (k, v []byte, start, end int, err error) {
-	k, v = seekKey(lb.Cursor(), idx)
+	c := lb.Cursor()
+	k, v = seekKey(c, idx)
 	if k == nil {
 		return nil, nil, 0, 0, fmt.Errorf("no entry %d", idx)
 	}
-	first, run, err := keyFirst(k, v)
+	first, kind, _, err := keyIndex(k)
 	if err != nil {
 		return nil, nil, 0, 0, err
 	}
+	if kind == keyPiece {
+		if first != idx {
+			return nil, nil, 0, 0, fmt.Errorf("no entry %d", idx)
+		}
+		for nk, nv := c.Next(); nk != nil && bytes.HasPrefix(nk, k[:9]); nk, nv = c.Next() {
+			k, v = nk, nv
+		}
+		return k, v, 0, len(v), nil
+	}
+	run := kind == keyRun
 	if !run {
 		if first != idx {
 			return nil, nil, 0, 0, fmt.Errorf("no entry %d", idx)

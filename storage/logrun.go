@@ -1,6 +1,7 @@
 package storage
 
 import (
+	"bytes"
 	"encoding/binary"
 	"fmt"
 
@@ -18,21 +19,43 @@ import (
 // fit in a leaf page, the least bbolt puts in one when it splits a node:
 // bigger values would make every leaf spill into overflow pages, which
 // bbolt allocates afresh on every commit and rewrites whole with the last
-// leaf. An entry bigger than that is a run of its own, as it was a key of
-// its own.
+// leaf. An entry bigger than that is stored in pieces of its own (format
+// 4), each a value of at most pieceBytes under pieceKey(index, number):
+// stored as one value, it took a run of contiguous free pages as long as
+// itself, which the one-page writes of each commit leave none of once
+// retention frees pages here and there, so the file grew past its budget
+// (12 to 15 MiB on an 8 MiB budget with 256 KiB records). Pieces take
+// single pages, as every other write does. Readers join them (a copy).
 //
 // A run's value is a sequence of uvarint(length) | entry value, with entry
-// values as before (CRC, term, type, data: putEntry). Files written before
-// runs (format 2) hold one entry per 8-byte key; both kinds sort by index
-// together, since runKey appends a byte to the index, and logCursor reads
-// them alike. Old entries are never rewritten: they stay single until the
-// log is reset.
-const runTag = 1 // the ninth byte of a run's key
+// values as before (CRC, term, type, data: putEntry). A first piece's value
+// is uvarint(length) | the entry value's head, the next pieces' the rest in
+// order; a missing or torn piece is damage, as a failed CRC is. Files
+// written before runs (format 2) hold one entry per 8-byte key; all kinds
+// sort by index together, since runKey and pieceKey append to the index,
+// and logCursor reads them alike. Old entries are never rewritten: they
+// stay as they are until the log is reset.
+const (
+	runTag   = 1 // the ninth byte of a run's key
+	pieceTag = 2 // the ninth byte of a piece's key, its number after it
+)
+
+// pieceKeyLen is the length of a piece's key: the index, pieceTag and the
+// piece's number, big-endian so that the pieces sort in order.
+const pieceKeyLen = 13
+
+// leafElem is what bbolt keeps in a leaf per key besides the key and the
+// value.
+const leafElem = 16
 
 // runBytes is the most a run holds with pages of pageSize: two runs and
 // their element headers (16 bytes, and a 9-byte key) in a page after its
 // 16-byte header.
-func runBytes(pageSize int) int { return (pageSize-16)/2 - 16 - 9 }
+func runBytes(pageSize int) int { return (pageSize-16)/2 - leafElem - 9 }
+
+// pieceBytes is the most a piece holds: two pieces fill a page as two runs
+// do, their keys being longer.
+func pieceBytes(pageSize int) int { return runBytes(pageSize) - (pieceKeyLen - 9) }
 
 // runKey is the key of the run whose first entry is first.
 func runKey(first uint64) []byte {
@@ -42,23 +65,144 @@ func runKey(first uint64) []byte {
 	return k
 }
 
-// keyFirst returns the index of the first entry under log key k, whose
-// value is v, and whether k is a run (else a single entry of format 2). An
-// empty value (or a nested bucket, whose value bbolt gives as nil) holds no
-// entry at all: damage, never a key to skip.
-func keyFirst(k, v []byte) (first uint64, run bool, err error) {
+// pieceKey is the key of piece n of entry idx.
+func pieceKey(idx uint64, n uint32) []byte {
+	k := make([]byte, pieceKeyLen)
+	binary.BigEndian.PutUint64(k, idx)
+	k[8] = pieceTag
+	binary.BigEndian.PutUint32(k[9:], n)
+	return k
+}
+
+// keyKind is what a log key holds.
+type keyKind uint8
+
+const (
+	keySingle keyKind = iota // one entry (format 2)
+	keyRun                   // a run of entries
+	keyPiece                 // a piece of one entry
+)
+
+// keyIndex parses log key k: the index of its (first) entry, what it
+// holds, and a piece's number.
+func keyIndex(k []byte) (first uint64, kind keyKind, piece uint32, err error) {
 	switch {
 	case len(k) == 8:
-		first = binary.BigEndian.Uint64(k)
+		return binary.BigEndian.Uint64(k), keySingle, 0, nil
 	case len(k) == 9 && k[8] == runTag:
-		first, run = binary.BigEndian.Uint64(k), true
-	default:
-		return 0, false, fmt.Errorf("log key %x is not an index or a run: %w", k, ErrCorrupt)
+		return binary.BigEndian.Uint64(k), keyRun, 0, nil
+	case len(k) == pieceKeyLen && k[8] == pieceTag:
+		return binary.BigEndian.Uint64(k), keyPiece, binary.BigEndian.Uint32(k[9:]), nil
 	}
-	if len(v) == 0 {
-		return 0, false, fmt.Errorf("entry %d: empty value under its key: %w", first, ErrCorrupt)
+	return 0, 0, 0, fmt.Errorf("log key %x is not an index, a run or a piece: %w", k, ErrCorrupt)
+}
+
+// logItem is what the log bucket holds from one key on: a run, a single
+// entry, or an entry's pieces.
+type logItem struct {
+	first uint64
+	run   bool   // v is a run; else one entry's value
+	v     []byte // aliases bbolt's page, except joined pieces (a copy)
+	// head says v is only the first piece's part of the entry (readHead):
+	// its headers, for what reads no further.
+	head   bool
+	pieces int // the entry's pieces; 0 for a run or a single entry
+	size   int // the keys, values and leaf elements it takes in the file
+}
+
+// keys returns the item's keys, k being its first.
+func (it *logItem) keys(k []byte) [][]byte {
+	if it.pieces == 0 {
+		return [][]byte{bytes.Clone(k)}
 	}
-	return first, run, nil
+	ks := make([][]byte, it.pieces)
+	for i := range ks {
+		ks[i] = pieceKey(it.first, uint32(i))
+	}
+	return ks
+}
+
+// readItem reads the item at key k (value v), where c is. An entry in
+// pieces is read through its last piece, where c is left (so that c.Next
+// moves past the item, also when a piece is missing or torn, which is
+// ErrCorrupt), and joined.
+func readItem(c *bolt.Cursor, k, v []byte) (logItem, error) { return readItemAs(c, k, v, false) }
+
+// readHead is readItem that joins no pieces: v holds the first piece's
+// part of an entry in pieces (its headers), for readers of terms and
+// record times. The pieces' keys and lengths are checked all the same.
+func readHead(c *bolt.Cursor, k, v []byte) (logItem, error) { return readItemAs(c, k, v, true) }
+
+// maxPrealloc bounds what readItem allocates on the word of a first piece's
+// length field before the pieces confirm it.
+const maxPrealloc = 16 << 20
+
+func readItemAs(c *bolt.Cursor, k, v []byte, head bool) (it logItem, err error) {
+	first, kind, n, err := keyIndex(k)
+	if err != nil {
+		return it, err
+	}
+	it.first, it.size = first, len(k)+len(v)+leafElem
+	if kind != keyPiece {
+		if len(v) == 0 {
+			// An empty value (or a nested bucket, whose value bbolt
+			// gives as nil) holds no entry at all: damage, never a key
+			// to skip.
+			return it, fmt.Errorf("entry %d: empty value under its key: %w", first, ErrCorrupt)
+		}
+		it.run, it.v = kind == keyRun, v
+		return it, nil
+	}
+	it.pieces = 1
+	var total uint64
+	var got int // the entry's bytes the pieces hold
+	if n != 0 {
+		err = fmt.Errorf("entry %d: its pieces before piece %d are missing: %w", first, n, ErrCorrupt)
+	} else if t, w := binary.Uvarint(v); w <= 0 || t < entryHdr || t < uint64(len(v)-w) {
+		err = fmt.Errorf("entry %d: its first piece is damaged (length field): %w", first, ErrCorrupt)
+	} else {
+		total, got = t, len(v)-w
+		if head {
+			it.v = v[w:]
+		} else {
+			it.v = append(make([]byte, 0, min(total, maxPrealloc)), v[w:]...)
+		}
+	}
+	for want := n + 1; ; want++ {
+		nk, nv := c.Next()
+		if nk == nil {
+			break // c stays on the last key
+		}
+		nf, nkind, nn, kerr := keyIndex(nk)
+		if kerr != nil || nkind != keyPiece || nf != first {
+			c.Prev()
+			break
+		}
+		it.pieces++
+		it.size += len(nk) + len(nv) + leafElem
+		switch {
+		case err != nil:
+		case nn != want:
+			err = fmt.Errorf("entry %d: piece %d is missing: %w", first, want, ErrCorrupt)
+		case uint64(got+len(nv)) > total || len(nv) == 0:
+			err = fmt.Errorf("entry %d: piece %d is damaged (%d bytes past the %d of the entry's %d its pieces before held): %w", first, nn, len(nv), got, total, ErrCorrupt)
+		default:
+			got += len(nv)
+			if !head {
+				it.v = append(it.v, nv...)
+			}
+		}
+		want = nn
+	}
+	if err == nil && uint64(got) != total {
+		err = fmt.Errorf("entry %d: its %d pieces hold %d of its %d bytes (a piece is missing or torn): %w", first, it.pieces, got, total, ErrCorrupt)
+	}
+	if err != nil {
+		it.v = nil
+		return it, err
+	}
+	it.head = head
+	return it, nil
 }
 
 // nextInRun splits the first entry value off a run's remaining bytes.
@@ -85,22 +229,24 @@ type logCursor struct {
 
 func newLogCursor(lb *bolt.Bucket) *logCursor { return &logCursor{c: lb.Cursor()} }
 
-// load makes k, v the current key. Past the first key, its first index must
-// follow the previous key's last entry: a gap is damage.
+// load makes the item at k, v the current one (the cursor moves past an
+// entry's pieces). Past the first item, its first index must follow the
+// previous item's last entry: a gap is damage.
 func (lc *logCursor) load(k, v []byte) error {
-	first, run, err := keyFirst(k, v)
+	it, err := readItem(lc.c, k, v)
 	if err != nil {
 		return err
 	}
-	if lc.started && first != lc.next {
-		return fmt.Errorf("log index %d where %d was expected (gap or overlap): %w", first, lc.next, ErrCorrupt)
+	if lc.started && it.first != lc.next {
+		return fmt.Errorf("log index %d where %d was expected (gap or overlap): %w", it.first, lc.next, ErrCorrupt)
 	}
-	lc.next, lc.rest, lc.run, lc.started = first, v, run, true
+	lc.next, lc.rest, lc.run, lc.started = it.first, it.v, it.run, true
 	return nil
 }
 
 // seekKey moves c to the key holding entry i (a run that starts before i,
-// or i's own key), else to the first key after i, and returns it.
+// or i's own key, its first piece for one in pieces), else to the first key
+// after i, and returns it.
 func seekKey(c *bolt.Cursor, i uint64) (k, v []byte) {
 	k, v = c.Seek(u64(i))
 	if k != nil && len(k) >= 8 && binary.BigEndian.Uint64(k) <= i {
@@ -114,6 +260,9 @@ func seekKey(c *bolt.Cursor, i uint64) (k, v []byte) {
 	}
 	if pk == nil {
 		return c.Seek(u64(i)) // nothing before: back to where Seek was
+	}
+	if f, kind, n, err := keyIndex(pk); err == nil && kind == keyPiece && n != 0 {
+		return c.Seek(u64(f)) // the last piece of the entry before i: its first
 	}
 	return pk, pv
 }
@@ -192,9 +341,12 @@ func lastLogIndex(lb *bolt.Bucket) (uint64, error) {
 	if k == nil {
 		return 0, nil
 	}
-	first, run, err := keyFirst(k, v)
-	if err != nil || !run {
+	first, kind, _, err := keyIndex(k)
+	if err != nil || kind != keyRun {
 		return first, err
+	}
+	if len(v) == 0 {
+		return 0, fmt.Errorf("entry %d: empty value under its key: %w", first, ErrCorrupt)
 	}
 	last := first
 	for rest := v; ; last++ {
@@ -208,8 +360,8 @@ func lastLogIndex(lb *bolt.Bucket) (uint64, error) {
 }
 
 // putEntries writes ents, contiguous and following the log's last entry, as
-// runs. Their bytes are one buffer: bbolt keeps the slices it is given until
-// the transaction commits.
+// runs, and each entry too big for a run in pieces. Their bytes are one
+// buffer: bbolt keeps the slices it is given until the transaction commits.
 func (db *DB) putEntries(tx *bolt.Tx, ents []pb.Entry) error {
 	if len(ents) == 0 {
 		return nil
@@ -221,21 +373,52 @@ func (db *DB) putEntries(tx *bolt.Tx, ents []pb.Entry) error {
 	buf := make([]byte, 0, size)
 	lb := tx.Bucket(bucketLog)
 	lb.FillPercent = 1.0 // appends are sequential: full pages halve growth
-	limit := runBytes(tx.DB().Info().PageSize)
+	ps := tx.DB().Info().PageSize
+	limit := runBytes(ps)
 	start, first := 0, ents[0].Index
 	for i := range ents {
 		n := entrySize(&ents[i])
-		if len(buf) > start && len(buf)-start+uvarintLen(uint64(n))+n > limit {
+		big := uvarintLen(uint64(n))+n > limit
+		if len(buf) > start && (big || len(buf)-start+uvarintLen(uint64(n))+n > limit) {
 			if err := lb.Put(runKey(first), buf[start:len(buf):len(buf)]); err != nil {
 				return err
 			}
-			start, first = len(buf), ents[i].Index
+			start = len(buf)
+		}
+		if len(buf) == start {
+			first = ents[i].Index
 		}
 		buf = binary.AppendUvarint(buf, uint64(n))
 		buf = buf[:len(buf)+n]
 		putEntry(buf[len(buf)-n:], &ents[i])
+		if big {
+			if err := putPieces(tx, lb, first, buf[start:], pieceBytes(ps)); err != nil {
+				return err
+			}
+			start = len(buf)
+		}
+	}
+	if len(buf) == start {
+		return nil
 	}
 	return lb.Put(runKey(first), buf[start:])
+}
+
+// putPieces writes b, an entry's length field and value, as the pieces of
+// entry idx, and marks the file as holding pieces (format 4): a build
+// that cannot read them refuses it rather than take it for damage.
+func putPieces(tx *bolt.Tx, lb *bolt.Bucket, idx uint64, b []byte, limit int) error {
+	for n := 0; len(b) > 0; n++ {
+		p := b[:min(limit, len(b)):min(limit, len(b))]
+		if err := lb.Put(pieceKey(idx, uint32(n)), p); err != nil {
+			return err
+		}
+		b = b[len(p):]
+	}
+	if metaU64(tx, bucketMeta, keyFormat) < formatPieces {
+		return tx.Bucket(bucketMeta).Put(keyFormat, u64(formatPieces))
+	}
+	return nil
 }
 
 // requeueFrom moves the data entries from index from on out of the log into
@@ -251,11 +434,12 @@ func requeueFrom(tx *bolt.Tx, lb *bolt.Bucket, from, term uint64) error {
 	c := lb.Cursor()
 	k, v := seekKey(c, from)
 	for ; k != nil; k, v = c.Next() {
-		first, run, err := keyFirst(k, v)
+		it, err := readItem(c, k, v)
 		if err != nil {
 			return err
 		}
-		rest, idx := v, first
+		first, run := it.first, it.run
+		rest, idx := it.v, first
 		for len(rest) > 0 {
 			ev, after := rest, []byte(nil)
 			if run {
@@ -264,7 +448,7 @@ func requeueFrom(tx *bolt.Tx, lb *bolt.Bucket, from, term uint64) error {
 				}
 			}
 			if idx == from && first < from {
-				h := append([]byte(nil), v[:len(v)-len(rest)]...)
+				h := append([]byte(nil), it.v[:len(it.v)-len(rest)]...)
 				head = &kv{append([]byte(nil), k...), h}
 			}
 			if idx >= from && len(ev) > entryHdr && pb.EntryType(ev[12]) == pb.EntryNormal && (term == 0 || binary.BigEndian.Uint64(ev[4:12]) == term) {
@@ -275,7 +459,7 @@ func requeueFrom(tx *bolt.Tx, lb *bolt.Bucket, from, term uint64) error {
 			idx++
 		}
 		if idx > from {
-			gone = append(gone, append([]byte(nil), k...))
+			gone = append(gone, it.keys(k)...)
 		}
 	}
 	for _, k := range gone {

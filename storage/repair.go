@@ -601,7 +601,7 @@ func (s *salvager) scanLog(from uint64, seek bool) (resume uint64, err error) {
 				k, v = seekKey(c, from)
 			}
 			for ; k != nil; k, v = c.Next() {
-				if werr = s.copyKey(k, v); werr != nil {
+				if werr = s.copyKey(c, k, v); werr != nil {
 					return nil
 				}
 			}
@@ -617,16 +617,17 @@ func (s *salvager) scanLog(from uint64, seek bool) (resume uint64, err error) {
 	return 0, nil
 }
 
-// copyKey copies the readable entries under one log key.
-func (s *salvager) copyKey(k, v []byte) error {
-	first, run, err := keyFirst(k, v)
-	if err != nil || first > s.next+maxJump {
-		return nil // a damaged key: its entries show up as a gap
+// copyKey copies the readable entries under one log key, or of the entry
+// whose pieces start there (c is left on the last of them).
+func (s *salvager) copyKey(c *bolt.Cursor, k, v []byte) error {
+	it, err := readItem(c, k, v)
+	if err != nil || it.first > s.next+maxJump {
+		return nil // a damaged key or piece: its entries show up as a gap
 	}
-	if !run {
-		return s.copyValue(first, v)
+	if !it.run {
+		return s.copyValue(it.first, it.v)
 	}
-	for idx, rest := first, v; len(rest) > 0; idx++ {
+	for idx, rest := it.first, it.v; len(rest) > 0; idx++ {
 		ev, after, err := nextInRun(idx, rest)
 		if err != nil {
 			return nil // the rest of the run is lost
@@ -948,10 +949,19 @@ func scanLeaves(path string) (map[uint64]pb.Entry, error) {
 }
 
 // leafEntries returns the entries of the log leaves among the pages of
-// size ps in b (the whole file).
+// size ps in b (the whole file). An entry in pieces is read if all of them
+// are found and it passes its CRC.
 func leafEntries(b []byte, ps int64) map[uint64]pb.Entry {
 	le := binary.LittleEndian
 	found := map[uint64]pb.Entry{}
+	pieces := map[uint64]map[uint32][]byte{}
+	take := func(idx uint64, ev []byte) {
+		if ent, err := decodeEntry(idx, ev); err == nil {
+			if old, ok := found[idx]; !ok || ent.Term > old.Term {
+				found[idx] = ent
+			}
+		}
+	}
 	for off := 2 * ps; off+boltPageHdrSize <= int64(len(b)); off += ps {
 		p := b[off:]
 		if le.Uint16(p[8:]) != boltLeafFlag {
@@ -969,25 +979,38 @@ func leafEntries(b []byte, ps int64) map[uint64]pb.Entry {
 				break // a bucket, or not a page of ours
 			}
 			k, v := p[e+pos:e+pos+ks], p[e+pos+ks:e+pos+ks+vs]
-			first, run, err := keyFirst(k, v)
-			if err != nil {
+			first, kind, n, err := keyIndex(k)
+			if err != nil || len(v) == 0 {
 				break
+			}
+			if kind == keyPiece {
+				if pieces[first] == nil {
+					pieces[first] = map[uint32][]byte{}
+				}
+				pieces[first][n] = v
+				continue
 			}
 			for idx, rest := first, v; len(rest) > 0; idx++ {
 				ev := rest
-				if run {
+				if kind == keyRun {
 					if ev, rest, err = nextInRun(idx, rest); err != nil {
 						break
 					}
 				} else {
 					rest = nil
 				}
-				if ent, err := decodeEntry(idx, ev); err == nil {
-					if old, ok := found[idx]; !ok || ent.Term > old.Term {
-						found[idx] = ent
-					}
-				}
+				take(idx, ev)
 			}
+		}
+	}
+	for idx, ps := range pieces {
+		// uvarint(length) | value, in pieces numbered from 0.
+		var joined []byte
+		for n := uint32(0); ps[n] != nil; n++ {
+			joined = append(joined, ps[n]...)
+		}
+		if t, w := binary.Uvarint(joined); w > 0 && t == uint64(len(joined)-w) {
+			take(idx, joined[w:])
 		}
 	}
 	return found

@@ -224,23 +224,27 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 	if err != nil {
 		return res, err
 	}
-	k, v := c.First()
-	for ; k != nil; k, v = c.Next() {
-		first, run, err := keyFirst(k, v)
+	// at is the item where the drops stop, read already (the cursor is
+	// on its last key): the oldest record left is looked for from it on.
+	var at *logItem
+	for k, v := c.First(); k != nil; k, v = c.Next() {
+		it, err := readHead(c, k, v)
 		if err != nil {
 			return res, err
 		}
-		last, term, records, newest, err := runInfo(first, run, v)
+		last, term, records, newest, err := runInfo(it.first, it.run, it.v)
 		if err != nil {
 			return res, err
 		}
 		byBytes := freed < excess
 		byAge := cutoff != math.MinInt64 && newest < cutoff
 		if !byBytes && !byAge {
+			at = &it
 			break
 		}
 		if res.some && byBytes && !byAge && last > snapIndex+maxDrop { // a pass drops a run at least
 			res.capped = true
+			at = &it
 			break
 		}
 		if last > limit {
@@ -255,22 +259,27 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 				// not at the next write, which may never come.
 				res.applyAt = last
 			}
+			at = &it
 			break
 		}
-		// A key, its value and the element header bbolt keeps in the leaf.
-		freed += int64(len(k) + len(v) + 16)
-		gone = append(gone, append([]byte(nil), k...))
+		freed += int64(it.size)
+		gone = append(gone, it.keys(k)...)
 		res.snapIndex, res.snapTerm, res.some = last, term, true
 		res.records += records
 	}
-	// The oldest record left: the first one from k on.
-	for ; k != nil && res.oldest == 0; k, v = c.Next() {
-		first, run, err := keyFirst(k, v)
-		if err != nil {
+	// The oldest record left: the first one from at on.
+	if at != nil {
+		if res.oldest, err = runOldest(at.first, at.run, at.v); err != nil {
 			return res, err
 		}
-		if res.oldest, err = runOldest(first, run, v); err != nil {
-			return res, err
+		for k, v := c.Next(); k != nil && res.oldest == 0; k, v = c.Next() {
+			it, err := readHead(c, k, v)
+			if err != nil {
+				return res, err
+			}
+			if res.oldest, err = runOldest(it.first, it.run, it.v); err != nil {
+				return res, err
+			}
 		}
 	}
 	if !res.some {
@@ -423,11 +432,11 @@ func (db *DB) loadOldest() error {
 	return db.bolt.View(func(tx *bolt.Tx) error {
 		c := tx.Bucket(bucketLog).Cursor()
 		for k, v := c.First(); k != nil; k, v = c.Next() {
-			first, run, err := keyFirst(k, v)
+			it, err := readHead(c, k, v)
 			if err != nil {
 				return err
 			}
-			t, err := runOldest(first, run, v)
+			t, err := runOldest(it.first, it.run, it.v)
 			if err != nil {
 				return err
 			}

@@ -367,6 +367,12 @@ func TestRetentionBudgetWithLargeRecords(t *testing.T) {
 	}{
 		{"16KiB", []int{16 << 10}},
 		{"mixed", []int{100, 4 << 10, 16 << 10, 64 << 10}},
+		// Records of many pages: stored as one value each they went to
+		// bbolt's overflow pages, runs of contiguous free pages the small
+		// commits' pages left none of, and the file grew past the budget
+		// (12.9 to 15 MiB peaks on this 8 MiB budget).
+		{"256KiB", []int{256 << 10}},
+		{"1MiB", []int{1 << 20, 100, 256 << 10, 16 << 10}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()

@@ -78,26 +78,26 @@ func SurveyDamaged(dir string) (s Survey) {
 		c := lb.Cursor()
 		k, v := c.First()
 		for k != nil {
+			it, err := readItem(c, k, v) // through an entry's last piece
 			nk, nv := c.Next()
-			first, run, err := keyFirst(k, v)
-			if err != nil {
-				k, v = nk, nv
-				continue // a key that names no index: its entries are counted by the gap it leaves
-			}
-			if !run {
-				acc.add(first, checkOK(first, v))
-			} else {
-				idx, rest := first, v
+			switch {
+			case err != nil && it.pieces > 0:
+				acc.add(it.first, false) // a piece missing or torn
+			case err != nil:
+				// A key that names no index, or an empty value: its
+				// entries are counted by the gap it leaves.
+			case !it.run:
+				acc.add(it.first, checkOK(it.first, it.v))
+			default:
+				idx, rest := it.first, it.v
 				for len(rest) > 0 {
 					ev, after, err := nextInRun(idx, rest)
 					if err != nil {
 						// The run's framing is gone: what is left of it, up to the
 						// next key, cannot be read.
 						end := idx
-						if nk != nil && len(nk) >= 8 {
-							if nf, _, err := keyFirst(nk, nv); err == nil && nf > idx {
-								end = nf - 1
-							}
+						if nf, _, _, err := keyIndex(nk); nk != nil && err == nil && nf > idx {
+							end = nf - 1
 						}
 						for i := idx; i <= end; i++ {
 							acc.add(i, false)
@@ -186,13 +186,13 @@ func (db *DB) RequeueSalvaged(dir string, from uint64) (n int, err error) {
 			}
 			c := lb.Cursor()
 			for k, v := seekKey(c, from+1); k != nil; k, v = c.Next() {
-				first, run, err := keyFirst(k, v)
+				it, err := readItem(c, k, v)
 				if err != nil {
-					continue
+					continue // damaged: what it held is not requeued
 				}
-				for idx, rest := first, v; len(rest) > 0; idx++ {
+				for idx, rest := it.first, it.v; len(rest) > 0; idx++ {
 					ev, after := rest, []byte(nil)
-					if run {
+					if it.run {
 						if ev, after, err = nextInRun(idx, rest); err != nil {
 							break
 						}

@@ -285,8 +285,8 @@ func TestWALMissingAndUpgrade(t *testing.T) {
 	mustSave(t, db, pb.HardState{Term: 1, Vote: 1, Commit: 61}, makeEntries(61, 1, 1))
 	mustClose(t, db)
 	boltView(t, filepath.Join(dir, FileName), func(tx *bolt.Tx) error {
-		if f := binary.BigEndian.Uint64(tx.Bucket(bucketMeta).Get(keyFormat)); f != FormatVersion {
-			t.Errorf("format %d after a read-write open, want %d", f, FormatVersion)
+		if f := binary.BigEndian.Uint64(tx.Bucket(bucketMeta).Get(keyFormat)); f != formatRuns {
+			t.Errorf("format %d after a read-write open, want %d", f, formatRuns)
 		}
 		return nil
 	})
@@ -755,8 +755,8 @@ func TestFormat2EntriesReadAlongsideRuns(t *testing.T) {
 				t.Errorf("after the overwrite: %d single entries and %d runs, want 25 and some", s, r)
 			}
 			boltView(t, filepath.Join(dir, FileName), func(tx *bolt.Tx) error {
-				if f := binary.BigEndian.Uint64(tx.Bucket(bucketMeta).Get(keyFormat)); f != FormatVersion {
-					t.Errorf("format %d after a read-write open, want %d", f, FormatVersion)
+				if f := binary.BigEndian.Uint64(tx.Bucket(bucketMeta).Get(keyFormat)); f != formatRuns {
+					t.Errorf("format %d after a read-write open, want %d", f, formatRuns)
 				}
 				return nil
 			})
