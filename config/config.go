@@ -189,6 +189,12 @@ type MQTTConfig struct {
 	// connection (MQTT 5: DISCONNECT 0x97), and a persistent session
 	// resumes from its cursor when it comes back.
 	QueueFull string `yaml:"queue_full"`
+	// ReasonStrings says which packets carry a Reason String beside their
+	// reason code: minimal (the default) the CONNACK and the DISCONNECT
+	// only, the acks (PUBACK, PUBREC, PUBREL, PUBCOMP, SUBACK, UNSUBACK)
+	// their bare code, as Mosquitto sends and small device stacks expect;
+	// all the acks too. The log says the reason either way.
+	ReasonStrings string `yaml:"reason_strings"`
 	// WebSocket is an optional MQTT-over-WebSocket listener for browser
 	// dashboards, with the same users, ACLs and limits: on when
 	// WebSocket.Listen is set.

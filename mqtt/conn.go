@@ -411,6 +411,9 @@ func (c *conn) encode(pk *packets.Packet, buf *bytes.Buffer) {
 	pk.Mods.MaxSize = c.maxPacket
 	pk.Mods.DisallowProblemInfo = c.noProblem
 	pk.Mods.AllowResponseInfo = true
+	if !c.srv.cfg.AckReasonStrings && isAck(pk.FixedHeader.Type) {
+		pk.Properties.ReasonString = ""
+	}
 	var err error
 	switch pk.FixedHeader.Type {
 	case packets.Connack:
@@ -437,6 +440,16 @@ func (c *conn) encode(pk *packets.Packet, buf *bytes.Buffer) {
 	if err != nil {
 		c.srv.lines.Error("encoding a packet failed", "client", c.id, "type", pk.FixedHeader.Type, "error", err)
 	}
+}
+
+// isAck reports whether typ is an ack, whose Reason String only
+// Config.AckReasonStrings lets out.
+func isAck(typ byte) bool {
+	switch typ {
+	case packets.Puback, packets.Pubrec, packets.Pubrel, packets.Pubcomp, packets.Suback, packets.Unsuback:
+		return true
+	}
+	return false
 }
 
 // end ends the connection: an MQTT 5 client is sent DISCONNECT with code
