@@ -208,11 +208,13 @@ type WebSocketConfig struct {
 	Listen string `yaml:"listen"`
 	// TLS serves wss:// with mqtt.tls's certificate and key.
 	TLS bool `yaml:"tls"`
-	// Origins are the browser origins (host patterns such as
-	// "dash.example.com" or "*.example.com") whose pages may connect,
-	// besides the listener's own host: a page of any other site is
-	// refused, so a web page cannot reach a gateway through its visitor's
-	// browser.
+	// Origins are the browser origins whose pages may connect:
+	// "dash.example.com" (any port), "kiosk.example:8443",
+	// "*.example.com", "null" (file:// pages). Unset, a listener that
+	// requires credentials admits every page (a hostile one cannot log
+	// in) and an anonymous one the pages of its own host (any port) and
+	// of loopback, so a web page cannot reach an open gateway through its
+	// visitor's browser; set, they are added to the latter on either.
 	Origins []string `yaml:"origins,omitempty"`
 }
 

@@ -24,10 +24,11 @@ type WebSocketConfig struct {
 	// TLS serves wss:// with the TLS listener's certificate; it needs
 	// Config.TLS.
 	TLS bool
-	// OriginPatterns are the browser origins (host patterns, as
-	// path.Match) allowed besides the listener's own host: a page of
-	// another origin may not open MQTT connections to a gateway on the
-	// user's loopback.
+	// OriginPatterns are the browser origins whose pages may connect:
+	// "host" (any port), "host:port", "*.example.com", "null" (file://
+	// pages). With none, a listener that requires credentials admits
+	// every page and an anonymous one the pages of its own host and of
+	// loopback (originPolicy).
 	OriginPatterns []string
 }
 
@@ -38,17 +39,22 @@ type WebSocketConfig struct {
 // an upgrade refused, gets its answer and the socket is closed: the port
 // speaks HTTP only to become a WebSocket, never to keep a connection.
 type wsListener struct {
-	srv    *Server
-	lst    *srvListener // its connection set and close
-	http   *http.Server
-	active sync.WaitGroup // connections being served; added to under lst.mu while not closed
+	srv     *Server
+	origins *originPolicy
+	lst     *srvListener // its connection set and close
+	http    *http.Server
+	active  sync.WaitGroup // connections being served; added to under lst.mu while not closed
 }
 
 // wsListenerID names the WebSocket listener in log lines.
 const wsListenerID = "ws"
 
 func newWSListener(s *Server, c *WebSocketConfig) (*wsListener, error) {
-	l := &wsListener{srv: s, lst: &srvListener{id: wsListenerID, addr: c.Listen, srv: s}}
+	origins, err := newOriginPolicy(c.OriginPatterns)
+	if err != nil {
+		return nil, err
+	}
+	l := &wsListener{srv: s, origins: origins, lst: &srvListener{id: wsListenerID, addr: c.Listen, srv: s}}
 	if c.TLS {
 		if s.cfg.TLS == nil {
 			return nil, errors.New("mqtt: websocket tls needs the tls listener's certificate")
@@ -65,7 +71,9 @@ func newWSListener(s *Server, c *WebSocketConfig) (*wsListener, error) {
 		outer = tls.NewListener(outer, l.lst.tls)
 	}
 	l.lst.ln = outer
-	opts := &websocket.AcceptOptions{Subprotocols: []string{"mqtt"}, OriginPatterns: c.OriginPatterns}
+	// The origin is checked by l.origins before Accept, which knows
+	// whether the listener requires credentials.
+	opts := &websocket.AcceptOptions{Subprotocols: []string{"mqtt"}, InsecureSkipVerify: true}
 	l.http = &http.Server{
 		ReadHeaderTimeout: s.cfg.Limits.ConnectTimeout,
 		MaxHeaderBytes:    16 << 10,
@@ -99,6 +107,12 @@ func (l *wsListener) serveWS(w http.ResponseWriter, r *http.Request, opts *webso
 	sock.requested()
 	if s.closing.Load() {
 		http.Error(w, "stopping", http.StatusServiceUnavailable)
+		return
+	}
+	origin := r.Header.Get("Origin")
+	if why := l.origins.refusal(origin, r.Host, !s.access.Load().AllowAnonymous); why != "" {
+		s.refusal(sock.host, refusedWSOrigin, "listener", wsListenerID, "remote", r.RemoteAddr, "origin", origin, "why", why)
+		http.Error(w, why, http.StatusForbidden)
 		return
 	}
 	wc, err := websocket.Accept(w, r, opts)
