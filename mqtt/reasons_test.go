@@ -62,3 +62,22 @@ func TestAckReasonStringsAllAddsTheReasonString(t *testing.T) {
 		t.Fatalf("PUBACK to a client that asked for no problem information: %#x %q", ack.ReasonCode, ack.Properties.ReasonString)
 	}
 }
+
+// [MQTT-3.1.2-19]: with the Password Flag set a password is present, and
+// a zero-length one is a password: MQTT.js sends one (and an empty user
+// name) for a dashboard's empty login fields, and Mosquitto admits it.
+// It was refused as a malformed CONNECT (0x81).
+func TestMQTT_3_1_2_19_EmptyPasswordIsAPassword(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	for _, v := range []byte{4, 5} {
+		b := append(mqttString("MQTT"), v, 0xC2, 0, 30) // user name, password, clean
+		if v == 5 {
+			b = append(b, propsBlock()...)
+		}
+		b = append(append(append(b, mqttString("empty-login")...), mqttString("")...), mqttString("")...)
+		c := dialRaw(t, s.Addr(), v)
+		if code := connack(t, c, testutil.MQTTFrame(packets.Connect<<4, b)); code != 0 {
+			t.Fatalf("v%d CONNECT with an empty user name and password: CONNACK %#x, want 0", v, code)
+		}
+	}
+}
