@@ -230,3 +230,23 @@ func TestPahoOverWebSocketIsToldTheServerShutsDown(t *testing.T) {
 		t.Fatal("paho.golang was not told the server shuts down")
 	}
 }
+
+// [MQTT-3.1.4-3]: a client taking over a session gets its CONNACK while
+// the old connection still drains (DISCONNECT 0x8E sent, its client
+// silent: a device's half-open connection), not after that up to 500 ms:
+// the paho 3.1.1 suite gives a CONNACK 0.5 s and timed out.
+func TestMQTT_3_1_4_3_TakeOverDoesNotWaitForTheOldSocketsDrain(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	old := dialRaw(t, s.Addr(), 5)
+	old.connect("device", true, nil)
+	again := dialRaw(t, s.Addr(), 5)
+	again.connect("device", true, nil)
+	if n := s.openConns.Load(); n != 2 {
+		t.Fatalf("%d sockets open at the new CONNACK, want 2: the old one was closed (drained) first", n)
+	}
+	if code, ok := old.closed(); !ok || code != packets.ErrSessionTakenOver.Code {
+		t.Fatalf("the old connection: DISCONNECT %v %#x, want 0x8E", ok, code)
+	}
+	again.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	again.expect(packets.Pingresp)
+}
