@@ -3,7 +3,7 @@
 
 Usage: paho_clients.py CASE HOST PORT. Prints "ok" and exits 0 when the
 case holds; otherwise says what differed and exits 1. TestPahoPython
-(daemon/pahopy_test.go) runs each case against an in-process gateway.
+(daemon/clients_test.go) runs each case against an in-process gateway.
 """
 
 import queue

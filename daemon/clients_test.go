@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -43,6 +44,34 @@ func TestPahoPython(t *testing.T) {
 			out, err := exec.CommandContext(ctx, py, "testdata/paho_clients.py", name, host, port).CombinedOutput()
 			if err != nil || strings.TrimSpace(string(out)) != "ok" {
 				t.Fatalf("paho-mqtt %s: %v\n%s", name, err, out)
+			}
+		})
+	}
+	assertAnswersAndStops(t, d)
+}
+
+// MQTT.js 5 under Node, fetched with npm as for the browser test, runs the
+// same cases as paho-mqtt (daemon/testdata/mqttjs_clients.js) against one
+// gateway; then the gateway still answers and stops.
+func TestMQTTJSNode(t *testing.T) {
+	node, err := exec.LookPath("node")
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatal("node not found: .ci/deps installs npm, which brings it")
+		}
+		t.Skip("node not found (apt-get install npm)")
+	}
+	modules := filepath.Dir(filepath.Dir(filepath.Dir(mqttJS(t)))) // …/node_modules
+	d := testGateway(t, t.TempDir(), nil)
+	for _, name := range []string{"qos_order", "retained", "will", "persistent_session"} {
+		t.Run(name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, node, "testdata/mqttjs_clients.js", name, "mqtt://"+d.MQTTAddr())
+			cmd.Env = append(os.Environ(), "NODE_PATH="+modules)
+			out, err := cmd.CombinedOutput()
+			if err != nil || strings.TrimSpace(string(out)) != "ok" {
+				t.Fatalf("MQTT.js %s: %v\n%s", name, err, out)
 			}
 		})
 	}
