@@ -250,3 +250,19 @@ func TestMQTT_3_1_4_3_TakeOverDoesNotWaitForTheOldSocketsDrain(t *testing.T) {
 	again.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
 	again.expect(packets.Pingresp)
 }
+
+// [MQTT-3.1.2-22]: a client silent past one and a half times its keep
+// alive is disconnected, over WebSocket too, and an MQTT 5 one is told
+// 0x8D. The keep-alive deadline closed the WebSocket with nothing said.
+func TestMQTT_3_1_2_22_KeepAliveTimeoutReachesAWebSocketClient(t *testing.T) {
+	s, _ := testServer(t, nil, func(c *Config) { c.WebSocket = &WebSocketConfig{Listen: "127.0.0.1:0"} })
+	c := dialWS(t, s.WSAddr(), 5)
+	pk := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connect},
+		Connect: packets.ConnectParams{ProtocolName: []byte("MQTT"), ClientIdentifier: "sleepy", Clean: true, Keepalive: 1}}
+	c.write(pk)
+	c.expect(packets.Connack)
+	d, ok, end := readToEnd(c)
+	if !ok || d.ReasonCode != packets.ErrKeepAliveTimeout.Code || !errors.Is(end, io.EOF) {
+		t.Fatalf("a silent client: DISCONNECT %v %#x, then %v; want 0x8D and the stream's end", ok, d.ReasonCode, end)
+	}
+}
