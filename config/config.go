@@ -212,9 +212,10 @@ type WebSocketConfig struct {
 	// "dash.example.com" (any port), "kiosk.example:8443",
 	// "*.example.com", "null" (file:// pages). Unset, a listener that
 	// requires credentials admits every page (a hostile one cannot log
-	// in) and an anonymous one the pages of its own host (any port) and
-	// of loopback, so a web page cannot reach an open gateway through its
-	// visitor's browser; set, they are added to the latter on either.
+	// in) and an anonymous one the pages of loopback and of the address
+	// it is reached at (any port), so a web page cannot reach an open
+	// gateway through its visitor's browser; set, they are added to the
+	// latter on either.
 	Origins []string `yaml:"origins,omitempty"`
 }
 

@@ -27,8 +27,8 @@ type WebSocketConfig struct {
 	// OriginPatterns are the browser origins whose pages may connect:
 	// "host" (any port), "host:port", "*.example.com", "null" (file://
 	// pages). With none, a listener that requires credentials admits
-	// every page and an anonymous one the pages of its own host and of
-	// loopback (originPolicy).
+	// every page and an anonymous one the pages of loopback and of the
+	// address it is reached at (originPolicy).
 	OriginPatterns []string
 }
 

@@ -20,7 +20,10 @@ const refusedWSOrigin = "ws_origin"
 //   - a request without Origin is no browser page's: admitted;
 //   - an entry of origins admits the pages it names;
 //   - a page of the listener's own host (any port) or of the visitor's own
-//     machine (loopback) is admitted;
+//     machine (loopback) is admitted; the listener's host counts only when
+//     the request names it by address (or localhost): a name may be
+//     rebound by its owner's DNS to the visitor's gateway, and then the
+//     page of evil.example would be of "the listener's host" evil.example;
 //   - on a listener that requires credentials, with no origins set, every
 //     page is admitted (a dashboard on another port or host, a file://
 //     page's "null"): a hostile page cannot log in, as with Mosquitto,
@@ -85,10 +88,13 @@ func (p *originPolicy) refusal(origin, reqHost string, credentials bool) string 
 	if port == "" {
 		port = map[string]string{"http": "80", "https": "443"}[strings.ToLower(u.Scheme)]
 	}
-	if open || p.match(host, port) || host == hostOf(reqHost) || isLoopbackHost(host) {
+	if open || p.match(host, port) || isLoopbackHost(host) {
 		return ""
 	}
-	return fmt.Sprintf("Origin %q is not admitted: pages of the listener's host (%s, any port), of loopback and of mqtt.websocket.origins may connect", origin, hostOf(reqHost)) + p.hint(credentials)
+	if own := hostOf(reqHost); host == own && (net.ParseIP(own) != nil || own == "localhost") {
+		return ""
+	}
+	return fmt.Sprintf("Origin %q is not admitted: pages of loopback, of mqtt.websocket.origins and of the address the listener is reached at (any port) may connect", origin) + p.hint(credentials)
 }
 
 // hint tells how to admit more pages.

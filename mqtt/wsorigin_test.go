@@ -67,7 +67,10 @@ func TestWebSocketOriginPolicy(t *testing.T) {
 		}},
 		{"anonymous", nil, nil, []tc{
 			{"127.0.0.1:21884", "http://127.0.0.1:8000", true},
-			{"gw.example.net:8080", "http://gw.example.net", true},
+			{"198.51.100.7:8080", "http://198.51.100.7:8000", true},
+			{"[2001:db8::7]:8080", "http://[2001:db8::7]", true},
+			// A name: its DNS may be rebound to the gateway.
+			{"gw.example.net:8080", "http://gw.example.net", false},
 			{"gw.example.net:8080", "http://localhost:3000", true},
 			{"gw.example.net:8080", "http://[::1]:3000", true},
 			{"127.0.0.1:21884", "", true},
@@ -88,7 +91,7 @@ func TestWebSocketOriginPolicy(t *testing.T) {
 		}},
 		{"credentials required with origins", func(c *Config) { c.Users, c.AllowAnonymous = users, false }, []string{"dash.example.com"}, []tc{
 			{"gw:8080", "http://dash.example.com:8000", true},
-			{"gw:8080", "http://gw:3000", true},
+			{"198.51.100.7:8080", "http://198.51.100.7:3000", true},
 			{"gw:8080", "https://evil.example", false},
 			{"gw:8080", "null", false},
 		}},
