@@ -199,6 +199,12 @@ type MQTTConfig struct {
 	// connection (MQTT 5: DISCONNECT 0x97), and a persistent session
 	// resumes from its cursor when it comes back.
 	QueueFull string `yaml:"queue_full"`
+	// ReasonStrings says which packets carry a Reason String beside their
+	// reason code: minimal (the default) the CONNACK and the DISCONNECT
+	// only, the acks (PUBACK, PUBREC, PUBREL, PUBCOMP, SUBACK, UNSUBACK)
+	// their bare code, as Mosquitto sends and small device stacks expect;
+	// all the acks too. The log says the reason either way.
+	ReasonStrings string `yaml:"reason_strings"`
 	// WebSocket is an optional MQTT-over-WebSocket listener for browser
 	// dashboards, with the same users, ACLs and limits: on when
 	// WebSocket.Listen is set.
@@ -212,11 +218,14 @@ type WebSocketConfig struct {
 	Listen string `yaml:"listen"`
 	// TLS serves wss:// with mqtt.tls's certificate and key.
 	TLS bool `yaml:"tls"`
-	// Origins are the browser origins (host patterns such as
-	// "dash.example.com" or "*.example.com") whose pages may connect,
-	// besides the listener's own host: a page of any other site is
-	// refused, so a web page cannot reach a gateway through its visitor's
-	// browser.
+	// Origins are the browser origins whose pages may connect:
+	// "dash.example.com" (any port), "kiosk.example:8443",
+	// "*.example.com", "null" (file:// pages). Unset, a listener that
+	// requires credentials admits every page (a hostile one cannot log
+	// in) and an anonymous one the pages of loopback and of the address
+	// it is reached at (any port), so a web page cannot reach an open
+	// gateway through its visitor's browser; set, they are added to the
+	// latter on either.
 	Origins []string `yaml:"origins,omitempty"`
 }
 

@@ -116,6 +116,7 @@ func fullConfig() *Config {
 			MaxInflightOutBytes:  2 << 20,
 			QueueFull:            "disconnect",
 			TopicAliasMaximum:    50,
+			ReasonStrings:        "all",
 			WebSocket:            WebSocketConfig{Listen: "0.0.0.0:8080", TLS: true, Origins: []string{"dash.example.com"}},
 		},
 		Peer: PeerConfig{Listen: "0.0.0.0:7884", Advertise: []string{"198.51.100.1:7884", "gw-1.local:7884"}, MaxStrangers: 128, MaxStrangersPerAddress: 3},

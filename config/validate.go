@@ -55,6 +55,9 @@ func (c *Config) validate(w *configWalker) error {
 	if c.MQTT.QueueFull != "" {
 		ck.oneOf("mqtt.queue_full", c.MQTT.QueueFull, "read_log", "disconnect")
 	}
+	if c.MQTT.ReasonStrings != "" {
+		ck.oneOf("mqtt.reason_strings", c.MQTT.ReasonStrings, "minimal", "all")
+	}
 	if c.MQTT.MaxFiltersPerSession < 1 {
 		ck.failf("mqtt.max_filters_per_session", "%d is out of range: 1 or more (0 means the default, 100)", c.MQTT.MaxFiltersPerSession)
 	}

@@ -144,6 +144,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 		MaxInflightOutBytes:     int64(c.MQTT.MaxInflightOutBytes),
 		DisconnectWhenQueueFull: c.MQTT.QueueFull == "disconnect",
 		TopicAliasMaximum:       uint16(c.MQTT.TopicAliasMaximum),
+		AckReasonStrings:        c.MQTT.ReasonStrings == "all",
 		Topics:                  topics,
 		TakeoverWait:            c.Cluster.SyncTimeout.Duration(),
 		Sessions:                sessionStore{d.db},

@@ -31,6 +31,13 @@ type Config struct {
 	// TopicAliasMaximum is how many topic aliases an MQTT 5 client may
 	// set; 0 means 100.
 	TopicAliasMaximum uint16
+	// AckReasonStrings has the acks (PUBACK, PUBREC, PUBREL, PUBCOMP,
+	// SUBACK, UNSUBACK) carry a Reason String beside a refusal's reason
+	// code. Off, they carry the bare code, as Mosquitto and EMQX send, and
+	// small device stacks (and the paho test suite) accept only those; the
+	// CONNACK and the DISCONNECT carry one either way, and the log says
+	// the reason either way.
+	AckReasonStrings bool
 	// NodeID is this member's id, the Origin the Log gives the records
 	// taken here: a session record of this member's own is not applied
 	// again.

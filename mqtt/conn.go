@@ -411,6 +411,9 @@ func (c *conn) encode(pk *packets.Packet, buf *bytes.Buffer) {
 	pk.Mods.MaxSize = c.maxPacket
 	pk.Mods.DisallowProblemInfo = c.noProblem
 	pk.Mods.AllowResponseInfo = true
+	if !c.srv.cfg.AckReasonStrings && isAck(pk.FixedHeader.Type) {
+		pk.Properties.ReasonString = ""
+	}
 	var err error
 	switch pk.FixedHeader.Type {
 	case packets.Connack:
@@ -437,6 +440,16 @@ func (c *conn) encode(pk *packets.Packet, buf *bytes.Buffer) {
 	if err != nil {
 		c.srv.lines.Error("encoding a packet failed", "client", c.id, "type", pk.FixedHeader.Type, "error", err)
 	}
+}
+
+// isAck reports whether typ is an ack, whose Reason String only
+// Config.AckReasonStrings lets out.
+func isAck(typ byte) bool {
+	switch typ {
+	case packets.Puback, packets.Pubrec, packets.Pubrel, packets.Pubcomp, packets.Suback, packets.Unsuback:
+		return true
+	}
+	return false
 }
 
 // end ends the connection: an MQTT 5 client is sent DISCONNECT with code
@@ -479,21 +492,29 @@ func (c *conn) isEnded() bool {
 	return c.ended
 }
 
-// finish runs when the read loop ends: the socket closes, the session goes
-// offline (or ends), the will is due.
+// finish runs when the read loop ends: the session goes offline (or
+// ends), the will is due, the socket closes. A socket that lingers does so
+// after the rest: a take-over waits for done, and the client taking over
+// (often the same device, its old connection half-open) is not to wait
+// for its old socket's drain (the paho 3.1.1 suite, which allows 0.5 s
+// for a CONNACK, timed out).
 func (c *conn) finish() {
 	c.end(packets.Code{})
 	<-c.writerEnd
-	if c.endCode.Code >= 0x80 || c.refusedConnect {
-		c.linger()
+	linger := c.endCode.Code >= 0x80 || c.refusedConnect
+	if !linger {
+		c.nc.Close()
 	}
-	c.nc.Close()
 	c.giveSlots()
 	close(c.done)
 	if c.sess != nil {
 		c.srv.detach(c)
 	}
 	c.srv.mem.release(c.willCharge) // proposed or dropped; a delayed one took it
+	if linger {
+		c.linger()
+		c.nc.Close()
+	}
 }
 
 // lingerFor and lingerBytes bound how long, and how much, a connection the

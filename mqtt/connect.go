@@ -32,7 +32,17 @@ func (c *conn) connect() bool {
 		return false
 	}
 	c.v = pk.ProtocolVersion
-	if code := pk.ConnectValidate(); code != packets.CodeSuccess {
+	code := pk.ConnectValidate()
+	if code == packets.ErrProtocolViolationFlagNoPassword {
+		// mochi takes a zero-length password for none; it is a password
+		// [MQTT-3.1.2-19], and MQTT.js sends one for empty login fields.
+		// The checks after that one still run, with a stand-in.
+		pw := pk.Connect.Password
+		pk.Connect.Password = []byte{0}
+		code = pk.ConnectValidate()
+		pk.Connect.Password = pw
+	}
+	if code != packets.CodeSuccess {
 		switch {
 		case code == packets.ErrProtocolViolationProtocolVersion || (c.v != 3 && c.v != 4 && c.v != 5):
 			// [MQTT-3.1.2-2]: 0x01 to 3.1.1 clients, 0x84 to 5.

@@ -24,10 +24,11 @@ type WebSocketConfig struct {
 	// TLS serves wss:// with the TLS listener's certificate; it needs
 	// Config.TLS.
 	TLS bool
-	// OriginPatterns are the browser origins (host patterns, as
-	// path.Match) allowed besides the listener's own host: a page of
-	// another origin may not open MQTT connections to a gateway on the
-	// user's loopback.
+	// OriginPatterns are the browser origins whose pages may connect:
+	// "host" (any port), "host:port", "*.example.com", "null" (file://
+	// pages). With none, a listener that requires credentials admits
+	// every page and an anonymous one the pages of loopback and of the
+	// address it is reached at (originPolicy).
 	OriginPatterns []string
 }
 
@@ -38,17 +39,22 @@ type WebSocketConfig struct {
 // an upgrade refused, gets its answer and the socket is closed: the port
 // speaks HTTP only to become a WebSocket, never to keep a connection.
 type wsListener struct {
-	srv    *Server
-	lst    *srvListener // its connection set and close
-	http   *http.Server
-	active sync.WaitGroup // connections being served; added to under lst.mu while not closed
+	srv     *Server
+	origins *originPolicy
+	lst     *srvListener // its connection set and close
+	http    *http.Server
+	active  sync.WaitGroup // connections being served; added to under lst.mu while not closed
 }
 
 // wsListenerID names the WebSocket listener in log lines.
 const wsListenerID = "ws"
 
 func newWSListener(s *Server, c *WebSocketConfig) (*wsListener, error) {
-	l := &wsListener{srv: s, lst: &srvListener{id: wsListenerID, addr: c.Listen, srv: s}}
+	origins, err := newOriginPolicy(c.OriginPatterns)
+	if err != nil {
+		return nil, err
+	}
+	l := &wsListener{srv: s, origins: origins, lst: &srvListener{id: wsListenerID, addr: c.Listen, srv: s}}
 	if c.TLS {
 		if s.cfg.TLS == nil {
 			return nil, errors.New("mqtt: websocket tls needs the tls listener's certificate")
@@ -65,7 +71,9 @@ func newWSListener(s *Server, c *WebSocketConfig) (*wsListener, error) {
 		outer = tls.NewListener(outer, l.lst.tls)
 	}
 	l.lst.ln = outer
-	opts := &websocket.AcceptOptions{Subprotocols: []string{"mqtt"}, OriginPatterns: c.OriginPatterns}
+	// The origin is checked by l.origins before Accept, which knows
+	// whether the listener requires credentials.
+	opts := &websocket.AcceptOptions{Subprotocols: []string{"mqtt"}, InsecureSkipVerify: true}
 	l.http = &http.Server{
 		ReadHeaderTimeout: s.cfg.Limits.ConnectTimeout,
 		MaxHeaderBytes:    16 << 10,
@@ -73,6 +81,7 @@ func newWSListener(s *Server, c *WebSocketConfig) (*wsListener, error) {
 		// (a failed TLS handshake, an accept error) is for debugging.
 		ErrorLog: slog.NewLogLogger(s.cfg.Logger.Handler(), slog.LevelDebug),
 		ConnContext: func(ctx context.Context, c net.Conn) context.Context {
+			ctx = context.WithValue(ctx, wsServedKey{}, c)
 			if tc, ok := c.(*tls.Conn); ok {
 				c = tc.NetConn()
 			}
@@ -92,13 +101,20 @@ func newWSListener(s *Server, c *WebSocketConfig) (*wsListener, error) {
 func (l *wsListener) serveWS(w http.ResponseWriter, r *http.Request, opts *websocket.AcceptOptions) {
 	s := l.srv
 	sock, _ := r.Context().Value(wsSocketKey{}).(*wsSocket)
-	if sock == nil {
+	served, _ := r.Context().Value(wsServedKey{}).(net.Conn)
+	if sock == nil || served == nil {
 		http.Error(w, "internal error", http.StatusInternalServerError)
 		return
 	}
 	sock.requested()
 	if s.closing.Load() {
 		http.Error(w, "stopping", http.StatusServiceUnavailable)
+		return
+	}
+	origin := r.Header.Get("Origin")
+	if why := l.origins.refusal(origin, r.Host, !s.access.Load().AllowAnonymous); why != "" {
+		s.refusal(sock.host, refusedWSOrigin, "listener", wsListenerID, "remote", r.RemoteAddr, "origin", origin, "why", why)
+		http.Error(w, why, http.StatusForbidden)
 		return
 	}
 	wc, err := websocket.Accept(w, r, opts)
@@ -111,7 +127,7 @@ func (l *wsListener) serveWS(w http.ResponseWriter, r *http.Request, opts *webso
 		wc.Close(websocket.StatusPolicyViolation, "subprotocol mqtt required")
 		return
 	}
-	nc := websocket.NetConn(context.Background(), wc, websocket.MessageBinary)
+	nc := &wsConn{Conn: websocket.NetConn(context.Background(), wc, websocket.MessageBinary), sock: served}
 	ln := l.lst
 	ln.mu.Lock()
 	if ln.closed.Load() {
@@ -183,6 +199,48 @@ func (a *wsAdmission) admit(nc net.Conn) net.Conn {
 	c := &wsSocket{Conn: nc, srv: s, host: host, handshake: time.Now().Add(s.cfg.Limits.ConnectTimeout)}
 	_ = nc.SetDeadline(c.handshake)
 	return c
+}
+
+// wsServedKey is the request context key of the net.Conn net/http serves
+// a request on (the *wsSocket, or the *tls.Conn over it): the one an
+// upgrade hijacks.
+type wsServedKey struct{}
+
+// wsConn is an MQTT connection over a WebSocket: its bytes are the binary
+// messages of a websocket.Conn, its deadlines are set on the socket under
+// it. The library's own net.Conn adapter closes the connection at once,
+// with no close frame and over the client's unread data, when a read
+// deadline passes during a read, and the server ends a connection by
+// such a deadline once its DISCONNECT is written: the DISCONNECT could
+// be lost (a page saw 0x8B in 1 of 3 restarts, issue 35). On the socket,
+// a deadline only fails the read.
+type wsConn struct {
+	net.Conn          // websocket.NetConn: messages in and out, Close
+	sock     net.Conn // the hijacked socket
+}
+
+// SetDeadline sets both deadlines on the socket.
+func (c *wsConn) SetDeadline(t time.Time) error { return c.sock.SetDeadline(t) }
+
+// SetReadDeadline sets the read deadline on the socket.
+func (c *wsConn) SetReadDeadline(t time.Time) error { return c.sock.SetReadDeadline(t) }
+
+// SetWriteDeadline sets the write deadline on the socket.
+func (c *wsConn) SetWriteDeadline(t time.Time) error { return c.sock.SetWriteDeadline(t) }
+
+// RemoteAddr is the client's address, for log lines.
+func (c *wsConn) RemoteAddr() net.Addr { return c.sock.RemoteAddr() }
+
+// LocalAddr is the listener's address.
+func (c *wsConn) LocalAddr() net.Addr { return c.sock.LocalAddr() }
+
+// Close is conn.linger over WebSocket: a close frame after whatever was
+// written (the DISCONNECT), then what the client still sends is read and
+// dropped until its close frame comes or lingerFor passes, and the socket
+// closes.
+func (c *wsConn) Close() error {
+	_ = c.sock.SetDeadline(time.Now().Add(lingerFor))
+	return c.Conn.Close()
 }
 
 // wsSocketKey is the request context key of the *wsSocket a request

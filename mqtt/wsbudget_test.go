@@ -119,7 +119,7 @@ func TestWebSocketPlainGETIsClosed(t *testing.T) {
 		}
 	}
 	testutil.WaitFor(t, 5*time.Second, "the refused sockets to leave the socket count", func() bool { return s.openConns.Load() == 0 })
-	testutil.WaitFor(t, 5*time.Second, "every refusal counted", func() bool { return obs.count(refusedWSUpgrade) == 4 }, obs.String)
+	testutil.WaitFor(t, 5*time.Second, "every refusal counted", func() bool { return obs.count(refusedWSUpgrade) == 3 && obs.count(refusedWSOrigin) == 1 }, obs.String)
 }
 
 // A socket on the WebSocket port has Limits.ConnectTimeout from accept to
