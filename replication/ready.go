@@ -83,6 +83,7 @@ func (n *Node) handleReady() bool {
 		}
 	}
 	n.rn.Advance(rd)
+	n.campaignIfDue()
 	n.checkSync()
 	return true
 }
