@@ -36,6 +36,12 @@ import (
 //     its devices to the others cutOffFor later, rather than at
 //     check-quorum's next look (one to two election timeouts) plus that
 //     second;
+//   - a member whose master (another one) is out of reach, its link down
+//     or nothing heard from it for an election timeout, answers 503 "no
+//     master reachable" at once and keeps its devices: their publishes
+//     wait for a master and fail after sync_timeout. A 2-gateway slave is
+//     a learner, which never campaigns: raft names its dead master for
+//     ever, so Leader() alone never said so;
 //   - a gateway whose disk is below storage.min_free, or whose log is full
 //     of what a member lacks, cannot log publishes itself. As a slave it
 //     needs not: its devices' publishes go to the master on the forward
@@ -50,8 +56,9 @@ import (
 //     its devices to the master, or, as a master of three voters (the
 //     others elect a new one once its heartbeats stop), to the others.
 
-// servingEvery is how often the watch looks; leaderlessFor how long a
-// member of a cluster may see no master before it sends its devices away.
+// servingEvery is how often the watch looks at most (it looks every
+// cluster.heartbeat when that is shorter); leaderlessFor how long a member
+// of a cluster may see no master before it sends its devices away.
 const (
 	servingEvery  = 200 * time.Millisecond
 	leaderlessFor = time.Second
