@@ -114,8 +114,9 @@ func (fv *FieldView) pageData(ctx context.Context) *pageData {
 	self := nodeRow{Name: s.Node.Name, ID: ShortID(s.Node.ID), Role: s.Role, Term: p.Term, Addr: fv.peerAddr(s), Self: true, OK: true, Health: "serving", Lag: "—",
 		Version: fmt.Sprintf("%s (level %d)", s.Node.Version, s.Cluster.FeatureLevelKnown)}
 	p.FeatureLevel = strconv.Itoa(s.Cluster.FeatureLevel)
-	if err := fv.gw.Err(); err != nil {
-		self.OK, self.Health = false, err.Error()
+	if s.NotServing != nil {
+		// The status's own finding, which /healthz reads too.
+		self.OK, self.Health = false, *s.NotServing
 	}
 	p.Nodes = append(p.Nodes, self)
 	for _, m := range s.Members {

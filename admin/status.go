@@ -9,9 +9,17 @@ import (
 // Status is the status JSON of the contract (GET /v1/status, `tandem status
 // --json`). Field names are stable; fields may be added.
 type Status struct {
-	Node    StatusNode     `json:"node"`
-	Role    string         `json:"role"`
-	Term    uint64         `json:"term"`
+	Node StatusNode `json:"node"`
+	Role string     `json:"role"`
+	Term uint64     `json:"term"`
+	// Serving is ServingAll while this member takes publishes (/healthz
+	// answers 200) and ServingSubscribers while it does not; NotServing
+	// is then why, the /healthz 503 body word for word (null while it
+	// takes them).
+	Serving    string  `json:"serving"`
+	NotServing *string `json:"not_serving"`
+	// Leader is the master while this member is it or reaches it, null
+	// while none is in reach (a dead master is not named).
 	Leader  *StatusNodeRef `json:"leader"`
 	Members []StatusMember `json:"members"`
 	Log     StatusLog      `json:"log"`
@@ -24,6 +32,12 @@ type Status struct {
 	// the master's are running.
 	Uplinks []uplink.Status `json:"uplinks"`
 }
+
+// The values of Status.Serving.
+const (
+	ServingAll         = "publishes and subscribers"
+	ServingSubscribers = "subscribers only"
+)
 
 // StatusCluster names the cluster this gateway belongs to.
 type StatusCluster struct {
@@ -60,13 +74,18 @@ type StatusNodeRef struct {
 
 // StatusMember is one other member of the cluster.
 type StatusMember struct {
-	ID         string  `json:"id"`
-	Name       string  `json:"name"`
-	Addr       string  `json:"addr"`
-	Role       string  `json:"role"`
-	Voter      bool    `json:"voter"`
-	Reachable  bool    `json:"reachable"`
+	ID        string `json:"id"`
+	Name      string `json:"name"`
+	Addr      string `json:"addr"`
+	Role      string `json:"role"`
+	Voter     bool   `json:"voter"`
+	Reachable bool   `json:"reachable"`
+	// MatchIndex is how much of the log the member holds, as the master
+	// knows it; MatchKnown is false where it is not known (on a slave,
+	// which hears only from the master, or for a member the master has
+	// not heard from): MatchIndex and the lags are then 0.
 	MatchIndex uint64  `json:"match_index"`
+	MatchKnown bool    `json:"match_known"`
 	LagRecords uint64  `json:"lag_records"`
 	LagSeconds float64 `json:"lag_seconds"`
 	// DownSince is when this gateway lost its link to the member, null

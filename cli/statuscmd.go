@@ -53,10 +53,20 @@ func writeStatus(w io.Writer, s *admin.Status) error {
 	leader := "none"
 	if s.Leader != nil {
 		leader = admin.NameOr(s.Leader.Name, s.Leader.ID) + " (" + admin.ShortID(s.Leader.ID) + ")"
+	} else if len(s.Members) > 0 {
+		leader = "none reachable"
 	}
 	fmt.Fprintf(tw, "node\t%s (%s), tandem %s\n", s.Node.Name, admin.ShortID(s.Node.ID), s.Node.Version)
 	fmt.Fprintf(tw, "role\t%s, term %d\n", s.Role, s.Term)
 	fmt.Fprintf(tw, "master\t%s\n", leader)
+	if s.Serving != "" {
+		// A daemon of an earlier release sends no serving field.
+		serving := s.Serving
+		if s.NotServing != nil {
+			serving = "NOT TAKING PUBLISHES (" + s.Serving + "): " + *s.NotServing
+		}
+		fmt.Fprintf(tw, "serving\t%s\n", serving)
+	}
 	if s.Cluster.ID != "" {
 		fmt.Fprintf(tw, "cluster\t%s, generation %d\n", admin.ShortID(s.Cluster.ID), s.Cluster.Generation)
 	}
@@ -103,9 +113,16 @@ func writeStatus(w io.Writer, s *admin.Status) error {
 	}
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "MEMBER\tID\tROLE\tVOTER\tADDRESS\tREACHABLE\tMATCH\tLAG RECORDS\tLAG SECONDS\tVERSION")
+	unknown := false
 	for _, m := range s.Members {
 		reach := "yes"
 		match, lagRecs, lagSecs := fmt.Sprint(m.MatchIndex), fmt.Sprint(m.LagRecords), fmt.Sprintf("%.2f", m.LagSeconds)
+		if !m.MatchKnown {
+			// Only the master knows how much of the log the others
+			// hold, and only once it heard from them.
+			match, lagRecs, lagSecs = "?", "?", "?"
+			unknown = true
+		}
 		if !m.Reachable {
 			reach = "no"
 			switch {
@@ -113,11 +130,6 @@ func writeStatus(w io.Writer, s *admin.Status) error {
 				reach = "no, down since " + m.DownSince.Local().Format(time.TimeOnly) + " (" + time.Since(*m.DownSince).Round(time.Second).String() + ")"
 			case s.Role != "master" && m.Role != "master":
 				reach = "?" // a slave needs no link to the other slaves
-			}
-			if m.MatchIndex == 0 {
-				// What it holds is unknown (this master has not heard
-				// from it): no lag to show, only that it is down.
-				match, lagRecs, lagSecs = "—", "—", "—"
 			}
 		}
 		ver := admin.OrDash(m.Version)
@@ -129,6 +141,15 @@ func writeStatus(w io.Writer, s *admin.Status) error {
 	}
 	if err := tw.Flush(); err != nil {
 		return err
+	}
+	if unknown {
+		note := "? = not known to this gateway: the master has not heard from that member"
+		if s.Role != "master" {
+			note = "? = not known to this gateway: only the master knows how much of the log each member holds (tandem status on the master)"
+		}
+		if _, err := fmt.Fprintln(w, note); err != nil {
+			return err
+		}
 	}
 	return writeUplinks(w, s)
 }

@@ -1,12 +1,15 @@
 package config
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"io/fs"
+	"math"
 	"net"
 	"os"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -52,7 +55,21 @@ func (l ErrorList) Err() error {
 	case 1:
 		return l[0]
 	}
+	// In the order of the file's lines, as a reader fixes them; errors
+	// of no line (a file that cannot be read, a Config built in code)
+	// last, in the order they were found.
+	slices.SortStableFunc(l, func(a, b *ConfigError) int {
+		return cmp.Compare(lineKey(a), lineKey(b))
+	})
 	return l
+}
+
+// lineKey orders an error by its line, those of none after every line.
+func lineKey(e *ConfigError) int {
+	if e.Line <= 0 {
+		return math.MaxInt
+	}
+	return e.Line
 }
 
 // add appends err's ConfigErrors (a list is flattened); another error

@@ -3,6 +3,7 @@ package config
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 )
 
@@ -80,5 +81,66 @@ func TestListenersNeedTheirOwnPorts(t *testing.T) {
 		case tc.bad != "" && (!errors.As(err, &ce) || ce.Key != tc.bad):
 			t.Errorf("%s %s: %v, want an error on %s", tc.http, tc.peer, err, tc.bad)
 		}
+	}
+}
+
+// `tandem check` lists the problems of a file in the order of its lines,
+// whichever check found them (the walker's unknown keys and wrong types
+// came first, then the rules, as 10, 4, 11, 7, 8, 14).
+func TestProblemsAreReportedInLineOrder(t *testing.T) {
+	const yaml = `mqtt:
+  max_inflight: 0
+  listn: x
+log:
+  level: loud
+cluster:
+  sync_timeout: 5
+topics:
+  - match: "a/#"
+    ack: maybe
+`
+	_, err := Parse([]byte(yaml), "t.yaml")
+	var list ErrorList
+	if !errors.As(err, &list) {
+		t.Fatalf("want an ErrorList, got %T %v", err, err)
+	}
+	var lines []int
+	for _, e := range list {
+		lines = append(lines, e.Line)
+	}
+	if fmt.Sprint(lines) != "[2 3 5 7 10]" {
+		t.Fatalf("problems on lines %v, want [2 3 5 7 10]:\n%v", lines, err)
+	}
+}
+
+// A 0 written in the file for a key whose range excludes it is refused,
+// not taken for the default (mqtt.max_inflight: 0 passed as 1024); left
+// out, the key gets its default, and where 0 means "off" it stays allowed.
+func TestAnExplicitZeroIsRefusedNotDefaulted(t *testing.T) {
+	for _, k := range []struct{ section, key string }{
+		{"mqtt", "max_inflight"}, {"mqtt", "max_packet_size"}, {"mqtt", "max_clients"}, {"mqtt", "max_topic_length"},
+		{"mqtt", "max_topic_levels"}, {"mqtt", "connect_rate"}, {"mqtt", "connect_burst"}, {"mqtt", "max_client_id_length"},
+		{"mqtt", "max_connections_per_address"}, {"mqtt", "max_connections_per_user"}, {"mqtt", "max_filters_per_session"},
+		{"mqtt", "max_retained"}, {"mqtt", "max_sessions"}, {"limits", "memory"}, {"peer", "max_strangers"},
+		{"peer", "max_strangers_per_address"}, {"cluster", "failover_after"}, {"cluster", "sync_timeout"},
+		{"cluster", "min_sync_replicas"}, {"cluster", "heartbeat"}, {"cluster", "election_timeout"},
+		{"storage", "flush_interval"}, {"storage", "max_bytes"},
+	} {
+		key := k.section + "." + k.key
+		_, err := Parse([]byte(k.section+":\n  "+k.key+": 0\n"), "t.yaml")
+		var ce *ConfigError
+		if !errors.As(err, &ce) || ce.Key != key || ce.Line != 2 || !strings.Contains(ce.Msg, "0 is out of range") {
+			t.Errorf("%s: 0 gave %v, want refused as out of range on line 2", key, err)
+		}
+	}
+	for _, ok := range []string{"mqtt:\n  keepalive_min: 0s\n  keepalive_max: 0s\n", "storage:\n  max_age: 0s\n", "mqtt:\n  max_queued: 0\n"} {
+		if _, err := Parse([]byte(ok), "t.yaml"); err != nil {
+			t.Errorf("%q: %v, want 0 accepted (off, or documented as the default)", ok, err)
+		}
+	}
+	// A Config built in code: zero still means the default.
+	c := &Config{}
+	if err := c.Validate(); err != nil || c.MQTT.MaxInflight != 1024 {
+		t.Fatalf("a zero Config: %v, max_inflight %d", err, c.MQTT.MaxInflight)
 	}
 }

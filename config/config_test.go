@@ -241,6 +241,16 @@ func wantConfigError(t *testing.T, err error, file string, line int, key string,
 	if !errors.As(err, &ce) {
 		t.Fatalf("err = %v (%T), want a *ConfigError", err, err)
 	}
+	var list ErrorList
+	if errors.As(err, &list) {
+		// Several problems, in line order: the one the case is about.
+		for _, e := range list {
+			if e.Key == key {
+				ce = e
+				break
+			}
+		}
+	}
 	if ce.File != file || ce.Line != line || ce.Key != key {
 		t.Errorf("got File=%q Line=%d Key=%q, want %q, %d, %q (%v)", ce.File, ce.Line, ce.Key, file, line, key, err)
 	}

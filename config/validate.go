@@ -23,8 +23,9 @@ func (c *Config) Validate() error {
 }
 
 func (c *Config) validate(w *configWalker) error {
-	c.setDefaults()
 	ck := &configChecker{w: w}
+	ck.explicitZeros(c) // before the defaults fill them
+	c.setDefaults()
 	if strings.IndexFunc(c.Node.Name, unicode.IsControl) >= 0 {
 		ck.failf("node.name", "%s contains control characters", quoteConfigValue(c.Node.Name))
 	}
@@ -59,13 +60,13 @@ func (c *Config) validate(w *configWalker) error {
 		ck.oneOf("mqtt.reason_strings", c.MQTT.ReasonStrings, "minimal", "all")
 	}
 	if c.MQTT.MaxFiltersPerSession < 1 {
-		ck.failf("mqtt.max_filters_per_session", "%d is out of range: 1 or more (0 means the default, 100)", c.MQTT.MaxFiltersPerSession)
+		ck.failf("mqtt.max_filters_per_session", "%d is out of range: 1 or more (default 100)", c.MQTT.MaxFiltersPerSession)
 	}
 	if c.MQTT.MaxRetained < 1 {
-		ck.failf("mqtt.max_retained", "%d is out of range: 1 or more (0 means the default, 10000)", c.MQTT.MaxRetained)
+		ck.failf("mqtt.max_retained", "%d is out of range: 1 or more (default 10000)", c.MQTT.MaxRetained)
 	}
 	if c.MQTT.MaxSessions < 1 {
-		ck.failf("mqtt.max_sessions", "%d is out of range: 1 or more (0 means the default, 10000)", c.MQTT.MaxSessions)
+		ck.failf("mqtt.max_sessions", "%d is out of range: 1 or more (default 10000)", c.MQTT.MaxSessions)
 	}
 	if c.MQTT.MaxRetainedBytes > c.Storage.MaxBytes/2 {
 		ck.failf("mqtt.max_retained_bytes", "%s is more than half of storage.max_bytes (%s): retained messages count in it, and the log needs the rest", c.MQTT.MaxRetainedBytes, c.Storage.MaxBytes)
@@ -131,6 +132,55 @@ func (c *Config) validate(w *configWalker) error {
 	ck.uplinks(c)
 	ck.ports(c)
 	return ck.errs.Err()
+}
+
+// explicitZeros refuses a 0 written in the file for a key whose range
+// excludes 0 and whose default setDefaults fills. An omitted key is 0
+// until then, so Validate cannot tell the two apart by value: it took
+// `max_inflight: 0` for the default 1024, silently. Only keys set in the
+// file (which a walker knows) are refused; a Config built in code keeps
+// "zero means the default". Not here: keys where 0 means "off"
+// (mqtt.keepalive_min and keepalive_max: no bound; storage.max_age: kept
+// whatever their age; an uplink's rate: no cap), and those whose default
+// is applied where they are used, for which the effective config prints
+// 0 and says so ("0 means the default": mqtt.max_queued, max_queued_bytes,
+// max_inflight_out, max_inflight_out_bytes, topic_alias_maximum,
+// max_retained_bytes, http.max_conns, max_conns_per_address, idle_timeout,
+// storage.min_free).
+func (ck *configChecker) explicitZeros(c *Config) {
+	m, cl, st := &c.MQTT, &c.Cluster, &c.Storage
+	for _, k := range []struct {
+		key, want string
+		zero      bool
+	}{
+		{"mqtt.max_inflight", "1 to 65535, MQTT's receive maximum", m.MaxInflight == 0},
+		{"mqtt.max_packet_size", "256B to 256MiB", m.MaxPacketSize == 0},
+		{"mqtt.max_clients", "at least 1", m.MaxClients == 0},
+		{"mqtt.max_topic_length", "1 to 65535 bytes", m.MaxTopicLength == 0},
+		{"mqtt.max_topic_levels", "1 to 32768", m.MaxTopicLevels == 0},
+		{"mqtt.connect_rate", "connections per second, more than 0", m.ConnectRate == 0},
+		{"mqtt.connect_burst", "at least 1", m.ConnectBurst == 0},
+		{"mqtt.max_client_id_length", "1 to 65535 bytes", m.MaxClientIDLength == 0},
+		{"mqtt.max_connections_per_address", "at least 1", m.MaxConnectionsPerAddress == 0},
+		{"mqtt.max_connections_per_user", "at least 1", m.MaxConnectionsPerUser == 0},
+		{"mqtt.max_filters_per_session", "1 or more", m.MaxFiltersPerSession == 0},
+		{"mqtt.max_retained", "1 or more", m.MaxRetained == 0},
+		{"mqtt.max_sessions", "1 or more", m.MaxSessions == 0},
+		{"limits.memory", "at least " + ByteSize(MinMemory).String(), c.Limits.Memory == 0},
+		{"peer.max_strangers", "2 to 65536", c.Peer.MaxStrangers == 0},
+		{"peer.max_strangers_per_address", "1 to peer.max_strangers", c.Peer.MaxStrangersPerAddress == 0},
+		{"cluster.failover_after", "more than 0", cl.FailoverAfter == 0},
+		{"cluster.sync_timeout", "more than 0", cl.SyncTimeout == 0},
+		{"cluster.min_sync_replicas", "1 or 2", cl.MinSyncReplicas == 0},
+		{"cluster.heartbeat", "more than 0", cl.Heartbeat == 0},
+		{"cluster.election_timeout", "more than twice cluster.heartbeat", cl.ElectionTimeout == 0},
+		{"storage.flush_interval", "more than 0", st.FlushInterval == 0},
+		{"storage.max_bytes", "at least " + ByteSize(MinMaxBytes).String(), st.MaxBytes == 0},
+	} {
+		if _, set := ck.lineOf(k.key); set && k.zero {
+			ck.failf(k.key, "0 is out of range: %s (leave the key out for its default)", k.want)
+		}
+	}
 }
 
 // tls checks the TLS listener's settings hang together; the files are read

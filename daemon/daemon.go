@@ -262,6 +262,7 @@ func (d *Daemon) HTTPAddr() string {
 func (d *Daemon) Stop() error {
 	var errs []error
 	d.stopOnce.Do(func() {
+		d.markStopping()
 		if d.fv != nil {
 			d.fv.Stop()
 		}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/eclipse/paho.golang/paho"
 	pahomqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
@@ -129,4 +130,57 @@ func splitAddr(t *testing.T, a string) (string, string) {
 	t.Helper()
 	i := strings.LastIndex(a, ":")
 	return a[:i], a[i+1:]
+}
+
+// A device refused by the connect rate limit is told why (CONNACK 0x9F
+// connection rate exceeded; 3.1.1: 0x03 server unavailable), so
+// mosquitto_pub run in a loop says so instead of "The connection was
+// lost", and every run either publishes or says it was refused.
+func TestMosquittoPubInALoopIsToldTheConnectRate(t *testing.T) {
+	testutil.NeedTool(t, "mosquitto_pub")
+	d := testGateway(t, t.TempDir(), func(c *config.Config) {
+		c.MQTT.ConnectRate = 0.01 // no token comes back during the test
+		c.MQTT.ConnectBurst = 4
+	})
+	host, port := splitAddr(t, d.MQTTAddr())
+	for _, v := range []struct{ flag, told string }{{"mqttv5", "connection rate exceeded"}, {"mqttv311", "unavailable"}} {
+		published, told := 0, 0
+		for i := 0; i < 6; i++ {
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			out, err := exec.CommandContext(ctx, "mosquitto_pub", "-h", host, "-p", port, "-V", v.flag, "-q", "1", "-t", "loop/x", "-m", fmt.Sprint(i)).CombinedOutput()
+			cancel()
+			switch low := strings.ToLower(string(out)); {
+			case err == nil:
+				published++
+			case strings.Contains(low, v.told):
+				told++
+			default:
+				t.Fatalf("mosquitto_pub -V %s run %d: %v, not told why:\n%s", v.flag, i, err, out)
+			}
+		}
+		t.Logf("%s: %d published, %d told %q", v.flag, published, told, v.told)
+		if told == 0 {
+			t.Fatalf("%s: no run was refused: the rate limit did not apply", v.flag)
+		}
+	}
+	// 127.0.0.1 is over the rate: another source checks that the gateway
+	// still serves, then it stops.
+	c, ca := mqttOn(t, dialFrom(t, "127.0.0.2", d.MQTTAddr()), connOpts{version: 5, id: "after-the-loop"})
+	if ca.closed || ca.code != 0 {
+		t.Fatalf("a client from another address: %+v", ca)
+	}
+	c.pub("loop/after", 1, false, 1, nil, "x")
+	if r := c.ack(0x40, 1); r != 0 {
+		t.Fatalf("publish from another address: PUBACK %#x", r)
+	}
+	stopped := make(chan struct{})
+	go func() {
+		d.Stop()
+		close(stopped)
+	}()
+	select {
+	case <-stopped:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the gateway did not stop within 5 s")
+	}
 }

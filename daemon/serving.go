@@ -36,6 +36,12 @@ import (
 //     its devices to the others cutOffFor later, rather than at
 //     check-quorum's next look (one to two election timeouts) plus that
 //     second;
+//   - a member whose master (another one) is out of reach, its link down
+//     or nothing heard from it for an election timeout, answers 503 "no
+//     master reachable" at once and keeps its devices: their publishes
+//     wait for a master and fail after sync_timeout. A 2-gateway slave is
+//     a learner, which never campaigns: raft names its dead master for
+//     ever, so Leader() alone never said so;
 //   - a gateway whose disk is below storage.min_free, or whose log is full
 //     of what a member lacks, cannot log publishes itself. As a slave it
 //     needs not: its devices' publishes go to the master on the forward
@@ -50,8 +56,9 @@ import (
 //     its devices to the master, or, as a master of three voters (the
 //     others elect a new one once its heartbeats stop), to the others.
 
-// servingEvery is how often the watch looks; leaderlessFor how long a
-// member of a cluster may see no master before it sends its devices away.
+// servingEvery is how often the watch looks at most (it looks every
+// cluster.heartbeat when that is shorter); leaderlessFor how long a member
+// of a cluster may see no master before it sends its devices away.
 const (
 	servingEvery  = 200 * time.Millisecond
 	leaderlessFor = time.Second
@@ -67,11 +74,23 @@ const cutOffFor = 500 * time.Millisecond
 // told once.
 const cutOffReason = "no master reachable: cut off from the cluster's majority"
 
+// servingState is what the watch last found: the one answer to "does this
+// member take publishes" that /healthz, the status JSON, the status page
+// and `tandem status` all read, so they never disagree. Which master they
+// name is reachableMaster's rule, the one the watch applies.
+type servingState struct {
+	why string // "" while the gateway takes publishes, else why not
+}
+
+// startingState is the state until the watch's first look.
+var startingState = &servingState{why: "starting"}
+
 // servingWatch is the state of the watch.
 type servingWatch struct {
-	why   atomic.Pointer[string] // nil while the gateway takes publishes
-	stopc chan struct{}
-	done  chan struct{}
+	state    atomic.Pointer[servingState] // nil before Start: starting
+	stopping atomic.Bool                  // Stop began: the state stays "stopping"
+	stopc    chan struct{}
+	done     chan struct{}
 
 	downMu sync.Mutex           // guards down
 	down   map[uint64]time.Time // members without a link, since when
@@ -114,10 +133,25 @@ func (d *Daemon) downSince(id uint64) (t time.Time, ok bool) {
 	return t, ok
 }
 
-// startServingWatch starts the watch; stopServingWatch ends it.
+// startServingWatch starts the watch, which looks once before it
+// returns; stopServingWatch ends it.
 func (d *Daemon) startServingWatch() {
 	d.serving.stopc, d.serving.done = make(chan struct{}), make(chan struct{})
-	go d.watchServing()
+	every := servingEvery
+	if hb := d.cfg.Cluster.Heartbeat.Duration(); hb > 0 {
+		// Health follows its cause within one heartbeat.
+		every = min(every, hb)
+	}
+	var leaderless time.Time
+	d.lookServing(&leaderless)
+	go d.watchServing(every, leaderless)
+}
+
+// markStopping makes the state "stopping" for good: Stop's first step,
+// while the HTTP listener still answers.
+func (d *Daemon) markStopping() {
+	d.serving.stopping.Store(true)
+	d.serving.state.Store(&servingState{why: "stopping"})
 }
 
 // stopServingWatch ends the watch and waits for it.
@@ -129,33 +163,66 @@ func (d *Daemon) stopServingWatch() {
 	<-d.serving.done
 }
 
-func (d *Daemon) watchServing() {
+func (d *Daemon) watchServing(every time.Duration, leaderless time.Time) {
 	defer close(d.serving.done)
-	t := time.NewTicker(servingEvery)
+	t := time.NewTicker(every)
 	defer t.Stop()
-	var leaderless time.Time
 	for {
 		select {
 		case <-d.serving.stopc:
 			return
 		case <-t.C:
 		}
-		now := time.Now()
-		if n := d.gw.Node(); n != nil {
-			d.noteLinks(n, now)
-		}
-		why, ref := d.checkServing(&leaderless, now)
-		old := d.serving.why.Load()
-		switch {
-		case why == "" && old != nil:
-			d.serving.why.Store(nil)
-			d.log.Info("taking publishes again", "was", *old)
-		case why != "" && (old == nil || *old != why):
-			d.serving.why.Store(&why)
-			d.log.Warn("not taking publishes", "reason", why, "devices_sent_to", ref)
-		}
-		d.broker.Redirect(ref, why) // "" ref: keep the devices
+		d.lookServing(&leaderless)
 	}
+}
+
+// lookServing is one look of the watch: it stores what it found, logs a
+// change, and sends the devices away or keeps them.
+func (d *Daemon) lookServing(leaderless *time.Time) {
+	now := time.Now()
+	if n := d.gw.Node(); n != nil {
+		d.noteLinks(n, now)
+	}
+	why, ref := d.checkServing(leaderless, now)
+	if d.serving.stopping.Load() {
+		return
+	}
+	st := &servingState{why: why}
+	old := d.servingNow()
+	d.serving.state.Store(st)
+	switch {
+	case why == "" && old.why != "":
+		d.log.Info("taking publishes again", "was", old.why)
+	case why != "" && old.why != why:
+		d.log.Warn("not taking publishes", "reason", why, "devices_sent_to", ref)
+	}
+	d.broker.Redirect(ref, why) // "" ref: keep the devices
+}
+
+// servingNow is the watch's last finding ("starting" before its first).
+func (d *Daemon) servingNow() *servingState {
+	if st := d.serving.state.Load(); st != nil {
+		return st
+	}
+	return startingState
+}
+
+// reachableMaster is the master to name: this member while it leads and is
+// not cut off, another while its link is up and it was heard within an
+// election timeout; 0 for none. why is checkServing's finding.
+func (d *Daemon) reachableMaster(why string) uint64 {
+	n := d.gw.Node()
+	if n == nil || n.Fenced() || why == cutOffReason {
+		return 0
+	}
+	switch lead := n.Leader(); {
+	case lead == 0 || lead == n.ID():
+		return lead
+	case d.gw.Reachable(lead) && !n.MasterSilent():
+		return lead
+	}
+	return 0
 }
 
 // checkServing says why the gateway cannot take publishes ("" when it can)
@@ -188,10 +255,49 @@ func (d *Daemon) checkServing(leaderless *time.Time, now time.Time) (why, ref st
 	} else {
 		*leaderless = time.Time{}
 	}
+	if why := d.unreachableMaster(n, members); why != "" {
+		// Its devices keep it: their publishes wait for a master
+		// (sync_timeout), and a voter elects one or the leaderless rule
+		// above sends them away.
+		return why, ""
+	}
 	if why := d.db.RefusingReason(); why != "" || n.SaveFailing() {
 		return d.diskServing(n, members, why)
 	}
 	return "", ""
+}
+
+// unreachableMaster says why the master this member names, another one,
+// is out of reach ("" while it is in reach, or none is named): the link to
+// it is down (a killed master: the kernel closes the connection at once),
+// or it sent nothing for an election timeout (a cut cable: the link lasts
+// until the transport's idle timeout). Publishes then wait for a master
+// and fail after sync_timeout: the gateway does not take them.
+func (d *Daemon) unreachableMaster(n *replication.Node, members []replication.Member) string {
+	lead := n.Leader()
+	if lead == 0 || lead == n.ID() {
+		return ""
+	}
+	name := replication.ShortID(lead)
+	for _, m := range members {
+		if m.ID == lead && m.Name != "" {
+			name = m.Name
+		}
+	}
+	var why string
+	switch {
+	case !d.gw.Reachable(lead):
+		why = "no master reachable: the link to " + name + " is down"
+	case n.MasterSilent():
+		why = "no master reachable: nothing heard from " + name + " for an election timeout"
+	default:
+		return ""
+	}
+	if voters(members) < 2 && d.cfg.Cluster.Failover != "auto" {
+		// A 2-gateway slave (a learner): nobody else will lead.
+		why += "; `tandem promote` on this gateway makes it the master"
+	}
+	return why
 }
 
 // diskServing is checkServing for a gateway whose own log refuses
@@ -255,8 +361,8 @@ func (d *Daemon) notServing() error {
 	if err := d.Err(); err != nil {
 		return err
 	}
-	if why := d.serving.why.Load(); why != nil {
-		return errors.New(*why)
+	if why := d.servingNow().why; why != "" {
+		return errors.New(why)
 	}
 	return nil
 }

@@ -101,7 +101,7 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 		}
 		// What the master knows of the others' logs; a slave reports none.
 		if p, ok := progress[m.ID]; ok {
-			sm.MatchIndex = p.Match
+			sm.MatchIndex, sm.MatchKnown = p.Match, p.Match > 0
 			if rs.Last > p.Match {
 				sm.LagRecords = rs.Last - p.Match
 				sm.LagSeconds = d.lagSeconds(p.Match, rs.Last, now)
@@ -109,8 +109,18 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 		}
 		s.Members = append(s.Members, sm)
 	}
-	if rs.Leader != 0 {
-		s.Leader = &admin.StatusNodeRef{ID: replication.IDString(rs.Leader), Name: names[rs.Leader]}
+	// The serving watch's finding, which /healthz reads too: the master
+	// is named only while it is in reach.
+	sv := d.servingNow()
+	s.Serving = admin.ServingAll
+	if sv.why != "" {
+		why := sv.why
+		s.Serving, s.NotServing = admin.ServingSubscribers, &why
+	}
+	// Named by the watch's rule, looked at now: a slave that just
+	// joined names its master at once.
+	if lead := d.reachableMaster(sv.why); lead != 0 {
+		s.Leader = &admin.StatusNodeRef{ID: replication.IDString(lead), Name: names[lead]}
 	}
 	if open, exp := d.gw.PairState(); open {
 		s.Pairing = admin.StatusPairing{Open: true, Expires: &exp}

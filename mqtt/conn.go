@@ -41,6 +41,9 @@ type conn struct {
 	br       *bufio.Reader
 	listener string
 	host     string // source key, for refusals
+	// rateLimited: the source is over the connect rate; its CONNECT is
+	// read only to be refused (listen.go). Set before run.
+	rateLimited bool
 
 	// Set by CONNECT, then read-only.
 	v         byte // protocol version: 3, 4 (3.1.1) or 5
@@ -161,7 +164,11 @@ func (c *conn) run(ended func()) {
 // open runs the TLS handshake and the CONNECT; false when the connection
 // did not make it.
 func (c *conn) open() bool {
-	_ = c.nc.SetReadDeadline(time.Now().Add(c.srv.cfg.Limits.ConnectTimeout))
+	wait := c.srv.cfg.Limits.ConnectTimeout
+	if c.rateLimited {
+		wait = min(wait, rateTellWait)
+	}
+	_ = c.nc.SetReadDeadline(time.Now().Add(wait))
 	if tc, ok := c.nc.(*tls.Conn); ok {
 		if err := tc.Handshake(); err != nil {
 			if !quietEnd(err) {

@@ -23,6 +23,11 @@ func (c *conn) connect() bool {
 		c.v = 5
 		return c.refuse(&pk, pe.code, 0, "invalid CONNECT: "+pe.code.Reason, "error", pe.why)
 	}
+	if err != nil && c.rateLimited {
+		// Nothing to tell it in: it is closed, as before it sent anything.
+		c.srv.refusal(c.host, refusedRate, "listener", c.listener, "source", c.host, "error", err)
+		return false
+	}
 	if err != nil {
 		c.readFailed(err)
 		return false
@@ -53,6 +58,11 @@ func (c *conn) connect() bool {
 			return c.refuse(&pk, packets.Code{}, 0x01, "unsupported protocol version")
 		}
 		return c.refuse(&pk, packets.ErrMalformedPacket, 0, "malformed CONNECT: "+code.Reason)
+	}
+	if c.rateLimited {
+		// The device is told why, in the words of its version.
+		return c.refuse(&pk, packets.ErrConnectionRateExceeded, packets.Err3ServerUnavailable.Code, refusedRateTold,
+			"listener", c.listener, "source", c.host, "connect_rate", c.srv.cfg.Limits.ConnectRate, "connect_burst", c.srv.cfg.Limits.ConnectBurst)
 	}
 	cp := &pk.Connect
 	v5 := c.v == 5

@@ -12,8 +12,23 @@ import (
 // Reasons of the listeners' refusals of a socket (Observer.Refused).
 const (
 	// refusedRate: the source opened connections faster than
-	// Limits.ConnectRate allows.
+	// Limits.ConnectRate allows, and maxRateTelling others were being
+	// told so already (or it came on the WebSocket listener).
 	refusedRate = "connection rate exceeded: closed before CONNECT"
+	// refusedRateTold: the same, told in a CONNACK (0x9F connection rate
+	// exceeded; 3.1.1: 0x03 server unavailable) to its CONNECT.
+	refusedRateTold = "connection rate exceeded: CONNACK refused"
+)
+
+// A connection over the rate limit is read for its CONNECT, to learn the
+// protocol version it is to be refused in, for at most rateTellWait, under
+// the pre-login packet bound and buffer budget of every CONNECT; at most
+// maxRateTelling of them, server-wide, are read at once (each is a socket
+// and a goroutine for up to rateTellWait): past that, a flood's are closed
+// before anything is read, as a device told once reconnects no faster.
+const (
+	rateTellWait   = 2 * time.Second
+	maxRateTelling = 32
 	// refusedBusy: the server's socket cap, twice Limits.MaxClients
 	// and some, is reached: the sockets of every listener count, those
 	// not yet a client included.
@@ -27,8 +42,8 @@ const (
 )
 
 // srvListener is one TCP or TLS listener of a Server: it refuses
-// connections over the per-address rate and the socket cap before reading
-// a byte, survives accept errors such as running out of file descriptors,
+// connections over the socket cap before reading a byte, and those over
+// the per-address rate at their CONNECT (above), survives accept errors such as running out of file descriptors,
 // and hands each admitted connection to its own read loop.
 type srvListener struct {
 	id, addr string
@@ -89,13 +104,21 @@ func (l *srvListener) serve() {
 func (l *srvListener) admit(nc net.Conn) {
 	s := l.srv
 	host := SourceKey(nc.RemoteAddr())
-	if !s.connRate.allow(host, time.Now()) {
+	limited := !s.connRate.allow(host, time.Now())
+	if limited && s.rateTelling.Add(1) > maxRateTelling {
+		s.rateTelling.Add(-1)
 		nc.Close()
 		s.refusal(host, refusedRate, "listener", l.id, "source", host)
 		return
 	}
+	untell := func() {
+		if limited {
+			s.rateTelling.Add(-1)
+		}
+	}
 	if n := s.openConns.Add(1); n > s.maxOpenConns {
 		s.openConns.Add(-1)
+		untell()
 		nc.Close()
 		s.refusal("", refusedBusy, "listener", l.id, "open", n-1, "source", host)
 		return
@@ -104,6 +127,7 @@ func (l *srvListener) admit(nc net.Conn) {
 	if l.closed.Load() {
 		l.mu.Unlock()
 		s.openConns.Add(-1)
+		untell()
 		nc.Close()
 		return
 	}
@@ -113,11 +137,14 @@ func (l *srvListener) admit(nc net.Conn) {
 	l.conns[nc] = struct{}{}
 	l.mu.Unlock()
 	s.goFunc(func() {
-		newConn(s, nc, l.id, host).run(func() {
+		c := newConn(s, nc, l.id, host)
+		c.rateLimited = limited
+		c.run(func() {
 			l.mu.Lock()
 			delete(l.conns, nc)
 			l.mu.Unlock()
 			s.openConns.Add(-1)
+			untell()
 		})
 	})
 }

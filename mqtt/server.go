@@ -53,6 +53,7 @@ type Server struct {
 
 	connRate     *connRate     // nil: no connect rate limit
 	openConns    atomic.Int64  // sockets accepted and not yet closed, all listeners
+	rateTelling  atomic.Int64  // of those, over the connect rate and being refused (listen.go)
 	maxOpenConns int64         // sockets beyond it are closed at once
 	bcryptSem    chan struct{} // bounds concurrent password checks
 	preAuth      *byteBudget   // bytes buffered for connections not yet authenticated

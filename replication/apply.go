@@ -42,6 +42,36 @@ func (n *Node) applyConfChange(e *pb.Entry) {
 	if id != 0 {
 		n.confApplied(id, nil)
 	}
+	n.campaignIfLoneVoter(cs, e.Index)
+}
+
+// campaignIfLoneVoter has this node stand for election once the Ready is
+// done (raft refuses while a membership entry is unapplied) when the
+// membership entry at index, the last of its log, left it the only voter:
+// a promoted slave (ForcePromote) then leads as soon as it applied its
+// promotion, not an election timeout later, as a lone voter does at start
+// (NewNode). An entry with more of the log after it is history being
+// replayed, which says nothing of the membership now.
+func (n *Node) campaignIfLoneVoter(cs *pb.ConfState, index uint64) {
+	if n.leader || len(cs.Voters) != 1 || cs.Voters[0] != n.id || n.catchingUp() {
+		return
+	}
+	if last, err := n.db.LastIndex(); err != nil || last != index {
+		return
+	}
+	n.campaignNext = true
+}
+
+// campaignIfDue stands for election if campaignIfLoneVoter said to, after
+// the Ready that applied the membership entry was advanced.
+func (n *Node) campaignIfDue() {
+	if !n.campaignNext {
+		return
+	}
+	n.campaignNext = false
+	if err := n.rn.Campaign(); err != nil {
+		n.log.Warn("standing for election as the only voter failed; raft's election timeout will", "error", err)
+	}
 }
 
 // applyLoop delivers committed records in order and records the applied

@@ -47,6 +47,7 @@ func (n *Node) checkCutOff(now time.Time) {
 			heard++
 		}
 	})
+	n.noteMasterSilence(timeout)
 	switch {
 	case voters < 3 || 2*heard > voters:
 		if n.cutOff.Swap(0) != 0 {
@@ -69,3 +70,23 @@ func (n *Node) CutOff() time.Time {
 	}
 	return time.Time{}
 }
+
+// noteMasterSilence sets masterSilent on every tick: whether the master
+// this node knows, another member, has sent nothing for timeout ticks. A
+// 2-gateway slave is a learner, which never campaigns, so raft names its
+// master forever once heard; a voter names it until its own election
+// timeout fires. Neither is a sign that the master is in reach.
+func (n *Node) noteMasterSilence(timeout uint64) {
+	silent := false
+	if lead := n.lead.Load(); lead != 0 && lead != n.id {
+		h, ok := n.heard[lead]
+		silent = !ok || n.ticks-h >= timeout
+	}
+	n.masterSilent.Store(silent)
+}
+
+// MasterSilent reports whether the master this node knows, another
+// member, has sent it nothing (not even a heartbeat) for an election
+// timeout, counted in the loop's ticks: it is not in reach, whatever
+// Leader says.
+func (n *Node) MasterSilent() bool { return n.masterSilent.Load() }

@@ -245,6 +245,12 @@ type Node struct {
 	cutOff atomic.Int64
 	heard  map[uint64]uint64
 	ticks  uint64
+	// campaignNext: stand for election after this Ready (apply.go);
+	// loop-owned.
+	campaignNext bool
+	// masterSilent is set while the master this node knows (another
+	// one) has sent it nothing for an election timeout (cutoff.go).
+	masterSilent atomic.Bool
 
 	// fwd is the forward stream (forward.go); inMu guards inboundBy, the
 	// order of each peer's stream on this node as master.

@@ -84,6 +84,7 @@ func (n *Node) handleReady() bool {
 		}
 	}
 	n.rn.Advance(rd)
+	n.campaignIfDue()
 	n.checkSync()
 	return true
 }
