@@ -127,6 +127,7 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	d.skips = newSkips(d.log, d.fieldView().RecordSkipped)
 	la := &logAdapter{d: d}
 	d.broker, err = mqtt.NewServer(mqtt.Config{
+		Now:            clock.Now, // record times and message expiry: wall-clock jumps absorbed
 		Listen:         c.MQTT.Listen,
 		TLS:            tlsCfg,
 		AllowAnonymous: access.AllowAnonymous,

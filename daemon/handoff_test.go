@@ -23,6 +23,7 @@ func TestPairMasterBelowMinFreeSaysWhyItKeepsTheMastership(t *testing.T) {
 	g1 := testGateway(t, filepath.Join(dir, "data"), func(c *config.Config) {
 		clusterTestConfig(c, "gw-1")
 		c.Storage.MinFree = 16 << 20
+		c.MQTT.ReasonStrings = "all" // acks carry a bare code otherwise
 	})
 	g2 := clusterGateway(t, "gw-2", nil)
 	joinWith(t, g2, inviteToken(t, g1))

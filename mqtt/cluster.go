@@ -5,8 +5,6 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
-
-	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // Persistent sessions across the cluster.
@@ -100,7 +98,7 @@ func (s *Server) proposeRecord(kind Kind, client string, payload []byte, mode Ac
 	if kind == KindCursors {
 		topic = cursorTopic
 	}
-	m := &Message{Kind: kind, ClientID: client, Topic: topic, Payload: payload, Time: clock.Now().UnixNano()}
+	m := &Message{Kind: kind, ClientID: client, Topic: topic, Payload: payload, Time: s.cfg.Now().UnixNano()}
 	s.log.Reserve(m)
 	s.log.Propose(m, mode, done)
 }

@@ -7,6 +7,11 @@ import (
 
 // Config configures a Server.
 type Config struct {
+	// Now is the time of day records are stamped with and their message
+	// expiry measured by; nil means time.Now. The gateway gives its clock,
+	// which absorbs wall-clock jumps (DESIGN.md, "Time"); durations never
+	// read it.
+	Now func() time.Time
 	// Listen is the TCP address of the MQTT listener ("127.0.0.1:1883").
 	Listen string
 	// TLS configures an MQTT-over-TLS listener; nil means none.

@@ -8,8 +8,6 @@ import (
 	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
-
-	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // connect reads and answers the CONNECT; false ends the connection.
@@ -552,7 +550,7 @@ func (s *Server) proposeWill(m *Message) {
 		s.refusal(m.ClientID, "will denied by ACL: dropped", "client", m.ClientID, "topic", m.Topic)
 		return
 	}
-	m.Time = clock.Now().UnixNano()
+	m.Time = s.cfg.Now().UnixNano()
 	s.log.Reserve(m)
 	s.log.Propose(m, AckFor(s.topicPolicies(), m.Topic), s.logFailure)
 }

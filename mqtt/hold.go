@@ -6,8 +6,6 @@ import (
 	"errors"
 	"slices"
 	"sync"
-
-	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // Sync records wait for their settlement (DESIGN.md, "Delivery waits for
@@ -171,7 +169,7 @@ func (s *Server) Settle(index, upto uint64, aborts []uint64, doubt uint64, alone
 		if m == nil {
 			continue
 		}
-		if _, live := m.expiryLeft(clock.Now()); live {
+		if _, live := m.expiryLeft(s.cfg.Now()); live {
 			s.retainIfNewer(c.index, m)
 		}
 	}

@@ -7,8 +7,6 @@ import (
 	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
-
-	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // publish takes a PUBLISH: checked, proposed to the log, its PUBACK or
@@ -103,7 +101,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 	charged := c.chargeIn(publishCost(len(pk.TopicName), len(pk.Payload)))
 	if qos == 0 {
 		m := &Message{}
-		m.fromPacket(c.id, pk, clock.Now().UnixNano())
+		m.fromPacket(c.id, pk, srv.cfg.Now().UnixNano())
 		srv.log.Reserve(m)
 		if res != nil {
 			res.track(m.Seq)
@@ -119,7 +117,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 	}
 	a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now, charged: charged}
 	m := &a.msg
-	m.fromPacket(c.id, pk, clock.Now().UnixNano())
+	m.fromPacket(c.id, pk, srv.cfg.Now().UnixNano())
 	srv.log.Reserve(m)
 	resolved := a.resolved
 	if res != nil {

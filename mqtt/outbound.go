@@ -4,8 +4,6 @@ import (
 	"encoding/binary"
 
 	"github.com/mochi-mqtt/server/v2/packets"
-
-	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // takeDeliveries hands out what the session's queue holds, as far as the
@@ -19,7 +17,7 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 	if s == nil {
 		return buf
 	}
-	now := clock.Now() // measured against record times: message expiry
+	now := c.srv.cfg.Now() // measured against record times: message expiry
 	acc := c.srv.access.Load()
 	var staged []*outItem
 	s.mu.Lock()
@@ -124,7 +122,7 @@ func (c *conn) resend(buf []byte) []byte {
 	s.mu.Lock()
 	items := s.resendOrderLocked()
 	s.mu.Unlock()
-	now := clock.Now() // measured against record times: message expiry
+	now := c.srv.cfg.Now() // measured against record times: message expiry
 	for _, it := range items {
 		if it.rel {
 			buf = append(buf, packets.Pubrel<<4|2, 2, byte(it.pid>>8), byte(it.pid))

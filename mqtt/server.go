@@ -9,8 +9,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // LogReader is the read side of the log a Server needs: committed records,
@@ -122,6 +120,9 @@ const (
 // NewServer builds a Server that logs publishes through log; if log also
 // implements LogReader, sessions replay from it.
 func NewServer(cfg Config, log Log) (*Server, error) {
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
 	if err := cfg.fill(); err != nil {
 		return nil, err
 	}
@@ -475,7 +476,7 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 	if m.Sync {
 		s.hold(index, m) // offered now, handed out once confirmed
 	}
-	if _, live := m.expiryLeft(clock.Now()); !live {
+	if _, live := m.expiryLeft(s.cfg.Now()); !live {
 		return nil // its message expiry ran out before it was delivered
 	}
 	// A record past the retained caps is delivered as a plain message:
@@ -544,7 +545,7 @@ func (s *Server) Retain(index uint64, m *Message) {
 		s.hold(index, m) // retained, if at all, once confirmed
 		return
 	}
-	if _, live := m.expiryLeft(clock.Now()); live && m.Retain {
+	if _, live := m.expiryLeft(s.cfg.Now()); live && m.Retain {
 		if s.retain(index, m) {
 			s.supersedeHeld(m.Topic)
 		}

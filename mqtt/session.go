@@ -7,8 +7,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 // session is the state MQTT keeps for a client id across connections:
@@ -361,7 +359,7 @@ func (s *session) replay(c *conn) bool {
 			if m.Sync && s.srv.holds.state(idx, nil) == recAborted {
 				return true // its publisher was refused
 			}
-			if it := matchReplay(subs, s.id, idx, m); it != nil && !s.inFlight(it) {
+			if it := matchReplay(subs, s.id, idx, m, s.srv.cfg.Now()); it != nil && !s.inFlight(it) {
 				cost := outCost(m)
 				if len(items) > 0 && bytes+cost > maxBytes {
 					// Not taken: the next scan starts at it.
@@ -440,8 +438,8 @@ func (s *session) droppedLocked(lost uint64) {
 // record's outItem, or nil when none of subs takes it. QoS 0 records are
 // not replayed: at most once, and a client back from a day offline is not
 // to be flooded with them.
-func matchReplay(subs []*subscription, client string, idx uint64, m *Message) *outItem {
-	if _, live := m.expiryLeft(clock.Now()); !live {
+func matchReplay(subs []*subscription, client string, idx uint64, m *Message, now time.Time) *outItem {
+	if _, live := m.expiryLeft(now); !live {
 		return nil
 	}
 	var it *outItem
