@@ -3,7 +3,6 @@ package cli
 import (
 	"bufio"
 	"os"
-	"path"
 	"path/filepath"
 	"reflect"
 	"regexp"
@@ -37,6 +36,8 @@ import (
 //     start with "topic ", "user " or "pattern " is an ACL file and must
 //     pass mqtt.ParseACL; one whose lines are all "name:$2…" bcrypt
 //     lines is a users file and must pass mqtt.ParseUsers.
+//   - docs/configuration.md's key table is generated from
+//     config/reference.go and held to the schema by config's tests.
 //   - In a ``` block (no language, sh, shell, bash or console), every
 //     line that runs tandem (after a "host$ " prompt, sudo, "|", "&&",
 //     "$(" or "sh -c '") must name commands and flags the command tree
@@ -453,130 +454,4 @@ func makeTargets(t *testing.T) map[string]bool {
 		}
 	}
 	return out
-}
-
-// schemaKeys are tandem.yaml's keys as the schema (config.Config's yaml
-// tags) has them: "mqtt.tls.cert_file", a list's fields as "topics[].match".
-func schemaKeys(t reflect.Type, prefix string, out map[string]bool) {
-	for i := range t.NumField() {
-		f := t.Field(i)
-		name, _, _ := strings.Cut(f.Tag.Get("yaml"), ",")
-		if name == "" || name == "-" || !f.IsExported() {
-			continue
-		}
-		key := prefix + name
-		ft := f.Type
-		switch {
-		case ft.Kind() == reflect.Struct && !isScalarStruct(ft):
-			schemaKeys(ft, key+".", out)
-		case ft.Kind() == reflect.Slice && ft.Elem().Kind() == reflect.Struct:
-			out[key] = true
-			schemaKeys(ft.Elem(), key+"[].", out)
-		default:
-			out[key] = true
-		}
-	}
-}
-
-// isScalarStruct: a struct that is one YAML value (none today; a struct
-// with no yaml-tagged field).
-func isScalarStruct(t reflect.Type) bool {
-	for i := range t.NumField() {
-		if t.Field(i).Tag.Get("yaml") != "" {
-			return false
-		}
-	}
-	return true
-}
-
-// configTable returns the rows of docs/configuration.md's key table:
-// the keys its first cell names (".tls" after "mqtt.websocket.listen"
-// read as "mqtt.websocket.tls") and the row's whole text.
-func configTable(t *testing.T) (rows []struct {
-	keys []string
-	text string
-}) {
-	t.Helper()
-	code := regexp.MustCompile("`([^`]*)`")
-	for _, l := range strings.Split(readDoc(t, "../docs/configuration.md"), "\n") {
-		if !strings.HasPrefix(l, "| `") {
-			continue
-		}
-		cells := strings.Split(l, " | ")
-		var keys []string
-		last := ""
-		for _, m := range code.FindAllStringSubmatch(cells[0], -1) {
-			k := m[1]
-			if strings.HasPrefix(k, ".") && last != "" {
-				k = last[:strings.LastIndex(last, ".")] + k
-			}
-			keys = append(keys, k)
-			last = k
-		}
-		rows = append(rows, struct {
-			keys []string
-			text string
-		}{keys, l})
-	}
-	if len(rows) < 20 {
-		t.Fatalf("docs/configuration.md: only %d rows in its key table", len(rows))
-	}
-	return rows
-}
-
-// Every key of the config schema is in docs/configuration.md's table, and
-// every key the table names is one of the schema: a key added without its
-// documentation, or documented under a name the parser refuses, fails
-// here. A row may name keys by a pattern ("mqtt.max_topic_*") or name a
-// list ("uplinks"), whose fields must then be named in the row's text.
-func TestConfigReferenceNamesEveryKey(t *testing.T) {
-	schema := map[string]bool{}
-	schemaKeys(reflect.TypeOf(config.Config{}), "", schema)
-	rows := configTable(t)
-	word := func(text, w string) bool {
-		return regexp.MustCompile("`[^`]*\\b" + regexp.QuoteMeta(w) + "\\b[^`]*`").MatchString(text)
-	}
-	covered := func(key string) bool {
-		for _, r := range rows {
-			for _, d := range r.keys {
-				if d == key {
-					return true
-				}
-				if ok, _ := path.Match(d, key); ok && strings.Contains(d, "*") {
-					return true
-				}
-				if strings.HasPrefix(key, d+"[].") || strings.HasPrefix(key, d+".") {
-					// A field of a list or section the row names: its
-					// name must be in the row.
-					if word(r.text, key[strings.LastIndexAny(key, ".")+1:]) {
-						return true
-					}
-				}
-			}
-		}
-		return false
-	}
-	var missing []string
-	for k := range schema {
-		if !covered(k) {
-			missing = append(missing, k)
-		}
-	}
-	slices.Sort(missing)
-	for _, k := range missing {
-		t.Errorf("docs/configuration.md does not document the key %s", k)
-	}
-	for _, r := range rows {
-		for _, d := range r.keys {
-			known := schema[d]
-			for k := range schema {
-				if ok, _ := path.Match(d, k); ok || strings.HasPrefix(k, d+".") || strings.HasPrefix(k, d+"[].") {
-					known = true
-				}
-			}
-			if !known {
-				t.Errorf("docs/configuration.md documents %s, which is no key of the schema", d)
-			}
-		}
-	}
 }
