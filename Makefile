@@ -40,7 +40,7 @@ BINDIR       ?= bin
 DISTDIR      ?= dist
 SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
 
-.PHONY: build run test test-arm vet fuzz bench clean cross package man powercut deps
+.PHONY: build run test test-arm vet fuzz bench clean cross package man powercut deps docs
 
 # What the tests need (mosquitto, iproute2, iptables, qemu-user-static,
 # chromium, fuse3, ...): installed as root, named otherwise (.ci/deps).
@@ -146,6 +146,11 @@ powercut:
 # a cli test fails when packaging/tandem.1 is not what it gives.
 man:
 	$(GO) run . man > packaging/tandem.1
+
+# docs/configuration.md's key table, from config/reference.go (the tests
+# fail when the committed table differs).
+docs:
+	$(GO) test ./config -run '^TestConfigReferenceIsGenerated$$' -count=1 -update-docs
 
 # The standard workloads against tandem and Mosquitto on loopback
 # (installs mosquitto with apt-get when missing and run as root).

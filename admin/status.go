@@ -54,7 +54,7 @@ type StatusCluster struct {
 	// FeatureLevel is the cluster's feature level as this member applied
 	// it, FeatureLevelKnown the highest this build knows: the master
 	// raises the first to the second once every member's build knows it
-	// (README, "Rolling upgrades and the feature level").
+	// (docs/install.md, "Rolling upgrades and the feature level").
 	FeatureLevel      int `json:"feature_level"`
 	FeatureLevelKnown int `json:"feature_level_known"`
 }

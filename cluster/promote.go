@@ -240,8 +240,8 @@ func (c *cluster) reportDeposed(by replication.Member, rep JoinReply, requeued i
 
 // checkFailover promotes this node, the slave of a 2-gateway cluster with
 // failover: auto, once nothing at all has arrived from the master for
-// failover_after and the master does not answer a probe either (README:
-// "Automatic failover"). The probe runs in the background: the keeper
+// failover_after and the master does not answer a probe either (docs/clusters.md:
+// "2 gateways, automatically"). The probe runs in the background: the keeper
 // never waits on the network.
 func (c *cluster) checkFailover(n *replication.Node) {
 	d := c.d

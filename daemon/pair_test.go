@@ -114,7 +114,7 @@ func TestPairInProcess(t *testing.T) {
 }
 
 // TestPairClosesAfterFiveWrongCodes: five wrong proofs in total close
-// the pairing, as the README says, whoever sent them: the real joiner is
+// the pairing, as docs/clusters.md says, whoever sent them: the real joiner is
 // refused with the code and told to open a new one, and pairs with the
 // code of the next pair open.
 func TestPairClosesAfterFiveWrongCodes(t *testing.T) {

@@ -21,7 +21,7 @@ import (
 // servingEvery:
 //   - a fenced node (a promoted member replaced it) answers 503 but keeps
 //     its devices: it is the new master's slave within seconds and serves
-//     them as such (README: its devices may stay connected throughout),
+//     them as such (docs/clusters.md: its devices may stay connected throughout),
 //     while sending them away would end a clean session's subscriptions;
 //   - a member of a cluster that has seen no master for longer than
 //     leaderlessFor sends them to the other members if the cluster has

@@ -34,7 +34,7 @@ type Observer interface {
 	Dropped(n uint64)
 	// InDoubt is called when n sync records are confirmed that an
 	// earlier master logged and never settled: they are delivered,
-	// though their publishers may have been refused (README, "What an
+	// though their publishers may have been refused (docs/acks.md, "What an
 	// ack means").
 	InDoubt(n uint64)
 }

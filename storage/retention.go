@@ -50,7 +50,7 @@ const growChunk = 1 << 20
 // one checkpoint that bbolt cannot reuse yet and a grow chunk, both of which
 // the reserve accounts for from the second checkpoint after a budget is
 // reached on; the first one past it can still add them. Documented in
-// README's storage section.
+// docs/configuration.md (storage.max_bytes).
 const retentionSlack = 2 << 20
 
 // RetentionSlack is how far past Options.MaxBytes the data dir may grow.

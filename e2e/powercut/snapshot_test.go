@@ -220,7 +220,7 @@ func snapshotRound(bin, base string, seed uint64) (*snapshotOutcome, error) {
 				continue
 			}
 			o.left = mb.MatchIndex
-			// Ten election timeouts (README): a second more.
+			// Ten election timeouts (docs/configuration.md): a second more.
 			return mb.DownSince != nil && time.Since(*mb.DownSince) > 11*time.Second
 		}
 		return false

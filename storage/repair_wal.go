@@ -1,0 +1,189 @@
+package storage
+
+import (
+	"bytes"
+	"cmp"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"slices"
+
+	pb "go.etcd.io/raft/v3/raftpb"
+)
+
+// Replaying what the damaged WAL still holds over the repaired log.
+
+// loadWAL reads the WAL's live frames, frame by frame past a damaged one:
+// their metadata writes over what the file held, their entries kept for
+// write to append after the file's.
+func (s *salvager) loadWAL() {
+	w, err := openWALs(s.src, true, false)
+	if err != nil {
+		s.rep.Unreadable = append(s.rep.Unreadable, fmt.Sprintf("the WAL: %v", err))
+		return
+	}
+	defer w.close()
+	if !s.walOK {
+		s.guessWAL(w)
+		return
+	}
+	seg, id := s.walSeg, s.walID
+	for hop := 0; hop < 2 && id != 0; hop++ {
+		frames, bad := w.segs[seg].salvageFrames(id)
+		for _, b := range bad {
+			s.rep.Unreadable = append(s.rep.Unreadable, fmt.Sprintf("%s: %s", walPath(s.src, seg), b))
+		}
+		next := uint64(0)
+		for _, fr := range frames {
+			if fr.next != 0 {
+				next = fr.next
+				continue
+			}
+			s.takeFrame(fr)
+		}
+		if next == 0 {
+			break
+		}
+		seg, id = 1-seg, next
+	}
+}
+
+// guessWAL reads the WAL when the data file no longer says which of its
+// frames are live: each file's frames under the id of its first one,
+// the file whose entries are older first. Entries are added by index, so
+// those the data file holds already are skipped.
+func (s *salvager) guessWAL(w *walLog) {
+	type segFrames struct {
+		first  uint64
+		frames []walFrame
+	}
+	var segs []segFrames
+	for i := range w.segs {
+		seg := &w.segs[i]
+		var hdr [walHdr]byte
+		if seg.f == nil || seg.size < walHdr {
+			continue
+		}
+		if _, err := seg.f.ReadAt(hdr[:], 0); err != nil {
+			continue
+		}
+		frames, _ := seg.salvageFrames(binary.LittleEndian.Uint64(hdr[8:]))
+		sf := segFrames{frames: frames}
+		for _, fr := range frames {
+			if len(fr.ents) > 0 {
+				sf.first = fr.ents[0].Index
+				break
+			}
+		}
+		if len(frames) > 0 {
+			segs = append(segs, sf)
+		}
+	}
+	slices.SortFunc(segs, func(a, b segFrames) int { return cmp.Compare(a.first, b.first) })
+	for _, sf := range segs {
+		for _, fr := range sf.frames {
+			if fr.next != 0 {
+				continue
+			}
+			s.takeFrame(fr)
+		}
+	}
+	slices.SortStableFunc(s.walEnts, func(a, b pb.Entry) int { return cmp.Compare(a.Index, b.Index) })
+	if len(segs) > 0 {
+		s.rep.Notes = append(s.rep.Notes, "The data file no longer says which WAL frames are live: every frame that checks out was read, the newest last.")
+	}
+}
+
+// takeFrame takes one live frame that is not a cut.
+func (s *salvager) takeFrame(fr walFrame) {
+	s.rep.WALFrames++
+	for _, op := range fr.ops {
+		s.walOp(op)
+	}
+	s.walEnts = append(s.walEnts, fr.ents...)
+	if fr.hs != nil {
+		s.hs, s.hsOK = *fr.hs, true
+	}
+}
+
+// walOp takes a replayed metadata write: the raft state and the keys
+// Repair sets itself are read, the rest is staged after the buckets.
+func (s *salvager) walOp(op stagedOp) {
+	switch {
+	case op.bucket == string(bucketRaftState) && op.key == string(keyHardState) && op.val != nil:
+		var hs pb.HardState
+		if hs.Unmarshal(op.val) == nil {
+			s.hs, s.hsOK = hs, true
+		}
+	case op.bucket == string(bucketRaftState) && op.key == string(keyConfState) && op.val != nil:
+		var cs pb.ConfState
+		if cs.Unmarshal(op.val) == nil {
+			s.cs, s.csOK = cs, true
+			s.rep.Members = len(cs.Voters) + len(cs.Learners)
+		}
+	case op.bucket == string(bucketRaftState):
+	case op.bucket == string(bucketMeta) && op.key == string(keyApplied):
+		if len(op.val) == 8 {
+			s.applied = binary.BigEndian.Uint64(op.val)
+		}
+	case op.bucket == string(bucketMeta) && op.key == string(keyEpoch):
+		if len(op.val) == 8 {
+			s.epoch = max(s.epoch, binary.BigEndian.Uint64(op.val))
+		}
+	case op.bucket == string(bucketMeta) && (op.key == string(keyFormat) || op.key == string(keyWAL) || op.key == string(keyNodeID)):
+	default:
+		s.walOps = append(s.walOps, op)
+	}
+}
+
+// salvageFrames returns the frames carrying id from the start of the file
+// up to a cut, skipping a damaged frame when a good one follows it (where
+// Open refuses), and what it skipped, in words.
+func (w *walSeg) salvageFrames(id uint64) ([]walFrame, []string) {
+	if w.f == nil || w.size == 0 || id == 0 {
+		return nil, nil
+	}
+	b := make([]byte, w.size)
+	if _, err := w.f.ReadAt(b, 0); err != nil && err != io.EOF {
+		return nil, []string{fmt.Sprintf("read: %v", err)}
+	}
+	var pat [8]byte
+	binary.LittleEndian.PutUint64(pat[:], id)
+	var frames []walFrame
+	var bad []string
+	off := int64(0)
+	for off < int64(len(b)) {
+		payload, ok := frameAt(b, off, id)
+		if ok {
+			fr, err := decodeFrame(payload)
+			if err == nil {
+				fr.off = off
+				frames = append(frames, fr)
+				off += walHdr + int64(len(payload))
+				if fr.next != 0 {
+					break
+				}
+				continue
+			}
+		}
+		// A bad frame: the end of the log, unless a good one follows.
+		nextGood := int64(-1)
+		for p := off + 1 + 8; p < int64(len(b)); {
+			i := bytes.Index(b[p:], pat[:])
+			if i < 0 {
+				break
+			}
+			if _, ok := frameAt(b, p+int64(i)-8, id); ok {
+				nextGood = p + int64(i) - 8
+				break
+			}
+			p += int64(i) + 1
+		}
+		if nextGood < 0 {
+			break
+		}
+		bad = append(bad, fmt.Sprintf("bytes %d to %d (damaged frames; their records are listed as lost)", off, nextGood-1))
+		off = nextGood
+	}
+	return frames, bad
+}
