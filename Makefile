@@ -70,17 +70,20 @@ vet:
 # Go 1.27). Each count is about 8 s of fuzzing on the 2-core CI machine.
 # The plain pass runs three test binaries at once (-p 3): e2e mostly waits
 # on timeouts and elections, and a third binary fills the cores meanwhile.
+# Every pass runs even when an earlier one failed (a failure leaves
+# $(TESTREC).failed), and the closing total always prints.
 test: deps vet build $(TESTSUM)
-	@rm -f $(TESTREC)
-	$(GO) test -json -count=1 -p 3 -timeout 8m -skip '$(HOSTILE)' ./... | $(TESTSUM) -record $(TESTREC)
-	$(GO) test -json -count=1 -timeout 8m -run '$(HOSTILE)' ./e2e/ | $(TESTSUM) -record $(TESTREC)
-	$(GO) test -json -count=1 -race -timeout 8m -skip '$(RACE_SKIP)' $(RACE_PKGS) | $(TESTSUM) -record $(TESTREC)
-	$(GO) test -json -run '^$$' -fuzz '^FuzzDecodeRecord$$' -fuzztime 60000x ./storage/ | $(TESTSUM) -record $(TESTREC)
-	$(GO) test -json -run '^$$' -fuzz '^FuzzDecodeFrame$$' -fuzztime 100000x ./storage/ | $(TESTSUM) -record $(TESTREC)
-	$(GO) test -json -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime 1000x ./config/ | $(TESTSUM) -record $(TESTREC)
-	$(GO) test -json -run '^$$' -fuzz '^FuzzInboundStream$$' -fuzztime 2000x ./daemon/ | $(TESTSUM) -record $(TESTREC)
-	$(MAKE) test-arm TESTREC=$(TESTREC)
-	@echo; echo "make test:"; $(TESTSUM) -report $(TESTREC)
+	@rm -f $(TESTREC) $(TESTREC).failed
+	$(GO) test -json -count=1 -p 3 -timeout 8m -skip '$(HOSTILE)' ./... | $(TESTSUM) -record $(TESTREC) || touch $(TESTREC).failed
+	$(GO) test -json -count=1 -timeout 8m -run '$(HOSTILE)' ./e2e/ | $(TESTSUM) -record $(TESTREC) || touch $(TESTREC).failed
+	$(GO) test -json -count=1 -race -timeout 8m -skip '$(RACE_SKIP)' $(RACE_PKGS) | $(TESTSUM) -record $(TESTREC) || touch $(TESTREC).failed
+	$(GO) test -json -run '^$$' -fuzz '^FuzzDecodeRecord$$' -fuzztime 60000x ./storage/ | $(TESTSUM) -record $(TESTREC) || touch $(TESTREC).failed
+	$(GO) test -json -run '^$$' -fuzz '^FuzzDecodeFrame$$' -fuzztime 100000x ./storage/ | $(TESTSUM) -record $(TESTREC) || touch $(TESTREC).failed
+	$(GO) test -json -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime 1000x ./config/ | $(TESTSUM) -record $(TESTREC) || touch $(TESTREC).failed
+	$(GO) test -json -run '^$$' -fuzz '^FuzzInboundStream$$' -fuzztime 2000x ./daemon/ | $(TESTSUM) -record $(TESTREC) || touch $(TESTREC).failed
+	$(MAKE) test-arm TESTREC=$(TESTREC) || touch $(TESTREC).failed
+	@echo; echo "make test:"; $(TESTSUM) -report $(TESTREC); s=$$?; \
+		if [ -e $(TESTREC).failed ]; then echo "make test: a pass failed (above)"; exit 1; fi; exit $$s
 
 $(TESTSUM): $(wildcard internal/testsummary/*.go)
 	$(GO) build -o $@ ./internal/testsummary
