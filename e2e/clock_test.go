@@ -159,6 +159,21 @@ func (g *clockGW) retainedNow(topic string) bool {
 	return got[topic]
 }
 
+// beforeTheJump connects a publisher and logs what both tests start from:
+// the retained marker, 50 records and a retained message with an hour to
+// live.
+func (g *clockGW) beforeTheJump() *paho.Client {
+	g.t.Helper()
+	pub, err := device(g.t, g.gw, "pub", nil)
+	if err != nil {
+		g.t.Fatal(err)
+	}
+	retainWithExpiry(g.t, pub, "r/marker", 0)
+	publishN(g.t, pub, "before", 50)
+	retainWithExpiry(g.t, pub, "r/hour", 3600)
+	return pub
+}
+
 // cpuTime is the process's CPU time so far (user and system).
 func (g *clockGW) cpuTime() time.Duration {
 	g.t.Helper()
@@ -195,13 +210,7 @@ func stays(t *testing.T, d time.Duration, what string, ok func() bool) {
 // SIGTERM within 5 s.
 func TestWallClockJumpsAreAbsorbed(t *testing.T) {
 	g := startClockGW(t, false)
-	pub, err := device(t, g.gw, "pub", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	retainWithExpiry(t, pub, "r/marker", 0)
-	publishN(t, pub, "before", 50)
-	retainWithExpiry(t, pub, "r/hour", 3600)
+	pub := g.beforeTheJump()
 	before := g.clockStatus()
 
 	g.setShift(fiveYears)
@@ -300,13 +309,7 @@ func TestWallClockJumpsAreAbsorbed(t *testing.T) {
 // above can fail.
 func TestWallClockJumpHarnessSeesAFollowedJump(t *testing.T) {
 	g := startClockGW(t, true)
-	pub, err := device(t, g.gw, "pub", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	retainWithExpiry(t, pub, "r/marker", 0)
-	publishN(t, pub, "before", 50)
-	retainWithExpiry(t, pub, "r/hour", 3600)
+	pub := g.beforeTheJump()
 	g.setShift(fiveYears)
 	g.jumped(1)
 	testutil.WaitFor(t, 10*time.Second, "max_age dropping the log at a followed jump", func() bool {

@@ -510,18 +510,7 @@ func releaseDeb(t *testing.T) (deb, tag string) {
 	if _, err := os.Stat(deb); err == nil {
 		return deb, tag
 	}
-	git := func(args ...string) ([]byte, error) {
-		cmd := exec.Command("git", args...)
-		cmd.Dir = root
-		return cmd.CombinedOutput()
-	}
-	if out, err := git("cat-file", "-e", commit+"^{commit}"); err != nil {
-		msg := fmt.Sprintf("release %s (commit %s) is not in this clone's history (a shallow clone? git fetch --unshallow): %v %s", tag, commit, err, out)
-		if os.Getenv("CI") == "true" {
-			t.Fatal(msg + " (CI=true: CI clones the whole history)")
-		}
-		t.Skip("SKIPPED: " + msg)
-	}
+	git := releaseGit(t, root, tag, commit)
 	epoch, err := git("log", "-1", "--format=%ct", commit)
 	if err != nil {
 		t.Fatalf("git log %s: %v: %s", commit, err, epoch)

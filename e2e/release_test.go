@@ -77,18 +77,7 @@ func releaseBin(t *testing.T) (bin, tag string) {
 		otherBuilt[commit] = bin
 		return bin, tag
 	}
-	git := func(args ...string) ([]byte, error) {
-		cmd := exec.Command("git", args...)
-		cmd.Dir = root
-		return cmd.CombinedOutput()
-	}
-	if out, err := git("cat-file", "-e", commit+"^{commit}"); err != nil {
-		msg := fmt.Sprintf("release %s (commit %s) is not in this clone's history (a shallow clone? git fetch --unshallow): %v %s", tag, commit, err, out)
-		if os.Getenv("CI") == "true" {
-			t.Fatal(msg + " (CI=true: CI clones the whole history)")
-		}
-		t.Skip("SKIPPED: " + msg)
-	}
+	git := releaseGit(t, root, tag, commit)
 	tmp, err := os.MkdirTemp("", "tandem-release-")
 	if err != nil {
 		t.Fatal(err)
@@ -622,4 +611,25 @@ func dirDigest(t *testing.T, dir string) string {
 		t.Fatal(err)
 	}
 	return hex.EncodeToString(h.Sum(nil))
+}
+
+// releaseGit returns a runner of git in the clone at root, once it has
+// checked that the release's commit is in the clone's history: it skips
+// without it (a shallow clone), and fails under CI=true, which clones the
+// whole history.
+func releaseGit(t *testing.T, root, tag, commit string) func(args ...string) ([]byte, error) {
+	t.Helper()
+	git := func(args ...string) ([]byte, error) {
+		cmd := exec.Command("git", args...)
+		cmd.Dir = root
+		return cmd.CombinedOutput()
+	}
+	if out, err := git("cat-file", "-e", commit+"^{commit}"); err != nil {
+		msg := fmt.Sprintf("release %s (commit %s) is not in this clone's history (a shallow clone? git fetch --unshallow): %v %s", tag, commit, err, out)
+		if os.Getenv("CI") == "true" {
+			t.Fatal(msg + " (CI=true: CI clones the whole history)")
+		}
+		t.Skip("SKIPPED: " + msg)
+	}
+	return git
 }
