@@ -74,7 +74,7 @@ vet:
 # $(TESTREC).failed), and the closing total always prints.
 test: deps vet build $(TESTSUM)
 	@rm -f $(TESTREC) $(TESTREC).failed
-	$(GO) test -json -count=1 -p 3 -timeout 8m -skip '$(HOSTILE)' ./... | $(TESTSUM) -record $(TESTREC) || touch $(TESTREC).failed
+	$(GO) test -json -count=1 -p 3 -timeout 10m -skip '$(HOSTILE)' ./... | $(TESTSUM) -record $(TESTREC) || touch $(TESTREC).failed
 	$(GO) test -json -count=1 -timeout 8m -run '$(HOSTILE)' ./e2e/ | $(TESTSUM) -record $(TESTREC) || touch $(TESTREC).failed
 	$(GO) test -json -count=1 -race -timeout 8m -skip '$(RACE_SKIP)' $(RACE_PKGS) | $(TESTSUM) -record $(TESTREC) || touch $(TESTREC).failed
 	$(GO) test -json -run '^$$' -fuzz '^FuzzDecodeRecord$$' -fuzztime 60000x ./storage/ | $(TESTSUM) -record $(TESTREC) || touch $(TESTREC).failed

@@ -209,6 +209,9 @@ func stays(t *testing.T, d time.Duration, what string, ok func() bool) {
 // delay comes in about 2 s, the gateway does not spin, and it stops on
 // SIGTERM within 5 s.
 func TestWallClockJumpsAreAbsorbed(t *testing.T) {
+	// On a network of its own, mostly waiting: beside the other such tests
+	// (make test's time).
+	t.Parallel()
 	g := startClockGW(t, false)
 	pub := g.beforeTheJump()
 	before := g.clockStatus()
@@ -308,6 +311,9 @@ func TestWallClockJumpsAreAbsorbed(t *testing.T) {
 // log to max_age and expires the hour's retained message, so the test
 // above can fail.
 func TestWallClockJumpHarnessSeesAFollowedJump(t *testing.T) {
+	// On a network of its own, mostly waiting: beside the other such tests
+	// (make test's time).
+	t.Parallel()
 	g := startClockGW(t, true)
 	pub := g.beforeTheJump()
 	g.setShift(fiveYears)

@@ -115,6 +115,9 @@ func statusLine(out, key string) string {
 // after sync_timeout: /healthz, the page and `tandem status` say so, and
 // stop naming the dead master, until `tandem promote`.
 func TestTwoGatewaysHealthWhenTheMasterDies(t *testing.T) {
+	// On a network of its own, mostly waiting: beside the other such tests
+	// (make test's time).
+	t.Parallel()
 	nt := netns.New(t, 2)
 	browser := chromiumBin(t)
 	g1, g2 := startPair(t, nt)
@@ -169,6 +172,9 @@ func TestTwoGatewaysHealthWhenTheMasterDies(t *testing.T) {
 // its /healthz is 503 with the reason, and 200 again once it is a slave of
 // the new master.
 func TestThreeGatewaysCutOffMasterHealthz(t *testing.T) {
+	// On a network of its own, mostly waiting: beside the other such tests
+	// (make test's time).
+	t.Parallel()
 	nt := netns.New(t, 3)
 	g1, g2, g3 := startThree(t, nt)
 	g2.join(g1)

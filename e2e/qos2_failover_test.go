@@ -295,6 +295,9 @@ func qosPublisher(t *testing.T, g *gw, topic string, qos byte) (stop func() map[
 // subscriber on the master, QoS 2 publishes through a slave; the master
 // is killed -9, the subscriber resumes on a survivor.
 func TestQoS2ExactlyOnceThroughAMemberKill(t *testing.T) {
+	// On a network of its own, mostly waiting: beside the other such tests
+	// (make test's time).
+	t.Parallel()
 	for _, victim := range []string{"master", "slave"} {
 		t.Run(victim, func(t *testing.T) {
 			g1, g2, g3 := threeOf(t, tandemBin(t))

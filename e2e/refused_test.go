@@ -101,6 +101,9 @@ func (o *outcomes) count() (acked, refused int) {
 // no member's log, and every acked record is in every member's; each
 // member stops on SIGTERM in 5 s.
 func TestPausedMasterLogsNothingItRefused(t *testing.T) {
+	// On a network of its own, mostly waiting: beside the other such tests
+	// (make test's time).
+	t.Parallel()
 	seed := uint64(time.Now().UnixNano())
 	if s := os.Getenv("TANDEM_PAUSE_SEED"); s != "" {
 		seed, _ = strconv.ParseUint(s, 10, 64)
