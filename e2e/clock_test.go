@@ -40,10 +40,13 @@ type clockGW struct {
 	env        []string
 }
 
-func startClockGW(t *testing.T, raw bool) *clockGW {
+func startClockGW(t *testing.T, raw bool, config ...string) *clockGW {
 	netns.Skip(t)
 	nt := netns.New(t, 1)
-	g := &clockGW{gw: newGW(t, nt.Hosts[0], "gw-1", clockConfig), bin: tagBin(t, "tandem_testclock", "tandem-testclock")}
+	if len(config) == 0 {
+		config = []string{clockConfig}
+	}
+	g := &clockGW{gw: newGW(t, nt.Hosts[0], "gw-1", config...), bin: tagBin(t, "tandem_testclock", "tandem-testclock")}
 	g.shift = filepath.Join(t.TempDir(), "shift")
 	g.setShift(0)
 	g.env = []string{"TANDEM_TEST_CLOCK_SHIFT=" + g.shift}
@@ -326,6 +329,86 @@ func TestWallClockJumpHarnessSeesAFollowedJump(t *testing.T) {
 	}
 	pub.Disconnect(&paho.Disconnect{})
 	g.stopWithin(5 * time.Second)
+}
+
+// uplinkClockConfig: an uplink to a cloud nobody answers (the discard
+// port of the gateway's own host), which holds every d/ record as its
+// backlog, with max_age as above.
+const uplinkClockConfig = clockConfig + `
+uplinks:
+  - name: cloud
+    broker: tcp://127.0.0.1:9
+    topics:
+      - match: "d/#"
+    reconnect_min: 1s
+    reconnect_max: 2s`
+
+// uplinkView is the part of the status an uplink clock test reads.
+type uplinkView struct {
+	Uplinks []struct {
+		Backlog   int64   `json:"backlog_records"`
+		OldestAge float64 `json:"oldest_age_seconds"`
+	} `json:"uplinks"`
+}
+
+func (g *clockGW) uplink() (backlog int64, oldest float64) {
+	g.t.Helper()
+	var v uplinkView
+	if !g.statusAs(&v) || len(v.Uplinks) != 1 {
+		g.t.Fatalf("%s: no uplink in the status", g.name)
+	}
+	return v.Uplinks[0].Backlog, v.Uplinks[0].OldestAge
+}
+
+// TestWallClockJumpsKeepTheUplinkBacklog: with the cloud out of reach, the
+// uplink's backlog is the log's; a jump of 5 years forward then 10 back
+// leaves it whole, and its oldest record's age, what an operator watches
+// to see how far behind the cloud is, stays what the monotonic clock
+// says (seconds, not 5 years, nor a negative age clamped to 0 for years).
+// Its control (raw): the same jump followed reads 5 years.
+func TestWallClockJumpsKeepTheUplinkBacklog(t *testing.T) {
+	// On a network of its own, mostly waiting: beside the other such tests
+	// (make test's time).
+	t.Parallel()
+	for _, raw := range []bool{false, true} {
+		g := startClockGW(t, raw, uplinkClockConfig)
+		pub := g.beforeTheJump()
+		testutil.WaitFor(t, 10*time.Second, "the uplink's backlog of 50", func() bool {
+			n, _ := g.uplink()
+			return n == 50
+		})
+		g.setShift(fiveYears)
+		g.jumped(1)
+		publishN(t, pub, "ahead", 10)
+		testutil.WaitFor(t, 10*time.Second, "the uplink's backlog of 60 after the jump", func() bool {
+			n, _ := g.uplink()
+			return n == 60
+		})
+		_, age := g.uplink()
+		if raw {
+			if age < float64(fiveYears/time.Second)/2 {
+				t.Fatalf("control: a followed jump of 5 years gives the backlog's oldest record an age of %.0f s", age)
+			}
+			pub.Disconnect(&paho.Disconnect{})
+			g.stopWithin(5 * time.Second)
+			continue
+		}
+		if age > 600 {
+			t.Fatalf("after a jump of 5 years forward the backlog's oldest record is %.0f s old", age)
+		}
+		g.setShift(-fiveYears)
+		g.jumped(2)
+		publishN(t, pub, "behind", 10)
+		stays(t, 2*time.Second, "the backlog whole (70) after a jump of 10 years back", func() bool {
+			n, _ := g.uplink()
+			return n == 70
+		})
+		if _, age := g.uplink(); age > 600 || age <= 0 {
+			t.Fatalf("after jumps of +5 and -10 years the backlog's oldest record is %.0f s old", age)
+		}
+		pub.Disconnect(&paho.Disconnect{})
+		g.stopWithin(5 * time.Second)
+	}
 }
 
 // willConnect is an MQTT 5 CONNECT of id with session expiry secs and a
