@@ -214,12 +214,15 @@ type DB struct {
 	hold      atomic.Uint64 // SetHoldFloor + 1; 0: nothing held (hold.go)
 	floorSet  atomic.Bool   // SetRetentionFloor was called: only then may a floor refuse
 	blockedAt atomic.Uint64 // the floor the next drop waits for; 0 when none
-	retainDue atomic.Bool   // a retention pass is wanted even if no checkpoint is due
-	applyAt   atomic.Uint64 // applied past it, an idle checkpointer runs a retention pass (dropResult.applyAt)
-	refusing  atomic.Bool   // over budget with nothing droppable
-	space     watermark     // free space on the data dir's filesystem
-	dropped   atomic.Uint64 // records dropped since Open
-	oldest    atomic.Int64  // publish time of the oldest record in the file, 0 if none
+	// blockedByHold: what refuses is the hold (an uplink's position), not
+	// a member (SetHoldFloor).
+	blockedByHold atomic.Bool
+	retainDue     atomic.Bool   // a retention pass is wanted even if no checkpoint is due
+	applyAt       atomic.Uint64 // applied past it, an idle checkpointer runs a retention pass (dropResult.applyAt)
+	refusing      atomic.Bool   // over budget with nothing droppable
+	space         watermark     // free space on the data dir's filesystem
+	dropped       atomic.Uint64 // records dropped since Open
+	oldest        atomic.Int64  // publish time of the oldest record in the file, 0 if none
 
 	// stageMu guards staged and fresh. staged holds the metadata writes
 	// not yet in bbolt (readers see them through it), fresh those of them

@@ -2,6 +2,7 @@ package storage
 
 import (
 	"math"
+	"strings"
 	"testing"
 	"time"
 )
@@ -21,6 +22,11 @@ func TestRetentionNeverDropsAboveHold(t *testing.T) {
 	}
 	if !db.Refusing() {
 		t.Errorf("over budget with the hold keeping the log: Refusing() is false")
+	}
+	// What refuses is said: the uplink, not a member (issue #32: a master
+	// with every member live said a member lacked its records).
+	if why := db.RefusingReason(); !strings.Contains(why, "uplink") || strings.Contains(why, "member") {
+		t.Errorf("refusing for the hold: reason %q, want it to name the uplink", why)
 	}
 	db.SetHoldFloor(math.MaxUint64)
 	if db.HoldFloor() != math.MaxUint64 {

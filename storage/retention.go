@@ -350,10 +350,21 @@ func (db *DB) applyDrop(res dropResult) {
 	if res.capped {
 		db.kickRetention() // the rest of the excess, measured again
 	}
+	// Who holds the oldest records: a member that lacks them, or (the
+	// members' floor past them) a reader that is no member, the slowest
+	// uplink whose cloud has not taken them.
+	byHold := res.blocked && res.blockedAt <= db.floor.Load()
+	db.blockedByHold.Store(byHold)
 	if was := db.refusing.Swap(res.blocked); was != res.blocked {
 		if res.blocked {
-			db.log.Warn("the log is over its budget and holds nothing it may drop: a member lacks the oldest records or they are not applied yet",
-				"max_bytes", db.ret.maxBytes, "first_index", res.blockedAt, "floor", db.floor.Load())
+			why := "a member lacks the oldest records"
+			if byHold {
+				why = "an uplink has not delivered the oldest records to its cloud (its position holds them: see its max_backlog and on_full)"
+			}
+			first, _ := db.FirstIndex()
+			db.log.Warn("the log is over its budget and holds nothing it may drop: "+why,
+				"max_bytes", db.ret.maxBytes, "first_index", first, "blocked_at_index", res.blockedAt,
+				"members_floor", db.floor.Load(), "uplink_hold", int64(db.HoldFloor()))
 		} else {
 			db.log.Info("the log is within its budget again")
 		}

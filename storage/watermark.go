@@ -118,6 +118,8 @@ func (db *DB) RefusingReason() string {
 	case db.space.low.Load():
 		return fmt.Sprintf("disk: %d MiB free on the data dir's filesystem, below storage.min_free (%d MiB)",
 			db.space.free.Load()>>20, db.space.min.Load()>>20)
+	case db.refusing.Load() && db.blockedByHold.Load():
+		return "log over budget (storage.max_bytes), and an uplink has not delivered its oldest records to its cloud"
 	case db.refusing.Load():
 		return "log over budget (storage.max_bytes), and a member still lacks its oldest records"
 	}
