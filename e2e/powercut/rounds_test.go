@@ -331,9 +331,12 @@ func (g *gateway) waitReady(d time.Duration) error {
 			return fmt.Errorf("it exited: %v", g.err)
 		default:
 		}
+		// Ours, not another test's gateway that took the port between
+		// its pick and this one's bind (this one then exits with
+		// "address already in use"): it says it started on that address.
 		if r, err := httpc.Get("http://" + g.http + "/healthz"); err == nil {
 			r.Body.Close()
-			if r.StatusCode == 200 {
+			if r.StatusCode == 200 && strings.Contains(g.output(), "http="+g.http+" ") {
 				return nil
 			}
 		}
