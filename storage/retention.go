@@ -347,6 +347,18 @@ func (db *DB) applyDrop(res dropResult) {
 	db.oldest.Store(res.oldest)
 	db.blockedAt.Store(res.blockedAt)
 	db.applyAt.Store(res.applyAt)
+	// A floor raised while this pass ran (it read the old one) found no
+	// blockedAt to compare with in SetRetentionFloor or SetHoldFloor:
+	// look again now that it is stored. Else retention waits for the next
+	// write, which a log refusing publishes for that very reason may never
+	// take (issue #32: a master with every member live refused every
+	// publish until it was killed; TestDeposedMasterGivenASnapshot-
+	// RepublishesItsTail waited 20 s in vain once in CI).
+	// (Only a pass the floor blocked: one waiting for the applier has
+	// blockedAt at or below the floor already, and goes on by applyAt.)
+	if res.blocked && db.dropFloor() >= res.blockedAt {
+		db.kickRetention()
+	}
 	if res.capped {
 		db.kickRetention() // the rest of the excess, measured again
 	}
