@@ -515,22 +515,9 @@ func releaseDeb(t *testing.T) (deb, tag string) {
 	if err != nil {
 		t.Fatalf("git log %s: %v: %s", commit, err, epoch)
 	}
-	tmp, err := os.MkdirTemp("", "tandem-release-deb-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(tmp)
-	src := filepath.Join(tmp, "src")
-	if out, err := git("worktree", "add", "--detach", src, commit); err != nil {
-		t.Fatalf("git worktree add %s: %v: %s", commit, err, out)
-	}
-	defer func() {
-		if out, err := git("worktree", "remove", "--force", src); err != nil {
-			t.Logf("git worktree remove %s: %v: %s", src, err, out)
-			_, _ = git("worktree", "prune")
-		}
-	}()
-	built := makeDeb(t, src, filepath.Join(tmp, "out"), "VERSION="+tag, "COMMIT="+commit[:7],
+	src, done := releaseWorktree(t, git, commit, "tandem-release-deb-")
+	defer done()
+	built := makeDeb(t, src, filepath.Join(filepath.Dir(src), "out"), "VERSION="+tag, "COMMIT="+commit[:7],
 		"SOURCE_DATE_EPOCH="+strings.TrimSpace(string(epoch)))
 	if err := os.MkdirAll(filepath.Dir(deb), 0o755); err != nil {
 		t.Fatal(err)

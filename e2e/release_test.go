@@ -78,23 +78,10 @@ func releaseBin(t *testing.T) (bin, tag string) {
 		return bin, tag
 	}
 	git := releaseGit(t, root, tag, commit)
-	tmp, err := os.MkdirTemp("", "tandem-release-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(tmp)
-	src := filepath.Join(tmp, "src")
-	if out, err := git("worktree", "add", "--detach", src, commit); err != nil {
-		t.Fatalf("git worktree add %s: %v: %s", commit, err, out)
-	}
-	defer func() {
-		if out, err := git("worktree", "remove", "--force", src); err != nil {
-			t.Logf("git worktree remove %s: %v: %s", src, err, out)
-			_, _ = git("worktree", "prune")
-		}
-	}()
+	src, done := releaseWorktree(t, git, commit, "tandem-release-")
+	defer done()
 	const pkg = "github.com/tandem-edge/tandem/internal/version"
-	out := filepath.Join(tmp, "tandem")
+	out := filepath.Join(filepath.Dir(src), "tandem")
 	cmd := exec.Command("go", "build", "-trimpath", "-ldflags",
 		"-X "+pkg+".Version="+tag+" -X "+pkg+".Commit="+commit[:7], "-o", out, ".")
 	cmd.Dir = src
@@ -632,4 +619,26 @@ func releaseGit(t *testing.T, root, tag, commit string) func(args ...string) ([]
 		t.Skip("SKIPPED: " + msg)
 	}
 	return git
+}
+
+// releaseWorktree checks commit out in a worktree under a temporary
+// directory named after prefix; done removes both.
+func releaseWorktree(t *testing.T, git func(args ...string) ([]byte, error), commit, prefix string) (src string, done func()) {
+	t.Helper()
+	tmp, err := os.MkdirTemp("", prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	src = filepath.Join(tmp, "src")
+	if out, err := git("worktree", "add", "--detach", src, commit); err != nil {
+		os.RemoveAll(tmp)
+		t.Fatalf("git worktree add %s: %v: %s", commit, err, out)
+	}
+	return src, func() {
+		if out, err := git("worktree", "remove", "--force", src); err != nil {
+			t.Logf("git worktree remove %s: %v: %s", src, err, out)
+			_, _ = git("worktree", "prune")
+		}
+		os.RemoveAll(tmp)
+	}
 }
