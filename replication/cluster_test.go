@@ -116,7 +116,7 @@ func (f memForwarder) Forward(ctx context.Context, master uint64, batch []byte) 
 		}
 		select { // the link is down: the request waits like a TCP retry
 		case <-ctx.Done():
-			return nil, ctx.Err()
+			return nil, fmt.Errorf("%w (%w)", ctx.Err(), ErrNotSent) // it never left
 		case <-time.After(5 * time.Millisecond):
 		}
 	}

@@ -132,7 +132,7 @@ func (c *conn) enqueueCtrl(frame []byte) error {
 	case c.closed:
 		return errConnClosed
 	case !c.fitsLocked(len(c.ctrl), c.ctrlBytes, len(frame)):
-		return fmt.Errorf("%w: %s: send queue full", ErrPeerUnreachable, IDString(c.peer))
+		return fmt.Errorf("%w (%w): %s: send queue full", ErrPeerUnreachable, ErrNotSent, IDString(c.peer))
 	}
 	c.ctrl = append(c.ctrl, frame)
 	c.ctrlBytes += len(frame)
@@ -359,7 +359,7 @@ func (c *conn) handleResponse(body []byte) error {
 func (c *conn) request(ctx context.Context, kind byte, payload []byte) ([]byte, error) {
 	ms, err := timeoutMs(ctx)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("%w (%w)", err, ErrNotSent)
 	}
 	id := c.nextReq.Add(1)
 	ch := make(chan responseFrame, 1)

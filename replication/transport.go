@@ -32,6 +32,13 @@ var (
 	ErrTransportClosed = errors.New("replication: transport closed")
 	// ErrRemote wraps the text of an error the peer's handler returned.
 	ErrRemote = errors.New("replication: peer answered with an error")
+	// ErrNotSent is also wrapped by a Request error when the request never
+	// left this node (no link while the context lasted, a full send queue,
+	// a context already over): the peer cannot have handled it. Any other
+	// error leaves that open, which the forward stream must know: a record
+	// that may have reached the master is never reported refused on a
+	// guess (forward.go).
+	ErrNotSent = errors.New("replication: request not sent")
 )
 
 const (
@@ -539,7 +546,7 @@ func (t *PeerTransport) drop(m *pb.Message, why string) {
 // caller must tell apart (ErrNotLeader, ErrAckTimeout) belong in the reply.
 func (t *PeerTransport) Request(ctx context.Context, to uint64, kind byte, payload []byte) ([]byte, error) {
 	if len(payload) > MaxFrameSize-14 {
-		return nil, fmt.Errorf("%w: request of %d bytes", ErrFrameTooLarge, len(payload))
+		return nil, fmt.Errorf("%w (%w): request of %d bytes", ErrFrameTooLarge, ErrNotSent, len(payload))
 	}
 	for {
 		t.mu.RLock()
@@ -547,9 +554,9 @@ func (t *PeerTransport) Request(ctx context.Context, to uint64, kind byte, paylo
 		t.mu.RUnlock()
 		switch {
 		case closed:
-			return nil, ErrTransportClosed
+			return nil, fmt.Errorf("%w (%w)", ErrTransportClosed, ErrNotSent)
 		case p == nil:
-			return nil, fmt.Errorf("%w: %s", ErrPeerUnknown, IDString(to))
+			return nil, fmt.Errorf("%w (%w): %s", ErrPeerUnknown, ErrNotSent, IDString(to))
 		}
 		c, upc := p.conn()
 		var up <-chan time.Time
@@ -567,7 +574,7 @@ func (t *PeerTransport) Request(ctx context.Context, to uint64, kind byte, paylo
 		case <-up:
 		case <-p.ctx.Done(): // removed, replaced or closed: look again
 		case <-ctx.Done():
-			return nil, fmt.Errorf("%w (%w: no link to %s)", ctx.Err(), ErrPeerUnreachable, IDString(to))
+			return nil, fmt.Errorf("%w (%w, %w: no link to %s)", ctx.Err(), ErrPeerUnreachable, ErrNotSent, IDString(to))
 		}
 	}
 }
