@@ -229,6 +229,10 @@ func (a *applier) settle(index uint64, data []byte) {
 // records the broker holds.
 func (a *applier) Holding() bool { return a.broker.Holding() }
 
+// Aborted implements replication.Aborter: a forward that comes again for
+// a sync record an earlier master aborted is refused, not acked.
+func (a *applier) Aborted(index uint64) bool { return a.broker.Aborted(index) }
+
 // snapshotBuckets registers what a snapshot of this gateway's data file
 // carries besides the members: the broker's sessions, converted
 // (mqtt.SnapshotSessions), and the uplinks' positions and pauses.

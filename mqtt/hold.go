@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"slices"
+	"strings"
 	"sync"
 )
 
@@ -251,6 +252,35 @@ func (s *Server) pruneAborted() {
 			s.stageDelete(holdKey(keyAborted, idx))
 		}
 	}
+}
+
+// Aborted reports whether the sync record at index was aborted by a
+// settlement applied here (replication.Aborter).
+func (s *Server) Aborted(index uint64) bool {
+	return s.holds.state(index, nil) == recAborted
+}
+
+// HoldState reads from st what the settlements applied so far say of the
+// sync records they cover: aborted holds the indexes of the aborted ones
+// still in the log, held those applied and not yet settled (tandem
+// inspect marks both).
+func HoldState(st SessionStore) (aborted, held map[uint64]bool, err error) {
+	aborted, held = map[uint64]bool{}, map[uint64]bool{}
+	for _, x := range []struct {
+		prefix string
+		into   map[uint64]bool
+	}{{keyAborted, aborted}, {keyHeld, held}} {
+		err = st.Load(x.prefix, func(k string, _ []byte) error {
+			if rest, ok := strings.CutPrefix(k, x.prefix); ok && len(rest) == 8 {
+				x.into[binary.BigEndian.Uint64([]byte(rest))] = true
+			}
+			return nil
+		})
+		if err != nil {
+			return nil, nil, err
+		}
+	}
+	return aborted, held, nil
 }
 
 // Holding reports whether sync records applied here wait for a settlement

@@ -3,6 +3,7 @@ package replication
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"time"
 )
@@ -32,7 +33,23 @@ type Forwarder interface {
 // master, forwardLoop proposes the tail here, still before any newer record.
 //
 // A record that waits past its deadline (sync_timeout after Propose) fails
-// with ErrAckTimeout, the "no slave reachable" outcome.
+// with ErrAckTimeout, the "no slave reachable" outcome, or ErrNoMaster, but
+// only while no request carrying it can have reached a master: refused is
+// final (DESIGN.md, "Guarantees"). A record the master may have had is
+// answered by the master alone. On a slow link its answer can come after
+// the deadline, and a slave that gave up then told its device "refused"
+// for a record the master logged a moment later (issue #32: 1,000 ms each
+// way and 1 % loss, 119 of 126 refused publishes were in the log). So the
+// stream counts the requests out with each record (proposal.out) and marks
+// it in doubt once one returns without an answer that is not provably
+// unsent (ErrNotSent); such a record is never expired. It goes again, in
+// a new epoch, until a master answers for it: from its log if it logged it
+// (record ids: nothing is logged twice), or by logging it now. The device
+// may wait longer than sync_timeout for that answer, but the answer is
+// true. The master's own refusals stay final: a sync record past its
+// deadline there is aborted by its settlement, whatever the slave heard.
+// When this node becomes the master, the records in doubt are proposed
+// here under the same ids.
 
 // Tuning of the stream: how many batches may be in flight at once, and how
 // big one may grow. The master logs each batch as a commit of its own
@@ -110,6 +127,7 @@ type fwdBatch struct {
 // number, nor let an expiry change its records under the encoder.
 type fwdSend struct {
 	b        *fwdBatch
+	recs     []*proposal // b's records as sent: each counts this request in its out
 	epoch    uint64
 	master   uint64
 	ctx      context.Context
@@ -220,7 +238,7 @@ func (n *Node) fwdSender(x fwdSend) {
 		rctx, cancel := context.WithDeadline(x.ctx, x.deadline)
 		answer, err := n.cfg.Forwarder.Forward(rctx, x.master, x.payload)
 		cancel()
-		more := n.fwdAnswer(x.epoch, x.b, answer, err)
+		more := n.fwdAnswer(x, answer, err)
 		s.mu.Lock()
 		if more && n.fwdReadyLocked() && n.fwdGateLocked() {
 			x = n.fwdNextLocked()
@@ -243,10 +261,20 @@ func (n *Node) fwdNextLocked() fwdSend {
 		k++
 	}
 	b := &fwdBatch{seq: s.nextSeq, recs: append([]*proposal(nil), s.queue[:k]...)}
-	x := fwdSend{b: b, epoch: s.epoch, master: s.master, ctx: s.ctx, payload: encodeForward(s.epoch, b.seq, b.recs), deadline: b.recs[0].deadline}
+	x := fwdSend{b: b, recs: slices.Clone(b.recs), epoch: s.epoch, master: s.master, ctx: s.ctx, payload: encodeForward(s.epoch, b.seq, b.recs), deadline: b.recs[0].deadline}
+	doubt := false
 	for _, p := range b.recs {
 		p.stepped = true // from now on the master may log it
+		p.out++
+		doubt = doubt || p.doubt
 		x.deadline = later(x.deadline, p.deadline)
+	}
+	if doubt {
+		// Records in doubt are past caring about their deadline: their
+		// answer is what counts, and a request cut at a deadline already
+		// gone would only go again at once. It waits sync_timeout for
+		// the answer (a slow link's round trip), then goes again.
+		x.deadline = later(x.deadline, time.Now().Add(n.cfg.SyncTimeout))
 	}
 	s.nextSeq++
 	s.queue = append(s.queue[:0], s.queue[k:]...)
@@ -261,12 +289,13 @@ func later(a, b time.Time) time.Time {
 	return a
 }
 
-// fwdAnswer resolves the records of batch b of epoch, answered (or not:
-// err). A lost answer or a "not the master" for any record sends the whole
+// fwdAnswer resolves the records of x's batch, answered (or not: err). A
+// lost answer or a "not the master" for any record sends the whole
 // unanswered tail again, in order, as a new epoch, after a pause; it then
 // reports false: the sender stops, forwardLoop resumes sending.
-func (n *Node) fwdAnswer(epoch uint64, b *fwdBatch, answer []byte, err error) bool {
+func (n *Node) fwdAnswer(x fwdSend, answer []byte, err error) bool {
 	s := &n.fwd
+	b := x.b
 	var outcomes []error
 	if err == nil {
 		s.mu.Lock()
@@ -278,7 +307,16 @@ func (n *Node) fwdAnswer(epoch uint64, b *fwdBatch, answer []byte, err error) bo
 		}
 	}
 	s.mu.Lock()
-	if epoch != s.epoch {
+	// Whatever the epoch, this request is back: only an error that proves
+	// it never left keeps its records out of doubt. A "not the master"
+	// answer does not either: a master deposed after it took a record may
+	// have left it in a log the next master commits.
+	reached := !errors.Is(err, ErrNotSent)
+	for _, p := range x.recs {
+		p.out--
+		p.doubt = p.doubt || reached // once answered, nobody looks again
+	}
+	if x.epoch != s.epoch {
 		s.mu.Unlock()
 		return true // an epoch already given up: its records went again
 	}
@@ -433,16 +471,24 @@ func (n *Node) fwdStep(now time.Time, tick bool) {
 	var out []fwdOutcome
 	s.mu.Lock()
 	lead := n.fwdFollowLocked()
-	if tick {
+	if tick || (lead == n.id && len(s.queue) > 0) {
 		out = n.fwdExpireLocked(now)
 	}
 	var q []*proposal
 	if lead == n.id {
 		// This node is the master: propose the tail here. held stays up
 		// until the records are in the raft queue, so one taken meanwhile
-		// queues behind them and is handed off at the next look.
+		// queues behind them and is handed off at the next look. What
+		// is in doubt is past its deadline, or soon: it gets a deadline
+		// of its own here, or this node's expire would refuse a record
+		// it is about to log.
 		q = s.queue
 		s.queue = nil
+		for _, p := range q {
+			if p.doubt || p.out > 0 {
+				p.deadline = later(p.deadline, now.Add(n.cfg.SyncTimeout))
+			}
+		}
 	} else {
 		// Resume after a pause, a master change or the gate's wait
 		// (a sender may be out with the previous batch).
@@ -475,9 +521,12 @@ func (n *Node) fwdExpireLocked(now time.Time) []fwdOutcome {
 		}
 		return ErrAckTimeout
 	}
+	// Only what no master can have: a record in a request still out, or
+	// in doubt, waits for its answer.
+	expired := func(p *proposal) bool { return p.out == 0 && !p.doubt && !now.Before(p.deadline) }
 	for _, b := range s.inflight {
 		for i, p := range b.recs {
-			if p != nil && !now.Before(p.deadline) {
+			if p != nil && expired(p) {
 				out = append(out, fwdOutcome{p, why(p)})
 				b.recs[i] = nil
 			}
@@ -485,10 +534,10 @@ func (n *Node) fwdExpireLocked(now time.Time) []fwdOutcome {
 	}
 	keep := s.queue[:0]
 	for _, p := range s.queue {
-		if now.Before(p.deadline) {
-			keep = append(keep, p)
-		} else {
+		if expired(p) {
 			out = append(out, fwdOutcome{p, why(p)})
+		} else {
+			keep = append(keep, p)
 		}
 	}
 	clear(s.queue[len(keep):])

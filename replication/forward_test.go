@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -21,9 +22,11 @@ import (
 type publisher struct {
 	name  string
 	mode  AckMode
-	mu    sync.Mutex // guards acked and failed
+	mu    sync.Mutex // guards acked, fails and refused
 	acked map[int]bool
 	fails []error
+	// refused, if set, gets the numbers of the records that failed.
+	refused map[int]bool
 }
 
 func (p *publisher) run(t *testing.T, tn *testNode, count, window int, wg *sync.WaitGroup) {
@@ -40,6 +43,9 @@ func (p *publisher) run(t *testing.T, tn *testNode, count, window int, wg *sync.
 				p.acked[i] = true
 			} else {
 				p.fails = append(p.fails, err)
+				if p.refused != nil {
+					p.refused[i] = true
+				}
 			}
 			p.mu.Unlock()
 			<-slots
@@ -457,5 +463,83 @@ func (c *cluster) waitMarker(t *testing.T) {
 			tail = got[max(0, len(got)-5):]
 			return len(got) > 0 && got[len(got)-1] == "marker"
 		}, func() string { return fmt.Sprintf("the last records applied there: %q", tail) })
+	}
+}
+
+// lateAnswers hands the first n requests to the master, then keeps their
+// answers until the slave's request is over: the master logged the
+// records, and the slave hears nothing before its deadline (a slow link).
+type lateAnswers struct {
+	Forwarder
+	n *atomic.Int64
+}
+
+func (f lateAnswers) Forward(ctx context.Context, master uint64, batch []byte) ([]byte, error) {
+	answer, err := f.Forwarder.Forward(ctx, master, batch)
+	if f.n.Add(-1) >= 0 {
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
+	return answer, err
+}
+
+// Refused is final (issue #32): a slave whose forwards are answered only
+// after its deadline does not tell its devices "refused" for records the
+// master logged. It asks again until the master answers from its log: every
+// record acked is logged once on every member, and every record refused
+// (those that waited behind the held requests and never left: refusing
+// them is certain) is on none.
+func TestLateForwardAnswerIsNotARefusal(t *testing.T) {
+	var late atomic.Int64
+	late.Store(3)
+	c := newClusterWith(t, 3, func(cfg *Config) {
+		cfg.SyncTimeout = 500 * time.Millisecond
+		cfg.Forwarder = lateAnswers{cfg.Forwarder, &late}
+	})
+	f := c.follower()
+	var wg sync.WaitGroup
+	var pubs []*publisher
+	for _, mode := range []AckMode{Async, Sync} {
+		p := &publisher{name: fmt.Sprintf("pub-%d", mode), mode: mode, acked: map[int]bool{}, refused: map[int]bool{}}
+		pubs = append(pubs, p)
+		wg.Add(1)
+		go p.run(t, f, 40, 4, &wg)
+	}
+	wg.Wait()
+	if late.Load() >= 0 {
+		t.Fatalf("only %d of 3 requests had their answer held: the test proves nothing", 3-late.Load())
+	}
+	// Something proposed later proves nothing else is still on its way.
+	if r := c.propose("marker", Async); r.err != nil {
+		t.Fatal(r.err)
+	}
+	for _, id := range c.ids {
+		waitFor(t, "the marker on "+IDString(id), func() bool { return slices.Contains(c.applied(id), "marker") })
+		seqs, _, dups := orderOf(c.nodes[id])
+		for _, p := range pubs {
+			logged := map[int]bool{}
+			for _, i := range seqs[p.name] {
+				logged[i] = true
+			}
+			for i := range p.acked {
+				if !logged[i] {
+					t.Errorf("member %s: %s acked record %d is not in its log", IDString(id), p.name, i)
+				}
+			}
+			for i := range p.refused {
+				if logged[i] {
+					t.Errorf("member %s: %s refused record %d is in its log", IDString(id), p.name, i)
+				}
+			}
+			if dups[p.name] > 0 {
+				t.Errorf("member %s: %s has %d records logged twice", IDString(id), p.name, dups[p.name])
+			}
+		}
+	}
+	for _, p := range pubs {
+		t.Logf("%s: %d acked, %d refused", p.name, len(p.acked), len(p.refused))
+		if len(p.acked) == 0 {
+			t.Fatalf("%s: nothing acked", p.name)
+		}
 	}
 }

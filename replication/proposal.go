@@ -40,6 +40,12 @@ type proposal struct {
 	// stepped is set once raft took the record, here or (forwarded) on
 	// the master: from then on it may be in the log, whatever its outcome.
 	stepped bool
+	// out counts the forward requests carrying the record that have not
+	// returned, and doubt is set once one returned without proving the
+	// master never had it (forward.go, "Refused is final"). The stream's
+	// lock guards both; the raft loop never reads them.
+	out   int
+	doubt bool
 	// settles marks a sync record this node handed to raft as master: it
 	// settles it (settle.go); tracked, once its index is in settler.open.
 	settles, tracked bool
@@ -198,6 +204,14 @@ func (n *Node) proposeQueued() {
 		}
 		if idx, ok := n.logged.get(p.id); ok && n.holds(idx, p.id) {
 			p.index = idx
+			if p.mode == Sync && storage.RecordSync(p.data) && n.aborted(idx, p.id) {
+				// Its first copy was refused and aborted (a slave that
+				// heard no answer in time asks again): that stays its
+				// outcome, or a publish acked now would never be
+				// delivered.
+				n.resolve(p, ErrAckTimeout)
+				continue
+			}
 			if p.mode == Async {
 				n.resolve(p, nil)
 			} else {

@@ -3,6 +3,7 @@ package replication
 import (
 	"encoding/json"
 	"fmt"
+	"maps"
 	"slices"
 	"time"
 
@@ -78,15 +79,22 @@ func DecodeSettlement(b []byte) (Settlement, error) {
 type settler struct {
 	open     []uint64       // this master's sync records saved and unresolved, ascending
 	abortIDs map[recID]bool // refused before their entry was saved: aborted once it is
-	aborts   []uint64       // aborted, not yet in a proposed settlement
-	saved    uint64         // the last index saved while master
-	sentUpto uint64         // Upto of the last settlement proposed
-	doubt    uint64         // the log's end when this node became master; 0 once proposed
-	alone    bool           // and it had no other member then
-	dirty    bool           // something to say since the last settlement
-	last     time.Time      // when the last settlement was proposed
-	timer    *time.Timer    // wakes the loop for a settlement held back by settleEvery
-	timerC   <-chan time.Time
+	// abortedAt remembers the records this node aborted as master, by
+	// index, with their id (an index can be reused once a term's tail is
+	// overwritten): a slave's forward that comes again for one after its
+	// deadline must hear "refused", not be acked from the log
+	// (proposeQueued). Bounded by maxAbortedAt; an older abort is found in
+	// the applier's hold (Aborter).
+	abortedAt map[uint64]recID
+	aborts    []uint64    // aborted, not yet in a proposed settlement
+	saved     uint64      // the last index saved while master
+	sentUpto  uint64      // Upto of the last settlement proposed
+	doubt     uint64      // the log's end when this node became master; 0 once proposed
+	alone     bool        // and it had no other member then
+	dirty     bool        // something to say since the last settlement
+	last      time.Time   // when the last settlement was proposed
+	timer     *time.Timer // wakes the loop for a settlement held back by settleEvery
+	timerC    <-chan time.Time
 }
 
 // settleLead resets the settlement when this node gains or loses the
@@ -143,8 +151,44 @@ func (n *Node) settleSaved(id recID, p *proposal, index uint64) {
 	if st.abortIDs[id] {
 		delete(st.abortIDs, id)
 		st.aborts = append(st.aborts, index)
+		st.noteAborted(index, id)
 		st.dirty = true
 	}
+}
+
+// maxAbortedAt bounds settler.abortedAt; past it the lower half goes.
+const maxAbortedAt = 1 << 12
+
+// noteAborted remembers that the record id at index was aborted.
+func (st *settler) noteAborted(index uint64, id recID) {
+	if st.abortedAt == nil {
+		st.abortedAt = map[uint64]recID{}
+	}
+	st.abortedAt[index] = id
+	if len(st.abortedAt) <= maxAbortedAt {
+		return
+	}
+	idx := slices.Sorted(maps.Keys(st.abortedAt))
+	for _, i := range idx[:len(idx)/2] {
+		delete(st.abortedAt, i)
+	}
+}
+
+// Aborter is an extra an Applier may implement: Aborted reports whether
+// the sync record at index was aborted by a settlement it applied.
+type Aborter interface {
+	Aborted(index uint64) bool
+}
+
+// aborted reports whether the sync record id, logged at index, was
+// aborted: by this node as master, or by a settlement already applied.
+// Loop-owned.
+func (n *Node) aborted(index uint64, id recID) bool {
+	if got, ok := n.settle.abortedAt[index]; ok && got == id {
+		return true
+	}
+	a, ok := n.cfg.Applier.(Aborter)
+	return ok && a.Aborted(index)
 }
 
 // settleResolved notes p's outcome: met (err nil) confirms it; any
@@ -169,6 +213,7 @@ func (n *Node) settleResolved(p *proposal, err error) {
 	}
 	if err != nil {
 		st.aborts = append(st.aborts, p.index)
+		st.noteAborted(p.index, p.id)
 	}
 	st.dirty = true
 }
