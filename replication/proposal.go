@@ -49,6 +49,10 @@ type proposal struct {
 	// settles marks a sync record this node handed to raft as master: it
 	// settles it (settle.go); tracked, once its index is in settler.open.
 	settles, tracked bool
+	// aborting marks a settles record past its deadline whose publisher
+	// is told nothing yet: refused only once an abort of it commits, or
+	// its entry leaves the log (settle.go, "Refused is final").
+	aborting bool
 	// control marks the node's own settlement record: it is taken even
 	// while publishes are refused for space, or held records would wait
 	// for ever.
@@ -347,7 +351,9 @@ func (n *Node) checkSync() {
 	covered := top[k-1]
 	i := 0
 	for ; i < len(n.syncWait) && n.syncWait[i].index <= covered; i++ {
-		n.resolve(n.syncWait[i], nil)
+		if !n.syncWait[i].aborting { // its abort is on its way: too late
+			n.resolve(n.syncWait[i], nil)
+		}
 	}
 	n.syncWait = n.syncWait[i:]
 }
@@ -366,7 +372,9 @@ func (n *Node) resolve(p *proposal, err error) {
 	if n.live[p.id] == p {
 		delete(n.live, p.id)
 	}
-	n.settleResolved(p, err)
+	if !p.aborting { // an aborting one told the settler already
+		n.settleResolved(p, err)
+	}
 	for _, q := range p.also {
 		q.index = p.index
 		n.resolve(q, err)
@@ -398,9 +406,13 @@ func (n *Node) expire(now time.Time) {
 	i := 0
 	for ; i < len(n.byDue); i++ {
 		p := n.byDue[i]
-		if !p.resolved {
+		if !p.resolved && !p.aborting {
 			if now.Before(p.deadline) {
 				break
+			}
+			if p.settles {
+				n.startAbort(p)
+				continue
 			}
 			delete(n.pending, p.id)
 			n.resolve(p, ErrAckTimeout)
@@ -410,7 +422,7 @@ func (n *Node) expire(now time.Time) {
 		n.byDue = append(n.byDue[:0], n.byDue[i:]...)
 	}
 	j := 0
-	for ; j < len(n.syncWait) && n.syncWait[j].resolved; j++ {
+	for ; j < len(n.syncWait) && (n.syncWait[j].resolved || n.syncWait[j].aborting); j++ {
 	}
 	n.syncWait = n.syncWait[j:]
 }

@@ -73,6 +73,8 @@ func (n *Node) handleReady() bool {
 		for i := range rd.CommittedEntries {
 			if e := &rd.CommittedEntries[i]; e.Type != pb.EntryNormal {
 				n.applyConfChange(e)
+			} else if len(n.settle.waiting) > 0 {
+				n.settleCommitted(e)
 			}
 		}
 		select {
@@ -139,7 +141,10 @@ func (n *Node) failWaiting(err error) {
 	for _, p := range n.byDue {
 		n.resolve(p, err)
 	}
-	n.byDue, n.syncWait = nil, nil
+	for _, p := range n.settle.waiting {
+		n.resolve(p, err)
+	}
+	n.byDue, n.syncWait, n.settle.waiting = nil, nil, nil
 	clear(n.pending)
 	clear(n.live)
 }

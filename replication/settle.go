@@ -87,6 +87,7 @@ type settler struct {
 	// the applier's hold (Aborter).
 	abortedAt map[uint64]recID
 	aborts    []uint64    // aborted, not yet in a proposed settlement
+	waiting   []*proposal // aborting: their publishers wait for the abort to commit
 	saved     uint64      // the last index saved while master
 	sentUpto  uint64      // Upto of the last settlement proposed
 	doubt     uint64      // the log's end when this node became master; 0 once proposed
@@ -143,10 +144,13 @@ func (n *Node) inheritsHeld() bool {
 // aborted now that its index is known.
 func (n *Node) settleSaved(id recID, p *proposal, index uint64) {
 	st := &n.settle
-	if p != nil && p.settles {
+	if p != nil && p.settles && !p.aborting {
 		p.tracked = true
 		st.open = append(st.open, index) // saved in index order
 		return
+	}
+	if p != nil && p.aborting {
+		p.index = index // past its deadline before it was saved
 	}
 	if st.abortIDs[id] {
 		delete(st.abortIDs, id)
@@ -281,3 +285,65 @@ func (n *Node) settleTurn(now time.Time) {
 
 // settleWake is the settlement timer's channel (nil while none is armed).
 func (n *Node) settleWake() <-chan time.Time { return n.settle.timerC }
+
+// Refused is final, on the master (DESIGN.md, "Guarantees"; issue #32).
+// A sync record this node logged as master may be on another member: the
+// next master would confirm it, in doubt, should this node lose the
+// mastership before an abort of it commits. So a record past its deadline
+// is not refused at once: startAbort puts its abort in the next settlement
+// and its publisher waits until a settlement covering it commits
+// (settleCommitted): this node's abort (0x80, ≈ one settlement interval
+// later), or, if the mastership went first, the next master's settlement,
+// which confirms it (0x00: it will be delivered) or aborts it; or until a
+// conflicting append takes its entry out of this log (refuseRequeued:
+// refused, it is in no log). A paused master that wakes past the deadline
+// of its records, or a deposed one whose records were on a slave, tells
+// its devices what the cluster's log says, not a guess.
+
+// startAbort turns p, past its deadline, into an aborting record.
+func (n *Node) startAbort(p *proposal) {
+	n.settleResolved(p, ErrAckTimeout) // its abort, if this node is still the master
+	p.aborting = true
+	n.settle.waiting = append(n.settle.waiting, p)
+}
+
+// settleCommitted resolves the aborting records a committed settlement
+// entry e covers. Loop-owned; only while some wait.
+func (n *Node) settleCommitted(e *pb.Entry) {
+	if kind, _, _, err := storage.RecordHead(e.Data); err != nil || kind != storage.KindSettle {
+		return
+	}
+	rec, err := storage.DecodeRecord(e.Data)
+	if err != nil {
+		return
+	}
+	s, err := DecodeSettlement(rec.Payload)
+	if err != nil {
+		return
+	}
+	st := &n.settle
+	keep := st.waiting[:0]
+	for _, p := range st.waiting {
+		if p.resolved {
+			continue
+		}
+		idx := p.index
+		switch {
+		case idx == 0 || idx >= e.Index:
+			// Not saved here yet (this node's raft still has it), or
+			// logged after this settlement: a later one covers it.
+			keep = append(keep, p)
+		case slices.Contains(s.Abort, idx) || (s.Alone && idx <= s.Doubt):
+			n.resolve(p, ErrAckTimeout)
+		case idx <= s.Upto:
+			// A master that cannot know whether it was acked confirmed
+			// it: it will be delivered, so its publisher hears so.
+			n.resolve(p, nil)
+		default:
+			keep = append(keep, p)
+		}
+	}
+	clear(st.waiting[len(keep):])
+	st.waiting = keep
+	n.flushResolved()
+}
