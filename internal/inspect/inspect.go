@@ -16,6 +16,7 @@ import (
 
 	pb "go.etcd.io/raft/v3/raftpb"
 
+	"github.com/tandem-edge/tandem/mqtt"
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
 )
@@ -42,15 +43,21 @@ type Record struct {
 	// PayloadEncoding is set when the payload is not in the encoding
 	// asked for: with --payload text, a payload that is not UTF-8 is
 	// printed in base64 (JSON would garble it), and this says "base64".
-	PayloadEncoding string        `json:"payload_encoding,omitempty"`
-	Client          string        `json:"client"`
-	Time            string        `json:"time,omitempty"` // RFC 3339 with nanoseconds
-	Origin          string        `json:"origin,omitempty"`
-	Seq             uint64        `json:"seq,omitempty"`
-	PacketID        uint16        `json:"packet_id,omitempty"`
-	Will            bool          `json:"will,omitempty"`
-	Republished     bool          `json:"republished,omitempty"`
-	Props           *inspectProps `json:"properties,omitempty"`
+	PayloadEncoding string `json:"payload_encoding,omitempty"`
+	Client          string `json:"client"`
+	Time            string `json:"time,omitempty"` // RFC 3339 with nanoseconds
+	Origin          string `json:"origin,omitempty"`
+	Seq             uint64 `json:"seq,omitempty"`
+	PacketID        uint16 `json:"packet_id,omitempty"`
+	Will            bool   `json:"will,omitempty"`
+	Republished     bool   `json:"republished,omitempty"`
+	// Aborted marks a sync record its master refused after logging it
+	// (a settlement aborted it): no session or uplink ever gets it, and
+	// its publisher was told it failed. Held marks one still waiting for
+	// its settlement. Both as of the last record applied.
+	Aborted bool          `json:"aborted,omitempty"`
+	Held    bool          `json:"held,omitempty"`
+	Props   *inspectProps `json:"properties,omitempty"`
 }
 
 // inspectProps are a record's MQTT 5 properties as inspect prints them.
@@ -118,10 +125,14 @@ func Write(w io.Writer, db *storage.DB, q Query) error {
 		payload = Encoders["base64"]
 	}
 	from, limit, all := max(q.From, 1), q.Limit, q.All
+	aborted, held, err := mqtt.HoldState(sessions{db})
+	if err != nil {
+		return fmt.Errorf("reading the settled sync records: %w", err)
+	}
 	enc := json.NewEncoder(w)
 	var n uint64
 	var werr error
-	err := db.Scan(from, func(e pb.Entry) bool {
+	err = db.Scan(from, func(e pb.Entry) bool {
 		var out Record
 		switch {
 		case e.Type == pb.EntryNormal && len(e.Data) > 0:
@@ -139,6 +150,7 @@ func Write(w io.Writer, db *storage.DB, q Query) error {
 				Time:   time.Unix(0, rec.Time).UTC().Format(time.RFC3339Nano),
 				Origin: replication.IDString(rec.Origin), Seq: rec.Seq, PacketID: rec.PacketID,
 				Will: rec.Will, Republished: rec.Republished,
+				Aborted: aborted[e.Index], Held: held[e.Index],
 			}
 			out.Payload, out.PayloadEncoding = payload(rec.Payload)
 			out.Props = propsOf(&rec.Props)
@@ -166,6 +178,17 @@ func Write(w io.Writer, db *storage.DB, q Query) error {
 		err = nothingIn(db, from, all)
 	}
 	return err
+}
+
+// sessions reads the broker's session store in db (mqtt.SessionStore; the
+// methods that write are never called).
+type sessions struct{ db *storage.DB }
+
+func (s sessions) Put(string, []byte) {}
+func (s sessions) Delete(string)      {}
+func (s sessions) Sync() error        { return nil }
+func (s sessions) Load(prefix string, fn func(string, []byte) error) error {
+	return s.db.ForEach(storage.BucketSessions, prefix, func(k, v []byte) error { return fn(string(k), v) })
 }
 
 // ErrNothing is what Write returns when it printed nothing: an empty
