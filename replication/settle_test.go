@@ -146,6 +146,48 @@ func TestNewMasterConfirmsUnsettledSyncRecordsInDoubt(t *testing.T) {
 	}
 }
 
+// TestDeposedMasterTellsWhatTheNextMasterSettled: a master cut off while
+// a sync record of its own waits, logged on a slave but short of its rule,
+// passes the record's deadline alone; the others elect a master, which
+// confirms the record in doubt. The old master must not have told its
+// publisher "refused" on its own clock (issue #32, refused is final): the
+// publisher hears what the settlement says once the old master is back,
+// confirmed.
+func TestDeposedMasterTellsWhatTheNextMasterSettled(t *testing.T) {
+	c := newClusterWith(t, 3, func(cfg *Config) { cfg.MinSyncReplicas, cfg.SyncTimeout = 2, 500 * time.Millisecond })
+	old := c.leader()
+	var kept, cut *testNode
+	for _, tn := range c.nodes {
+		switch {
+		case tn == old:
+		case kept == nil:
+			kept = tn
+		default:
+			cut = tn
+		}
+	}
+	c.net.isolate(cut.ID())
+	ch := old.proposeSync("s/deposed")
+	waitFor(t, "the record committed on the slave", func() bool { return kept.app.indexOf("s/deposed") > 0 })
+	idx := kept.app.indexOf("s/deposed")
+	c.net.heal()
+	c.net.isolate(old.ID())
+	select {
+	case r := <-ch:
+		t.Fatalf("the cut-off master answered its publisher on its own (%v): the next master settles record %d", r.err, idx)
+	case <-time.After(time.Second): // two deadlines
+	}
+	c.masterOtherThan(old.ID())
+	waitFor(t, "the next master's settlement", func() bool { s, _, _ := kept.app.settledAs(t, idx); return s })
+	if _, aborted, doubt := kept.app.settledAs(t, idx); aborted || !doubt {
+		t.Fatalf("inherited record %d: aborted=%v doubt=%v, want confirmed in doubt", idx, aborted, doubt)
+	}
+	c.net.heal()
+	if r := wait(t, ch); r.err != nil || r.index != idx {
+		t.Fatalf("the deposed master's publisher heard (%d, %v) for record %d, which the next master confirmed", r.index, r.err, idx)
+	}
+}
+
 // TestLoneGatewayRestartAbortsItsUnsettledSyncRecords: a lone gateway
 // stopped while a sync record waited cannot have acked it (no member
 // could hold it): restarted, it aborts it.
