@@ -14,6 +14,7 @@ import (
 	"github.com/eclipse/paho.golang/paho"
 	"github.com/mochi-mqtt/server/v2/packets"
 
+	"github.com/tandem-edge/tandem/internal/netns"
 	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
@@ -292,21 +293,27 @@ func qosPublisher(t *testing.T, g *gw, topic string, qos byte) (stop func() map[
 }
 
 // TestQoS2ExactlyOnceThroughAMemberKill: three gateways; the QoS 2
-// subscriber on the master, QoS 2 publishes through a slave; the master
-// is killed -9, the subscriber resumes on a survivor.
+// subscriber on the master (or a slave), QoS 2 publishes through a slave;
+// the subscriber's member is killed -9, or (cut) the master is cut off
+// from the others until they elect another and it sends its devices away,
+// then healed; the subscriber resumes on a survivor.
 func TestQoS2ExactlyOnceThroughAMemberKill(t *testing.T) {
 	// On a network of its own, mostly waiting: beside the other such tests
 	// (make test's time).
 	t.Parallel()
-	for _, victim := range []string{"master", "slave"} {
+	for _, victim := range []string{"master", "slave", "cut"} {
 		t.Run(victim, func(t *testing.T) {
-			g1, g2, g3 := threeOf(t, tandemBin(t))
+			if victim == "cut" {
+				netns.Skip(t, "iptables")
+			}
+			nt := netns.New(t, 3)
+			g1, g2, g3 := threeOn(t, nt, tandemBin(t))
 			gws := []*gw{g1, g2, g3}
 			m := masterOf(t, 15*time.Second, gws...)
-			var sg, pg *gw // the subscriber's member (killed), the publisher's
+			var sg, pg *gw // the subscriber's member (killed or cut off), the publisher's
 			for _, g := range gws {
 				switch {
-				case victim == "master" && g == m, victim == "slave" && g != m && sg == nil:
+				case victim != "slave" && g == m, victim == "slave" && g != m && sg == nil:
 					sg = g
 				case g != m && pg == nil:
 					pg = g
@@ -340,8 +347,12 @@ func TestQoS2ExactlyOnceThroughAMemberKill(t *testing.T) {
 				}
 			}
 			live.Store(&survivors)
-			sg.kill()
-			waitMaster(t, time.Now().Add(20*time.Second), survivors...)
+			if victim == "cut" {
+				nt.Partition([]*netns.Host{sg.h}, []*netns.Host{survivors[0].h, survivors[1].h})
+			} else {
+				sg.kill()
+			}
+			nm := waitMaster(t, time.Now().Add(20*time.Second), survivors...)
 			testutil.WaitFor(t, 15*time.Second, "the subscriber back on a survivor", func() bool {
 				sub.mu.Lock()
 				defer sub.mu.Unlock()
@@ -352,6 +363,13 @@ func TestQoS2ExactlyOnceThroughAMemberKill(t *testing.T) {
 				defer sub.mu.Unlock()
 				return len(sub.delivered) >= 400
 			})
+			if victim == "cut" {
+				// Healed, the old master comes back as a slave, and the
+				// session it held (fenced) must not deliver again.
+				nt.HealAll()
+				waitRole(t, sg, "slave", nm.name, 30*time.Second)
+				survivors = append(survivors, sg)
+			}
 			acked, acked1 := stopPub(), stopPub1()
 			testutil.WaitFor(t, 20*time.Second, "every completed publish at the subscriber", func() bool {
 				sub.mu.Lock()

@@ -409,7 +409,13 @@ func TestUpgradeToNextLevel(t *testing.T) {
 // own: gw-1 the master, then gw-2 and gw-3 joined and caught up.
 func threeOf(t *testing.T, bin string) (g1, g2, g3 *gw) {
 	t.Helper()
-	nt := netns.New(t, 3)
+	return threeOn(t, netns.New(t, 3), bin)
+}
+
+// threeOn is threeOf on the first three hosts of nt, for a test that
+// cuts their links.
+func threeOn(t *testing.T, nt *netns.Net, bin string) (g1, g2, g3 *gw) {
+	t.Helper()
 	g1, g2, g3 = newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")
 	for _, g := range []*gw{g1, g2, g3} {
 		g.startBin(bin)
