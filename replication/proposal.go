@@ -414,6 +414,14 @@ func (n *Node) expire(now time.Time) {
 				n.startAbort(p)
 				continue
 			}
+			if p.mode == Async && n.leader && n.pending[p.id] == p {
+				// Handed to raft, not yet saved (a slow disk): the next
+				// Ready saves it, and its rule is this disk, or the
+				// mastership goes first and raft drops it (setLeader).
+				// Refused now, it could be logged a moment later and
+				// delivered, though its publisher was told it failed.
+				continue
+			}
 			delete(n.pending, p.id)
 			n.resolve(p, ErrAckTimeout)
 		}

@@ -144,6 +144,9 @@ func (n *Node) failWaiting(err error) {
 	for _, p := range n.settle.waiting {
 		n.resolve(p, err)
 	}
+	for _, p := range n.pending { // an async one past its deadline is only here
+		n.resolve(p, err)
+	}
 	n.byDue, n.syncWait, n.settle.waiting = nil, nil, nil
 	clear(n.pending)
 	clear(n.live)
