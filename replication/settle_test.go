@@ -112,16 +112,14 @@ func TestSyncRecordAckedByAReplicaIsConfirmedEverywhere(t *testing.T) {
 	}
 }
 
-// TestNewMasterConfirmsUnsettledSyncRecordsInDoubt: a master that stops
-// between logging a sync record and settling it leaves it to the next
-// master, which cannot know whether it was acked and so confirms it,
-// saying it is in doubt.
-func TestNewMasterConfirmsUnsettledSyncRecordsInDoubt(t *testing.T) {
-	// Two replicas needed and one cut off: the record commits on the
-	// master and the other slave, and its rule stays unmet.
-	c := newClusterWith(t, 3, func(cfg *Config) { cfg.MinSyncReplicas, cfg.SyncTimeout = 2, time.Minute })
-	old := c.leader()
-	var kept, cut *testNode
+// unmetOnASlave cuts one slave of c's 3 members off and has the master
+// propose a sync record on topic, which commits on the master and the
+// other slave (kept) without meeting a rule of 2 replicas: the master,
+// kept, the proposal's outcome and the record's index.
+func unmetOnASlave(t *testing.T, c *cluster, topic string) (old, kept *testNode, ch chan result, idx uint64) {
+	t.Helper()
+	old = c.leader()
+	var cut *testNode
 	for _, tn := range c.nodes {
 		switch {
 		case tn == old:
@@ -132,9 +130,20 @@ func TestNewMasterConfirmsUnsettledSyncRecordsInDoubt(t *testing.T) {
 		}
 	}
 	c.net.isolate(cut.ID())
-	ch := old.proposeSync("s/unsettled")
-	waitFor(t, "the record applied on the slave", func() bool { return kept.app.indexOf("s/unsettled") > 0 })
-	idx := kept.app.indexOf("s/unsettled")
+	ch = old.proposeSync(topic)
+	waitFor(t, "the record committed on the slave", func() bool { return kept.app.indexOf(topic) > 0 })
+	return old, kept, ch, kept.app.indexOf(topic)
+}
+
+// TestNewMasterConfirmsUnsettledSyncRecordsInDoubt: a master that stops
+// between logging a sync record and settling it leaves it to the next
+// master, which cannot know whether it was acked and so confirms it,
+// saying it is in doubt.
+func TestNewMasterConfirmsUnsettledSyncRecordsInDoubt(t *testing.T) {
+	// Two replicas needed and one cut off: the record commits on the
+	// master and the other slave, and its rule stays unmet.
+	c := newClusterWith(t, 3, func(cfg *Config) { cfg.MinSyncReplicas, cfg.SyncTimeout = 2, time.Minute })
+	old, kept, ch, idx := unmetOnASlave(t, c, "s/unsettled")
 	c.stop(old.ID())
 	if r := wait(t, ch); !errors.Is(r.err, ErrStopped) {
 		t.Fatalf("unsettled record at stop: %v", r.err)
@@ -154,22 +163,8 @@ func TestNewMasterConfirmsUnsettledSyncRecordsInDoubt(t *testing.T) {
 // publisher hears what the settlement says once the old master is back,
 // confirmed.
 func TestDeposedMasterTellsWhatTheNextMasterSettled(t *testing.T) {
-	c := newClusterWith(t, 3, func(cfg *Config) { cfg.MinSyncReplicas, cfg.SyncTimeout = 2, 500 * time.Millisecond })
-	old := c.leader()
-	var kept, cut *testNode
-	for _, tn := range c.nodes {
-		switch {
-		case tn == old:
-		case kept == nil:
-			kept = tn
-		default:
-			cut = tn
-		}
-	}
-	c.net.isolate(cut.ID())
-	ch := old.proposeSync("s/deposed")
-	waitFor(t, "the record committed on the slave", func() bool { return kept.app.indexOf("s/deposed") > 0 })
-	idx := kept.app.indexOf("s/deposed")
+	c := newClusterWith(t, 3, func(cfg *Config) { cfg.MinSyncReplicas, cfg.SyncTimeout = 2, 500*time.Millisecond })
+	old, kept, ch, idx := unmetOnASlave(t, c, "s/deposed")
 	c.net.heal()
 	c.net.isolate(old.ID())
 	select {
