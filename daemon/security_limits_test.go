@@ -167,7 +167,7 @@ func TestKeepAliveBounds(t *testing.T) {
 		{5, 2, 0, 10},
 		{4, 60, 0, 0},
 		{4, 600, 0x02, 0},
-		{4, 0, 0x02, 0},
+		{4, 0, 0, 0}, // taken, held to the maximum (3.1.1 cannot be told)
 		{4, 2, 0x02, 0},
 	} {
 		conn, err := net.DialTimeout("tcp", d.MQTTAddr(), 5*time.Second)

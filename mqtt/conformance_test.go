@@ -2,7 +2,9 @@ package mqtt
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"os"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -127,6 +129,34 @@ func TestMQTT_3_2_2_21_ServerKeepAlive(t *testing.T) {
 	}
 	if d := time.Since(start); d > 4*time.Second {
 		t.Fatalf("closed after %v, want about 1.5 s", d)
+	}
+}
+
+// [MQTT-3.1.2-24] for 3.1.1 under keepalive_max: a client asking for a
+// keep alive of 0 (none) is taken and held to the maximum, closed once
+// silent for 1.5 times it; one asking for more than the maximum cannot be
+// told the server's and is refused (CONNACK 0x02).
+func TestMQTT_3_1_2_24_KeepAliveZeroHeldToTheMaximumIn311(t *testing.T) {
+	s, _ := testServer(t, nil, func(c *Config) { c.Limits.KeepAliveMax = 1 })
+	connect := func(id string, ka uint16) (*raw, packets.Packet) {
+		c := dialRaw(t, s.Addr(), 4)
+		c.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connect},
+			Connect: packets.ConnectParams{ProtocolName: []byte("MQTT"), ClientIdentifier: id, Clean: true, Keepalive: ka}})
+		return c, c.expect(packets.Connack)
+	}
+	c, ack := connect("ka-zero", 0)
+	if ack.ReasonCode != 0 {
+		t.Fatalf("3.1.1 keep alive 0 under keepalive_max: CONNACK %#x, want 0 (accepted, held to the maximum)", ack.ReasonCode)
+	}
+	start := time.Now()
+	if _, err := c.read(10 * time.Second); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("silent 3.1.1 client with keep alive 0: %v after %v, want the connection closed", err, time.Since(start))
+	}
+	if d := time.Since(start); d < time.Second || d > 4*time.Second {
+		t.Fatalf("closed after %v, want about 1.5 s (1.5 × keepalive_max)", d)
+	}
+	if _, ack := connect("ka-over", 30); ack.ReasonCode != 0x02 {
+		t.Fatalf("3.1.1 keep alive 30 over keepalive_max 1: CONNACK %#x, want 0x02", ack.ReasonCode)
 	}
 }
 

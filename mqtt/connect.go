@@ -70,10 +70,21 @@ func (c *conn) connect() bool {
 	c.keepalive = cp.Keepalive
 	ka, kept := c.srv.cfg.Limits.keepAlive(cp.Keepalive)
 	if !kept {
-		if !v5 {
+		switch {
+		case v5:
+			c.keepalive = ka // told in the CONNACK's server keep alive [MQTT-3.2.2-21]
+		case cp.Keepalive == 0:
+			// A 3.1.1 client that asks for no keep alive cannot be told
+			// the maximum, and refusing it locks out devices that never
+			// ping (and the paho 3.1.1 suite, whose every connection asks
+			// for 0). It is held to the maximum instead: closed once
+			// silent for 1.5 × keepalive_max, so an idle or half-open
+			// connection still ends (CVE-2020-13849, which made Mosquitto
+			// refuse them).
+			c.keepalive = ka
+		default:
 			return c.refuse(&pk, packets.Code{}, 0x02, "keep-alive out of bounds", "keepalive", cp.Keepalive)
 		}
-		c.keepalive = ka // told in the CONNACK's server keep alive [MQTT-3.2.2-21]
 	}
 	c.id = cp.ClientIdentifier
 	if len(c.id) > c.srv.cfg.Limits.MaxClientIDLength {
