@@ -376,10 +376,11 @@ func TestMQTT_3_2_2_15_ServerMaximumPacketSize(t *testing.T) {
 	pre.closed()
 }
 
-// [MQTT-4.7.2-1]: clients may not publish to $ topics: $SYS is the
-// server's (0x87 for MQTT 5; a 3.1.1 client, with no negative ack, is
-// disconnected).
-func TestMQTT_4_7_2_1_NoPublishesToDollarTopics(t *testing.T) {
+// [MQTT-3.3.5-2]: a PUBLISH the server does not authorize is answered
+// with a negative ack (0x87, MQTT 5) or the connection is closed (3.1.1,
+// which has none); clients may not publish to $ topics, the server's
+// (4.7.2: "SHOULD prevent Clients from using such Topic Names").
+func TestMQTT_3_3_5_2_NoPublishesToDollarTopics(t *testing.T) {
 	s, log := testServer(t, nil, nil)
 	c := dialRaw(t, s.Addr(), 5)
 	c.connect("sys5", true, nil)

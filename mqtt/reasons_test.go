@@ -15,10 +15,10 @@ import (
 // client"): the paho MQTT 5 suite's test_dollar_topics, and device stacks
 // written against Mosquitto, accept only a 2–4 byte PUBACK.
 
-// [MQTT-4.7.2-1]: a PUBLISH to a $ topic is refused with PUBACK (QoS 1) or
+// [MQTT-3.3.5-2]: a PUBLISH to a $ topic is refused with PUBACK (QoS 1) or
 // PUBREC (QoS 2) 0x87 and nothing else: packet id and reason code, no
 // Reason String; the server's log still says why.
-func TestMQTT_4_7_2_1_DollarPublishIsAckedWithABareReasonCode(t *testing.T) {
+func TestMQTT_3_3_5_2_DollarPublishIsAckedWithABareReasonCode(t *testing.T) {
 	var lines testutil.Buffer
 	s, _ := testServer(t, nil, func(c *Config) { c.Logger = slog.New(slog.NewTextHandler(&lines, nil)) })
 	c := dialRaw(t, s.Addr(), 5)
