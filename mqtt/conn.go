@@ -660,5 +660,5 @@ func (c *conn) peerCertificate() *x509.Certificate {
 }
 
 // hasDollar reports whether a topic is one of the server's ($SYS and the
-// like), which clients may not publish to [MQTT-4.7.2-1].
+// like), which clients may not publish to (4.7.2; refused per [MQTT-3.3.5-2]).
 func hasDollar(topic string) bool { return strings.HasPrefix(topic, "$") }
