@@ -73,6 +73,13 @@ type snapPuller struct {
 	// the Readys that followed are handled (stepDone).
 	stepping bool
 	stepped  chan struct{}
+	// installing is set while the apply goroutine installs a snapshot,
+	// the Restorer's reload of the state included: the backfill waits
+	// for it. The reload reads the whole state in a read transaction,
+	// which keeps bbolt from reusing the pages the install freed until
+	// it ends; records pulled meanwhile took new pages (1.5 MB past the
+	// budget, measured with a 7 MB state).
+	installing atomic.Bool
 }
 
 // snapServer notes, on the master, the pulls members made since the raft

@@ -100,12 +100,14 @@ func (n *Node) applySnapshot() {
 		}
 		return err
 	}
+	n.pull.installing.Store(true)
 	var err error
 	if r, ok := n.cfg.Applier.(Restorer); ok {
 		err = r.Restore(req.snap.Metadata.Index, install)
 	} else {
 		err = install()
 	}
+	n.pull.installing.Store(false)
 	req.done <- err
 }
 
