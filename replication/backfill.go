@@ -126,6 +126,9 @@ func (n *Node) backfillLoop() {
 	count := uint64(backfillCount)
 	pulling, pulled := false, 0
 	for n.pace(t.C, nil) {
+		if n.pull.installing.Load() {
+			continue // the install frees the pages the records go to (snappull.go)
+		}
 		below, ok := n.db.BackfillWanted()
 		if !ok {
 			if pulling {

@@ -329,7 +329,7 @@ func NewNode(cfg Config) (*Node, error) {
 		inboundBy:  map[uint64]*fwdInbound{},
 	}
 	n.fwd.sig = make(chan struct{}, 1)
-	n.pull.sig = make(chan struct{}, 1)
+	n.pull.sig, n.pull.stepped = make(chan struct{}, 1), make(chan struct{}, 1)
 	n.pull.pulling.Store(-1)
 	if cfg.Transport != nil {
 		n.builds, _ = cfg.Transport.(PeerBuilds)
@@ -540,6 +540,7 @@ func (n *Node) run() {
 				return
 			}
 		}
+		n.stepDone()
 		now := time.Now()
 		n.expire(now)
 		n.settleTurn(now)

@@ -25,11 +25,16 @@ import (
 // the member that sent it for the body in chunks of at most snapChunk
 // bytes, one request per snapEvery (10 MiB/s beside the master's own
 // traffic, whose raft loop serving them never sees), over the same
-// requests as the backfill (Backfiller). The part received is kept on disk
-// (storage.SnapshotIn): a request that fails (a cut link) is asked again
-// from the same offset. Once the whole body is here and its CRC checks,
-// the message is stepped with the body as its data, and raft installs it
-// as any snapshot (snapshot.go); its answer moves the master on.
+// requests as the backfill (Backfiller). Each chunk received is decoded
+// into storage's staging in the data file (storage.SnapshotIn), after the
+// log the snapshot supersedes was dropped: a request that fails (a cut
+// link) is asked again from the same offset. Once the whole body is here
+// and its CRC checks, the message is stepped with the staged ref as its
+// data, and raft installs it as any snapshot (snapshot.go), moving the
+// staged buckets in place; its answer moves the master on. The pull loop
+// waits for that step to be done (installed, or declined by raft) before it
+// takes another offer or drops the staging: the install reads it, and a new
+// pull would replace it.
 //
 // The master, meanwhile, has the member's progress in raft's snapshot
 // state, which ends only with that answer or a ReportSnapshot. It reports
@@ -63,6 +68,18 @@ type snapPuller struct {
 	// pulling is the body bytes received of the snapshot being pulled,
 	// -1 while none is (written by the pull loop; tests read it).
 	pulling atomic.Int64
+	// stepping says the raft goroutine stepped a staged snapshot in this
+	// turn (raft goroutine only); stepped then tells the pull loop, once
+	// the Readys that followed are handled (stepDone).
+	stepping bool
+	stepped  chan struct{}
+	// installing is set while the apply goroutine installs a snapshot,
+	// the Restorer's reload of the state included: the backfill waits
+	// for it. The reload reads the whole state in a read transaction,
+	// which keeps bbolt from reusing the pages the install freed until
+	// it ends; records pulled meanwhile took new pages (1.5 MB past the
+	// budget, measured with a 7 MB state).
+	installing atomic.Bool
 }
 
 // snapServer notes, on the master, the pulls members made since the raft
@@ -79,6 +96,16 @@ type snapServer struct {
 // what this member has. Raft goroutine only.
 func (n *Node) pullInstead(m pb.Message) bool {
 	if m.Type != pb.MsgSnap || m.Snapshot == nil {
+		return false
+	}
+	if ref, ok := storage.ParseStagedSnapshot(m.Snapshot.Data); ok {
+		// The pull loop's, once it staged the body; any other (a peer
+		// sending one) names nothing this member can install.
+		n.pull.stepping = true
+		if !n.db.SnapshotStaged(ref) {
+			n.log.Warn("dropped a snapshot naming one received here, which this member does not hold", "index", ref.Index, "peer", IDString(m.From))
+			return true
+		}
 		return false
 	}
 	ref, ok := storage.ParseSnapshotRef(m.Snapshot.Data)
@@ -148,6 +175,10 @@ func (n *Node) snapPullLoop() {
 			continue
 		}
 		if err := n.pullChunk(m.From, in); err != nil {
+			if errors.Is(err, storage.ErrSnapshotGone) {
+				drop() // an install took the staging: the master sends what is next
+				continue
+			}
 			n.log.Debug("snapshot pull failed; asking again", "error", err, "offset", in.Offset())
 			continue
 		}
@@ -155,17 +186,49 @@ func (n *Node) snapPullLoop() {
 		if !in.Done() {
 			continue
 		}
-		body, err := in.Body()
-		in = nil
-		n.pull.pulling.Store(-1)
+		data, err := in.Finish()
 		if err != nil {
-			n.log.Error("the pulled snapshot is damaged; waiting for the master to send it again", "error", err)
+			drop()
+			if errors.Is(err, storage.ErrCorrupt) {
+				n.log.Error("the pulled snapshot is damaged; waiting for the master to send it again", "error", err)
+			} else {
+				n.log.Warn("the pulled snapshot could not be made ready to install; waiting for the master to send it again", "error", err)
+			}
 			continue
 		}
 		snap := *m.Snapshot
-		snap.Data = body
+		snap.Data = data
 		m.Snapshot = &snap
+		select {
+		case <-n.pull.stepped: // a signal of a step before this one
+		default:
+		}
 		n.Step(m)
+		select {
+		case <-n.pull.stepped:
+		case <-n.stopc:
+			return
+		case <-n.failc:
+			return
+		}
+		// Installed (the staging went with it), or declined by raft
+		// (this member came past it another way): either way the
+		// staging is done with.
+		drop()
+	}
+}
+
+// stepDone tells the pull loop that the staged snapshot the raft goroutine
+// stepped in this turn was handled: the Readys that followed it, an
+// install among them, are done. Raft goroutine, after each turn's Readys.
+func (n *Node) stepDone() {
+	if !n.pull.stepping {
+		return
+	}
+	n.pull.stepping = false
+	select {
+	case n.pull.stepped <- struct{}{}:
+	default:
 	}
 }
 

@@ -6,6 +6,8 @@ import (
 	"go.etcd.io/raft/v3"
 	pb "go.etcd.io/raft/v3/raftpb"
 	"go.etcd.io/raft/v3/tracker"
+
+	"github.com/tandem-edge/tandem/storage"
 )
 
 // Snapshots.
@@ -71,8 +73,12 @@ func (n *Node) installSnapshot(snap pb.Snapshot) bool {
 	}
 	n.savedHS = n.db.HardState()
 	n.term.Store(n.savedHS.Term)
+	size := uint64(len(snap.Data))
+	if ref, ok := storage.ParseStagedSnapshot(snap.Data); ok {
+		size = ref.Size
+	}
 	n.log.Warn("behind the master's first index: installed its snapshot of the broker state; the records before it are not on this node",
-		"index", snap.Metadata.Index, "term", snap.Metadata.Term, "bytes", len(snap.Data))
+		"index", snap.Metadata.Index, "term", snap.Metadata.Term, "bytes", size)
 	return true
 }
 
@@ -94,12 +100,14 @@ func (n *Node) applySnapshot() {
 		}
 		return err
 	}
+	n.pull.installing.Store(true)
 	var err error
 	if r, ok := n.cfg.Applier.(Restorer); ok {
 		err = r.Restore(req.snap.Metadata.Index, install)
 	} else {
 		err = install()
 	}
+	n.pull.installing.Store(false)
 	req.done <- err
 }
 

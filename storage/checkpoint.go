@@ -131,6 +131,12 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 		db.takeBuf = taken
 		db.stageMu.Unlock()
 		var buckets map[string]*bolt.Bucket
+		// While a snapshot is received, the values it noted as this
+		// member's own are kept before they change (snapin.go).
+		var same *bolt.Bucket
+		if st := tx.Bucket(bucketSnapIn); st != nil && len(taken) > 0 {
+			same = st.Bucket(snapInSame)
+		}
 		for _, op := range taken {
 			b := buckets[op.bucket]
 			if b == nil {
@@ -142,6 +148,14 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 					buckets = make(map[string]*bolt.Bucket, 4)
 				}
 				buckets[op.bucket] = b
+			}
+			if same != nil {
+				if err := db.keepSnapshotValue(tx, same, b, op.bucket, op.key); err != nil {
+					return err
+				}
+				if tx.Bucket(bucketSnapIn) == nil {
+					same = nil // dropped: it was wrong
+				}
 			}
 			var err error
 			if op.val == nil {

@@ -243,6 +243,11 @@ type DB struct {
 	snaps    snapState
 	snapStop chan struct{} // closed by Close: background snapshot work ends
 	bgWG     sync.WaitGroup
+
+	// snapInMu guards snapIn, the owner of the staging a snapshot being
+	// received is decoded into (snapin.go).
+	snapInMu sync.Mutex
+	snapIn   snapInState
 }
 
 type stagedOp struct {

@@ -385,6 +385,10 @@ func (db *DB) ResetRaftFrom(from uint64) error {
 		if err := startBackfill(tx, 0); err != nil {
 			return err
 		}
+		// A snapshot being received was of the cluster this node leaves.
+		if err := db.dropStagingIn(tx); err != nil {
+			return err
+		}
 		for _, b := range [][]byte{bucketLog, []byte(BucketMembers), []byte(BucketFeature)} {
 			if tx.Bucket(b) != nil {
 				if err := tx.DeleteBucket(b); err != nil {

@@ -38,6 +38,13 @@ func (db *DB) LastIndex() (uint64, error) {
 // membership only. The records before the snapshot's index are not on this
 // member afterwards.
 //
+// The buckets come from the staging (snapin.go): a snapshot pulled by
+// reference is there already, and raft's snapshot carries its staged ref;
+// one that came whole in raft's message is checked, then staged first.
+// Either way the install moves them in place rather than writing them, and
+// the log up to the applied index was dropped before they were staged, so
+// the data dir holds the broker state twice at most, not the log besides.
+//
 // Except the ones only this member may hold: the entries past its commit
 // index that it wrote as the master (in the term NoteLed recorded last) are
 // records it may have acked as async while cut off, and a master whose log
@@ -52,22 +59,18 @@ func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 		return fmt.Errorf("storage: apply snapshot on a read-only file")
 	}
 	md := snap.Metadata
-	var buckets []snapBucketData
-	if len(snap.Data) > 0 {
-		applied, bs, err := decodeSnapshot(snap.Data)
+	var staged *SnapshotRef
+	if ref, ok := ParseStagedSnapshot(snap.Data); ok {
+		if ref.Index != md.Index {
+			return fmt.Errorf("storage: apply snapshot: it was received at index %d, its metadata says %d: %w", ref.Index, md.Index, ErrCorrupt)
+		}
+		staged = &ref
+	} else if len(snap.Data) > 0 {
+		ref, err := db.stageSnapshot(snap.Data, md.Index)
 		if err != nil {
 			return fmt.Errorf("storage: apply snapshot at %d: %w", md.Index, err)
 		}
-		if applied != md.Index {
-			return fmt.Errorf("storage: apply snapshot: its state is at index %d, its metadata says %d: %w", applied, md.Index, ErrCorrupt)
-		}
-		for _, b := range bs {
-			switch b.name {
-			case string(bucketLog), string(bucketRaftState), string(bucketMeta), string(bucketRequeue):
-				return fmt.Errorf("storage: apply snapshot: it carries the %s bucket, which is this member's own: %w", b.name, ErrCorrupt)
-			}
-		}
-		buckets = bs
+		staged = &ref
 	}
 	hs := db.HardState()
 	led, err := db.ledTerm()
@@ -94,10 +97,10 @@ func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 		if _, err := tx.CreateBucket(bucketLog); err != nil {
 			return err
 		}
-		if err := db.restoreBuckets(tx, buckets); err != nil {
-			return err
-		}
-		if len(snap.Data) > 0 {
+		if staged != nil {
+			if err := db.installStaged(tx, *staged); err != nil {
+				return err
+			}
 			if err := startBackfill(tx, md.Index); err != nil {
 				return err
 			}

@@ -13,7 +13,8 @@ import (
 // Copying the broker state: every bucket but the log and the raft state.
 
 // copyBuckets copies every bucket but the log and the raft state, key by
-// key, and the meta bucket's keys Repair does not set itself.
+// key, and the meta bucket's keys Repair does not set itself. A snapshot
+// being received (snapin.go) is not copied: the master sends it again.
 func (s *salvager) copyBuckets() error {
 	if s.bdb == nil {
 		return nil
@@ -23,7 +24,7 @@ func (s *salvager) copyBuckets() error {
 		return s.bdb.View(func(tx *bolt.Tx) error {
 			return tx.ForEach(func(name []byte, _ *bolt.Bucket) error {
 				switch string(name) {
-				case string(bucketLog), string(bucketRaftState), string(bucketMeta):
+				case string(bucketLog), string(bucketRaftState), string(bucketMeta), string(bucketSnapIn):
 				default:
 					names = append(names, string(name))
 				}

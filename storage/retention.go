@@ -285,19 +285,30 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 	if !res.some {
 		return res, nil
 	}
+	return res, db.compactTo(tx, gone, &res)
+}
+
+// compactTo deletes the log keys gone, in tx, and makes res.snapIndex (the
+// last entry they hold, of term res.snapTerm) the compaction point, on
+// disk and in memory, where res keeps the point before for undoDrop.
+func (db *DB) compactTo(tx *bolt.Tx, gone [][]byte, res *dropResult) error {
+	db.mu.RLock()
+	snapIndex := db.snapIndex
+	db.mu.RUnlock()
 	if res.snapIndex <= snapIndex {
-		return res, fmt.Errorf("log bucket holds index %d, compacted up to %d: %w", res.snapIndex, snapIndex, ErrCorrupt)
+		return fmt.Errorf("log bucket holds index %d, compacted up to %d: %w", res.snapIndex, snapIndex, ErrCorrupt)
 	}
+	lb := tx.Bucket(bucketLog)
 	for _, k := range gone {
 		if err := lb.Delete(k); err != nil {
-			return res, err
+			return err
 		}
 	}
 	meta := make([]byte, 16)
 	binary.BigEndian.PutUint64(meta, res.snapIndex)
 	binary.BigEndian.PutUint64(meta[8:], res.snapTerm)
 	if err := tx.Bucket(bucketRaftState).Put(keySnapMeta, meta); err != nil {
-		return res, err
+		return err
 	}
 	// Readers answer ErrCompacted for the dropped indexes from now on,
 	// before the commit makes them vanish from the file: a reader that
@@ -309,7 +320,7 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 	res.prevIndex, res.prevTerm = db.snapIndex, db.snapTerm
 	db.snapIndex, db.snapTerm, db.first = res.snapIndex, res.snapTerm, res.snapIndex+1
 	db.mu.Unlock()
-	return res, nil
+	return nil
 }
 
 // undoDrop restores the log's bounds after the transaction that would have

@@ -48,9 +48,10 @@ import (
 // one cannot (a peer frame holds 16 MiB) and need not: raft's message then
 // carries a SnapshotRef ("TSNR", version, index, size, CRC), and the member
 // pulls the body in chunks (ReadSnapshot on the master's side, SnapshotIn
-// on its own, which keeps the received part on disk) before raft sees the
-// snapshot. A new build replaces the file; a pull of the old one is then
-// answered ErrSnapshotGone, and raft sends the new one.
+// on its own, which decodes the received part into the data file as it
+// comes: snapin.go) before raft sees the snapshot. A new build replaces
+// the file; a pull of the old one is then answered ErrSnapshotGone, and
+// raft sends the new one.
 
 // InlineSnapshotBytes is the default of SetSnapshotInline: snapshots up to
 // this size travel inside raft's message, larger ones by reference.
@@ -67,8 +68,9 @@ const (
 	snapshotRefLen   = 4 + 1 + 8 + 8 + 4
 )
 
-// Files in the data dir: the master's built snapshot, and the one a member
-// is receiving. Both can be rebuilt or pulled again: neither is fsynced.
+// Files in the data dir: the master's built snapshot, which can be rebuilt
+// (it is not fsynced), and the one a member received into before builds
+// staged it in the data file (snapin.go), removed if an upgrade finds it.
 const (
 	snapshotFile   = "snapshot.tsnp"
 	snapshotInFile = "snapshot-in.tsnp"
@@ -546,40 +548,6 @@ func decodeSnapshot(data []byte) (uint64, []snapBucketData, error) {
 	}
 }
 
-// restoreBuckets replaces each bucket of the snapshot in tx with its
-// contents, and drops the staged writes to them: they were made on the
-// state the snapshot replaces.
-func (db *DB) restoreBuckets(tx *bolt.Tx, buckets []snapBucketData) error {
-	names := map[string]bool{}
-	for _, sb := range buckets {
-		names[sb.name] = true
-		if tx.Bucket([]byte(sb.name)) != nil {
-			if err := tx.DeleteBucket([]byte(sb.name)); err != nil {
-				return err
-			}
-		}
-		b, err := tx.CreateBucket([]byte(sb.name))
-		if err != nil {
-			return err
-		}
-		b.FillPercent = 0.9 // keys arrive in order
-		for i, k := range sb.keys {
-			if err := b.Put(k, sb.vals[i]); err != nil {
-				return fmt.Errorf("%s/%q: %w", sb.name, k, err)
-			}
-		}
-	}
-	db.stageMu.Lock()
-	for k, op := range db.staged {
-		if names[op.bucket] {
-			delete(db.staged, k)
-		}
-	}
-	db.fresh = slices.DeleteFunc(db.fresh, func(op stagedOp) bool { return names[op.bucket] })
-	db.stageMu.Unlock()
-	return nil
-}
-
 // forgetBuilt drops the built snapshot: the log it was taken from was
 // replaced (a snapshot installed, the raft state reset).
 func (db *DB) forgetBuilt() {
@@ -588,105 +556,16 @@ func (db *DB) forgetBuilt() {
 	db.snapMu.Unlock()
 }
 
-// SnapshotIn is a snapshot body a member is pulling (SnapshotRef): the part
-// received so far is kept in snapshotInFile, not in memory, so a cut link
-// resumes at Offset. One goroutine uses it.
-type SnapshotIn struct {
-	ref  SnapshotRef
-	path string
-	f    *os.File
-	off  uint64
-	crc  hash.Hash32 // of the bytes before the closing CRC, so far
-	tail []byte      // the last bytes received, up to 4: the closing CRC at the end
-}
-
-// ReceiveSnapshot starts receiving the body ref names, replacing any
-// partial one.
-func (db *DB) ReceiveSnapshot(ref SnapshotRef) (*SnapshotIn, error) {
-	if ref.Size < uint64(len(snapshotMagic)+1+8+1+4) {
-		return nil, fmt.Errorf("storage: snapshot of %d bytes: %w", ref.Size, ErrCorrupt)
-	}
-	path := filepath.Join(filepath.Dir(db.path), snapshotInFile)
-	f, err := os.Create(path)
-	if err != nil {
-		return nil, fmt.Errorf("storage: receiving a snapshot: %w", err)
-	}
-	return &SnapshotIn{ref: ref, path: path, f: f, crc: crc32.New(castagnoli)}, nil
-}
-
-// Ref is the snapshot being received.
-func (in *SnapshotIn) Ref() SnapshotRef { return in.ref }
-
-// Offset is how many bytes have been received.
-func (in *SnapshotIn) Offset() uint64 { return in.off }
-
-// Done reports whether the whole body is here.
-func (in *SnapshotIn) Done() bool { return in.off == in.ref.Size }
-
-// Write appends the next bytes of the body.
-func (in *SnapshotIn) Write(p []byte) error {
-	if uint64(len(p)) > in.ref.Size-in.off {
-		return fmt.Errorf("storage: snapshot chunk passes its %d bytes: %w", in.ref.Size, ErrCorrupt)
-	}
-	if _, err := in.f.Write(p); err != nil {
-		return fmt.Errorf("storage: receiving a snapshot: %w", err)
-	}
-	// Everything but the last 4 bytes of the body is summed: the newest
-	// 4 bytes wait in tail.
-	if len(p) >= 4 {
-		in.crc.Write(in.tail)
-		in.crc.Write(p[:len(p)-4])
-		in.tail = append(in.tail[:0], p[len(p)-4:]...)
-	} else {
-		all := append(in.tail, p...)
-		keep := min(len(all), 4)
-		in.crc.Write(all[:len(all)-keep])
-		in.tail = append([]byte(nil), all[len(all)-keep:]...)
-	}
-	in.off += uint64(len(p))
-	return nil
-}
-
-// Body checks the whole body against its ref and its own CRC and returns
-// it, read back into memory for raft (the one copy held), then removes the
-// file.
-func (in *SnapshotIn) Body() ([]byte, error) {
-	if !in.Done() {
-		return nil, fmt.Errorf("storage: snapshot has %d of its %d bytes", in.off, in.ref.Size)
-	}
-	sum := in.crc.Sum32()
-	if stored := binary.BigEndian.Uint32(in.tail); sum != stored || sum != in.ref.CRC {
-		in.Close()
-		return nil, fmt.Errorf("storage: pulled snapshot: CRC %08x, it says %08x, its ref %08x: %w", sum, stored, in.ref.CRC, ErrCorrupt)
-	}
-	if err := in.f.Close(); err != nil {
-		in.Close()
-		return nil, fmt.Errorf("storage: receiving a snapshot: %w", err)
-	}
-	in.f = nil
-	data, err := os.ReadFile(in.path)
-	in.Close()
-	if err != nil {
-		return nil, fmt.Errorf("storage: receiving a snapshot: %w", err)
-	}
-	return data, nil
-}
-
-// Close abandons the body and removes its file.
-func (in *SnapshotIn) Close() {
-	if in.f != nil {
-		in.f.Close()
-		in.f = nil
-	}
-	os.Remove(in.path)
-}
-
-// DropSnapshotFiles removes the snapshot files an earlier run left in the
-// data dir: a body built for raft (it is rebuilt when asked for) and one
-// being received (a new pull starts over). Call it before the node starts.
+// DropSnapshotFiles removes what snapshots an earlier run left in the
+// data dir: a body built for raft (it is rebuilt when asked for), and one
+// being received (a new pull starts over): the staging bucket, and the
+// file builds before it received into. Call it before the node starts.
 func (db *DB) DropSnapshotFiles() {
 	if db.ro {
 		return
+	}
+	if err := db.dropStaging(); err != nil {
+		db.log.Warn("dropping a snapshot an earlier run received in part failed: the next one received drops it", "error", err)
 	}
 	db.snapMu.Lock()
 	defer db.snapMu.Unlock()

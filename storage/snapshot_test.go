@@ -266,9 +266,9 @@ func TestBackfillCompletes(t *testing.T) {
 }
 
 // A snapshot past the inline limit travels as a ref: the member pulls its
-// body in chunks from the master's file, checks it and installs it, with
-// the same broker state; a damaged body is refused, a stale ref answered
-// ErrSnapshotGone.
+// body in chunks from the master's file, decoding them into its staging,
+// checks it and installs it, with the same broker state; a damaged body is
+// refused, a stale ref answered ErrSnapshotGone.
 func TestLargeSnapshotIsPulledInChunks(t *testing.T) {
 	master := testOpen(t, t.TempDir(), nil)
 	master.SetSnapshotInline(4 << 10)
@@ -285,8 +285,9 @@ func TestLargeSnapshotIsPulledInChunks(t *testing.T) {
 	if !ok || ref.Index != 10 || ref.Size < 50<<10 {
 		t.Fatalf("snapshot data of %d bytes, ref %+v %v: want a ref to a body of 50KiB or more", len(snap.Data), ref, ok)
 	}
+	joiner := testOpen(t, t.TempDir(), nil)
 	pull := func(ref SnapshotRef, damage bool) ([]byte, error) {
-		in, err := master.ReceiveSnapshot(ref)
+		in, err := joiner.ReceiveSnapshot(ref)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -296,33 +297,46 @@ func TestLargeSnapshotIsPulledInChunks(t *testing.T) {
 				in.Close()
 				return nil, err
 			}
-			if damage && in.Offset() == 0 {
-				chunk[100] ^= 1
+			if damage && in.Offset() > 0 {
+				chunk[100] ^= 1 // wherever it lands, the body is refused
 			}
 			if err := in.Write(chunk); err != nil {
-				t.Fatal(err)
+				in.Close()
+				return nil, err
 			}
 		}
-		return in.Body()
+		return in.Finish()
 	}
 	if _, err := pull(ref, true); !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("damaged body: %v, want ErrCorrupt", err)
+	}
+	if joiner.SnapshotStaged(ref) {
+		t.Fatal("a damaged body is staged for an install")
 	}
 	stale := ref
 	stale.CRC++
 	if _, err := pull(stale, false); !errors.Is(err, ErrSnapshotGone) {
 		t.Fatalf("stale ref: %v, want ErrSnapshotGone", err)
 	}
-	body, err := pull(ref, false)
+	data, err := pull(ref, false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	joiner := testOpen(t, t.TempDir(), nil)
-	snap.Data = body
+	if got, ok := ParseStagedSnapshot(data); !ok || got != ref || !joiner.SnapshotStaged(ref) {
+		t.Fatalf("Finish gave %q (%+v %v), want the staged ref %+v", data, got, ok, ref)
+	}
+	snap.Data = data
 	if err := joiner.ApplySnapshot(snap); err != nil {
 		t.Fatal(err)
 	}
 	if want, got := bucketContents(t, master, BucketSessions), bucketContents(t, joiner, BucketSessions); !maps.Equal(want, got) {
 		t.Fatalf("joiner holds %d keys, the master %d", len(got), len(want))
+	}
+	if joiner.SnapshotStaged(ref) {
+		t.Error("the install left the snapshot staged")
+	}
+	// Once installed, the staged ref is not installed again.
+	if err := joiner.ApplySnapshot(snap); err == nil {
+		t.Error("a second install of the same staged ref succeeded")
 	}
 }
