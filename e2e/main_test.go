@@ -20,7 +20,10 @@ import (
 // binDir holds the tandem binary TestMain's first caller of tandemBin
 // builds; removed when the tests end.
 var (
-	binDir   string
+	binDir string
+	// buildMu guards builtBin, buildErr and otherBuilt, and serialises
+	// every go build the tests run: two at once would only fight over
+	// the cores while the tests beside them wait on timers.
 	buildMu  sync.Mutex
 	builtBin string
 	buildErr error
