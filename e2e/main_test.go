@@ -1,6 +1,14 @@
 // Package e2e holds tests that run real tandem processes on real networks:
 // network-namespace hosts from internal/netns, real mDNS between them.
 // They need root and iproute2 and skip without them (fail under CI=true).
+//
+// Every test calls t.Parallel, after the builds it needs (tests run one at
+// a time until then): namespace names carry the pid and a counter, and
+// the bridge, the veths and the 198.51.100.0/24 addresses live inside a
+// test's own namespaces, so nothing collides. A test that changes
+// process-wide state (the environment, a fixed port of the machine's own
+// namespace) must not. The hostile-device suite stays serial: it floods
+// its gateways as fast as the cores allow, and make test runs it alone.
 package e2e
 
 import (
