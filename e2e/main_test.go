@@ -14,10 +14,12 @@ package e2e
 import (
 	"bufio"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -37,9 +39,15 @@ var (
 	buildErr error
 )
 
+// defaultParallel is how many tests run at once unless -test.parallel
+// says otherwise. Each test has network namespaces of its own and mostly
+// waits on timeouts and elections, so more of them than cores fit.
+const defaultParallel = 4
+
 // TestMain also serves as the helper process the tests start inside a
 // namespace: with TANDEM_E2E_HELPER set, the test binary runs that helper
-// instead of the tests (see runHelper).
+// instead of the tests (see runHelper). It runs defaultParallel tests at
+// once unless -test.parallel (go test -parallel) is given.
 func TestMain(m *testing.M) {
 	if h := os.Getenv("TANDEM_E2E_HELPER"); h != "" {
 		os.Exit(runHelper(h))
@@ -50,6 +58,15 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	binDir = dir
+	flag.Parse()
+	explicit := false
+	flag.Visit(func(f *flag.Flag) { explicit = explicit || f.Name == "test.parallel" })
+	if !explicit {
+		if err := flag.Set("test.parallel", strconv.Itoa(defaultParallel)); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+	}
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)
