@@ -20,7 +20,14 @@ RACE_SKIP := ^TestCrashKill9
 # starve the timing of the tests beside it.
 HOSTILE := ^TestHostileDevices
 # Packages whose tests also run on ARM under qemu-user (make test-arm).
-ARM_TEST_PKGS := ./storage/ ./replication/
+# armv7 runs both: a 32-bit platform is where misaligned 64-bit atomics
+# and int overflows show, in replication as much as in storage. arm64 runs
+# storage only (15 s less wall time, 25 s less CPU, measured on the
+# 2-core machine): it is 64-bit and little-endian like amd64, which runs
+# replication in every other pass, so what is left to find there is the
+# on-disk format and the fsync path.
+ARM_TEST_PKGS   := ./storage/ ./replication/
+ARM64_TEST_PKGS := ./storage/
 # Every go test run of make test and make test-arm goes through
 # internal/testsummary, which prints what go test would and then "N passed,
 # M failed, K skipped" with each skipped test and its reason (go test shows
@@ -88,7 +95,8 @@ test: deps vet build $(TESTSUM)
 $(TESTSUM): $(wildcard internal/testsummary/*.go)
 	$(GO) build -o $@ ./internal/testsummary
 
-# The storage and replication tests on arm64 and armv7, run by qemu-user
+# The storage tests on arm64, and those of storage and replication on
+# armv7 (ARM64_TEST_PKGS, ARM_TEST_PKGS), run by qemu-user
 # (Debian's qemu-user-static): go test -exec needs no binfmt_misc, and
 # TANDEM_TEST_EXEC lets a test start its binary as a child through qemu
 # too. CI installs qemu; elsewhere its absence skips this with a message.
@@ -100,7 +108,7 @@ test-arm: $(TESTSUM)
 		echo "test-arm: SKIPPED: $$q missing (apt-get install qemu-user-static)"; exit 0; \
 	done; \
 	set -x; \
-	TANDEM_TEST_EXEC=qemu-aarch64-static CGO_ENABLED=0 GOARCH=arm64 $(GO) test -json -trimpath -count=1 -timeout 8m -exec qemu-aarch64-static $(ARM_TEST_PKGS) \
+	TANDEM_TEST_EXEC=qemu-aarch64-static CGO_ENABLED=0 GOARCH=arm64 $(GO) test -json -trimpath -count=1 -timeout 8m -exec qemu-aarch64-static $(ARM64_TEST_PKGS) \
 		| $(TESTSUM) $(if $(TESTREC),-record $(TESTREC)) && \
 	TANDEM_TEST_EXEC=qemu-arm-static CGO_ENABLED=0 GOARCH=arm GOARM=7 $(GO) test -json -trimpath -count=1 -timeout 8m -exec qemu-arm-static $(ARM_TEST_PKGS) \
 		| $(TESTSUM) $(if $(TESTREC),-record $(TESTREC))

@@ -418,6 +418,7 @@ func checkAll(t *testing.T, acked map[string]time.Time, gws ...*gw) {
 }
 
 func TestThreeGatewaysSurviveMasterKill(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 3)
 	g1, g2, g3 := startThree(t, nt)
 	g2.join(g1)
@@ -524,6 +525,7 @@ func TestThreeGatewaysSurviveMasterKill(t *testing.T) {
 }
 
 func TestGrowAndShrinkUnderLoad(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 3)
 	g1, g2, g3 := startThree(t, nt)
 	g2.join(g1)

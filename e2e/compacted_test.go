@@ -89,6 +89,7 @@ func floodUntil(t *testing.T, g *gw, n int, refusing time.Duration) {
 // the master keeps acking sync publishes, and keeps that state across a
 // restart.
 func TestJoinOfAThirdGatewayToACompactedCluster(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 3)
 	g1, g2, g3 := newGW(t, nt.Hosts[0], "gw-1", smallBudget), newGW(t, nt.Hosts[1], "gw-2", smallBudget), newGW(t, nt.Hosts[2], "gw-3", smallBudget)
 	g1.start()
@@ -160,6 +161,7 @@ func persistentDevice(t *testing.T, g *gw, id string, clean bool, onMsg func(*pa
 // set while it was away, and the persistent session it had, which its
 // device resumes there.
 func TestSlaveCutOffPastTheCompactionPointInstallsTheSnapshot(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 2)
 	g1, g2 := newGW(t, nt.Hosts[0], "gw-1", smallBudget), newGW(t, nt.Hosts[1], "gw-2", smallBudget)
 	g1.start()

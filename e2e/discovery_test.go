@@ -181,6 +181,7 @@ func infoFor(n int) discovery.Info {
 // follows live changes (term, role, pairing) and an address change, and
 // stops listing one that is gone.
 func TestPeersOverMDNS(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 3)
 	h1, h2, h3 := nt.Hosts[0], nt.Hosts[1], nt.Hosts[2]
 	tandemBin(t) // build before the clock starts
@@ -221,6 +222,7 @@ func TestPeersOverMDNS(t *testing.T) {
 // elsewhere finds the avahi-published gateway with current TXT values, and
 // `tandem peers` beside avahi (browsing through it) finds both.
 func TestAvahi(t *testing.T) {
+	t.Parallel()
 	netns.Skip(t, "avahi-daemon", "avahi-browse", "dbus-daemon", "unshare")
 	nt := netns.New(t, 2)
 	h1, h2 := nt.Hosts[0], nt.Hosts[1]

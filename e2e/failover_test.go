@@ -40,6 +40,7 @@ func merge(ls ...*load) map[string]time.Time {
 }
 
 func TestTwoGatewaysPromoteAndRejoin(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 2)
 	g1, g2 := startPair(t, nt)
 	both := func(i int) []*gw { return []*gw{[]*gw{g1, g2}[i%2], []*gw{g1, g2}[(i+1)%2]} }
@@ -98,6 +99,7 @@ func logLine(t *testing.T, g *gw, want string) string {
 }
 
 func TestTwoGatewaysAutoFailoverSplitBrainRepaired(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 2)
 	auto := []string{"  failover: auto", "  failover_after: 3s"}
 	g1, g2 := newGW(t, nt.Hosts[0], "gw-1", auto...), newGW(t, nt.Hosts[1], "gw-2", auto...)
@@ -128,6 +130,7 @@ func TestTwoGatewaysAutoFailoverSplitBrainRepaired(t *testing.T) {
 }
 
 func TestThreeGatewaysMasterCutOff(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 3)
 	g1, g2, g3 := startThree(t, nt)
 	g2.join(g1)
@@ -169,6 +172,7 @@ func waitRoleNot(t *testing.T, g *gw, role string, within time.Duration) {
 }
 
 func TestRestartsUnderLoadLoseNothing(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 3)
 	gws := []*gw{newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2"), newGW(t, nt.Hosts[2], "gw-3")}
 	for _, g := range gws {

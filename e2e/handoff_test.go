@@ -56,6 +56,7 @@ func (g *gw) fill(left int64) func() {
 // subscribers still get every message; /healthz on it says 200 again once
 // the new master leads. Space back, it takes publishes as before.
 func TestMasterBelowMinFreeHandsOver(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 3)
 	const storage = "storage:\n  min_free: 16MiB" // a section after cluster's lines
 	g1, g2, g3 := newGW(t, nt.Hosts[0], "gw-1", storage), newGW(t, nt.Hosts[1], "gw-2", storage), newGW(t, nt.Hosts[2], "gw-3", storage)

@@ -194,6 +194,7 @@ func servesNew(t *testing.T, g, master *gw, topic string, acked map[string]time.
 // serves: a subscriber on it receives what is published after, and its
 // log holds every record acked in the cluster.
 func TestDamagedSlaveResyncsFromMaster(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 2)
 	g1, g2 := startPair(t, nt)
 	acked := publishOn(t, g1, "a/heal", 2, 100)
@@ -234,6 +235,7 @@ func TestDamagedSlaveResyncsFromAMasterThatMoved(t *testing.T) {
 // data file is then found damaged, rejoins the new master as its slave the
 // same way, under a fresh id.
 func TestDamagedDeposedMasterResyncsAsSlave(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 2)
 	g1, g2 := startPair(t, nt)
 	acked := publishOn(t, g1, "a/heal", 2, 100)
@@ -255,6 +257,7 @@ func TestDamagedDeposedMasterResyncsAsSlave(t *testing.T) {
 // by index range in the log (error level), status (storage.lost) and
 // metrics (tandem_storage_lost_records_total). Nothing else is lost.
 func TestDamagedMasterReportsWhatOnlyItHeld(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 2)
 	g1, g2 := startPair(t, nt)
 	acked := publishOn(t, g1, "a/heal", 2, 50)
@@ -333,6 +336,7 @@ func (g *gw) metric(t *testing.T, name string) float64 {
 // the keeper promotes it — and the cluster ends with three voters again,
 // every acked record on each.
 func TestDamagedVoterOfThreeResyncs(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 3)
 	g1, g2, g3 := startThree(t, nt)
 	g2.join(g1)

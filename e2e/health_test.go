@@ -184,6 +184,10 @@ func TestThreeGatewaysCutOffMasterHealthz(t *testing.T) {
 	nt.Partition([]*netns.Host{nt.Hosts[0]}, []*netns.Host{nt.Hosts[1], nt.Hosts[2]})
 	master := waitMaster(t, time.Now().Add(10*time.Second), g2, g3)
 	waitRoleNot(t, g1, "master", 5*time.Second)
+	// The gate that answers /healthz takes the step-down a moment after
+	// the role shows it (4 ms apart in a loaded run: "role changed", then
+	// "not taking publishes"): 503 first, then it must hold.
+	waitHealthz(t, g1, 503, 5*time.Second)
 	// Once it stepped down, and for as long as it is cut off.
 	for end := time.Now().Add(2 * time.Second); time.Now().Before(end); {
 		if code, body := g1.healthzBody(); code != 503 || !strings.Contains(body, "no master reachable") {

@@ -16,6 +16,7 @@ import (
 // join returns (before, join returned with the third still a learner: two
 // voters, and the master's loss left no majority).
 func TestThreeGatewaysFormedWithJoinSurviveAnImmediateMasterKill(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 3)
 	g1, g2, g3 := startThree(t, nt)
 	g2.join(g1)

@@ -1,15 +1,25 @@
 // Package e2e holds tests that run real tandem processes on real networks:
 // network-namespace hosts from internal/netns, real mDNS between them.
 // They need root and iproute2 and skip without them (fail under CI=true).
+//
+// Every test calls t.Parallel, after the builds it needs (tests run one at
+// a time until then): namespace names carry the pid and a counter, and
+// the bridge, the veths and the 198.51.100.0/24 addresses live inside a
+// test's own namespaces, so nothing collides. A test that changes
+// process-wide state (the environment, a fixed port of the machine's own
+// namespace) must not. The hostile-device suite stays serial: it floods
+// its gateways as fast as the cores allow, and make test runs it alone.
 package e2e
 
 import (
 	"bufio"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -20,15 +30,24 @@ import (
 // binDir holds the tandem binary TestMain's first caller of tandemBin
 // builds; removed when the tests end.
 var (
-	binDir   string
+	binDir string
+	// buildMu guards builtBin, buildErr and otherBuilt, and serialises
+	// every go build the tests run: two at once would only fight over
+	// the cores while the tests beside them wait on timers.
 	buildMu  sync.Mutex
 	builtBin string
 	buildErr error
 )
 
+// defaultParallel is how many tests run at once unless -test.parallel
+// says otherwise. Each test has network namespaces of its own and mostly
+// waits on timeouts and elections, so more of them than cores fit.
+const defaultParallel = 4
+
 // TestMain also serves as the helper process the tests start inside a
 // namespace: with TANDEM_E2E_HELPER set, the test binary runs that helper
-// instead of the tests (see runHelper).
+// instead of the tests (see runHelper). It runs defaultParallel tests at
+// once unless -test.parallel (go test -parallel) is given.
 func TestMain(m *testing.M) {
 	if h := os.Getenv("TANDEM_E2E_HELPER"); h != "" {
 		os.Exit(runHelper(h))
@@ -39,6 +58,15 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	binDir = dir
+	flag.Parse()
+	explicit := false
+	flag.Visit(func(f *flag.Flag) { explicit = explicit || f.Name == "test.parallel" })
+	if !explicit {
+		if err := flag.Set("test.parallel", strconv.Itoa(defaultParallel)); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+	}
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)

@@ -30,10 +30,8 @@ import (
 // gateways restarted on another binary, and what a rolling upgrade must
 // keep.
 
-var (
-	otherMu    sync.Mutex
-	otherBuilt = map[string]string{} // key → binary path
-)
+// otherBuilt maps a build's key to its binary's path; guarded by buildMu.
+var otherBuilt = map[string]string{}
 
 // previousRelease is the last release RELEASES lists: its tag and commit.
 func previousRelease(t *testing.T) (tag, commit string) {
@@ -63,8 +61,8 @@ func previousRelease(t *testing.T) (tag, commit string) {
 func releaseBin(t *testing.T) (bin, tag string) {
 	t.Helper()
 	tag, commit := previousRelease(t)
-	otherMu.Lock()
-	defer otherMu.Unlock()
+	buildMu.Lock()
+	defer buildMu.Unlock()
 	if b := otherBuilt[commit]; b != "" {
 		return b, tag
 	}
@@ -562,8 +560,8 @@ func nextBin(t *testing.T) string { return tagBin(t, "tandem_next", "tandem-next
 // tagBin builds this tree with -tags tag as binDir/name, once per run.
 func tagBin(t *testing.T, tag, name string) string {
 	t.Helper()
-	otherMu.Lock()
-	defer otherMu.Unlock()
+	buildMu.Lock()
+	defer buildMu.Unlock()
 	if b := otherBuilt[name]; b != "" {
 		return b
 	}

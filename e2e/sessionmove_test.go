@@ -93,6 +93,7 @@ func (m *mover5) connect(addr string) bool {
 // whose client keeps its packet-id state [MQTT-4.3.3-9]; QoS 1 duplicates
 // are counted (at most the cursor window since the last replicated batch).
 func TestPersistentSessionMovesWhenItsGatewayDies(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 3)
 	g1, g2, g3 := startThree(t, nt)
 	g2.join(g1)

@@ -128,6 +128,9 @@ func TestUpgradeFromPreviousRelease(t *testing.T) {
 	netns.Skip(t)
 	old, tag := releaseBin(t)
 	cur := tandemBin(t)
+	// The builds first, alone (tests run one at a time until each has
+	// called Parallel); the rest mostly waits, beside the other tests.
+	t.Parallel()
 	began := time.Now()
 	g1, g2, g3 := threeOf(t, old)
 	gws := []*gw{g1, g2, g3}
@@ -222,6 +225,9 @@ func TestPreviousReleaseRefusesADataDirWithPieces(t *testing.T) {
 	netns.Skip(t)
 	old, tag := releaseBin(t)
 	cur := tandemBin(t)
+	// The builds first, alone (tests run one at a time until each has
+	// called Parallel); the rest mostly waits, beside the other tests.
+	t.Parallel()
 	nt := netns.New(t, 1)
 	g := newGW(t, nt.Hosts[0], "gw-1")
 	g.startBin(cur)
@@ -303,6 +309,9 @@ const noteKind = "kind-6"
 func TestUpgradeToNextLevel(t *testing.T) {
 	netns.Skip(t)
 	cur, next := tandemBin(t), nextBin(t)
+	// The builds first, alone (tests run one at a time until each has
+	// called Parallel); the rest mostly waits, beside the other tests.
+	t.Parallel()
 	began := time.Now()
 	g1, g2, g3 := threeOf(t, cur)
 	gws := []*gw{g1, g2, g3}

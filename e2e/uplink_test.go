@@ -137,6 +137,7 @@ func waitCloud(t *testing.T, rec *cloudtest.Recorder, acked map[string]time.Time
 // healed: every acked record reaches the cloud, in per-device order; the
 // duplicates are only what the cut's in-flight window sent again.
 func TestUplinkCutAndHealedUnderLoad(t *testing.T) {
+	t.Parallel()
 	netns.Skip(t, "iptables")
 	nt := netns.New(t, 2)
 	cloud, rec, _ := startCloud(t, nt.Hosts[1])
@@ -202,6 +203,7 @@ func metric(t *testing.T, g *gw, name string) uint64 {
 // window since the last replicated position. A downlink message reaches
 // a device on a slave, once.
 func TestUplinkMasterKilledWhileDraining(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 4)
 	cloud, rec, dial := startCloud(t, nt.Hosts[3])
 	const rate = uplinkRate
@@ -312,6 +314,7 @@ func resumedAt(t *testing.T, rec *cloudtest.Recorder, acked map[string]time.Time
 // Two gateways; the master is killed -9 while its uplink drains, and the
 // slave is promoted: it resumes from the replicated position.
 func TestUplinkMasterKilledWhileDrainingPromoted(t *testing.T) {
+	t.Parallel()
 	nt := netns.New(t, 3)
 	cloud, rec, _ := startCloud(t, nt.Hosts[2])
 	g1, g2 := newGW(t, nt.Hosts[0], "gw-1"), newGW(t, nt.Hosts[1], "gw-2")
