@@ -19,6 +19,12 @@ RACE_SKIP := ^TestCrashKill9
 # it runs on its own after the parallel pass, so that its load does not
 # starve the timing of the tests beside it.
 HOSTILE := ^TestHostileDevices
+# The peer port's admission tests flood it from 40 addresses and give a
+# join a few seconds: a property of the sockets and the timing, the same Go
+# code on every architecture, which under qemu's emulation on a loaded
+# machine measures the emulator (failed CI on armv7). They run natively in
+# the plain and race passes; make test-arm leaves them out.
+ARM_SKIP := ^Test(TransportKnockFloodFromOneAddress|MemberLinkUnaffectedByStrangerFlood|PeerStrangersCannotLockOutAJoin)$$
 # Packages whose tests also run on ARM under qemu-user (make test-arm).
 # armv7 runs both: a 32-bit platform is where misaligned 64-bit atomics
 # and int overflows show, in replication as much as in storage. arm64 runs
@@ -110,7 +116,7 @@ test-arm: $(TESTSUM)
 	set -x; \
 	TANDEM_TEST_EXEC=qemu-aarch64-static CGO_ENABLED=0 GOARCH=arm64 $(GO) test -json -trimpath -count=1 -timeout 8m -exec qemu-aarch64-static $(ARM64_TEST_PKGS) \
 		| $(TESTSUM) $(if $(TESTREC),-record $(TESTREC)) && \
-	TANDEM_TEST_EXEC=qemu-arm-static CGO_ENABLED=0 GOARCH=arm GOARM=7 $(GO) test -json -trimpath -count=1 -timeout 8m -exec qemu-arm-static $(ARM_TEST_PKGS) \
+	TANDEM_TEST_EXEC=qemu-arm-static CGO_ENABLED=0 GOARCH=arm GOARM=7 $(GO) test -json -trimpath -count=1 -timeout 8m -exec qemu-arm-static -skip '$(ARM_SKIP)' $(ARM_TEST_PKGS) \
 		| $(TESTSUM) $(if $(TESTREC),-record $(TESTREC))
 
 # Static, stripped, version-stamped binaries: $(BINDIR)/tandem-linux-ARCH.

@@ -130,7 +130,9 @@ func sessionsOf(t *testing.T, tn *testNode) map[string]string {
 // waitSameState waits until b holds a's sessions bucket.
 func waitSameState(t *testing.T, a, b *testNode) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
+	// As waitFor's: a snapshot larger than a frame, pulled again after a
+	// restart, took more than 10 s under qemu's armv7 on a loaded machine.
+	deadline := time.Now().Add(30 * time.Second)
 	for {
 		want, got := sessionsOf(t, a), sessionsOf(t, b)
 		if maps.Equal(want, got) {
