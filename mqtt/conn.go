@@ -596,17 +596,21 @@ func (c *conn) writer() {
 		c.resume = false
 		c.wmu.Unlock()
 		failed := false
+		// One clock reading per round: the acks' latencies and the write
+		// deadline (a round is a batch: with many clients it holds many
+		// acks).
+		now := time.Now()
 		if !closing && connacked {
 			if resume {
 				buf = c.resend(buf)
 			}
-			buf, failed = c.takeAcks(buf)
+			buf, failed = c.takeAcks(buf, now)
 			if !failed {
 				buf = c.takeDeliveries(buf)
 			}
 		}
 		if len(buf) > 0 {
-			_ = c.nc.SetWriteDeadline(time.Now().Add(c.writeTimeout()))
+			_ = c.nc.SetWriteDeadline(now.Add(c.writeTimeout()))
 			if _, err := c.nc.Write(buf); err != nil {
 				failed = true
 				c.srv.lines.Debug("writing to a client failed", "client", c.id, "error", err)

@@ -302,8 +302,9 @@ func (c *conn) resolve(a *inAck, err error) {
 // next publish the moment it reads them, and must not find them still
 // counted (FACTS.md). failed is true when a refused publish of a 3.1.1
 // client, which has no negative ack, ends the connection after the acks
-// before it.
-func (c *conn) takeAcks(buf []byte) (_ []byte, failed bool) {
+// before it. now is the writer's clock reading for this round, what the
+// acks' latencies are measured to.
+func (c *conn) takeAcks(buf []byte, now time.Time) (_ []byte, failed bool) {
 	c.amu.Lock()
 	n := 0
 	for n < len(c.acks) && c.acks[n].done {
@@ -331,7 +332,7 @@ func (c *conn) takeAcks(buf []byte) (_ []byte, failed bool) {
 	obs := c.srv.observer()
 	for i, a := range batch {
 		if !a.resend {
-			obs.Acked(a.mode, a.err, time.Since(a.start))
+			obs.Acked(a.mode, a.err, now.Sub(a.start))
 		}
 		if a.err != nil {
 			c.srv.lines.Warn("publish not acked", "client", c.id, "packet_id", a.pid, "qos", a.qos, "error", a.err)
@@ -340,7 +341,7 @@ func (c *conn) takeAcks(buf []byte) (_ []byte, failed bool) {
 				// resends. The acks after it are not written.
 				for _, rest := range batch[i+1:] {
 					if !rest.resend {
-						obs.Acked(rest.mode, errors.New("connection closed"), time.Since(rest.start))
+						obs.Acked(rest.mode, errors.New("connection closed"), now.Sub(rest.start))
 					}
 				}
 				return buf, true
