@@ -245,6 +245,13 @@ func (c *conn) read() (pk packets.Packet, err error) {
 	if _, err := io.ReadFull(c.br, buf); err != nil {
 		return pk, err
 	}
+	if plainPublish(&pk, buf, c.v == 5) {
+		// Nearly every packet: nothing for checkWire to look at.
+		if err := decodePlainPublish(&pk, buf); err != nil {
+			return pk, errProtocol{code: packets.ErrMalformedPacket, why: err.Error()}
+		}
+		return pk, nil
+	}
 	if err := decode(&pk, buf); err != nil {
 		return pk, errProtocol{code: packets.ErrMalformedPacket, why: err.Error()}
 	}
@@ -252,6 +259,21 @@ func (c *conn) read() (pk packets.Packet, err error) {
 		return pk, errProtocol{e.code, e.why}
 	}
 	return pk, nil
+}
+
+// decodePlainPublish decodes a PUBLISH that plainPublish took. An MQTT 5
+// one is decoded as 3.1.1 (topic, packet id, payload), and its empty
+// properties block, the payload's first byte then, is dropped: mochi's
+// decoder would allocate a reader for those properties, on every publish.
+func decodePlainPublish(pk *packets.Packet, buf []byte) error {
+	v := pk.ProtocolVersion
+	pk.ProtocolVersion = 4
+	err := decode(pk, buf)
+	pk.ProtocolVersion = v
+	if err == nil && v == 5 {
+		pk.Payload = pk.Payload[1:]
+	}
+	return err
 }
 
 // decode decodes buf into pk by its type. A panic in the codec (mochi

@@ -1,6 +1,7 @@
 package mqtt
 
 import (
+	"reflect"
 	"testing"
 
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -61,6 +62,39 @@ func BenchmarkCheckWirePublish(b *testing.B) {
 	for b.Loop() {
 		if e := checkWire(&pk, body); e != nil {
 			b.Fatal(e.why)
+		}
+	}
+}
+
+// TestDecodePlainPublishAsMochiDoes: a publish the fast path takes decodes
+// to the packet mochi's decoder makes of it, and a topic mochi refuses
+// (not UTF-8, a NUL) is refused too.
+func TestDecodePlainPublishAsMochiDoes(t *testing.T) {
+	cases := []struct{ topic, payload string }{
+		{"a/b", "payload"}, {"a/b", ""}, {"x", "\x00\x01"}, {"é/ü", "p"}, {"bad\xff", "p"}, {"nul\x00", "p"},
+	}
+	for _, v := range []byte{4, 5} {
+		var props []byte
+		if v == 5 {
+			props = propsBlock()
+		}
+		for qos := byte(0); qos <= 2; qos++ {
+			for _, c := range cases {
+				body := publishBody(c.topic, qos, props, c.payload)
+				want := packets.Packet{ProtocolVersion: v, FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: qos, Remaining: len(body)}}
+				got := want
+				if !plainPublish(&got, body, v == 5) {
+					t.Fatalf("v%d QoS %d %q: not taken by the fast path", v, qos, c.topic)
+				}
+				errWant, errGot := decode(&want, body), decodePlainPublish(&got, body)
+				if (errWant == nil) != (errGot == nil) {
+					t.Errorf("v%d QoS %d %q: mochi %v, the fast path %v", v, qos, c.topic, errWant, errGot)
+					continue
+				}
+				if errWant == nil && !reflect.DeepEqual(want, got) {
+					t.Errorf("v%d QoS %d %q: mochi decoded\n%+v\nthe fast path\n%+v", v, qos, c.topic, want, got)
+				}
+			}
 		}
 	}
 }
