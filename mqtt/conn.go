@@ -82,6 +82,10 @@ type conn struct {
 	// willCharge is what the will is charged while the connection holds
 	// it; the read loop's goroutine alone touches it.
 	willCharge int64
+	// pubMsg is the Message each publish is proposed as, the read loop's
+	// own: the Log keeps nothing of it past Propose (Log's rule), and
+	// one per publish was an allocation of 200-odd bytes.
+	pubMsg Message
 	// refusedConnect: a refusing CONNACK was sent (the read loop's own);
 	// the socket lingers before it closes, as after a DISCONNECT.
 	refusedConnect bool
@@ -112,8 +116,7 @@ type inAck struct {
 	err    error
 	mode   AckMode
 	start  time.Time
-	resend bool // a QoS 2 resend answered without a new record
-	msg    Message
+	resend bool      // a QoS 2 resend answered without a new record
 	in2    *inbound2 // QoS 2: the inbound entry this publish made
 	// charged is the memory this publish holds while the log takes it
 	// (memory.go), given back when it is resolved.

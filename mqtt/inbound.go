@@ -99,9 +99,9 @@ func (c *conn) publish(pk *packets.Packet) bool {
 	}
 	srv.observer().Published(mode, qos, rule)
 	charged := c.chargeIn(publishCost(len(pk.TopicName), len(pk.Payload)))
+	m := &c.pubMsg
+	m.fromPacket(c.id, pk, srv.cfg.Now().UnixNano())
 	if qos == 0 {
-		m := &Message{}
-		m.fromPacket(c.id, pk, srv.cfg.Now().UnixNano())
 		srv.log.Reserve(m)
 		if res != nil {
 			res.track(m.Seq)
@@ -113,11 +113,10 @@ func (c *conn) publish(pk *packets.Packet) bool {
 			}
 			srv.logFailure(err)
 		})
+		c.pubMsg = Message{} // it would hold the packet's buffer while the connection idles
 		return true
 	}
 	a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now, charged: charged}
-	m := &a.msg
-	m.fromPacket(c.id, pk, srv.cfg.Now().UnixNano())
 	srv.log.Reserve(m)
 	resolved := a.resolved
 	if res != nil {
@@ -151,6 +150,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 	}
 	c.queueAck(a)
 	srv.log.Propose(m, mode, resolved)
+	c.pubMsg = Message{}
 	return true
 }
 
