@@ -185,6 +185,7 @@ func (c *conn) open() bool {
 
 // loop reads and handles packets until the connection ends.
 func (c *conn) loop() {
+	var pk packets.Packet
 	for {
 		if c.keepalive > 0 {
 			// [MQTT-3.1.2-24]: one and a half times the keep alive.
@@ -197,8 +198,7 @@ func (c *conn) loop() {
 		if c.isEnded() || !c.waitMemory() {
 			return
 		}
-		pk, err := c.read()
-		if err != nil {
+		if err := c.read(&pk); err != nil {
 			c.readFailed(err)
 			return
 		}
@@ -208,34 +208,37 @@ func (c *conn) loop() {
 	}
 }
 
-// read reads one packet. Before CONNECT is authenticated a packet may
-// take at most preAuthMaxPacket bytes, out of a budget shared by every
-// such connection.
-func (c *conn) read() (pk packets.Packet, err error) {
+// read reads one packet into pk, which it zeroes first (a Packet is 800
+// bytes: returned by value, it was copied once more per packet). Before
+// CONNECT is authenticated a packet may take at most preAuthMaxPacket
+// bytes, out of a budget shared by every such connection. On an error pk
+// holds what was decoded.
+func (c *conn) read(pk *packets.Packet) error {
+	*pk = packets.Packet{}
 	hb, err := c.br.ReadByte()
 	if err != nil {
-		return pk, err
+		return err
 	}
 	if err := pk.FixedHeader.Decode(hb); err != nil {
-		return pk, errProtocol{code: packets.ErrMalformedPacket}
+		return errProtocol{code: packets.ErrMalformedPacket}
 	}
 	rem, lenBytes, err := packets.DecodeLength(c.br)
 	if err != nil {
 		if errors.Is(err, packets.ErrMalformedVariableByteInteger) {
-			return pk, errProtocol{code: packets.ErrMalformedPacket}
+			return errProtocol{code: packets.ErrMalformedPacket}
 		}
-		return pk, err
+		return err
 	}
 	limit := int(c.srv.cfg.MaxPacketSize)
 	if !c.authed {
 		limit = min(limit, preAuthMaxPacket)
 	}
 	if 1+lenBytes+rem > limit {
-		return pk, errProtocol{code: packets.ErrPacketTooLarge} // [MQTT-3.2.2-15]
+		return errProtocol{code: packets.ErrPacketTooLarge} // [MQTT-3.2.2-15]
 	}
 	if !c.authed {
 		if !c.srv.preAuth.take(rem) {
-			return pk, errors.New("pre-connect buffer budget exhausted")
+			return errors.New("pre-connect buffer budget exhausted")
 		}
 		defer c.srv.preAuth.give(rem)
 	}
@@ -246,22 +249,22 @@ func (c *conn) read() (pk packets.Packet, err error) {
 	// so it must never be reused.
 	buf := make([]byte, rem)
 	if _, err := io.ReadFull(c.br, buf); err != nil {
-		return pk, err
+		return err
 	}
-	if plainPublish(&pk, buf, c.v == 5) {
+	if plainPublish(pk, buf, c.v == 5) {
 		// Nearly every packet: nothing for checkWire to look at.
-		if err := decodePlainPublish(&pk, buf); err != nil {
-			return pk, errProtocol{code: packets.ErrMalformedPacket, why: err.Error()}
+		if err := decodePlainPublish(pk, buf); err != nil {
+			return errProtocol{code: packets.ErrMalformedPacket, why: err.Error()}
 		}
-		return pk, nil
+		return nil
 	}
-	if err := decode(&pk, buf); err != nil {
-		return pk, errProtocol{code: packets.ErrMalformedPacket, why: err.Error()}
+	if err := decode(pk, buf); err != nil {
+		return errProtocol{code: packets.ErrMalformedPacket, why: err.Error()}
 	}
-	if e := checkWire(&pk, buf); e != nil {
-		return pk, errProtocol{e.code, e.why}
+	if e := checkWire(pk, buf); e != nil {
+		return errProtocol{e.code, e.why}
 	}
-	return pk, nil
+	return nil
 }
 
 // decodePlainPublish decodes a PUBLISH that plainPublish took. An MQTT 5
