@@ -98,6 +98,7 @@ type conn struct {
 	// The writer's own (whoever holds writing).
 	wbuf     []byte
 	ackBatch []*inAck
+	writeBy  time.Time // the write deadline set last
 	aliasOut map[string]uint16
 
 	done      chan struct{} // closed when the connection has ended
@@ -186,15 +187,24 @@ func (c *conn) open() bool {
 // loop reads and handles packets until the connection ends.
 func (c *conn) loop() {
 	var pk packets.Packet
+	// [MQTT-3.1.2-24]: one and a half times the keep alive, and up to
+	// deadlineSlack more: the deadline is moved only when it falls short
+	// of that (setting it is a timer's update, too much for every packet).
+	ka := time.Duration(c.keepalive) * 1500 * time.Millisecond
+	var by time.Time // the read deadline set last
+	if ka == 0 {
+		_ = c.nc.SetReadDeadline(time.Time{})
+	}
 	for {
-		if c.keepalive > 0 {
-			// [MQTT-3.1.2-24]: one and a half times the keep alive.
-			_ = c.nc.SetReadDeadline(time.Now().Add(time.Duration(c.keepalive) * 1500 * time.Millisecond))
-		} else {
-			_ = c.nc.SetReadDeadline(time.Time{})
+		if ka > 0 {
+			if now := time.Now(); by.Before(now.Add(ka)) {
+				by = now.Add(ka + deadlineSlack(ka))
+				_ = c.nc.SetReadDeadline(by)
+			}
 		}
 		// After the deadline is set: an end that came meanwhile set its
 		// own deadline before or after this one, and ended before it.
+		// (A deadline set by someone else, the end's, is never moved.)
 		if c.isEnded() || !c.waitMemory() {
 			return
 		}
@@ -637,8 +647,14 @@ func (c *conn) writer() {
 				buf = c.takeDeliveries(buf)
 			}
 		}
+		if wt := c.writeTimeout(); len(buf) > 0 && (closing || c.writeBy.Before(now.Add(wt))) {
+			// Moved only when it falls short, as the read deadline;
+			// when closing it is set anew (an end cuts a stuck write
+			// short with a deadline of its own).
+			c.writeBy = now.Add(wt + deadlineSlack(wt))
+			_ = c.nc.SetWriteDeadline(c.writeBy)
+		}
 		if len(buf) > 0 {
-			_ = c.nc.SetWriteDeadline(now.Add(c.writeTimeout()))
 			if _, err := c.nc.Write(buf); err != nil {
 				failed = true
 				c.srv.lines.Debug("writing to a client failed", "client", c.id, "error", err)
@@ -672,10 +688,17 @@ func (c *conn) writer() {
 }
 
 // writeTimeout is how long one write may wait for a client that does not
-// read before the connection is given up.
+// read before the connection is given up (and up to deadlineSlack more).
 func (c *conn) writeTimeout() time.Duration {
 	return max(30*time.Second, time.Duration(c.keepalive)*1500*time.Millisecond)
 }
+
+// deadlineSlack is what a connection's read or write deadline may run
+// past its timeout d: a deadline is moved only once it is less than d
+// away, to d plus this, so a connection busy with packets moves it about
+// once per slack instead of once per packet. At most a second (a keep
+// alive is a whole number of seconds), and 1/16 of d for short ones.
+func deadlineSlack(d time.Duration) time.Duration { return min(time.Second, d/16) }
 
 // peerCertificate returns the verified client certificate of a TLS
 // connection, or nil.
