@@ -82,6 +82,10 @@ type conn struct {
 	// willCharge is what the will is charged while the connection holds
 	// it; the read loop's goroutine alone touches it.
 	willCharge int64
+	// pubMsg is the Message each publish is proposed as, the read loop's
+	// own: the Log keeps nothing of it past Propose (Log's rule), and
+	// one per publish was an allocation of 200-odd bytes.
+	pubMsg Message
 	// refusedConnect: a refusing CONNACK was sent (the read loop's own);
 	// the socket lingers before it closes, as after a DISCONNECT.
 	refusedConnect bool
@@ -94,6 +98,7 @@ type conn struct {
 	// The writer's own (whoever holds writing).
 	wbuf     []byte
 	ackBatch []*inAck
+	writeBy  time.Time // the write deadline set last
 	aliasOut map[string]uint16
 
 	done      chan struct{} // closed when the connection has ended
@@ -112,8 +117,7 @@ type inAck struct {
 	err    error
 	mode   AckMode
 	start  time.Time
-	resend bool // a QoS 2 resend answered without a new record
-	msg    Message
+	resend bool      // a QoS 2 resend answered without a new record
 	in2    *inbound2 // QoS 2: the inbound entry this publish made
 	// charged is the memory this publish holds while the log takes it
 	// (memory.go), given back when it is resolved.
@@ -182,20 +186,29 @@ func (c *conn) open() bool {
 
 // loop reads and handles packets until the connection ends.
 func (c *conn) loop() {
+	var pk packets.Packet
+	// [MQTT-3.1.2-24]: one and a half times the keep alive, and up to
+	// deadlineSlack more: the deadline is moved only when it falls short
+	// of that (setting it is a timer's update, too much for every packet).
+	ka := time.Duration(c.keepalive) * 1500 * time.Millisecond
+	var by time.Time // the read deadline set last
+	if ka == 0 {
+		_ = c.nc.SetReadDeadline(time.Time{})
+	}
 	for {
-		if c.keepalive > 0 {
-			// [MQTT-3.1.2-24]: one and a half times the keep alive.
-			_ = c.nc.SetReadDeadline(time.Now().Add(time.Duration(c.keepalive) * 1500 * time.Millisecond))
-		} else {
-			_ = c.nc.SetReadDeadline(time.Time{})
+		if ka > 0 {
+			if now := time.Now(); by.Before(now.Add(ka)) {
+				by = now.Add(ka + deadlineSlack(ka))
+				_ = c.nc.SetReadDeadline(by)
+			}
 		}
 		// After the deadline is set: an end that came meanwhile set its
 		// own deadline before or after this one, and ended before it.
+		// (A deadline set by someone else, the end's, is never moved.)
 		if c.isEnded() || !c.waitMemory() {
 			return
 		}
-		pk, err := c.read()
-		if err != nil {
+		if err := c.read(&pk); err != nil {
 			c.readFailed(err)
 			return
 		}
@@ -205,34 +218,37 @@ func (c *conn) loop() {
 	}
 }
 
-// read reads one packet. Before CONNECT is authenticated a packet may
-// take at most preAuthMaxPacket bytes, out of a budget shared by every
-// such connection.
-func (c *conn) read() (pk packets.Packet, err error) {
+// read reads one packet into pk, which it zeroes first (a Packet is 800
+// bytes: returned by value, it was copied once more per packet). Before
+// CONNECT is authenticated a packet may take at most preAuthMaxPacket
+// bytes, out of a budget shared by every such connection. On an error pk
+// holds what was decoded.
+func (c *conn) read(pk *packets.Packet) error {
+	*pk = packets.Packet{}
 	hb, err := c.br.ReadByte()
 	if err != nil {
-		return pk, err
+		return err
 	}
 	if err := pk.FixedHeader.Decode(hb); err != nil {
-		return pk, errProtocol{code: packets.ErrMalformedPacket}
+		return errProtocol{code: packets.ErrMalformedPacket}
 	}
 	rem, lenBytes, err := packets.DecodeLength(c.br)
 	if err != nil {
 		if errors.Is(err, packets.ErrMalformedVariableByteInteger) {
-			return pk, errProtocol{code: packets.ErrMalformedPacket}
+			return errProtocol{code: packets.ErrMalformedPacket}
 		}
-		return pk, err
+		return err
 	}
 	limit := int(c.srv.cfg.MaxPacketSize)
 	if !c.authed {
 		limit = min(limit, preAuthMaxPacket)
 	}
 	if 1+lenBytes+rem > limit {
-		return pk, errProtocol{code: packets.ErrPacketTooLarge} // [MQTT-3.2.2-15]
+		return errProtocol{code: packets.ErrPacketTooLarge} // [MQTT-3.2.2-15]
 	}
 	if !c.authed {
 		if !c.srv.preAuth.take(rem) {
-			return pk, errors.New("pre-connect buffer budget exhausted")
+			return errors.New("pre-connect buffer budget exhausted")
 		}
 		defer c.srv.preAuth.give(rem)
 	}
@@ -243,15 +259,37 @@ func (c *conn) read() (pk packets.Packet, err error) {
 	// so it must never be reused.
 	buf := make([]byte, rem)
 	if _, err := io.ReadFull(c.br, buf); err != nil {
-		return pk, err
+		return err
 	}
-	if err := decode(&pk, buf); err != nil {
-		return pk, errProtocol{code: packets.ErrMalformedPacket, why: err.Error()}
+	if plainPublish(pk, buf, c.v == 5) {
+		// Nearly every packet: nothing for checkWire to look at.
+		if err := decodePlainPublish(pk, buf); err != nil {
+			return errProtocol{code: packets.ErrMalformedPacket, why: err.Error()}
+		}
+		return nil
 	}
-	if e := checkWire(&pk, buf); e != nil {
-		return pk, errProtocol{e.code, e.why}
+	if err := decode(pk, buf); err != nil {
+		return errProtocol{code: packets.ErrMalformedPacket, why: err.Error()}
 	}
-	return pk, nil
+	if e := checkWire(pk, buf); e != nil {
+		return errProtocol{e.code, e.why}
+	}
+	return nil
+}
+
+// decodePlainPublish decodes a PUBLISH that plainPublish took. An MQTT 5
+// one is decoded as 3.1.1 (topic, packet id, payload), and its empty
+// properties block, the payload's first byte then, is dropped: mochi's
+// decoder would allocate a reader for those properties, on every publish.
+func decodePlainPublish(pk *packets.Packet, buf []byte) error {
+	v := pk.ProtocolVersion
+	pk.ProtocolVersion = 4
+	err := decode(pk, buf)
+	pk.ProtocolVersion = v
+	if err == nil && v == 5 {
+		pk.Payload = pk.Payload[1:]
+	}
+	return err
 }
 
 // decode decodes buf into pk by its type. A panic in the codec (mochi
@@ -596,17 +634,27 @@ func (c *conn) writer() {
 		c.resume = false
 		c.wmu.Unlock()
 		failed := false
+		// One clock reading per round: the acks' latencies and the write
+		// deadline (a round is a batch: with many clients it holds many
+		// acks).
+		now := time.Now()
 		if !closing && connacked {
 			if resume {
 				buf = c.resend(buf)
 			}
-			buf, failed = c.takeAcks(buf)
+			buf, failed = c.takeAcks(buf, now)
 			if !failed {
 				buf = c.takeDeliveries(buf)
 			}
 		}
+		if wt := c.writeTimeout(); len(buf) > 0 && (closing || c.writeBy.Before(now.Add(wt))) {
+			// Moved only when it falls short, as the read deadline;
+			// when closing it is set anew (an end cuts a stuck write
+			// short with a deadline of its own).
+			c.writeBy = now.Add(wt + deadlineSlack(wt))
+			_ = c.nc.SetWriteDeadline(c.writeBy)
+		}
 		if len(buf) > 0 {
-			_ = c.nc.SetWriteDeadline(time.Now().Add(c.writeTimeout()))
 			if _, err := c.nc.Write(buf); err != nil {
 				failed = true
 				c.srv.lines.Debug("writing to a client failed", "client", c.id, "error", err)
@@ -640,10 +688,17 @@ func (c *conn) writer() {
 }
 
 // writeTimeout is how long one write may wait for a client that does not
-// read before the connection is given up.
+// read before the connection is given up (and up to deadlineSlack more).
 func (c *conn) writeTimeout() time.Duration {
 	return max(30*time.Second, time.Duration(c.keepalive)*1500*time.Millisecond)
 }
+
+// deadlineSlack is what a connection's read or write deadline may run
+// past its timeout d: a deadline is moved only once it is less than d
+// away, to d plus this, so a connection busy with packets moves it about
+// once per slack instead of once per packet. At most a second (a keep
+// alive is a whole number of seconds), and 1/16 of d for short ones.
+func deadlineSlack(d time.Duration) time.Duration { return min(time.Second, d/16) }
 
 // peerCertificate returns the verified client certificate of a TLS
 // connection, or nil.

@@ -12,7 +12,8 @@ import (
 
 // connect reads and answers the CONNECT; false ends the connection.
 func (c *conn) connect() bool {
-	pk, err := c.read()
+	var pk packets.Packet
+	err := c.read(&pk)
 	var pe errProtocol
 	if errors.As(err, &pe) && pk.FixedHeader.Type == packets.Connect && pk.ProtocolVersion == 5 {
 		// Decoded far enough to know an MQTT 5 client: it reads why in

@@ -266,3 +266,37 @@ func TestMQTT_3_1_2_22_KeepAliveTimeoutReachesAWebSocketClient(t *testing.T) {
 		t.Fatalf("a silent client: DISCONNECT %v %#x, then %v; want 0x8D and the stream's end", ok, d.ReasonCode, end)
 	}
 }
+
+// [MQTT-3.1.2-22]: the keep-alive deadline, moved only when it falls
+// short (deadlineSlack), still follows a client that keeps sending: one
+// sending a PINGREQ every 200 ms for twice its 1.5 s is not cut off, and
+// once silent it is disconnected (0x8D) no sooner than 1.5 s after its
+// last packet and not much later.
+func TestMQTT_3_1_2_22_KeepAliveFollowsABusyClient(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	c := dialRaw(t, s.Addr(), 5)
+	c.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connect},
+		Connect: packets.ConnectParams{ProtocolName: []byte("MQTT"), ClientIdentifier: "busy", Clean: true, Keepalive: 1}})
+	if ack, err := c.read(5 * time.Second); err != nil || ack.FixedHeader.Type != packets.Connack || ack.ReasonCode != 0 {
+		t.Fatalf("no CONNACK: %v %+v", err, ack)
+	}
+	var last time.Time
+	for start := time.Now(); time.Since(start) < 3*time.Second; {
+		time.Sleep(200 * time.Millisecond) // the client's pace: time passing is what is tested
+		last = time.Now()
+		c.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+		if pk, err := c.read(5 * time.Second); err != nil || pk.FixedHeader.Type != packets.Pingresp {
+			t.Fatalf("%v after the CONNECT: %v %+v, want a PINGRESP", time.Since(start), err, pk.FixedHeader)
+		}
+	}
+	d, ok, end := readToEnd(c)
+	silent := time.Since(last)
+	if !ok || d.ReasonCode != packets.ErrKeepAliveTimeout.Code || !errors.Is(end, io.EOF) {
+		t.Fatalf("a silent client: DISCONNECT %v %#x, then %v; want 0x8D and the stream's end", ok, d.ReasonCode, end)
+	}
+	if silent < 1500*time.Millisecond || silent > 3*time.Second {
+		t.Fatalf("disconnected %v after its last packet, want 1.5 s (and up to 1/16 of that more)", silent)
+	}
+	other := dialRaw(t, s.Addr(), 5)
+	other.connect("after", true, nil)
+}

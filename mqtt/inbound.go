@@ -99,9 +99,9 @@ func (c *conn) publish(pk *packets.Packet) bool {
 	}
 	srv.observer().Published(mode, qos, rule)
 	charged := c.chargeIn(publishCost(len(pk.TopicName), len(pk.Payload)))
+	m := &c.pubMsg
+	m.fromPacket(c.id, pk, srv.cfg.Now().UnixNano())
 	if qos == 0 {
-		m := &Message{}
-		m.fromPacket(c.id, pk, srv.cfg.Now().UnixNano())
 		srv.log.Reserve(m)
 		if res != nil {
 			res.track(m.Seq)
@@ -113,11 +113,10 @@ func (c *conn) publish(pk *packets.Packet) bool {
 			}
 			srv.logFailure(err)
 		})
+		c.pubMsg = Message{} // it would hold the packet's buffer while the connection idles
 		return true
 	}
 	a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now, charged: charged}
-	m := &a.msg
-	m.fromPacket(c.id, pk, srv.cfg.Now().UnixNano())
 	srv.log.Reserve(m)
 	resolved := a.resolved
 	if res != nil {
@@ -151,6 +150,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 	}
 	c.queueAck(a)
 	srv.log.Propose(m, mode, resolved)
+	c.pubMsg = Message{}
 	return true
 }
 
@@ -302,8 +302,9 @@ func (c *conn) resolve(a *inAck, err error) {
 // next publish the moment it reads them, and must not find them still
 // counted (FACTS.md). failed is true when a refused publish of a 3.1.1
 // client, which has no negative ack, ends the connection after the acks
-// before it.
-func (c *conn) takeAcks(buf []byte) (_ []byte, failed bool) {
+// before it. now is the writer's clock reading for this round, what the
+// acks' latencies are measured to.
+func (c *conn) takeAcks(buf []byte, now time.Time) (_ []byte, failed bool) {
 	c.amu.Lock()
 	n := 0
 	for n < len(c.acks) && c.acks[n].done {
@@ -331,7 +332,7 @@ func (c *conn) takeAcks(buf []byte) (_ []byte, failed bool) {
 	obs := c.srv.observer()
 	for i, a := range batch {
 		if !a.resend {
-			obs.Acked(a.mode, a.err, time.Since(a.start))
+			obs.Acked(a.mode, a.err, now.Sub(a.start))
 		}
 		if a.err != nil {
 			c.srv.lines.Warn("publish not acked", "client", c.id, "packet_id", a.pid, "qos", a.qos, "error", a.err)
@@ -340,7 +341,7 @@ func (c *conn) takeAcks(buf []byte) (_ []byte, failed bool) {
 				// resends. The acks after it are not written.
 				for _, rest := range batch[i+1:] {
 					if !rest.resend {
-						obs.Acked(rest.mode, errors.New("connection closed"), time.Since(rest.start))
+						obs.Acked(rest.mode, errors.New("connection closed"), now.Sub(rest.start))
 					}
 				}
 				return buf, true

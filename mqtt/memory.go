@@ -134,27 +134,30 @@ func (c *conn) releaseIn(cost int64) {
 // the account, or the gateway is near its limit and this connection holds
 // anything waiting for the log: its client feels TCP back-pressure, no
 // other does. It returns false once the connection has ended meanwhile.
+// It runs before every packet read: the usual answer, go on, costs two
+// loads and no defer (holdForMemory has the waiting).
 func (c *conn) waitMemory() bool {
 	m := c.srv.mem
-	if !m.on() {
+	if !m.on() || c.memClear(m) {
 		return true
 	}
-	var tick *time.Ticker
-	defer func() {
-		if tick != nil {
-			tick.Stop()
-		}
-	}()
-	for {
-		mine := c.heldIn.Load()
-		if mine == 0 || (mine < m.limit/16*inboundShare16 && m.used.Load() < m.high()) {
-			return true
-		}
-		if tick == nil {
-			tick = time.NewTicker(memRecheck)
-			c.srv.memHeld.Add(1)
-			defer c.srv.memHeld.Add(-1)
-		}
+	return c.holdForMemory(m)
+}
+
+// memClear reports whether this connection may be read from now.
+func (c *conn) memClear(m *memAccount) bool {
+	mine := c.heldIn.Load()
+	return mine == 0 || (mine < m.limit/16*inboundShare16 && m.used.Load() < m.high())
+}
+
+// holdForMemory waits until memClear, the connection ends (false) or the
+// server stops (false).
+func (c *conn) holdForMemory(m *memAccount) bool {
+	tick := time.NewTicker(memRecheck)
+	defer tick.Stop()
+	c.srv.memHeld.Add(1)
+	defer c.srv.memHeld.Add(-1)
+	for !c.memClear(m) {
 		relief := m.reliefC()
 		select {
 		case <-c.memSig:
@@ -167,4 +170,5 @@ func (c *conn) waitMemory() bool {
 			return false
 		}
 	}
+	return true
 }

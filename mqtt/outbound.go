@@ -2,6 +2,7 @@ package mqtt
 
 import (
 	"encoding/binary"
+	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
 )
@@ -17,7 +18,10 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 	if s == nil {
 		return buf
 	}
-	now := c.srv.cfg.Now() // measured against record times: message expiry
+	// Message expiry is measured against record times, with the gateway's
+	// clock, read only for a message that has an expiry: most rounds hand
+	// out nothing, or nothing that expires.
+	var now time.Time
 	acc := c.srv.access.Load()
 	var staged []*outItem
 	s.mu.Lock()
@@ -64,6 +68,9 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 			// what the new ACL forbids.
 			c.srv.refusal(s.id, "read denied by ACL", "client", s.id, "topic", truncate(it.m.Topic))
 			continue
+		}
+		if it.m.MessageExpirySet && now.IsZero() {
+			now = c.srv.cfg.Now()
 		}
 		expiry, live := it.m.expiryLeft(now)
 		if !live {

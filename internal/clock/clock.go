@@ -39,6 +39,7 @@ const JumpTolerance = time.Second
 // usable; New makes one. Safe for concurrent use.
 type Clock struct {
 	wall func() time.Time // the host's time of day
+	host bool             // wall is time.Now: one reading has both clocks
 	base time.Time        // a monotonic reading at New
 
 	mu       sync.Mutex // guards the fields below
@@ -57,10 +58,11 @@ type Clock struct {
 // New returns a clock reading wall (time.Now when nil) for the time of
 // day; the monotonic clock is always the process's.
 func New(wall func() time.Time) *Clock {
-	if wall == nil {
+	host := wall == nil
+	if host {
 		wall = time.Now
 	}
-	c := &Clock{wall: wall, base: time.Now()}
+	c := &Clock{wall: wall, host: host, base: time.Now()}
 	c.lastWall = wall().UnixNano()
 	return c
 }
@@ -81,8 +83,18 @@ func Mono() time.Duration { return time.Since(Default.base) }
 // jump absorbed, never before the last time it returned. It carries no
 // monotonic reading (it is meant to be compared with record times).
 func (c *Clock) Now() time.Time {
-	mono := time.Since(c.base)
-	w := c.wall().UnixNano()
+	var mono time.Duration
+	var w int64
+	if c.host {
+		// time.Now carries the wall and the monotonic clock both: one
+		// reading, where time.Since and the wall func would take two
+		// (the publish path stamps every message with Now).
+		t := time.Now()
+		mono, w = t.Sub(c.base), t.UnixNano()
+	} else {
+		mono = time.Since(c.base)
+		w = c.wall().UnixNano()
+	}
 	c.mu.Lock()
 	dm := mono - c.lastMono
 	skew := time.Duration(w-c.lastWall) - dm

@@ -77,3 +77,26 @@ func TestRestore(t *testing.T) {
 		t.Fatalf("Now %v, the newest record %v (offset %v)", got, newest, off)
 	}
 }
+
+// TestHostClockFollowsTimeNow: a clock on the host's wall clock (New(nil),
+// which takes both clocks from one time.Now) gives the time of day, never
+// goes back and sees no jump where there is none.
+func TestHostClockFollowsTimeNow(t *testing.T) {
+	c := New(nil)
+	prev := c.Now()
+	for i := 0; i < 1000; i++ {
+		before := time.Now()
+		now := c.Now()
+		after := time.Now()
+		if now.Before(prev) {
+			t.Fatalf("Now went back: %v then %v", prev, now)
+		}
+		if now.UnixNano() < before.UnixNano() || now.UnixNano() > after.UnixNano() {
+			t.Fatalf("Now %v not between time.Now's %v and %v", now, before, after)
+		}
+		prev = now
+	}
+	if c.Jumps() != 0 || c.Offset() != 0 {
+		t.Fatalf("%d jumps, offset %v, on a clock that did not jump", c.Jumps(), c.Offset())
+	}
+}
