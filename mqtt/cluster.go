@@ -238,7 +238,7 @@ func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) 
 			s.endSessionLocked(se, false)
 		}
 	case "rel":
-		if se != nil && se.current() == nil {
+		if se != nil {
 			s.applyReleased(se, op.Rel)
 		}
 	}

@@ -64,7 +64,9 @@
 // an offline copy, so a device that connects elsewhere finds its session.
 // A resumed session replays the log only once its own start record is
 // applied where it now is: log order makes that record a barrier behind
-// everything committed before the device came. QoS 2 stays exactly once
+// everything committed before the device came, and until it is applied the
+// session, though online, takes the release records other members logged
+// for it as an offline copy does. QoS 2 stays exactly once
 // (qos2.go): deliveries take their packet id from the record's index, so
 // every member sends a message under the same id, with DUP when the device
 // may hold it; the PUBREL waits for a release record another member holds

@@ -42,9 +42,13 @@ type member struct {
 	cut     bool // killed: its proposals are lost
 	legacy  bool // writes control records as a cluster below feature level 2
 	stopped bool
-	srv     *Server
-	store   *memStore
-	done    chan struct{}
+	// pause, when not 0, is the last index the applier applies until it
+	// is cleared: a member behind the log (a follower that learns the
+	// commit index from the next master).
+	pause uint64
+	srv   *Server
+	store *memStore
+	done  chan struct{}
 }
 
 var errCut = errors.New("member killed")
@@ -112,7 +116,7 @@ func (m *member) apply() {
 	defer close(m.done)
 	for {
 		m.l.mu.Lock()
-		for !m.stopped && int(m.applied) >= len(m.l.recs) {
+		for !m.stopped && (int(m.applied) >= len(m.l.recs) || (m.pause > 0 && m.applied >= m.pause)) {
 			m.l.cond.Wait()
 		}
 		if m.stopped {
@@ -130,6 +134,14 @@ func (m *member) apply() {
 		m.l.cond.Broadcast()
 		m.l.mu.Unlock()
 	}
+}
+
+// holdAt stops the member's applier after index (0: it goes on).
+func (m *member) holdAt(index uint64) {
+	m.l.mu.Lock()
+	m.pause = index
+	m.l.cond.Broadcast()
+	m.l.mu.Unlock()
 }
 
 // caughtUp waits until the member has applied the whole log.

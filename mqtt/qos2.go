@@ -23,9 +23,13 @@ import (
 // record (a session record "rel" with the indexes) and sends the PUBREL
 // only once that record is on another member's disk too (Replicated): a member
 // that takes over later has it, keeps the flow as PUBREL'd, and skips the
-// record in its replay. Until the batched cursor passes it, the flow stays
-// on the copies; a PUBREL for a flow the client finished is answered with
-// PUBCOMP (MQTT 5: 0x92), harmless. On a log no other member shares (a
+// record in its replay. It may apply it only after the device came (a
+// follower learns the commit index from the next master): the replay
+// waits for the session's start record there, and a release applied
+// before it is taken into the online session as into an offline copy.
+// Until the batched cursor passes it, the flow stays on the copies; a
+// PUBREL for a flow the client finished is answered with PUBCOMP (MQTT 5:
+// 0x92), harmless. On a log no other member shares (a
 // lone gateway: Clustered) the PUBREL goes at once, with no record: nobody
 // could take the session over.
 
@@ -87,12 +91,21 @@ func (s *session) released(batch []uint64, err error) {
 	s.releaseNext()
 }
 
-// applyReleased takes another member's release record into an offline
-// copy of the session: the flows are kept as PUBREL'd (resent as PUBREL
-// when the device comes here) and their records are not replayed.
+// applyReleased takes another member's release record into the copy of
+// the session here: the flows are kept as PUBREL'd (resent as PUBREL when
+// the device comes here) and their records are not replayed. The copy is
+// offline, or online and waiting for its start record (takesRemoteLocked):
+// the device came here before this member had applied all that the one it
+// left had logged, and the replay waits until it has. Then the PUBRELs
+// go at once, unless the resend to come sends them.
 func (s *Server) applyReleased(se *session, rel []uint64) {
 	var staged []*outItem
 	se.mu.Lock()
+	if !se.takesRemoteLocked() {
+		se.mu.Unlock()
+		return // live here: its flows are this member's
+	}
+	c := se.conn
 	for _, idx := range rel {
 		if idx <= se.cursor {
 			continue // the cursor passed it: the flow is complete
@@ -102,6 +115,8 @@ func (s *Server) applyReleased(se *session, rel []uint64) {
 		if it == nil || it.idx != idx {
 			if it == nil {
 				s.inflight.Add(1)
+			} else {
+				se.landedLocked(it)
 			}
 			se.sendSeq++
 			it = &outItem{idx: idx, qos: 2, pid: p, seq: se.sendSeq}
@@ -110,11 +125,47 @@ func (s *Server) applyReleased(se *session, rel []uint64) {
 		it.rel = true
 		staged = append(staged, it)
 	}
-	id := se.id
+	id, persist := se.id, se.persistent()
 	se.mu.Unlock()
-	for _, it := range staged {
-		s.stagePut(outKey(id, it.pid), encodeOut(it))
+	if persist {
+		for _, it := range staged {
+			s.stagePut(outKey(id, it.pid), encodeOut(it))
+		}
 	}
+	if c != nil && len(staged) > 0 {
+		pids := make([]uint16, len(staged))
+		for i, it := range staged {
+			pids[i] = it.pid
+		}
+		c.lateRelease(pids)
+	}
+}
+
+// takesRemoteLocked reports whether the session's copy here takes the
+// records other members log for it: while it is offline, and while the
+// device that came back here waits for its start record, before which
+// everything another member logged for it is from before the device came
+// (awaitingStartLocked). Called with se.mu held.
+func (se *session) takesRemoteLocked() bool {
+	return se.conn == nil || se.awaitingStartLocked()
+}
+
+// lateRelease sends the PUBRELs of flows a release record applied after
+// the device came back added to its session, unless the resend that
+// follows the CONNACK is still to come (it sends every flow in flight).
+// A PUBREL twice is harmless: the device answers the second with PUBCOMP
+// (0x92 in MQTT 5), which finds no flow.
+func (c *conn) lateRelease(pids []uint16) {
+	c.wmu.Lock()
+	if !c.connacked || c.resume || c.closeAfter {
+		c.wmu.Unlock()
+		return
+	}
+	for _, p := range pids {
+		c.ctrl = append(c.ctrl, packets.Pubrel<<4|2, 2, byte(p>>8), byte(p))
+	}
+	c.wmu.Unlock()
+	c.kick()
 }
 
 // completedLocked ends, on an offline copy, the released flows the

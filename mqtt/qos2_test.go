@@ -1,6 +1,7 @@
 package mqtt
 
 import (
+	"encoding/json"
 	"fmt"
 	"strings"
 	"testing"
@@ -270,5 +271,125 @@ func TestMQTT_3_2_0_1_NothingBeforeConnack(t *testing.T) {
 		}
 		back.expect(packets.Publish)
 		back.c.Close()
+	}
+}
+
+// The release records of the member a device left may be applied on the
+// member it comes to only after it came: a follower learns the commit
+// index from the next master, so what the dead master logged last is
+// applied here once the device is back (e2e: 5 of 410 delivered twice
+// through a master's kill -9). Its session is online then, waiting for
+// its start record before it replays; a release applied meanwhile must
+// keep the flow PUBREL'd as on an offline copy, or the replay sends a
+// message the device has completed, and the device takes it for a new one.
+func TestQoS2ReleaseAppliedAfterTheDeviceCameBack(t *testing.T) {
+	l := newSharedLog()
+	a, b := startMember(t, l, 1), startMember(t, l, 2)
+	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	dev := dialRaw(t, a.srv.Addr(), 5)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	for i := 1; i <= 4; i++ {
+		l.add(&Message{Origin: 9, Seq: uint64(i), ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte{byte('0' + i)}})
+	}
+	l.mu.Lock()
+	last := uint64(len(l.recs))
+	l.mu.Unlock()
+	b.holdAt(last) // b applies nothing a logs from here on until the device is on b
+	b.caughtUp(t)
+
+	pidOf := map[string]uint16{}
+	for i := 0; i < 4; i++ {
+		p := dev.expect(packets.Publish)
+		pidOf[string(p.Payload)] = p.PacketID
+	}
+	// 1 and 2 complete; 3 is PUBREL'd, its PUBCOMP lost with the link; 4
+	// is held, not PUBREC'd.
+	for _, k := range []string{"1", "2", "3"} {
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pidOf[k]})
+		if rel := dev.expect(packets.Pubrel); rel.PacketID != pidOf[k] {
+			t.Fatalf("PUBREL for %d, want %d", rel.PacketID, pidOf[k])
+		}
+	}
+	for _, k := range []string{"1", "2"} {
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pidOf[k]})
+	}
+	testutil.WaitFor(t, 5*time.Second, "the releases of 1-3 in the log", func() bool {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		n := 0
+		for _, m := range l.recs[last:] {
+			if m.Kind == KindSession && strings.Contains(string(m.Payload), `"op":"rel"`) {
+				var op sessionOp
+				if json.Unmarshal(m.Payload, &op) == nil {
+					n += len(op.Rel)
+				}
+			}
+		}
+		return n == 3
+	})
+	a.kill(t)
+	dev.c.Close()
+
+	dev = dialRaw(t, b.srv.Addr(), 5)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("on the other member: CONNACK %#x session present %v; want 0, true", ack.ReasonCode, ack.SessionPresent)
+	}
+	testutil.WaitFor(t, 5*time.Second, "b's start record in the log", func() bool {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		for _, m := range l.recs[last:] {
+			if m.Origin == 2 && m.Kind == KindSession && strings.Contains(string(m.Payload), `"op":"start"`) {
+				return true
+			}
+		}
+		return false
+	})
+	b.holdAt(0) // the releases are applied now, with the device on b
+
+	held := map[uint16]string{pidOf["3"]: "3", pidOf["4"]: "4"} // ids the device still holds
+	for len(held) > 0 {
+		p := dev.next()
+		switch p.FixedHeader.Type {
+		case packets.Pubrel:
+			if held[p.PacketID] == "3" {
+				delete(held, p.PacketID)
+			} else if p.PacketID != pidOf["1"] && p.PacketID != pidOf["2"] {
+				t.Fatalf("PUBREL for packet id %d, which the device never PUBREC'd", p.PacketID)
+			}
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: p.PacketID})
+		case packets.Publish:
+			k := string(p.Payload)
+			if k != "4" {
+				t.Fatalf("message %s, whose flow the device completed or had PUBREL'd, sent again (packet id %d, dup %v)", k, p.PacketID, p.FixedHeader.Dup)
+			}
+			if p.PacketID != pidOf["4"] || !p.FixedHeader.Dup {
+				t.Fatalf("message 4 came again under packet id %d dup %v, not %d dup true", p.PacketID, p.FixedHeader.Dup, pidOf["4"])
+			}
+			delete(held, p.PacketID)
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: p.PacketID})
+		default:
+			t.Fatalf("unexpected packet type %d", p.FixedHeader.Type)
+		}
+	}
+	// b goes on: a new message arrives, and nothing of 1-3 before it.
+	l.add(&Message{Origin: 9, Seq: 5, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("5")})
+	for {
+		p := dev.next()
+		if p.FixedHeader.Type == packets.Pubrel {
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: p.PacketID})
+			continue
+		}
+		if p.FixedHeader.Type != packets.Publish {
+			t.Fatalf("unexpected packet type %d", p.FixedHeader.Type)
+		}
+		if k := string(p.Payload); k == "5" {
+			break
+		} else if k != "4" {
+			t.Fatalf("message %s sent again", k)
+		}
+	}
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	for dev.next().FixedHeader.Type != packets.Pingresp {
 	}
 }
