@@ -47,30 +47,49 @@ func floodBytes(t *testing.T, g *gw, n int) { floodUntil(t, g, n, 0) }
 // trying again after each.
 func floodUntil(t *testing.T, g *gw, n int, refusing time.Duration) {
 	t.Helper()
-	deadline := time.Now().Add(refusing)
 	const clients, size = 4, 1 << 10
+	payload := []byte(strings.Repeat("x", size))
+	publishAll(t, g, "flood", clients, refusing, func(i, k int) *paho.Publish {
+		if k >= n/size/clients {
+			return nil
+		}
+		return &paho.Publish{Topic: fmt.Sprintf("bulk/%d", i), QoS: 1, Payload: payload}
+	})
+}
+
+// publishAll publishes through g from clients devices at once (prefix-N):
+// device i sends pub(i, 0), pub(i, 1), … until pub returns nil. A refusal
+// for a full log (0x97) is taken until refusing has passed, the publish
+// tried again after a back-off; any other refusal or error fails the test.
+func publishAll(t *testing.T, g *gw, prefix string, clients int, refusing time.Duration, pub func(i, k int) *paho.Publish) {
+	t.Helper()
+	deadline := time.Now().Add(refusing)
 	var wg sync.WaitGroup
 	errs := make(chan error, clients)
 	for i := range clients {
-		c, err := device(t, g, fmt.Sprintf("flood-%d", i), nil)
+		c, err := device(t, g, fmt.Sprintf("%s-%d", prefix, i), nil)
 		if err != nil {
 			t.Fatal(err)
 		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			payload := []byte(strings.Repeat("x", size))
-			for j := 0; j < n/size/clients; j++ {
+			defer c.Disconnect(&paho.Disconnect{})
+			for k := 0; ; k++ {
+				p := pub(i, k)
+				if p == nil {
+					return
+				}
 				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-				r, err := c.Publish(ctx, &paho.Publish{Topic: fmt.Sprintf("bulk/%d", i), QoS: 1, Payload: payload})
+				r, err := c.Publish(ctx, p)
 				cancel()
 				if r != nil && r.ReasonCode == 0x97 && time.Now().Before(deadline) {
-					j--
+					k--
 					time.Sleep(100 * time.Millisecond) // load generator back-off, not a synchronisation
 					continue
 				}
 				if err != nil || r.ReasonCode >= 0x80 {
-					errs <- fmt.Errorf("flood %d publish %d: %v %+v", i, j, err, r)
+					errs <- fmt.Errorf("%s %d publish %d on %s: %v %+v", prefix, i, k, p.Topic, err, r)
 					return
 				}
 			}

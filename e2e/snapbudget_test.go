@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"context"
 	"fmt"
 	"maps"
 	"math/rand/v2"
@@ -150,41 +149,15 @@ func (g *gw) withRetainedCap(t *testing.T, n string) {
 // each publish tried again after them.
 func retainMany(t *testing.T, g *gw, topics []int, payload func(j int) []byte) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
 	const clients = 4
-	var wg sync.WaitGroup
-	errs := make(chan error, clients)
-	for i := range clients {
-		c, err := device(t, g, fmt.Sprintf("retainer-%d", i), nil)
-		if err != nil {
-			t.Fatal(err)
+	publishAll(t, g, "retainer", clients, 30*time.Second, func(i, k int) *paho.Publish {
+		x := i + k*clients
+		if x >= len(topics) {
+			return nil
 		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer c.Disconnect(&paho.Disconnect{})
-			for x := i; x < len(topics); x += clients {
-				j := topics[x]
-				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-				r, err := c.Publish(ctx, &paho.Publish{Topic: fmt.Sprintf("ret/big/%05d", j), QoS: 1, Retain: true, Payload: payload(j)})
-				cancel()
-				if r != nil && r.ReasonCode == 0x97 && time.Now().Before(deadline) {
-					x -= clients
-					time.Sleep(100 * time.Millisecond) // load generator back-off, not a synchronisation
-					continue
-				}
-				if err != nil || r.ReasonCode >= 0x80 {
-					errs <- fmt.Errorf("retained publish %d: %v %+v", j, err, r)
-					return
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
+		j := topics[x]
+		return &paho.Publish{Topic: fmt.Sprintf("ret/big/%05d", j), QoS: 1, Retain: true, Payload: payload(j)}
+	})
 }
 
 // TestSnapshotInstallAndBackfillStayWithinTheBudget (issue #32): a slave
