@@ -117,14 +117,7 @@ func hostileAttacks() []attack {
 }
 
 func runHostile(t *testing.T, members int) {
-	seed := uint64(time.Now().UnixNano())
-	if s := os.Getenv("TANDEM_HOSTILE_SEED"); s != "" {
-		v, err := strconv.ParseUint(s, 10, 64)
-		if err != nil {
-			t.Fatalf("TANDEM_HOSTILE_SEED=%q: %v", s, err)
-		}
-		seed = v
-	}
+	seed := testSeed(t, "TANDEM_HOSTILE_SEED")
 	t.Logf("seed %d (replay with TANDEM_HOSTILE_SEED=%d)", seed, seed)
 	each := 3 * time.Second
 	if os.Getenv("TANDEM_HOSTILE_LONG") != "" {

@@ -23,6 +23,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/tandem-edge/tandem/discovery"
 )
@@ -160,4 +161,20 @@ func runHelper(name string) int {
 	}
 	fmt.Println("unknown helper", name)
 	return 2
+}
+
+// testSeed is a seeded test's seed: env's value when set (a replay), the
+// clock's otherwise. The test prints it with env's name, so that a
+// failure replays.
+func testSeed(t *testing.T, env string) uint64 {
+	t.Helper()
+	s := os.Getenv(env)
+	if s == "" {
+		return uint64(time.Now().UnixNano())
+	}
+	v, err := strconv.ParseUint(s, 10, 64)
+	if err != nil {
+		t.Fatalf("%s=%q: %v", env, s, err)
+	}
+	return v
 }

@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
-	"os"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -104,10 +102,7 @@ func TestPausedMasterLogsNothingItRefused(t *testing.T) {
 	// On a network of its own, mostly waiting: beside the other such tests
 	// (make test's time).
 	t.Parallel()
-	seed := uint64(time.Now().UnixNano())
-	if s := os.Getenv("TANDEM_PAUSE_SEED"); s != "" {
-		seed, _ = strconv.ParseUint(s, 10, 64)
-	}
+	seed := testSeed(t, "TANDEM_PAUSE_SEED")
 	rng := rand.New(rand.NewPCG(seed, seed>>1))
 	pause := 2*time.Second + time.Duration(rng.IntN(2000))*time.Millisecond
 	t.Logf("seed %d (replay with TANDEM_PAUSE_SEED=%d): pause %v", seed, seed, pause)

@@ -6,7 +6,6 @@ import (
 	"math/rand/v2"
 	"os"
 	"sort"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -172,10 +171,7 @@ func retainMany(t *testing.T, g *gw, topics []int, payload func(j int) []byte) {
 func TestSnapshotInstallAndBackfillStayWithinTheBudget(t *testing.T) {
 	// On a network of its own, mostly waiting: beside the other such tests.
 	t.Parallel()
-	seed := uint64(time.Now().UnixNano())
-	if s := os.Getenv("TANDEM_SNAPBUDGET_SEED"); s != "" {
-		seed, _ = strconv.ParseUint(s, 10, 64)
-	}
+	seed := testSeed(t, "TANDEM_SNAPBUDGET_SEED")
 	rng := rand.New(rand.NewPCG(seed, seed>>1))
 	const budget = 16 << 20
 	// Payloads of 1,000 to 1,200 bytes: each counts about 1.7 KB against

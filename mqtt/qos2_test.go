@@ -52,15 +52,7 @@ func qos2Move(t *testing.T, v byte) {
 	// 1 and 2 complete; 3 is PUBREL'd (no PUBCOMP yet); 4 is PUBREC'd and
 	// its PUBREL does not come before the gateway dies; 5 is held, not
 	// PUBREC'd; 6 arrived but the device's reply is lost with the link.
-	for _, k := range []string{"1", "2", "3"} {
-		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pidOf[k]})
-		if rel := dev.expect(packets.Pubrel); rel.PacketID != pidOf[k] {
-			t.Fatalf("PUBREL for %d, want %d", rel.PacketID, pidOf[k])
-		}
-	}
-	for _, k := range []string{"1", "2"} {
-		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pidOf[k]})
-	}
+	completeOneTwoReleaseThree(t, dev, pidOf)
 	b.caughtUp(t) // the releases of 1-3 are in the log, as they were before each PUBREL
 	a.kill(t)
 	dev.c.Close()
@@ -305,15 +297,7 @@ func TestQoS2ReleaseAppliedAfterTheDeviceCameBack(t *testing.T) {
 	}
 	// 1 and 2 complete; 3 is PUBREL'd, its PUBCOMP lost with the link; 4
 	// is held, not PUBREC'd.
-	for _, k := range []string{"1", "2", "3"} {
-		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pidOf[k]})
-		if rel := dev.expect(packets.Pubrel); rel.PacketID != pidOf[k] {
-			t.Fatalf("PUBREL for %d, want %d", rel.PacketID, pidOf[k])
-		}
-	}
-	for _, k := range []string{"1", "2"} {
-		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pidOf[k]})
-	}
+	completeOneTwoReleaseThree(t, dev, pidOf)
 	testutil.WaitFor(t, 5*time.Second, "the releases of 1-3 in the log", func() bool {
 		l.mu.Lock()
 		defer l.mu.Unlock()
@@ -391,5 +375,21 @@ func TestQoS2ReleaseAppliedAfterTheDeviceCameBack(t *testing.T) {
 	}
 	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
 	for dev.next().FixedHeader.Type != packets.Pingresp {
+	}
+}
+
+// completeOneTwoReleaseThree PUBRECs the deliveries of payloads 1, 2 and
+// 3 (each answered with its PUBREL) and PUBCOMPs 1 and 2: two flows
+// complete, the third released.
+func completeOneTwoReleaseThree(t *testing.T, dev *raw, pidOf map[string]uint16) {
+	t.Helper()
+	for _, k := range []string{"1", "2", "3"} {
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pidOf[k]})
+		if rel := dev.expect(packets.Pubrel); rel.PacketID != pidOf[k] {
+			t.Fatalf("PUBREL for %d, want %d", rel.PacketID, pidOf[k])
+		}
+	}
+	for _, k := range []string{"1", "2"} {
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pidOf[k]})
 	}
 }
