@@ -16,6 +16,8 @@ import (
 
 	packets5 "github.com/eclipse/paho.golang/packets"
 	packets3 "github.com/eclipse/paho.mqtt.golang/packets"
+
+	"github.com/tandem-edge/tandem/internal/cloudtest"
 )
 
 // mosquitto is a Mosquitto broker on a loopback port, started for one test.
@@ -30,10 +32,7 @@ type mosquitto struct {
 // (apt-get install mosquitto).
 func startMosquitto(t *testing.T) *mosquitto {
 	t.Helper()
-	bin, err := exec.LookPath("mosquitto")
-	if err != nil {
-		t.Skip("mosquitto is not installed (apt-get install mosquitto)")
-	}
+	bin := cloudtest.Mosquitto(t) // skips, naming the package, where it is not installed
 	for attempt := 0; ; attempt++ {
 		m, err := tryMosquitto(t, bin)
 		if err == nil {

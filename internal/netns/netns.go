@@ -79,7 +79,7 @@ func Skip(t testing.TB, extra ...string) {
 		missing = append(missing, "root")
 	}
 	for _, c := range append([]string{"ip"}, extra...) {
-		if _, err := exec.LookPath(c); err != nil {
+		if !haveTool(c) {
 			missing = append(missing, c)
 		}
 	}
@@ -91,6 +91,21 @@ func Skip(t testing.TB, extra ...string) {
 		t.Fatal(msg + " (CI=true: a missing prerequisite is a failure)")
 	}
 	t.Skip("SKIPPED: " + msg)
+}
+
+// haveTool reports whether command c is on PATH or in an sbin directory:
+// a user's PATH on Debian lacks /usr/sbin, where iptables and avahi-daemon
+// are, and `ip netns exec` finds them there.
+func haveTool(c string) bool {
+	if _, err := exec.LookPath(c); err == nil {
+		return true
+	}
+	for _, dir := range []string{"/usr/sbin/", "/sbin/"} {
+		if _, err := exec.LookPath(dir + c); err == nil {
+			return true
+		}
+	}
+	return false
 }
 
 // New builds a bridge with n hosts at 198.51.100.1, .2, … (/24), each with
