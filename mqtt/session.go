@@ -151,6 +151,12 @@ func (s *session) offer(it *outItem) {
 			s.droppedQoS0()
 		}
 		return
+	case s.behind && it.qos == 0 && it.idx == s.scanned+1 && len(s.owed) == 0:
+		// Behind, but with nothing between the replay's reach and this
+		// record (a session just connected, before its first replay):
+		// a QoS 0 record is queued now, as the replay, which does not
+		// read QoS 0 back, would never give it. A replay in progress
+		// starts past it.
 	case s.behind || len(s.owed) > 0:
 		s.behind, s.more = true, true
 		// A replay that filled the queue to its bounds leaves the
@@ -165,7 +171,12 @@ func (s *session) offer(it *outItem) {
 		if full && s.srv.cfg.DisconnectWhenQueueFull {
 			s.srv.refusal(s.id, "queue full: disconnected", "client", s.id)
 			c.end(packets.ErrQuotaExceeded)
+			return
 		}
+		// The writer replays what this session is behind on: woken
+		// here, or a session whose first replay has not run yet stays
+		// behind with every record offered to it.
+		c.kick()
 		return
 	case !s.roomLocked(outCost(it.m)):
 		if it.qos == 0 {
