@@ -151,12 +151,12 @@ func (s *session) offer(it *outItem) {
 			s.droppedQoS0()
 		}
 		return
-	case s.behind && it.qos == 0 && it.idx == s.scanned+1 && len(s.owed) == 0:
+	case s.behind && it.qos == 0 && it.idx == s.scanned+1 && len(s.owed) == 0 && s.roomLocked(outCost(it.m)):
 		// Behind, but with nothing between the replay's reach and this
 		// record (a session just connected, before its first replay):
-		// a QoS 0 record is queued now, as the replay, which does not
-		// read QoS 0 back, would never give it. A replay in progress
-		// starts past it.
+		// a QoS 0 record is queued now, within the queue's bounds, as
+		// the replay, which does not read QoS 0 back, would never give
+		// it. A replay in progress starts past it.
 	case s.behind || len(s.owed) > 0:
 		s.behind, s.more = true, true
 		// A replay that filled the queue to its bounds leaves the

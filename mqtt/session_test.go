@@ -295,3 +295,20 @@ func TestBehindSessionTakesTheNextQoS0Record(t *testing.T) {
 		t.Fatalf("queued %v, want the QoS 0 record %d", got, next)
 	}
 }
+
+// The QoS 0 records a behind session takes at once stay within its
+// queue's bounds: a client that reads nothing while its replay has not
+// run does not make the gateway hold more than max_queued of them.
+func TestBehindSessionTakesQoS0WithinItsQueueBounds(t *testing.T) {
+	s, log := testServer(t, nil, func(c *Config) { c.MaxQueued = 2 })
+	se, _ := writerlessSession(s, "fresh", "q0/#", 0)
+	for i := 0; i < 5; i++ {
+		log.Propose(&Message{Topic: "q0/x", QoS: 0, Payload: []byte(fmt.Sprint(i))}, Async, func(error) {})
+	}
+	waitApplied(t, s, log.lastIndex())
+	se.mu.Lock()
+	defer se.mu.Unlock()
+	if len(se.queue) != 2 {
+		t.Fatalf("queued %d QoS 0 records, want max_queued's 2", len(se.queue))
+	}
+}
