@@ -116,6 +116,8 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 	var taken []stagedOp
 	var built time.Time // when fn is done and bbolt starts writing and syncing
 	var drop dropResult
+	st := db.bolt.Stats()
+	alloc := st.TxStats.GetPageAlloc()
 	err := db.bolt.Update(func(tx *bolt.Tx) error {
 		defer func() { built = time.Now() }()
 		// Copied into a slice kept from commit to commit, not a cloned
@@ -208,6 +210,10 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 	if db.syncDelay > 0 {
 		time.Sleep(2 * db.syncDelay) // bbolt's two fdatasyncs, on slow flash
 	}
+	// The pages the commit allocated are the ones it wrote (copy on
+	// write; no freelist: NoFreelistSync), then one meta page.
+	st = db.bolt.Stats()
+	db.fileWritten.Add(st.TxStats.GetPageAlloc() - alloc + int64(db.bolt.Info().PageSize))
 	db.mu.Lock()
 	db.boltLast = max(db.boltLast, c.last)
 	db.pendBytes -= c.bytes

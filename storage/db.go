@@ -199,10 +199,13 @@ type DB struct {
 	// sinceRelease counts the bytes checkpointed since the data file's
 	// mappings were last released (mapped.go).
 	sinceRelease atomic.Int64
-	syncs        atomic.Uint64            // fdatasyncs they cost, for fsyncs-per-message figures
-	syncDelay    time.Duration            // Options.SyncDelay
-	onCommit     func(time.Duration, int) // Options.OnCommit
-	requeued     atomic.Bool              // entries were moved to the requeue bucket (TakeRequeueSignal)
+	syncs        atomic.Uint64 // fdatasyncs they cost, for fsyncs-per-message figures
+	// fileWritten counts the bytes checkpoints wrote into the data file
+	// (walLog.written those of the WAL): what the log costs the device.
+	fileWritten atomic.Int64
+	syncDelay   time.Duration            // Options.SyncDelay
+	onCommit    func(time.Duration, int) // Options.OnCommit
+	requeued    atomic.Bool              // entries were moved to the requeue bucket (TakeRequeueSignal)
 
 	// flush: interval (Options.FlushInterval): the flusher goroutine.
 	flushEvery     time.Duration
@@ -752,6 +755,13 @@ func (db *DB) Commits() uint64 { return db.commits.Load() }
 // Syncs returns how many fdatasyncs those writes cost: one per WAL append,
 // two per bbolt commit.
 func (db *DB) Syncs() uint64 { return db.syncs.Load() }
+
+// written returns the bytes the log wrote to the device since Open: the
+// pages each WAL fdatasync covered, and the pages the checkpoints' commits
+// wrote into the data file. Flash wears by them, not by the records' size.
+func (db *DB) written() (wal, file int64) {
+	return db.wal.written.Load(), db.fileWritten.Load()
+}
 
 // Path returns the data file's path.
 func (db *DB) Path() string { return db.path }

@@ -153,10 +153,15 @@ func (w *walSeg) salvageFrames(id uint64) ([]walFrame, []string) {
 	var bad []string
 	off := int64(0)
 	for off < int64(len(b)) {
-		payload, ok := frameAt(b, off, id)
+		at := off
+		payload, ok := frameAt(b, at, id)
+		if !ok {
+			payload, at, ok = paddedAt(b, off, id)
+		}
 		if ok {
 			fr, err := decodeFrame(payload)
 			if err == nil {
+				off = at
 				fr.off = off
 				frames = append(frames, fr)
 				off += walHdr + int64(len(payload))

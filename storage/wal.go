@@ -49,12 +49,24 @@ const (
 	// walMaxFrame bounds a frame's payload length read back, so a damaged
 	// length cannot make the reader allocate gigabytes.
 	walMaxFrame = 1 << 30
+	// walPage is the block a filesystem writes (ext4, f2fs and vfat use
+	// 4 KiB): an fdatasync writes every such block a frame touched, whole,
+	// so a frame that starts in the page the previous one ended in rewrites
+	// that page, already durable, and one that straddles a boundary writes
+	// two where one would do. See padFrame.
+	walPage = 4096
+	// walPadded is the flags bit of a frame that starts at a page
+	// boundary past the end of the previous one (padFrame); the offset that
+	// frame ended at follows the fixed part, so a reader knows the gap was
+	// left on purpose.
+	walPadded = 4
 )
 
 // Frame payload: flags (1; bit 0: a hard state follows; bit 1: the next
-// frames go to the other file) | hard state (term, vote, commit: 24) | the
-// other file's id (8) | op count (4) | ops | entry count (4) | first index
-// (8) | entries. An op: bucket length (1) | bucket | key length (2) | key |
+// frames go to the other file; bit 2: padded) | hard state (term, vote,
+// commit: 24) | the other file's id (8) | in a padded frame only, the offset
+// the previous frame ended at (8) | op count (4) | ops | entry count (4) |
+// first index (8) | entries. An op: bucket length (1) | bucket | key length (2) | key |
 // value length + 1 (4; 0 is a delete) | value. An entry: value length (4) |
 // the value as the log bucket stores it (CRC, term, type, data).
 //
@@ -79,9 +91,20 @@ type walSeg struct {
 type walLog struct {
 	segs [2]walSeg
 	cur  int    // the file frames go to
-	off  int64  // the next frame's offset in it
+	off  int64  // where the last frame ends in it: the next one goes there, or at the next page (padFrame)
 	id   uint64 // the id its frames carry; 0 until the first checkpoint
 	buf  []byte // frame being built, reused
+	// retry is set when a frame failed to be written or synced: the next
+	// frame goes where that one went, padded as it was, so that it
+	// overwrites its header and no part of it can be read back as live.
+	retry, retryPad bool
+
+	// dirtyLo and dirtyHi are the pages frames were written to since the
+	// last fdatasync, and written counts the bytes of the pages each
+	// fdatasync of the WAL covered (and its grows wrote): what the WAL
+	// costs the device, which the tests bound per record.
+	dirtyLo, dirtyHi int64
+	written          atomic.Int64
 
 	// synced is off once the frames before it are on disk: what a crash at
 	// this instant keeps. Read without wmu: by behind, on every write, and
@@ -91,12 +114,14 @@ type walLog struct {
 
 // walFrame is one decoded frame, at Open.
 type walFrame struct {
-	seg  int
-	off  int64
-	hs   *pb.HardState
-	next uint64 // a cut: the id of the frames in the other file
-	ops  []stagedOp
-	ents []pb.Entry
+	seg    int
+	off    int64
+	padded bool  // it starts past a gap left on purpose (padFrame)
+	prev   int64 // then: where the frame before the gap ended
+	hs     *pb.HardState
+	next   uint64 // a cut: the id of the frames in the other file
+	ops    []stagedOp
+	ents   []pb.Entry
 }
 
 // walPath is the path of WAL file i in dir.
@@ -258,17 +283,20 @@ func (w *walSeg) readFrames(id uint64) ([]walFrame, int64, error) {
 	var frames []walFrame
 	off := int64(0)
 	for {
-		payload, ok := frameAt(b, off, id)
+		at := off
+		payload, ok := frameAt(b, at, id)
 		if !ok {
-			break
+			if payload, at, ok = paddedAt(b, off, id); !ok {
+				break
+			}
 		}
 		fr, err := decodeFrame(payload)
 		if err != nil {
-			return nil, 0, fmt.Errorf("%s: frame at offset %d: %v: %w", w.f.Name(), off, err, ErrCorrupt)
+			return nil, 0, fmt.Errorf("%s: frame at offset %d: %v: %w", w.f.Name(), at, err, ErrCorrupt)
 		}
-		fr.off = off
+		fr.off = at
 		frames = append(frames, fr)
-		off += walHdr + int64(len(payload))
+		off = at + walHdr + int64(len(payload))
 		if fr.next != 0 {
 			break
 		}
@@ -332,7 +360,39 @@ func frameAt(b []byte, off int64, id uint64) ([]byte, bool) {
 	return b[off+walHdr : off+walHdr+n], true
 }
 
-// frameSize is the size of the WAL frame of ops and ents.
+// paddedAt returns the frame after the gap padFrame leaves past a frame
+// that ends at off: one at the next page boundary that says it follows a
+// frame ending at off. Any other frame there is not the log's next one.
+func paddedAt(b []byte, off int64, id uint64) ([]byte, int64, bool) {
+	at := (off + walPage - 1) / walPage * walPage
+	if at == off {
+		return nil, 0, false
+	}
+	p, ok := frameAt(b, at, id)
+	if !ok || len(p) < 33+8 || p[0]&walPadded == 0 || int64(binary.LittleEndian.Uint64(p[33:])) != off {
+		return nil, 0, false
+	}
+	return p, at, true
+}
+
+// padFrame says whether a frame of n bytes (unpadded: a padded one has 8
+// more) that would start at off is better started at the next page
+// boundary: when that writes fewer pages at its fdatasync. A frame that
+// fits in what is left of its page is never padded (the page is written
+// anyway), so records one per fdatasync still share pages and the WAL does
+// not fill faster; one that would spill into a page more than it needs
+// starts afresh, and its fdatasync writes only the pages it fills, none
+// already durable. A cut is not padded (it is small, and once per
+// checkpoint) unless it retries a padded frame that failed.
+func padFrame(off int64, n int) bool {
+	in := off % walPage
+	if in == 0 {
+		return false
+	}
+	return (int64(n)+8+walPage-1)/walPage < (in+int64(n)+walPage-1)/walPage
+}
+
+// frameSize is the size of the WAL frame of ops and ents, unpadded.
 func frameSize(ops []stagedOp, ents []pb.Entry) int {
 	n := walHdr + walFixed
 	for i := range ops {
@@ -345,9 +405,13 @@ func frameSize(ops []stagedOp, ents []pb.Entry) int {
 }
 
 // encodeFrame builds the frame of a batch in w.buf; next, when not 0,
-// makes it a cut.
-func (w *walLog) encodeFrame(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb.Entry) []byte {
+// makes it a cut; prev, when not negative, a padded frame that follows one
+// ending at prev.
+func (w *walLog) encodeFrame(hs *pb.HardState, next uint64, prev int64, ops []stagedOp, ents []pb.Entry) []byte {
 	n := frameSize(ops, ents)
+	if prev >= 0 {
+		n += 8
+	}
 	if cap(w.buf) < n {
 		w.buf = make([]byte, n, n+n/4)
 	}
@@ -368,6 +432,11 @@ func (w *walLog) encodeFrame(hs *pb.HardState, next uint64, ops []stagedOp, ents
 	}
 	le.PutUint64(p[25:], next)
 	p = p[33:]
+	if prev >= 0 {
+		b[walHdr] |= walPadded
+		le.PutUint64(p, uint64(prev))
+		p = p[8:]
+	}
 	le.PutUint32(p, uint32(len(ops)))
 	p = p[4:]
 	for i := range ops {
@@ -420,7 +489,18 @@ func decodeFrame(p []byte) (walFrame, error) {
 			return fr, fmt.Errorf("a cut to id 0")
 		}
 	}
+	padded := p[0]&walPadded != 0
 	p = p[33:]
+	if padded {
+		if len(p) < 8+4 {
+			return fr, short
+		}
+		fr.padded, fr.prev = true, int64(le.Uint64(p))
+		if fr.prev < 0 {
+			return fr, fmt.Errorf("padded after offset %d", fr.prev)
+		}
+		p = p[8:]
+	}
 	nops := le.Uint32(p)
 	p = p[4:]
 	for range nops {
@@ -477,8 +557,8 @@ func decodeFrame(p []byte) (walFrame, error) {
 // interval). A cut and a hard state are never lazy: a cut's frame makes
 // the other file's frames live, and raft's term and vote must be on disk
 // before the messages that depend on them leave. The caller holds wmu. On
-// an error nothing moves: the next frame overwrites whatever part of this
-// one reached the file.
+// an error nothing moves: the next frame goes where this one went (padded
+// or not, as it was) and overwrites whatever part of it reached the file.
 func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb.Entry, lazy bool) (time.Duration, error) {
 	lazy = lazy && db.flushEvery > 0 && next == 0 && hs == nil
 	w := db.wal
@@ -486,24 +566,36 @@ func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb
 	if seg.f == nil {
 		return 0, ErrClosed
 	}
-	fr := w.encodeFrame(hs, next, ops, ents)
+	at, prev := w.off, int64(-1)
+	pad := next == 0 && padFrame(w.off, frameSize(ops, ents))
+	if w.retry {
+		pad = w.retryPad
+	}
+	if pad {
+		at, prev = (w.off+walPage-1)/walPage*walPage, w.off
+	}
+	fr := w.encodeFrame(hs, next, prev, ops, ents)
 	if cap(w.buf) > maxKeptBuf {
 		w.buf = nil // fr stays valid for this call
 	}
-	if end := w.off + int64(len(fr)); end > seg.size {
+	w.retry, w.retryPad = true, pad // until it is written (and synced)
+	if end := at + int64(len(fr)); end > seg.size {
 		// Rarely: checkpoints are failing, or a batch is huge. Grow by
 		// whole steps, each with its fsync, not by every frame.
+		grown := seg.size
 		if err := db.growWAL(seg, (end+walPrealloc-1)/walPrealloc*walPrealloc); err != nil {
 			return 0, err
 		}
+		w.written.Add(seg.size - grown)
 		db.syncs.Add(1)
 	}
 	start := time.Now()
-	if _, err := seg.f.WriteAt(fr, w.off); err != nil {
+	if _, err := seg.f.WriteAt(fr, at); err != nil {
 		return 0, fmt.Errorf("storage: write %s: %w", seg.f.Name(), err)
 	}
+	w.dirty(at, at+int64(len(fr)))
 	if lazy {
-		w.off += int64(len(fr))
+		w.off, w.retry = at+int64(len(fr)), false
 		return time.Since(start), nil
 	}
 	if err := walSync(seg.f); err != nil {
@@ -512,10 +604,37 @@ func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb
 	if db.syncDelay > 0 {
 		time.Sleep(db.syncDelay)
 	}
-	w.off += int64(len(fr))
-	w.synced.Store(w.off)
+	w.synced.Store(at + int64(len(fr)))
+	w.off, w.retry = at+int64(len(fr)), false
+	w.flushed(w.off)
 	db.syncs.Add(1)
 	return time.Since(start), nil
+}
+
+// dirty notes that bytes [from, to) of the current file were written.
+// The caller holds wmu.
+func (w *walLog) dirty(from, to int64) {
+	from, to = from/walPage*walPage, (to+walPage-1)/walPage*walPage
+	if w.dirtyHi == w.dirtyLo {
+		w.dirtyLo, w.dirtyHi = from, to
+		return
+	}
+	w.dirtyLo, w.dirtyHi = min(w.dirtyLo, from), max(w.dirtyHi, to)
+}
+
+// flushed counts the pages an fdatasync covering the current file up to
+// off wrote. The caller holds wmu.
+func (w *walLog) flushed(off int64) {
+	if w.dirtyHi == w.dirtyLo {
+		return
+	}
+	hi := min(w.dirtyHi, (off+walPage-1)/walPage*walPage)
+	w.written.Add(hi - w.dirtyLo)
+	if hi >= w.dirtyHi {
+		w.dirtyLo, w.dirtyHi = 0, 0
+	} else {
+		w.dirtyLo = hi
+	}
 }
 
 // flusher fdatasyncs the WAL every Options.FlushInterval while frames were
@@ -567,6 +686,7 @@ func (db *DB) syncWAL() error {
 	db.wmu.Lock()
 	if w.cur == cur && w.id == id && off > w.synced.Load() {
 		w.synced.Store(off) // a cut since then synced, and reset, itself
+		w.flushed(off)
 	}
 	db.wmu.Unlock()
 	return nil
