@@ -178,10 +178,8 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 			return err
 		}
 		m := tx.Bucket(bucketMeta)
-		if metaU64(tx, bucketMeta, keyFormat) < formatRuns { // see FormatVersion
-			if err := m.Put(keyFormat, u64(formatRuns)); err != nil {
-				return err
-			}
+		if err := markPadded(tx); err != nil {
+			return err
 		}
 		v := make([]byte, 16)
 		binary.BigEndian.PutUint64(v, c.id)
@@ -207,6 +205,8 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 		db.undoDrop(drop)
 		return err
 	}
+	// The file says formatPadded now: frames from here on may be padded.
+	db.wal.mayPad.Store(true)
 	if db.syncDelay > 0 {
 		time.Sleep(2 * db.syncDelay) // bbolt's two fdatasyncs, on slow flash
 	}
@@ -481,4 +481,35 @@ func (db *DB) kickCheckpoint() {
 	case db.ckSig <- struct{}{}:
 	default:
 	}
+}
+
+// markPadded makes the file say formatPadded, and keeps what it said in
+// keyFormatRest (at least formatRuns, which every checkpoint makes it) for
+// a clean Close to put back: see FormatVersion.
+func markPadded(tx *bolt.Tx) error {
+	f := metaU64(tx, bucketMeta, keyFormat)
+	if f >= formatPadded {
+		return nil
+	}
+	m := tx.Bucket(bucketMeta)
+	if err := m.Put(keyFormatRest, u64(max(f, formatRuns))); err != nil {
+		return err
+	}
+	return m.Put(keyFormat, u64(formatPadded))
+}
+
+// unmarkPadded makes the file say again what it said before markPadded,
+// in the transaction of a clean Close's checkpoint, which leaves no live
+// WAL frame: a release that knows no padded frame opens the file. (A
+// torn commit falls back to one that says formatPadded, as it must.)
+func unmarkPadded(tx *bolt.Tx) error {
+	m := tx.Bucket(bucketMeta)
+	rest := m.Get(keyFormatRest)
+	if len(rest) != 8 {
+		return nil
+	}
+	if err := m.Put(keyFormat, append([]byte(nil), rest...)); err != nil {
+		return err
+	}
+	return m.Delete(keyFormatRest)
 }

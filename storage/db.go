@@ -40,13 +40,20 @@ const FileName = "tandem.db"
 // as they are, readable alike. Version 4 has entries in pieces (logrun.go):
 // a file becomes version 4 with the first entry too big for a run, not
 // before, so that a data dir that never held one still opens on the
-// releases that read version 3.
-const FormatVersion = formatPieces
+// releases that read version 3. Version 5 is a file whose WAL may hold
+// padded frames (wal.go, padFrame), which a build before them takes for
+// damage: the file says 5 from its first checkpoint of a read-write open
+// until a clean Close leaves no live frame, and then says again what it
+// said before (keyFormatRest), so a release before this one refuses a data
+// dir left by a crash, naming both versions, and opens one left by a clean
+// stop.
+const FormatVersion = formatPadded
 
 // The format versions this build writes.
 const (
 	formatRuns   = 3
 	formatPieces = 4
+	formatPadded = 5
 )
 
 // Bucket names. Big-endian uint64 keys in the log bucket keep cursor order
@@ -75,6 +82,9 @@ var (
 	keyEpoch     = []byte("epoch")
 	keyLed       = []byte("led") // the last term this node was the master of
 	keyWAL       = []byte("wal") // the id live WAL frames carry
+	// keyFormatRest is what keyFormat says once the WAL holds no live
+	// frame, while it says formatPadded (see FormatVersion).
+	keyFormatRest = []byte("format_rest")
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -723,7 +733,9 @@ func (db *DB) Close() error {
 		}
 		close(db.ckStop)
 		<-db.ckDone
-		if err := db.commit(nil); err != nil {
+		// Its checkpoint leaves no live frame: the file may say again,
+		// in the same commit, what a release before padded frames reads.
+		if err := db.commit(unmarkPadded); err != nil {
 			db.mu.RLock()
 			from, to, bytes := db.boltLast+1, db.last, db.pendBytes
 			db.mu.RUnlock()

@@ -415,8 +415,12 @@ func putPieces(tx *bolt.Tx, lb *bolt.Bucket, idx uint64, b []byte, limit int) er
 		}
 		b = b[len(p):]
 	}
-	if metaU64(tx, bucketMeta, keyFormat) < formatPieces {
-		return tx.Bucket(bucketMeta).Put(keyFormat, u64(formatPieces))
+	key := keyFormat
+	if metaU64(tx, bucketMeta, keyFormat) >= formatPadded {
+		key = keyFormatRest // what a clean Close puts back (FormatVersion)
+	}
+	if metaU64(tx, bucketMeta, key) < formatPieces {
+		return tx.Bucket(bucketMeta).Put(key, u64(formatPieces))
 	}
 	return nil
 }

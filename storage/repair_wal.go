@@ -130,7 +130,7 @@ func (s *salvager) walOp(op stagedOp) {
 		if len(op.val) == 8 {
 			s.epoch = max(s.epoch, binary.BigEndian.Uint64(op.val))
 		}
-	case op.bucket == string(bucketMeta) && (op.key == string(keyFormat) || op.key == string(keyWAL) || op.key == string(keyNodeID)):
+	case op.bucket == string(bucketMeta) && (op.key == string(keyFormat) || op.key == string(keyFormatRest) || op.key == string(keyWAL) || op.key == string(keyNodeID)):
 	default:
 		s.walOps = append(s.walOps, op)
 	}

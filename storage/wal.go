@@ -98,6 +98,9 @@ type walLog struct {
 	// frame goes where that one went, padded as it was, so that it
 	// overwrites its header and no part of it can be read back as live.
 	retry, retryPad bool
+	// mayPad is set once the file says formatPadded (a checkpoint of
+	// this process committed): only then may a frame be padded.
+	mayPad atomic.Bool
 
 	// dirtyLo and dirtyHi are the pages frames were written to since the
 	// last fdatasync, and written counts the bytes of the pages each
@@ -567,7 +570,7 @@ func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb
 		return 0, ErrClosed
 	}
 	at, prev := w.off, int64(-1)
-	pad := next == 0 && padFrame(w.off, frameSize(ops, ents))
+	pad := next == 0 && w.mayPad.Load() && padFrame(w.off, frameSize(ops, ents))
 	if w.retry {
 		pad = w.retryPad
 	}

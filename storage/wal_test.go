@@ -881,3 +881,37 @@ func TestDamagedFrameBeforePaddingIsCorruption(t *testing.T) {
 		t.Fatalf("Open with a damaged frame before a padded good one: %v, want ErrCorrupt", err)
 	}
 }
+
+// A file whose WAL may hold padded frames says format 5 while it is open,
+// so that a release before padded frames, which would take the gap before
+// one for damage, refuses a data dir a crash left, naming both versions;
+// a clean Close puts back what it said before (3, or 4 once an entry was
+// stored in pieces, also while it said 5), so that such a release opens a
+// data dir left by a clean stop.
+func TestFormatFiveOnlyWhileFramesMayBePadded(t *testing.T) {
+	dir := t.TempDir()
+	db := testOpen(t, dir, nil)
+	mustSave(t, db, pb.HardState{Term: 1, Vote: 1, Commit: 1}, makeEntries(1, 1, 1))
+	if f := fileFormat(t, filepath.Join(crashCopy(t, db), FileName)); f != formatPadded {
+		t.Errorf("format %d in a crash copy of an open file, want %d", f, formatPadded)
+	}
+	mustClose(t, db)
+	if f := fileFormat(t, filepath.Join(dir, FileName)); f != formatRuns {
+		t.Errorf("format %d after a clean close, want %d", f, formatRuns)
+	}
+
+	// An entry in pieces while the file says 5: the clean close leaves 4.
+	db = testOpen(t, dir, nil)
+	ps := db.bolt.Info().PageSize
+	mustSave(t, db, pb.HardState{Term: 1, Vote: 1, Commit: 2}, []pb.Entry{{Index: 2, Term: 1, Data: bytes.Repeat([]byte{7}, 3*ps)}})
+	if err := db.commit(nil); err != nil {
+		t.Fatal(err)
+	}
+	if f := fileFormat(t, filepath.Join(crashCopy(t, db), FileName)); f != formatPadded {
+		t.Errorf("format %d in a crash copy with pieces, want %d", f, formatPadded)
+	}
+	mustClose(t, db)
+	if f := fileFormat(t, filepath.Join(dir, FileName)); f != formatPieces {
+		t.Errorf("format %d after a clean close with pieces, want %d", f, formatPieces)
+	}
+}
