@@ -39,6 +39,33 @@ func newSerialLog(t *testing.T) *serialLog {
 	return l
 }
 
+// serialServer is testServer proposing through l, a wrapper of mem.
+func serialServer(t *testing.T, l Log, mem *memLog, mutate func(*Config)) *Server {
+	t.Helper()
+	cfg := Config{Listen: "127.0.0.1:0", AllowAnonymous: true, Sessions: mem.store, NodeID: 1}
+	cfg.Limits.ConnectRate = -1
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	s, err := NewServer(cfg, l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem.mu.Lock()
+	mem.srv = s
+	mem.mu.Unlock()
+	if err := s.Start(); err != nil {
+		t.Fatal(err)
+	}
+	applier := make(chan struct{})
+	go func() {
+		mem.apply()
+		close(applier)
+	}()
+	t.Cleanup(func() { stopServer(t, s, mem, applier) })
+	return s
+}
+
 func (l *serialLog) Propose(m *Message, mode AckMode, done func(error)) {
 	l.memLog.Propose(m, mode, func(err error) { l.q <- func() { done(err) } })
 }
@@ -62,22 +89,7 @@ func TestStuckClientDoesNotDelayAnotherClientsPuback(t *testing.T) {
 		}
 		return nil
 	}
-	cfg := Config{Listen: "127.0.0.1:0", AllowAnonymous: true, Sessions: log.store, NodeID: 1, AckReasonStrings: true, MaxInflight: 4 * stuckPubs}
-	cfg.Limits.ConnectRate = -1
-	s, err := NewServer(cfg, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	log.srv = s
-	if err := s.Start(); err != nil {
-		t.Fatal(err)
-	}
-	applier := make(chan struct{})
-	go func() {
-		log.apply()
-		close(applier)
-	}()
-	t.Cleanup(func() { stopServer(t, s, log.memLog, applier) })
+	s := serialServer(t, log, log.memLog, func(c *Config) { c.AckReasonStrings, c.MaxInflight = true, 4*stuckPubs })
 
 	// The stuck client's receive buffer is as small as the kernel allows.
 	d := net.Dialer{Timeout: 5 * time.Second, Control: func(_, _ string, rc syscall.RawConn) error {
@@ -118,4 +130,62 @@ func TestStuckClientDoesNotDelayAnotherClientsPuback(t *testing.T) {
 	if pk.FixedHeader.Type != packets.Puback || pk.PacketID != 7 || pk.ReasonCode != 0 {
 		t.Fatalf("got %+v (id %d, code %#x), want PUBACK 7 success", pk.FixedHeader, pk.PacketID, pk.ReasonCode)
 	}
+}
+
+// [MQTT-4.6.0-2]: PUBACKs go out in the order the PUBLISHes came, though
+// the log resolves them out of order and each is written by whoever
+// resolved it while no writer ran: a publish resolved before the one
+// ahead of it waits for it.
+func TestMQTT_4_6_0_2_PubacksInTheOrderThePublishesCame(t *testing.T) {
+	log := newSerialLog(t)
+	held := make(chan func(), 16)
+	s := serialServer(t, &holdingLog{serialLog: log, held: held}, log.memLog, nil)
+	c := dialRaw(t, s.Addr(), 5)
+	c.connect("order", true, nil)
+	c.publish("held/1", 1, 1, "a")
+	var release func()
+	select {
+	case release = <-held:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first publish never reached the log")
+	}
+	for pid := uint16(2); pid <= 5; pid++ {
+		c.publish("now/x", 1, pid, "b")
+	}
+	// Released once the four after it are resolved.
+	deadline := time.Now().Add(10 * time.Second)
+	for log.lastIndex() < 5 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of 5 publishes reached the log", log.lastIndex())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	ran := make(chan struct{})
+	log.q <- func() { close(ran) } // after the four's callbacks
+	<-ran
+	release()
+	for want := uint16(1); want <= 5; want++ {
+		pk, err := c.read(10 * time.Second)
+		if err != nil {
+			t.Fatalf("waiting for PUBACK %d: %v", want, err)
+		}
+		if pk.FixedHeader.Type != packets.Puback || pk.PacketID != want {
+			t.Fatalf("got type %d id %d, want PUBACK %d", pk.FixedHeader.Type, pk.PacketID, want)
+		}
+	}
+}
+
+// holdingLog resolves a publish to held/# only when the func it sends on
+// held is called; everything else as serialLog does.
+type holdingLog struct {
+	*serialLog
+	held chan func()
+}
+
+func (l *holdingLog) Propose(m *Message, mode AckMode, done func(error)) {
+	if strings.HasPrefix(m.Topic, "held/") {
+		l.memLog.Propose(m, mode, func(err error) { l.held <- func() { l.q <- func() { done(err) } } })
+		return
+	}
+	l.serialLog.Propose(m, mode, done)
 }
