@@ -100,13 +100,13 @@ type conn struct {
 	// goroutine that resolves them (plain TCP; not TLS or WebSocket,
 	// whose framing only their own Write does), nil otherwise; wconnFn is
 	// rawWrite as a func value. Both are set once, under wmu, by the
-	// first kickAcks.
+	// first kickHere.
 	wconn    syscall.RawConn
 	wconnFn  func(fd uintptr) bool
 	wconnSet bool
 
 	// The writer's own (whoever holds writing).
-	wbuf     []byte // a round's buffer; between rounds, what kickAcks left unwritten
+	wbuf     []byte // a round's buffer; between rounds, what kickHere left unwritten
 	wconnBuf []byte // what rawWrite writes
 	wconnN   int    // what rawWrite wrote, 0 for nothing
 	ackBatch []*inAck
@@ -451,14 +451,15 @@ func (c *conn) disconnect(pk *packets.Packet) bool {
 	return false
 }
 
-// send queues a control packet to the writer.
+// send queues a control packet to the writer (kickHere: written by the
+// caller when no writer runs).
 func (c *conn) send(pk *packets.Packet) {
 	var buf bytes.Buffer
 	c.encode(pk, &buf)
 	c.wmu.Lock()
 	c.ctrl = append(c.ctrl, buf.Bytes()...)
 	c.wmu.Unlock()
-	c.kick()
+	c.kickHere()
 }
 
 // encode appends pk's encoding for this client to buf, with the client's
@@ -620,16 +621,21 @@ func (c *conn) goWriter() {
 	go c.startWriter() // made once per connection: a kick per ack allocates nothing
 }
 
-// kickAcks is kick for acks that have become writable: when no writer
-// runs, the caller writes them itself, with the control packets queued
-// before them, in one write that never waits (rawWrite), instead of
-// starting a goroutine for it. Whatever that write could not take, and
-// anything else owed, goes to a writer goroutine as from kick, which
-// writes it first. The caller (the goroutine that resolves the log's
-// outcomes, for every connection) is thus never held by a client that
-// does not read. The order on the wire is a writer round's: control
-// packets, then the acks in the order their publishes came.
-func (c *conn) kickAcks() {
+// kickHere is kick for control packets and acks that have become
+// writable: when no writer runs and the session has nothing to hand out
+// or read back, the caller writes them itself, in one write that never
+// waits (rawWrite), instead of starting a goroutine for it. Whatever that
+// write could not take, and anything else owed, goes to a writer
+// goroutine as from kick, which writes it first. The caller (the read
+// loop, or the goroutine that resolves the log's outcomes for every
+// connection) is thus never held by a client that does not read. The
+// order on the wire is a writer round's: control packets, then the acks
+// in the order their publishes came; deliveries, which a writer round
+// puts after them, are always a writer goroutine's.
+func (c *conn) kickHere() {
+	// Looked at first, under the session's lock alone: what is offered
+	// after this look kicks, and finds the writer running.
+	quiet := c.sess == nil || c.sess.quietFor(c)
 	c.wmu.Lock()
 	if c.writing {
 		c.again = true
@@ -650,8 +656,9 @@ func (c *conn) kickAcks() {
 		}
 	}
 	// A round that resends, or ends the connection, or one before the
-	// CONNACK, is the writer's; so is a remainder (wbuf) it still owes.
-	if c.wconn == nil || c.resume || c.closeAfter || !c.connacked || len(c.wbuf) > 0 {
+	// CONNACK, is the writer's; so is a remainder (wbuf) it still owes,
+	// and one with deliveries.
+	if !quiet || c.wconn == nil || c.resume || c.closeAfter || !c.connacked || len(c.wbuf) > 0 {
 		c.wmu.Unlock()
 		c.goWriter()
 		return
@@ -665,7 +672,7 @@ func (c *conn) kickAcks() {
 	}
 }
 
-// writeAcksNow is kickAcks' round, by the caller holding writing: the
+// writeAcksNow is kickHere's round, by the caller holding writing: the
 // done acks at the head of the queue are appended to buf and buf is
 // written without waiting. True when all of it went and nothing more is
 // owed (writing is cleared then); false leaves writing held and what is
@@ -746,7 +753,7 @@ func (c *conn) writer() {
 	for {
 		c.wmu.Lock()
 		c.again = false
-		// wbuf holds what kickAcks' write could not take, to go first.
+		// wbuf holds what kickHere's write could not take, to go first.
 		buf := append(c.wbuf, c.ctrl...)
 		c.ctrl = c.ctrl[:0]
 		resume, closing, connacked := c.resume, c.closeAfter, c.connacked

@@ -287,14 +287,14 @@ func (a *inAck) resolved(err error) {
 }
 
 // resolve marks a done and, when a is at the head, has it written
-// (kickAcks: by the caller when no writer runs).
+// (kickHere: by the caller when no writer runs).
 func (c *conn) resolve(a *inAck, err error) {
 	c.amu.Lock()
 	a.done, a.err = true, err
 	head := len(c.acks) > 0 && c.acks[0].done
 	c.amu.Unlock()
 	if head {
-		c.kickAcks()
+		c.kickHere()
 	}
 }
 
