@@ -716,16 +716,10 @@ func (c *conn) writeAcksNow(buf []byte) bool {
 // socket buffer (EAGAIN) or an error leaves wconnN at 0: the writer's own
 // write then waits, or meets the error and ends the connection.
 func (c *conn) rawWrite(fd uintptr) bool {
-	for {
-		n, err := syscall.Write(int(fd), c.wconnBuf)
-		if err == syscall.EINTR {
-			continue
-		}
-		if n > 0 {
-			c.wconnN = n
-		}
-		return true
+	if n := writeOnce(fd, c.wconnBuf); n > 0 {
+		c.wconnN = n
 	}
+	return true
 }
 
 // writerClosed reports whether the writer has closed writerEnd. Called

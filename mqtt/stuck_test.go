@@ -94,9 +94,7 @@ func TestStuckClientDoesNotDelayAnotherClientsPuback(t *testing.T) {
 	// The stuck client's receive buffer is as small as the kernel allows.
 	d := net.Dialer{Timeout: 5 * time.Second, Control: func(_, _ string, rc syscall.RawConn) error {
 		var serr error
-		if err := rc.Control(func(fd uintptr) {
-			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 1024)
-		}); err != nil {
+		if err := rc.Control(func(fd uintptr) { serr = setRcvBuf(fd, 1024) }); err != nil {
 			return err
 		}
 		return serr
