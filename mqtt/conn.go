@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -95,8 +96,19 @@ type conn struct {
 
 	startWriter func() // runWriter as a func value, made once
 
+	// wconn is the socket's RawConn when acks may be written on the
+	// goroutine that resolves them (plain TCP; not TLS or WebSocket,
+	// whose framing only their own Write does), nil otherwise; wconnFn is
+	// rawWrite as a func value. Both are set once, under wmu, by the
+	// first kickHere.
+	wconn    syscall.RawConn
+	wconnFn  func(fd uintptr) bool
+	wconnSet bool
+
 	// The writer's own (whoever holds writing).
-	wbuf     []byte
+	wbuf     []byte // a round's buffer; between rounds, what kickHere left unwritten
+	wconnBuf []byte // what rawWrite writes
+	wconnN   int    // what rawWrite wrote, 0 for nothing
 	ackBatch []*inAck
 	writeBy  time.Time // the write deadline set last
 	aliasOut map[string]uint16
@@ -439,14 +451,15 @@ func (c *conn) disconnect(pk *packets.Packet) bool {
 	return false
 }
 
-// send queues a control packet to the writer.
+// send queues a control packet to the writer (kickHere: written by the
+// caller when no writer runs).
 func (c *conn) send(pk *packets.Packet) {
 	var buf bytes.Buffer
 	c.encode(pk, &buf)
 	c.wmu.Lock()
 	c.ctrl = append(c.ctrl, buf.Bytes()...)
 	c.wmu.Unlock()
-	c.kick()
+	c.kickHere()
 }
 
 // encode appends pk's encoding for this client to buf, with the client's
@@ -599,8 +612,114 @@ func (c *conn) kick() {
 	}
 	c.writing = true
 	c.wmu.Unlock()
+	c.goWriter()
+}
+
+// goWriter starts a writer goroutine for the caller, which holds writing.
+func (c *conn) goWriter() {
 	c.srv.wg.Add(1)
 	go c.startWriter() // made once per connection: a kick per ack allocates nothing
+}
+
+// kickHere is kick for control packets and acks that have become
+// writable: when no writer runs and the session has nothing to hand out
+// or read back, the caller writes them itself, in one write that never
+// waits (rawWrite), instead of starting a goroutine for it. Whatever that
+// write could not take, and anything else owed, goes to a writer
+// goroutine as from kick, which writes it first. The caller (the read
+// loop, or the goroutine that resolves the log's outcomes for every
+// connection) is thus never held by a client that does not read. The
+// order on the wire is a writer round's: control packets, then the acks
+// in the order their publishes came; deliveries, which a writer round
+// puts after them, are always a writer goroutine's.
+func (c *conn) kickHere() {
+	// Looked at first, under the session's lock alone: what is offered
+	// after this look kicks, and finds the writer running.
+	quiet := c.sess == nil || c.sess.quietFor(c)
+	c.wmu.Lock()
+	if c.writing {
+		c.again = true
+		c.wmu.Unlock()
+		return
+	}
+	if c.writerClosed() {
+		c.wmu.Unlock()
+		return // the connection has ended
+	}
+	c.writing = true
+	if !c.wconnSet {
+		c.wconnSet = true
+		if tc, ok := c.nc.(*net.TCPConn); ok {
+			if rc, err := tc.SyscallConn(); err == nil {
+				c.wconn, c.wconnFn = rc, c.rawWrite
+			}
+		}
+	}
+	// A round that resends, or ends the connection, or one before the
+	// CONNACK, is the writer's; so is a remainder (wbuf) it still owes,
+	// and one with deliveries.
+	if !quiet || c.wconn == nil || c.resume || c.closeAfter || !c.connacked || len(c.wbuf) > 0 {
+		c.wmu.Unlock()
+		c.goWriter()
+		return
+	}
+	c.again = false
+	buf := append(c.wbuf[:0], c.ctrl...)
+	c.ctrl = c.ctrl[:0]
+	c.wmu.Unlock()
+	if !c.writeAcksNow(buf) {
+		c.goWriter()
+	}
+}
+
+// writeAcksNow is kickHere's round, by the caller holding writing: the
+// done acks at the head of the queue are appended to buf and buf is
+// written without waiting. True when all of it went and nothing more is
+// owed (writing is cleared then); false leaves writing held and what is
+// left in wbuf, for a writer goroutine.
+func (c *conn) writeAcksNow(buf []byte) bool {
+	buf, failed := c.takeAcks(buf, time.Now())
+	if failed {
+		// A 3.1.1 client refused a publish: the writer writes the acks
+		// before it, then closes, as its own round would.
+		c.wbuf = buf
+		c.end(packets.Code{})
+		return false
+	}
+	n := 0
+	if len(buf) > 0 {
+		c.wconnBuf, c.wconnN = buf, 0
+		if err := c.wconn.Write(c.wconnFn); err == nil {
+			n = c.wconnN
+		}
+		c.wconnBuf = nil
+	}
+	rest := copy(buf, buf[n:])
+	buf = buf[:rest]
+	if rest == 0 && cap(buf) > 64<<10 {
+		buf = nil // do not keep a burst's buffer on an idle connection
+	}
+	c.wbuf = buf
+	c.wmu.Lock()
+	if rest > 0 || c.again || len(c.ctrl) > 0 || c.closeAfter || c.resume {
+		c.wmu.Unlock()
+		return false
+	}
+	c.writing = false
+	c.wmu.Unlock()
+	return true
+}
+
+// rawWrite is the RawConn write callback of writeAcksNow: one write of
+// wconnBuf on the non-blocking socket, and done whatever it took (true),
+// so that RawConn.Write never waits for the socket to drain. A full
+// socket buffer (EAGAIN) or an error leaves wconnN at 0: the writer's own
+// write then waits, or meets the error and ends the connection.
+func (c *conn) rawWrite(fd uintptr) bool {
+	if n := writeOnce(fd, c.wconnBuf); n > 0 {
+		c.wconnN = n
+	}
+	return true
 }
 
 // writerClosed reports whether the writer has closed writerEnd. Called
@@ -628,7 +747,8 @@ func (c *conn) writer() {
 	for {
 		c.wmu.Lock()
 		c.again = false
-		buf := append(c.wbuf[:0], c.ctrl...)
+		// wbuf holds what kickHere's write could not take, to go first.
+		buf := append(c.wbuf, c.ctrl...)
 		c.ctrl = c.ctrl[:0]
 		resume, closing, connacked := c.resume, c.closeAfter, c.connacked
 		c.resume = false

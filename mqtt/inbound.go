@@ -286,14 +286,15 @@ func (a *inAck) resolved(err error) {
 	a.c.resolve(a, err)
 }
 
-// resolve marks a done and wakes the writer when a is at the head.
+// resolve marks a done and, when a is at the head, has it written
+// (kickHere: by the caller when no writer runs).
 func (c *conn) resolve(a *inAck, err error) {
 	c.amu.Lock()
 	a.done, a.err = true, err
 	head := len(c.acks) > 0 && c.acks[0].done
 	c.amu.Unlock()
 	if head {
-		c.kick()
+		c.kickHere()
 	}
 }
 

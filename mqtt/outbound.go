@@ -120,6 +120,15 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 	return buf
 }
 
+// quietFor reports whether the session has nothing for c's writer to hand
+// out or read back: nothing queued or owed, no replay due (or c is not
+// its connection, whose writer hands out nothing).
+func (s *session) quietFor(c *conn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.conn != c || (len(s.queue) == 0 && len(s.owed) == 0 && !s.behind)
+}
+
 // resend appends what a resumed session owes first: every message in
 // flight, in the order it was sent, as a PUBLISH with DUP set, or a PUBREL
 // where the PUBREC came [MQTT-4.4.0-1]. Messages known only by their log
