@@ -502,16 +502,22 @@ func (n *Node) run() {
 		case <-n.propSig:
 			n.proposeQueued()
 		case m := <-n.recvc:
-			n.noteHeard(m.From)
-			if n.pullInstead(m) {
-				break // a snapshot to pull first (snappull.go)
-			}
-			_ = n.rn.Step(m)
-			if m.Type == pb.MsgAppResp {
-				// A learner's ack moves no commit index, so no Ready
-				// follows it: the sync records it covers are acked here,
-				// not at the next heartbeat.
-				n.checkSync()
+			n.stepPeer(m)
+			// What else has arrived is stepped before this turn's
+			// Ready: the messages of one frame (an append and the
+			// commit index that follows it, the members' answers to
+			// one append) then cost one Ready, one fsync and one
+			// answer between them instead of one each. At most what
+			// recvc holds, so a stream of messages cannot hold the
+			// Ready off.
+			for more := cap(n.recvc); more > 0; more-- {
+				select {
+				case m := <-n.recvc:
+					n.stepPeer(m)
+					continue
+				default:
+				}
+				break
 			}
 		case <-n.unreachc:
 			n.unreachMu.Lock()
@@ -552,6 +558,21 @@ func (n *Node) run() {
 		if n.cfg.afterTurn != nil {
 			n.cfg.afterTurn()
 		}
+	}
+}
+
+// stepPeer steps one message from a peer.
+func (n *Node) stepPeer(m pb.Message) {
+	n.noteHeard(m.From)
+	if n.pullInstead(m) {
+		return // a snapshot to pull first (snappull.go)
+	}
+	_ = n.rn.Step(m)
+	if m.Type == pb.MsgAppResp {
+		// A learner's ack moves no commit index, so no Ready follows
+		// it: the sync records it covers are acked here, not at the
+		// next heartbeat.
+		n.checkSync()
 	}
 }
 
