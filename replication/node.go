@@ -271,6 +271,10 @@ type Node struct {
 	flushFailed  time.Time     // when tick's Flush of staged metadata last failed; zero when it works
 	resolvedSome bool          // callbacks ran since the last flushResolved
 	settle       settler       // the outcomes of sync records, as master (settle.go)
+	// held is, per member, the commit-only append held back since
+	// heldSince (commitsend.go).
+	held      map[uint64]pb.Message
+	heldSince time.Time
 
 	// silentSince is the tick from which each other member's silence is
 	// counted while this node is master, if it was never heard since
@@ -551,6 +555,7 @@ func (n *Node) run() {
 		n.expire(now)
 		n.settleTurn(now)
 		n.flushResolved()
+		n.releaseHeld(now)
 		if len(n.byDue) > 0 && !n.byDue[0].deadline.Equal(dueAt) {
 			dueAt = n.byDue[0].deadline
 			due.Reset(time.Until(dueAt))
