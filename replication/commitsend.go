@@ -10,14 +10,22 @@ import (
 // append with no entries that carries only the new commit index, besides
 // the appends that carry the records. Under load that doubles what a
 // slave handles per batch: two messages read, two Readies, two answers,
-// and the master reads two answers from each slave. So while proposals
-// are queued here, the master holds such an append back: the next append
-// to that member, which those proposals make within the group commit's
-// wait, carries the same commit index, and the held one is dropped. It is
-// sent after all when no proposal is queued (an idle master tells the
-// members at once) or once it has waited maxBatchWait. Raft takes a lost
-// message in its stride; what matters is that a member learns the commit
-// index no later than that, and a deposed master's held ones are dropped.
+// and the master reads two answers from each slave. So while appends are
+// coming, the master holds such an append back: the next append to that
+// member carries the same commit index, and the held one is dropped.
+// Appends are coming while proposals are queued here (the loop takes them
+// within the group commit's wait), and while records flow: the last two
+// appends went out within holdWindow of each other and of now (publishers
+// on a sync topic or on a slave send their next publishes only once the
+// last ones are acked, so nothing is queued when the commit index moves).
+// A held append is sent after all once none of that holds or it has
+// waited holdWindow, so a member learns a commit index at most holdWindow
+// late, and an isolated record's at once. Raft takes a lost message in its
+// stride; a deposed master's held ones are dropped.
+
+// holdWindow bounds how long a commit-only append is held, and how close
+// appends must follow each other to count as a flow.
+const holdWindow = maxBatchWait
 
 // send hands msgs to the transport, holding back or dropping the
 // commit-only appends as said above.
@@ -25,8 +33,8 @@ func (n *Node) send(msgs []pb.Message) {
 	if n.cfg.Transport == nil {
 		return
 	}
-	if n.leader {
-		msgs = n.holdCommits(msgs)
+	if n.leader && !n.cfg.sendAtOnce {
+		msgs = n.holdCommits(msgs, time.Now())
 	}
 	if len(msgs) > 0 {
 		n.cfg.Transport.Send(msgs)
@@ -36,8 +44,14 @@ func (n *Node) send(msgs []pb.Message) {
 // holdCommits returns msgs minus the commit-only appends it holds now and
 // plus, before a message to the same member, one held earlier that the
 // message does not make redundant.
-func (n *Node) holdCommits(msgs []pb.Message) []pb.Message {
-	coming := n.appendsComing()
+func (n *Node) holdCommits(msgs []pb.Message, now time.Time) []pb.Message {
+	for _, m := range msgs {
+		if m.Type == pb.MsgApp && len(m.Entries) > 0 {
+			n.prevAppend, n.lastAppend = n.lastAppend, now
+			break
+		}
+	}
+	coming := n.appendsComing(now)
 	if !coming && len(n.held) == 0 {
 		return msgs
 	}
@@ -54,7 +68,8 @@ func (n *Node) holdCommits(msgs []pb.Message) []pb.Message {
 				n.held = map[uint64]pb.Message{}
 			}
 			if len(n.held) == 0 {
-				n.heldSince = time.Now()
+				n.heldSince = now
+				n.armHeld()
 			}
 			n.held[m.To] = m
 			continue
@@ -64,8 +79,9 @@ func (n *Node) holdCommits(msgs []pb.Message) []pb.Message {
 	return out
 }
 
-// releaseHeld sends the held appends once no proposal is queued or they
-// have waited maxBatchWait; the loop calls it at the end of every turn.
+// releaseHeld sends the held appends once appends stop coming or they have
+// waited holdWindow; the loop calls it at the end of every turn, and its
+// timer (heldWake) makes a turn when the window ends.
 func (n *Node) releaseHeld(now time.Time) {
 	if len(n.held) == 0 {
 		return
@@ -74,7 +90,7 @@ func (n *Node) releaseHeld(now time.Time) {
 		clear(n.held) // raft has moved on: they would only be stale
 		return
 	}
-	if n.appendsComing() && now.Sub(n.heldSince) < maxBatchWait {
+	if now.Sub(n.heldSince) < holdWindow && n.appendsComing(now) {
 		return
 	}
 	msgs := make([]pb.Message, 0, len(n.held))
@@ -85,12 +101,32 @@ func (n *Node) releaseHeld(now time.Time) {
 	n.cfg.Transport.Send(msgs)
 }
 
-// appendsComing reports whether proposals are queued, which the loop
-// turns into appends to every member within the group commit's wait.
-func (n *Node) appendsComing() bool {
+// appendsComing reports whether proposals are queued, which the loop turns
+// into appends within the group commit's wait, or records are flowing.
+func (n *Node) appendsComing(now time.Time) bool {
+	if now.Sub(n.lastAppend) < holdWindow && n.lastAppend.Sub(n.prevAppend) < holdWindow {
+		return true
+	}
 	n.propMu.Lock()
 	defer n.propMu.Unlock()
 	return len(n.propQ) > 0
+}
+
+// armHeld starts the timer that ends a hold.
+func (n *Node) armHeld() {
+	if n.heldT == nil {
+		n.heldT = time.NewTimer(holdWindow)
+		return
+	}
+	n.heldT.Reset(holdWindow)
+}
+
+// heldWake is the hold timer's channel (nil before the first hold).
+func (n *Node) heldWake() <-chan time.Time {
+	if n.heldT == nil {
+		return nil
+	}
+	return n.heldT.C
 }
 
 // commitConveyed is the commit index a member takes from an append it

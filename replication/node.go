@@ -129,6 +129,10 @@ type Config struct {
 	// raft loop: the turn a delivered message, a tick or a proposal
 	// caused is over, and what it sent is with the Transport.
 	afterTurn func()
+	// sendAtOnce, set by tests only, sends every message when raft hands
+	// it over (commitsend.go): the exact-replay harness must see no turn
+	// it did not cause, which a hold's wall-clock timer would make.
+	sendAtOnce bool
 }
 
 // DefaultConfig returns the defaults of DESIGN.md.
@@ -275,6 +279,10 @@ type Node struct {
 	// heldSince (commitsend.go).
 	held      map[uint64]pb.Message
 	heldSince time.Time
+	heldT     *time.Timer // ends a hold (heldWake)
+	// lastAppend and prevAppend are when the last two appends with
+	// records went out, as master (commitsend.go).
+	lastAppend, prevAppend time.Time
 
 	// silentSince is the tick from which each other member's silence is
 	// counted while this node is master, if it was never heard since
@@ -537,6 +545,7 @@ func (n *Node) run() {
 		case <-due.C:
 			dueAt = time.Time{}
 		case <-n.settleWake():
+		case <-n.heldWake():
 		case <-n.failc:
 			n.resolveAll(n.Err())
 			return
