@@ -4,7 +4,11 @@
 //
 // The loop follows raft's documented order for each Ready: persist the
 // entries and hard state in one storage transaction, send messages, hand
-// committed entries to the apply goroutine, Advance.
+// committed entries to the apply goroutine, Advance. Each turn steps every
+// peer message already queued before it takes the Ready, and the master
+// holds back the appends that would carry only a new commit index while
+// more appends are coming (commitsend.go), so a slave under load handles
+// about one message, one Ready and one answer per batch.
 //
 // Acks are computed here, not read off raft's commit index: an async
 // proposal resolves once the entries holding it are saved on this node while
@@ -24,7 +28,8 @@
 // Files: node.go holds Node, its Config and the raft loop (run);
 // proposal.go the way a proposal travels to its ack rule (queue, MsgProp,
 // saved, acked, expired); ready.go what each Ready does (persist, send,
-// leadership, retention floor); settle.go the settlement of sync records;
+// leadership, retention floor); commitsend.go the commit-only appends held
+// back while appends flow; settle.go the settlement of sync records;
 // apply.go the apply goroutine and membership entries; snapshot.go the
 // install of a snapshot (in log order, through a Restorer applier) and
 // which members hold retention; snappull.go the pull of a snapshot too

@@ -129,6 +129,10 @@ type Config struct {
 	// raft loop: the turn a delivered message, a tick or a proposal
 	// caused is over, and what it sent is with the Transport.
 	afterTurn func()
+	// sendAtOnce, set by tests only, sends every message when raft hands
+	// it over (commitsend.go): the exact-replay harness must see no turn
+	// it did not cause, which a hold's wall-clock timer would make.
+	sendAtOnce bool
 }
 
 // DefaultConfig returns the defaults of DESIGN.md.
@@ -271,6 +275,14 @@ type Node struct {
 	flushFailed  time.Time     // when tick's Flush of staged metadata last failed; zero when it works
 	resolvedSome bool          // callbacks ran since the last flushResolved
 	settle       settler       // the outcomes of sync records, as master (settle.go)
+	// held is, per member, the commit-only append held back since
+	// heldSince (commitsend.go).
+	held      map[uint64]pb.Message
+	heldSince time.Time
+	heldT     *time.Timer // ends a hold (heldWake)
+	// lastAppend and prevAppend are when the last two appends with
+	// records went out, as master (commitsend.go).
+	lastAppend, prevAppend time.Time
 
 	// silentSince is the tick from which each other member's silence is
 	// counted while this node is master, if it was never heard since
@@ -502,16 +514,22 @@ func (n *Node) run() {
 		case <-n.propSig:
 			n.proposeQueued()
 		case m := <-n.recvc:
-			n.noteHeard(m.From)
-			if n.pullInstead(m) {
-				break // a snapshot to pull first (snappull.go)
-			}
-			_ = n.rn.Step(m)
-			if m.Type == pb.MsgAppResp {
-				// A learner's ack moves no commit index, so no Ready
-				// follows it: the sync records it covers are acked here,
-				// not at the next heartbeat.
-				n.checkSync()
+			n.stepPeer(m)
+			// What else has arrived is stepped before this turn's
+			// Ready: the messages of one frame (an append and the
+			// commit index that follows it, the members' answers to
+			// one append) then cost one Ready, one fsync and one
+			// answer between them instead of one each. At most what
+			// recvc holds, so a stream of messages cannot hold the
+			// Ready off.
+			for more := cap(n.recvc); more > 0; more-- {
+				select {
+				case m := <-n.recvc:
+					n.stepPeer(m)
+					continue
+				default:
+				}
+				break
 			}
 		case <-n.unreachc:
 			n.unreachMu.Lock()
@@ -527,6 +545,7 @@ func (n *Node) run() {
 		case <-due.C:
 			dueAt = time.Time{}
 		case <-n.settleWake():
+		case <-n.heldWake():
 		case <-n.failc:
 			n.resolveAll(n.Err())
 			return
@@ -545,6 +564,7 @@ func (n *Node) run() {
 		n.expire(now)
 		n.settleTurn(now)
 		n.flushResolved()
+		n.releaseHeld(now)
 		if len(n.byDue) > 0 && !n.byDue[0].deadline.Equal(dueAt) {
 			dueAt = n.byDue[0].deadline
 			due.Reset(time.Until(dueAt))
@@ -552,6 +572,21 @@ func (n *Node) run() {
 		if n.cfg.afterTurn != nil {
 			n.cfg.afterTurn()
 		}
+	}
+}
+
+// stepPeer steps one message from a peer.
+func (n *Node) stepPeer(m pb.Message) {
+	n.noteHeard(m.From)
+	if n.pullInstead(m) {
+		return // a snapshot to pull first (snappull.go)
+	}
+	_ = n.rn.Step(m)
+	if m.Type == pb.MsgAppResp {
+		// A learner's ack moves no commit index, so no Ready follows
+		// it: the sync records it covers are acked here, not at the
+		// next heartbeat.
+		n.checkSync()
 	}
 }
 

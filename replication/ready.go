@@ -28,7 +28,7 @@ func (n *Node) handleReady() bool {
 	early := n.leader && n.cfg.Transport != nil && len(rd.Messages) > 0 &&
 		(raft.IsEmptyHardState(rd.HardState) || (rd.HardState.Term == n.savedHS.Term && rd.HardState.Vote == n.savedHS.Vote))
 	if early {
-		n.cfg.Transport.Send(rd.Messages)
+		n.send(rd.Messages)
 	}
 	if !raft.IsEmptySnap(rd.Snapshot) && !n.installSnapshot(rd.Snapshot) {
 		// The master's log starts past this node's: its snapshot replaces
@@ -66,8 +66,8 @@ func (n *Node) handleReady() bool {
 	} else if n.cfg.Forwarder != nil {
 		n.noteLogged(rd.Entries)
 	}
-	if !early && n.cfg.Transport != nil && len(rd.Messages) > 0 {
-		n.cfg.Transport.Send(rd.Messages)
+	if !early && len(rd.Messages) > 0 {
+		n.send(rd.Messages)
 	}
 	if len(rd.CommittedEntries) > 0 {
 		for i := range rd.CommittedEntries {
@@ -170,6 +170,7 @@ func (n *Node) setLeader(leader bool, lead uint64) {
 			n.db.NoteLed(term)
 		}
 		n.log.Info("role changed", "master", leader, "leader", IDString(lead), "term", term)
+		clear(n.held) // another term's commit index
 		n.settleLead(leader)
 	}
 	n.leader = leader

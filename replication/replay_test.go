@@ -89,6 +89,7 @@ func newSimNet(t *testing.T, rng *rand.Rand, n, lead int) *simNet {
 			c.Heartbeat, c.ElectionTimeout = 10*time.Millisecond, election
 			c.SyncTimeout = time.Hour // deadlines run on the wall clock: none may fall due
 			c.ticks = sn.ticks
+			c.sendAtOnce = true
 			c.afterTurn = func() {
 				select {
 				case sn.turns <- struct{}{}:
