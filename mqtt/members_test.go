@@ -42,6 +42,10 @@ type member struct {
 	cut     bool // killed: its proposals are lost
 	legacy  bool // writes control records as a cluster below feature level 2
 	stopped bool
+	// holdRel, when set, holds the member's release records (session
+	// records "rel") back from the log until it is closed: a release the
+	// other members have not got yet.
+	holdRel chan struct{}
 	// pause, when not 0, is the last index the applier applies until it
 	// is cleared: a member behind the log (a follower that learns the
 	// commit index from the next master).
@@ -60,8 +64,18 @@ func (m *member) Reserve(msg *Message) {
 	m.l.mu.Unlock()
 }
 
-func (m *member) Propose(msg *Message, _ AckMode, done func(error)) {
+func (m *member) Propose(msg *Message, mode AckMode, done func(error)) {
 	m.l.mu.Lock()
+	if hold := m.holdRel; hold != nil && msg.Kind == KindSession && bytes.Contains(msg.Payload, []byte(`"op":"rel"`)) {
+		m.l.mu.Unlock()
+		c := *msg
+		c.Payload = bytes.Clone(msg.Payload) // msg is not ours after Propose returns
+		go func() {
+			<-hold
+			m.Propose(&c, mode, done)
+		}()
+		return
+	}
 	if m.cut {
 		m.l.mu.Unlock()
 		done(errCut)
@@ -134,6 +148,26 @@ func (m *member) apply() {
 		m.l.cond.Broadcast()
 		m.l.mu.Unlock()
 	}
+}
+
+// holdReleases holds the member's release records back from the log until
+// the returned func is called (at cleanup at the latest).
+func (m *member) holdReleases(t *testing.T) (let func()) {
+	hold := make(chan struct{})
+	m.l.mu.Lock()
+	m.holdRel = hold
+	m.l.mu.Unlock()
+	var once sync.Once
+	let = func() {
+		once.Do(func() {
+			m.l.mu.Lock()
+			m.holdRel = nil
+			m.l.mu.Unlock()
+			close(hold)
+		})
+	}
+	t.Cleanup(let)
+	return let
 }
 
 // holdAt stops the member's applier after index (0: it goes on).

@@ -67,7 +67,8 @@ func (s *session) releaseNext() {
 // released sends the PUBRELs of batch once its release record is logged.
 // When logging failed they go anyway: the flow must end, and only a member
 // taking the session over before the record is there could deliver one of
-// them twice.
+// them twice. They go as late releases: a connection whose resend is still
+// to come sends them there, and none goes before a CONNACK.
 func (s *session) released(batch []uint64, err error) {
 	if err != nil {
 		s.srv.lines.Warn("release record of QoS 2 deliveries not logged: PUBREL sent anyway", "client", s.id, "error", err)
@@ -77,16 +78,15 @@ func (s *session) released(batch []uint64, err error) {
 	c := s.conn
 	pids := make([]uint16, 0, len(batch))
 	for _, idx := range batch {
+		delete(s.releasing, idx)
 		p := pidFor(idx)
 		if it := s.inflight[p]; it != nil && it.rel && it.idx == idx {
 			pids = append(pids, p)
 		}
 	}
 	s.mu.Unlock()
-	if c != nil {
-		for _, p := range pids {
-			c.send(&packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: p})
-		}
+	if c != nil && len(pids) > 0 {
+		c.lateRelease(pids)
 	}
 	s.releaseNext()
 }
@@ -150,9 +150,10 @@ func (se *session) takesRemoteLocked() bool {
 	return se.conn == nil || se.awaitingStartLocked()
 }
 
-// lateRelease sends the PUBRELs of flows a release record applied after
-// the device came back added to its session, unless the resend that
-// follows the CONNACK is still to come (it sends every flow in flight).
+// lateRelease sends the PUBRELs of flows whose release record came after
+// the device connected (logged here: released; or applied from another
+// member after the device came back), unless the resend that follows the
+// CONNACK is still to come (it sends every flow in flight it may).
 // A PUBREL twice is harmless: the device answers the second with PUBCOMP
 // (0x92 in MQTT 5), which finds no flow.
 func (c *conn) lateRelease(pids []uint16) {

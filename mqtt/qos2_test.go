@@ -393,3 +393,90 @@ func completeOneTwoReleaseThree(t *testing.T, dev *raw, pidOf map[string]uint16)
 		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pidOf[k]})
 	}
 }
+
+// [MQTT-4.3.3-9] across a move, when the device asks for its PUBREL again
+// before the member it is on has logged the flow's release record: by a
+// repeated PUBREC, or by reconnecting to the same member (the resend of
+// a resumed session). A PUBREL then would let the device complete a flow
+// that the member it moves to, if this one dies before the record is
+// logged, sends again under the same packet id: to the device, a new
+// message. The PUBREL waits for the record; once it is logged, it goes.
+func TestMQTT_4_3_3_9_NoPubrelBeforeTheReleaseIsLogged(t *testing.T) {
+	for _, v := range []byte{4, 5} {
+		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
+			for _, logged := range []bool{true, false} {
+				name := "then-moves"
+				if logged {
+					name = "then-logged"
+				}
+				t.Run(name, func(t *testing.T) { pubrelWaitsForItsRecord(t, v, logged) })
+			}
+		})
+	}
+}
+
+// pubrelWaitsForItsRecord: the device PUBRECs a delivery on a whose
+// release record a holds back, asks for the PUBREL again twice, and
+// either the record is logged (the PUBREL comes) or a dies without it and
+// the device moves to b, where the message comes again under the packet
+// id the device still holds.
+func pubrelWaitsForItsRecord(t *testing.T, v byte, logged bool) {
+	l := newSharedLog()
+	a, b := startMember(t, l, 1), startMember(t, l, 2)
+	var props *packets.Properties
+	if v == 5 {
+		props = &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	}
+	dev := dialRaw(t, a.srv.Addr(), v)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	p := dev.expect(packets.Publish)
+	pid := p.PacketID
+	let := a.holdReleases(t)
+	rec := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pid}
+	ping := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}}
+	dev.write(rec)
+	dev.write(rec) // again: its PUBREL, if it went, comes before the PINGRESP
+	dev.write(ping)
+	if pk := dev.next(); pk.FixedHeader.Type != packets.Pingresp {
+		t.Fatalf("packet type %d (PUBREL is %d) on a repeated PUBREC, before the release record is logged", pk.FixedHeader.Type, packets.Pubrel)
+	}
+	dev.c.Close()
+	// Back on the same member: its resend comes right after the CONNACK.
+	dev = dialRaw(t, a.srv.Addr(), v)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("back on a: CONNACK %#x session present %v", ack.ReasonCode, ack.SessionPresent)
+	}
+	dev.write(ping)
+	if pk := dev.next(); pk.FixedHeader.Type != packets.Pingresp {
+		t.Fatalf("packet type %d (PUBREL is %d) in the resend, before the release record is logged", pk.FixedHeader.Type, packets.Pubrel)
+	}
+	if logged {
+		let()
+		if rel := dev.expect(packets.Pubrel); rel.PacketID != pid {
+			t.Fatalf("PUBREL %d once the release record is logged, want %d", rel.PacketID, pid)
+		}
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pid})
+		dev.write(ping)
+		dev.expect(packets.Pingresp)
+		return
+	}
+	b.caughtUp(t)
+	a.kill(t) // the release record never logged
+	dev.c.Close()
+	dev = dialRaw(t, b.srv.Addr(), v)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("on b: CONNACK %#x session present %v", ack.ReasonCode, ack.SessionPresent)
+	}
+	// The device still holds pid (never PUBREL'd): the message must come
+	// under it, with DUP, and the flow go on to its PUBREL there.
+	p = dev.expect(packets.Publish)
+	if string(p.Payload) != "1" || p.PacketID != pid || !p.FixedHeader.Dup {
+		t.Fatalf("on b: PUBLISH %q id %d dup %v; want the held message under id %d with DUP", p.Payload, p.PacketID, p.FixedHeader.Dup, pid)
+	}
+	dev.write(rec)
+	if rel := dev.expect(packets.Pubrel); rel.PacketID != pid {
+		t.Fatalf("on b: PUBREL %d, want %d", rel.PacketID, pid)
+	}
+}

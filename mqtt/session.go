@@ -79,9 +79,13 @@ type session struct {
 
 	// relPending are the log indexes of QoS 2 deliveries the client has
 	// PUBREC'd whose release record is not yet proposed; relBusy says one
-	// is in flight. Their PUBRELs wait for it (qos2.go).
+	// is in flight. Their PUBRELs wait for it (qos2.go). releasing holds
+	// every index of either whose record's outcome has not come: no
+	// PUBREL goes for them, neither on a repeated PUBREC nor in the
+	// resend of a reconnect, until it has (released sends them).
 	relPending []uint64
 	relBusy    bool
+	releasing  map[uint64]bool
 	// resumed: the session was present at its connection's CONNECT, so
 	// the client may hold some of its QoS 2 records already (mayHave).
 	resumed bool
@@ -258,7 +262,9 @@ func (s *session) acked(pid uint16, qos byte) bool {
 // flight (PUBREL 0x92 then), and ended for a PUBREC with an error code,
 // which ends the flow [MQTT-4.3.3-4]. release says the PUBREL waits for a
 // release record (a persistent session's delivery of a log record): the
-// caller calls releaseNext.
+// caller calls releaseNext. A repeated PUBREC of such a flow waits for the
+// same record: a PUBREL before it is logged lets the device complete a
+// flow that a member taking the session over would send again, as new.
 func (s *session) received(pid uint16, failed bool) (ok, release bool) {
 	s.mu.Lock()
 	it := s.inflight[pid]
@@ -267,9 +273,10 @@ func (s *session) received(pid uint16, failed bool) (ok, release bool) {
 		return false, false
 	}
 	if it.rel {
-		// A repeated PUBREC: its PUBREL goes again, released or not.
+		// A repeated PUBREC: its PUBREL goes again, once released.
+		wait := s.releasing[it.idx]
 		s.mu.Unlock()
-		return true, false
+		return true, wait
 	}
 	persist := s.persistent()
 	if failed {
@@ -286,6 +293,10 @@ func (s *session) received(pid uint16, failed bool) (ok, release bool) {
 	release = persist && it.idx > 0 && s.srv.clustered()
 	if release {
 		s.relPending = append(s.relPending, it.idx)
+		if s.releasing == nil {
+			s.releasing = map[uint64]bool{}
+		}
+		s.releasing[it.idx] = true
 	}
 	s.mu.Unlock()
 	if persist {
