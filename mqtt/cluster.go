@@ -196,33 +196,9 @@ func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) 
 		s.saveSession(se)
 		s.saveCursor(se)
 	case "sub", "unsub":
-		if se == nil || se.current() != nil {
-			return
+		if se != nil {
+			s.applySub(index, se, op)
 		}
-		if op.Op == "unsub" {
-			se.mu.Lock()
-			sub := se.subs[op.Filter]
-			delete(se.subs, op.Filter)
-			s.recountLocked(se)
-			se.mu.Unlock()
-			if sub != nil {
-				s.index.remove(se, sub)
-				s.stageDelete(subKey(id, op.Filter))
-			}
-			return
-		}
-		sub := &subscription{filter: op.Filter, qos: op.QoS, noLocal: op.NL, rap: op.RAP, rh: op.RH, id: op.ID, since: index}
-		sub.group, sub.match, _, _ = parseShare(op.Filter)
-		se.mu.Lock()
-		if old := se.subs[op.Filter]; old != nil {
-			sub.since = old.since
-			s.index.remove(se, old)
-		}
-		se.subs[op.Filter] = sub
-		s.recountLocked(se)
-		se.mu.Unlock()
-		s.index.add(se, sub)
-		s.saveSub(id, sub)
 	case "off":
 		if se == nil || se.current() != nil {
 			return
@@ -242,6 +218,59 @@ func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) 
 			s.applyReleased(se, op.Rel)
 		}
 	}
+}
+
+// applySub takes another member's subscribe or unsubscribe record into
+// the copy of the session here while it takes remote records
+// (takesRemoteLocked): offline, or back here and waiting for its start
+// record, before which the device's subscriptions on the member it left
+// are still being applied (a follower learns the commit index from the
+// next master) and must be in force before its replay reads the log. A
+// filter the device has named here since it came keeps what it did
+// here, which is the newer.
+func (s *Server) applySub(index uint64, se *session, op *sessionOp) {
+	se.mu.Lock()
+	if !se.takesRemoteLocked() || se.namedHere[op.Filter] {
+		se.mu.Unlock()
+		return
+	}
+	old := se.subs[op.Filter]
+	if op.Op == "unsub" {
+		delete(se.subs, op.Filter)
+		s.recountLocked(se)
+		se.mu.Unlock()
+		if old != nil {
+			s.index.remove(se, old)
+			s.stageDelete(subKey(se.id, op.Filter))
+		}
+		return
+	}
+	sub := &subscription{filter: op.Filter, qos: op.QoS, noLocal: op.NL, rap: op.RAP, rh: op.RH, id: op.ID, since: index}
+	sub.group, sub.match, _, _ = parseShare(op.Filter)
+	if old != nil {
+		sub.since = old.since
+	}
+	se.subs[op.Filter] = sub
+	s.recountLocked(se)
+	se.mu.Unlock()
+	if old != nil {
+		s.index.remove(se, old)
+	}
+	s.index.add(se, sub)
+	s.saveSub(se.id, sub)
+}
+
+// namedLocked notes that the client named filter in a SUBSCRIBE or
+// UNSUBSCRIBE on this connection, while the session waits for its start
+// record (applySub). Called with s.mu held.
+func (s *session) namedLocked(filter string) {
+	if !s.awaitingStartLocked() {
+		return
+	}
+	if s.namedHere == nil {
+		s.namedHere = map[string]bool{}
+	}
+	s.namedHere[filter] = true
 }
 
 // ackedCursorLocked is the cursor another member may resume the session

@@ -393,7 +393,7 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 			delete(s.refs, se.ref)
 		}
 		se.ref = 0 // until its new start record is applied
-		se.resumed = present
+		se.resumed, se.namedHere = present, nil
 		// Whatever the log holds past the cursor is read from it: the
 		// client was away.
 		se.behind, se.more = true, false

@@ -480,3 +480,55 @@ func pubrelWaitsForItsRecord(t *testing.T, v byte, logged bool) {
 		t.Fatalf("on b: PUBREL %d, want %d", rel.PacketID, pid)
 	}
 }
+
+// A device's subscriptions follow it to the member it moves to also when
+// that member applies the records of the last ones only after the device
+// came (a follower learns the commit index from the next master): its
+// session is online then, waiting for its start record before it
+// replays, and a subscribe or unsubscribe another member logged before
+// is taken as into an offline copy, or the replay misses what the
+// device subscribed to and sends what it unsubscribed from. A filter the
+// device names again on the new member keeps what it did there.
+func TestSubscriptionsAppliedAfterTheDeviceCameBack(t *testing.T) {
+	l := newSharedLog()
+	a, b := startMember(t, l, 1), startMember(t, l, 2)
+	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	dev := dialRaw(t, a.srv.Addr(), 5)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "old/#", Qos: 1}, packets.Subscription{Filter: "again/#", Qos: 1})
+	b.caughtUp(t)
+	l.mu.Lock()
+	last := uint64(len(l.recs))
+	l.mu.Unlock()
+	b.holdAt(last) // b applies nothing logged from here on until the device is on b
+
+	dev.subscribe(2, packets.Subscription{Filter: "new/#", Qos: 1})
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Unsubscribe, Qos: 1}, PacketID: 3,
+		Filters: packets.Subscriptions{{Filter: "old/#"}, {Filter: "again/#"}}})
+	dev.expect(packets.Unsuback)
+	a.kill(t)
+	dev.c.Close()
+	for i, topic := range []string{"old/x", "new/x", "again/x"} {
+		l.add(&Message{Origin: 9, Seq: uint64(i + 1), ClientID: "sensor", Topic: topic, QoS: 1, Payload: []byte(topic)})
+	}
+
+	dev = dialRaw(t, b.srv.Addr(), 5)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("on the other member: CONNACK %#x session present %v; want 0, true", ack.ReasonCode, ack.SessionPresent)
+	}
+	// Named again here: newer than a's unsubscribe, applied after it.
+	dev.subscribe(4, packets.Subscription{Filter: "again/#", Qos: 1})
+	b.holdAt(0)
+
+	var got []string
+	for len(got) < 2 {
+		p := dev.expect(packets.Publish)
+		got = append(got, string(p.Payload))
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+	}
+	if got[0] != "new/x" || got[1] != "again/x" {
+		t.Fatalf("delivered %v on the other member; want [new/x again/x] (old/# unsubscribed on a, new/# subscribed on a, again/# subscribed again on b)", got)
+	}
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	dev.expect(packets.Pingresp)
+}

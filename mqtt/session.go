@@ -89,6 +89,10 @@ type session struct {
 	// resumed: the session was present at its connection's CONNECT, so
 	// the client may hold some of its QoS 2 records already (mayHave).
 	resumed bool
+	// namedHere are the filters the client subscribed or unsubscribed on
+	// this connection while it waited for its start record: what another
+	// member logged for them then is older (applySession).
+	namedHere map[string]bool
 	// doneAbove holds the indexes past the cursor whose QoS 2 flow ended
 	// here anyway: flows taken over from another member (applyReleased),
 	// completed before the replay reached them, which must skip them.
