@@ -2,9 +2,12 @@ package mqtt
 
 import (
 	"encoding/json"
+	"errors"
 	"strings"
 	"sync/atomic"
 	"time"
+
+	"github.com/mochi-mqtt/server/v2/packets"
 )
 
 // Persistent sessions across the cluster.
@@ -324,22 +327,73 @@ func (s *Server) replicateCursors() {
 }
 
 // proposeStart logs the start record of se, a persistent session that just
-// connected here. A resumed session replays the log only once that record
-// is applied here (awaitingStartLocked), or could not be logged.
-func (s *Server) proposeStart(se *session, op sessionOp) {
+// connected here on c. A resumed session replays the log only once that
+// record is applied here (awaitingStartLocked). When it cannot be logged
+// (no master, the log full, a failing disk) and other members share the
+// log, nothing tells this member that it has applied what the member the
+// device left logged for the session: a replay, or a resend, could send
+// again a QoS 2 message whose flow the device completed there, or miss
+// what it subscribed to. So the device is not served from that state: its
+// CONNECT is refused, or, once it has its CONNACK, the connection ends
+// (startNotLogged), and it connects again, here once the log takes records
+// or elsewhere. Its session stays as it was. On a lone gateway nobody else
+// could have logged anything for it: it goes on without the record.
+func (s *Server) proposeStart(se *session, c *conn, op sessionOp) {
 	s.proposeOp(se.id, op, Async, func(err error) {
 		if err == nil {
 			return
 		}
-		s.lines.Warn("session start record not logged: replaying without it", "client", se.id, "error", err)
 		se.mu.Lock()
-		se.startFailed = true
-		c := se.conn
-		se.mu.Unlock()
-		if c != nil {
-			c.kick()
+		if se.conn != c {
+			se.mu.Unlock()
+			return // gone; a later connection has its own start record
 		}
+		barrier := se.awaitingStartLocked() && s.clustered()
+		if !barrier {
+			se.startFailed = true
+		}
+		se.mu.Unlock()
+		if barrier {
+			c.startNotLogged(err)
+			return
+		}
+		s.lines.Warn("session start record not logged: replaying without it", "client", se.id, "error", err)
+		c.kick()
 	})
+}
+
+// startNotLogged ends the connection of a resumed session whose start record
+// could not be logged (proposeStart): before its CONNACK, the CONNECT is
+// refused (connect reads startErr); after, it ends with a DISCONNECT: 0x97
+// when the log refused the record for space (as a publish is), 0x9C with
+// the member to use when this one is sending devices away, else 0x89.
+func (c *conn) startNotLogged(err error) {
+	c.wmu.Lock()
+	if !c.connacked {
+		c.startErr = err
+		c.wmu.Unlock()
+		return
+	}
+	c.wmu.Unlock()
+	code5, why := startRefusal(err)
+	c.srv.refusal(c.id, why+": disconnected", "client", c.id, "error", err)
+	if r := c.srv.redirect.Load(); r != nil && !errors.Is(err, ErrQuota) {
+		c.endTo(packets.ErrUseAnotherServer, r.ref, r.why)
+		return
+	}
+	if code5 == packets.ErrServerUnavailable {
+		code5 = packets.ErrServerBusy // 0x88 is a CONNACK's only
+	}
+	c.endTo(code5, "", why)
+}
+
+// startRefusal is the reason code and words a device gets when the start
+// record of the session it resumes cannot be logged.
+func startRefusal(err error) (packets.Code, string) {
+	if errors.Is(err, ErrQuota) {
+		return packets.ErrQuotaExceeded, "the log takes no records now: the session cannot be resumed here yet"
+	}
+	return packets.ErrServerUnavailable, "the session's start could not be logged: connect again"
 }
 
 // awaitingStartLocked reports whether a resumed session must wait before

@@ -69,7 +69,7 @@ type conn struct {
 	acond      *sync.Cond // signalled when acks are taken (3.1.1 back-pressure)
 	closedAcks bool
 
-	wmu        sync.Mutex // guards ctrl, writing, again, closeAfter, resume, connacked, ended
+	wmu        sync.Mutex // guards ctrl, writing, again, closeAfter, resume, connacked, ended, startErr
 	ctrl       []byte     // encoded control packets not yet written
 	writing    bool       // a writer goroutine runs
 	again      bool       // work arrived while the writer ran
@@ -92,6 +92,10 @@ type conn struct {
 	resume         bool // the session's inflight messages are owed a resend
 	connacked      bool // the CONNACK is queued: only then may anything else go out
 	ended          bool
+	// startErr is why the start record of the resumed session could not
+	// be logged, when that came before the CONNACK: the CONNECT is
+	// refused instead (startNotLogged).
+	startErr error
 
 	startWriter func() // runWriter as a func value, made once
 

@@ -178,6 +178,11 @@ func (c *conn) connect() bool {
 	var buf bytes.Buffer
 	c.encode(ack, &buf)
 	c.wmu.Lock()
+	if err := c.startErr; err != nil {
+		c.wmu.Unlock()
+		code5, why := startRefusal(err)
+		return c.refuse(&pk, code5, 0x03, why, "error", err)
+	}
 	c.resume, c.connacked = present, true
 	c.ctrl = append(c.ctrl, buf.Bytes()...)
 	c.wmu.Unlock()
@@ -402,7 +407,7 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 		se.mu.Unlock()
 		s.mu.Unlock()
 		if se.persistent() || wasPersistent {
-			s.proposeStart(se, sessionOp{Op: "start", User: c.user, Expiry: expiry, Clean: clean})
+			s.proposeStart(se, c, sessionOp{Op: "start", User: c.user, Expiry: expiry, Clean: clean})
 		}
 		if se.persistent() {
 			s.saveSession(se)

@@ -42,10 +42,9 @@ type member struct {
 	cut     bool // killed: its proposals are lost
 	legacy  bool // writes control records as a cluster below feature level 2
 	stopped bool
-	// holdRel, when set, holds the member's release records (session
-	// records "rel") back from the log until it is closed: a release the
-	// other members have not got yet.
-	holdRel chan struct{}
+	// gate, when set, is asked about each proposal: it may hold it back
+	// until wait is closed, and refuse it with err (then or at once).
+	gate func(msg *Message) (wait <-chan struct{}, err error)
 	// pause, when not 0, is the last index the applier applies until it
 	// is cleared: a member behind the log (a follower that learns the
 	// commit index from the next master).
@@ -66,15 +65,25 @@ func (m *member) Reserve(msg *Message) {
 
 func (m *member) Propose(msg *Message, mode AckMode, done func(error)) {
 	m.l.mu.Lock()
-	if hold := m.holdRel; hold != nil && msg.Kind == KindSession && bytes.Contains(msg.Payload, []byte(`"op":"rel"`)) {
-		m.l.mu.Unlock()
-		c := *msg
-		c.Payload = bytes.Clone(msg.Payload) // msg is not ours after Propose returns
-		go func() {
-			<-hold
-			m.Propose(&c, mode, done)
-		}()
-		return
+	if gate := m.gate; gate != nil {
+		if wait, err := gate(msg); wait != nil || err != nil {
+			m.l.mu.Unlock()
+			if wait == nil {
+				done(err)
+				return
+			}
+			c := *msg
+			c.Payload = bytes.Clone(msg.Payload) // msg is not ours after Propose returns
+			go func() {
+				<-wait
+				if err != nil {
+					done(err)
+					return
+				}
+				m.Propose(&c, mode, done)
+			}()
+			return
+		}
 	}
 	if m.cut {
 		m.l.mu.Unlock()
@@ -150,24 +159,38 @@ func (m *member) apply() {
 	}
 }
 
-// holdReleases holds the member's release records back from the log until
-// the returned func is called (at cleanup at the latest).
+// holdReleases holds the member's release records (session records
+// "rel") back from the log until the returned func is called (at cleanup
+// at the latest): a release the other members have not got yet.
 func (m *member) holdReleases(t *testing.T) (let func()) {
 	hold := make(chan struct{})
-	m.l.mu.Lock()
-	m.holdRel = hold
-	m.l.mu.Unlock()
+	m.setGate(func(msg *Message) (<-chan struct{}, error) {
+		if isSessionOp(msg, "rel") {
+			return hold, nil
+		}
+		return nil, nil
+	})
 	var once sync.Once
 	let = func() {
 		once.Do(func() {
-			m.l.mu.Lock()
-			m.holdRel = nil
-			m.l.mu.Unlock()
+			m.setGate(nil)
 			close(hold)
 		})
 	}
 	t.Cleanup(let)
 	return let
+}
+
+// setGate sets (nil: clears) the member's gate on proposals.
+func (m *member) setGate(gate func(*Message) (<-chan struct{}, error)) {
+	m.l.mu.Lock()
+	m.gate = gate
+	m.l.mu.Unlock()
+}
+
+// isSessionOp reports whether msg is a session record of op.
+func isSessionOp(msg *Message, op string) bool {
+	return msg.Kind == KindSession && bytes.Contains(msg.Payload, []byte(`"op":"`+op+`"`))
 }
 
 // holdAt stops the member's applier after index (0: it goes on).

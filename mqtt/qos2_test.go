@@ -532,3 +532,120 @@ func TestSubscriptionsAppliedAfterTheDeviceCameBack(t *testing.T) {
 	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
 	dev.expect(packets.Pingresp)
 }
+
+// A device that resumes its session on a member that cannot log the
+// session's start record (the log full, no master, a failing disk) is not
+// served from a state that may lack what the member it left logged: the
+// replay waits for that record, and without it this member cannot know
+// it has applied the release of a QoS 2 flow the device completed there
+// (it would send the message again: to the device, a new one). The
+// CONNECT is refused (MQTT 5 0x97 for a full log; 3.1.1 0x03), or, when
+// the failure comes after the CONNACK, the connection ends (0x97) before
+// anything is delivered; the session stays, and resumes once the record
+// can be logged.
+func TestResumeRefusedWhileTheStartRecordCannotBeLogged(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		v     byte
+		late  bool // the refusal comes after the CONNACK
+		code  byte // of the CONNACK, or of the DISCONNECT when late
+		props *packets.Properties
+	}{
+		{"v5", 5, false, 0x97, &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}},
+		{"v4", 4, false, 0x03, nil},
+		{"v5-after-connack", 5, true, 0x97, &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}},
+		{"v4-after-connack", 4, true, 0, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) { resumeWithoutStart(t, tc.v, tc.late, tc.code, tc.props) })
+	}
+}
+
+func resumeWithoutStart(t *testing.T, v byte, late bool, code byte, props *packets.Properties) {
+	l := newSharedLog()
+	a, b := startMember(t, l, 1), startMember(t, l, 2)
+	dev := dialRaw(t, a.srv.Addr(), v)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	b.caughtUp(t)
+	l.mu.Lock()
+	last := uint64(len(l.recs))
+	l.mu.Unlock()
+	b.holdAt(last) // b applies nothing logged from here on for now
+	p := dev.expect(packets.Publish)
+	pid := p.PacketID
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pid})
+	dev.expect(packets.Pubrel) // a logged the release
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pid})
+	a.kill(t) // the device completed message 1 there
+	dev.c.Close()
+
+	full := fmt.Errorf("%w: the log is over its budget", ErrQuota)
+	let := make(chan struct{})
+	b.setGate(func(msg *Message) (<-chan struct{}, error) {
+		if !isSessionOp(msg, "start") {
+			return nil, nil
+		}
+		if late {
+			return let, full
+		}
+		return nil, full
+	})
+	dev = dialRaw(t, b.srv.Addr(), v)
+	ack := dev.connect("dev", false, props)
+	if !late {
+		if ack.ReasonCode != code {
+			t.Fatalf("CONNACK %#x resuming without a start record, want %#x", ack.ReasonCode, code)
+		}
+	} else {
+		if ack.ReasonCode != 0 || !ack.SessionPresent {
+			t.Fatalf("CONNACK %#x session present %v", ack.ReasonCode, ack.SessionPresent)
+		}
+		close(let)
+	}
+	for {
+		pk, err := dev.read(5 * time.Second)
+		if err != nil {
+			if !late || v == 4 {
+				break // closed
+			}
+			t.Fatalf("no DISCONNECT after the start record failed: %v", err)
+		}
+		switch pk.FixedHeader.Type {
+		case packets.Publish:
+			t.Fatalf("message %q (packet id %d, dup %v) delivered from a state without the release the device completed", pk.Payload, pk.PacketID, pk.FixedHeader.Dup)
+		case packets.Disconnect:
+			if !late || pk.ReasonCode != code {
+				t.Fatalf("DISCONNECT %#x, want %#x", pk.ReasonCode, code)
+			}
+		default:
+			continue
+		}
+		break
+	}
+	dev.c.Close()
+
+	// The log takes records again: the session resumes, with the release.
+	b.setGate(nil)
+	b.holdAt(0)
+	dev = dialRaw(t, b.srv.Addr(), v)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("once the log takes records: CONNACK %#x session present %v", ack.ReasonCode, ack.SessionPresent)
+	}
+	l.add(&Message{Origin: 9, Seq: 2, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("2")})
+	for {
+		pk := dev.next()
+		switch pk.FixedHeader.Type {
+		case packets.Pubrel:
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pk.PacketID})
+			continue
+		case packets.Publish:
+			if string(pk.Payload) != "2" {
+				t.Fatalf("message %q sent again after the device completed it", pk.Payload)
+			}
+		default:
+			t.Fatalf("unexpected packet type %d", pk.FixedHeader.Type)
+		}
+		break
+	}
+}

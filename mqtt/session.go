@@ -47,7 +47,7 @@ type session struct {
 	// device connected there later. remoteOnline: the session is live on
 	// another member, so it does not expire here.
 	startIndex  uint64
-	startFailed bool // the start record could not be logged: replay without it
+	startFailed bool // the start record could not be logged, and need not be (proposeStart): replay without it
 	// ref is the number cursor records name the session by (cursors.go):
 	// the index of its latest start record, when applied at a feature
 	// level every member keeps it at; 0: none, named by its client id.
