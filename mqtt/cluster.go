@@ -407,3 +407,10 @@ func startRefusal(err error) (packets.Code, string) {
 func (se *session) awaitingStartLocked() bool {
 	return se.resumed && se.startIndex == 0 && !se.startFailed
 }
+
+// awaitingStart is awaitingStartLocked for a caller without se.mu.
+func (se *session) awaitingStart() bool {
+	se.mu.Lock()
+	defer se.mu.Unlock()
+	return se.awaitingStartLocked()
+}

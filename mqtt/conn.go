@@ -635,19 +635,30 @@ func (c *conn) writer() {
 		buf := append(c.wbuf[:0], c.ctrl...)
 		c.ctrl = c.ctrl[:0]
 		resume, closing, connacked := c.resume, c.closeAfter, c.connacked
-		c.resume = false
 		c.wmu.Unlock()
+		// The resend waits, and what is delivered after it, until the
+		// session's start record is applied (the applier kicks the
+		// writer then), as its replay does (awaitingStartLocked): a flow
+		// in flight here may have been completed on the member the
+		// device came from, whose release this member applies before
+		// that record.
+		owed := resume && !closing && connacked && c.sess.awaitingStart()
+		if resume && !owed {
+			c.wmu.Lock()
+			c.resume = false // before the resend reads the flows: lateRelease
+			c.wmu.Unlock()
+		}
 		failed := false
 		// One clock reading per round: the acks' latencies and the write
 		// deadline (a round is a batch: with many clients it holds many
 		// acks).
 		now := time.Now()
 		if !closing && connacked {
-			if resume {
+			if resume && !owed {
 				buf = c.resend(buf)
 			}
 			buf, failed = c.takeAcks(buf, now)
-			if !failed {
+			if !failed && !owed {
 				buf = c.takeDeliveries(buf)
 			}
 		}

@@ -107,12 +107,17 @@ func (s *Server) applyReleased(se *session, rel []uint64) {
 	}
 	c := se.conn
 	for _, idx := range rel {
-		if idx <= se.cursor {
-			continue // the cursor passed it: the flow is complete
-		}
 		p := pidFor(idx)
 		it := se.inflight[p]
-		if it == nil || it.idx != idx {
+		held := it != nil && it.idx == idx
+		if idx <= se.cursor && !held {
+			// The cursor passed it, and it is not in flight here: the
+			// flow is complete. (One in flight here is not, whatever
+			// the cursor: it was handed out here, where the cursor
+			// passes what is in flight.)
+			continue
+		}
+		if !held {
 			if it == nil {
 				s.inflight.Add(1)
 			} else {

@@ -649,3 +649,84 @@ func resumeWithoutStart(t *testing.T, v byte, late bool, code byte, props *packe
 		break
 	}
 }
+
+// The resend of a resumed session's flows in flight waits for its start
+// record too: a device that moves from b to a and back to b (a dies)
+// may have completed on a a flow b still holds in flight from when the
+// device was on b, and b may apply a's release of it only after the
+// device came back. Resent at once, the message goes under the packet id
+// the device has freed: to it, a new message. Resent after the start
+// record, the flow is PUBREL'd.
+func TestMQTT_4_3_3_9_ResendWaitsForTheStartRecord(t *testing.T) {
+	l := newSharedLog()
+	a, b := startMember(t, l, 1), startMember(t, l, 2)
+	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	dev := dialRaw(t, b.srv.Addr(), 5)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	p := dev.expect(packets.Publish) // held in flight on b: the device's answer is lost
+	pid := p.PacketID
+	dev.c.Close()
+	testutil.WaitFor(t, 5*time.Second, "b's session offline", func() bool {
+		b.srv.mu.Lock()
+		se := b.srv.sessions["dev"]
+		b.srv.mu.Unlock()
+		return se != nil && !se.online()
+	})
+	a.caughtUp(t)
+	b.caughtUp(t)
+	l.mu.Lock()
+	last := uint64(len(l.recs))
+	l.mu.Unlock()
+	b.holdAt(last) // b applies nothing logged from here on until the device is back
+
+	dev = dialRaw(t, a.srv.Addr(), 5)
+	if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+		t.Fatal("session not present on a")
+	}
+	p = dev.expect(packets.Publish)
+	if string(p.Payload) != "1" || p.PacketID != pid || !p.FixedHeader.Dup {
+		t.Fatalf("on a: PUBLISH %q id %d dup %v, want the held message under %d with DUP", p.Payload, p.PacketID, p.FixedHeader.Dup, pid)
+	}
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pid})
+	dev.expect(packets.Pubrel) // logged, then sent
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pid})
+	a.kill(t) // the device has completed message 1 and freed its packet id
+	dev.c.Close()
+
+	dev = dialRaw(t, b.srv.Addr(), 5)
+	if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+		t.Fatal("session not present back on b")
+	}
+	b.holdAt(0)
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	for {
+		pk := dev.next()
+		switch pk.FixedHeader.Type {
+		case packets.Publish:
+			t.Fatalf("message %q resent (id %d, dup %v) though the device completed it on a", pk.Payload, pk.PacketID, pk.FixedHeader.Dup)
+		case packets.Pubrel:
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pk.PacketID})
+			continue
+		case packets.Pingresp:
+		default:
+			t.Fatalf("unexpected packet type %d", pk.FixedHeader.Type)
+		}
+		break
+	}
+	// Everything b owed is out once its start record is applied: a
+	// later message comes, and message 1 not before it.
+	l.add(&Message{Origin: 9, Seq: 2, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("2")})
+	for {
+		pk := dev.next()
+		if pk.FixedHeader.Type == packets.Pubrel {
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pk.PacketID})
+			continue
+		}
+		if pk.FixedHeader.Type != packets.Publish || string(pk.Payload) != "2" {
+			t.Fatalf("packet type %d %q, want message 2", pk.FixedHeader.Type, pk.Payload)
+		}
+		break
+	}
+}
