@@ -404,10 +404,14 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 		se.behind, se.more = true, false
 		se.scanned = se.cursor
 		se.releaseHeldLocked(true)
+		relog := len(se.relPending) > 0 && !se.relBusy
 		se.mu.Unlock()
 		s.mu.Unlock()
 		if se.persistent() || wasPersistent {
 			s.proposeStart(se, c, sessionOp{Op: "start", User: c.user, Expiry: expiry, Clean: clean})
+		}
+		if relog {
+			se.relog()
 		}
 		if se.persistent() {
 			s.saveSession(se)

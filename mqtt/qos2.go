@@ -91,6 +91,23 @@ func (s *session) released(batch []uint64, err error) {
 	s.releaseNext()
 }
 
+// relog logs the release records of the PUBREC'd flows a session loaded
+// from the store holds (loadState), as it is resumed here: this member may
+// have stopped before they were logged, and their PUBRELs wait for them.
+// On a log no other member shares they need none: the PUBRELs go at once.
+func (s *session) relog() {
+	if s.srv.clustered() {
+		s.releaseNext()
+		return
+	}
+	s.mu.Lock()
+	for _, idx := range s.relPending {
+		delete(s.releasing, idx)
+	}
+	s.relPending = nil
+	s.mu.Unlock()
+}
+
 // applyReleased takes another member's release record into the copy of
 // the session here: the flows are kept as PUBREL'd (resent as PUBREL when
 // the device comes here) and their records are not replayed. The copy is

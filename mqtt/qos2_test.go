@@ -3,6 +3,7 @@ package mqtt
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -729,4 +730,55 @@ func TestMQTT_4_3_3_9_ResendWaitsForTheStartRecord(t *testing.T) {
 		}
 		break
 	}
+}
+
+// A member that stops (kill -9, power cut) after the device PUBREC'd a
+// QoS 2 delivery, before its release record is logged, finds the flow
+// PUBREC'd in its session store when it comes back: its PUBREL waits for
+// the release record, logged then, or the device completes a flow that
+// another member, taking the session over, would send again as new.
+func TestMQTT_4_3_3_9_PubrelAfterARestartWaitsForTheReleaseRecord(t *testing.T) {
+	l := newSharedLog()
+	a := startMember(t, l, 1)
+	startMember(t, l, 2)
+	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	dev := dialRaw(t, a.srv.Addr(), 5)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	p := dev.expect(packets.Publish)
+	a.holdReleases(t) // never logged: a dies first
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: p.PacketID})
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	dev.expect(packets.Pingresp) // the PUBREC is taken
+	a.kill(t)
+	dev.c.Close()
+
+	l.mu.Lock()
+	applied := a.applied
+	l.mu.Unlock()
+	again := startMemberWith(t, &member{l: l, id: 1, store: a.store, applied: applied, seq: 1000}, nil)
+	dev = dialRaw(t, again.srv.Addr(), 5)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("after the restart: CONNACK %#x session present %v", ack.ReasonCode, ack.SessionPresent)
+	}
+	rel := dev.expect(packets.Pubrel)
+	if rel.PacketID != p.PacketID {
+		t.Fatalf("PUBREL %d, want %d", rel.PacketID, p.PacketID)
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var idx uint64
+	for i, m := range l.recs {
+		if m.Topic == "m/x" {
+			idx = uint64(i + 1)
+		}
+	}
+	for _, m := range l.recs {
+		var op sessionOp
+		if isSessionOp(m, "rel") && json.Unmarshal(m.Payload, &op) == nil && slices.Contains(op.Rel, idx) {
+			return
+		}
+	}
+	t.Fatal("PUBREL sent after the restart with no release record in the log")
 }
