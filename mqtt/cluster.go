@@ -116,7 +116,7 @@ func (s *Server) applyControl(index uint64, m *Message) {
 			s.unreadable(index, "session", err)
 			return
 		}
-		s.applySession(index, m.ClientID, m.Origin == s.cfg.NodeID, &op)
+		s.applySession(index, m.ClientID, m.Origin == s.cfg.NodeID, m.Seq, &op)
 	case KindCursors:
 		b, err := decodeCursors(m.Payload)
 		if err != nil {
@@ -141,17 +141,19 @@ func (s *Server) unreadable(index uint64, kind string, err error) {
 	s.lines.Warn("control record unreadable: skipped", "index", index, "kind", kind, "error", err)
 }
 
-// applySession applies one session record. own is true on the member
-// where it was taken: there the session is live, and the record is only
-// the moment it took effect cluster-wide.
-func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) {
+// applySession applies one session record, seq its sequence number. own
+// is true on the member where it was taken: there the session is live, and
+// the record is only the moment it took effect cluster-wide.
+func (s *Server) applySession(index uint64, id string, own bool, seq uint64, op *sessionOp) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	se := s.sessions[id]
 	if own {
 		if op.Op == "start" && se != nil {
 			se.mu.Lock()
-			se.startIndex = index
+			if se.startSeq == 0 || se.startSeq == seq {
+				se.startIndex = index
+			}
 			c, keep := se.conn, se.persistent() && !se.ended
 			se.mu.Unlock()
 			s.setRefLocked(se, index)
@@ -339,7 +341,15 @@ func (s *Server) replicateCursors() {
 // or elsewhere. Its session stays as it was. On a lone gateway nobody else
 // could have logged anything for it: it goes on without the record.
 func (s *Server) proposeStart(se *session, c *conn, op sessionOp) {
-	s.proposeOp(se.id, op, Async, func(err error) {
+	b, _ := json.Marshal(op) // a struct of strings and numbers: cannot fail
+	m := &Message{Kind: KindSession, ClientID: se.id, Topic: sessionTopic, Payload: b, Time: s.cfg.Now().UnixNano()}
+	s.log.Reserve(m)
+	se.mu.Lock()
+	if se.conn == c {
+		se.startSeq = m.Seq
+	}
+	se.mu.Unlock()
+	s.log.Propose(m, Async, func(err error) {
 		if err == nil {
 			return
 		}
@@ -395,6 +405,10 @@ func startRefusal(err error) (packets.Code, string) {
 	}
 	return packets.ErrServerUnavailable, "the session's start could not be logged: connect again"
 }
+
+// startComing is session.startSeq while the start record of a connection
+// is yet to be proposed: no start record applied meanwhile is its.
+const startComing = ^uint64(0)
 
 // awaitingStartLocked reports whether a resumed session must wait before
 // it replays the log: until its start record is applied here, this member

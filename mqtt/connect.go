@@ -393,7 +393,7 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 		se.expiry = expiry
 		se.expireAt = time.Time{}
 		s.recountLocked(se)
-		se.remoteOnline, se.startIndex, se.startFailed = false, 0, false
+		se.remoteOnline, se.startIndex, se.startFailed, se.startSeq = false, 0, false, startComing
 		if s.refs[se.ref] == se {
 			delete(s.refs, se.ref)
 		}

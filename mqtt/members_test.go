@@ -6,6 +6,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // sharedLog is a replicated log in memory for several members, each a
@@ -215,6 +217,16 @@ func (m *member) caughtUp(t *testing.T) {
 		time.Sleep(2 * time.Millisecond)
 		m.l.mu.Lock()
 	}
+}
+
+// caughtUpTo waits until the member has applied index.
+func (m *member) caughtUpTo(t *testing.T, index uint64) {
+	t.Helper()
+	testutil.WaitFor(t, 5*time.Second, "the member applies up to the index", func() bool {
+		m.l.mu.Lock()
+		defer m.l.mu.Unlock()
+		return m.applied >= index
+	})
 }
 
 // kill ends the member as kill -9 would: nothing it proposes from now on

@@ -782,3 +782,96 @@ func TestMQTT_4_3_3_9_PubrelAfterARestartWaitsForTheReleaseRecord(t *testing.T) 
 	}
 	t.Fatal("PUBREL sent after the restart with no release record in the log")
 }
+
+// The start record a resumed session waits for is its current
+// connection's: a device that was on b, went to a (where it completed a
+// QoS 2 flow) and came back to b (a dies) must not be served on b once
+// the start record of its first connection there is applied, which the
+// log holds before a's release of the flow: the replay would send the
+// completed message again, as new to the device.
+func TestMQTT_4_3_3_9_AnEarlierConnectionsStartIsNotTheBarrier(t *testing.T) {
+	l := newSharedLog()
+	a, b := startMember(t, l, 1), startMember(t, l, 2)
+	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	offline := func(m *member) func() bool {
+		return func() bool {
+			m.srv.mu.Lock()
+			se := m.srv.sessions["dev"]
+			m.srv.mu.Unlock()
+			return se != nil && !se.online()
+		}
+	}
+	startOf := func(origin uint64, after uint64) uint64 {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		for i, m := range l.recs[after:] {
+			if m.Origin == origin && isSessionOp(m, "start") {
+				return after + uint64(i) + 1
+			}
+		}
+		return 0
+	}
+	dev := dialRaw(t, a.srv.Addr(), 5)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	pid := dev.expect(packets.Publish).PacketID // held; the device's answer is lost
+	b.caughtUp(t)
+	l.mu.Lock()
+	last := uint64(len(l.recs))
+	l.mu.Unlock()
+	b.holdAt(last) // b applies nothing logged from here on for now
+	dev.c.Close()
+	testutil.WaitFor(t, 5*time.Second, "a's session offline", offline(a))
+
+	dev = dialRaw(t, b.srv.Addr(), 5) // the first connection to b
+	if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+		t.Fatal("session not present on b")
+	}
+	var first uint64
+	testutil.WaitFor(t, 5*time.Second, "b's first start record in the log", func() bool { first = startOf(2, last); return first > 0 })
+	dev.c.Close()
+	testutil.WaitFor(t, 5*time.Second, "b's session offline", offline(b))
+
+	dev = dialRaw(t, a.srv.Addr(), 5) // back to a, which completes the flow
+	if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+		t.Fatal("session not present back on a")
+	}
+	if p := dev.expect(packets.Publish); string(p.Payload) != "1" || p.PacketID != pid || !p.FixedHeader.Dup {
+		t.Fatalf("on a again: PUBLISH %q id %d dup %v, want the held message", p.Payload, p.PacketID, p.FixedHeader.Dup)
+	}
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pid})
+	dev.expect(packets.Pubrel)
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pid})
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	dev.expect(packets.Pingresp)
+	a.kill(t)
+	dev.c.Close()
+
+	dev = dialRaw(t, b.srv.Addr(), 5) // the second connection to b
+	if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+		t.Fatal("session not present on b the second time")
+	}
+	testutil.WaitFor(t, 5*time.Second, "b's second start record in the log", func() bool { return startOf(2, first) > 0 })
+	b.holdAt(first) // b applies up to its first connection's start record
+	b.caughtUpTo(t, first)
+	b.srv.mu.Lock()
+	se := b.srv.sessions["dev"]
+	b.srv.mu.Unlock()
+	if !se.awaitingStart() {
+		t.Fatal("the start record of b's earlier connection taken for this one's: the session replays before a's release")
+	}
+	b.holdAt(0)
+	l.add(&Message{Origin: 9, Seq: 2, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("2")})
+	for {
+		pk := dev.next()
+		if pk.FixedHeader.Type == packets.Pubrel {
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pk.PacketID})
+			continue
+		}
+		if pk.FixedHeader.Type != packets.Publish || string(pk.Payload) != "2" {
+			t.Fatalf("packet type %d %q (id %d), want message 2 and nothing of message 1", pk.FixedHeader.Type, pk.Payload, pk.PacketID)
+		}
+		break
+	}
+}

@@ -46,7 +46,12 @@ type session struct {
 	// was applied (0: not yet): a start from elsewhere after it means the
 	// device connected there later. remoteOnline: the session is live on
 	// another member, so it does not expire here.
-	startIndex  uint64
+	startIndex uint64
+	// startSeq is the sequence number of the start record this member
+	// logged for the session's current connection: only that one is its
+	// start (an earlier connection's, applied late, is not the barrier
+	// awaitingStartLocked waits for); startComing until it is proposed.
+	startSeq    uint64
 	startFailed bool // the start record could not be logged, and need not be (proposeStart): replay without it
 	// ref is the number cursor records name the session by (cursors.go):
 	// the index of its latest start record, when applied at a feature
