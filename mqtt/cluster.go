@@ -2,9 +2,12 @@ package mqtt
 
 import (
 	"encoding/json"
+	"errors"
 	"strings"
 	"sync/atomic"
 	"time"
+
+	"github.com/mochi-mqtt/server/v2/packets"
 )
 
 // Persistent sessions across the cluster.
@@ -113,7 +116,7 @@ func (s *Server) applyControl(index uint64, m *Message) {
 			s.unreadable(index, "session", err)
 			return
 		}
-		s.applySession(index, m.ClientID, m.Origin == s.cfg.NodeID, &op)
+		s.applySession(index, m.ClientID, m.Origin == s.cfg.NodeID, m.Seq, &op)
 	case KindCursors:
 		b, err := decodeCursors(m.Payload)
 		if err != nil {
@@ -138,17 +141,19 @@ func (s *Server) unreadable(index uint64, kind string, err error) {
 	s.lines.Warn("control record unreadable: skipped", "index", index, "kind", kind, "error", err)
 }
 
-// applySession applies one session record. own is true on the member
-// where it was taken: there the session is live, and the record is only
-// the moment it took effect cluster-wide.
-func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) {
+// applySession applies one session record, seq its sequence number. own
+// is true on the member where it was taken: there the session is live, and
+// the record is only the moment it took effect cluster-wide.
+func (s *Server) applySession(index uint64, id string, own bool, seq uint64, op *sessionOp) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	se := s.sessions[id]
 	if own {
 		if op.Op == "start" && se != nil {
 			se.mu.Lock()
-			se.startIndex = index
+			if se.startSeq == 0 || se.startSeq == seq {
+				se.startIndex = index
+			}
 			c, keep := se.conn, se.persistent() && !se.ended
 			se.mu.Unlock()
 			s.setRefLocked(se, index)
@@ -196,33 +201,9 @@ func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) 
 		s.saveSession(se)
 		s.saveCursor(se)
 	case "sub", "unsub":
-		if se == nil || se.current() != nil {
-			return
+		if se != nil {
+			s.applySub(index, se, op)
 		}
-		if op.Op == "unsub" {
-			se.mu.Lock()
-			sub := se.subs[op.Filter]
-			delete(se.subs, op.Filter)
-			s.recountLocked(se)
-			se.mu.Unlock()
-			if sub != nil {
-				s.index.remove(se, sub)
-				s.stageDelete(subKey(id, op.Filter))
-			}
-			return
-		}
-		sub := &subscription{filter: op.Filter, qos: op.QoS, noLocal: op.NL, rap: op.RAP, rh: op.RH, id: op.ID, since: index}
-		sub.group, sub.match, _, _ = parseShare(op.Filter)
-		se.mu.Lock()
-		if old := se.subs[op.Filter]; old != nil {
-			sub.since = old.since
-			s.index.remove(se, old)
-		}
-		se.subs[op.Filter] = sub
-		s.recountLocked(se)
-		se.mu.Unlock()
-		s.index.add(se, sub)
-		s.saveSub(id, sub)
 	case "off":
 		if se == nil || se.current() != nil {
 			return
@@ -242,6 +223,59 @@ func (s *Server) applySession(index uint64, id string, own bool, op *sessionOp) 
 			s.applyReleased(se, op.Rel)
 		}
 	}
+}
+
+// applySub takes another member's subscribe or unsubscribe record into
+// the copy of the session here while it takes remote records
+// (takesRemoteLocked): offline, or back here and waiting for its start
+// record, before which the device's subscriptions on the member it left
+// are still being applied (a follower learns the commit index from the
+// next master) and must be in force before its replay reads the log. A
+// filter the device has named here since it came keeps what it did
+// here, which is the newer.
+func (s *Server) applySub(index uint64, se *session, op *sessionOp) {
+	se.mu.Lock()
+	if !se.takesRemoteLocked() || se.namedHere[op.Filter] {
+		se.mu.Unlock()
+		return
+	}
+	old := se.subs[op.Filter]
+	if op.Op == "unsub" {
+		delete(se.subs, op.Filter)
+		s.recountLocked(se)
+		se.mu.Unlock()
+		if old != nil {
+			s.index.remove(se, old)
+			s.stageDelete(subKey(se.id, op.Filter))
+		}
+		return
+	}
+	sub := &subscription{filter: op.Filter, qos: op.QoS, noLocal: op.NL, rap: op.RAP, rh: op.RH, id: op.ID, since: index}
+	sub.group, sub.match, _, _ = parseShare(op.Filter)
+	if old != nil {
+		sub.since = old.since
+	}
+	se.subs[op.Filter] = sub
+	s.recountLocked(se)
+	se.mu.Unlock()
+	if old != nil {
+		s.index.remove(se, old)
+	}
+	s.index.add(se, sub)
+	s.saveSub(se.id, sub)
+}
+
+// namedLocked notes that the client named filter in a SUBSCRIBE or
+// UNSUBSCRIBE on this connection, while the session waits for its start
+// record (applySub). Called with s.mu held.
+func (s *session) namedLocked(filter string) {
+	if !s.awaitingStartLocked() {
+		return
+	}
+	if s.namedHere == nil {
+		s.namedHere = map[string]bool{}
+	}
+	s.namedHere[filter] = true
 }
 
 // ackedCursorLocked is the cursor another member may resume the session
@@ -295,23 +329,86 @@ func (s *Server) replicateCursors() {
 }
 
 // proposeStart logs the start record of se, a persistent session that just
-// connected here. A resumed session replays the log only once that record
-// is applied here (awaitingStartLocked), or could not be logged.
-func (s *Server) proposeStart(se *session, op sessionOp) {
-	s.proposeOp(se.id, op, Async, func(err error) {
+// connected here on c. A resumed session replays the log only once that
+// record is applied here (awaitingStartLocked). When it cannot be logged
+// (no master, the log full, a failing disk) and other members share the
+// log, nothing tells this member that it has applied what the member the
+// device left logged for the session: a replay, or a resend, could send
+// again a QoS 2 message whose flow the device completed there, or miss
+// what it subscribed to. So the device is not served from that state: its
+// CONNECT is refused, or, once it has its CONNACK, the connection ends
+// (startNotLogged), and it connects again, here once the log takes records
+// or elsewhere. Its session stays as it was. On a lone gateway nobody else
+// could have logged anything for it: it goes on without the record.
+func (s *Server) proposeStart(se *session, c *conn, op sessionOp) {
+	b, _ := json.Marshal(op) // a struct of strings and numbers: cannot fail
+	m := &Message{Kind: KindSession, ClientID: se.id, Topic: sessionTopic, Payload: b, Time: s.cfg.Now().UnixNano()}
+	s.log.Reserve(m)
+	se.mu.Lock()
+	if se.conn == c {
+		se.startSeq = m.Seq
+	}
+	se.mu.Unlock()
+	s.log.Propose(m, Async, func(err error) {
 		if err == nil {
 			return
 		}
-		s.lines.Warn("session start record not logged: replaying without it", "client", se.id, "error", err)
 		se.mu.Lock()
-		se.startFailed = true
-		c := se.conn
-		se.mu.Unlock()
-		if c != nil {
-			c.kick()
+		if se.conn != c {
+			se.mu.Unlock()
+			return // gone; a later connection has its own start record
 		}
+		barrier := se.awaitingStartLocked() && s.clustered()
+		if !barrier {
+			se.startFailed = true
+		}
+		se.mu.Unlock()
+		if barrier {
+			c.startNotLogged(err)
+			return
+		}
+		s.lines.Warn("session start record not logged: replaying without it", "client", se.id, "error", err)
+		c.kick()
 	})
 }
+
+// startNotLogged ends the connection of a resumed session whose start record
+// could not be logged (proposeStart): before its CONNACK, the CONNECT is
+// refused (connect reads startErr); after, it ends with a DISCONNECT: 0x97
+// when the log refused the record for space (as a publish is), 0x9C with
+// the member to use when this one is sending devices away, else 0x89.
+func (c *conn) startNotLogged(err error) {
+	c.wmu.Lock()
+	if !c.connacked {
+		c.startErr = err
+		c.wmu.Unlock()
+		return
+	}
+	c.wmu.Unlock()
+	code5, why := startRefusal(err)
+	c.srv.refusal(c.id, why+": disconnected", "client", c.id, "error", err)
+	if r := c.srv.redirect.Load(); r != nil && !errors.Is(err, ErrQuota) {
+		c.endTo(packets.ErrUseAnotherServer, r.ref, r.why)
+		return
+	}
+	if code5 == packets.ErrServerUnavailable {
+		code5 = packets.ErrServerBusy // 0x88 is a CONNACK's only
+	}
+	c.endTo(code5, "", why)
+}
+
+// startRefusal is the reason code and words a device gets when the start
+// record of the session it resumes cannot be logged.
+func startRefusal(err error) (packets.Code, string) {
+	if errors.Is(err, ErrQuota) {
+		return packets.ErrQuotaExceeded, "the log takes no records now: the session cannot be resumed here yet"
+	}
+	return packets.ErrServerUnavailable, "the session's start could not be logged: connect again"
+}
+
+// startComing is session.startSeq while the start record of a connection
+// is yet to be proposed: no start record applied meanwhile is its.
+const startComing = ^uint64(0)
 
 // awaitingStartLocked reports whether a resumed session must wait before
 // it replays the log: until its start record is applied here, this member
@@ -323,4 +420,11 @@ func (s *Server) proposeStart(se *session, op sessionOp) {
 // Called with se.mu held.
 func (se *session) awaitingStartLocked() bool {
 	return se.resumed && se.startIndex == 0 && !se.startFailed
+}
+
+// awaitingStart is awaitingStartLocked for a caller without se.mu.
+func (se *session) awaitingStart() bool {
+	se.mu.Lock()
+	defer se.mu.Unlock()
+	return se.awaitingStartLocked()
 }

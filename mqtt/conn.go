@@ -70,7 +70,7 @@ type conn struct {
 	acond      *sync.Cond // signalled when acks are taken (3.1.1 back-pressure)
 	closedAcks bool
 
-	wmu        sync.Mutex // guards ctrl, writing, again, closeAfter, resume, connacked, ended
+	wmu        sync.Mutex // guards ctrl, writing, again, closeAfter, resume, connacked, ended, startErr
 	ctrl       []byte     // encoded control packets not yet written
 	writing    bool       // a writer goroutine runs
 	again      bool       // work arrived while the writer ran
@@ -93,6 +93,10 @@ type conn struct {
 	resume         bool // the session's inflight messages are owed a resend
 	connacked      bool // the CONNACK is queued: only then may anything else go out
 	ended          bool
+	// startErr is why the start record of the resumed session could not
+	// be logged, when that came before the CONNACK: the CONNECT is
+	// refused instead (startNotLogged).
+	startErr error
 
 	startWriter func() // runWriter as a func value, made once
 
@@ -751,19 +755,30 @@ func (c *conn) writer() {
 		buf := append(c.wbuf, c.ctrl...)
 		c.ctrl = c.ctrl[:0]
 		resume, closing, connacked := c.resume, c.closeAfter, c.connacked
-		c.resume = false
 		c.wmu.Unlock()
+		// The resend waits, and what is delivered after it, until the
+		// session's start record is applied (the applier kicks the
+		// writer then), as its replay does (awaitingStartLocked): a flow
+		// in flight here may have been completed on the member the
+		// device came from, whose release this member applies before
+		// that record.
+		owed := resume && !closing && connacked && c.sess.awaitingStart()
+		if resume && !owed {
+			c.wmu.Lock()
+			c.resume = false // before the resend reads the flows: lateRelease
+			c.wmu.Unlock()
+		}
 		failed := false
 		// One clock reading per round: the acks' latencies and the write
 		// deadline (a round is a batch: with many clients it holds many
 		// acks).
 		now := time.Now()
 		if !closing && connacked {
-			if resume {
+			if resume && !owed {
 				buf = c.resend(buf)
 			}
 			buf, failed = c.takeAcks(buf, now)
-			if !failed {
+			if !failed && !owed {
 				buf = c.takeDeliveries(buf)
 			}
 		}

@@ -178,6 +178,11 @@ func (c *conn) connect() bool {
 	var buf bytes.Buffer
 	c.encode(ack, &buf)
 	c.wmu.Lock()
+	if err := c.startErr; err != nil {
+		c.wmu.Unlock()
+		code5, why := startRefusal(err)
+		return c.refuse(&pk, code5, 0x03, why, "error", err)
+	}
 	c.resume, c.connacked = present, true
 	c.ctrl = append(c.ctrl, buf.Bytes()...)
 	c.wmu.Unlock()
@@ -388,21 +393,25 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 		se.expiry = expiry
 		se.expireAt = time.Time{}
 		s.recountLocked(se)
-		se.remoteOnline, se.startIndex, se.startFailed = false, 0, false
+		se.remoteOnline, se.startIndex, se.startFailed, se.startSeq = false, 0, false, startComing
 		if s.refs[se.ref] == se {
 			delete(s.refs, se.ref)
 		}
 		se.ref = 0 // until its new start record is applied
-		se.resumed = present
+		se.resumed, se.namedHere = present, nil
 		// Whatever the log holds past the cursor is read from it: the
 		// client was away.
 		se.behind, se.more = true, false
 		se.scanned = se.cursor
 		se.releaseHeldLocked(true)
+		relog := len(se.relPending) > 0 && !se.relBusy
 		se.mu.Unlock()
 		s.mu.Unlock()
 		if se.persistent() || wasPersistent {
-			s.proposeStart(se, sessionOp{Op: "start", User: c.user, Expiry: expiry, Clean: clean})
+			s.proposeStart(se, c, sessionOp{Op: "start", User: c.user, Expiry: expiry, Clean: clean})
+		}
+		if relog {
+			se.relog()
 		}
 		if se.persistent() {
 			s.saveSession(se)

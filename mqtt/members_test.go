@@ -6,6 +6,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // sharedLog is a replicated log in memory for several members, each a
@@ -42,6 +44,9 @@ type member struct {
 	cut     bool // killed: its proposals are lost
 	legacy  bool // writes control records as a cluster below feature level 2
 	stopped bool
+	// gate, when set, is asked about each proposal: it may hold it back
+	// until wait is closed, and refuse it with err (then or at once).
+	gate func(msg *Message) (wait <-chan struct{}, err error)
 	// pause, when not 0, is the last index the applier applies until it
 	// is cleared: a member behind the log (a follower that learns the
 	// commit index from the next master).
@@ -60,8 +65,28 @@ func (m *member) Reserve(msg *Message) {
 	m.l.mu.Unlock()
 }
 
-func (m *member) Propose(msg *Message, _ AckMode, done func(error)) {
+func (m *member) Propose(msg *Message, mode AckMode, done func(error)) {
 	m.l.mu.Lock()
+	if gate := m.gate; gate != nil {
+		if wait, err := gate(msg); wait != nil || err != nil {
+			m.l.mu.Unlock()
+			if wait == nil {
+				done(err)
+				return
+			}
+			c := *msg
+			c.Payload = bytes.Clone(msg.Payload) // msg is not ours after Propose returns
+			go func() {
+				<-wait
+				if err != nil {
+					done(err)
+					return
+				}
+				m.Propose(&c, mode, done)
+			}()
+			return
+		}
+	}
 	if m.cut {
 		m.l.mu.Unlock()
 		done(errCut)
@@ -136,6 +161,40 @@ func (m *member) apply() {
 	}
 }
 
+// holdReleases holds the member's release records (session records
+// "rel") back from the log until the returned func is called (at cleanup
+// at the latest): a release the other members have not got yet.
+func (m *member) holdReleases(t *testing.T) (let func()) {
+	hold := make(chan struct{})
+	m.setGate(func(msg *Message) (<-chan struct{}, error) {
+		if isSessionOp(msg, "rel") {
+			return hold, nil
+		}
+		return nil, nil
+	})
+	var once sync.Once
+	let = func() {
+		once.Do(func() {
+			m.setGate(nil)
+			close(hold)
+		})
+	}
+	t.Cleanup(let)
+	return let
+}
+
+// setGate sets (nil: clears) the member's gate on proposals.
+func (m *member) setGate(gate func(*Message) (<-chan struct{}, error)) {
+	m.l.mu.Lock()
+	m.gate = gate
+	m.l.mu.Unlock()
+}
+
+// isSessionOp reports whether msg is a session record of op.
+func isSessionOp(msg *Message, op string) bool {
+	return msg.Kind == KindSession && bytes.Contains(msg.Payload, []byte(`"op":"`+op+`"`))
+}
+
 // holdAt stops the member's applier after index (0: it goes on).
 func (m *member) holdAt(index uint64) {
 	m.l.mu.Lock()
@@ -158,6 +217,16 @@ func (m *member) caughtUp(t *testing.T) {
 		time.Sleep(2 * time.Millisecond)
 		m.l.mu.Lock()
 	}
+}
+
+// caughtUpTo waits until the member has applied index.
+func (m *member) caughtUpTo(t *testing.T, index uint64) {
+	t.Helper()
+	testutil.WaitFor(t, 5*time.Second, "the member applies up to the index", func() bool {
+		m.l.mu.Lock()
+		defer m.l.mu.Unlock()
+		return m.applied >= index
+	})
 }
 
 // kill ends the member as kill -9 would: nothing it proposes from now on

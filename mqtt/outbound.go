@@ -132,11 +132,22 @@ func (s *session) quietFor(c *conn) bool {
 // resend appends what a resumed session owes first: every message in
 // flight, in the order it was sent, as a PUBLISH with DUP set, or a PUBREL
 // where the PUBREC came [MQTT-4.4.0-1]. Messages known only by their log
-// index (the session was loaded from disk) are read from the log.
+// index (the session was loaded from disk) are read from the log. A PUBREL
+// whose release record is still being logged waits for it (released
+// sends it): the device would complete the flow, and a member taking the
+// session over without the record would send the message again, as new.
 func (c *conn) resend(buf []byte) []byte {
 	s := c.sess
 	s.mu.Lock()
 	items := s.resendOrderLocked()
+	n := 0
+	for _, it := range items {
+		if !it.rel || !s.releasing[it.idx] {
+			items[n] = it
+			n++
+		}
+	}
+	items = items[:n]
 	s.mu.Unlock()
 	now := c.srv.cfg.Now() // measured against record times: message expiry
 	for _, it := range items {

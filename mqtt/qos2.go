@@ -67,7 +67,8 @@ func (s *session) releaseNext() {
 // released sends the PUBRELs of batch once its release record is logged.
 // When logging failed they go anyway: the flow must end, and only a member
 // taking the session over before the record is there could deliver one of
-// them twice.
+// them twice. They go as late releases: a connection whose resend is still
+// to come sends them there, and none goes before a CONNACK.
 func (s *session) released(batch []uint64, err error) {
 	if err != nil {
 		s.srv.lines.Warn("release record of QoS 2 deliveries not logged: PUBREL sent anyway", "client", s.id, "error", err)
@@ -77,18 +78,34 @@ func (s *session) released(batch []uint64, err error) {
 	c := s.conn
 	pids := make([]uint16, 0, len(batch))
 	for _, idx := range batch {
+		delete(s.releasing, idx)
 		p := pidFor(idx)
 		if it := s.inflight[p]; it != nil && it.rel && it.idx == idx {
 			pids = append(pids, p)
 		}
 	}
 	s.mu.Unlock()
-	if c != nil {
-		for _, p := range pids {
-			c.send(&packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: p})
-		}
+	if c != nil && len(pids) > 0 {
+		c.lateRelease(pids)
 	}
 	s.releaseNext()
+}
+
+// relog logs the release records of the PUBREC'd flows a session loaded
+// from the store holds (loadState), as it is resumed here: this member may
+// have stopped before they were logged, and their PUBRELs wait for them.
+// On a log no other member shares they need none: the PUBRELs go at once.
+func (s *session) relog() {
+	if s.srv.clustered() {
+		s.releaseNext()
+		return
+	}
+	s.mu.Lock()
+	for _, idx := range s.relPending {
+		delete(s.releasing, idx)
+	}
+	s.relPending = nil
+	s.mu.Unlock()
 }
 
 // applyReleased takes another member's release record into the copy of
@@ -107,12 +124,17 @@ func (s *Server) applyReleased(se *session, rel []uint64) {
 	}
 	c := se.conn
 	for _, idx := range rel {
-		if idx <= se.cursor {
-			continue // the cursor passed it: the flow is complete
-		}
 		p := pidFor(idx)
 		it := se.inflight[p]
-		if it == nil || it.idx != idx {
+		held := it != nil && it.idx == idx
+		if idx <= se.cursor && !held {
+			// The cursor passed it, and it is not in flight here: the
+			// flow is complete. (One in flight here is not, whatever
+			// the cursor: it was handed out here, where the cursor
+			// passes what is in flight.)
+			continue
+		}
+		if !held {
 			if it == nil {
 				s.inflight.Add(1)
 			} else {
@@ -150,9 +172,10 @@ func (se *session) takesRemoteLocked() bool {
 	return se.conn == nil || se.awaitingStartLocked()
 }
 
-// lateRelease sends the PUBRELs of flows a release record applied after
-// the device came back added to its session, unless the resend that
-// follows the CONNACK is still to come (it sends every flow in flight).
+// lateRelease sends the PUBRELs of flows whose release record came after
+// the device connected (logged here: released; or applied from another
+// member after the device came back), unless the resend that follows the
+// CONNACK is still to come (it sends every flow in flight it may).
 // A PUBREL twice is harmless: the device answers the second with PUBCOMP
 // (0x92 in MQTT 5), which finds no flow.
 func (c *conn) lateRelease(pids []uint16) {

@@ -3,6 +3,7 @@ package mqtt
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -391,5 +392,486 @@ func completeOneTwoReleaseThree(t *testing.T, dev *raw, pidOf map[string]uint16)
 	}
 	for _, k := range []string{"1", "2"} {
 		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pidOf[k]})
+	}
+}
+
+// [MQTT-4.3.3-9] across a move, when the device asks for its PUBREL again
+// before the member it is on has logged the flow's release record: by a
+// repeated PUBREC, or by reconnecting to the same member (the resend of
+// a resumed session). A PUBREL then would let the device complete a flow
+// that the member it moves to, if this one dies before the record is
+// logged, sends again under the same packet id: to the device, a new
+// message. The PUBREL waits for the record; once it is logged, it goes.
+func TestMQTT_4_3_3_9_NoPubrelBeforeTheReleaseIsLogged(t *testing.T) {
+	for _, v := range []byte{4, 5} {
+		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
+			for _, logged := range []bool{true, false} {
+				name := "then-moves"
+				if logged {
+					name = "then-logged"
+				}
+				t.Run(name, func(t *testing.T) { pubrelWaitsForItsRecord(t, v, logged) })
+			}
+		})
+	}
+}
+
+// pubrelWaitsForItsRecord: the device PUBRECs a delivery on a whose
+// release record a holds back, asks for the PUBREL again twice, and
+// either the record is logged (the PUBREL comes) or a dies without it and
+// the device moves to b, where the message comes again under the packet
+// id the device still holds.
+func pubrelWaitsForItsRecord(t *testing.T, v byte, logged bool) {
+	l := newSharedLog()
+	a, b := startMember(t, l, 1), startMember(t, l, 2)
+	var props *packets.Properties
+	if v == 5 {
+		props = &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	}
+	dev := dialRaw(t, a.srv.Addr(), v)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	p := dev.expect(packets.Publish)
+	pid := p.PacketID
+	let := a.holdReleases(t)
+	rec := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pid}
+	ping := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}}
+	dev.write(rec)
+	dev.write(rec) // again: its PUBREL, if it went, comes before the PINGRESP
+	dev.write(ping)
+	if pk := dev.next(); pk.FixedHeader.Type != packets.Pingresp {
+		t.Fatalf("packet type %d (PUBREL is %d) on a repeated PUBREC, before the release record is logged", pk.FixedHeader.Type, packets.Pubrel)
+	}
+	dev.c.Close()
+	// Back on the same member: its resend comes right after the CONNACK.
+	dev = dialRaw(t, a.srv.Addr(), v)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("back on a: CONNACK %#x session present %v", ack.ReasonCode, ack.SessionPresent)
+	}
+	dev.write(ping)
+	if pk := dev.next(); pk.FixedHeader.Type != packets.Pingresp {
+		t.Fatalf("packet type %d (PUBREL is %d) in the resend, before the release record is logged", pk.FixedHeader.Type, packets.Pubrel)
+	}
+	if logged {
+		let()
+		if rel := dev.expect(packets.Pubrel); rel.PacketID != pid {
+			t.Fatalf("PUBREL %d once the release record is logged, want %d", rel.PacketID, pid)
+		}
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pid})
+		dev.write(ping)
+		dev.expect(packets.Pingresp)
+		return
+	}
+	b.caughtUp(t)
+	a.kill(t) // the release record never logged
+	dev.c.Close()
+	dev = dialRaw(t, b.srv.Addr(), v)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("on b: CONNACK %#x session present %v", ack.ReasonCode, ack.SessionPresent)
+	}
+	// The device still holds pid (never PUBREL'd): the message must come
+	// under it, with DUP, and the flow go on to its PUBREL there.
+	p = dev.expect(packets.Publish)
+	if string(p.Payload) != "1" || p.PacketID != pid || !p.FixedHeader.Dup {
+		t.Fatalf("on b: PUBLISH %q id %d dup %v; want the held message under id %d with DUP", p.Payload, p.PacketID, p.FixedHeader.Dup, pid)
+	}
+	dev.write(rec)
+	if rel := dev.expect(packets.Pubrel); rel.PacketID != pid {
+		t.Fatalf("on b: PUBREL %d, want %d", rel.PacketID, pid)
+	}
+}
+
+// A device's subscriptions follow it to the member it moves to also when
+// that member applies the records of the last ones only after the device
+// came (a follower learns the commit index from the next master): its
+// session is online then, waiting for its start record before it
+// replays, and a subscribe or unsubscribe another member logged before
+// is taken as into an offline copy, or the replay misses what the
+// device subscribed to and sends what it unsubscribed from. A filter the
+// device names again on the new member keeps what it did there.
+func TestSubscriptionsAppliedAfterTheDeviceCameBack(t *testing.T) {
+	l := newSharedLog()
+	a, b := startMember(t, l, 1), startMember(t, l, 2)
+	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	dev := dialRaw(t, a.srv.Addr(), 5)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "old/#", Qos: 1}, packets.Subscription{Filter: "again/#", Qos: 1})
+	b.caughtUp(t)
+	l.mu.Lock()
+	last := uint64(len(l.recs))
+	l.mu.Unlock()
+	b.holdAt(last) // b applies nothing logged from here on until the device is on b
+
+	dev.subscribe(2, packets.Subscription{Filter: "new/#", Qos: 1})
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Unsubscribe, Qos: 1}, PacketID: 3,
+		Filters: packets.Subscriptions{{Filter: "old/#"}, {Filter: "again/#"}}})
+	dev.expect(packets.Unsuback)
+	a.kill(t)
+	dev.c.Close()
+	for i, topic := range []string{"old/x", "new/x", "again/x"} {
+		l.add(&Message{Origin: 9, Seq: uint64(i + 1), ClientID: "sensor", Topic: topic, QoS: 1, Payload: []byte(topic)})
+	}
+
+	dev = dialRaw(t, b.srv.Addr(), 5)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("on the other member: CONNACK %#x session present %v; want 0, true", ack.ReasonCode, ack.SessionPresent)
+	}
+	// Named again here: newer than a's unsubscribe, applied after it.
+	dev.subscribe(4, packets.Subscription{Filter: "again/#", Qos: 1})
+	b.holdAt(0)
+
+	var got []string
+	for len(got) < 2 {
+		p := dev.expect(packets.Publish)
+		got = append(got, string(p.Payload))
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+	}
+	if got[0] != "new/x" || got[1] != "again/x" {
+		t.Fatalf("delivered %v on the other member; want [new/x again/x] (old/# unsubscribed on a, new/# subscribed on a, again/# subscribed again on b)", got)
+	}
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	dev.expect(packets.Pingresp)
+}
+
+// A device that resumes its session on a member that cannot log the
+// session's start record (the log full, no master, a failing disk) is not
+// served from a state that may lack what the member it left logged: the
+// replay waits for that record, and without it this member cannot know
+// it has applied the release of a QoS 2 flow the device completed there
+// (it would send the message again: to the device, a new one). The
+// CONNECT is refused (MQTT 5 0x97 for a full log; 3.1.1 0x03), or, when
+// the failure comes after the CONNACK, the connection ends (0x97) before
+// anything is delivered; the session stays, and resumes once the record
+// can be logged.
+func TestResumeRefusedWhileTheStartRecordCannotBeLogged(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		v     byte
+		late  bool // the refusal comes after the CONNACK
+		code  byte // of the CONNACK, or of the DISCONNECT when late
+		props *packets.Properties
+	}{
+		{"v5", 5, false, 0x97, &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}},
+		{"v4", 4, false, 0x03, nil},
+		{"v5-after-connack", 5, true, 0x97, &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}},
+		{"v4-after-connack", 4, true, 0, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) { resumeWithoutStart(t, tc.v, tc.late, tc.code, tc.props) })
+	}
+}
+
+func resumeWithoutStart(t *testing.T, v byte, late bool, code byte, props *packets.Properties) {
+	l := newSharedLog()
+	a, b := startMember(t, l, 1), startMember(t, l, 2)
+	dev := dialRaw(t, a.srv.Addr(), v)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	b.caughtUp(t)
+	l.mu.Lock()
+	last := uint64(len(l.recs))
+	l.mu.Unlock()
+	b.holdAt(last) // b applies nothing logged from here on for now
+	p := dev.expect(packets.Publish)
+	pid := p.PacketID
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pid})
+	dev.expect(packets.Pubrel) // a logged the release
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pid})
+	a.kill(t) // the device completed message 1 there
+	dev.c.Close()
+
+	full := fmt.Errorf("%w: the log is over its budget", ErrQuota)
+	let := make(chan struct{})
+	b.setGate(func(msg *Message) (<-chan struct{}, error) {
+		if !isSessionOp(msg, "start") {
+			return nil, nil
+		}
+		if late {
+			return let, full
+		}
+		return nil, full
+	})
+	dev = dialRaw(t, b.srv.Addr(), v)
+	ack := dev.connect("dev", false, props)
+	if !late {
+		if ack.ReasonCode != code {
+			t.Fatalf("CONNACK %#x resuming without a start record, want %#x", ack.ReasonCode, code)
+		}
+	} else {
+		if ack.ReasonCode != 0 || !ack.SessionPresent {
+			t.Fatalf("CONNACK %#x session present %v", ack.ReasonCode, ack.SessionPresent)
+		}
+		close(let)
+	}
+	for {
+		pk, err := dev.read(5 * time.Second)
+		if err != nil {
+			if !late || v == 4 {
+				break // closed
+			}
+			t.Fatalf("no DISCONNECT after the start record failed: %v", err)
+		}
+		switch pk.FixedHeader.Type {
+		case packets.Publish:
+			t.Fatalf("message %q (packet id %d, dup %v) delivered from a state without the release the device completed", pk.Payload, pk.PacketID, pk.FixedHeader.Dup)
+		case packets.Disconnect:
+			if !late || pk.ReasonCode != code {
+				t.Fatalf("DISCONNECT %#x, want %#x", pk.ReasonCode, code)
+			}
+		default:
+			continue
+		}
+		break
+	}
+	dev.c.Close()
+
+	// The log takes records again: the session resumes, with the release.
+	b.setGate(nil)
+	b.holdAt(0)
+	dev = dialRaw(t, b.srv.Addr(), v)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("once the log takes records: CONNACK %#x session present %v", ack.ReasonCode, ack.SessionPresent)
+	}
+	l.add(&Message{Origin: 9, Seq: 2, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("2")})
+	for {
+		pk := dev.next()
+		switch pk.FixedHeader.Type {
+		case packets.Pubrel:
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pk.PacketID})
+			continue
+		case packets.Publish:
+			if string(pk.Payload) != "2" {
+				t.Fatalf("message %q sent again after the device completed it", pk.Payload)
+			}
+		default:
+			t.Fatalf("unexpected packet type %d", pk.FixedHeader.Type)
+		}
+		break
+	}
+}
+
+// The resend of a resumed session's flows in flight waits for its start
+// record too: a device that moves from b to a and back to b (a dies)
+// may have completed on a a flow b still holds in flight from when the
+// device was on b, and b may apply a's release of it only after the
+// device came back. Resent at once, the message goes under the packet id
+// the device has freed: to it, a new message. Resent after the start
+// record, the flow is PUBREL'd.
+func TestMQTT_4_3_3_9_ResendWaitsForTheStartRecord(t *testing.T) {
+	l := newSharedLog()
+	a, b := startMember(t, l, 1), startMember(t, l, 2)
+	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	dev := dialRaw(t, b.srv.Addr(), 5)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	p := dev.expect(packets.Publish) // held in flight on b: the device's answer is lost
+	pid := p.PacketID
+	dev.c.Close()
+	testutil.WaitFor(t, 5*time.Second, "b's session offline", func() bool {
+		b.srv.mu.Lock()
+		se := b.srv.sessions["dev"]
+		b.srv.mu.Unlock()
+		return se != nil && !se.online()
+	})
+	a.caughtUp(t)
+	b.caughtUp(t)
+	l.mu.Lock()
+	last := uint64(len(l.recs))
+	l.mu.Unlock()
+	b.holdAt(last) // b applies nothing logged from here on until the device is back
+
+	dev = dialRaw(t, a.srv.Addr(), 5)
+	if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+		t.Fatal("session not present on a")
+	}
+	p = dev.expect(packets.Publish)
+	if string(p.Payload) != "1" || p.PacketID != pid || !p.FixedHeader.Dup {
+		t.Fatalf("on a: PUBLISH %q id %d dup %v, want the held message under %d with DUP", p.Payload, p.PacketID, p.FixedHeader.Dup, pid)
+	}
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pid})
+	dev.expect(packets.Pubrel) // logged, then sent
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pid})
+	a.kill(t) // the device has completed message 1 and freed its packet id
+	dev.c.Close()
+
+	dev = dialRaw(t, b.srv.Addr(), 5)
+	if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+		t.Fatal("session not present back on b")
+	}
+	b.holdAt(0)
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	for {
+		pk := dev.next()
+		switch pk.FixedHeader.Type {
+		case packets.Publish:
+			t.Fatalf("message %q resent (id %d, dup %v) though the device completed it on a", pk.Payload, pk.PacketID, pk.FixedHeader.Dup)
+		case packets.Pubrel:
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pk.PacketID})
+			continue
+		case packets.Pingresp:
+		default:
+			t.Fatalf("unexpected packet type %d", pk.FixedHeader.Type)
+		}
+		break
+	}
+	// Everything b owed is out once its start record is applied: a
+	// later message comes, and message 1 not before it.
+	l.add(&Message{Origin: 9, Seq: 2, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("2")})
+	for {
+		pk := dev.next()
+		if pk.FixedHeader.Type == packets.Pubrel {
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pk.PacketID})
+			continue
+		}
+		if pk.FixedHeader.Type != packets.Publish || string(pk.Payload) != "2" {
+			t.Fatalf("packet type %d %q, want message 2", pk.FixedHeader.Type, pk.Payload)
+		}
+		break
+	}
+}
+
+// A member that stops (kill -9, power cut) after the device PUBREC'd a
+// QoS 2 delivery, before its release record is logged, finds the flow
+// PUBREC'd in its session store when it comes back: its PUBREL waits for
+// the release record, logged then, or the device completes a flow that
+// another member, taking the session over, would send again as new.
+func TestMQTT_4_3_3_9_PubrelAfterARestartWaitsForTheReleaseRecord(t *testing.T) {
+	l := newSharedLog()
+	a := startMember(t, l, 1)
+	startMember(t, l, 2)
+	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	dev := dialRaw(t, a.srv.Addr(), 5)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	p := dev.expect(packets.Publish)
+	a.holdReleases(t) // never logged: a dies first
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: p.PacketID})
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	dev.expect(packets.Pingresp) // the PUBREC is taken
+	a.kill(t)
+	dev.c.Close()
+
+	l.mu.Lock()
+	applied := a.applied
+	l.mu.Unlock()
+	again := startMemberWith(t, &member{l: l, id: 1, store: a.store, applied: applied, seq: 1000}, nil)
+	dev = dialRaw(t, again.srv.Addr(), 5)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("after the restart: CONNACK %#x session present %v", ack.ReasonCode, ack.SessionPresent)
+	}
+	rel := dev.expect(packets.Pubrel)
+	if rel.PacketID != p.PacketID {
+		t.Fatalf("PUBREL %d, want %d", rel.PacketID, p.PacketID)
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var idx uint64
+	for i, m := range l.recs {
+		if m.Topic == "m/x" {
+			idx = uint64(i + 1)
+		}
+	}
+	for _, m := range l.recs {
+		var op sessionOp
+		if isSessionOp(m, "rel") && json.Unmarshal(m.Payload, &op) == nil && slices.Contains(op.Rel, idx) {
+			return
+		}
+	}
+	t.Fatal("PUBREL sent after the restart with no release record in the log")
+}
+
+// The start record a resumed session waits for is its current
+// connection's: a device that was on b, went to a (where it completed a
+// QoS 2 flow) and came back to b (a dies) must not be served on b once
+// the start record of its first connection there is applied, which the
+// log holds before a's release of the flow: the replay would send the
+// completed message again, as new to the device.
+func TestMQTT_4_3_3_9_AnEarlierConnectionsStartIsNotTheBarrier(t *testing.T) {
+	l := newSharedLog()
+	a, b := startMember(t, l, 1), startMember(t, l, 2)
+	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	offline := func(m *member) func() bool {
+		return func() bool {
+			m.srv.mu.Lock()
+			se := m.srv.sessions["dev"]
+			m.srv.mu.Unlock()
+			return se != nil && !se.online()
+		}
+	}
+	startOf := func(origin uint64, after uint64) uint64 {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		for i, m := range l.recs[after:] {
+			if m.Origin == origin && isSessionOp(m, "start") {
+				return after + uint64(i) + 1
+			}
+		}
+		return 0
+	}
+	dev := dialRaw(t, a.srv.Addr(), 5)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	pid := dev.expect(packets.Publish).PacketID // held; the device's answer is lost
+	b.caughtUp(t)
+	l.mu.Lock()
+	last := uint64(len(l.recs))
+	l.mu.Unlock()
+	b.holdAt(last) // b applies nothing logged from here on for now
+	dev.c.Close()
+	testutil.WaitFor(t, 5*time.Second, "a's session offline", offline(a))
+
+	dev = dialRaw(t, b.srv.Addr(), 5) // the first connection to b
+	if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+		t.Fatal("session not present on b")
+	}
+	var first uint64
+	testutil.WaitFor(t, 5*time.Second, "b's first start record in the log", func() bool { first = startOf(2, last); return first > 0 })
+	dev.c.Close()
+	testutil.WaitFor(t, 5*time.Second, "b's session offline", offline(b))
+
+	dev = dialRaw(t, a.srv.Addr(), 5) // back to a, which completes the flow
+	if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+		t.Fatal("session not present back on a")
+	}
+	if p := dev.expect(packets.Publish); string(p.Payload) != "1" || p.PacketID != pid || !p.FixedHeader.Dup {
+		t.Fatalf("on a again: PUBLISH %q id %d dup %v, want the held message", p.Payload, p.PacketID, p.FixedHeader.Dup)
+	}
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pid})
+	dev.expect(packets.Pubrel)
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pid})
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	dev.expect(packets.Pingresp)
+	a.kill(t)
+	dev.c.Close()
+
+	dev = dialRaw(t, b.srv.Addr(), 5) // the second connection to b
+	if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+		t.Fatal("session not present on b the second time")
+	}
+	testutil.WaitFor(t, 5*time.Second, "b's second start record in the log", func() bool { return startOf(2, first) > 0 })
+	b.holdAt(first) // b applies up to its first connection's start record
+	b.caughtUpTo(t, first)
+	b.srv.mu.Lock()
+	se := b.srv.sessions["dev"]
+	b.srv.mu.Unlock()
+	if !se.awaitingStart() {
+		t.Fatal("the start record of b's earlier connection taken for this one's: the session replays before a's release")
+	}
+	b.holdAt(0)
+	l.add(&Message{Origin: 9, Seq: 2, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("2")})
+	for {
+		pk := dev.next()
+		if pk.FixedHeader.Type == packets.Pubrel {
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pk.PacketID})
+			continue
+		}
+		if pk.FixedHeader.Type != packets.Publish || string(pk.Payload) != "2" {
+			t.Fatalf("packet type %d %q (id %d), want message 2 and nothing of message 1", pk.FixedHeader.Type, pk.Payload, pk.PacketID)
+		}
+		break
 	}
 }

@@ -46,8 +46,13 @@ type session struct {
 	// was applied (0: not yet): a start from elsewhere after it means the
 	// device connected there later. remoteOnline: the session is live on
 	// another member, so it does not expire here.
-	startIndex  uint64
-	startFailed bool // the start record could not be logged: replay without it
+	startIndex uint64
+	// startSeq is the sequence number of the start record this member
+	// logged for the session's current connection: only that one is its
+	// start (an earlier connection's, applied late, is not the barrier
+	// awaitingStartLocked waits for); startComing until it is proposed.
+	startSeq    uint64
+	startFailed bool // the start record could not be logged, and need not be (proposeStart): replay without it
 	// ref is the number cursor records name the session by (cursors.go):
 	// the index of its latest start record, when applied at a feature
 	// level every member keeps it at; 0: none, named by its client id.
@@ -79,12 +84,20 @@ type session struct {
 
 	// relPending are the log indexes of QoS 2 deliveries the client has
 	// PUBREC'd whose release record is not yet proposed; relBusy says one
-	// is in flight. Their PUBRELs wait for it (qos2.go).
+	// is in flight. Their PUBRELs wait for it (qos2.go). releasing holds
+	// every index of either whose record's outcome has not come: no
+	// PUBREL goes for them, neither on a repeated PUBREC nor in the
+	// resend of a reconnect, until it has (released sends them).
 	relPending []uint64
 	relBusy    bool
+	releasing  map[uint64]bool
 	// resumed: the session was present at its connection's CONNECT, so
 	// the client may hold some of its QoS 2 records already (mayHave).
 	resumed bool
+	// namedHere are the filters the client subscribed or unsubscribed on
+	// this connection while it waited for its start record: what another
+	// member logged for them then is older (applySession).
+	namedHere map[string]bool
 	// doneAbove holds the indexes past the cursor whose QoS 2 flow ended
 	// here anyway: flows taken over from another member (applyReleased),
 	// completed before the replay reached them, which must skip them.
@@ -258,7 +271,9 @@ func (s *session) acked(pid uint16, qos byte) bool {
 // flight (PUBREL 0x92 then), and ended for a PUBREC with an error code,
 // which ends the flow [MQTT-4.3.3-4]. release says the PUBREL waits for a
 // release record (a persistent session's delivery of a log record): the
-// caller calls releaseNext.
+// caller calls releaseNext. A repeated PUBREC of such a flow waits for the
+// same record: a PUBREL before it is logged lets the device complete a
+// flow that a member taking the session over would send again, as new.
 func (s *session) received(pid uint16, failed bool) (ok, release bool) {
 	s.mu.Lock()
 	it := s.inflight[pid]
@@ -267,9 +282,10 @@ func (s *session) received(pid uint16, failed bool) (ok, release bool) {
 		return false, false
 	}
 	if it.rel {
-		// A repeated PUBREC: its PUBREL goes again, released or not.
+		// A repeated PUBREC: its PUBREL goes again, once released.
+		wait := s.releasing[it.idx]
 		s.mu.Unlock()
-		return true, false
+		return true, wait
 	}
 	persist := s.persistent()
 	if failed {
@@ -286,6 +302,10 @@ func (s *session) received(pid uint16, failed bool) (ok, release bool) {
 	release = persist && it.idx > 0 && s.srv.clustered()
 	if release {
 		s.relPending = append(s.relPending, it.idx)
+		if s.releasing == nil {
+			s.releasing = map[uint64]bool{}
+		}
+		s.releasing[it.idx] = true
 	}
 	s.mu.Unlock()
 	if persist {

@@ -318,6 +318,16 @@ func (s *Server) loadState(checkLog bool) error {
 		}
 		it.pid = uint16(pid)
 		se.inflight[it.pid] = it
+		if it.rel && it.idx > 0 {
+			// Its release record may not have been logged before this
+			// member stopped: it is logged (again) before the PUBREL
+			// goes (relog).
+			se.relPending = append(se.relPending, it.idx)
+			if se.releasing == nil {
+				se.releasing = map[uint64]bool{}
+			}
+			se.releasing[it.idx] = true
+		}
 		se.sendSeq = max(se.sendSeq, it.seq)
 		s.inflight.Add(1)
 		return nil

@@ -78,6 +78,7 @@ func (c *conn) subscribe(pk *packets.Packet) bool {
 			sub.since = prev.since
 		}
 		s.subs[f.Filter] = sub // [MQTT-3.8.4-3]: replaces one with the same filter
+		s.namedLocked(f.Filter)
 		srv.recountLocked(s)
 		persist := s.persistent()
 		s.mu.Unlock()
@@ -131,6 +132,7 @@ func (c *conn) unsubscribe(pk *packets.Packet) bool {
 		s.mu.Lock()
 		sub := s.subs[f.Filter]
 		delete(s.subs, f.Filter)
+		s.namedLocked(f.Filter)
 		c.srv.recountLocked(s)
 		persist := s.persistent()
 		s.mu.Unlock()

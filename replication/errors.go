@@ -25,7 +25,9 @@ var (
 	// ErrStopped means the node stopped before the record met its ack rule.
 	ErrStopped = errors.New("replication: stopped")
 
-	// ErrStorage means the data file failed to take the record.
+	// ErrStorage means the data file failed to take the record: it was
+	// not logged and never will be (a record raft has taken when saves
+	// start failing is answered by what becomes of its entry instead).
 	ErrStorage = errors.New("replication: storage failure")
 
 	// ErrLogFull means the log is over storage.max_bytes and holds only

@@ -229,7 +229,11 @@ type Node struct {
 
 	seq     atomic.Uint64         // next record sequence number
 	diskErr atomic.Pointer[error] // set while saving the log fails
-	lead    atomic.Uint64         // the leader raft last reported, 0 for none
+	// saveFault is the tests' failpoint: while set, every save of the
+	// log fails with it, as a failing disk's would. Never set in
+	// production.
+	saveFault atomic.Pointer[error]
+	lead      atomic.Uint64 // the leader raft last reported, 0 for none
 	// leaderChanges counts changes of lead, for metrics.
 	leaderChanges atomic.Uint64
 	term          atomic.Uint64 // the term last saved

@@ -92,13 +92,29 @@ func (n *Node) handleReady() bool {
 }
 
 // save persists one Ready, retrying a failing disk until it works or the
-// node stops: raft has handed over this Ready and cannot take it back. While
-// it fails, every waiting proposal fails with ErrStorage (0x97 to devices)
-// and new ones fail at once, instead of hanging past sync_timeout.
+// node stops: raft has handed over this Ready and cannot take it back.
+//
+// Refused is final: while it fails, the proposals raft has not taken yet
+// fail with ErrStorage (0x97 to devices), and new ones fail at once,
+// instead of hanging past sync_timeout; they can never be in the log. The
+// ones raft has taken are not answered: their entries may be logged yet,
+// by this save when the disk recovers, or by the other members, to whom a
+// master sends its appends while it saves them (handleReady), and who
+// commit them without this node, under a new master if this one stays
+// stuck. Their outcome is what becomes of the entry, as for any proposal:
+// acked once saved (and replicated, for sync), or refused by the rules of
+// sync_timeout and of a lost mastership once the loop goes on. Devices
+// wait for their acks meanwhile; the daemon sends them to another member
+// where there is one (they publish again there).
 func (n *Node) save(hs pb.HardState, ents []pb.Entry) bool {
 	backoff := 10 * time.Millisecond
 	for {
-		err := n.db.Save(hs, ents)
+		var err error
+		if f := n.saveFault.Load(); f != nil {
+			err = *f
+		} else {
+			err = n.db.Save(hs, ents)
+		}
 		if err == nil {
 			if n.diskErr.Load() != nil {
 				n.log.Info("the log is writable again")
@@ -115,7 +131,7 @@ func (n *Node) save(hs pb.HardState, ents []pb.Entry) bool {
 		}
 		serr := fmt.Errorf("%w: %v", ErrStorage, err)
 		n.diskErr.Store(&serr)
-		n.failWaiting(serr)
+		n.failQueued(serr)
 		n.flushResolved()
 		select {
 		case <-time.After(backoff):
@@ -128,9 +144,9 @@ func (n *Node) save(hs pb.HardState, ents []pb.Entry) bool {
 	}
 }
 
-// failWaiting fails every proposal not yet acked, queued ones included;
-// the loop goes on.
-func (n *Node) failWaiting(err error) {
+// failQueued fails the proposals raft has not taken: they never will be
+// logged.
+func (n *Node) failQueued(err error) {
 	n.propMu.Lock()
 	q := n.propQ
 	n.propQ = nil
@@ -138,6 +154,12 @@ func (n *Node) failWaiting(err error) {
 	for _, p := range q {
 		n.resolve(p, err)
 	}
+}
+
+// failWaiting fails every proposal not yet acked, queued ones included:
+// the loop is exiting (resolveAll).
+func (n *Node) failWaiting(err error) {
+	n.failQueued(err)
 	for _, p := range n.byDue {
 		n.resolve(p, err)
 	}
