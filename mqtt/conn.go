@@ -38,7 +38,8 @@ var (
 type conn struct {
 	srv      *Server
 	nc       net.Conn
-	br       *bufio.Reader
+	br       *bufio.Reader // read's; nil once loopRaw reads (readraw.go)
+	in       inBuf         // loopRaw's
 	listener string
 	host     string // source key, for refusals
 	// rateLimited: the source is over the connect rate; its CONNECT is
@@ -161,7 +162,11 @@ func (c *conn) run(ended func()) {
 	c.srv.goFunc(func() {
 		defer ended()
 		defer c.finish()
-		c.loop()
+		if rc := c.rawConn(); rc != nil {
+			c.loopRaw(rc)
+		} else {
+			c.loop()
+		}
 	})
 }
 
@@ -187,25 +192,13 @@ func (c *conn) open() bool {
 // loop reads and handles packets until the connection ends.
 func (c *conn) loop() {
 	var pk packets.Packet
-	// [MQTT-3.1.2-24]: one and a half times the keep alive, and up to
-	// deadlineSlack more: the deadline is moved only when it falls short
-	// of that (setting it is a timer's update, too much for every packet).
 	ka := time.Duration(c.keepalive) * 1500 * time.Millisecond
 	var by time.Time // the read deadline set last
 	if ka == 0 {
 		_ = c.nc.SetReadDeadline(time.Time{})
 	}
 	for {
-		if ka > 0 {
-			if now := time.Now(); by.Before(now.Add(ka)) {
-				by = now.Add(ka + deadlineSlack(ka))
-				_ = c.nc.SetReadDeadline(by)
-			}
-		}
-		// After the deadline is set: an end that came meanwhile set its
-		// own deadline before or after this one, and ended before it.
-		// (A deadline set by someone else, the end's, is never moved.)
-		if c.isEnded() || !c.waitMemory() {
+		if !c.readyToRead(ka, &by) {
 			return
 		}
 		if err := c.read(&pk); err != nil {
@@ -239,12 +232,8 @@ func (c *conn) read(pk *packets.Packet) error {
 		}
 		return err
 	}
-	limit := int(c.srv.cfg.MaxPacketSize)
-	if !c.authed {
-		limit = min(limit, preAuthMaxPacket)
-	}
-	if 1+lenBytes+rem > limit {
-		return errProtocol{code: packets.ErrPacketTooLarge} // [MQTT-3.2.2-15]
+	if err := c.header(pk, hb, rem, lenBytes); err != nil {
+		return err
 	}
 	if !c.authed {
 		if !c.srv.preAuth.take(rem) {
@@ -252,8 +241,6 @@ func (c *conn) read(pk *packets.Packet) error {
 		}
 		defer c.srv.preAuth.give(rem)
 	}
-	pk.FixedHeader.Remaining = rem
-	pk.ProtocolVersion = c.v
 	// A buffer per packet: mochi's decoder makes strings (topic, client
 	// id, filters, user properties) that point into it, without a copy,
 	// so it must never be reused.
@@ -261,6 +248,31 @@ func (c *conn) read(pk *packets.Packet) error {
 	if _, err := io.ReadFull(c.br, buf); err != nil {
 		return err
 	}
+	return c.decodeBody(pk, buf)
+}
+
+// header fills pk's fixed header from its first byte hb and Remaining
+// Length rem (encoded in lenBytes), refusing a packet over the size limit:
+// before CONNECT is authenticated, preAuthMaxPacket.
+func (c *conn) header(pk *packets.Packet, hb byte, rem, lenBytes int) error {
+	if err := pk.FixedHeader.Decode(hb); err != nil {
+		return errProtocol{code: packets.ErrMalformedPacket}
+	}
+	limit := int(c.srv.cfg.MaxPacketSize)
+	if !c.authed {
+		limit = min(limit, preAuthMaxPacket)
+	}
+	if 1+lenBytes+rem > limit {
+		return errProtocol{code: packets.ErrPacketTooLarge} // [MQTT-3.2.2-15]
+	}
+	pk.FixedHeader.Remaining = rem
+	pk.ProtocolVersion = c.v
+	return nil
+}
+
+// decodeBody decodes a packet's body, buf, into pk, whose fixed header is
+// filled; pk keeps pointing into buf.
+func (c *conn) decodeBody(pk *packets.Packet, buf []byte) error {
 	if plainPublish(pk, buf, c.v == 5) {
 		// Nearly every packet: nothing for checkWire to look at.
 		if err := decodePlainPublish(pk, buf); err != nil {
