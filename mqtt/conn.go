@@ -83,10 +83,6 @@ type conn struct {
 	// willCharge is what the will is charged while the connection holds
 	// it; the read loop's goroutine alone touches it.
 	willCharge int64
-	// pubMsg is the Message each publish is proposed as, the read loop's
-	// own: the Log keeps nothing of it past Propose (Log's rule), and
-	// one per publish was an allocation of 200-odd bytes.
-	pubMsg Message
 	// refusedConnect: a refusing CONNACK was sent (the read loop's own);
 	// the socket lingers before it closes, as after a DISCONNECT.
 	refusedConnect bool
@@ -126,11 +122,31 @@ type inAck struct {
 }
 
 func newConn(s *Server, nc net.Conn, listener, host string) *conn {
-	c := &conn{srv: s, nc: nc, listener: listener, host: host, br: bufio.NewReaderSize(nc, 1024),
+	c := &conn{srv: s, nc: nc, listener: listener, host: host, br: newReader(nc),
 		done: make(chan struct{}), writerEnd: make(chan struct{}), memSig: make(chan struct{}, 1)}
 	c.acond = sync.NewCond(&c.amu)
 	c.startWriter = c.runWriter
 	return c
+}
+
+// messages holds the Messages publishes are proposed as: the Log keeps
+// nothing of one past Propose (Log's rule). One per publish was an
+// allocation of 200-odd bytes, one per connection 208 bytes of every idle
+// connection.
+var messages = sync.Pool{New: func() any { return new(Message) }}
+
+// putMessage gives m back to messages, holding nothing of its packet's.
+func putMessage(m *Message) {
+	*m = Message{}
+	messages.Put(m)
+}
+
+// newReader is read's bufio.Reader on nc, from a pool: loopRaw gives it
+// back once CONNECT is read.
+func newReader(nc net.Conn) *bufio.Reader {
+	br := readers.Get().(*bufio.Reader)
+	br.Reset(nc)
+	return br
 }
 
 // errProtocol wraps the reason a connection broke the protocol: code for
@@ -159,10 +175,14 @@ func (c *conn) run(ended func()) {
 		ended()
 		return
 	}
+	rc := c.rawConn()
+	if rc != nil {
+		c.leaveReader()
+	}
 	c.srv.goFunc(func() {
 		defer ended()
 		defer c.finish()
-		if rc := c.rawConn(); rc != nil {
+		if rc != nil {
 			c.loopRaw(rc)
 		} else {
 			c.loop()

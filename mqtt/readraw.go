@@ -1,6 +1,7 @@
 package mqtt
 
 import (
+	"bufio"
 	"errors"
 	"io"
 	"net"
@@ -34,23 +35,43 @@ import (
 // window of a hundred small publishes has sent by the time it is read.
 const readBufSize = 16 << 10
 
-// readBufs holds the read buffers of connections that are not reading.
-var readBufs = sync.Pool{New: func() any { return new([readBufSize]byte) }}
+// Pools of what a connection needs only while it reads: the buffer a read
+// fills, the Packet decoded into, and CONNECT's bufio.Reader (newConn).
+var (
+	readBufs   = sync.Pool{New: func() any { return new([readBufSize]byte) }}
+	packetPool = sync.Pool{New: func() any { return new(packets.Packet) }}
+	readers    = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 1024) }}
+)
 
 // inBuf is what loopRaw read and has not handled yet. Between wake-ups
 // it holds no pooled buffer: a packet cut short by the end of a read
 // waits in part (its first bytes, when even its length was cut) or pend
-// (its body, once its length is known).
+// (its body, once its length is known). It is part of every conn, so it
+// is kept small.
 type inBuf struct {
 	buf  *[readBufSize]byte // nil while waiting
-	r, w int                // buf[r:w] is unread
+	r, w int32              // buf[r:w] is unread
 
-	part  [4]byte // the start of a fixed header cut short: at most 4 bytes
-	nPart int
+	part   [4]byte // the start of a fixed header cut short: at most 4 bytes
+	nPart  uint8
+	pendHB byte // the first header byte of pend's packet
 
-	pend   []byte // the body of the packet being read, pend[:nPend] read
-	nPend  int
-	pendHB byte // its first header byte
+	// pend is the body of the packet being read, as far as it has come:
+	// its full length is cap(pend).
+	pend []byte
+}
+
+// rawLoop is loopRaw's state, which its func passed to RawConn.Read
+// shares with it (and so is on the heap: kept small, the Packet pooled).
+type rawLoop struct {
+	c  *conn
+	ka time.Duration // one and a half keep alives; 0: no deadline
+	by time.Time     // the read deadline set last
+	pk *packets.Packet
+	// drained: the last read was short, so the socket held no more.
+	// Unknown at first: what CONNECT left may not be all.
+	drained bool
+	rerr    error // why reading stopped; nil when handling ended it
 }
 
 // rawConn returns c's socket for loopRaw, or nil for read's path.
@@ -66,72 +87,97 @@ func (c *conn) rawConn() syscall.RawConn {
 	return rc
 }
 
-// loopRaw is loop for a plain TCP socket (above). The bytes that CONNECT's
-// bufio.Reader read past the CONNECT are handled first; the bufio.Reader
-// is dropped.
-func (c *conn) loopRaw(rc syscall.RawConn) {
+// leaveReader moves what CONNECT's bufio.Reader read past the CONNECT into
+// the connection's inBuf, for loopRaw to handle first, and gives the
+// reader back. It runs on the goroutine that read the CONNECT: on loopRaw's,
+// a pool's slow path grew every idle connection's stack from 2 to 4 KiB.
+func (c *conn) leaveReader() {
 	if n := c.br.Buffered(); n > 0 {
 		b, _ := c.br.Peek(n)
 		c.in.buf = readBufs.Get().(*[readBufSize]byte)
-		c.in.w = copy(c.in.buf[:], b)
+		c.in.w = int32(copy(c.in.buf[:], b))
 	}
+	c.br.Reset(nil)
+	readers.Put(c.br)
 	c.br = nil
-	var pk packets.Packet
-	ka := time.Duration(c.keepalive) * 1500 * time.Millisecond
-	var by time.Time
-	if ka == 0 {
+}
+
+// loopRaw is loop for a plain TCP socket (above), once leaveReader ran.
+func (c *conn) loopRaw(rc syscall.RawConn) {
+	l := &rawLoop{c: c, ka: time.Duration(c.keepalive) * 1500 * time.Millisecond}
+	if l.ka == 0 {
 		_ = c.nc.SetReadDeadline(time.Time{})
 	}
-	var rerr error // why reading stopped; nil when handling ended it
-	// drained: the last read was short, so the socket held no more.
-	// Unknown at first: what CONNECT left may not be all.
-	drained := false
-	err := rc.Read(func(fd uintptr) bool {
-		for {
-			for {
-				ok, err := c.next(&pk)
-				if err != nil {
-					rerr = err
-					return true
-				}
-				if !ok {
-					break
-				}
-				if c.isEnded() || !c.waitMemory() || !c.handle(&pk) {
-					return true
-				}
-			}
-			if drained {
-				drained = false
-				c.in.park()
-				return false // wait for readability, then read
-			}
-			if !c.readyToRead(ka, &by) {
-				return true
-			}
-			n, asked, err := c.in.fill(int(fd))
-			switch {
-			case err == syscall.EINTR:
-				continue
-			case err == syscall.EAGAIN:
-				c.in.park()
-				return false
-			case err != nil:
-				rerr = os.NewSyscallError("read", err)
-				return true
-			case n == 0:
-				rerr = io.EOF
-				return true
-			}
-			drained = n < asked
-		}
-	})
+	err := rc.Read(l.step)
 	c.in.drop()
-	if rerr == nil {
-		rerr = err
+	l.parkPacket()
+	if l.rerr == nil {
+		l.rerr = err
 	}
-	if rerr != nil {
-		c.readFailed(rerr)
+	if l.rerr != nil {
+		c.readFailed(l.rerr)
+	}
+}
+
+// step is loopRaw's func for RawConn.Read: it handles what is buffered,
+// then reads, until a read comes up short or finds nothing (false: wait
+// for readability) or the connection is to end (true).
+func (l *rawLoop) step(fd uintptr) bool {
+	c := l.c
+	for {
+		for c.in.buffered() {
+			if l.pk == nil {
+				l.pk = packetPool.Get().(*packets.Packet)
+			}
+			ok, err := c.next(l.pk)
+			if err != nil {
+				l.rerr = err
+				return true
+			}
+			if !ok {
+				break
+			}
+			if c.isEnded() || !c.waitMemory() || !c.handle(l.pk) {
+				return true
+			}
+		}
+		if l.drained {
+			l.drained = false
+			l.park()
+			return false // wait for readability, then read
+		}
+		if !c.readyToRead(l.ka, &l.by) {
+			return true
+		}
+		n, asked, err := c.in.fill(int(fd))
+		switch {
+		case err == syscall.EINTR:
+			continue
+		case err == syscall.EAGAIN:
+			l.park()
+			return false
+		case err != nil:
+			l.rerr = os.NewSyscallError("read", err)
+			return true
+		case n == 0:
+			l.rerr = io.EOF
+			return true
+		}
+		l.drained = n < asked
+	}
+}
+
+// park gives back what the loop holds only while it reads.
+func (l *rawLoop) park() {
+	l.c.in.park()
+	l.parkPacket()
+}
+
+func (l *rawLoop) parkPacket() {
+	if l.pk != nil {
+		*l.pk = packets.Packet{} // nothing of a client's kept in the pool
+		packetPool.Put(l.pk)
+		l.pk = nil
 	}
 }
 
@@ -164,29 +210,30 @@ func (in *inBuf) fill(fd int) (n, asked int, err error) {
 	}
 	if in.r > 0 {
 		// What is left is the start of a header (next): to the front.
-		in.w = copy(in.buf[:], in.buf[in.r:in.w])
+		in.w = int32(copy(in.buf[:], in.buf[in.r:in.w]))
 		in.r = 0
 	}
 	if in.nPart > 0 {
 		// Only when the buffer was empty (park): it goes in front.
-		in.w = copy(in.buf[in.w:], in.part[:in.nPart])
+		in.w = int32(copy(in.buf[:], in.part[:in.nPart]))
 		in.nPart = 0
 	}
+	free := in.buf[in.w:]
 	if in.pend != nil {
-		rest := in.pend[in.nPend:]
-		asked = len(rest) + readBufSize - in.w
-		n, err = unix.Readv(fd, [][]byte{rest, in.buf[in.w:]})
+		rest := in.pend[len(in.pend):cap(in.pend)]
+		asked = len(rest) + len(free)
+		n, err = unix.Readv(fd, [][]byte{rest, free})
 		if n > 0 {
 			k := min(n, len(rest))
-			in.nPend += k
-			in.w += n - k
+			in.pend = in.pend[:len(in.pend)+k]
+			in.w += int32(n - k)
 		}
 		return max(n, 0), asked, err
 	}
-	asked = readBufSize - in.w
-	n, err = syscall.Read(fd, in.buf[in.w:])
+	asked = len(free)
+	n, err = syscall.Read(fd, free)
 	if n > 0 {
-		in.w += n
+		in.w += int32(n)
 	}
 	return max(n, 0), asked, err
 }
@@ -197,12 +244,20 @@ func (in *inBuf) park() {
 	if in.buf == nil {
 		return
 	}
-	if k := in.w - in.r; k > 0 {
-		in.nPart = copy(in.part[:], in.buf[in.r:in.w]) // next left fewer than 5 bytes
+	if in.w > in.r {
+		in.nPart = uint8(copy(in.part[:], in.buf[in.r:in.w])) // next left fewer than 5 bytes
 	}
 	in.r, in.w = 0, 0
 	readBufs.Put(in.buf)
 	in.buf = nil
+}
+
+// buffered reports whether next may find a packet.
+func (in *inBuf) buffered() bool {
+	if in.pend != nil {
+		return len(in.pend) == cap(in.pend)
+	}
+	return in.buf != nil && in.r < in.w
 }
 
 // drop gives the buffer back when reading has stopped.
@@ -224,11 +279,11 @@ var errLengthTooLong = errors.New("remaining length longer than 4 bytes")
 func (c *conn) next(pk *packets.Packet) (bool, error) {
 	in := &c.in
 	if in.pend != nil {
-		if in.nPend < len(in.pend) {
+		if len(in.pend) < cap(in.pend) {
 			return false, nil
 		}
 		body := in.pend
-		in.pend, in.nPend = nil, 0
+		in.pend = nil
 		*pk = packets.Packet{}
 		if err := c.header(pk, in.pendHB, len(body), 0); err != nil {
 			return false, err
@@ -263,9 +318,9 @@ func (c *conn) next(pk *packets.Packet) (bool, error) {
 	start := 1 + lenBytes
 	body := make([]byte, rem)
 	got := copy(body, p[start:])
-	in.r += start + got
+	in.r += int32(start + got)
 	if got < rem {
-		in.pend, in.nPend, in.pendHB = body, got, p[0]
+		in.pend, in.pendHB = body[:got], p[0]
 		return false, nil
 	}
 	return true, c.decodeBody(pk, body)
