@@ -40,6 +40,8 @@ type conn struct {
 	nc       net.Conn
 	br       *bufio.Reader // read's; nil once loopRaw reads (readraw.go)
 	in       inBuf         // loopRaw's
+	rl       *rawLoop      // loopRaw's state; nil on read's path
+	parkedFD int32         // fd+1 while parked (readpark.go); guarded by the idler's mu
 	listener string
 	host     string // source key, for refusals
 	// rateLimited: the source is over the connect rate; its CONNECT is
@@ -175,18 +177,14 @@ func (c *conn) run(ended func()) {
 		ended()
 		return
 	}
-	rc := c.rawConn()
-	if rc != nil {
-		c.leaveReader()
+	if rc := c.rawConn(); rc != nil {
+		c.startRaw(rc, ended)
+		return
 	}
 	c.srv.goFunc(func() {
 		defer ended()
 		defer c.finish()
-		if rc != nil {
-			c.loopRaw(rc)
-		} else {
-			c.loop()
-		}
+		c.loop()
 	})
 }
 
@@ -559,6 +557,7 @@ func (c *conn) endTo(code packets.Code, ref, why string) {
 		// by a deadline.
 		_ = c.nc.SetWriteDeadline(time.Now().Add(time.Second))
 		c.kick()
+		c.unpark() // a parked read loop finishes (readpark.go)
 	})
 }
 

@@ -61,17 +61,30 @@ type inBuf struct {
 	pend []byte
 }
 
-// rawLoop is loopRaw's state, which its func passed to RawConn.Read
-// shares with it (and so is on the heap: kept small, the Packet pooled).
+// rawLoop is loopRaw's state, kept across parks (readpark.go), which its
+// func passed to RawConn.Read shares with it (and so is on the heap: kept
+// small, the Packet pooled).
 type rawLoop struct {
-	c  *conn
-	ka time.Duration // one and a half keep alives; 0: no deadline
-	by time.Time     // the read deadline set last
-	pk *packets.Packet
+	c     *conn
+	rc    syscall.RawConn
+	ended func()        // run's, once the connection has ended
+	ka    time.Duration // one and a half keep alives; 0: no deadline
+	by    time.Time     // the read deadline set last
+	pk    *packets.Packet
 	// drained: the last read was short, so the socket held no more.
 	// Unknown at first: what CONNECT left may not be all.
 	drained bool
 	rerr    error // why reading stopped; nil when handling ended it
+
+	// Parking (readpark.go): lastData is when a read last brought
+	// something, gap the time before it, which predicts the next.
+	lastData time.Time
+	gap      time.Duration
+	wantPark bool // step stopped to park on fd
+	fd       int
+	resumed  bool        // the loop has run before: this is a wake-up
+	noPark   bool        // the idler refused: wait in Go's poller from now on
+	timer    *time.Timer // the idler's, for the read deadline; guarded by its mu
 }
 
 // rawConn returns c's socket for loopRaw, or nil for read's path.
@@ -102,13 +115,51 @@ func (c *conn) leaveReader() {
 	c.br = nil
 }
 
-// loopRaw is loop for a plain TCP socket (above), once leaveReader ran.
-func (c *conn) loopRaw(rc syscall.RawConn) {
-	l := &rawLoop{c: c, ka: time.Duration(c.keepalive) * 1500 * time.Millisecond}
-	if l.ka == 0 {
-		_ = c.nc.SetReadDeadline(time.Time{})
+// startRaw starts loopRaw on rc: leaveReader, then a goroutine; ended is
+// run's.
+func (c *conn) startRaw(rc syscall.RawConn, ended func()) {
+	c.leaveReader()
+	c.rl = &rawLoop{c: c, rc: rc, ended: ended, ka: time.Duration(c.keepalive) * 1500 * time.Millisecond, gap: idleAfter + 1}
+	c.srv.goFunc(c.serveRaw)
+}
+
+// serveRaw runs loopRaw, and finishes the connection unless it parked;
+// the idler runs it again on a wake-up.
+func (c *conn) serveRaw() {
+	if c.loopRaw() {
+		return
 	}
-	err := rc.Read(l.step)
+	c.finish()
+	c.rl.ended()
+}
+
+// loopRaw is loop for a plain TCP socket (above), once leaveReader ran:
+// true when it parked.
+func (c *conn) loopRaw() bool {
+	l := c.rl
+	switch {
+	case !l.resumed:
+		l.resumed = true
+		if l.ka == 0 {
+			_ = c.nc.SetReadDeadline(time.Time{})
+		}
+	case l.ka > 0 && !time.Now().Before(l.by):
+		// Woken by the deadline's timer (or at it): the keep alive
+		// passed, whether or not Go's poller has marked it yet.
+		l.rerr = os.ErrDeadlineExceeded
+	}
+	var err error
+	for l.rerr == nil {
+		err = l.rc.Read(l.step)
+		if !l.wantPark {
+			break
+		}
+		l.wantPark = false
+		if d := c.srv.parking(); d != nil && d.park(c, l.fd, l.by) {
+			return true
+		}
+		l.noPark = true
+	}
 	c.in.drop()
 	l.parkPacket()
 	if l.rerr == nil {
@@ -117,6 +168,18 @@ func (c *conn) loopRaw(rc syscall.RawConn) {
 	if l.rerr != nil {
 		c.readFailed(l.rerr)
 	}
+	return false
+}
+
+// idle says what step does when the socket has nothing: wait in Go's
+// poller (false), or stop to park (true) when the wait before the last
+// data was longer than idleAfter, as is the first after CONNECT.
+func (l *rawLoop) idle(fd uintptr) bool {
+	if l.noPark || l.gap <= idleAfter {
+		return false
+	}
+	l.wantPark, l.fd = true, int(fd)
+	return true
 }
 
 // step is loopRaw's func for RawConn.Read: it handles what is buffered,
@@ -144,7 +207,7 @@ func (l *rawLoop) step(fd uintptr) bool {
 		if l.drained {
 			l.drained = false
 			l.park()
-			return false // wait for readability, then read
+			return l.idle(fd) // or wait for readability, then read
 		}
 		if !c.readyToRead(l.ka, &l.by) {
 			return true
@@ -155,7 +218,7 @@ func (l *rawLoop) step(fd uintptr) bool {
 			continue
 		case err == syscall.EAGAIN:
 			l.park()
-			return false
+			return l.idle(fd)
 		case err != nil:
 			l.rerr = os.NewSyscallError("read", err)
 			return true
@@ -164,6 +227,8 @@ func (l *rawLoop) step(fd uintptr) bool {
 			return true
 		}
 		l.drained = n < asked
+		now := time.Now()
+		l.gap, l.lastData = now.Sub(l.lastData), now
 	}
 }
 
