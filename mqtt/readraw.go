@@ -4,14 +4,12 @@ import (
 	"bufio"
 	"errors"
 	"io"
-	"net"
 	"os"
 	"sync"
 	"syscall"
 	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
-	"golang.org/x/sys/unix"
 )
 
 // A plain TCP connection's packets after CONNECT are read by loopRaw, not
@@ -29,7 +27,8 @@ import (
 // the socket is drained: an idle connection holds none.
 //
 // TLS, WebSocket and anything else that is not a *net.TCPConn keep read
-// and its bufio.Reader, as does every CONNECT.
+// and its bufio.Reader, as does every CONNECT, and every system but Linux
+// (readraw_other.go).
 
 // readBufSize is the pooled buffer one read fills: what a client with a
 // window of a hundred small publishes has sent by the time it is read.
@@ -85,19 +84,6 @@ type rawLoop struct {
 	resumed  bool        // the loop has run before: this is a wake-up
 	noPark   bool        // the idler refused: wait in Go's poller from now on
 	timer    *time.Timer // the idler's, for the read deadline; guarded by its mu
-}
-
-// rawConn returns c's socket for loopRaw, or nil for read's path.
-func (c *conn) rawConn() syscall.RawConn {
-	tc, ok := c.nc.(*net.TCPConn)
-	if !ok || !c.authed {
-		return nil
-	}
-	rc, err := tc.SyscallConn()
-	if err != nil {
-		return nil
-	}
-	return rc
 }
 
 // leaveReader moves what CONNECT's bufio.Reader read past the CONNECT into
@@ -264,43 +250,6 @@ func (c *conn) readyToRead(ka time.Duration, by *time.Time) bool {
 		}
 	}
 	return !c.isEnded() && c.waitMemory()
-}
-
-// fill reads once from fd: into the body of the packet being read and the
-// buffer after it, or into the buffer. It returns what was read and what
-// it asked for: fewer means the socket is drained.
-func (in *inBuf) fill(fd int) (n, asked int, err error) {
-	if in.buf == nil {
-		in.buf = readBufs.Get().(*[readBufSize]byte)
-	}
-	if in.r > 0 {
-		// What is left is the start of a header (next): to the front.
-		in.w = int32(copy(in.buf[:], in.buf[in.r:in.w]))
-		in.r = 0
-	}
-	if in.nPart > 0 {
-		// Only when the buffer was empty (park): it goes in front.
-		in.w = int32(copy(in.buf[:], in.part[:in.nPart]))
-		in.nPart = 0
-	}
-	free := in.buf[in.w:]
-	if in.pend != nil {
-		rest := in.pend[len(in.pend):cap(in.pend)]
-		asked = len(rest) + len(free)
-		n, err = unix.Readv(fd, [][]byte{rest, free})
-		if n > 0 {
-			k := min(n, len(rest))
-			in.pend = in.pend[:len(in.pend)+k]
-			in.w += int32(n - k)
-		}
-		return max(n, 0), asked, err
-	}
-	asked = len(free)
-	n, err = syscall.Read(fd, free)
-	if n > 0 {
-		in.w += int32(n)
-	}
-	return max(n, 0), asked, err
 }
 
 // park gets in ready to wait: the pooled buffer goes back, a packet cut

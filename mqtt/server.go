@@ -87,10 +87,11 @@ type Server struct {
 	qos0Dropped     atomic.Uint64       // QoS 0 messages connected sessions could not take (outbudget.go)
 	sessionBytes    atomic.Int64        // what persistent sessions count against max_session_bytes
 
-	wg       sync.WaitGroup // every goroutine the server starts
-	stopc    chan struct{}
+	wg      sync.WaitGroup // every goroutine the server starts
+	stopc   chan struct{}
+	closing atomic.Bool
+
 	idleSlot // the idler of parked connections (readpark.go)
-	closing  atomic.Bool
 
 	// scratch is Deliver's per-record list of matching sessions; Deliver
 	// runs on one goroutine.
