@@ -39,7 +39,10 @@ var (
 type conn struct {
 	srv      *Server
 	nc       net.Conn
-	br       *bufio.Reader
+	br       *bufio.Reader // read's; nil once loopRaw reads (readraw.go)
+	in       inBuf         // loopRaw's
+	rl       *rawLoop      // loopRaw's state; nil on read's path
+	parkedFD int32         // fd+1 while parked (readpark.go); guarded by the idler's mu
 	listener string
 	host     string // source key, for refusals
 	// rateLimited: the source is over the connect rate; its CONNECT is
@@ -83,10 +86,6 @@ type conn struct {
 	// willCharge is what the will is charged while the connection holds
 	// it; the read loop's goroutine alone touches it.
 	willCharge int64
-	// pubMsg is the Message each publish is proposed as, the read loop's
-	// own: the Log keeps nothing of it past Propose (Log's rule), and
-	// one per publish was an allocation of 200-odd bytes.
-	pubMsg Message
 	// refusedConnect: a refusing CONNACK was sent (the read loop's own);
 	// the socket lingers before it closes, as after a DISCONNECT.
 	refusedConnect bool
@@ -141,11 +140,31 @@ type inAck struct {
 }
 
 func newConn(s *Server, nc net.Conn, listener, host string) *conn {
-	c := &conn{srv: s, nc: nc, listener: listener, host: host, br: bufio.NewReaderSize(nc, 1024),
+	c := &conn{srv: s, nc: nc, listener: listener, host: host, br: newReader(nc),
 		done: make(chan struct{}), writerEnd: make(chan struct{}), memSig: make(chan struct{}, 1)}
 	c.acond = sync.NewCond(&c.amu)
 	c.startWriter = c.runWriter
 	return c
+}
+
+// messages holds the Messages publishes are proposed as: the Log keeps
+// nothing of one past Propose (Log's rule). One per publish was an
+// allocation of 200-odd bytes, one per connection 208 bytes of every idle
+// connection.
+var messages = sync.Pool{New: func() any { return new(Message) }}
+
+// putMessage gives m back to messages, holding nothing of its packet's.
+func putMessage(m *Message) {
+	*m = Message{}
+	messages.Put(m)
+}
+
+// newReader is read's bufio.Reader on nc, from a pool: loopRaw gives it
+// back once CONNECT is read.
+func newReader(nc net.Conn) *bufio.Reader {
+	br := readers.Get().(*bufio.Reader)
+	br.Reset(nc)
+	return br
 }
 
 // errProtocol wraps the reason a connection broke the protocol: code for
@@ -172,6 +191,10 @@ func (c *conn) run(ended func()) {
 	if !c.open() {
 		c.finish()
 		ended()
+		return
+	}
+	if rc := c.rawConn(); rc != nil {
+		c.startRaw(rc, ended)
 		return
 	}
 	c.srv.goFunc(func() {
@@ -203,25 +226,13 @@ func (c *conn) open() bool {
 // loop reads and handles packets until the connection ends.
 func (c *conn) loop() {
 	var pk packets.Packet
-	// [MQTT-3.1.2-24]: one and a half times the keep alive, and up to
-	// deadlineSlack more: the deadline is moved only when it falls short
-	// of that (setting it is a timer's update, too much for every packet).
 	ka := time.Duration(c.keepalive) * 1500 * time.Millisecond
 	var by time.Time // the read deadline set last
 	if ka == 0 {
 		_ = c.nc.SetReadDeadline(time.Time{})
 	}
 	for {
-		if ka > 0 {
-			if now := time.Now(); by.Before(now.Add(ka)) {
-				by = now.Add(ka + deadlineSlack(ka))
-				_ = c.nc.SetReadDeadline(by)
-			}
-		}
-		// After the deadline is set: an end that came meanwhile set its
-		// own deadline before or after this one, and ended before it.
-		// (A deadline set by someone else, the end's, is never moved.)
-		if c.isEnded() || !c.waitMemory() {
+		if !c.readyToRead(ka, &by) {
 			return
 		}
 		if err := c.read(&pk); err != nil {
@@ -255,12 +266,8 @@ func (c *conn) read(pk *packets.Packet) error {
 		}
 		return err
 	}
-	limit := int(c.srv.cfg.MaxPacketSize)
-	if !c.authed {
-		limit = min(limit, preAuthMaxPacket)
-	}
-	if 1+lenBytes+rem > limit {
-		return errProtocol{code: packets.ErrPacketTooLarge} // [MQTT-3.2.2-15]
+	if err := c.header(pk, hb, rem, lenBytes); err != nil {
+		return err
 	}
 	if !c.authed {
 		if !c.srv.preAuth.take(rem) {
@@ -268,8 +275,6 @@ func (c *conn) read(pk *packets.Packet) error {
 		}
 		defer c.srv.preAuth.give(rem)
 	}
-	pk.FixedHeader.Remaining = rem
-	pk.ProtocolVersion = c.v
 	// A buffer per packet: mochi's decoder makes strings (topic, client
 	// id, filters, user properties) that point into it, without a copy,
 	// so it must never be reused.
@@ -277,6 +282,31 @@ func (c *conn) read(pk *packets.Packet) error {
 	if _, err := io.ReadFull(c.br, buf); err != nil {
 		return err
 	}
+	return c.decodeBody(pk, buf)
+}
+
+// header fills pk's fixed header from its first byte hb and Remaining
+// Length rem (encoded in lenBytes), refusing a packet over the size limit:
+// before CONNECT is authenticated, preAuthMaxPacket.
+func (c *conn) header(pk *packets.Packet, hb byte, rem, lenBytes int) error {
+	if err := pk.FixedHeader.Decode(hb); err != nil {
+		return errProtocol{code: packets.ErrMalformedPacket}
+	}
+	limit := int(c.srv.cfg.MaxPacketSize)
+	if !c.authed {
+		limit = min(limit, preAuthMaxPacket)
+	}
+	if 1+lenBytes+rem > limit {
+		return errProtocol{code: packets.ErrPacketTooLarge} // [MQTT-3.2.2-15]
+	}
+	pk.FixedHeader.Remaining = rem
+	pk.ProtocolVersion = c.v
+	return nil
+}
+
+// decodeBody decodes a packet's body, buf, into pk, whose fixed header is
+// filled; pk keeps pointing into buf.
+func (c *conn) decodeBody(pk *packets.Packet, buf []byte) error {
 	if plainPublish(pk, buf, c.v == 5) {
 		// Nearly every packet: nothing for checkWire to look at.
 		if err := decodePlainPublish(pk, buf); err != nil {
@@ -544,6 +574,7 @@ func (c *conn) endTo(code packets.Code, ref, why string) {
 		// by a deadline.
 		_ = c.nc.SetWriteDeadline(time.Now().Add(time.Second))
 		c.kick()
+		c.unpark() // a parked read loop finishes (readpark.go)
 	})
 }
 

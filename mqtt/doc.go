@@ -18,6 +18,16 @@
 // that stops reading blocks only its own writer, which gives up after a
 // write timeout.
 //
+// On a plain TCP socket the read loop reads once per wake-up: it handles
+// what a read brought inside the socket's RawConn.Read and waits there for
+// readability when that read took all there was, instead of reading again
+// to learn so (readraw.go). Its read buffer comes from a pool and goes back
+// whenever the socket is drained, so an idle connection holds none. A
+// connection with nothing to read after CONNECT, or after a wait longer
+// than a second, has no goroutine at all: its socket waits in the server's
+// idler (one epoll instance and goroutine), which starts a read loop again
+// on data, the keep alive deadline or an end (readpark.go).
+//
 // # Publishes and acks
 //
 // A PUBLISH is checked (topic alias, limits, ACL, receive maximum: an MQTT

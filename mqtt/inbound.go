@@ -99,7 +99,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 	}
 	srv.observer().Published(mode, qos, rule)
 	charged := c.chargeIn(publishCost(len(pk.TopicName), len(pk.Payload)))
-	m := &c.pubMsg
+	m := messages.Get().(*Message)
 	m.fromPacket(c.id, pk, srv.cfg.Now().UnixNano())
 	if qos == 0 {
 		srv.log.Reserve(m)
@@ -113,7 +113,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 			}
 			srv.logFailure(err)
 		})
-		c.pubMsg = Message{} // it would hold the packet's buffer while the connection idles
+		putMessage(m)
 		return true
 	}
 	a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now, charged: charged}
@@ -150,7 +150,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 	}
 	c.queueAck(a)
 	srv.log.Propose(m, mode, resolved)
-	c.pubMsg = Message{}
+	putMessage(m)
 	return true
 }
 

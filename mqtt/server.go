@@ -91,6 +91,8 @@ type Server struct {
 	stopc   chan struct{}
 	closing atomic.Bool
 
+	idleSlot // the idler of parked connections (readpark.go)
+
 	// scratch is Deliver's per-record list of matching sessions; Deliver
 	// runs on one goroutine.
 	scratch []target

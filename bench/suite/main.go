@@ -2,7 +2,12 @@
 // Mosquitto 2 (in memory, never fsyncs) on loopback, runs the standard
 // workloads against both in turn (A B A B A B) and prints one table with
 // medians: msg/s, ack p50/p99, broker CPU µs per message, fsyncs per
-// message, bytes written to the device per message, RSS, and the ratio.
+// message, bytes written to the device per message, RSS, and the ratio,
+// and under each broker's row the kernel work per message: read and write
+// syscalls (/proc/PID/io syscr, syscw) and context switches, voluntary
+// (the broker's threads sleeping to be woken again) and involuntary,
+// summed over /proc/PID/task/*/status. Those counts, unlike µs/msg, hold
+// on a busy host.
 //
 // W5 is fan-out (1 publisher, 20 QoS 1 MQTT 5 subscribers with Receive
 // Maximum 20): its row shows deliveries/s, end-to-end p50/p99 and broker
@@ -51,7 +56,7 @@ var workloads = []workload{
 	{"W4", bench.Options{Clients: 50, Count: 2000, Window: 16, QoS: 1, Size: 100}, "≥0.8×"},
 	{"W5", bench.Options{Clients: 1, Count: 5000, Window: 16, QoS: 1, Size: 100,
 		Subscribers: 20, SubscribeQoS: 1, SubscriberReceiveMax: 20}, "≥0.8×"},
-	{"W6", bench.Options{Idle: 5000}, "≤100 MB"},
+	{"W6", bench.Options{Idle: 5000}, "≤50 MB, ≤6 KiB/connection"},
 }
 
 // runTimeout bounds one run: a broker that stops acking or delivering
@@ -74,7 +79,8 @@ type sample struct {
 	fsyncsPerMsg   float64
 	devBytesPerMsg float64
 	rssMB          float64
-	rssBeforeMB    float64 // idle workload: RSS before the connections
+	rssBeforeMB    float64    // idle workload: RSS before the connections
+	kernel         kernelWork // per message (per delivery for a fan-out workload)
 	failed         bool
 }
 
@@ -156,10 +162,19 @@ func main() {
 
 func printRow(w, name string, s sample) {
 	fmt.Printf("%-4s %-9s %10.0f %9.3f %9.3f %9.1f %10.3f %11.0f %8.1f%s\n", w, name, s.res.MsgPerSec, s.res.AckP50Ms, s.res.AckP99Ms, s.cpuUsPerMsg, s.fsyncsPerMsg, s.devBytesPerMsg, s.rssMB, failedMark(s))
+	printKernelRow("msg", s.kernel)
 }
 
 func printFanOutRow(w, name string, s sample) {
 	fmt.Printf("%-4s %-9s %10.0f %9.3f %9.3f %9.1f %10.3f %11.0f %8.1f%s\n", w, name, s.res.DeliveriesPerSec, s.res.E2EP50Ms, s.res.E2EP99Ms, s.cpuUsPerMsg, s.fsyncsPerMsg, s.devBytesPerMsg, s.rssMB, failedMark(s))
+	printKernelRow("delivery", s.kernel)
+}
+
+// printKernelRow is the line under a broker's row: its kernel work per
+// message (per delivery).
+func printKernelRow(per string, k kernelWork) {
+	fmt.Printf("%-4s %-9s per %s: %.2f read, %.2f write syscalls; %.2f voluntary (wake-ups), %.2f involuntary context switches\n",
+		"", "", per, k.reads, k.writes, k.voluntary, k.involuntary)
 }
 
 func printIdleRow(w, name string, s sample) {
@@ -243,6 +258,7 @@ func run(b *broker, w workload, dev string) sample {
 	o.Topic = "bench/" + w.name + "/%c"
 	o.Version = 5
 	cpu0 := procCPU(b.cmd.Process.Pid)
+	k0 := procKernel(b.cmd.Process.Pid)
 	fsyncs0 := tandemFsyncs(b)
 	dev0 := deviceBytes(dev)
 	ctx, cancel := context.WithTimeout(context.Background(), runTimeout)
@@ -267,6 +283,7 @@ func run(b *broker, w workload, dev string) sample {
 		per = float64(res.Received)
 	}
 	s.cpuUsPerMsg = cpu * 1e6 / per
+	s.kernel = procKernel(b.cmd.Process.Pid).since(k0, per)
 	s.fsyncsPerMsg = float64(tandemFsyncs(b)-fsyncs0) / float64(res.Acked)
 	s.devBytesPerMsg = float64(deviceBytes(dev)-dev0) / float64(res.Acked)
 	s.rssMB = procRSS(b.cmd.Process.Pid)
@@ -397,6 +414,66 @@ func procCPU(pid int) float64 {
 	ut, _ := strconv.ParseFloat(f[11], 64)
 	st, _ := strconv.ParseFloat(f[12], 64)
 	return (ut + st) / 100 // USER_HZ is 100 on Linux
+}
+
+// kernelWork is a process's kernel work: syscalls that read and write
+// (any fd: sockets, files, eventfds) and context switches of all its
+// threads. As a difference over a run divided by its messages (since), the
+// same per message.
+type kernelWork struct {
+	reads, writes          float64
+	voluntary, involuntary float64
+}
+
+// procKernel reads pid's kernelWork: /proc/PID/io counts the whole thread
+// group (exited threads included); context switches are per thread, so
+// they are summed over /proc/PID/task (a thread that exited meanwhile
+// takes its count with it: Go and Mosquitto keep theirs).
+func procKernel(pid int) kernelWork {
+	var k kernelWork
+	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/io", pid)); err == nil {
+		for _, l := range strings.Split(string(b), "\n") {
+			name, v, _ := strings.Cut(l, ":")
+			n, _ := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			switch name {
+			case "syscr":
+				k.reads = n
+			case "syscw":
+				k.writes = n
+			}
+		}
+	}
+	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/status", pid))
+	for _, t := range tasks {
+		b, err := os.ReadFile(t)
+		if err != nil {
+			continue
+		}
+		for _, l := range strings.Split(string(b), "\n") {
+			name, v, _ := strings.Cut(l, ":")
+			n, _ := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			switch name {
+			case "voluntary_ctxt_switches":
+				k.voluntary += n
+			case "nonvoluntary_ctxt_switches":
+				k.involuntary += n
+			}
+		}
+	}
+	return k
+}
+
+// since is the work done from k0 to k, divided by n.
+func (k kernelWork) since(k0 kernelWork, n float64) kernelWork {
+	if n <= 0 {
+		return kernelWork{}
+	}
+	return kernelWork{
+		reads:       (k.reads - k0.reads) / n,
+		writes:      (k.writes - k0.writes) / n,
+		voluntary:   (k.voluntary - k0.voluntary) / n,
+		involuntary: (k.involuntary - k0.involuntary) / n,
+	}
 }
 
 func procRSS(pid int) float64 {

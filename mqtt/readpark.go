@@ -1,0 +1,34 @@
+package mqtt
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// An idle plain TCP connection waits without a goroutine (on Linux). A
+// goroutine parked in Go's poller keeps its stack, 2 KiB at least: close
+// to half of what an idle connection held once its read buffer was
+// pooled. So a read loop that finds nothing to read, after
+// going longer than idleAfter without anything (or right after CONNECT),
+// hands its socket to the server's idler and its goroutine ends. The
+// idler is one goroutine on an epoll instance of its own, where the
+// socket is registered one-shot for readability; data, a hang-up, the
+// keep alive deadline (a timer) or an end of the connection (end, Stop)
+// starts a read loop again, on a new goroutine. A connection busier than
+// idleAfter never parks: a park and wake-up cost two epoll_ctl calls, a
+// timer and a goroutine.
+const idleAfter = time.Second
+
+// unpark wakes c's read loop if it is parked (c.end).
+func (c *conn) unpark() {
+	if d := c.srv.idle.Load(); d != nil {
+		d.unpark(c)
+	}
+}
+
+// idleSlot is what Server keeps of its idler.
+type idleSlot struct {
+	idleOnce sync.Once
+	idle     atomic.Pointer[idler]
+}
