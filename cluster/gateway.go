@@ -62,6 +62,9 @@ type Host interface {
 	// record a slave forwarded (an uplink's full backlog refuses its
 	// topics).
 	Admit(data []byte) error
+	// PastBudget is replication.Config.PastBudget: the records the master
+	// takes while its log is over its budget.
+	PastBudget(data []byte) bool
 }
 
 // node returns the replication node in force: a join or a removal replaces
@@ -93,6 +96,7 @@ func (d *Gateway) nodeConfig(join bool) replication.Config {
 		Backfill:        forwarder{d.cl},
 		AfterResolve:    d.host.AfterResolve,
 		Admit:           d.host.Admit,
+		PastBudget:      d.host.PastBudget,
 	}
 }
 

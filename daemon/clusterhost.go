@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"github.com/tandem-edge/tandem/config"
+	"github.com/tandem-edge/tandem/mqtt"
 	"github.com/tandem-edge/tandem/replication"
 	"github.com/tandem-edge/tandem/storage"
 )
@@ -38,4 +39,21 @@ func (h clusterHost) Admit(data []byte) error {
 		return nil // a control record holds up no uplink
 	}
 	return fmt.Errorf("%w: an uplink's backlog is full (on_full: refuse)", replication.ErrStorage)
+}
+
+// PastBudget takes a resumed session's start record while the log is over
+// its budget: without it the session's device is not served on a member
+// of a cluster (mqtt's proposeStart), and subscribers keep being served
+// while publishes are refused. One per CONNECT, which the connect rate
+// bounds.
+func (h clusterHost) PastBudget(data []byte) bool {
+	// By topic, not kind: below feature level 2 a session record is
+	// written as a message on its $tandem/ topic, which no device may
+	// publish to.
+	_, topic, _, err := storage.RecordHead(data)
+	if err != nil || !mqtt.IsSessionTopic(string(topic)) {
+		return false
+	}
+	rec, err := storage.DecodeRecord(data)
+	return err == nil && mqtt.IsSessionStart(rec.Topic, rec.Payload)
 }

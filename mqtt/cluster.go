@@ -49,6 +49,21 @@ type sessionOp struct {
 	Rel []uint64 `json:"rel,omitempty"`
 }
 
+// IsSessionTopic reports whether a record's topic is that of the session
+// records.
+func IsSessionTopic(topic string) bool { return topic == sessionTopic }
+
+// IsSessionStart reports whether a session record, by its topic and
+// payload, is a session's start record (proposeStart), which a master
+// takes while its log is over its budget.
+func IsSessionStart(topic string, payload []byte) bool {
+	if topic != sessionTopic {
+		return false
+	}
+	var op sessionOp
+	return json.Unmarshal(payload, &op) == nil && op.Op == "start"
+}
+
 // isControl reports whether a topic is one of the cluster's own records.
 func isControl(topic string) bool { return strings.HasPrefix(topic, controlPref) }
 

@@ -103,6 +103,13 @@ type Config struct {
 	// as 0x97). The master's own publishes are checked where they are
 	// taken, before Propose.
 	Admit func(data []byte) error
+	// PastBudget, if set, says whether the master takes a record, its own
+	// or forwarded, while its log is over its budget (storage's
+	// Refusing), where every publish is refused: a record a device cannot
+	// be served without that is small and few, such as a resumed
+	// session's start record (one per CONNECT, which the connect rate
+	// bounds), so that subscribers keep being served (DESIGN.md).
+	PastBudget func(data []byte) bool
 	// Backfill, if set, carries the requests of a member that installed
 	// a snapshot for the records before it (backfill.go).
 	Backfill Backfiller

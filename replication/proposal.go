@@ -97,7 +97,7 @@ func (n *Node) enqueue(p *proposal) {
 		n.refuseNow(p.done, ErrDiskLow)
 		return
 	}
-	if n.db.Refusing() && !p.control {
+	if n.db.Refusing() && !p.control && (n.cfg.PastBudget == nil || !n.cfg.PastBudget(p.data)) {
 		// Logging more would only grow the data dir past its budget:
 		// devices get 0x97 quota exceeded until the member catches up.
 		n.refuseNow(p.done, ErrLogFull)
