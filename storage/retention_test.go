@@ -444,6 +444,12 @@ func TestRetentionBudgetWithLargeRecords(t *testing.T) {
 			var kept int
 			want := first
 			if err := db.Scan(first, func(e pb.Entry) bool {
+				if want == first && e.Index > want && e.Index <= last {
+					// A checkpoint of the writes above, still running,
+					// dropped the oldest since FirstIndex (seen on a
+					// loaded machine): the front is retention's to move.
+					want = e.Index
+				}
 				if e.Index != want {
 					t.Fatalf("Scan gave index %d, want %d", e.Index, want)
 				}
