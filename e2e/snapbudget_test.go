@@ -160,8 +160,8 @@ func retainMany(t *testing.T, g *gw, topics []int, payload func(j int) []byte) {
 }
 
 // TestSnapshotInstallAndBackfillStayWithinTheBudget (issue #32): a slave
-// of 2 gateways on a 16MiB budget holds a broker state of about 7 MB
-// (4,000 retained messages), is stopped while the master changes a seeded
+// of 2 gateways on a 16MiB budget holds a broker state of about 7 MB in
+// its data file (2,800 retained messages), is stopped while the master changes a seeded
 // part of them (up to a tenth replaced, up to 2 % cleared) and its log
 // passes the slave, and comes back: it pulls and installs the master's
 // snapshot, then pulls the history before it. Its data dir, read every
@@ -174,11 +174,12 @@ func TestSnapshotInstallAndBackfillStayWithinTheBudget(t *testing.T) {
 	seed := testSeed(t, "TANDEM_SNAPBUDGET_SEED")
 	rng := rand.New(rand.NewPCG(seed, seed>>1))
 	const budget = 16 << 20
-	// Payloads of 1,000 to 1,200 bytes: each counts about 1.7 KB against
-	// max_retained_bytes (base64 and overhead), so 4,000 of them are a
-	// snapshot of 7 to 7.8 MB, within the 8MiB cap.
-	size := 1000 + rng.IntN(201)
-	const count = 4000
+	// Payloads of 1,000 to 1,100 bytes: each record takes 1.7 to 1.8 KB,
+	// and counts 2.8 KB against max_retained_bytes (what bbolt's pages
+	// give it in the data file), so 2,800 of them are a snapshot of about
+	// 5 MB that takes 6 to 7.8 MB of the data file, within the 8MiB cap.
+	size := 1000 + rng.IntN(101)
+	const count = 2800
 	var all, replaced, cleared []int
 	for j := range count {
 		all = append(all, j)
