@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"sort"
 	"sync"
-	"unicode/utf8"
 	"weak"
 )
 
@@ -32,39 +31,16 @@ import (
 // read from the session store when delivered.
 const retainedInline = 1 << 10
 
-// What a retained message takes in the data file. Its record is a value
-// of the session store's bucket (keyRetained + topic → retainedRec as
-// JSON, the payload in base64), and bbolt gives a value more than its
-// bytes: each value has a 16-byte element header, a 4 KiB page holds the
-// values of a node written in key order only up to half a page (bbolt's
-// split threshold, FillPercent 0.5), a node keeps at least two values,
-// and a node of up to four values is never split, however large (pages
-// of such a node are a run: a value just over half a page takes a page
-// to itself). Measured (4,000 values in one bucket, commits of 50, per
-// value in leaf and branch pages): 100 B values 278 B in key order, 190
-// B in random order; 1,000 B 2,080 and 1,775; 1,800 B 2,080 and 2,343;
-// 2,100 B 4,127 and 3,180. So counting the record's bytes (as this did
-// before) let the retained messages take up to twice their cap in the
-// data file, and with the cap at half the budget that was all of it.
-const (
-	// retainedPage is the data file's page size the cost is modelled
-	// on: bbolt's on the platforms gateways run (4 KiB), and a fixed
-	// one, so that every member counts the same bytes for a record.
-	retainedPage = 4096
-	// retainedElem is the header bbolt gives each element of a page: a
-	// value's in its leaf, and a leaf's in the branch page above it.
-	retainedElem = 16
-	// retainedJSON bounds the JSON of a retainedRec beyond its strings
-	// and payload: the field names (Go's, the struct has no tags), the
-	// largest numbers, the quotes and commas (403 bytes with every string
-	// empty and every number at its widest).
-	retainedJSON = 408
-)
+// retainedJSON bounds the JSON of a retainedRec beyond its strings and
+// payload: the field names (Go's, the struct has no tags), the largest
+// numbers, the quotes and commas (403 bytes with every string empty and
+// every number at its widest).
+const retainedJSON = 408
 
 // retainedSize is what a retained message counts against
 // max_retained_bytes: the bytes bbolt gives its record in the data file,
-// pages included, as retainedCost models them. It reads only fields the
-// record carries, so every member finds the same size for the same record.
+// pages included (storedSize). It reads only fields the record carries,
+// so every member finds the same size for the same record.
 func retainedSize(m *Message) int64 {
 	b64 := base64.StdEncoding.EncodedLen
 	n := retainedJSON + jsonLen(m.Topic) + jsonLen(m.ClientID) + b64(len(m.Payload)) +
@@ -72,68 +48,7 @@ func retainedSize(m *Message) int64 {
 	for _, u := range m.User {
 		n += jsonLen(u.Key) + jsonLen(u.Val) + len(`{"k":"","v":""},`)
 	}
-	key := int64(len(keyRetained) + len(m.Topic))
-	// Its leaf's element in the branch page above is charged to each
-	// value twice: a leaf holds two values at least, branch pages are
-	// half full too, and a bucket's root takes a page however few leaves
-	// it names (63 values of 7 KB: 65 bytes of branch page each).
-	return retainedCost(retainedElem+key+int64(n)) + 2*(retainedElem+key)
-}
-
-// retainedCost is the share of pages a value whose element takes e bytes
-// (header and key included) is given in the worst of the layouts bbolt
-// leaves its bucket in without deletes: the nodes a commit splits off at
-// the threshold (as many values as half a page holds, two at least), and
-// the nodes of two, three or four values it does not split although they
-// pass a page. A node of n values takes the pages its bytes need, shared
-// by its values.
-func retainedCost(e int64) int64 {
-	const hdr = 16 // a page's header
-	nodeShare := func(n int64) int64 {
-		pages := (hdr + n*e + retainedPage - 1) / retainedPage
-		return (pages*retainedPage + n - 1) / n
-	}
-	cost := nodeShare(max(2, (retainedPage/2-hdr)/e))
-	for n := int64(2); n <= 4; n++ {
-		if hdr+n*e > retainedPage { // one that fits a page is no worse than the split's
-			cost = max(cost, nodeShare(n))
-		}
-	}
-	return cost
-}
-
-// jsonLen is how many bytes s takes as a JSON string's contents, as
-// encoding/json writes it: <, > and & and control characters escaped
-// (\u003c: six bytes), quotes and backslashes (two), invalid UTF-8 as
-// \ufffd.
-func jsonLen(s string) int {
-	n := 0
-	for i := 0; i < len(s); {
-		c := s[i]
-		if c < utf8.RuneSelf {
-			switch {
-			case c == '"' || c == '\\' || c == '\n' || c == '\r' || c == '\t':
-				n += 2
-			case c < 0x20 || c == '<' || c == '>' || c == '&':
-				n += 6
-			default:
-				n++
-			}
-			i++
-			continue
-		}
-		r, size := utf8.DecodeRuneInString(s[i:])
-		switch {
-		case r == utf8.RuneError && size == 1:
-			n += 6
-		case r == '\u2028' || r == '\u2029':
-			n += 6
-		default:
-			n += size
-		}
-		i += size
-	}
-	return n
+	return storedSize(len(keyRetained)+len(m.Topic), n)
 }
 
 // retainStore holds the retained messages, by topic.

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -67,46 +69,124 @@ func TestRetainedBytesCoverTheirPagesInTheDataFile(t *testing.T) {
 				testutil.WaitFor(t, 5*time.Second, "the log applied", func() bool { return s.applied.Load() == log.lastIndex() })
 				counted := s.RetainedBytes()
 
-				bdb, err := bolt.Open(filepath.Join(t.TempDir(), "pages.db"), 0o600, nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer bdb.Close()
 				log.store.mu.Lock()
-				vals := make([][]byte, len(kept))
+				keys := make([]string, len(kept))
 				for i, topic := range kept {
-					vals[i] = log.store.m[keyRetained+topic]
+					keys[i] = keyRetained + topic
 				}
+				pages, vals := storedPages(t, log.store.m, keys)
 				log.store.mu.Unlock()
-				for from := 0; from < len(kept); from += 50 {
-					err := bdb.Update(func(tx *bolt.Tx) error {
-						b, err := tx.CreateBucketIfNotExists([]byte("sessions"))
-						if err != nil {
-							return err
-						}
-						for i := from; i < min(from+50, len(kept)); i++ {
-							if vals[i] == nil {
-								return fmt.Errorf("%s: not in the store", kept[i])
-							}
-							if err := b.Put([]byte(keyRetained+kept[i]), vals[i]); err != nil {
-								return err
-							}
-						}
-						return nil
-					})
-					if err != nil {
-						t.Fatal(err)
-					}
-				}
-				var st bolt.BucketStats
-				_ = bdb.View(func(tx *bolt.Tx) error { st = tx.Bucket([]byte("sessions")).Stats(); return nil })
-				pages := int64(st.LeafAlloc + st.BranchAlloc)
 				t.Logf("%d of %d retained messages taken: %d bytes counted (cap %d), %d bytes of pages (%d per message, %d bytes of values)",
-					len(kept), n, counted, capBytes, pages, pages/int64(len(kept)), len(vals[0]))
+					len(kept), n, counted, capBytes, pages, pages/int64(len(kept)), vals/len(kept))
 				if pages > counted {
 					t.Errorf("the retained messages take %d bytes of pages in the data file, more than the %d counted against max_retained_bytes", pages, counted)
 				}
 			})
 		}
+	}
+}
+
+// storedPages writes the values of keys in m into a bbolt bucket as the
+// storage layer writes the session store's (one Put each, in that order,
+// a commit per 50, bbolt's defaults) and returns the bytes of its leaf
+// and branch pages, and of the values.
+func storedPages(t *testing.T, m map[string][]byte, keys []string) (pages int64, vals int) {
+	t.Helper()
+	bdb, err := bolt.Open(filepath.Join(t.TempDir(), "pages.db"), 0o600, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bdb.Close()
+	for from := 0; from < len(keys); from += 50 {
+		err := bdb.Update(func(tx *bolt.Tx) error {
+			b, err := tx.CreateBucketIfNotExists([]byte("sessions"))
+			if err != nil {
+				return err
+			}
+			for _, k := range keys[from:min(from+50, len(keys))] {
+				v, ok := m[k]
+				if !ok {
+					return fmt.Errorf("%q: not in the store", k)
+				}
+				vals += len(v)
+				if err := b.Put([]byte(k), v); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	var st bolt.BucketStats
+	_ = bdb.View(func(tx *bolt.Tx) error { st = tx.Bucket([]byte("sessions")).Stats(); return nil })
+	return int64(st.LeafAlloc + st.BranchAlloc), vals
+}
+
+// TestSessionBytesCoverTheirPagesInTheDataFile (issue #32): persistent
+// sessions that subscribe to filters of one length until max_session_bytes
+// refuses them cannot make their records (session, cursor, subscriptions)
+// take more of the data file than the cap; measured as for retained
+// messages (storedPages), in the order the records were staged.
+func TestSessionBytesCoverTheirPagesInTheDataFile(t *testing.T) {
+	const capBytes = 256 << 10
+	for _, flen := range []int{8, 120, 900} {
+		t.Run(fmt.Sprintf("filters of %d bytes", flen), func(t *testing.T) {
+			t.Parallel()
+			s, log := testServer(t, nil, func(c *Config) {
+				c.Limits.MaxSessionBytes = capBytes
+				c.Limits.MaxSessions = 1 << 20
+				c.Limits.MaxFiltersPerSession = 50
+			})
+			var keys []string
+			full := false
+			for c := 0; !full; c++ {
+				id := fmt.Sprintf("dev-%04d", c)
+				r, ack := persistentConnect(t, s.Addr(), 5, id)
+				if ack.ReasonCode != 0 {
+					break // max_session_bytes: no room for one more
+				}
+				keys = append(keys, sessKey(id))
+				var subs []packets.Subscription
+				for f := range 50 {
+					filter := fmt.Sprintf("f/%03d/", f)
+					filter += strings.Repeat("x", max(0, flen-len(filter)))
+					subs = append(subs, packets.Subscription{Filter: filter, Qos: 1})
+				}
+				for i, code := range r.subscribe(1, subs...).ReasonCodes {
+					if code > 2 {
+						full = true
+						continue
+					}
+					keys = append(keys, subKey(id, subs[i].Filter))
+				}
+				r.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Disconnect}})
+			}
+			testutil.WaitFor(t, 5*time.Second, "the session records stored", func() bool {
+				log.store.mu.Lock()
+				defer log.store.mu.Unlock()
+				for _, k := range keys {
+					if log.store.m[k] == nil {
+						return false
+					}
+				}
+				return true
+			})
+			counted := s.SessionBytes()
+			log.store.mu.Lock()
+			// A cursor is stored once it moved.
+			for _, k := range slices.Clone(keys) {
+				if id, ok := strings.CutPrefix(k, keySession); ok && log.store.m[cursorKey(id)] != nil {
+					keys = append(keys, cursorKey(id))
+				}
+			}
+			pages, vals := storedPages(t, log.store.m, keys)
+			log.store.mu.Unlock()
+			t.Logf("%d records: %d bytes counted (cap %d), %d bytes of pages, %d bytes of values", len(keys), counted, capBytes, pages, vals)
+			if pages > counted {
+				t.Errorf("the persistent sessions take %d bytes of pages in the data file, more than the %d counted against max_session_bytes", pages, counted)
+			}
+		})
 	}
 }
