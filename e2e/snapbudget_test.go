@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"context"
 	"fmt"
 	"maps"
 	"math/rand/v2"
@@ -128,16 +129,44 @@ type catchUpStatus struct {
 	} `json:"log"`
 }
 
-// withRetainedCap raises g's max_retained_bytes to n (its default, an
-// eighth of the budget, would hold a fraction of the broker state wanted).
-func (g *gw) withRetainedCap(t *testing.T, n string) {
+// withStateCaps sets g's max_retained_bytes and max_session_bytes (their
+// defaults, an eighth of the budget each, would hold a fraction of the
+// broker state wanted).
+func (g *gw) withStateCaps(t *testing.T, retained, sessions string) {
 	b, err := os.ReadFile(g.cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := strings.Replace(string(b), "  allow_anonymous: true\n", "  allow_anonymous: true\n  max_retained_bytes: "+n+"\n", 1)
+	cfg := strings.Replace(string(b), "  allow_anonymous: true\n", "  allow_anonymous: true\n  max_retained_bytes: "+retained+"\n  max_session_bytes: "+sessions+"\n", 1)
 	if err := os.WriteFile(g.cfg, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// holdSessions starts n persistent sessions on g (gone offline after),
+// each subscribed to filters filters of about 900 bytes that nothing is
+// published to: broker state of about 3.9 KB a filter in the data file.
+func holdSessions(t *testing.T, g *gw, n, filters int) {
+	t.Helper()
+	for i := range n {
+		id := fmt.Sprintf("holder-%02d", i)
+		c, _ := persistentDevice(t, g, id, true, nil)
+		var subs []paho.SubscribeOptions
+		for f := range filters {
+			subs = append(subs, paho.SubscribeOptions{Topic: fmt.Sprintf("held/%s/%03d/%s", id, f, strings.Repeat("x", 880)), QoS: 1})
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		sa, err := c.Subscribe(ctx, &paho.Subscribe{Subscriptions: subs})
+		cancel()
+		if err != nil {
+			t.Fatalf("%s subscribes: %v", id, err)
+		}
+		for k, code := range sa.Reasons {
+			if code > 2 {
+				t.Fatalf("%s's filter %d: SUBACK %#x", id, k, code)
+			}
+		}
+		_ = c.Disconnect(&paho.Disconnect{})
 	}
 }
 
@@ -169,8 +198,10 @@ func retainMany(t *testing.T, g *gw, topics []int, payload func(j int) []byte) {
 // 5 ms from before it stopped until the history is in, stays within the
 // budget plus the documented slack (storage.RetentionSlack) throughout,
 // and it ends with the master's retained messages. With all of them
-// replaced, a receiver that staged the snapshot's state beside its own
-// held it twice (storage's snapin.go merges it in place instead).
+// replaced (and 900 persistent subscriptions that stay as they are, so
+// that the state takes 3/4 of the budget in the data file), a receiver
+// that staged the snapshot's state beside its own held the changed part
+// twice (storage's snapin.go merges it in place instead).
 func TestSnapshotInstallAndBackfillStayWithinTheBudget(t *testing.T) {
 	// On a network of its own, mostly waiting: beside the other such tests.
 	t.Parallel()
@@ -211,12 +242,18 @@ func snapshotWithinBudget(t *testing.T, seed uint64, allReplaced bool) {
 	nt := netns.New(t, 2)
 	const cfg = "storage:\n  max_bytes: 16MiB"
 	g1, g2 := newGW(t, nt.Hosts[0], "gw-1", cfg), newGW(t, nt.Hosts[1], "gw-2", cfg)
-	g1.withRetainedCap(t, "8MiB")
-	g2.withRetainedCap(t, "8MiB")
+	g1.withStateCaps(t, "8MiB", "4MiB")
+	g2.withStateCaps(t, "8MiB", "4MiB")
 	g1.start()
 	g2.start()
 	g2.join(g1)
 	waitShape(t, g1, 0, 1, 15*time.Second)
+	if allReplaced {
+		// Sessions that stay as they are beside the retained messages
+		// that all change: with them the state takes 3/4 of the budget,
+		// and the part of it that changes would not fit twice.
+		holdSessions(t, g1, 9, 100)
+	}
 	retainMany(t, g1, all, func(j int) []byte { return []byte(strings.Repeat(string(rune('a'+j%26)), size)) })
 	waitShape(t, g1, 0, 1, 30*time.Second)
 	peak := watchDir(g2.dir)

@@ -8,6 +8,7 @@ import (
 	"hash"
 	"hash/crc32"
 	"maps"
+	"math"
 	"slices"
 
 	bolt "go.etcd.io/bbolt"
@@ -66,14 +67,17 @@ import (
 // twice: the snapshot's beside this member's (a 4,000-message state all
 // replaced took a slave on a 16MiB budget to 19.8 MB). So once the bytes
 // staged for a bucket pass a quarter of what this member's bucket holds
-// (inPlaceShare), and that is 512 KiB or more (inPlaceMin), the decoding
-// writes that bucket in place instead: the
+// (inPlaceShare) or a sixteenth of the budget (stageShare), and the bucket
+// holds 512 KiB or more (inPlaceMin), the decoding writes that bucket in
+// place instead: the
 // values staged so far are written into it and the keys before them that
 // the snapshot lacks deleted, and from then on each key received is
 // written there (when its value differs) and the keys between it and the
 // one before deleted; the end of the bucket deletes the keys past its
-// last. The data file then holds the bucket once, plus a quarter of it
-// staged at the most, and the pages the merge frees take what follows.
+// last. The data file then holds the bucket once, plus the part staged
+// before (a quarter of it, a sixteenth of the budget at most) and the
+// pages one chunk's commit rewrites, and the pages the merge frees take
+// what follows.
 //
 // The bucket is then neither this member's state nor the snapshot's: the
 // commit that begins the merge also sets keyInstalling in the meta
@@ -141,6 +145,13 @@ func (p mergePos) passed(key []byte) bool {
 // inPlaceShare: a bucket is merged in place once the bytes staged for it
 // pass 1/inPlaceShare of what this member's holds.
 const inPlaceShare = 4
+
+// stageShare: a bucket is merged in place too once the bytes staged for it
+// pass 1/stageShare of the budget (Options.MaxBytes): the switch writes
+// them into the bucket in one commit, beside the pages they and the
+// bucket's rewritten ones hold until it ends (a quarter of an 11 MB state
+// staged took a 16MiB budget's data dir to 20.6 MB at that commit).
+const stageShare = 16
 
 // inPlaceMin is the default of DB.inPlaceMin: a bucket smaller than that
 // in this member's data file is staged whole rather than merged in place
@@ -218,6 +229,10 @@ type snapDecoder struct {
 	merged map[string]mergePos
 	// minLive is the smallest bucket merged in place (DB.inPlaceMin).
 	minLive int64
+	// stageMax is the most a bucket's staged part may take before it is
+	// merged in place however small a share of the bucket it is: a
+	// 1/stageShare of the budget.
+	stageMax int64
 }
 
 // bucketDiff is how much of a bucket's snapshot this member holds already
@@ -240,6 +255,10 @@ func (db *DB) ReceiveSnapshot(ref SnapshotRef) (*SnapshotIn, error) {
 	}
 	in := &SnapshotIn{db: db, ref: ref, crc: crc32.New(castagnoli)}
 	in.dec.minLive = db.inPlaceMin
+	in.dec.stageMax = math.MaxInt64
+	if db.ret.maxBytes > 0 {
+		in.dec.stageMax = max(db.ret.maxBytes/stageShare, inPlaceMin)
+	}
 	var drop dropResult
 	err := db.commitSync(0, func(tx *bolt.Tx) error {
 		if err := db.dropStagingIn(tx); err != nil {
@@ -575,7 +594,7 @@ items:
 				return fmt.Errorf("%s/%q: %w", d.bucket, k, err)
 			}
 			d.diff[name] = diff
-			if live != nil && d.live > 0 && d.live >= d.minLive && diff.changed*inPlaceShare > d.live {
+			if live != nil && d.live > 0 && d.live >= d.minLive && (diff.changed*inPlaceShare > d.live || diff.changed > d.stageMax) {
 				if err := d.startMerge(tx, vals, same, place, live, k); err != nil {
 					return fmt.Errorf("merging bucket %s in place: %w", name, err)
 				}

@@ -98,16 +98,18 @@ func noStaging(t *testing.T, dir string) {
 	})
 }
 
-// A member on a 16MiB budget whose log fills it beside 5 to 9 MB of broker
+// A member on a 16MiB budget whose log fills it beside 5 to 11 MB of broker
 // state receives a snapshot of the master's (changed: a tenth of it, when
-// it was away for a while; all of it, when it holds another cluster's, or
-// its second half), in chunks of 1MiB, installs it and pulls the history
-// before it, as the log goes on: its data dir stays within the budget and
-// the slack throughout, it ends with the master's state, and nothing of
-// the staging is left. Staging all of the state beside its own, as
-// before the merge in place, took the data dir to 21.1 MB with all of 8 MB
-// changed and to 19.9 MB with its second half (limit 18.9 MB); merged in
-// place, it does not grow past the log's own peak (16.6 and 16.7 MB).
+// it was away for a while; all of it, when it holds another cluster's, its
+// second half, or the two thirds that are retained messages beside
+// sessions that stay), in chunks of 1MiB, installs it and pulls the
+// history before it, as the log goes on: its data dir stays within the
+// budget and the slack throughout, it ends with the master's state, and
+// nothing of the staging is left. Staging all of the state beside its own,
+// as before the merge in place, took the data dir to 21.1 MB with all of
+// 8 MB changed and to 19.9 MB with its second half (limit 18.9 MB); a
+// quarter of the 11 MB state staged before the merge began, 20.6 MB; now
+// none grows past the log's own peak (16.6, 16.7 and 15.9 MB).
 func TestSnapshotInstallStaysWithinTheBudget(t *testing.T) {
 	const (
 		budget = 16 << 20
@@ -122,6 +124,7 @@ func TestSnapshotInstallStaysWithinTheBudget(t *testing.T) {
 		{"all changed", 3000, func(int) bool { return true }},
 		{"all of 8 MB changed", 4500, func(int) bool { return true }},
 		{"the second half changed", 4000, func(i int) bool { return i >= 2000 }},
+		{"two thirds of 11 MB changed", 5400, func(i int) bool { return i < 3600 }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			master := testOpen(t, t.TempDir(), nil)
