@@ -67,7 +67,7 @@ import (
 // twice: the snapshot's beside this member's (a 4,000-message state all
 // replaced took a slave on a 16MiB budget to 19.8 MB). So once the bytes
 // staged for a bucket pass a quarter of what this member's bucket holds
-// (inPlaceShare) or a sixteenth of the budget (stageShare), and the bucket
+// (inPlaceShare) or 1/64 of the budget (stageShare), and the bucket
 // holds 512 KiB or more (inPlaceMin), the decoding writes that bucket in
 // place instead: the
 // values staged so far are written into it and the keys before them that
@@ -75,9 +75,9 @@ import (
 // written there (when its value differs) and the keys between it and the
 // one before deleted; the end of the bucket deletes the keys past its
 // last. The data file then holds the bucket once, plus the part staged
-// before (a quarter of it, a sixteenth of the budget at most) and the
-// pages one chunk's commit rewrites, and the pages the merge frees take
-// what follows.
+// before (a quarter of it, 1/64 of the budget or 512 KiB at most) and the
+// pages one commit (writePiece) rewrites, and the pages the merge frees
+// take what follows.
 //
 // The bucket is then neither this member's state nor the snapshot's: the
 // commit that begins the merge also sets keyInstalling in the meta
@@ -147,11 +147,12 @@ func (p mergePos) passed(key []byte) bool {
 const inPlaceShare = 4
 
 // stageShare: a bucket is merged in place too once the bytes staged for it
-// pass 1/stageShare of the budget (Options.MaxBytes): the switch writes
-// them into the bucket in one commit, beside the pages they and the
-// bucket's rewritten ones hold until it ends (a quarter of an 11 MB state
-// staged took a 16MiB budget's data dir to 20.6 MB at that commit).
-const stageShare = 16
+// pass 1/stageShare of the budget (Options.MaxBytes), inPlaceMin at least:
+// the switch writes them into the bucket in one commit, beside the pages
+// they and the bucket's rewritten ones hold until it ends (a quarter of
+// an 11 MB state staged took a 16MiB budget's data dir to 20.6 MB at that
+// commit; a sixteenth of the budget, to 19.8 MB once in e2e).
+const stageShare = 64
 
 // inPlaceMin is the default of DB.inPlaceMin: a bucket smaller than that
 // in this member's data file is staged whole rather than merged in place
@@ -362,11 +363,29 @@ func (in *SnapshotIn) staging(tx *bolt.Tx) (vals, same, place *bolt.Bucket, err 
 	return vals, same, place, nil
 }
 
-// Write decodes the next bytes of the body into the staging, in one
-// commit: nothing of them is taken when it fails, and the same bytes can
-// be written again. ErrSnapshotGone when a newer receiving or an install
-// took the staging.
+// writePiece is the most of the body one commit of Write decodes: a merge
+// in place rewrites the pages of what it writes, beside the old ones
+// until the commit ends (pieces of a whole 1 MiB chunk took a 16MiB
+// budget's data dir 3 MB past its size; of 256 KiB, not past it).
+const writePiece = 256 << 10
+
+// Write decodes the next bytes of the body into the staging, in commits
+// of writePiece bytes at most: when one fails, what the commits before it
+// took is taken (Offset says how far), nothing of its own, and the rest
+// can be written again from Offset. ErrSnapshotGone when a newer
+// receiving or an install took the staging.
 func (in *SnapshotIn) Write(p []byte) error {
+	for len(p) > writePiece {
+		if err := in.writePiece(p[:writePiece]); err != nil {
+			return err
+		}
+		p = p[writePiece:]
+	}
+	return in.writePiece(p)
+}
+
+// writePiece is Write of at most writePiece bytes, in one commit.
+func (in *SnapshotIn) writePiece(p []byte) error {
 	if uint64(len(p)) > in.ref.Size-in.off {
 		return fmt.Errorf("storage: snapshot chunk passes its %d bytes: %w", in.ref.Size, ErrCorrupt)
 	}
