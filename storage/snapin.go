@@ -83,12 +83,12 @@ import (
 // commit that begins the merge also sets keyInstalling in the meta
 // bucket, and only an install clears it. A crash, a cut pull or a
 // damaged body leave it set: the state is known incomplete, never taken
-// for whole (InstallInterrupted; Open logs it), and the member waits for
-// the snapshot, which the master sends again (its log starts past this
-// member's, which is why it sent one). A write of the broker to a key the
-// merge has passed first keeps the snapshot's value (or its absence) in
-// the staging (snapInPlace), which the install writes back: the snapshot
-// wins, as for the staged buckets.
+// for whole (InstallInterrupted; Open logs it), and the member applies
+// nothing and serves nothing until a snapshot installs: it asks the master
+// for one, whatever the master's log holds (replication/incomplete.go).
+// A write of the broker to a key the merge has passed first keeps the
+// snapshot's value (or its absence) in the staging (snapInPlace), which
+// the install writes back: the snapshot wins, as for the staged buckets.
 //
 // A snapshot received whole and checked (Finish) reaches raft as a staged
 // ref ("TSNS", then as SnapshotRef): ApplySnapshot installs what the
@@ -893,7 +893,7 @@ func (db *DB) loadInstalling() error {
 		if v := tx.Bucket(bucketMeta).Get(keyInstalling); v != nil {
 			db.installing.Store(true)
 			ref, _ := ParseSnapshotRef(v)
-			db.log.Warn("a snapshot was being merged into the broker state when this member stopped: that state is incomplete until the master sends a snapshot again and it is installed",
+			db.log.Warn("a snapshot was being merged into the broker state when this member stopped: that state is incomplete, neither applied to nor served, until the master sends a snapshot again and it is installed",
 				"snapshot_index", ref.Index)
 		}
 		return nil
