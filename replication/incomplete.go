@@ -25,11 +25,12 @@ import (
 //     (and clears, before raft sees a plain refusal) as "send me your
 //     snapshot": it sends raft's MsgSnap of its current build at once, at
 //     most once per election timeout per member, through the same path as
-//     raft's own (a ref to pull past the inline limit). Raft on the member
-//     installs it as any snapshot (its index is past the member's commit
-//     index: the master's applied index, once it applied an entry of its
-//     own term); its answer (the snapshot's index) moves the master's
-//     progress for the member there, and entries follow from it.
+//     raft's own (a ref to pull past the inline limit); the member asks
+//     no more while it pulls one. Raft on the member installs it as any
+//     snapshot (its index is past the member's commit index: the master's
+//     applied index, once it applied an entry of its own term); its answer
+//     (the snapshot's index) moves the master's progress for the member
+//     there, and entries follow from it.
 //   - Its raft log stays as it is: the entries it holds, acked or not,
 //     keep counting for elections and commits as before, and the install
 //     moves those past the commit index that it wrote as the master to the
@@ -76,8 +77,15 @@ func (n *Node) refuseForSnapshot(m pb.Message) bool {
 	if m.Term < n.rn.BasicStatus().Term {
 		return true // a deposed master's: raft would not take it either
 	}
+	var ask []byte
+	if n.pull.pulling.Load() < 0 {
+		// Not while a snapshot is being pulled: asked again, a master
+		// whose build is older than a minute builds a new one, which
+		// replaces the file pulled and starts the pull over.
+		ask = []byte(needSnapshotTag)
+	}
 	n.cfg.Transport.Send([]pb.Message{{Type: pb.MsgAppResp, To: m.From, From: n.id, Term: m.Term,
-		Index: m.Index, Reject: true, Context: []byte(needSnapshotTag)}})
+		Index: m.Index, Reject: true, Context: ask}})
 	return true
 }
 

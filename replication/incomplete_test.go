@@ -59,6 +59,15 @@ func builtSnapshot(t *testing.T, tn *testNode) pb.Snapshot {
 // snapshot is installed, stands for no election meanwhile, and ends with
 // the master's state whole.
 func TestIncompleteStateGetsAWholeSnapshotThoughTheMasterHasEveryEntry(t *testing.T) {
+	t.Run("in raft's message", func(t *testing.T) { incompleteGetsSnapshot(t, false) })
+	t.Run("pulled", func(t *testing.T) { incompleteGetsSnapshot(t, true) })
+}
+
+// incompleteGetsSnapshot is
+// TestIncompleteStateGetsAWholeSnapshotThoughTheMasterHasEveryEntry with a
+// snapshot that travels in raft's message, or one past the inline limit
+// that the member pulls in chunks.
+func incompleteGetsSnapshot(t *testing.T, pulled bool) {
 	const n, size = 800, 1000 // 0.8 MB of state: merged in place, not staged
 	c := newCluster(t, 0)
 	c.storeOpts = &storage.Options{MaxBytes: 64 << 20} // nothing is dropped from the log
@@ -66,11 +75,20 @@ func TestIncompleteStateGetsAWholeSnapshotThoughTheMasterHasEveryEntry(t *testin
 		id := c.newDir()
 		c.peers = append(c.peers, raft.Peer{ID: id})
 	}
-	apps := map[uint64]*stateApplier{}
+	withPull := func(id uint64) func(*Config) {
+		return func(cfg *Config) {
+			cfg.Backfill = memBackfiller{c.net, id}
+			// A pull of several chunks that lasts a few election timeouts.
+			cfg.snapChunk, cfg.snapEvery = 64<<10, 40*time.Millisecond
+		}
+	}
 	for _, id := range c.ids {
-		_, apps[id] = c.startState(id, false, nil)
+		c.startState(id, false, withPull(id))
 	}
 	lead := c.leader()
+	if pulled {
+		lead.db.SetSnapshotInline(64 << 10)
+	}
 	var slave uint64
 	for _, id := range c.ids {
 		if id != lead.ID() {
@@ -98,10 +116,22 @@ func TestIncompleteStateGetsAWholeSnapshotThoughTheMasterHasEveryEntry(t *testin
 		t.Fatal(err)
 	}
 	body := snap.Data
-	if _, isRef := storage.ParseSnapshotRef(body); isRef {
-		t.Fatal("the snapshot is larger than the inline limit: this test feeds its body")
+	ref, isRef := storage.ParseSnapshotRef(body)
+	if isRef != pulled {
+		t.Fatalf("the snapshot is pulled %v, want %v", isRef, pulled)
 	}
-	ref := storage.SnapshotRef{Index: snap.Metadata.Index, Size: uint64(len(body)), CRC: binary.BigEndian.Uint32(body[len(body)-4:])}
+	if isRef {
+		body = nil
+		for uint64(len(body)) < ref.Size {
+			p, err := lead.db.ReadSnapshot(ref, uint64(len(body)), 1<<20)
+			if err != nil {
+				t.Fatal(err)
+			}
+			body = append(body, p...)
+		}
+	} else {
+		ref = storage.SnapshotRef{Index: snap.Metadata.Index, Size: uint64(len(body)), CRC: binary.BigEndian.Uint32(body[len(body)-4:])}
+	}
 	in, err := db.ReceiveSnapshot(ref)
 	if err != nil {
 		t.Fatal(err)
@@ -120,7 +150,7 @@ func TestIncompleteStateGetsAWholeSnapshotThoughTheMasterHasEveryEntry(t *testin
 	}
 	proposeState(t, lead, "newer", 20, size) // past the snapshot
 
-	member, app := c.startState(slave, false, nil)
+	member, app := c.startState(slave, false, withPull(slave))
 	if !member.StateIncomplete() {
 		t.Fatal("restarted after a merge in place began: the state is not marked incomplete")
 	}
