@@ -29,6 +29,7 @@ func connackOf(t *testing.T, addr, id string) (byte, string) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer conn.Close()
 	c := paho.NewClient(paho.ClientConfig{ClientID: id, Conn: conn})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
