@@ -145,7 +145,8 @@ type MQTTConfig struct {
 	// Default 10000.
 	MaxRetained int `yaml:"max_retained"`
 	// MaxRetainedBytes caps the bytes the retained messages take in the
-	// data file, refused as MaxRetained past it; replacing a message is
+	// data file, pages included (a record of 1 to 2 KB takes 2 to 4 KiB
+	// of them: see docs/limits.md), refused as MaxRetained past it; replacing a message is
 	// taken when the bytes stay within it. Default 1/8 of
 	// storage.max_bytes, at most half of it: retained messages are state
 	// the log's retention cannot drop, and they count in max_bytes like

@@ -74,6 +74,10 @@ const cutOffFor = 500 * time.Millisecond
 // told once.
 const cutOffReason = "no master reachable: cut off from the cluster's majority"
 
+// incompleteReason is why a member whose broker state is incomplete (a
+// snapshot's install was interrupted) sends its devices away.
+const incompleteReason = "broker state incomplete: a snapshot's install was interrupted, waiting for the master to send it again"
+
 // servingState is what the watch last found: the one answer to "does this
 // member take publishes" that /healthz, the status JSON, the status page
 // and `tandem status` all read, so they never disagree. Which master they
@@ -236,6 +240,12 @@ func (d *Daemon) checkServing(leaderless *time.Time, now time.Time) (why, ref st
 	members := n.Members()
 	if n.Fenced() {
 		return "replaced by a promoted master: rejoining as its slave", ""
+	}
+	if n.StateIncomplete() {
+		// Its retained messages, sessions and cursors are part old, part
+		// new: the devices go to the others until the master's snapshot
+		// is installed (replication/incomplete.go).
+		return incompleteReason, d.mqttRefs(n, members)
 	}
 	if t := n.CutOff(); !t.IsZero() && now.Sub(t) >= cutOffFor {
 		// A master that heard from no majority for an election timeout

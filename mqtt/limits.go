@@ -68,9 +68,9 @@ type Limits struct {
 	// server unavailable). Loopback is not exempt. Defaults 64.
 	MaxConnectionsPerAddress, MaxConnectionsPerUser int
 	// MaxRetained caps the retained topics and MaxRetainedBytes the bytes
-	// their messages take (retainedSize: about their size in the data
-	// file, where they count in storage.max_bytes and retention cannot
-	// drop them). A retained publish that would add a topic past the
+	// their messages take (retainedSize: what their records take of the
+	// data file's pages, where they count in storage.max_bytes and
+	// retention cannot drop them). A retained publish that would add a topic past the
 	// first or grow the bytes past the second gets PUBACK 0x97 quota
 	// exceeded (3.1.1: disconnected; QoS 0: dropped) and is not logged;
 	// replacing a topic's message within the bytes, or clearing it, is

@@ -31,23 +31,24 @@ import (
 // read from the session store when delivered.
 const retainedInline = 1 << 10
 
-// retainedOverhead is what a retained message costs beyond its topic,
-// client id, payload and properties: its key and the JSON around it in the
-// data file, and its entry in memory.
-const retainedOverhead = 256
+// retainedJSON bounds the JSON of a retainedRec beyond its strings and
+// payload: the field names (Go's, the struct has no tags), the largest
+// numbers, the quotes and commas (403 bytes with every string empty and
+// every number at its widest).
+const retainedJSON = 408
 
 // retainedSize is what a retained message counts against
-// max_retained_bytes: about what its record in the data file takes (the
-// payload is stored in base64). It reads only fields the record carries,
+// max_retained_bytes: the bytes bbolt gives its record in the data file,
+// pages included (storedSize). It reads only fields the record carries,
 // so every member finds the same size for the same record.
 func retainedSize(m *Message) int64 {
 	b64 := base64.StdEncoding.EncodedLen
-	n := retainedOverhead + len(m.Topic) + len(m.ClientID) + b64(len(m.Payload)) +
-		len(m.ContentType) + len(m.ResponseTopic) + b64(len(m.CorrelationData))
+	n := retainedJSON + jsonLen(m.Topic) + jsonLen(m.ClientID) + b64(len(m.Payload)) +
+		jsonLen(m.ContentType) + jsonLen(m.ResponseTopic) + b64(len(m.CorrelationData))
 	for _, u := range m.User {
-		n += len(u.Key) + len(u.Val) + 16
+		n += jsonLen(u.Key) + jsonLen(u.Val) + len(`{"k":"","v":""},`)
 	}
-	return int64(n)
+	return storedSize(len(keyRetained)+len(m.Topic), n)
 }
 
 // retainStore holds the retained messages, by topic.

@@ -5,9 +5,9 @@ package mqtt
 // Persistent sessions are state the log's retention cannot drop: every
 // member keeps each one in its data file, inside storage.max_bytes. Their
 // count is capped (max_sessions, max_filters_per_session); their bytes are
-// capped by Limits.MaxSessionBytes, counted as the data file holds them:
-// the session record and cursor (keyed by client id), each subscription
-// (keyed by client id and filter). Messages in flight and QoS 2 markers
+// capped by Limits.MaxSessionBytes, counted as the data file holds them,
+// pages included (storedSize): the session record and cursor (keyed by
+// client id), each subscription (keyed by client id and filter). Messages in flight and QoS 2 markers
 // are not counted: the windows (max_inflight_out, receive maximum) bound
 // them, and counting them would cost every ack.
 //
@@ -18,22 +18,25 @@ package mqtt
 // other members' records bring is applied whatever the count, as every
 // member must hold the same.
 
-// Overheads beyond the strings a session's records hold: keys' prefixes
-// and separators, the JSON around them, and the entries in memory.
+// The JSON of a session's and a subscription's record beyond their
+// strings, at their widest (72 and 94 bytes): their values in the data
+// file, which storedSize turns into pages.
 const (
-	sessionRecOverhead = 128
-	subRecOverhead     = 96
+	sessionRecJSON = 84 // with "user":"" too
+	subRecJSON     = 100
 )
 
 // sessionRecSize is what a persistent session's record and cursor
-// count, before its subscriptions.
+// count, before its subscriptions: the pages they take in the data file.
 func sessionRecSize(id, user string) int64 {
-	return int64(sessionRecOverhead + 2*len(id) + len(user))
+	return storedSize(len(keySession)+len(id), sessionRecJSON+jsonLen(user)) +
+		storedSize(len(keyCursor)+len(id), 8)
 }
 
-// subRecSize is what one subscription counts.
+// subRecSize is what one subscription counts: the pages its record
+// takes in the data file.
 func subRecSize(id, filter string) int64 {
-	return int64(subRecOverhead + len(id) + len(filter))
+	return storedSize(len(subKey(id, filter)), subRecJSON)
 }
 
 // Reasons a session is refused for max_session_bytes, as logged and

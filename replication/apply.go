@@ -85,6 +85,12 @@ func (n *Node) applyLoop() {
 			n.applySnapshot()
 			continue
 		}
+		if n.db.InstallInterrupted() {
+			// The broker state is incomplete: the snapshot that makes it
+			// whole includes these entries (incomplete.go).
+			n.skipIncomplete(ents)
+			continue
+		}
 		for i := range ents {
 			e := &ents[i]
 			if e.Type != pb.EntryNormal || len(e.Data) == 0 {

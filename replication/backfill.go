@@ -204,6 +204,11 @@ func (n *Node) CatchingUp() bool {
 
 // catchUpProgress reports the progress of the catch-up, if one is under way.
 func (n *Node) catchUpProgress() (CatchUp, bool) {
+	if n.db.InstallInterrupted() {
+		// A snapshot merged into the broker state in part: the state
+		// is incomplete until the master sends one again.
+		return CatchUp{Left: -1}, true
+	}
 	if n.cfg.Backfill == nil {
 		return CatchUp{}, false
 	}

@@ -49,6 +49,8 @@ type handoff struct {
 	stuck   atomic.Pointer[string] // why no hand-over is possible, nil otherwise
 	to      atomic.Uint64          // the member last handed the mastership to
 	noVotes atomic.Bool            // this node drops its own vote requests (logged once per episode)
+	// noVotesIncomplete: the same, for an incomplete broker state.
+	noVotesIncomplete atomic.Bool
 
 	lastTry time.Time // raft goroutine only: the last TransferLeader
 }
@@ -132,6 +134,10 @@ func (t tagTransport) Send(msgs []pb.Message) {
 	} else if t.n.handoff.noVotes.Swap(false) {
 		t.n.log.Info("the log is writable again: this gateway stands for election again")
 	}
+	incomplete := t.n.db.InstallInterrupted()
+	if !incomplete && t.n.handoff.noVotesIncomplete.Swap(false) {
+		t.n.log.Info("the broker state is whole again: this gateway stands for election again")
+	}
 	out := msgs[:0]
 	for _, m := range msgs {
 		switch {
@@ -140,6 +146,12 @@ func (t tagTransport) Send(msgs []pb.Message) {
 		case why != "" && (m.Type == pb.MsgPreVote || m.Type == pb.MsgVote):
 			if !t.n.handoff.noVotes.Swap(true) {
 				t.n.log.Warn("this gateway cannot write its log: it does not stand for election until it can", "reason", why, "term", m.Term)
+			}
+			continue
+		case incomplete && (m.Type == pb.MsgPreVote || m.Type == pb.MsgVote):
+			// A master applies and serves its own state (incomplete.go).
+			if !t.n.handoff.noVotesIncomplete.Swap(true) {
+				t.n.log.Warn("the broker state is incomplete until the master's snapshot is installed: this gateway does not stand for election meanwhile", "term", m.Term)
 			}
 			continue
 		}

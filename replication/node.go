@@ -274,18 +274,22 @@ type Node struct {
 	inboundBy map[uint64]*fwdInbound
 
 	// Loop-owned state.
-	pending      map[recID]*proposal // proposed, not yet saved
-	live         map[recID]*proposal // proposed here and unresolved, by record id
-	logged       recentLogged        // where recently saved records are, by id
-	syncWait     []*proposal         // saved, sync mode, waiting for replicas; by index
-	byDue        []*proposal         // every unresolved proposal, by deadline
-	leader       bool
-	confSeq      uint64        // ids of the conf changes this node proposed
-	confWait     []*confWaiter // conf changes proposed here, not yet applied
-	savedHS      pb.HardState  // the last hard state written by Save
-	flushFailed  time.Time     // when tick's Flush of staged metadata last failed; zero when it works
-	resolvedSome bool          // callbacks ran since the last flushResolved
-	settle       settler       // the outcomes of sync records, as master (settle.go)
+	pending    map[recID]*proposal // proposed, not yet saved
+	live       map[recID]*proposal // proposed here and unresolved, by record id
+	logged     recentLogged        // where recently saved records are, by id
+	syncWait   []*proposal         // saved, sync mode, waiting for replicas; by index
+	byDue      []*proposal         // every unresolved proposal, by deadline
+	leader     bool
+	confSeq    uint64        // ids of the conf changes this node proposed
+	confWait   []*confWaiter // conf changes proposed here, not yet applied
+	savedHS    pb.HardState  // the last hard state written by Save
+	incomplete incompleteState
+	// skippedIncomplete counts the committed entries the apply
+	// goroutine passed over while the state was incomplete (incomplete.go).
+	skippedIncomplete atomic.Uint64
+	flushFailed       time.Time // when tick's Flush of staged metadata last failed; zero when it works
+	resolvedSome      bool      // callbacks ran since the last flushResolved
+	settle            settler   // the outcomes of sync records, as master (settle.go)
 	// held is, per member, the commit-only append held back since
 	// heldSince (commitsend.go).
 	held      map[uint64]pb.Message
@@ -592,6 +596,10 @@ func (n *Node) stepPeer(m pb.Message) {
 	if n.pullInstead(m) {
 		return // a snapshot to pull first (snappull.go)
 	}
+	if n.refuseForSnapshot(m) {
+		return // this member's state is incomplete (incomplete.go)
+	}
+	n.noteSnapshotAsked(&m)
 	_ = n.rn.Step(m)
 	if m.Type == pb.MsgAppResp {
 		// A learner's ack moves no commit index, so no Ready follows

@@ -26,7 +26,16 @@ var ErrNotPromotable = errors.New("replication: only the slave of a 2-gateway cl
 // The old master still believes itself the sole voter of the old
 // configuration; the cluster generation the caller bumps is what tells it
 // otherwise (DESIGN.md, "Forced promotion forks the cluster").
+//
+// A node whose broker state is incomplete (a snapshot's install was
+// interrupted: storage's InstallInterrupted) is refused with
+// ErrStateIncomplete: only the old master has that state whole.
 func ForcePromote(db *storage.DB, self Member, old uint64) (uint64, error) {
+	if db.InstallInterrupted() {
+		// The master is the only one to have the state whole: promoted,
+		// this node would serve and build on a part of it.
+		return 0, ErrStateIncomplete
+	}
 	_, cs, _ := db.InitialState()
 	isLearner := false
 	for _, id := range cs.Learners {

@@ -26,9 +26,15 @@ import (
 type stateApplier struct {
 	db       *storage.DB
 	restores atomic.Int32
+	// onIncomplete counts the entries applied while the data file's
+	// broker state was marked incomplete (storage's InstallInterrupted).
+	onIncomplete atomic.Int32
 }
 
 func (a *stateApplier) Apply(_ uint64, data []byte) error {
+	if a.db.InstallInterrupted() {
+		a.onIncomplete.Add(1)
+	}
 	rec, err := storage.DecodeRecord(data)
 	if err != nil {
 		return err

@@ -28,7 +28,8 @@ type Status struct {
 	RetentionFloor uint64
 	// CatchingUp: this member installed a snapshot and is pulling the
 	// records before it from the master (backfill.go); CatchUp is how far
-	// it got.
+	// it got. Also while its broker state holds a snapshot merged in part
+	// (storage's InstallInterrupted), until one is installed.
 	CatchingUp bool
 	CatchUp    CatchUp
 }

@@ -261,6 +261,11 @@ type DB struct {
 	// received is decoded into (snapin.go).
 	snapInMu sync.Mutex
 	snapIn   snapInState
+	// installing: keyInstalling is set (InstallInterrupted).
+	installing atomic.Bool
+	// inPlaceMin is the smallest bucket a snapshot received is merged
+	// into in place (snapin.go); tests lower it.
+	inPlaceMin int64
 }
 
 type stagedOp struct {
@@ -320,7 +325,7 @@ func Open(dir string, opts *Options) (*DB, error) {
 		return nil, err
 	}
 	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}, syncDelay: opts.SyncDelay, onCommit: opts.OnCommit,
-		snapStop: make(chan struct{})}
+		snapStop: make(chan struct{}), inPlaceMin: inPlaceMin}
 	db.ret = retention{maxBytes: opts.MaxBytes, maxAge: opts.MaxAge, now: opts.Now}
 	if db.faults = opts.faults; db.faults == nil {
 		db.faults = &faults{}
@@ -388,6 +393,9 @@ func Open(dir string, opts *Options) (*DB, error) {
 			}
 		}
 		if err := db.loadOldest(); err != nil {
+			return fail(err)
+		}
+		if err := db.loadInstalling(); err != nil {
 			return fail(err)
 		}
 		// Before the first checkpoint writes the clock, and before

@@ -133,6 +133,9 @@ func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 		db.mu.Unlock()
 		db.oldest.Store(0)
 		db.forgetBuilt()
+		if staged != nil {
+			db.installing.Store(false) // installStaged cleared keyInstalling
+		}
 	})
 	if err != nil {
 		return fmt.Errorf("storage: apply snapshot: %w", err)

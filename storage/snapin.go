@@ -8,6 +8,7 @@ import (
 	"hash"
 	"hash/crc32"
 	"maps"
+	"math"
 	"slices"
 
 	bolt "go.etcd.io/bbolt"
@@ -62,6 +63,33 @@ import (
 // until the commit. Nothing of it survives a restart: DropSnapshotFiles
 // deletes it, and the master sends the snapshot again.
 //
+// Merged in place. Staging a bucket most of which changed would hold it
+// twice: the snapshot's beside this member's (a 4,000-message state all
+// replaced took a slave on a 16MiB budget to 19.8 MB). So once the bytes
+// staged for a bucket pass a quarter of what this member's bucket holds
+// (inPlaceShare) or 1/64 of the budget (stageShare), and the bucket
+// holds 512 KiB or more (inPlaceMin), the decoding writes that bucket in
+// place instead: the
+// values staged so far are written into it and the keys before them that
+// the snapshot lacks deleted, and from then on each key received is
+// written there (when its value differs) and the keys between it and the
+// one before deleted; the end of the bucket deletes the keys past its
+// last. The data file then holds the bucket once, plus the part staged
+// before (a quarter of it, 1/64 of the budget or 512 KiB at most) and the
+// pages one commit (writePiece) rewrites, and the pages the merge frees
+// take what follows.
+//
+// The bucket is then neither this member's state nor the snapshot's: the
+// commit that begins the merge also sets keyInstalling in the meta
+// bucket, and only an install clears it. A crash, a cut pull or a
+// damaged body leave it set: the state is known incomplete, never taken
+// for whole (InstallInterrupted; Open logs it), and the member applies
+// nothing and serves nothing until a snapshot installs: it asks the master
+// for one, whatever the master's log holds (replication/incomplete.go).
+// A write of the broker to a key the merge has passed first keeps the
+// snapshot's value (or its absence) in the staging (snapInPlace), which
+// the install writes back: the snapshot wins, as for the staged buckets.
+//
 // A snapshot received whole and checked (Finish) reaches raft as a staged
 // ref ("TSNS", then as SnapshotRef): ApplySnapshot installs what the
 // staging holds, which must be that snapshot. A snapshot that travelled
@@ -74,7 +102,17 @@ var (
 	bucketSnapIn = []byte("snapshot_in")
 	snapInVals   = []byte("vals") // the values to install
 	snapInSame   = []byte("same") // the keys whose value this member holds already
+	// snapInPlace has a nested bucket per bucket merged in place (see
+	// "Merged in place" above), holding the snapshot's values of its
+	// keys that the broker wrote once the merge had passed them: keptValue.
+	snapInPlace = []byte("inplace")
 )
+
+// keyInstalling, in the meta bucket, is set while a bucket of this
+// member's broker state holds part of a snapshot's and part of its own
+// (merged in place): the state is incomplete until a snapshot installs.
+// Its value is the ref of the snapshot whose merge set it.
+var keyInstalling = []byte("installing")
 
 // sameMark is the value of a key in snapInSame.
 var sameMark = []byte{1}
@@ -86,7 +124,42 @@ const stagedMagic = "TSNS"
 type snapInState struct {
 	gen    uint64      // the receiving that owns the staging
 	sealed SnapshotRef // the snapshot staged whole and checked; zero if none
+	// merged is, per bucket merged in place, how far the merge is in
+	// the data file (its last commit): a broker write to a key up to
+	// there keeps the snapshot's value first (keepSnapshotValue).
+	merged map[string]mergePos
 }
+
+// mergePos is how far a bucket merged in place is: its last key written
+// from the snapshot, or done when the snapshot's part of it ended.
+type mergePos struct {
+	last []byte
+	done bool
+}
+
+// passed reports whether the merge has passed key.
+func (p mergePos) passed(key []byte) bool {
+	return p.done || (p.last != nil && bytes.Compare(key, p.last) <= 0)
+}
+
+// inPlaceShare: a bucket is merged in place once the bytes staged for it
+// pass 1/inPlaceShare of what this member's holds.
+const inPlaceShare = 4
+
+// stageShare: a bucket is merged in place too once the bytes staged for it
+// pass 1/stageShare of the budget (Options.MaxBytes), inPlaceMin at least:
+// the switch writes them into the bucket in one commit, beside the pages
+// they and the bucket's rewritten ones hold until it ends (a quarter of
+// an 11 MB state staged took a 16MiB budget's data dir to 20.6 MB at that
+// commit; a sixteenth of the budget, to 19.8 MB once in e2e).
+const stageShare = 64
+
+// inPlaceMin is the default of DB.inPlaceMin: a bucket smaller than that
+// in this member's data file is staged whole rather than merged in place
+// (its second copy fits the slack), so a member whose broker state is
+// small (the members' details: replication reads them while it pulls)
+// never has it incomplete.
+const inPlaceMin = 512 << 10
 
 // encodeStaged is the ref as the data of a snapshot raft installs from the
 // staging.
@@ -150,10 +223,23 @@ type snapDecoder struct {
 	// diff counts, per bucket, the bytes of keys and values noted the
 	// same as this member's and of those staged: Finish's choice.
 	diff map[string]bucketDiff
+	// live is the bytes the current bucket held in this member's data
+	// when its part began (0: it had none), the measure of inPlaceShare.
+	live int64
+	// merged is, per bucket merged in place, how far the merge is.
+	merged map[string]mergePos
+	// minLive is the smallest bucket merged in place (DB.inPlaceMin).
+	minLive int64
+	// stageMax is the most a bucket's staged part may take before it is
+	// merged in place however small a share of the bucket it is: a
+	// 1/stageShare of the budget.
+	stageMax int64
 }
 
 // bucketDiff is how much of a bucket's snapshot this member holds already
-// (same) and how much it staged (changed), in bytes of keys and values.
+// (same) and how much it staged (changed), in bytes of keys and values
+// with their headers in a page (leafElem), as bbolt's LeafInuse counts
+// them, which the staged bytes are measured against.
 type bucketDiff struct{ same, changed int64 }
 
 // ReceiveSnapshot starts receiving the snapshot ref names, ending any
@@ -169,6 +255,11 @@ func (db *DB) ReceiveSnapshot(ref SnapshotRef) (*SnapshotIn, error) {
 		return nil, fmt.Errorf("storage: snapshot of %d bytes: %w", ref.Size, ErrCorrupt)
 	}
 	in := &SnapshotIn{db: db, ref: ref, crc: crc32.New(castagnoli)}
+	in.dec.minLive = db.inPlaceMin
+	in.dec.stageMax = math.MaxInt64
+	if db.ret.maxBytes > 0 {
+		in.dec.stageMax = max(db.ret.maxBytes/stageShare, inPlaceMin)
+	}
 	var drop dropResult
 	err := db.commitSync(0, func(tx *bolt.Tx) error {
 		if err := db.dropStagingIn(tx); err != nil {
@@ -181,7 +272,7 @@ func (db *DB) ReceiveSnapshot(ref SnapshotRef) (*SnapshotIn, error) {
 		if err != nil {
 			return err
 		}
-		for _, name := range [][]byte{snapInVals, snapInSame} {
+		for _, name := range [][]byte{snapInVals, snapInSame, snapInPlace} {
 			if _, err := st.CreateBucket(name); err != nil {
 				return err
 			}
@@ -259,23 +350,42 @@ func (in *SnapshotIn) current() bool {
 	return in.db.snapIn.gen == in.gen
 }
 
-// staging returns the staging's two buckets in tx, if in still owns them.
-func (in *SnapshotIn) staging(tx *bolt.Tx) (vals, same *bolt.Bucket, err error) {
+// staging returns the staging's buckets in tx, if in still owns them.
+func (in *SnapshotIn) staging(tx *bolt.Tx) (vals, same, place *bolt.Bucket, err error) {
 	st := tx.Bucket(bucketSnapIn)
 	if !in.current() || st == nil {
-		return nil, nil, ErrSnapshotGone
+		return nil, nil, nil, ErrSnapshotGone
 	}
-	if vals, same = st.Bucket(snapInVals), st.Bucket(snapInSame); vals == nil || same == nil {
-		return nil, nil, fmt.Errorf("the staging lacks its buckets: %w", ErrCorrupt)
+	vals, same, place = st.Bucket(snapInVals), st.Bucket(snapInSame), st.Bucket(snapInPlace)
+	if vals == nil || same == nil || place == nil {
+		return nil, nil, nil, fmt.Errorf("the staging lacks its buckets: %w", ErrCorrupt)
 	}
-	return vals, same, nil
+	return vals, same, place, nil
 }
 
-// Write decodes the next bytes of the body into the staging, in one
-// commit: nothing of them is taken when it fails, and the same bytes can
-// be written again. ErrSnapshotGone when a newer receiving or an install
-// took the staging.
+// writePiece is the most of the body one commit of Write decodes: a merge
+// in place rewrites the pages of what it writes, beside the old ones
+// until the commit ends (pieces of a whole 1 MiB chunk took a 16MiB
+// budget's data dir 3 MB past its size; of 256 KiB, not past it).
+const writePiece = 256 << 10
+
+// Write decodes the next bytes of the body into the staging, in commits
+// of writePiece bytes at most: when one fails, what the commits before it
+// took is taken (Offset says how far), nothing of its own, and the rest
+// can be written again from Offset. ErrSnapshotGone when a newer
+// receiving or an install took the staging.
 func (in *SnapshotIn) Write(p []byte) error {
+	for len(p) > writePiece {
+		if err := in.writePiece(p[:writePiece]); err != nil {
+			return err
+		}
+		p = p[writePiece:]
+	}
+	return in.writePiece(p)
+}
+
+// writePiece is Write of at most writePiece bytes, in one commit.
+func (in *SnapshotIn) writePiece(p []byte) error {
 	if uint64(len(p)) > in.ref.Size-in.off {
 		return fmt.Errorf("storage: snapshot chunk passes its %d bytes: %w", in.ref.Size, ErrCorrupt)
 	}
@@ -291,16 +401,45 @@ func (in *SnapshotIn) Write(p []byte) error {
 	if dec.diff == nil {
 		dec.diff = map[string]bucketDiff{}
 	}
+	dec.merged = maps.Clone(in.dec.merged)
+	if dec.merged == nil {
+		dec.merged = map[string]mergePos{}
+	}
 	if len(body) > 0 {
-		err := in.db.commit(func(tx *bolt.Tx) error {
-			vals, same, err := in.staging(tx)
+		// The merge's positions reach the broker's commits once this
+		// one committed, before the next (commitSync holds ckMu until
+		// after has run): a write to a key this chunk merged keeps the
+		// snapshot's value, one to a key it did not is merged over.
+		var installing bool
+		err := in.db.commitSync(0, func(tx *bolt.Tx) error {
+			vals, same, place, err := in.staging(tx)
 			if err != nil {
 				return err
 			}
-			return dec.feed(tx, vals, same, body, in.ref.Size)
+			if err := dec.feed(tx, vals, same, place, body, in.ref.Size); err != nil {
+				return err
+			}
+			if len(dec.merged) > 0 && tx.Bucket(bucketMeta).Get(keyInstalling) == nil {
+				installing = true
+				return tx.Bucket(bucketMeta).Put(keyInstalling, in.ref.encode())
+			}
+			return nil
+		}, func() {
+			in.db.snapInMu.Lock()
+			if in.db.snapIn.gen == in.gen {
+				in.db.snapIn.merged = dec.merged
+			}
+			in.db.snapInMu.Unlock()
+			if installing {
+				in.db.installing.Store(true)
+			}
 		})
 		if err != nil {
 			return fmt.Errorf("storage: receiving a snapshot: %w", err)
+		}
+		if installing {
+			in.db.log.Warn("receiving a snapshot most of whose broker state differs from this member's: merging it in place; until it is installed the broker state is incomplete, and a restart waits for the master to send it again",
+				"snapshot_index", in.ref.Index, "bytes", in.ref.Size)
 		}
 	}
 	in.dec = dec
@@ -311,11 +450,12 @@ func (in *SnapshotIn) Write(p []byte) error {
 }
 
 // feed decodes body, the bytes after what d has read, into the staging
-// buckets vals and same of tx; an item body ends inside waits in pending
-// for the rest. Its keys and values go to bbolt as slices of body and
-// pending, which stay untouched until the transaction ends. limit bounds a
-// length field.
-func (d *snapDecoder) feed(tx *bolt.Tx, vals, same *bolt.Bucket, body []byte, limit uint64) error {
+// buckets vals and same of tx, or into this member's buckets for those
+// merged in place (place holds what the merge keeps of them); an item
+// body ends inside waits in pending for the rest. Its keys and values go
+// to bbolt as slices of body and pending, which stay untouched until the
+// transaction ends. limit bounds a length field.
+func (d *snapDecoder) feed(tx *bolt.Tx, vals, same, place *bolt.Bucket, body []byte, limit uint64) error {
 	bad := func(what string) error { return fmt.Errorf("snapshot: %s: %w", what, ErrCorrupt) }
 	buf := append(d.pending[:len(d.pending):len(d.pending)], body...)
 	// field reads one length-prefixed field; ok false when buf ends first.
@@ -334,15 +474,22 @@ func (d *snapDecoder) feed(tx *bolt.Tx, vals, same *bolt.Bucket, body []byte, li
 	// The current bucket's: staged values, keys noted the same, and this
 	// member's own; opened at its first key in this call.
 	var cur, curSame, live *bolt.Bucket
+	opened := false
 	open := func() error {
-		if cur != nil {
+		if opened {
 			return nil
+		}
+		opened = true
+		live = tx.Bucket(d.bucket)
+		if _, ok := d.merged[string(d.bucket)]; ok {
+			var err error
+			live, err = tx.CreateBucketIfNotExists(d.bucket)
+			return err
 		}
 		if cur = vals.Bucket(d.bucket); cur == nil {
 			return bad("key of a bucket the staging lost")
 		}
 		cur.FillPercent = 0.9 // keys arrive in order
-		live = tx.Bucket(d.bucket)
 		return nil
 	}
 	// noteSame notes k as this member's already; the bucket of notes is
@@ -378,6 +525,9 @@ items:
 		rest := buf[1:]
 		switch buf[0] {
 		case 0:
+			if err := d.endMerge(tx); err != nil {
+				return err
+			}
 			d.ended, buf = true, rest
 		case 1:
 			name, after, ok, err := field(rest)
@@ -393,6 +543,12 @@ items:
 			if ownBucket(name) {
 				return bad(fmt.Sprintf("it carries the %s bucket, which is this member's own", name))
 			}
+			if err := d.endMerge(tx); err != nil {
+				return err
+			}
+			if _, ok := d.merged[string(name)]; ok {
+				return bad(fmt.Sprintf("bucket %s named again after it was merged", name))
+			}
 			// A bucket named twice: the last one wins, as it did
 			// when installs wrote the buckets from the whole body.
 			for _, b := range []*bolt.Bucket{vals, same} {
@@ -405,9 +561,14 @@ items:
 			if _, err := vals.CreateBucket(name); err != nil {
 				return err
 			}
-			cur, curSame, live = nil, nil, nil
+			cur, curSame, live, opened = nil, nil, nil, false
 			d.bucket, buf = bytes.Clone(name), after
 			d.diff[string(name)] = bucketDiff{}
+			d.live = 0
+			if b := tx.Bucket(name); b != nil {
+				st := b.Stats()
+				d.live = int64(st.LeafInuse + st.InlineBucketInuse)
+			}
 		case 2:
 			k, after, ok, err := field(rest)
 			if err != nil {
@@ -428,24 +589,138 @@ items:
 			if err := open(); err != nil {
 				return err
 			}
-			diff := d.diff[string(d.bucket)]
+			name := string(d.bucket)
+			if pos, ok := d.merged[name]; ok {
+				if pos.last != nil && bytes.Compare(k, pos.last) <= 0 {
+					return bad(fmt.Sprintf("key %q of bucket %s out of order", k, name))
+				}
+				if err := mergeKey(live, pos.last, k, v); err != nil {
+					return fmt.Errorf("%s/%q: %w", name, k, err)
+				}
+				d.merged[name] = mergePos{last: bytes.Clone(k)}
+				buf = after
+				continue
+			}
+			diff := d.diff[name]
 			if lv := getValue(live, k); lv != nil && bytes.Equal(lv, v) {
 				err = noteSame(k)
-				diff.same += int64(len(k) + len(v))
+				diff.same += leafElem + int64(len(k)+len(v))
 			} else {
 				err = cur.Put(k, v)
-				diff.changed += int64(len(k) + len(v))
+				diff.changed += leafElem + int64(len(k)+len(v))
 			}
 			if err != nil {
 				return fmt.Errorf("%s/%q: %w", d.bucket, k, err)
 			}
-			d.diff[string(d.bucket)] = diff
+			d.diff[name] = diff
+			if live != nil && d.live > 0 && d.live >= d.minLive && (diff.changed*inPlaceShare > d.live || diff.changed > d.stageMax) {
+				if err := d.startMerge(tx, vals, same, place, live, k); err != nil {
+					return fmt.Errorf("merging bucket %s in place: %w", name, err)
+				}
+				cur, curSame = nil, nil
+			}
 			buf = after
 		default:
 			return bad(fmt.Sprintf("unknown tag %d", buf[0]))
 		}
 	}
 	d.pending = bytes.Clone(buf)
+	return nil
+}
+
+// startMerge turns the current bucket, staged up to and with its key
+// last, to a merge in place (see the top of this file): this member's
+// bucket live gets the values staged, loses the keys up to last that the
+// snapshot lacks, and the staging of the bucket goes.
+func (d *snapDecoder) startMerge(tx *bolt.Tx, vals, same, place, live *bolt.Bucket, last []byte) error {
+	vb, sb := vals.Bucket(d.bucket), same.Bucket(d.bucket)
+	if vb == nil {
+		return fmt.Errorf("no staged values: %w", ErrCorrupt)
+	}
+	var gone [][]byte
+	c := live.Cursor()
+	for k, v := c.First(); k != nil && bytes.Compare(k, last) <= 0; k, v = c.Next() {
+		if v != nil && vb.Get(k) == nil && (sb == nil || sb.Get(k) == nil) {
+			gone = append(gone, bytes.Clone(k))
+		}
+	}
+	for _, k := range gone {
+		if err := live.Delete(k); err != nil {
+			return err
+		}
+	}
+	c = vb.Cursor()
+	for k, v := c.First(); k != nil; k, v = c.Next() {
+		if err := live.Put(bytes.Clone(k), bytes.Clone(v)); err != nil {
+			return err
+		}
+	}
+	if err := vals.DeleteBucket(d.bucket); err != nil {
+		return err
+	}
+	if sb != nil {
+		if err := same.DeleteBucket(d.bucket); err != nil {
+			return err
+		}
+	}
+	if _, err := place.CreateBucket(d.bucket); err != nil {
+		return err
+	}
+	delete(d.diff, string(d.bucket))
+	d.merged[string(d.bucket)] = mergePos{last: bytes.Clone(last)}
+	return nil
+}
+
+// endMerge ends the current bucket's merge in place, if it is merged:
+// the keys of this member's past the snapshot's last one go.
+func (d *snapDecoder) endMerge(tx *bolt.Tx) error {
+	pos, ok := d.merged[string(d.bucket)]
+	if !ok || pos.done {
+		return nil
+	}
+	if live := tx.Bucket(d.bucket); live != nil {
+		if err := deleteBetween(live, pos.last, nil); err != nil {
+			return fmt.Errorf("merging bucket %s in place: %w", d.bucket, err)
+		}
+	}
+	d.merged[string(d.bucket)] = mergePos{last: pos.last, done: true}
+	return nil
+}
+
+// mergeKey writes the snapshot's value v of k into live, a bucket merged
+// in place whose merge wrote after last (nil: none yet), and deletes the
+// keys between them, which the snapshot lacks.
+func mergeKey(live *bolt.Bucket, after, k, v []byte) error {
+	if err := deleteBetween(live, after, k); err != nil {
+		return err
+	}
+	if old := live.Get(k); old != nil && bytes.Equal(old, v) {
+		return nil
+	}
+	return live.Put(k, v)
+}
+
+// deleteBetween deletes b's keys after after (nil: from the first) and
+// before before (nil: to the last).
+func deleteBetween(b *bolt.Bucket, after, before []byte) error {
+	c := b.Cursor()
+	var k, v []byte
+	if after == nil {
+		k, v = c.First()
+	} else if k, v = c.Seek(after); k != nil && bytes.Equal(k, after) {
+		k, v = c.Next()
+	}
+	var gone [][]byte
+	for ; k != nil && (before == nil || bytes.Compare(k, before) < 0); k, v = c.Next() {
+		if v != nil {
+			gone = append(gone, bytes.Clone(k))
+		}
+	}
+	for _, k := range gone {
+		if err := b.Delete(k); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 
@@ -480,7 +755,7 @@ func (in *SnapshotIn) Finish() ([]byte, error) {
 		return nil, fmt.Errorf("storage: received snapshot: %s: %w", bad, ErrCorrupt)
 	}
 	err := in.db.commit(func(tx *bolt.Tx) error {
-		vals, same, err := in.staging(tx)
+		vals, same, _, err := in.staging(tx)
 		if err != nil {
 			return err
 		}
@@ -540,6 +815,23 @@ func fillSame(tx *bolt.Tx, vals, same *bolt.Bucket, name []byte) error {
 // the install still finds it. A staging found wrong is dropped (the
 // master sends the snapshot again) rather than failing the commit.
 func (db *DB) keepSnapshotValue(tx *bolt.Tx, same, live *bolt.Bucket, bucket, key string) error {
+	db.snapInMu.Lock()
+	pos, merged := db.snapIn.merged[bucket]
+	db.snapInMu.Unlock()
+	if merged {
+		if !pos.passed([]byte(key)) {
+			return nil // the merge writes the snapshot's when it comes
+		}
+		kb := tx.Bucket(bucketSnapIn).Bucket(snapInPlace).Bucket([]byte(bucket))
+		if kb == nil {
+			db.log.Warn("a snapshot being merged in place lost what it keeps: dropping it, the master sends it again", "bucket", bucket)
+			return db.dropStagingIn(tx)
+		}
+		if kb.Get([]byte(key)) != nil {
+			return nil // kept at an earlier write
+		}
+		return kb.Put([]byte(key), keptValue(live.Get([]byte(key))))
+	}
 	sb := same.Bucket([]byte(bucket))
 	if sb == nil || sb.Get([]byte(key)) == nil {
 		return nil
@@ -554,6 +846,58 @@ func (db *DB) keepSnapshotValue(tx *bolt.Tx, same, live *bolt.Bucket, bucket, ke
 		return err
 	}
 	return sb.Delete([]byte(key))
+}
+
+// keptValue is how snapInPlace keeps a value of a bucket merged in place
+// (nil: the snapshot lacks the key): a byte 1 before it, or a lone 0.
+func keptValue(v []byte) []byte {
+	if v == nil {
+		return []byte{0}
+	}
+	return append([]byte{1}, v...)
+}
+
+// restoreKept writes back into this member's bucket name what the merge
+// kept of it (keptValue) before the broker wrote there.
+func restoreKept(tx *bolt.Tx, name []byte, kb *bolt.Bucket) error {
+	live, err := tx.CreateBucketIfNotExists(name)
+	if err != nil {
+		return err
+	}
+	c := kb.Cursor()
+	for k, v := c.First(); k != nil; k, v = c.Next() {
+		switch {
+		case len(v) == 1 && v[0] == 0:
+			err = live.Delete(k)
+		case len(v) >= 1 && v[0] == 1:
+			err = live.Put(bytes.Clone(k), bytes.Clone(v[1:]))
+		default:
+			err = fmt.Errorf("kept value of %q: %w", k, ErrCorrupt)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// InstallInterrupted reports whether the broker state holds part of a
+// snapshot merged in place (see the top of snapin.go) that no install
+// completed: a crash, a cut pull or a damaged body came between. It is
+// incomplete until a snapshot installs.
+func (db *DB) InstallInterrupted() bool { return db.installing.Load() }
+
+// loadInstalling reads keyInstalling at Open.
+func (db *DB) loadInstalling() error {
+	return db.bolt.View(func(tx *bolt.Tx) error {
+		if v := tx.Bucket(bucketMeta).Get(keyInstalling); v != nil {
+			db.installing.Store(true)
+			ref, _ := ParseSnapshotRef(v)
+			db.log.Warn("a snapshot was being merged into the broker state when this member stopped: that state is incomplete, neither applied to nor served, until the master sends a snapshot again and it is installed",
+				"snapshot_index", ref.Index)
+		}
+		return nil
+	})
 }
 
 // Close ends the receiving: the staging is deleted, unless an install or
@@ -580,6 +924,7 @@ func (db *DB) dropStagingIn(tx *bolt.Tx) error {
 	db.snapInMu.Lock()
 	db.snapIn.gen++
 	db.snapIn.sealed = SnapshotRef{}
+	db.snapIn.merged = nil
 	db.snapInMu.Unlock()
 	if tx.Bucket(bucketSnapIn) == nil {
 		return nil
@@ -622,11 +967,11 @@ func (db *DB) installStaged(tx *bolt.Tx, ref SnapshotRef) error {
 		return fmt.Errorf("the snapshot at %d is not the one received here: %w", ref.Index, ErrSnapshotGone)
 	}
 	st := tx.Bucket(bucketSnapIn)
-	var vals, same *bolt.Bucket
+	var vals, same, place *bolt.Bucket
 	if st != nil {
-		vals, same = st.Bucket(snapInVals), st.Bucket(snapInSame)
+		vals, same, place = st.Bucket(snapInVals), st.Bucket(snapInSame), st.Bucket(snapInPlace)
 	}
-	if vals == nil || same == nil {
+	if vals == nil || same == nil || place == nil {
 		return fmt.Errorf("the snapshot at %d received here is gone: %w", ref.Index, ErrCorrupt)
 	}
 	// Names first: the moves change the bucket the cursor walks. A
@@ -641,6 +986,21 @@ func (db *DB) installStaged(tx *bolt.Tx, ref SnapshotRef) error {
 		}
 	}
 	installed := map[string]bool{}
+	// The buckets merged in place hold the snapshot's already, but for
+	// what the broker wrote over it since.
+	c = place.Cursor()
+	for k, v := c.First(); k != nil; k, v = c.Next() {
+		if v != nil {
+			continue
+		}
+		if err := restoreKept(tx, k, place.Bucket(k)); err != nil {
+			return fmt.Errorf("installing the bucket %s merged in place: %w", k, err)
+		}
+		installed[string(k)] = true
+	}
+	if err := tx.Bucket(bucketMeta).Delete(keyInstalling); err != nil {
+		return err
+	}
 	for _, name := range names {
 		installed[string(name)] = true
 		if sb := same.Bucket(name); sb != nil {

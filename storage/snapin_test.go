@@ -2,6 +2,7 @@ package storage
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"maps"
 	"math"
@@ -97,13 +98,18 @@ func noStaging(t *testing.T, dir string) {
 	})
 }
 
-// A member on a 16MiB budget whose log fills it beside 7 MB of broker
+// A member on a 16MiB budget whose log fills it beside 5 to 11 MB of broker
 // state receives a snapshot of the master's (changed: a tenth of it, when
-// it was away for a while; all of it, when it holds another cluster's), in
-// chunks of 1MiB, installs it and pulls the history before it, as the log
-// goes on: its data dir stays within the budget and the slack throughout
-// (all of it changed, only while the state fits twice: 5 MB here), it
-// ends with the master's state, and nothing of the staging is left.
+// it was away for a while; all of it, when it holds another cluster's, its
+// second half, or the two thirds that are retained messages beside
+// sessions that stay), in chunks of 1MiB, installs it and pulls the
+// history before it, as the log goes on: its data dir stays within the
+// budget and the slack throughout, it ends with the master's state, and
+// nothing of the staging is left. Staging all of the state beside its own,
+// as before the merge in place, took the data dir to 21.1 MB with all of
+// 8 MB changed and to 19.9 MB with its second half (limit 18.9 MB); a
+// quarter of the 11 MB state staged before the merge began, 20.6 MB; now
+// none grows past the log's own peak (16.6, 16.7 and 15.9 MB).
 func TestSnapshotInstallStaysWithinTheBudget(t *testing.T) {
 	const (
 		budget = 16 << 20
@@ -116,6 +122,9 @@ func TestSnapshotInstallStaysWithinTheBudget(t *testing.T) {
 	}{
 		{"a tenth changed", 4000, func(i int) bool { return i%10 == 3 }},
 		{"all changed", 3000, func(int) bool { return true }},
+		{"all of 8 MB changed", 4500, func(int) bool { return true }},
+		{"the second half changed", 4000, func(i int) bool { return i >= 2000 }},
+		{"two thirds of 11 MB changed", 5400, func(i int) bool { return i < 3600 }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			master := testOpen(t, t.TempDir(), nil)
@@ -191,7 +200,9 @@ func TestSnapshotInstallStaysWithinTheBudget(t *testing.T) {
 // snapshot holds with the value this member has, to keys it holds
 // otherwise, to keys it lacks, some deleted) is replaced by the snapshot's
 // state at the install: the snapshot wins, as when the install wrote the
-// buckets from the whole body. The body comes in chunks of every size
+// buckets from the whole body, whether the bucket was staged or merged in
+// place (the member holds none of the snapshot's values), before or after
+// the merge passed the key written. The body comes in chunks of every size
 // from 1 byte, which end anywhere in an item.
 func TestSnapshotReceivedWhileTheBrokerWrites(t *testing.T) {
 	master := testOpen(t, t.TempDir(), nil)
@@ -202,37 +213,56 @@ func TestSnapshotReceivedWhileTheBrokerWrites(t *testing.T) {
 	master.Stage("uplinks", "cloud", []byte("position"))
 	snap, ref := snapshotOf(t, master, 50)
 	want := bucketContents(t, master, BucketSessions)
-	for _, chunk := range []uint64{1, 2, 3, 7, 64, ref.Size} {
-		t.Run(fmt.Sprint(chunk), func(t *testing.T) {
-			dir := t.TempDir()
-			db := testOpen(t, dir, nil)
-			for i := range 40 {
-				if i%4 != 1 { // some the member lacks
-					db.Stage(BucketSessions, fmt.Sprintf("k%02d", i), []byte(fmt.Sprintf("v%d", i%2)))
+	for _, tc := range []struct {
+		name  string
+		value func(i int) string // the member's value of k<i>
+	}{
+		// A third of the keys the same as the snapshot's, or none (the
+		// bucket is merged in place: snapin.go).
+		{"", func(i int) string { return fmt.Sprintf("v%d", i%2) }},
+		{"all differ/", func(i int) string { return fmt.Sprintf("mine %d", i) }},
+	} {
+		for _, chunk := range []uint64{1, 2, 3, 7, 64, ref.Size} {
+			t.Run(fmt.Sprint(tc.name, chunk), func(t *testing.T) {
+				dir := t.TempDir()
+				db := testOpen(t, dir, nil)
+				db.inPlaceMin = 0 // a bucket of 40 keys merged in place
+				for i := range 40 {
+					if i%4 != 1 { // some the member lacks
+						db.Stage(BucketSessions, fmt.Sprintf("k%02d", i), []byte(tc.value(i)))
+					}
 				}
-			}
-			db.Stage(BucketSessions, "mine", []byte("not in the snapshot"))
-			saveApplied(t, db, makeEntries(1, 10, 1))
-			mustCheckpoint(t, db)
-			receive(t, db, snap, ref, chunk, func(i int) {
-				// Writes between chunks, committed with the next.
-				db.Stage(BucketSessions, fmt.Sprintf("k%02d", i%40), []byte("written meanwhile"))
-				db.StageDelete(BucketSessions, fmt.Sprintf("k%02d", (i+20)%40))
-				db.Stage(BucketSessions, fmt.Sprintf("new%d", i%5), []byte("not in the snapshot"))
+				db.Stage(BucketSessions, "mine", []byte("not in the snapshot"))
+				saveApplied(t, db, makeEntries(1, 10, 1))
+				mustCheckpoint(t, db)
+				merged := false
+				receive(t, db, snap, ref, chunk, func(i int) {
+					merged = merged || db.InstallInterrupted()
+					// Writes between chunks, committed with the next.
+					db.Stage(BucketSessions, fmt.Sprintf("k%02d", i%40), []byte("written meanwhile"))
+					db.StageDelete(BucketSessions, fmt.Sprintf("k%02d", (i+20)%40))
+					db.Stage(BucketSessions, fmt.Sprintf("new%d", i%5), []byte("not in the snapshot"))
+				})
+				if tc.name != "" && !merged {
+					t.Error("no key the same as the snapshot's, and the bucket was not merged in place")
+				}
+				if db.InstallInterrupted() {
+					t.Error("installed: the state is still marked incomplete")
+				}
+				if got := bucketContents(t, db, BucketSessions); !maps.Equal(got, want) {
+					t.Errorf("sessions after the install: %q, want the snapshot's %q", got, want)
+				}
+				if got := bucketContents(t, db, "uplinks"); got["cloud"] != "position" {
+					t.Errorf("uplinks after the install: %q", got)
+				}
+				mustClose(t, db)
+				noStaging(t, dir)
+				db = testOpen(t, dir, nil)
+				if got := bucketContents(t, db, BucketSessions); !maps.Equal(got, want) {
+					t.Errorf("sessions after a restart: %q, want the snapshot's %q", got, want)
+				}
 			})
-			if got := bucketContents(t, db, BucketSessions); !maps.Equal(got, want) {
-				t.Errorf("sessions after the install: %q, want the snapshot's %q", got, want)
-			}
-			if got := bucketContents(t, db, "uplinks"); got["cloud"] != "position" {
-				t.Errorf("uplinks after the install: %q", got)
-			}
-			mustClose(t, db)
-			noStaging(t, dir)
-			db = testOpen(t, dir, nil)
-			if got := bucketContents(t, db, BucketSessions); !maps.Equal(got, want) {
-				t.Errorf("sessions after a restart: %q, want the snapshot's %q", got, want)
-			}
-		})
+		}
 	}
 }
 
@@ -262,5 +292,111 @@ func TestSnapshotReceivedInPartIsDroppedAtStart(t *testing.T) {
 	receive(t, db, snap, ref, 1000, nil)
 	if want, got := bucketContents(t, master, BucketSessions), bucketContents(t, db, BucketSessions); !maps.Equal(want, got) {
 		t.Errorf("%d keys after the install, the master %d", len(got), len(want))
+	}
+}
+
+// A member most of whose broker state the snapshot changes merges it in
+// place (see snapin.go), and its state is then neither its own nor the
+// snapshot's until the install. Crash safety, with the commits made to
+// fail (a full disk) and the member stopped at each step:
+//   - a chunk whose commit fails takes nothing: the state and the marker
+//     are as before it, and the same bytes written again go on;
+//   - stopped once the merge began, the member starts with its state
+//     marked incomplete (InstallInterrupted), never taken for whole, and
+//     the staging gone; a snapshot received again from the start installs
+//     the master's state and clears the mark, also across a restart;
+//   - an install whose commit fails leaves the mark; the snapshot
+//     received again installs.
+func TestSnapshotMergedInPlaceIsKnownIncompleteUntilInstalled(t *testing.T) {
+	const n, size = 1000, 700 // 0.7 MB: past inPlaceMin
+	master := testOpen(t, t.TempDir(), nil)
+	brokerState(master, n, size, func(int) string { return "n" })
+	snap, ref := snapshotOf(t, master, 30)
+	want := bucketContents(t, master, BucketSessions)
+
+	dir := t.TempDir()
+	db := testOpen(t, dir, nil)
+	brokerState(db, n, size, func(int) string { return "o" })
+	db.Stage(BucketSessions, "R\x00zz-mine", []byte("not in the snapshot"))
+	saveApplied(t, db, makeEntries(1, 10, 1))
+	mustCheckpoint(t, db)
+	own := bucketContents(t, db, BucketSessions)
+
+	in, err := db.ReceiveSnapshot(ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const chunk = 64 << 10
+	full := errors.New("disk full")
+	for !db.InstallInterrupted() {
+		if in.Done() {
+			t.Fatal("the whole snapshot was received without a merge in place: all of the state changed")
+		}
+		part := snap.Data[in.Offset():min(in.Offset()+chunk, ref.Size)]
+		db.faults.commit.Store(&full)
+		if err := in.Write(part); !errors.Is(err, full) {
+			t.Fatalf("a chunk written to a full disk: %v", err)
+		}
+		db.faults.commit.Store(nil)
+		if got := bucketContents(t, db, BucketSessions); db.InstallInterrupted() || !maps.Equal(got, own) {
+			t.Fatalf("a chunk whose commit failed changed the state (%d keys, marked incomplete %v)", len(got), db.InstallInterrupted())
+		}
+		if err := in.Write(part); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := bucketContents(t, db, BucketSessions); maps.Equal(got, own) || maps.Equal(got, want) {
+		t.Fatal("merging in place: the state is still the member's own, or the snapshot's already")
+	}
+	mustClose(t, db) // the member stops, the merge half done
+
+	db = testOpen(t, dir, nil)
+	db.DropSnapshotFiles()
+	if !db.InstallInterrupted() {
+		t.Fatal("restarted after a merge in place began: the state is not marked incomplete")
+	}
+	mustClose(t, db)
+	noStaging(t, dir)
+
+	db = testOpen(t, dir, nil)
+	in, err = db.ReceiveSnapshot(ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for !in.Done() {
+		if err := in.Write(snap.Data[in.Offset():min(in.Offset()+chunk, ref.Size)]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	data, err := in.Finish()
+	if err != nil {
+		t.Fatal(err)
+	}
+	staged := snap
+	staged.Data = data
+	db.faults.commit.Store(&full)
+	if err := db.ApplySnapshot(staged); !errors.Is(err, full) {
+		t.Fatalf("an install on a full disk: %v", err)
+	}
+	db.faults.commit.Store(nil)
+	if !db.InstallInterrupted() {
+		t.Fatal("an install that failed cleared the mark")
+	}
+	in.Close()
+	receive(t, db, snap, ref, chunk, nil) // received again: the pull starts over
+	if db.InstallInterrupted() {
+		t.Fatal("installed: the state is still marked incomplete")
+	}
+	if got := bucketContents(t, db, BucketSessions); !maps.Equal(got, want) {
+		t.Errorf("%d keys after the install, the master %d (or values differ)", len(got), len(want))
+	}
+	mustClose(t, db)
+	noStaging(t, dir)
+	db = testOpen(t, dir, nil)
+	if db.InstallInterrupted() {
+		t.Error("restarted after the install: the state is marked incomplete")
+	}
+	if got := bucketContents(t, db, BucketSessions); !maps.Equal(got, want) {
+		t.Errorf("%d keys after a restart, the master %d (or values differ)", len(got), len(want))
 	}
 }
