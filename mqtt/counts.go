@@ -35,32 +35,51 @@ import "encoding/base64"
 // back when a join wipes a member's raft state; the rule follows it either
 // way.
 //
+// Below feature level 2 a member may run v0.1.0, which has no caps on
+// retained messages at all and retains every retained record it applies.
+// There the caps are not applied at apply either (capsApplied): a record
+// past them that reaches the log (from a v0.1.0 member, which admits
+// anything, or past a racing publish) is retained on every member, as
+// v0.1.0 retains it. They are still counted, in bytes, and a publish taken
+// by a member of this build is still refused past them.
+//
 // A publish's admission on the member that takes it (before it is logged)
 // counts by the rule that member applies now: a refusal there is a
 // courtesy to the publisher; the rule at apply decides.
 
-// PageCounting is a Log that knows whether the cluster's caps on the
-// broker's state count pages. A Log without it has no members of builds
-// that count bytes: pages.
-type PageCounting interface {
-	// PageCounts reports whether the caps count pages at the log
-	// position the applier is at (feature level 3 or above).
+// CapRules is a Log that knows how the cluster's caps on the broker's
+// state apply at the log position the applier is at. A Log without it has
+// no members of earlier builds: caps applied, in pages.
+type CapRules interface {
+	// PageCounts reports whether the caps count pages (feature level 3
+	// or above), not bytes.
 	PageCounts() bool
+	// CapsApplied reports whether the caps on retained messages are
+	// applied at apply (feature level 2 or above: no member runs
+	// v0.1.0).
+	CapsApplied() bool
 }
 
-// logCountsPages is the rule the log says the caps count by now.
-func (s *Server) logCountsPages() bool {
-	if p, ok := s.log.(PageCounting); ok {
-		return p.PageCounts()
+// logRules is how the log says the caps apply now.
+func (s *Server) logRules() (pages, capped bool) {
+	if r, ok := s.log.(CapRules); ok {
+		return r.PageCounts(), r.CapsApplied()
 	}
-	return true
+	return true, true
 }
 
-// followCounts brings the rule the caps count by to the log's, recounting
-// the retained messages and sessions when it changes. Called on the apply
-// goroutine before a cap is applied (retain, applyControl), without s.mu.
+// followCounts brings the rules of the caps to the log's, recounting the
+// retained messages and sessions when the count changes. Called on the
+// apply goroutine before a cap is applied (retain, applyControl), without
+// s.mu.
 func (s *Server) followCounts() {
-	pages := s.logCountsPages()
+	pages, capped := s.logRules()
+	if s.capsApplied.Load() != capped {
+		s.capsApplied.Store(capped)
+		if capped {
+			s.lines.Info("max_retained and max_retained_bytes are applied to the records applied from here on (feature level 2: no member runs v0.1.0)")
+		}
+	}
 	if s.pageCounts.Load() == pages {
 		return
 	}
@@ -87,7 +106,8 @@ func (s *Server) followCounts() {
 // resetCounts sets the rule to the log's while the broker holds no state
 // (at start, and when a snapshot replaces it), before it is loaded.
 func (s *Server) resetCounts() {
-	pages := s.logCountsPages()
+	pages, capped := s.logRules()
+	s.capsApplied.Store(capped)
 	s.pageCounts.Store(pages)
 	s.retained.countBy(pages)
 }

@@ -11,15 +11,23 @@ import (
 	"testing"
 )
 
-// levelLog is a Log at a feature level the test sets: below 3 the caps on
-// the broker's state count bytes (PageCounting). Records are applied by
-// the test, as the applier hands them over.
-type levelLog struct{ pages atomic.Bool }
+// levelLog is a Log at a feature level the test sets (CapRules): below 3
+// the caps on the broker's state count bytes, below 2 the retained caps
+// are not applied at apply. Records are applied by the test, as the
+// applier hands them over.
+type levelLog struct{ level atomic.Int32 }
+
+func newLevelLog(level int32) *levelLog {
+	l := &levelLog{}
+	l.level.Store(level)
+	return l
+}
 
 func (*levelLog) Reserve(*Message)                                    {}
 func (*levelLog) Propose(_ *Message, _ AckMode, done func(err error)) { done(errors.New("no log")) }
 func (*levelLog) Logged(uint64, []uint64) (map[uint64]bool, error)    { return nil, nil }
-func (l *levelLog) PageCounts() bool                                  { return l.pages.Load() }
+func (l *levelLog) PageCounts() bool                                  { return l.level.Load() >= 3 }
+func (l *levelLog) CapsApplied() bool                                 { return l.level.Load() >= 2 }
 
 // levelMember is one member's broker on its own session store, which a restart
 // keeps.
@@ -78,7 +86,7 @@ func (m *levelMember) retainedSet() map[string]uint64 {
 // the ones a build counting bytes holds below the level; a third that
 // installs a snapshot after the raise counts as they do.
 func TestRetainedCapCountsByTheFeatureLevelAlikeOnEveryMember(t *testing.T) {
-	log := &levelLog{} // level 2: bytes
+	log := newLevelLog(2) // bytes
 	a := &levelMember{t: t, log: log, store: newMemStore()}
 	b := &levelMember{t: t, log: log, store: newMemStore()}
 	a.start()
@@ -161,7 +169,7 @@ func TestRetainedCapCountsByTheFeatureLevelAlikeOnEveryMember(t *testing.T) {
 	// recounts at its next record. Pages: 30 of 1,068 bytes pass the cap,
 	// kept by both; a new topic is not retained, a replacement no larger
 	// is.
-	log.pages.Store(true)
+	log.level.Store(3)
 	b.restart()
 	retain("t/new", 40)
 	retain("t/00", 40)
@@ -205,4 +213,56 @@ func TestRetainedCapCountsByTheFeatureLevelAlikeOnEveryMember(t *testing.T) {
 		t.Fatal(err)
 	}
 	same("level 3, a snapshot installed on c", true, c)
+}
+
+// Below feature level 2 a member may run v0.1.0, which has no caps on
+// retained messages and retains every retained record it applies: the
+// members of this build retain them too, past the caps (a v0.1.0 member
+// admits any publish), or their retained messages would differ from its
+// for good. Once the level is raised the caps apply again, to the same
+// state on every member, a restarted one included.
+func TestRetainedPastTheCapIsRetainedBelowLevel2AsV010Does(t *testing.T) {
+	log := newLevelLog(1)
+	a := &levelMember{t: t, log: log, store: newMemStore()}
+	b := &levelMember{t: t, log: log, store: newMemStore()}
+	a.start()
+	b.start()
+	var index uint64
+	retain := func(topic string) {
+		index++
+		for _, mb := range []*levelMember{a, b} {
+			mb.s.Retain(index, &Message{Topic: topic, ClientID: "dev", Payload: []byte(strings.Repeat("p", 40)), Retain: true, QoS: 1, Origin: 9, Seq: index})
+		}
+	}
+	same := func(step string, want int) map[string]uint64 {
+		t.Helper()
+		set := a.retainedSet()
+		if got := b.retainedSet(); !maps.Equal(got, set) || len(set) != want {
+			t.Fatalf("%s: the members retain %d and %d topics, want %d", step, len(set), len(got), want)
+		}
+		if ra, rb := a.s.RetainedBytes(), b.s.RetainedBytes(); ra != rb {
+			t.Fatalf("%s: retained bytes %d and %d", step, ra, rb)
+		}
+		return set
+	}
+	// 60 of 319 bytes: 19,140, past the 16 KiB cap.
+	for i := range 30 {
+		retain(fmt.Sprintf("t/%02d", i))
+	}
+	b.restart()
+	for i := 30; i < 60; i++ {
+		retain(fmt.Sprintf("t/%02d", i))
+	}
+	same("level 1", 60)
+	if got := a.s.RetainedBytes(); got <= 16<<10 {
+		t.Fatalf("level 1: %d retained bytes, want them past the cap", got)
+	}
+	// Raised to this release's level: over the cap on both, no new topic.
+	log.level.Store(3)
+	b.restart()
+	retain("t/new")
+	retain("t/00")
+	if set := same("level 3", 60); set["t/00"] != index {
+		t.Fatalf("level 3: t/00 at %d, want replaced at %d", set["t/00"], index)
+	}
 }

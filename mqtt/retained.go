@@ -19,7 +19,9 @@ import (
 // so its publisher knows. Publishes racing on several members, or a will,
 // may still bring the log a record past a cap: at apply every member
 // applies the same rule to the same committed state, and such a record is
-// delivered as a plain message, not retained, everywhere alike.
+// delivered as a plain message, not retained, everywhere alike. The rule
+// follows the cluster's feature level (counts.go): none below level 2,
+// bytes below 3, pages from 3 on.
 //
 // Only what routing needs is held in memory: the topic, the size and the
 // index of each, and the payload of the small ones. A large payload is
@@ -435,7 +437,8 @@ func (r *retainStore) reset() {
 // retain applies a retained record: an empty payload clears the topic
 // [MQTT-3.3.1-10]. The store on disk moves with the applied index. A
 // record past the caps is not retained (the rule at apply, the same on
-// every member); retain reports whether the record was.
+// every member; none below feature level 2, counts.go); retain reports
+// whether the record was.
 func (s *Server) retain(index uint64, m *Message) bool {
 	key := keyRetained + m.Topic
 	if len(m.Payload) == 0 {
@@ -444,7 +447,7 @@ func (s *Server) retain(index uint64, m *Message) bool {
 		return true
 	}
 	s.followCounts()
-	if !s.retained.fits(m.Topic, m) {
+	if s.capsApplied.Load() && !s.retained.fits(m.Topic, m) {
 		s.refusal(m.ClientID, whyRetainedApply, "client", m.ClientID, "topic", truncate(m.Topic), "index", index)
 		return false
 	}
