@@ -95,7 +95,7 @@ func (s *Server) followCounts() {
 	for _, se := range ses {
 		s.recount(se)
 	}
-	rule := "bytes (a member's build counts them so)"
+	rule := "bytes (the cluster runs below feature level 3)"
 	if pages {
 		rule = "pages (feature level 3)"
 	}
