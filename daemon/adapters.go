@@ -308,6 +308,15 @@ func (d *Daemon) otherMemberReachable() bool {
 // member may run v0.1.0, which reads cursor records as JSON only.
 func (a *logAdapter) LegacyControl() bool { return a.d.gw.Node().LegacyControl() }
 
+// PageCounts implements mqtt.CapRules: from feature level 3 the caps on
+// retained messages and sessions count pages; below it bytes, as the
+// builds before it do.
+func (a *logAdapter) PageCounts() bool { return a.d.gw.Node().PageCounts() }
+
+// CapsApplied implements mqtt.CapRules: below feature level 2 a member may
+// run v0.1.0, which retains every retained record, capped or not.
+func (a *logAdapter) CapsApplied() bool { return !a.d.gw.Node().LegacyControl() }
+
 // OtherMembers implements mqtt.Clustered: whether the cluster has members
 // besides this gateway.
 func (a *logAdapter) OtherMembers() bool { return len(a.d.gw.Node().Members()) > 1 }

@@ -238,8 +238,8 @@ func TestDataDirOfANewerFeatureLevelIsRefused(t *testing.T) {
 func TestFeatureLevelOfAClusterInStatusAndRecords(t *testing.T) {
 	master, slave := twoGateways(t, "gw-level")
 	for _, d := range []*Daemon{master, slave} {
-		testutil.WaitFor(t, 10*time.Second, d.cfg.Node.Name+" at feature level 2", func() bool {
-			return statusOfGW(t, d).Cluster.FeatureLevel == storage.FeatureControlKinds
+		testutil.WaitFor(t, 10*time.Second, fmt.Sprintf("%s at feature level %d", d.cfg.Node.Name, storage.FeatureLevel), func() bool {
+			return statusOfGW(t, d).Cluster.FeatureLevel == storage.FeatureLevel
 		})
 		s := statusOfGW(t, d)
 		if len(s.Members) != 1 || s.Members[0].FeatureLevel != storage.FeatureLevel || s.Members[0].Version == "" {

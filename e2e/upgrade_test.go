@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -111,6 +112,14 @@ func (u *upgradeLoad) finish(t *testing.T, inspectBin string, gws ...*gw) {
 	}
 }
 
+// The feature levels of the build under test and of the tandem_next test
+// build (storage.FeatureLevel in each; e2e runs the binaries, and a build
+// of this package knows only one of them).
+const (
+	thisLevel = 3
+	nextLevel = 4
+)
+
 func binName(bin string) string {
 	if bin == builtBin {
 		return "the build under test"
@@ -146,16 +155,16 @@ func TestUpgradeFromPreviousRelease(t *testing.T) {
 			}
 		}
 	}
-	waitLevel(t, 2, 15*time.Second, gws...)
+	waitLevel(t, thisLevel, 15*time.Second, gws...)
 	m := masterOf(t, 15*time.Second, gws...)
 	if s := m.levels(); s != nil {
 		for _, mb := range s.Members {
-			if mb.FeatureLevel != 2 {
-				t.Errorf("master %s: member %s says level %d (release %q), want 2", m.name, mb.Name, mb.FeatureLevel, mb.Version)
+			if mb.FeatureLevel != thisLevel {
+				t.Errorf("master %s: member %s says level %d (release %q), want %d", m.name, mb.Name, mb.FeatureLevel, mb.Version, thisLevel)
 			}
 		}
 	}
-	t.Logf("every member on the build under test, feature level 2, after %v", time.Since(began).Round(time.Millisecond))
+	t.Logf("every member on the build under test, feature level %d, after %v", thisLevel, time.Since(began).Round(time.Millisecond))
 
 	// One slave back to the previous release: the level is raised, so its
 	// peers refuse it at the handshake (or it rejoins); the others serve.
@@ -209,7 +218,7 @@ func TestUpgradeFromPreviousRelease(t *testing.T) {
 	u.sync.waitAcks(t, 20, 10*time.Second)
 	u.async.waitAcks(t, 20, 10*time.Second)
 	u.checkGaps(t, back.name+" to "+tag+" and back", downAt)
-	waitLevel(t, 2, 10*time.Second, gws...)
+	waitLevel(t, thisLevel, 10*time.Second, gws...)
 
 	u.finish(t, cur, gws...)
 	t.Logf("upgrade test done in %v", time.Since(began).Round(time.Millisecond))
@@ -298,12 +307,12 @@ func notes(t *testing.T, bin string, g *gw) int {
 // build defines.
 const noteKind = "kind-6"
 
-// From this build (feature level 2) to a test build of a next release
-// (-tags tandem_next: level 3 and a record kind gated behind it), one
+// From this build (feature level 3) to a test build of a next release
+// (-tags tandem_next: level 4 and a record kind gated behind it), one
 // member at a time under load: while a member of this build remains, the
-// level stays 2 and no record of the new kind is written, also with a
-// next build as master; once all run it, the level is 3 and the new
-// record is in every member's log. A data dir at level 3 then refuses
+// level stays 3 and no record of the new kind is written, also with a
+// next build as master; once all run it, the level is 4 and the new
+// record is in every member's log. A data dir at level 4 then refuses
 // this build, unchanged. The gating is proven before a real format change
 // relies on it.
 func TestUpgradeToNextLevel(t *testing.T) {
@@ -315,7 +324,7 @@ func TestUpgradeToNextLevel(t *testing.T) {
 	began := time.Now()
 	g1, g2, g3 := threeOf(t, cur)
 	gws := []*gw{g1, g2, g3}
-	waitLevel(t, 2, 15*time.Second, gws...)
+	waitLevel(t, thisLevel, 15*time.Second, gws...)
 	u := startUpgradeLoad(t, g1, g2, g3)
 
 	// A slave, then the master: a next build may now be master with a
@@ -343,14 +352,14 @@ func TestUpgradeToNextLevel(t *testing.T) {
 		t.Fatalf("%s, on this build, is master again", m.name)
 	}
 	// The next build's master knows the member of this build says level
-	// 2; for two of its raise checks (every 2 s), nothing may change.
-	testutil.WaitFor(t, 15*time.Second, m.name+" seeing "+last.name+" at level 2", func() bool {
+	// 3; for two of its raise checks (every 2 s), nothing may change.
+	testutil.WaitFor(t, 15*time.Second, fmt.Sprintf("%s seeing %s at level %d", m.name, last.name, thisLevel), func() bool {
 		s := m.levels()
 		if s == nil {
 			return false
 		}
 		for _, mb := range s.Members {
-			if mb.Name == last.name && mb.FeatureLevel == 2 {
+			if mb.Name == last.name && mb.FeatureLevel == thisLevel {
 				return true
 			}
 		}
@@ -359,7 +368,7 @@ func TestUpgradeToNextLevel(t *testing.T) {
 	watched := time.Now()
 	testutil.WaitFor(t, 15*time.Second, "5 s of a mixed cluster", func() bool {
 		for _, g := range gws {
-			if s := g.levels(); s != nil && s.Cluster.FeatureLevel != 2 {
+			if s := g.levels(); s != nil && s.Cluster.FeatureLevel != thisLevel {
 				t.Fatalf("%s: feature level %d with %s still on this build", g.name, s.Cluster.FeatureLevel, last.name)
 			}
 		}
@@ -370,16 +379,16 @@ func TestUpgradeToNextLevel(t *testing.T) {
 			t.Fatalf("%s: %d notes logged with %s still on this build", g.name, n, last.name)
 		}
 	}
-	t.Logf("a mixed cluster, master %s on the next build, %s on this one: level 2, no note", m.name, last.name)
+	t.Logf("a mixed cluster, master %s on the next build, %s on this one: level %d, no note", m.name, last.name, thisLevel)
 
 	u.restartOn(t, last, next, gws...)
-	waitLevel(t, 3, 15*time.Second, gws...)
+	waitLevel(t, nextLevel, 15*time.Second, gws...)
 	for _, g := range gws {
 		testutil.WaitFor(t, 10*time.Second, "the note in "+g.name+"'s log", func() bool { return notes(t, next, g) > 0 })
 	}
-	t.Logf("every member on the next build: level 3 and the note on every member, after %v", time.Since(began).Round(time.Millisecond))
+	t.Logf("every member on the next build: level %d and the note on every member, after %v", nextLevel, time.Since(began).Round(time.Millisecond))
 
-	// A data dir at level 3 refuses this build, which changes nothing.
+	// A data dir at level 4 refuses this build, which changes nothing.
 	m = masterOf(t, 15*time.Second, gws...)
 	var slave *gw
 	for _, g := range gws {
@@ -395,10 +404,10 @@ func TestUpgradeToNextLevel(t *testing.T) {
 	select {
 	case <-slave.proc.Done():
 	case <-time.After(15 * time.Second):
-		t.Fatalf("%s: this build still runs on a data dir at level 3", slave.name)
+		t.Fatalf("%s: this build still runs on a data dir at level %d", slave.name, nextLevel)
 	}
-	if out := slave.proc.Output(); slave.proc.Cmd.ProcessState.Success() || !strings.Contains(out, "feature level 3") {
-		t.Fatalf("%s: this build on a data dir at level 3: exit %v, output:\n%s", slave.name, slave.proc.Cmd.ProcessState, out)
+	if out := slave.proc.Output(); slave.proc.Cmd.ProcessState.Success() || !strings.Contains(out, fmt.Sprintf("feature level %d", nextLevel)) {
+		t.Fatalf("%s: this build on a data dir at level %d: exit %v, output:\n%s", slave.name, nextLevel, slave.proc.Cmd.ProcessState, out)
 	}
 	if after := dirDigest(t, slave.dir); after != before {
 		t.Fatalf("%s: this build changed a data dir it refused", slave.name)

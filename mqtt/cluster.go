@@ -124,6 +124,7 @@ func (s *Server) proposeRecord(kind Kind, client string, payload []byte, mode Ac
 // applyControl applies a committed session or cursor record; it runs on
 // the applier, in log order.
 func (s *Server) applyControl(index uint64, m *Message) {
+	s.followCounts() // sessions' counts change here
 	switch m.Kind {
 	case KindSession:
 		var op sessionOp

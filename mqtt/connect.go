@@ -360,7 +360,7 @@ func (s *Server) attach(c *conn, clean bool, expiry uint32) (se *session, presen
 				free = se.bytes
 				se.mu.Unlock()
 			}
-			if !s.sessionRoom(sessionRecSize(c.id, c.user), free) {
+			if !s.sessionRoom(sessionRecCount(c.id, c.user, s.pageCounts.Load()), free) {
 				s.mu.Unlock()
 				return nil, false, whySessionBytes
 			}

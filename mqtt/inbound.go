@@ -85,7 +85,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 		// its publisher is told; the log gets only what fits.
 		var probe Message
 		probe.fromPacket(c.id, pk, 0)
-		size := retainedSize(&probe)
+		size := srv.retained.sizeOf(&probe)
 		var why string
 		if res, why = srv.retained.reserve(pk.TopicName, size, len(pk.Payload) == 0); why != "" {
 			srv.refusal(c.id, why, "client", c.id, "topic", truncate(pk.TopicName), "bytes", size)

@@ -70,7 +70,8 @@ type Limits struct {
 	// MaxRetained caps the retained topics and MaxRetainedBytes the bytes
 	// their messages take (retainedSize: what their records take of the
 	// data file's pages, where they count in storage.max_bytes and
-	// retention cannot drop them). A retained publish that would add a topic past the
+	// retention cannot drop them; below feature level 3 their bytes,
+	// counts.go). A retained publish that would add a topic past the
 	// first or grow the bytes past the second gets PUBACK 0x97 quota
 	// exceeded (3.1.1: disconnected; QoS 0: dropped) and is not logged;
 	// replacing a topic's message within the bytes, or clearing it, is

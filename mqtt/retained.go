@@ -19,7 +19,9 @@ import (
 // so its publisher knows. Publishes racing on several members, or a will,
 // may still bring the log a record past a cap: at apply every member
 // applies the same rule to the same committed state, and such a record is
-// delivered as a plain message, not retained, everywhere alike.
+// delivered as a plain message, not retained, everywhere alike. The rule
+// follows the cluster's feature level (counts.go): none below level 2,
+// bytes below 3, pages from 3 on.
 //
 // Only what routing needs is held in memory: the topic, the size and the
 // index of each, and the payload of the small ones. A large payload is
@@ -38,8 +40,8 @@ const retainedInline = 1 << 10
 const retainedJSON = 408
 
 // retainedSize is what a retained message counts against
-// max_retained_bytes: the bytes bbolt gives its record in the data file,
-// pages included (storedSize). It reads only fields the record carries,
+// max_retained_bytes from feature level 3 on (counts.go): the bytes bbolt
+// gives its record in the data file, pages included (storedSize). It reads only fields the record carries,
 // so every member finds the same size for the same record.
 func retainedSize(m *Message) int64 {
 	b64 := base64.StdEncoding.EncodedLen
@@ -72,6 +74,10 @@ type retainStore struct {
 	// it before the first is applied replaces that one, and adds no topic.
 	pendTopics map[string]*pendTopic
 
+	// pages is the rule the entries' sizes count by (counts.go).
+	// Guarded by mu; only the applier changes it (countBy).
+	pages bool
+
 	maxCount int
 	maxBytes int64
 	store    SessionStore // nil: every payload is kept in memory
@@ -80,8 +86,10 @@ type retainStore struct {
 
 type retained struct {
 	index uint64
-	size  int64    // retainedSize
-	m     *Message // nil when the payload is read from the store
+	// size is what the entry counts by the store's rule, other by the
+	// other rule (retainedSizes): a change of rule swaps them.
+	size, other int64
+	m           *Message // nil when the payload is read from the store
 	// cache is the copy last read from the store, while a delivery
 	// holds it.
 	cache weak.Pointer[Message]
@@ -109,6 +117,32 @@ func (r *retainStore) len() int {
 func (r *retainStore) size() int64 {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
+	return r.bytes
+}
+
+// sizeOf is what m counts by the store's rule now.
+func (r *retainStore) sizeOf(m *Message) int64 {
+	r.mu.RLock()
+	pages := r.pages
+	r.mu.RUnlock()
+	size, _ := retainedSizes(m, pages)
+	return size
+}
+
+// countBy makes the entries count by the rule pages says, and returns
+// their sum. The reservations of publishes not yet applied keep what they
+// were admitted for: they are given back as their records apply.
+func (r *retainStore) countBy(pages bool) int64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.pages != pages {
+		r.pages = pages
+		r.bytes = 0
+		for _, e := range r.m {
+			e.size, e.other = e.other, e.size
+			r.bytes += e.size
+		}
+	}
 	return r.bytes
 }
 
@@ -245,11 +279,12 @@ func (r *retainStore) dropPending() {
 }
 
 // fits is the rule at apply: whether a committed record setting topic to
-// a message of size stays within the caps, counting the committed state
-// only, the same on every member.
-func (r *retainStore) fits(topic string, size int64) bool {
+// m stays within the caps, counting the committed state only, by the rule
+// of its log position, the same on every member.
+func (r *retainStore) fits(topic string, m *Message) bool {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
+	size, _ := retainedSizes(m, r.pages)
 	old := r.m[topic]
 	if old == nil {
 		return len(r.m) < r.maxCount && r.bytes+size <= r.maxBytes
@@ -259,11 +294,16 @@ func (r *retainStore) fits(topic string, size int64) bool {
 
 // set makes m topic's retained message, without looking at the caps.
 func (r *retainStore) set(topic string, index uint64, m *Message) {
-	e := &retained{index: index, size: retainedSize(m), m: m}
+	e := &retained{index: index, m: m}
 	if r.store != nil && len(m.Payload) > retainedInline {
 		e.m = nil
 	}
+	pages, bytes := retainedSize(m), retainedBytes(m)
 	r.mu.Lock()
+	e.size, e.other = bytes, pages
+	if r.pages {
+		e.size, e.other = pages, bytes
+	}
 	old := r.m[topic]
 	r.m[topic] = e
 	r.bytes += e.size
@@ -361,7 +401,7 @@ func (r *retainStore) matching(filter string) []*retained {
 			}
 			r.mu.Unlock()
 		}
-		out = append(out, &retained{index: index, size: f.e.size, m: m})
+		out = append(out, &retained{index: index, size: f.e.size, other: f.e.other, m: m})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].index < out[j].index })
 	return out
@@ -397,7 +437,8 @@ func (r *retainStore) reset() {
 // retain applies a retained record: an empty payload clears the topic
 // [MQTT-3.3.1-10]. The store on disk moves with the applied index. A
 // record past the caps is not retained (the rule at apply, the same on
-// every member); retain reports whether the record was.
+// every member; none below feature level 2, counts.go); retain reports
+// whether the record was.
 func (s *Server) retain(index uint64, m *Message) bool {
 	key := keyRetained + m.Topic
 	if len(m.Payload) == 0 {
@@ -405,7 +446,8 @@ func (s *Server) retain(index uint64, m *Message) bool {
 		s.stageDelete(key)
 		return true
 	}
-	if !s.retained.fits(m.Topic, retainedSize(m)) {
+	s.followCounts()
+	if s.capsApplied.Load() && !s.retained.fits(m.Topic, m) {
 		s.refusal(m.ClientID, whyRetainedApply, "client", m.ClientID, "topic", truncate(m.Topic), "index", index)
 		return false
 	}

@@ -86,6 +86,8 @@ type Server struct {
 	memHeld         atomic.Int64        // connections not read from for memory now
 	qos0Dropped     atomic.Uint64       // QoS 0 messages connected sessions could not take (outbudget.go)
 	sessionBytes    atomic.Int64        // what persistent sessions count against max_session_bytes
+	pageCounts      atomic.Bool         // the caps count pages, not bytes (counts.go); the applier sets it
+	capsApplied     atomic.Bool         // the retained caps are applied at apply (counts.go); the applier sets it
 
 	wg      sync.WaitGroup // every goroutine the server starts
 	stopc   chan struct{}

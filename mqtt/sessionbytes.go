@@ -27,7 +27,8 @@ const (
 )
 
 // sessionRecSize is what a persistent session's record and cursor
-// count, before its subscriptions: the pages they take in the data file.
+// count from feature level 3 on (counts.go), before its subscriptions:
+// the pages they take in the data file.
 func sessionRecSize(id, user string) int64 {
 	return storedSize(len(keySession)+len(id), sessionRecJSON+jsonLen(user)) +
 		storedSize(len(keyCursor)+len(id), 8)
@@ -46,14 +47,15 @@ const (
 	whySessionSubBytes = "session bytes at max_session_bytes"
 )
 
-// sizeLocked is what se counts now. Called with se.mu held.
-func (se *session) sizeLocked() int64 {
+// sizeLocked is what se counts now, by the rule pages says (counts.go).
+// Called with se.mu held.
+func (se *session) sizeLocked(pages bool) int64 {
 	if !se.persistent() || se.ended {
 		return 0
 	}
-	n := sessionRecSize(se.id, se.user)
+	n := sessionRecCount(se.id, se.user, pages)
 	for f := range se.subs {
-		n += subRecSize(se.id, f)
+		n += subRecCount(se.id, f, pages)
 	}
 	return n
 }
@@ -68,7 +70,7 @@ func (s *Server) recount(se *session) {
 
 // recountLocked is recount with se.mu held.
 func (s *Server) recountLocked(se *session) {
-	n := se.sizeLocked()
+	n := se.sizeLocked(s.pageCounts.Load()) // read under se.mu: a change of rule recounts se after it
 	if d := n - se.bytes; d != 0 {
 		se.bytes = n
 		s.sessionBytes.Add(d)

@@ -231,6 +231,7 @@ func (s *Server) load() error {
 // checkLog drops the QoS 2 markers whose records are not in the log
 // (loadQoS2); a snapshot's are trusted, its log starts after them.
 func (s *Server) loadState(checkLog bool) error {
+	s.resetCounts() // what is loaded counts by the level the data file holds with it
 	if s.store == nil {
 		return nil
 	}

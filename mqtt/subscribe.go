@@ -67,7 +67,7 @@ func (c *conn) subscribe(pk *packets.Packet) bool {
 			refuse(packets.ErrQuotaExceeded, "max_filters_per_session reached")
 			continue
 		}
-		if prev == nil && s.persistent() && !srv.sessionRoom(subRecSize(c.id, f.Filter), 0) {
+		if prev == nil && s.persistent() && !srv.sessionRoom(subRecCount(c.id, f.Filter, srv.pageCounts.Load()), 0) {
 			s.mu.Unlock()
 			refuse(packets.ErrQuotaExceeded, whySessionSubBytes)
 			continue

@@ -17,7 +17,10 @@ import (
 // Members of adjacent releases run together during a rolling upgrade. A
 // new record kind or format (storage.FeatureControlKinds: control records
 // told apart by their header) may only be written once every member's
-// build reads it, or the member that cannot would skip what it must apply.
+// build reads it, or the member that cannot would skip what it must apply;
+// a new rule of the replicated state (storage.FeaturePageCounts: how the
+// caps on retained messages count) may only be applied once every member
+// applies it, or their states part.
 // So each member says in its peer hello the highest level its build knows,
 // and the master, once every member of the membership has said a level at
 // least as high as its own build's, logs a KindFeature record raising the
@@ -99,6 +102,13 @@ func (n *Node) FeatureLevel() int { return int(n.level.Load()) }
 // cluster's level is FeatureControlKinds a member may run a build that
 // reads them by their topic only.
 func (n *Node) LegacyControl() bool { return n.FeatureLevel() < storage.FeatureControlKinds }
+
+// PageCounts reports whether the caps on the broker's state count pages
+// (storage.FeaturePageCounts) at the log position applied now. The level
+// changes on the apply goroutine, between the records the Applier is
+// given, so an Applier that asks it while applying a record gets the
+// level of that record's position: the same answer on every member.
+func (n *Node) PageCounts() bool { return n.FeatureLevel() >= storage.FeaturePageCounts }
 
 // maybeRaiseLevel logs the raise of the cluster's feature level to this
 // build's once every member's build knows it. Loop-owned; a master calls

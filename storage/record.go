@@ -160,6 +160,12 @@ const (
 	// FeatureControlKinds: control records carry their kind in the
 	// header (RecordVersionControl).
 	FeatureControlKinds = 2
+	// FeaturePageCounts: max_retained_bytes and max_session_bytes count
+	// what the broker's records take of the data file's pages, not their
+	// bytes. The cap on retained messages is a rule every member applies
+	// at apply time, so a member counting the other way would retain
+	// what the others do not.
+	FeaturePageCounts = 3
 )
 
 // FeatureLevel, the highest level this build knows, is in kind_default.go
