@@ -1,6 +1,10 @@
 package daemon
 
-import "sync"
+import (
+	"sync"
+
+	"github.com/tandem-edge/tandem/mqtt"
+)
 
 // ackQueue carries the outcomes of the broker's proposals from the
 // replication goroutine, which resolves them, to the broker: the raft
@@ -20,7 +24,7 @@ type ackQueue struct {
 
 // ackOutcome is one proposal's outcome for its done callback.
 type ackOutcome struct {
-	done func(error)
+	done mqtt.Done
 	err  error
 }
 
@@ -34,11 +38,11 @@ func newAckQueue() *ackQueue {
 // push queues an outcome until the next flush; after stop it is delivered
 // at once (nobody is left to wait for, and the callback must still run
 // exactly once).
-func (q *ackQueue) push(done func(error), err error) {
+func (q *ackQueue) push(done mqtt.Done, err error) {
 	q.mu.Lock()
 	if q.closed {
 		q.mu.Unlock()
-		done(err)
+		done.Done(err)
 		return
 	}
 	q.pending = append(q.pending, ackOutcome{done, err})
@@ -63,7 +67,7 @@ func (q *ackQueue) run() {
 		closed := q.closed
 		q.mu.Unlock()
 		for i := range batch {
-			batch[i].done(batch[i].err)
+			batch[i].done.Done(batch[i].err)
 			batch[i] = ackOutcome{}
 		}
 		if closed {

@@ -3,6 +3,8 @@ package daemon
 import (
 	"errors"
 	"testing"
+
+	"github.com/tandem-edge/tandem/mqtt"
 )
 
 // The ack queue hands outcomes on in the order they came, on its own
@@ -12,7 +14,7 @@ func TestAckQueueKeepsOrderAndDeliversEverything(t *testing.T) {
 	q := newAckQueue()
 	var got []int
 	for i := range 1000 {
-		q.push(func(error) { got = append(got, i) }, nil)
+		q.push(mqtt.DoneFunc(func(error) { got = append(got, i) }), nil)
 	}
 	q.stop()
 	if len(got) != 1000 {
@@ -24,7 +26,7 @@ func TestAckQueueKeepsOrderAndDeliversEverything(t *testing.T) {
 		}
 	}
 	var late error
-	q.push(func(err error) { late = err }, errors.New("stopped"))
+	q.push(mqtt.DoneFunc(func(err error) { late = err }), errors.New("stopped"))
 	if late == nil {
 		t.Fatal("an outcome pushed after stop was not delivered")
 	}

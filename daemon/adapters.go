@@ -44,9 +44,9 @@ func (a *logAdapter) Logged(origin uint64, seqs []uint64) (map[uint64]bool, erro
 // Propose encodes m as a record and proposes it. The encoded bytes belong
 // to raft from here on (its unstable log and our tail cache keep them), so
 // they are allocated per record, once, at their exact size.
-func (a *logAdapter) Propose(m *mqtt.Message, mode mqtt.AckMode, done func(error)) {
+func (a *logAdapter) Propose(m *mqtt.Message, mode mqtt.AckMode, done mqtt.Done) {
 	if a.d.ups.refuses(m.Topic) {
-		done(fmt.Errorf("%w: an uplink's backlog is full (on_full: refuse)", mqtt.ErrQuota))
+		done.Done(fmt.Errorf("%w: an uplink's backlog is full (on_full: refuse)", mqtt.ErrQuota))
 		return
 	}
 	rmode := replication.Async

@@ -554,7 +554,7 @@ func (p localPublisher) Publish(ctx context.Context, m *uplink.Message) error {
 	la := &logAdapter{d: p.d}
 	la.Reserve(msg)
 	done := make(chan error, 1)
-	la.Propose(msg, mode, func(err error) { done <- err })
+	la.Propose(msg, mode, mqtt.DoneFunc(func(err error) { done <- err }))
 	select {
 	case err := <-done:
 		return err

@@ -118,7 +118,7 @@ func (s *Server) proposeRecord(kind Kind, client string, payload []byte, mode Ac
 	}
 	m := &Message{Kind: kind, ClientID: client, Topic: topic, Payload: payload, Time: s.cfg.Now().UnixNano()}
 	s.log.Reserve(m)
-	s.log.Propose(m, mode, done)
+	s.log.Propose(m, mode, DoneFunc(done))
 }
 
 // applyControl applies a committed session or cursor record; it runs on
@@ -365,7 +365,7 @@ func (s *Server) proposeStart(se *session, c *conn, op sessionOp) {
 		se.startSeq = m.Seq
 	}
 	se.mu.Unlock()
-	s.log.Propose(m, Async, func(err error) {
+	s.log.Propose(m, Async, DoneFunc(func(err error) {
 		if err == nil {
 			return
 		}
@@ -385,7 +385,8 @@ func (s *Server) proposeStart(se *session, c *conn, op sessionOp) {
 		}
 		s.lines.Warn("session start record not logged: replaying without it", "client", se.id, "error", err)
 		c.kick()
-	})
+	}))
+
 }
 
 // startNotLogged ends the connection of a resumed session whose start record

@@ -573,7 +573,7 @@ func (s *Server) proposeWill(m *Message) {
 	}
 	m.Time = s.cfg.Now().UnixNano()
 	s.log.Reserve(m)
-	s.log.Propose(m, AckFor(s.topicPolicies(), m.Topic), s.logFailure)
+	s.log.Propose(m, AckFor(s.topicPolicies(), m.Topic), DoneFunc(s.logFailure))
 }
 
 // logFailure is the done callback of publishes nobody acks (QoS 0, wills).

@@ -106,30 +106,30 @@ func (c *conn) publish(pk *packets.Packet) bool {
 		if res != nil {
 			res.track(m.Seq)
 		}
-		srv.log.Propose(m, mode, func(err error) {
+		srv.log.Propose(m, mode, DoneFunc(func(err error) {
 			c.releaseIn(charged)
 			if err != nil && res != nil {
 				res.release()
 			}
 			srv.logFailure(err)
-		})
+		}))
 		putMessage(m)
 		return true
 	}
 	a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now, charged: charged}
 	srv.log.Reserve(m)
-	resolved := a.resolved
+	var resolved Done = a
 	if res != nil {
 		// Held until the record is applied: acked before that, it is
 		// in neither the store nor the log's past, and the next
 		// retained publish must still count it.
 		res.track(m.Seq)
-		resolved = func(err error) {
+		resolved = DoneFunc(func(err error) {
 			if err != nil {
 				res.release()
 			}
-			a.resolved(err)
-		}
+			a.Done(err)
+		})
 	}
 	if qos == 2 {
 		in := &inbound2{origin: m.Origin, seq: m.Seq}
@@ -259,9 +259,9 @@ func (c *conn) queueAck(a *inAck) {
 	c.amu.Unlock()
 }
 
-// resolved is the done callback of a publish's proposal; it runs on the
-// log's goroutine and must not block.
-func (a *inAck) resolved(err error) {
+// Done is the outcome of a publish's proposal (Log.Propose); it runs on
+// the log's goroutine and must not block.
+func (a *inAck) Done(err error) {
 	a.c.releaseIn(a.charged)
 	if in := a.in2; in != nil {
 		s := a.c.sess

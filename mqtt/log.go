@@ -5,16 +5,29 @@ type Log interface {
 	// Reserve gives m its record id (m.Origin, m.Seq) ahead of Propose, so
 	// state that names the record can be staged before the record exists.
 	Reserve(m *Message)
-	// Propose logs m, whose id Reserve set, under mode. done is called
-	// exactly once, when the record meets mode's ack rule (nil) or cannot
-	// (an error, ErrQuota for lack of space). done must not block.
+	// Propose logs m, whose id Reserve set, under mode. done.Done is
+	// called exactly once, when the record meets mode's ack rule (nil) or
+	// cannot (an error, ErrQuota for lack of space). It must not block.
 	// m itself is not the Log's after Propose returns (it may be reused);
 	// what it points to does not change.
-	Propose(m *Message, mode AckMode, done func(err error))
+	Propose(m *Message, mode AckMode, done Done)
 	// Logged reports which of the given sequence numbers of records from
 	// origin are in the log.
 	Logged(origin uint64, seqs []uint64) (map[uint64]bool, error)
 }
+
+// Done receives the outcome of a Log.Propose. An interface rather than a
+// func: a publish's ack is its own Done, where a func would be a method
+// value, one allocation more per publish.
+type Done interface {
+	Done(err error)
+}
+
+// DoneFunc is a func as a Done.
+type DoneFunc func(err error)
+
+// Done calls f.
+func (f DoneFunc) Done(err error) { f(err) }
 
 // Clustered is a Log that knows whether other members share it. On a Log
 // without other members (a lone gateway, or a Log without this method)

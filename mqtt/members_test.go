@@ -65,13 +65,13 @@ func (m *member) Reserve(msg *Message) {
 	m.l.mu.Unlock()
 }
 
-func (m *member) Propose(msg *Message, mode AckMode, done func(error)) {
+func (m *member) Propose(msg *Message, mode AckMode, done Done) {
 	m.l.mu.Lock()
 	if gate := m.gate; gate != nil {
 		if wait, err := gate(msg); wait != nil || err != nil {
 			m.l.mu.Unlock()
 			if wait == nil {
-				done(err)
+				done.Done(err)
 				return
 			}
 			c := *msg
@@ -79,7 +79,7 @@ func (m *member) Propose(msg *Message, mode AckMode, done func(error)) {
 			go func() {
 				<-wait
 				if err != nil {
-					done(err)
+					done.Done(err)
 					return
 				}
 				m.Propose(&c, mode, done)
@@ -89,12 +89,12 @@ func (m *member) Propose(msg *Message, mode AckMode, done func(error)) {
 	}
 	if m.cut {
 		m.l.mu.Unlock()
-		done(errCut)
+		done.Done(errCut)
 		return
 	}
 	m.l.mu.Unlock()
 	m.l.add(msg)
-	done(nil)
+	done.Done(nil)
 }
 
 func (m *member) Logged(origin uint64, seqs []uint64) (map[uint64]bool, error) {

@@ -57,7 +57,7 @@ func (l *memLog) Reserve(m *Message) {
 	l.mu.Unlock()
 }
 
-func (l *memLog) Propose(m *Message, mode AckMode, done func(error)) {
+func (l *memLog) Propose(m *Message, mode AckMode, done Done) {
 	if l.hold != nil {
 		c := *m
 		c.Payload = bytes.Clone(m.Payload) // m is not ours after Propose returns
@@ -70,12 +70,12 @@ func (l *memLog) Propose(m *Message, mode AckMode, done func(error)) {
 	l.propose(m, mode, done)
 }
 
-func (l *memLog) propose(m *Message, mode AckMode, done func(error)) {
+func (l *memLog) propose(m *Message, mode AckMode, done Done) {
 	l.mu.Lock()
 	if l.refuse != nil {
 		if err := l.refuse(m.Topic); err != nil {
 			l.mu.Unlock()
-			done(err)
+			done.Done(err)
 			return
 		}
 	}
@@ -85,7 +85,7 @@ func (l *memLog) propose(m *Message, mode AckMode, done func(error)) {
 	l.recs = append(l.recs, &c)
 	l.cond.Broadcast()
 	l.mu.Unlock()
-	done(nil)
+	done.Done(nil)
 }
 
 func (l *memLog) Logged(origin uint64, seqs []uint64) (map[uint64]bool, error) {

@@ -79,7 +79,7 @@ func TestReplayTakesARecordOfferedWhileItStarts(t *testing.T) {
 		}
 	}
 	for i := 0; i < 3; i++ {
-		log.Propose(&Message{Topic: "cur/x", QoS: 1, Payload: []byte(fmt.Sprint(i))}, Async, func(error) {})
+		log.Propose(&Message{Topic: "cur/x", QoS: 1, Payload: []byte(fmt.Sprint(i))}, Async, DoneFunc(func(error) {}))
 	}
 	waitApplied(t, s, first+2)
 	got := handedOut(t, se, c)
@@ -100,14 +100,14 @@ func TestReplayGoesRoundAgainAfterAnOfferDuringItsScan(t *testing.T) {
 	// A record for nobody first: the QoS 0 one is then not the next
 	// index the session is behind on, which a behind session would queue
 	// at once (offer), but one the replay must read past.
-	log.Propose(&Message{Topic: "other/x", QoS: 1, Payload: []byte("not for it")}, Async, func(error) {})
-	log.Propose(&Message{Topic: "cur/x", QoS: 0, Payload: []byte("at most once")}, Async, func(error) {})
+	log.Propose(&Message{Topic: "other/x", QoS: 1, Payload: []byte("not for it")}, Async, DoneFunc(func(error) {}))
+	log.Propose(&Message{Topic: "cur/x", QoS: 0, Payload: []byte("at most once")}, Async, DoneFunc(func(error) {}))
 	waitApplied(t, s, log.lastIndex())
 	late := log.lastIndex() + 1
 	s.reader = midScan{log, func() {
 		// Offered while the scan reads the QoS 0 record, which it
 		// does not replay.
-		log.Propose(&Message{Topic: "cur/x", QoS: 1, Payload: []byte("late")}, Async, func(error) {})
+		log.Propose(&Message{Topic: "cur/x", QoS: 1, Payload: []byte("late")}, Async, DoneFunc(func(error) {}))
 		waitApplied(t, s, late)
 	}}
 	if !se.replay(c) {
@@ -144,7 +144,7 @@ func TestReconnectReplayTakesARecordBeingDelivered(t *testing.T) {
 			<-resume // the applier stays between the offers and the apply
 		})
 	}
-	log.Propose(&Message{Topic: "rc/x", QoS: 1, Payload: []byte("a")}, Async, func(error) {})
+	log.Propose(&Message{Topic: "rc/x", QoS: 1, Payload: []byte("a")}, Async, DoneFunc(func(error) {}))
 	select {
 	case <-inWindow:
 	case <-time.After(5 * time.Second):
@@ -168,7 +168,7 @@ func TestReconnectReplayTakesARecordBeingDelivered(t *testing.T) {
 		return !se.behind
 	})
 	resumed.Do(func() { close(resume) })
-	log.Propose(&Message{Topic: "rc/x", QoS: 1, Payload: []byte("b")}, Async, func(error) {})
+	log.Propose(&Message{Topic: "rc/x", QoS: 1, Payload: []byte("b")}, Async, DoneFunc(func(error) {}))
 	for _, want := range []string{"a", "b"} {
 		p := back.expect(packets.Publish)
 		if string(p.Payload) != want {
@@ -283,7 +283,7 @@ func TestBehindSessionTakesTheNextQoS0Record(t *testing.T) {
 	s, log := testServer(t, nil, nil)
 	se, _ := writerlessSession(s, "fresh", "q0/#", 0)
 	next := log.lastIndex() + 1
-	log.Propose(&Message{Topic: "q0/x", QoS: 0, Payload: []byte("once")}, Async, func(error) {})
+	log.Propose(&Message{Topic: "q0/x", QoS: 0, Payload: []byte("once")}, Async, DoneFunc(func(error) {}))
 	waitApplied(t, s, next)
 	se.mu.Lock()
 	defer se.mu.Unlock()
@@ -303,7 +303,7 @@ func TestBehindSessionTakesQoS0WithinItsQueueBounds(t *testing.T) {
 	s, log := testServer(t, nil, func(c *Config) { c.MaxQueued = 2 })
 	se, _ := writerlessSession(s, "fresh", "q0/#", 0)
 	for i := 0; i < 5; i++ {
-		log.Propose(&Message{Topic: "q0/x", QoS: 0, Payload: []byte(fmt.Sprint(i))}, Async, func(error) {})
+		log.Propose(&Message{Topic: "q0/x", QoS: 0, Payload: []byte(fmt.Sprint(i))}, Async, DoneFunc(func(error) {}))
 	}
 	waitApplied(t, s, log.lastIndex())
 	se.mu.Lock()

@@ -66,8 +66,8 @@ func serialServer(t *testing.T, l Log, mem *memLog, mutate func(*Config)) *Serve
 	return s
 }
 
-func (l *serialLog) Propose(m *Message, mode AckMode, done func(error)) {
-	l.memLog.Propose(m, mode, func(err error) { l.q <- func() { done(err) } })
+func (l *serialLog) Propose(m *Message, mode AckMode, done Done) {
+	l.memLog.Propose(m, mode, DoneFunc(func(err error) { l.q <- func() { done.Done(err) } }))
 }
 
 // A client that stops reading blocks only its own connection: its acks,
@@ -180,9 +180,9 @@ type holdingLog struct {
 	held chan func()
 }
 
-func (l *holdingLog) Propose(m *Message, mode AckMode, done func(error)) {
+func (l *holdingLog) Propose(m *Message, mode AckMode, done Done) {
 	if strings.HasPrefix(m.Topic, "held/") {
-		l.memLog.Propose(m, mode, func(err error) { l.held <- func() { l.q <- func() { done(err) } } })
+		l.memLog.Propose(m, mode, DoneFunc(func(err error) { l.held <- func() { l.q <- func() { done.Done(err) } } }))
 		return
 	}
 	l.serialLog.Propose(m, mode, done)

@@ -197,8 +197,12 @@ type Node struct {
 	// propMu guards propQ, the proposals not yet taken by the loop; propSig
 	// wakes the loop. A mutex-guarded slice costs one lock per publish and
 	// lets the loop take a whole burst at once.
-	propMu    sync.Mutex
-	propQ     []*proposal
+	propMu sync.Mutex
+	propQ  []*proposal
+	// propSpare is the array of the last propQ the loop took, emptied,
+	// for propQ to start again in (instead of growing a new one from nil
+	// at every take); nil while propQ is in it.
+	propSpare []*proposal
 	closedErr error // set when the loop has exited: proposals fail at once
 	propSig   chan struct{}
 	// batch decides when the loop takes propQ (group commit).

@@ -160,14 +160,17 @@ func (n *Node) proposeQueued() {
 		size += len(n.propQ[take].data)
 		take++
 	}
-	ps := n.propQ[:take:take]
-	if take == len(n.propQ) {
-		n.propQ = nil
-	} else {
-		n.propQ = append([]*proposal(nil), n.propQ[take:]...)
+	q := n.propQ
+	ps := q[:take:take]
+	// The rest, if any, goes to the front of the spare array; q's array
+	// is the spare once ps is done with.
+	n.propQ = append(n.propSpare, q[take:]...)
+	n.propSpare = nil
+	if take < len(q) {
 		defer n.wakeProposals()
 	}
 	n.propMu.Unlock()
+	defer n.keepSpare(q)
 	if len(ps) == 0 {
 		return
 	}
@@ -242,6 +245,24 @@ func (n *Node) proposeQueued() {
 		n.pending[p.id] = p
 		n.byDue = append(n.byDue, p)
 	}
+}
+
+// maxSpareProps bounds the spare array kept (propSpare): one grown by an
+// unusual burst goes back to the garbage collector.
+const maxSpareProps = 4096
+
+// keepSpare keeps q's array, taken by proposeQueued, for propQ's next
+// turn.
+func (n *Node) keepSpare(q []*proposal) {
+	clear(q) // the proposals are not the array's to keep alive
+	if cap(q) > maxSpareProps {
+		return
+	}
+	n.propMu.Lock()
+	if n.propSpare == nil {
+		n.propSpare = q[:0]
+	}
+	n.propMu.Unlock()
 }
 
 // waitSync adds a saved sync proposal to syncWait, kept in index order.

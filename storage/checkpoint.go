@@ -3,6 +3,7 @@ package storage
 import (
 	"encoding/binary"
 	"fmt"
+	"slices"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
@@ -78,10 +79,9 @@ func (db *DB) snapshot(seg int, id uint64) *cut {
 	db.mu.RLock()
 	c.last, c.bytes, c.hs = db.last, db.pendBytes, db.hs
 	if c.last > db.boltLast {
-		// The tail's entries are never changed in place while a
-		// checkpoint is pending (an overwriting append takes ckMu), so
-		// the slice stays valid without a copy.
-		c.ents = db.tail[db.boltLast+1-db.tail[0].Index:]
+		// A copy of the entries' headers (their data is never written
+		// to): appendTailLocked moves the tail within its array.
+		c.ents = slices.Clone(db.tail[db.boltLast+1-db.tail[0].Index:])
 	}
 	db.mu.RUnlock()
 	return c
@@ -118,6 +118,12 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 	var drop dropResult
 	st := db.bolt.Stats()
 	alloc := st.TxStats.GetPageAlloc()
+	db.runBuf = db.runBuf[:0] // bbolt's last transaction has ended
+	defer func() {
+		if cap(db.runBuf) > maxKeptBuf {
+			db.runBuf = nil
+		}
+	}()
 	err := db.bolt.Update(func(tx *bolt.Tx) error {
 		defer func() { built = time.Now() }()
 		// Copied into a slice kept from commit to commit, not a cloned

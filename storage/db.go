@@ -180,10 +180,14 @@ type DB struct {
 	// cut whose checkpoint failed, to be committed before any new cut.
 	ckMu       sync.Mutex
 	pendingCut *cut
-	ckSig      chan struct{} // wakes the checkpointer
-	ckStop     chan struct{} // closed by Close
-	ckDone     chan struct{} // closed when the checkpointer ends
-	ckFailed   atomic.Bool   // the last checkpoint failed (see behind)
+	// runBuf holds the bytes putEntries gives bbolt, which keeps them
+	// until its transaction ends: each commitCut starts it again (ckMu),
+	// rather than allocate the checkpoint's entries afresh.
+	runBuf   []byte
+	ckSig    chan struct{} // wakes the checkpointer
+	ckStop   chan struct{} // closed by Close
+	ckDone   chan struct{} // closed when the checkpointer ends
+	ckFailed atomic.Bool   // the last checkpoint failed (see behind)
 
 	// mu guards the in-memory view of the file below. raft reads it on the
 	// replication goroutine; status and metrics read it from others.
@@ -202,6 +206,10 @@ type DB struct {
 	walID     uint64     // the WAL id the file records, as Open loaded it
 	walSeg    int        // and the WAL file it names
 	tail      []pb.Entry // newest entries; tail ends at last and holds all past boltLast
+	// tailArr is tail's backing array, whole: appendTailLocked moves the
+	// tail back to its start rather than allocate another (nil: tail has
+	// none of its own yet).
+	tailArr   []pb.Entry
 	tailBytes int
 	closed    bool
 
@@ -712,7 +720,8 @@ func (db *DB) fillTailLocked(lb *bolt.Bucket) error {
 		size -= entrySize(&tail[drop])
 		drop++
 	}
-	db.tail, db.tailBytes = tail[drop:], size
+	clear(tail[:drop])
+	db.tail, db.tailArr, db.tailBytes = tail[drop:], nil, size
 	return nil
 }
 

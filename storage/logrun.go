@@ -361,7 +361,9 @@ func lastLogIndex(lb *bolt.Bucket) (uint64, error) {
 
 // putEntries writes ents, contiguous and following the log's last entry, as
 // runs, and each entry too big for a run in pieces. Their bytes are one
-// buffer: bbolt keeps the slices it is given until the transaction commits.
+// buffer: bbolt keeps the slices it is given until the transaction commits,
+// so they go after what runBuf holds already (commitCut empties it before
+// a transaction; the caller holds ckMu).
 func (db *DB) putEntries(tx *bolt.Tx, ents []pb.Entry) error {
 	if len(ents) == 0 {
 		return nil
@@ -370,7 +372,12 @@ func (db *DB) putEntries(tx *bolt.Tx, ents []pb.Entry) error {
 	for i := range ents {
 		size += binary.MaxVarintLen32 + entrySize(&ents[i])
 	}
-	buf := make([]byte, 0, size)
+	if cap(db.runBuf)-len(db.runBuf) < size {
+		// Earlier slices keep the old array until the commit.
+		db.runBuf = make([]byte, 0, max(size, 2*cap(db.runBuf)))
+	}
+	buf := db.runBuf[len(db.runBuf):len(db.runBuf):cap(db.runBuf)]
+	defer func() { db.runBuf = db.runBuf[:len(db.runBuf)+len(buf)] }()
 	lb := tx.Bucket(bucketLog)
 	lb.FillPercent = 1.0 // appends are sequential: full pages halve growth
 	ps := tx.DB().Info().PageSize
@@ -401,7 +408,7 @@ func (db *DB) putEntries(tx *bolt.Tx, ents []pb.Entry) error {
 	if len(buf) == start {
 		return nil
 	}
-	return lb.Put(runKey(first), buf[start:])
+	return lb.Put(runKey(first), buf[start:len(buf):len(buf)])
 }
 
 // putPieces writes b, an entry's length field and value, as the pieces of

@@ -417,7 +417,7 @@ func (db *DB) ResetRaftFrom(from uint64) error {
 		db.hs, db.cs = pb.HardState{}, pb.ConfState{}
 		db.snapIndex, db.snapTerm, db.applied = 0, 0, 0
 		db.first, db.last, db.boltLast = 1, 0, 0
-		db.tail, db.tailBytes = nil, 0
+		db.tail, db.tailArr, db.tailBytes = nil, nil, 0
 		db.mu.Unlock()
 		db.oldest.Store(0)
 		db.blockedAt.Store(0)

@@ -129,7 +129,7 @@ func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 		db.snapIndex, db.snapTerm = md.Index, md.Term
 		db.first, db.last, db.boltLast = md.Index+1, md.Index, md.Index
 		db.applied = md.Index
-		db.tail, db.tailBytes = nil, 0
+		db.tail, db.tailArr, db.tailBytes = nil, nil, 0
 		db.mu.Unlock()
 		db.oldest.Store(0)
 		db.forgetBuilt()
@@ -280,7 +280,12 @@ func (db *DB) tailEntryLocked(i uint64) (pb.Entry, bool) {
 
 // appendTailLocked adds ents (contiguous, ending at db.last) to the tail
 // cache, cutting a conflicting suffix first and dropping the oldest entries
-// past the byte budget.
+// past the byte budget. The tail slides along its array, which is reused:
+// once the end is reached, the live entries move back to the start, and a
+// new array (half as large again) is made only when they fill most of it.
+// A tail that sliced off its front and let append grow it would allocate
+// an array of the whole tail every quarter of a tail appended, some 240
+// bytes per record at the default budget.
 func (db *DB) appendTailLocked(ents []pb.Entry) {
 	if len(ents) == 0 {
 		return
@@ -289,19 +294,24 @@ func (db *DB) appendTailLocked(ents []pb.Entry) {
 		first := db.tail[0].Index
 		switch {
 		case ents[0].Index <= first:
+			clear(db.tail)
 			db.tail, db.tailBytes = db.tail[:0], 0
 		case ents[0].Index <= db.tail[len(db.tail)-1].Index+1:
-			for _, e := range db.tail[ents[0].Index-first:] {
-				db.tailBytes -= entrySize(&e)
+			cut := db.tail[ents[0].Index-first:]
+			for i := range cut {
+				db.tailBytes -= entrySize(&cut[i])
 			}
+			clear(cut)
 			db.tail = db.tail[:ents[0].Index-first]
 		default:
+			clear(db.tail)
 			db.tail, db.tailBytes = db.tail[:0], 0
 		}
 	}
 	for i := range ents {
 		db.tailBytes += entrySize(&ents[i])
 	}
+	db.roomTailLocked(len(ents))
 	db.tail = append(db.tail, ents...)
 	drop := 0
 	// Never an entry past boltLast: the tail is the only copy of those
@@ -310,15 +320,29 @@ func (db *DB) appendTailLocked(ents []pb.Entry) {
 		db.tailBytes -= entrySize(&db.tail[drop])
 		drop++
 	}
-	if drop > 0 {
-		// Copy rather than reslice so the dropped entries' memory is freed
-		// once in a while instead of pinned by the backing array.
-		if drop > len(db.tail)/2 {
-			db.tail = append([]pb.Entry(nil), db.tail[drop:]...)
-		} else {
-			db.tail = db.tail[drop:]
-		}
+	clear(db.tail[:drop]) // their data is not pinned by the array
+	db.tail = db.tail[drop:]
+}
+
+// roomTailLocked makes room for n more entries at the tail's end in
+// tailArr, moving the tail to the array's start, or into a larger array.
+// Nothing else holds a slice of the array: readers copy what they take
+// from it, and a checkpoint's cut clones its entries.
+func (db *DB) roomTailLocked(n int) {
+	if len(db.tail)+n <= cap(db.tail) && db.tailArr != nil {
+		return // cap(db.tail) runs to the array's end
 	}
+	need := len(db.tail) + n
+	if arr := db.tailArr; arr != nil && need <= cap(arr)-cap(arr)/4 {
+		// The same array, once per quarter of it appended at least.
+		k := copy(arr[:cap(arr)], db.tail)
+		clear(arr[k:cap(arr)])
+		db.tail = arr[:k]
+		return
+	}
+	arr := make([]pb.Entry, len(db.tail), need+need/2)
+	copy(arr, db.tail)
+	db.tail, db.tailArr = arr, arr
 }
 
 // Save makes hs and ents durable, together with any staged metadata, in

@@ -270,3 +270,39 @@ func TestRequeueKeepsEntriesOverwrittenTwice(t *testing.T) {
 		t.Errorf("LastIndex = %d, want 8", l)
 	}
 }
+
+// Once the tail holds its budget, appending moves it within its array:
+// no allocation per batch (a sliced-off front let append copy the whole
+// tail into a new array every quarter tail), and readers still get every
+// entry right, before and after the tail moved back to the array's start.
+func TestTailKeepsItsArrayOnceFull(t *testing.T) {
+	// The tail alone: every entry counts as checkpointed, so the budget
+	// may drop any of them.
+	db := &DB{maxTail: 4000, boltLast: math.MaxUint64}
+	batches := make([][]pb.Entry, 0, 500)
+	for i := range uint64(500) {
+		batches = append(batches, makeEntries(1+5*i, 5, 1))
+	}
+	for _, b := range batches[:100] {
+		db.appendTailLocked(b)
+	}
+	k := 100
+	// Run twice (AllocsPerRun's warm-up, then the run counted): the
+	// allocations of the second 200 batches.
+	allocs := testing.AllocsPerRun(1, func() {
+		for range 200 {
+			db.appendTailLocked(batches[k])
+			k++
+		}
+	})
+	if allocs != 0 {
+		t.Fatalf("%.0f allocations in 200 batches appended to a full tail, want 0", allocs)
+	}
+	if len(db.tail) < 20 || db.tail[len(db.tail)-1].Index != 5*uint64(k) {
+		t.Fatalf("the tail kept %d entries, up to %d, after %d batches", len(db.tail), db.tail[len(db.tail)-1].Index, k)
+	}
+	lo := db.tail[0].Index
+	if d := diffEntries(db.tail, makeEntries(lo, uint64(len(db.tail)), 1)); d != "" {
+		t.Fatalf("tail after %d batches: %s", k, d)
+	}
+}
