@@ -23,11 +23,11 @@ func newLevelLog(level int32) *levelLog {
 	return l
 }
 
-func (*levelLog) Reserve(*Message)                                    {}
-func (*levelLog) Propose(_ *Message, _ AckMode, done func(err error)) { done(errors.New("no log")) }
-func (*levelLog) Logged(uint64, []uint64) (map[uint64]bool, error)    { return nil, nil }
-func (l *levelLog) PageCounts() bool                                  { return l.level.Load() >= 3 }
-func (l *levelLog) CapsApplied() bool                                 { return l.level.Load() >= 2 }
+func (*levelLog) Reserve(*Message)                                 {}
+func (*levelLog) Propose(_ *Message, _ AckMode, done Done)         { done.Done(errors.New("no log")) }
+func (*levelLog) Logged(uint64, []uint64) (map[uint64]bool, error) { return nil, nil }
+func (l *levelLog) PageCounts() bool                               { return l.level.Load() >= 3 }
+func (l *levelLog) CapsApplied() bool                              { return l.level.Load() >= 2 }
 
 // levelMember is one member's broker on its own session store, which a restart
 // keeps.
