@@ -60,6 +60,9 @@ func (q *ackQueue) flush() {
 func (q *ackQueue) run() {
 	defer close(q.done)
 	var batch []ackOutcome
+	// A connection's acks are written once per run, not once per
+	// outcome (a client with 64 publishes in a batch: one write).
+	var r mqtt.Resolver
 	for {
 		<-q.sig
 		q.mu.Lock()
@@ -67,9 +70,10 @@ func (q *ackQueue) run() {
 		closed := q.closed
 		q.mu.Unlock()
 		for i := range batch {
-			batch[i].done.Done(batch[i].err)
+			r.Resolve(batch[i].done, batch[i].err)
 			batch[i] = ackOutcome{}
 		}
+		r.Flush()
 		if closed {
 			return
 		}

@@ -63,7 +63,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 		if qos > 0 {
 			a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now}
 			c.queueAck(a)
-			c.resolve(a, ErrNotAuthorized)
+			c.resolve(a, ErrNotAuthorized, nil)
 		}
 		return true
 	}
@@ -75,7 +75,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 		if qos > 0 {
 			a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now}
 			c.queueAck(a)
-			c.resolve(a, errMemoryFull)
+			c.resolve(a, errMemoryFull, nil)
 		}
 		return true
 	}
@@ -92,7 +92,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 			if qos > 0 {
 				a := &inAck{c: c, pid: pid, qos: qos, mode: mode, start: now}
 				c.queueAck(a)
-				c.resolve(a, errRetainedFull)
+				c.resolve(a, errRetainedFull, nil)
 			}
 			return true
 		}
@@ -192,7 +192,7 @@ func (c *conn) qos2Resend(pid uint16, dup bool, now time.Time) (done, stale bool
 	err := in.err
 	s.mu.Unlock()
 	c.queueAck(a)
-	c.resolve(a, err)
+	c.resolve(a, err, nil)
 	return true, false
 }
 
@@ -261,7 +261,50 @@ func (c *conn) queueAck(a *inAck) {
 
 // Done is the outcome of a publish's proposal (Log.Propose); it runs on
 // the log's goroutine and must not block.
-func (a *inAck) Done(err error) {
+func (a *inAck) Done(err error) { a.outcome(err, nil) }
+
+// Resolver runs a run of proposal outcomes (Log.Propose's Done values)
+// and writes each connection's acks once, after the run, instead of once
+// per outcome: the outcomes of a batch come together, and a client with 64
+// publishes in it got 64 writes of one PUBACK each. Flush writes them.
+// Not safe for concurrent use: one goroutine runs the outcomes.
+type Resolver struct {
+	conns []*conn
+	seen  map[*conn]struct{}
+}
+
+// Resolve runs done with err; a publish's ack is written at Flush.
+func (r *Resolver) Resolve(done Done, err error) {
+	if a, ok := done.(*inAck); ok {
+		a.outcome(err, r)
+		return
+	}
+	done.Done(err)
+}
+
+// Flush writes the acks the outcomes since the last Flush made ready.
+func (r *Resolver) Flush() {
+	for i, c := range r.conns {
+		c.kickHere()
+		r.conns[i] = nil
+	}
+	r.conns = r.conns[:0]
+	clear(r.seen)
+}
+
+// add notes a connection whose acks are ready to write.
+func (r *Resolver) add(c *conn) {
+	if r.seen == nil {
+		r.seen = map[*conn]struct{}{}
+	}
+	if _, ok := r.seen[c]; !ok {
+		r.seen[c] = struct{}{}
+		r.conns = append(r.conns, c)
+	}
+}
+
+// outcome is Done, its ack written by r's Flush when r is not nil.
+func (a *inAck) outcome(err error, r *Resolver) {
 	a.c.releaseIn(a.charged)
 	if in := a.in2; in != nil {
 		s := a.c.sess
@@ -280,20 +323,24 @@ func (a *inAck) Done(err error) {
 			a.c.srv.stageDelete(qos2Key(a.c.id, a.pid))
 		}
 		for _, w := range waiting {
-			w.c.resolve(w, err)
+			w.c.resolve(w, err, r)
 		}
 	}
-	a.c.resolve(a, err)
+	a.c.resolve(a, err, r)
 }
 
 // resolve marks a done and, when a is at the head, has it written
-// (kickHere: by the caller when no writer runs).
-func (c *conn) resolve(a *inAck, err error) {
+// (kickHere: by the caller when no writer runs), or by r's Flush.
+func (c *conn) resolve(a *inAck, err error, r *Resolver) {
 	c.amu.Lock()
 	a.done, a.err = true, err
 	head := len(c.acks) > 0 && c.acks[0].done
 	c.amu.Unlock()
-	if head {
+	switch {
+	case !head:
+	case r != nil:
+		r.add(c)
+	default:
 		c.kickHere()
 	}
 }
