@@ -253,20 +253,7 @@ func TestPreviousReleaseRefusesADataDirWithPieces(t *testing.T) {
 	_ = c.Disconnect(&paho.Disconnect{})
 	g.stopWithin(15 * time.Second)
 
-	before := dirDigest(t, g.dir)
-	g.spawn(old)
-	select {
-	case <-g.proc.Done():
-	case <-time.After(15 * time.Second):
-		t.Fatalf("%s still runs on a data dir with a record in pieces", tag)
-	}
-	if out := g.proc.Output(); g.proc.Cmd.ProcessState.Success() || !strings.Contains(out, "data format 4, this build reads up to 3") {
-		t.Fatalf("%s on a data dir with a record in pieces: exit %v, output:\n%s", tag, g.proc.Cmd.ProcessState, out)
-	}
-	if after := dirDigest(t, g.dir); after != before {
-		t.Fatalf("%s changed a data dir it refused", tag)
-	}
-	t.Logf("%s refused the data dir: %s", tag, lastLines(g.proc.Output(), 1))
+	refusedBy(t, g, old, tag, "with a record in pieces", "data format 4, this build reads up to 3")
 
 	g.startBin(cur)
 	if s := g.status(); s == nil {
@@ -477,20 +464,7 @@ func TestPreviousReleaseRefusesADataDirLeftByACrash(t *testing.T) {
 	}
 	g.kill()
 
-	before := dirDigest(t, g.dir)
-	g.spawn(old)
-	select {
-	case <-g.proc.Done():
-	case <-time.After(15 * time.Second):
-		t.Fatalf("%s still runs on a data dir this build left by a crash", tag)
-	}
-	if out := g.proc.Output(); g.proc.Cmd.ProcessState.Success() || !strings.Contains(out, "data format 5, this build reads up to") {
-		t.Fatalf("%s on a data dir left by a crash: exit %v, output:\n%s", tag, g.proc.Cmd.ProcessState, out)
-	}
-	if after := dirDigest(t, g.dir); after != before {
-		t.Fatalf("%s changed a data dir it refused", tag)
-	}
-	t.Logf("%s refused the data dir: %s", tag, lastLines(g.proc.Output(), 1))
+	refusedBy(t, g, old, tag, "this build left by a crash", "data format 5, this build reads up to")
 
 	g.startBin(cur)
 	g.stopWithin(5 * time.Second)
@@ -508,4 +482,25 @@ func TestPreviousReleaseRefusesADataDirLeftByACrash(t *testing.T) {
 		t.Fatalf("no status from %s on a data dir this build stopped cleanly", tag)
 	}
 	g.stopWithin(5 * time.Second)
+}
+
+// refusedBy runs bin (release tag) on g's data dir, which it must refuse:
+// it exits non-zero within seconds, saying want, and leaves the data dir
+// as it was. what says which data dir, for the failures.
+func refusedBy(t *testing.T, g *gw, bin, tag, what, want string) {
+	t.Helper()
+	before := dirDigest(t, g.dir)
+	g.spawn(bin)
+	select {
+	case <-g.proc.Done():
+	case <-time.After(15 * time.Second):
+		t.Fatalf("%s still runs on a data dir %s", tag, what)
+	}
+	if out := g.proc.Output(); g.proc.Cmd.ProcessState.Success() || !strings.Contains(out, want) {
+		t.Fatalf("%s on a data dir %s: exit %v, output:\n%s", tag, what, g.proc.Cmd.ProcessState, out)
+	}
+	if after := dirDigest(t, g.dir); after != before {
+		t.Fatalf("%s changed a data dir it refused", tag)
+	}
+	t.Logf("%s refused the data dir: %s", tag, lastLines(g.proc.Output(), 1))
 }

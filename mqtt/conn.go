@@ -636,18 +636,27 @@ func (c *conn) linger() {
 // if one does.
 func (c *conn) kick() {
 	c.wmu.Lock()
-	if c.writing {
-		c.again = true
+	if !c.takeWritingLocked() {
 		c.wmu.Unlock()
 		return
 	}
-	if c.writerClosed() {
-		c.wmu.Unlock()
-		return // the connection has ended
-	}
-	c.writing = true
 	c.wmu.Unlock()
 	c.goWriter()
+}
+
+// takeWritingLocked makes the caller the writer (writing), unless one
+// runs, which it tells to go round again, or the connection has ended.
+// Called with wmu held.
+func (c *conn) takeWritingLocked() bool {
+	if c.writing {
+		c.again = true
+		return false
+	}
+	if c.writerClosed() {
+		return false // the connection has ended
+	}
+	c.writing = true
+	return true
 }
 
 // goWriter starts a writer goroutine for the caller, which holds writing.
@@ -672,16 +681,10 @@ func (c *conn) kickHere() {
 	// after this look kicks, and finds the writer running.
 	quiet := c.sess == nil || c.sess.quietFor(c)
 	c.wmu.Lock()
-	if c.writing {
-		c.again = true
+	if !c.takeWritingLocked() {
 		c.wmu.Unlock()
 		return
 	}
-	if c.writerClosed() {
-		c.wmu.Unlock()
-		return // the connection has ended
-	}
-	c.writing = true
 	if !c.wconnSet {
 		c.wconnSet = true
 		if tc, ok := c.nc.(*net.TCPConn); ok {
