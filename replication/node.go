@@ -540,11 +540,16 @@ func (n *Node) run() {
 			// one append) then cost one Ready, one fsync and one
 			// answer between them instead of one each. At most what
 			// recvc holds, so a stream of messages cannot hold the
-			// Ready off.
-			for more := cap(n.recvc); more > 0; more-- {
+			// Ready off, and entries of one append's size at most
+			// (MaxSizePerMsg): appends of 1 MB records drained whole
+			// made one Ready, and one WAL frame, of tens of MB, which
+			// took a slave's WAL to 24 MB and its RSS past its budget.
+			stepped := entryBytes(m)
+			for more := cap(n.recvc); more > 0 && stepped < drainBytes; more-- {
 				select {
 				case m := <-n.recvc:
 					n.stepPeer(m)
+					stepped += entryBytes(m)
 					continue
 				default:
 				}
@@ -592,6 +597,19 @@ func (n *Node) run() {
 			n.cfg.afterTurn()
 		}
 	}
+}
+
+// drainBytes bounds the entries the raft loop steps from peers before it
+// handles the Ready: an append's worth (Config.MaxSizePerMsg).
+const drainBytes = 1 << 20
+
+// entryBytes is the size of the entries m carries.
+func entryBytes(m pb.Message) int {
+	n := 0
+	for i := range m.Entries {
+		n += len(m.Entries[i].Data)
+	}
+	return n
 }
 
 // stepPeer steps one message from a peer.
