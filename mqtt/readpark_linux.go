@@ -21,10 +21,13 @@ type idler struct {
 	stopped sync.Cond // on mu: ep is closed (-1)
 }
 
-// parking returns s's idler, started on first use; nil when the server is
-// stopping or epoll is not to be had (the connection then waits in Go's
+// parking returns s's idler, started on first use; nil when parking is
+// off (parkIdle), the server is stopping or epoll is not to be had (the connection then waits in Go's
 // poller, as any other).
 func (s *Server) parking() *idler {
+	if !s.parkIdle.Load() {
+		return nil
+	}
 	s.idleOnce.Do(func() {
 		if s.closing.Load() {
 			return

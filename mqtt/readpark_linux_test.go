@@ -31,6 +31,7 @@ func parkedConns(s *Server) int {
 // goes offline.
 func TestParkedConnectionsAreServed(t *testing.T) {
 	s, _ := testServer(t, nil, nil)
+	s.parkIdle.Store(true)
 	const n = 20
 	devs := make([]*raw, n)
 	for i := range devs {
@@ -61,6 +62,7 @@ func TestParkedConnectionsAreServed(t *testing.T) {
 // and the wake-up must not move the deadline on.
 func TestMQTT_3_1_2_22_KeepAliveEndsAParkedConnection(t *testing.T) {
 	s, _ := testServer(t, nil, nil)
+	s.parkIdle.Store(true)
 	c := dialRaw(t, s.Addr(), 5)
 	c.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connect},
 		Connect: packets.ConnectParams{ProtocolName: []byte("MQTT"), ClientIdentifier: "sleepy", Clean: true, Keepalive: 1}})
@@ -74,4 +76,28 @@ func TestMQTT_3_1_2_22_KeepAliveEndsAParkedConnection(t *testing.T) {
 	if silent := time.Since(start); silent < 1500*time.Millisecond {
 		t.Fatalf("disconnected %v after its CONNACK, want 1.5 s", silent)
 	}
+}
+
+// A device whose connection is parked sends a publish and closes its
+// socket at once: every such connection goes offline. When the data and
+// the FIN come together while the idler wakes the read loop, a new
+// RawConn.Read forgets the readability the poller had noted, and a loop
+// that took the short read of the data for the socket's end waited for a
+// wake-up that had come and gone. That order is the scheduler's: on an
+// idle machine this test passes without the fix too; under load (the
+// daemon's TestClientChaos in a race run) a connection stayed counted.
+func TestParkedConnectionSendingAndClosingAtOnceGoesOffline(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	s.parkIdle.Store(true)
+	const n = 40
+	devs := make([]*raw, n)
+	for i := range devs {
+		devs[i] = connected(t, s, 5, fmt.Sprintf("closer-%d", i))
+	}
+	testutil.WaitFor(t, 5*time.Second, "every connection parked", func() bool { return parkedConns(s) == n })
+	for i, d := range devs {
+		d.publish("park/t", 0, 0, fmt.Sprint("last words ", i))
+		d.c.Close()
+	}
+	testutil.WaitFor(t, 5*time.Second, "every connection whose client closed it offline", func() bool { return s.Clients() == 0 })
 }

@@ -74,6 +74,15 @@ type rawLoop struct {
 	// Unknown at first: what CONNECT left may not be all.
 	drained bool
 	rerr    error // why reading stopped; nil when handling ended it
+	// fresh: no read yet in this RawConn.Read. Its start forgets a
+	// readability the poller noted before (internal/poll's prepareRead),
+	// so the first short read of each is not taken for drained: data and
+	// the peer's FIN that came together before it (a device that sends
+	// and closes while its connection is parked) were one edge, and
+	// waiting after the data waited for an edge that had come and gone
+	// (TestClientChaos: a connection whose client had closed was still
+	// counted 10 s later).
+	fresh bool
 
 	// Parking (readpark.go): lastData is when a read last brought
 	// something, gap the time before it, which predicts the next.
@@ -136,6 +145,7 @@ func (c *conn) loopRaw() bool {
 	}
 	var err error
 	for l.rerr == nil {
+		l.fresh = true
 		err = l.rc.Read(l.step)
 		if !l.wantPark {
 			break
@@ -212,7 +222,8 @@ func (l *rawLoop) step(fd uintptr) bool {
 			l.rerr = io.EOF
 			return true
 		}
-		l.drained = n < asked
+		l.drained = n < asked && !l.fresh
+		l.fresh = false
 		now := time.Now()
 		l.gap, l.lastData = now.Sub(l.lastData), now
 	}
