@@ -193,9 +193,11 @@ func (c *conn) run(ended func()) {
 		ended()
 		return
 	}
-	if rc := c.rawConn(); rc != nil {
-		c.startRaw(rc, ended)
-		return
+	if c.srv.rawReads.Load() {
+		if rc := c.rawConn(); rc != nil {
+			c.startRaw(rc, ended)
+			return
+		}
 	}
 	c.srv.goFunc(func() {
 		defer ended()
@@ -677,6 +679,10 @@ func (c *conn) goWriter() {
 // in the order their publishes came; deliveries, which a writer round
 // puts after them, are always a writer goroutine's.
 func (c *conn) kickHere() {
+	if !c.srv.inlineWrites.Load() {
+		c.kick()
+		return
+	}
 	// Looked at first, under the session's lock alone: what is offered
 	// after this look kicks, and finds the writer running.
 	quiet := c.sess == nil || c.sess.quietFor(c)

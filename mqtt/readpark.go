@@ -38,4 +38,12 @@ type idleSlot struct {
 	// connections then keep their read loop's goroutine (about 6 KiB a
 	// connection instead of 4). The idler's own tests switch it on.
 	parkIdle atomic.Bool
+	// rawReads and inlineWrites switch on the read loop in RawConn.Read
+	// (one read syscall a message, readraw.go) and the writing of acks by
+	// the goroutine that resolves them (kickHere). They are off: CI's race
+	// pass once had a subscriber wait past 5 s for a delivery
+	// (TestMQTT_3_3_4_3) with both on, a lost wake-up not found yet; off,
+	// connections read and write as the releases before did. Their tests
+	// switch them on.
+	rawReads, inlineWrites atomic.Bool
 }

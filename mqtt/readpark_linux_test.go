@@ -32,6 +32,7 @@ func parkedConns(s *Server) int {
 func TestParkedConnectionsAreServed(t *testing.T) {
 	s, _ := testServer(t, nil, nil)
 	s.parkIdle.Store(true)
+	s.rawReads.Store(true)
 	const n = 20
 	devs := make([]*raw, n)
 	for i := range devs {
@@ -63,6 +64,7 @@ func TestParkedConnectionsAreServed(t *testing.T) {
 func TestMQTT_3_1_2_22_KeepAliveEndsAParkedConnection(t *testing.T) {
 	s, _ := testServer(t, nil, nil)
 	s.parkIdle.Store(true)
+	s.rawReads.Store(true)
 	c := dialRaw(t, s.Addr(), 5)
 	c.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connect},
 		Connect: packets.ConnectParams{ProtocolName: []byte("MQTT"), ClientIdentifier: "sleepy", Clean: true, Keepalive: 1}})
@@ -89,6 +91,7 @@ func TestMQTT_3_1_2_22_KeepAliveEndsAParkedConnection(t *testing.T) {
 func TestParkedConnectionSendingAndClosingAtOnceGoesOffline(t *testing.T) {
 	s, _ := testServer(t, nil, nil)
 	s.parkIdle.Store(true)
+	s.rawReads.Store(true)
 	const n = 40
 	devs := make([]*raw, n)
 	for i := range devs {
