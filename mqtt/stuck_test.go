@@ -39,7 +39,8 @@ func newSerialLog(t *testing.T) *serialLog {
 	return l
 }
 
-// serialServer is testServer proposing through l, a wrapper of mem.
+// serialServer is testServer proposing through l, a wrapper of mem, with
+// inline ack writes on.
 func serialServer(t *testing.T, l Log, mem *memLog, mutate func(*Config)) *Server {
 	t.Helper()
 	cfg := Config{Listen: "127.0.0.1:0", AllowAnonymous: true, Sessions: mem.store, NodeID: 1}
@@ -51,6 +52,10 @@ func serialServer(t *testing.T, l Log, mem *memLog, mutate func(*Config)) *Serve
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The acks written by the goroutine that resolves them (kickHere),
+	// switched off in the daemon, are what these tests hold to the rules
+	// the writer goroutine keeps.
+	s.inlineWrites.Store(true)
 	mem.mu.Lock()
 	mem.srv = s
 	mem.mu.Unlock()

@@ -637,23 +637,8 @@ func (d *snapDecoder) startMerge(tx *bolt.Tx, vals, same, place, live *bolt.Buck
 	if vb == nil {
 		return fmt.Errorf("no staged values: %w", ErrCorrupt)
 	}
-	var gone [][]byte
-	c := live.Cursor()
-	for k, v := c.First(); k != nil && bytes.Compare(k, last) <= 0; k, v = c.Next() {
-		if v != nil && vb.Get(k) == nil && (sb == nil || sb.Get(k) == nil) {
-			gone = append(gone, bytes.Clone(k))
-		}
-	}
-	for _, k := range gone {
-		if err := live.Delete(k); err != nil {
-			return err
-		}
-	}
-	c = vb.Cursor()
-	for k, v := c.First(); k != nil; k, v = c.Next() {
-		if err := live.Put(bytes.Clone(k), bytes.Clone(v)); err != nil {
-			return err
-		}
+	if err := mergeInto(live, vb, sb, last); err != nil {
+		return err
 	}
 	if err := vals.DeleteBucket(d.bucket); err != nil {
 		return err
@@ -1043,10 +1028,17 @@ func applyDiff(tx *bolt.Tx, name []byte, vb, sb *bolt.Bucket) error {
 	if err != nil {
 		return err
 	}
+	return mergeInto(live, vb, sb, nil)
+}
+
+// mergeInto writes the staged values vb into live and deletes the keys of
+// live (up to and with last, all of them when last is nil) that are in
+// neither vb nor the notes of values kept the same, sb (which may be nil).
+func mergeInto(live, vb, sb *bolt.Bucket, last []byte) error {
 	var gone [][]byte
 	c := live.Cursor()
-	for k, v := c.First(); k != nil; k, v = c.Next() {
-		if v != nil && vb.Get(k) == nil && sb.Get(k) == nil {
+	for k, v := c.First(); k != nil && (last == nil || bytes.Compare(k, last) <= 0); k, v = c.Next() {
+		if v != nil && vb.Get(k) == nil && (sb == nil || sb.Get(k) == nil) {
 			gone = append(gone, bytes.Clone(k))
 		}
 	}
