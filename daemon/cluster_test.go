@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
+	"runtime/pprof"
 	"strings"
 	"testing"
 	"time"
@@ -103,6 +104,10 @@ func statusOfGW(t *testing.T, d *Daemon) *admin.Status {
 	defer cancel()
 	s, err := d.status(ctx)
 	if err != nil {
+		// A gateway that does not answer is hung: the goroutines say where.
+		var b strings.Builder
+		_ = pprof.Lookup("goroutine").WriteTo(&b, 2)
+		t.Logf("%s did not answer its status: goroutines:\n%s", d.cfg.Node.Name, b.String())
 		t.Fatal(err)
 	}
 	return s

@@ -52,7 +52,7 @@ func withUplink(t *testing.T, g *gw, cloud *cloudtest.Cloud, extra string) {
 // arrives under site/.
 func startCloud(t *testing.T, h *netns.Host) (*cloudtest.Cloud, *cloudtest.Recorder, func() (net.Conn, error)) {
 	t.Helper()
-	cloud := cloudtest.Start(t, h.Addr(), 1883, h.Command)
+	cloud := cloudtest.StartIn(t, h.Addr(), 1883, h.Command, func(addr string) (net.Conn, error) { return dialIn(h, addr) })
 	dial := func() (net.Conn, error) { return dialIn(h, cloud.Addr()) }
 	return cloud, cloudtest.Record(t, dial, "site/#"), dial
 }

@@ -27,6 +27,7 @@ type Cloud struct {
 	Host string // the address it listens on
 	Port int
 	wrap func(name string, args ...string) *exec.Cmd
+	dial func(addr string) (net.Conn, error)
 	cmd  *exec.Cmd
 	done chan struct{}
 }
@@ -53,6 +54,17 @@ func Mosquitto(t testing.TB) string {
 // exec.Command); a namespace host's Command runs it there.
 func Start(t testing.TB, host string, port int, wrap func(name string, args ...string) *exec.Cmd) *Cloud {
 	t.Helper()
+	return StartIn(t, host, port, wrap, nil)
+}
+
+// StartIn is Start with the dial that checks the broker takes connections
+// (nil: from the test's own network namespace). A broker in another
+// namespace must be dialled from there: from the test's namespace its
+// address is not on any interface, and a host whose default route leads
+// to a proxy answers the dial itself (seen in CI: the check passed, the
+// recorder's dial a moment later was refused).
+func StartIn(t testing.TB, host string, port int, wrap func(name string, args ...string) *exec.Cmd, dial func(addr string) (net.Conn, error)) *Cloud {
+	t.Helper()
 	bin := Mosquitto(t)
 	if wrap == nil {
 		wrap = exec.Command
@@ -65,7 +77,10 @@ func Start(t testing.TB, host string, port int, wrap func(name string, args ...s
 		port = ln.Addr().(*net.TCPAddr).Port
 		ln.Close()
 	}
-	c := &Cloud{t: t, Dir: t.TempDir(), Host: host, Port: port, wrap: wrap}
+	if dial == nil {
+		dial = func(addr string) (net.Conn, error) { return net.DialTimeout("tcp", addr, time.Second) }
+	}
+	c := &Cloud{t: t, Dir: t.TempDir(), Host: host, Port: port, wrap: wrap, dial: dial}
 	conf := ""
 	if os.Geteuid() == 0 {
 		conf = "user root\n" // else it cannot write the test's directory
@@ -107,7 +122,7 @@ func (c *Cloud) run(bin string) {
 	for {
 		b, _ := os.ReadFile(filepath.Join(c.Dir, "mosquitto.log"))
 		if len(b) > 0 && containsListening(string(b)) {
-			if nc, err := net.DialTimeout("tcp", c.Addr(), time.Second); err == nil {
+			if nc, err := c.dial(c.Addr()); err == nil {
 				nc.Close()
 				return
 			}
