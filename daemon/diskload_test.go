@@ -21,12 +21,29 @@ type loadClient struct {
 	acked    []int // sequence numbers acked, in order
 	refused  int   // 0x97 answers
 	others   []string
-	sinceGot bool // an ack came since the last reset
+	sinceGot bool      // an ack came since the last reset
+	waiting  time.Time // when the publish in flight was sent
+}
+
+// sent notes a publish going out.
+func (l *loadClient) sent() {
+	l.mu.Lock()
+	l.waiting = time.Now()
+	l.mu.Unlock()
+}
+
+// waitingFor is how long the publish in flight has waited.
+func (l *loadClient) waitingFor() time.Duration {
+	if l.waiting.IsZero() {
+		return 0
+	}
+	return time.Since(l.waiting)
 }
 
 func (l *loadClient) note(seq int, r *paho.PublishResponse, err error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	l.waiting = time.Time{}
 	switch {
 	case r == nil: // paho.golang returns the PUBACK with an error for a reason ≥ 0x80
 		l.others = append(l.others, err.Error())
@@ -43,8 +60,11 @@ func (l *loadClient) note(seq int, r *paho.PublishResponse, err error) {
 // Several devices keep publishing while the disk fills under them, and a
 // persistent session that is offline has a log budget's worth of messages
 // waiting (more: retention drops the oldest of them). Every publish is
-// acked or refused with 0x97, never another outcome and never a hang; once
-// space returns every device is acked again; nothing on disk is corrupted
+// acked or refused with 0x97, never another outcome; a publish the log
+// had taken when the disk filled waits for the disk (refusing it could
+// not be final: the retried save logs it once space returns), and is
+// acked then; the status answers throughout; once space returns every
+// device is acked again; nothing on disk is corrupted
 // (the gateway restarts on it with the newest acked records); and the
 // session, back, gets the messages retention kept and the count of those
 // it dropped before the session had them.
@@ -81,7 +101,8 @@ func TestDiskFullUnderLoadWithABudgetOfUndeliveredMessages(t *testing.T) {
 					return
 				default:
 				}
-				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+				clients[c].sent()
 				r, err := pub.Publish(ctx, &paho.Publish{Topic: fmt.Sprintf("load/%d/%d", c, seq), QoS: 1, Payload: payload})
 				cancel()
 				clients[c].note(seq, r, err)
@@ -121,7 +142,21 @@ func TestDiskFullUnderLoadWithABudgetOfUndeliveredMessages(t *testing.T) {
 	})
 	t.Logf("retention dropping: data dir %d bytes for a budget of %d", statusOfGW(t, d).Storage.UsedBytes, 12<<20)
 	filler := testutil.FillDisk(t, dir)
-	each("every device refused with 0x97 on the full disk", func(l *loadClient) bool { return l.refused > 0 })
+	each("every device refused with 0x97 on the full disk, or waiting for a publish the log took before", func(l *loadClient) bool {
+		return l.refused > 0 || l.waitingFor() > 3*time.Second
+	})
+	refused := 0
+	for _, l := range clients {
+		l.mu.Lock()
+		refused += l.refused
+		l.mu.Unlock()
+	}
+	if refused == 0 {
+		t.Fatal("no publish refused on the full disk")
+	}
+	if st := statusOfGW(t, d); st.Storage.Refusing == nil {
+		t.Fatalf("the status of a gateway on a full disk says nothing of it: %+v", st.Storage)
+	}
 	for _, l := range clients {
 		l.mu.Lock()
 		l.sinceGot = false

@@ -133,13 +133,32 @@ func (n *Node) save(hs pb.HardState, ents []pb.Entry) bool {
 		n.diskErr.Store(&serr)
 		n.failQueued(serr)
 		n.flushResolved()
-		select {
-		case <-time.After(backoff):
-		case <-n.stopc:
+		if !n.waitSaveRetry(backoff) {
 			return false
 		}
 		if backoff < time.Second {
 			backoff *= 2
+		}
+	}
+}
+
+// waitSaveRetry waits d before save tries again, false when the node
+// stops. The raft goroutine is held by the failing save meanwhile, so it
+// answers status requests from here: the operator's status (and the
+// daemon's /v1/status, /healthz) must say the disk is failing while it
+// is, not time out. status only reads, and raft's state does not move
+// until this Ready is saved.
+func (n *Node) waitSaveRetry(d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+			return true
+		case ch := <-n.statusc:
+			ch <- n.status()
+		case <-n.stopc:
+			return false
 		}
 	}
 }

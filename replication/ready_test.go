@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"testing"
+	"time"
 )
 
 // A master whose disk fails (its saves fail, and it retries) must not
@@ -48,12 +49,24 @@ func TestSaveFailureRefusesOnlyWhatCanNeverBeLogged(t *testing.T) {
 	if r := wait(t, old.propose(t, "after-failure", Async)); !errors.Is(r.err, ErrStorage) {
 		t.Fatalf("a publish on a master whose saves fail: %v, want ErrStorage", r.err)
 	}
+	// Its status answers meanwhile: the operator must see the failing
+	// disk, not a status that times out (CI saw /v1/status hang on a full
+	// disk).
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	st, err := old.Status(ctx)
+	cancel()
+	if err != nil {
+		t.Fatalf("a master whose saves fail does not answer its status: %v", err)
+	}
+	if st.ID != old.ID() || st.Last < last[old.ID()] {
+		t.Fatalf("status of the stuck master: %+v", st)
+	}
 	// The master stays stuck; the slaves go on without it.
 	var lead *testNode
 	waitFor(t, "a new master among the others", func() bool {
 		for _, id := range c.ids {
 			if id == old.ID() {
-				continue // its Status would wait for its stuck loop
+				continue
 			}
 			if s, err := c.nodes[id].Status(context.Background()); err == nil && s.Role == "master" {
 				lead = c.nodes[id]
