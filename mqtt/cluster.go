@@ -395,6 +395,13 @@ func (s *Server) proposeStart(se *session, c *conn, op sessionOp) {
 // when the log refused the record for space (as a publish is), 0x9C with
 // the member to use when this one is sending devices away, else 0x89.
 func (c *conn) startNotLogged(err error) {
+	c.notLogged(err, "start")
+}
+
+// notLogged ends c, whose session cannot be served without a record that
+// could not be logged (what names its op, for the log line), as
+// startNotLogged says.
+func (c *conn) notLogged(err error, what string) {
 	c.wmu.Lock()
 	if !c.connacked {
 		c.startErr = err
@@ -403,7 +410,7 @@ func (c *conn) startNotLogged(err error) {
 	}
 	c.wmu.Unlock()
 	code5, why := startRefusal(err)
-	c.srv.refusal(c.id, why+": disconnected", "client", c.id, "error", err)
+	c.srv.refusal(c.id, why+": disconnected", "client", c.id, "record", what, "error", err)
 	if r := c.srv.redirect.Load(); r != nil && !errors.Is(err, ErrQuota) {
 		c.endTo(packets.ErrUseAnotherServer, r.ref, r.why)
 		return
@@ -414,13 +421,13 @@ func (c *conn) startNotLogged(err error) {
 	c.endTo(code5, "", why)
 }
 
-// startRefusal is the reason code and words a device gets when the start
-// record of the session it resumes cannot be logged.
+// startRefusal is the reason code and words a device gets when a record
+// the session it resumes needs (its start, a release) cannot be logged.
 func startRefusal(err error) (packets.Code, string) {
 	if errors.Is(err, ErrQuota) {
 		return packets.ErrQuotaExceeded, "the log takes no records now: the session cannot be resumed here yet"
 	}
-	return packets.ErrServerUnavailable, "the session's start could not be logged: connect again"
+	return packets.ErrServerUnavailable, "the session's state could not be logged: connect again"
 }
 
 // startComing is session.startSeq while the start record of a connection
