@@ -53,15 +53,20 @@ type sessionOp struct {
 // records.
 func IsSessionTopic(topic string) bool { return topic == sessionTopic }
 
-// IsSessionStart reports whether a session record, by its topic and
-// payload, is a session's start record (proposeStart), which a master
-// takes while its log is over its budget.
-func IsSessionStart(topic string, payload []byte) bool {
+// IsServingRecord reports whether a session record, by its topic and
+// payload, is one a device cannot be served without on a member of a
+// cluster, which a master takes while its log is over its budget: a
+// resumed session's start record (proposeStart), one per CONNECT, and the
+// release record of QoS 2 deliveries (releaseNext), whose PUBRELs wait for
+// it: refused, the connection ends (released). A release names flows the
+// device PUBREC'd, deliveries of records the log holds already, each at
+// most once a connection, many to a record.
+func IsServingRecord(topic string, payload []byte) bool {
 	if topic != sessionTopic {
 		return false
 	}
 	var op sessionOp
-	return json.Unmarshal(payload, &op) == nil && op.Op == "start"
+	return json.Unmarshal(payload, &op) == nil && (op.Op == "start" || op.Op == "rel")
 }
 
 // isControl reports whether a topic is one of the cluster's own records.
