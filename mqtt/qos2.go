@@ -82,8 +82,19 @@ func (s *session) released(batch []uint64, c *conn, err error) {
 	s.mu.Lock()
 	s.relBusy = false
 	now := s.conn
-	if err != nil {
-		s.relPending = append(batch[:len(batch):len(batch)], s.relPending...)
+	var pids []uint16 // of the flows of batch still PUBREC'd here
+	var left []uint64
+	for _, idx := range batch {
+		p := pidFor(idx)
+		if it := s.inflight[p]; it != nil && it.rel && it.idx == idx {
+			pids = append(pids, p)
+			left = append(left, idx)
+		} else {
+			delete(s.releasing, idx) // ended meanwhile: its record is not needed
+		}
+	}
+	if err != nil && len(left) > 0 {
+		s.relPending = append(left, s.relPending...)
 		s.mu.Unlock()
 		switch {
 		case now == nil:
@@ -95,13 +106,11 @@ func (s *session) released(batch []uint64, c *conn, err error) {
 		}
 		return
 	}
-	pids := make([]uint16, 0, len(batch))
-	for _, idx := range batch {
+	for _, idx := range left {
 		delete(s.releasing, idx)
-		p := pidFor(idx)
-		if it := s.inflight[p]; it != nil && it.rel && it.idx == idx {
-			pids = append(pids, p)
-		}
+	}
+	if err != nil {
+		pids = nil
 	}
 	s.mu.Unlock()
 	if now != nil && len(pids) > 0 {

@@ -1050,3 +1050,106 @@ func TestMQTT_4_3_3_9_ReleaseFailingAfterAReconnectIsLoggedAgain(t *testing.T) {
 		t.Fatal("PUBREL sent on the failure of its release record, with none in the log")
 	}
 }
+
+// A device that started its session over on another member (a clean
+// start), or whose session ended there, and then resumes on a member that
+// applies those records only after it came (a follower learns the commit
+// index from the next master) resumes the session the log holds: log
+// order puts them before its start record here, so the subscriptions and
+// the flows in flight from before are gone, as on every other member. The
+// member must neither resend a message of the old session nor deliver
+// what only its old subscriptions match; what the device subscribed to
+// since (there, or here while it waited) is delivered.
+func TestSessionGoneElsewhereBeforeTheDeviceCameBack(t *testing.T) {
+	for _, clean := range []bool{true, false} {
+		name := "ended"
+		if clean {
+			name = "clean-start"
+		}
+		t.Run(name, func(t *testing.T) { goneElsewhere(t, clean) })
+	}
+}
+
+// goneElsewhere: the device holds old/1 in flight on b, goes to a, where
+// its session starts over (clean) or ends (a connection with expiry 0),
+// and comes back to b, which applies a's records after it came.
+func goneElsewhere(t *testing.T, clean bool) {
+	l := newSharedLog()
+	a, b := startMember(t, l, 1), startMember(t, l, 2)
+	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	dev := dialRaw(t, b.srv.Addr(), 5)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "old/#", Qos: 1})
+	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "old/x", QoS: 1, Payload: []byte("old/1")})
+	dev.expect(packets.Publish) // held in flight on b: the device's PUBACK is lost
+	dev.c.Close()
+	testutil.WaitFor(t, 5*time.Second, "b's session offline", func() bool {
+		b.srv.mu.Lock()
+		se := b.srv.sessions["dev"]
+		b.srv.mu.Unlock()
+		return se != nil && !se.online()
+	})
+	a.caughtUp(t)
+	b.caughtUp(t)
+	l.mu.Lock()
+	last := uint64(len(l.recs))
+	l.mu.Unlock()
+	b.holdAt(last) // b applies nothing logged from here on until the device is back
+
+	dev = dialRaw(t, a.srv.Addr(), 5)
+	if clean {
+		if ack := dev.connect("dev", true, props); ack.SessionPresent {
+			t.Fatal("session present on a clean start")
+		}
+		dev.subscribe(2, packets.Subscription{Filter: "new/#", Qos: 1})
+	} else {
+		// Resumed with expiry 0: the session ends with this connection.
+		if ack := dev.connect("dev", false, nil); !ack.SessionPresent {
+			t.Fatal("session not present on a")
+		}
+		p := dev.expect(packets.Publish) // a's replay: its start record is applied there
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Disconnect}})
+		testutil.WaitFor(t, 5*time.Second, "a's end of the session in the log", func() bool {
+			l.mu.Lock()
+			defer l.mu.Unlock()
+			for _, m := range l.recs[last:] {
+				if m.Origin == 1 && isSessionOp(m, "end") {
+					return true
+				}
+			}
+			return false
+		})
+	}
+	a.kill(t)
+	dev.c.Close()
+
+	dev = dialRaw(t, b.srv.Addr(), 5)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("back on b: CONNACK %#x session present %v; want 0, true (b has not applied a's records)", ack.ReasonCode, ack.SessionPresent)
+	}
+	if !clean {
+		dev.subscribe(3, packets.Subscription{Filter: "new/#", Qos: 1}) // while b waits for its start record
+	}
+	l.add(&Message{Origin: 9, Seq: 2, ClientID: "sensor", Topic: "old/x", QoS: 1, Payload: []byte("old/2")})
+	l.add(&Message{Origin: 9, Seq: 3, ClientID: "sensor", Topic: "new/x", QoS: 1, Payload: []byte("new/2")})
+	b.holdAt(0)
+	p := dev.next()
+	if p.FixedHeader.Type != packets.Publish || string(p.Payload) != "new/2" {
+		t.Fatalf("packet type %d %q (dup %v) on b; want new/2, and nothing of the session that was gone before b's start record",
+			p.FixedHeader.Type, p.Payload, p.FixedHeader.Dup)
+	}
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	if pk := dev.next(); pk.FixedHeader.Type != packets.Pingresp {
+		t.Fatalf("packet type %d %q after new/2, want PINGRESP", pk.FixedHeader.Type, pk.Payload)
+	}
+	b.srv.mu.Lock()
+	se := b.srv.sessions["dev"]
+	b.srv.mu.Unlock()
+	se.mu.Lock()
+	defer se.mu.Unlock()
+	if _, ok := se.subs["old/#"]; ok || len(se.subs) != 1 {
+		t.Fatalf("b's session subscribes to %d filters (old/# %v); want new/# alone", len(se.subs), ok)
+	}
+}
