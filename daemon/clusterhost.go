@@ -41,11 +41,13 @@ func (h clusterHost) Admit(data []byte) error {
 	return fmt.Errorf("%w: an uplink's backlog is full (on_full: refuse)", replication.ErrStorage)
 }
 
-// PastBudget takes a resumed session's start record while the log is over
-// its budget: without it the session's device is not served on a member
-// of a cluster (mqtt's proposeStart), and subscribers keep being served
-// while publishes are refused. One per CONNECT, which the connect rate
-// bounds.
+// PastBudget takes a resumed session's start record and the release
+// records of QoS 2 deliveries while the log is over its budget: without
+// them the session's device is not served on a member of a cluster (mqtt's
+// proposeStart and released end its connection), and subscribers keep
+// being served while publishes are refused. A start is one per CONNECT,
+// which the connect rate bounds; a release covers deliveries of records
+// the log holds already (mqtt.IsServingRecord).
 func (h clusterHost) PastBudget(data []byte) bool {
 	// By topic, not kind: below feature level 2 a session record is
 	// written as a message on its $tandem/ topic, which no device may
@@ -55,5 +57,5 @@ func (h clusterHost) PastBudget(data []byte) bool {
 		return false
 	}
 	rec, err := storage.DecodeRecord(data)
-	return err == nil && mqtt.IsSessionStart(rec.Topic, rec.Payload)
+	return err == nil && mqtt.IsServingRecord(rec.Topic, rec.Payload)
 }

@@ -53,15 +53,20 @@ type sessionOp struct {
 // records.
 func IsSessionTopic(topic string) bool { return topic == sessionTopic }
 
-// IsSessionStart reports whether a session record, by its topic and
-// payload, is a session's start record (proposeStart), which a master
-// takes while its log is over its budget.
-func IsSessionStart(topic string, payload []byte) bool {
+// IsServingRecord reports whether a session record, by its topic and
+// payload, is one a device cannot be served without on a member of a
+// cluster, which a master takes while its log is over its budget: a
+// resumed session's start record (proposeStart), one per CONNECT, and the
+// release record of QoS 2 deliveries (releaseNext), whose PUBRELs wait for
+// it: refused, the connection ends (released). A release names flows the
+// device PUBREC'd, deliveries of records the log holds already, each at
+// most once a connection, many to a record.
+func IsServingRecord(topic string, payload []byte) bool {
 	if topic != sessionTopic {
 		return false
 	}
 	var op sessionOp
-	return json.Unmarshal(payload, &op) == nil && op.Op == "start"
+	return json.Unmarshal(payload, &op) == nil && (op.Op == "start" || op.Op == "rel")
 }
 
 // isControl reports whether a topic is one of the cluster's own records.
@@ -194,7 +199,13 @@ func (s *Server) applySession(index uint64, id string, own bool, seq uint64, op 
 					// here: the later connection wins, cluster-wide.
 					local.end(codeTakenOver)
 				} else {
-					return // this connection is the later one: its start comes after
+					// This connection is the later one: its start comes
+					// after. A clean start before it wiped the session
+					// this one resumes.
+					if op.Clean {
+						s.startedOverLocked(se, index)
+					}
+					return
 				}
 			}
 			if op.Clean {
@@ -231,13 +242,82 @@ func (s *Server) applySession(index uint64, id string, own bool, seq uint64, op 
 		}
 		se.mu.Unlock()
 	case "end":
-		if se != nil && se.current() == nil {
-			s.endSessionLocked(se, false)
+		if se == nil {
+			return
 		}
+		if se.current() == nil {
+			s.endSessionLocked(se, false)
+			return
+		}
+		// Live here: an end before its start record in log order ended
+		// the session this connection resumes. One after it comes from
+		// a member that had not applied that record yet: the
+		// connection here is the session's latest, and stays.
+		s.startedOverLocked(se, index)
 	case "rel":
 		if se != nil {
 			s.applyReleased(se, op.Rel)
 		}
+	}
+}
+
+// startedOverLocked takes into se, live here and waiting for its start
+// record (awaitingStartLocked), another member's clean start or end of
+// the session at index: log order puts it before this connection's start
+// record, so the session the device resumes here is the one that record
+// left, empty from index on, and other members, applying the same records,
+// hold that. Without this, this member would keep serving subscriptions
+// and resending flows the log says are gone. What the device did on this
+// connection is newer and stays: the filters it named here (namedHere),
+// and the QoS 2 publishes it sent here (their records come after its start
+// record). Its CONNACK said the session was present: its state is
+// replaced, not the answer. Called with s.mu held, not se.mu.
+func (s *Server) startedOverLocked(se *session, index uint64) {
+	se.mu.Lock()
+	if se.conn == nil || !se.awaitingStartLocked() {
+		se.mu.Unlock()
+		return
+	}
+	var gone []*subscription
+	for f, sub := range se.subs {
+		if !se.namedHere[f] {
+			gone = append(gone, sub)
+			delete(se.subs, f)
+		}
+	}
+	var outs, ins []uint16
+	for p, it := range se.inflight {
+		se.landedLocked(it)
+		outs = append(outs, p)
+	}
+	for p, in := range se.inbound {
+		if in.origin == s.cfg.NodeID && se.startSeq != startComing && in.seq > se.startSeq {
+			continue // sent on this connection
+		}
+		ins = append(ins, p)
+		delete(se.inbound, p)
+	}
+	s.inflight.Add(-int64(len(outs) + len(ins)))
+	se.inflight = map[uint16]*outItem{}
+	se.relPending, se.releasing, se.doneAbove = nil, nil, nil
+	// Nothing in the log before it is for the session it left; the
+	// replay, held until the start record, reads on from there.
+	se.cursor, se.scanned, se.sentCursor = index, index, index
+	s.recountLocked(se)
+	persist := se.persistent()
+	se.mu.Unlock()
+	for _, sub := range gone {
+		s.index.remove(se, sub)
+		s.stageDelete(subKey(se.id, sub.filter))
+	}
+	for _, p := range outs {
+		s.stageDelete(outKey(se.id, p))
+	}
+	for _, p := range ins {
+		s.stageDelete(qos2Key(se.id, p))
+	}
+	if persist {
+		s.saveCursor(se)
 	}
 }
 
@@ -395,6 +475,13 @@ func (s *Server) proposeStart(se *session, c *conn, op sessionOp) {
 // when the log refused the record for space (as a publish is), 0x9C with
 // the member to use when this one is sending devices away, else 0x89.
 func (c *conn) startNotLogged(err error) {
+	c.notLogged(err, "start")
+}
+
+// notLogged ends c, whose session cannot be served without a record that
+// could not be logged (what names its op, for the log line), as
+// startNotLogged says.
+func (c *conn) notLogged(err error, what string) {
 	c.wmu.Lock()
 	if !c.connacked {
 		c.startErr = err
@@ -403,7 +490,7 @@ func (c *conn) startNotLogged(err error) {
 	}
 	c.wmu.Unlock()
 	code5, why := startRefusal(err)
-	c.srv.refusal(c.id, why+": disconnected", "client", c.id, "error", err)
+	c.srv.refusal(c.id, why+": disconnected", "client", c.id, "record", what, "error", err)
 	if r := c.srv.redirect.Load(); r != nil && !errors.Is(err, ErrQuota) {
 		c.endTo(packets.ErrUseAnotherServer, r.ref, r.why)
 		return
@@ -414,13 +501,13 @@ func (c *conn) startNotLogged(err error) {
 	c.endTo(code5, "", why)
 }
 
-// startRefusal is the reason code and words a device gets when the start
-// record of the session it resumes cannot be logged.
+// startRefusal is the reason code and words a device gets when a record
+// the session it resumes needs (its start, a release) cannot be logged.
 func startRefusal(err error) (packets.Code, string) {
 	if errors.Is(err, ErrQuota) {
 		return packets.ErrQuotaExceeded, "the log takes no records now: the session cannot be resumed here yet"
 	}
-	return packets.ErrServerUnavailable, "the session's start could not be logged: connect again"
+	return packets.ErrServerUnavailable, "the session's state could not be logged: connect again"
 }
 
 // startComing is session.startSeq while the start record of a connection

@@ -80,7 +80,9 @@
 // (qos2.go): deliveries take their packet id from the record's index, so
 // every member sends a message under the same id, with DUP when the device
 // may hold it; the PUBREL waits for a release record another member holds
-// (Replicated), so a copy never sends a finished flow again; and a copy
+// (Replicated), so a copy never sends a finished flow again (a release that
+// cannot be logged sends none: the connection ends, and the next one logs
+// it first); and a copy
 // keeps the inbound QoS 2 ids of the device's publishes from the log, so a
 // resend after a move is not logged twice.
 //

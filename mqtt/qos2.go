@@ -21,7 +21,8 @@ import (
 // delivery waits while that id is taken. (b): when the client PUBRECs
 // such a delivery on a persistent session, the member logs a release
 // record (a session record "rel" with the indexes) and sends the PUBREL
-// only once that record is on another member's disk too (Replicated): a member
+// only once that record is on another member's disk too (Replicated), and
+// none while it is not logged (released): a member
 // that takes over later has it, keeps the flow as PUBREL'd, and skips the
 // record in its replay. It may apply it only after the device came (a
 // follower learns the commit index from the next master): the replay
@@ -58,35 +59,62 @@ func (s *session) releaseNext() {
 		s.mu.Unlock()
 		return
 	}
-	batch := s.relPending
+	batch, c := s.relPending, s.conn
 	s.relPending, s.relBusy = nil, true
 	s.mu.Unlock()
-	s.srv.proposeOp(s.id, sessionOp{Op: "rel", Rel: batch}, Replicated, func(err error) { s.released(batch, err) })
+	s.srv.proposeOp(s.id, sessionOp{Op: "rel", Rel: batch}, Replicated, func(err error) { s.released(batch, c, err) })
 }
 
-// released sends the PUBRELs of batch once its release record is logged.
-// When logging failed they go anyway: the flow must end, and only a member
-// taking the session over before the record is there could deliver one of
-// them twice. They go as late releases: a connection whose resend is still
-// to come sends them there, and none goes before a CONNACK.
-func (s *session) released(batch []uint64, err error) {
-	if err != nil {
-		s.srv.lines.Warn("release record of QoS 2 deliveries not logged: PUBREL sent anyway", "client", s.id, "error", err)
-	}
+// released sends the PUBRELs of batch once its release record is logged;
+// c is the connection it was proposed for.
+//
+// When it could not be logged, no PUBREL goes: the device would complete
+// flows that a member taking the session over, without the record, sends
+// again under the same packet ids, as new messages. The flows stay
+// PUBREC'd, their indexes pending again, and c ends as a connection whose
+// start record could not be logged does (notLogged): its device connects
+// again, and the resend of that connection logs the release first
+// (relog), here once the log takes records, or on a member that takes
+// them, which resends the messages the device still holds with DUP and
+// releases them itself. A newer connection than c, whose resend found this
+// record in flight and did not log it again, gets it proposed once more.
+func (s *session) released(batch []uint64, c *conn, err error) {
 	s.mu.Lock()
 	s.relBusy = false
-	c := s.conn
-	pids := make([]uint16, 0, len(batch))
+	now := s.conn
+	var pids []uint16 // of the flows of batch still PUBREC'd here
+	var left []uint64
 	for _, idx := range batch {
-		delete(s.releasing, idx)
 		p := pidFor(idx)
 		if it := s.inflight[p]; it != nil && it.rel && it.idx == idx {
 			pids = append(pids, p)
+			left = append(left, idx)
+		} else {
+			delete(s.releasing, idx) // ended meanwhile: its record is not needed
 		}
 	}
+	if err != nil && len(left) > 0 {
+		s.relPending = append(left, s.relPending...)
+		s.mu.Unlock()
+		switch {
+		case now == nil:
+			// Offline: its next connection's resend logs them (relog).
+		case now == c:
+			c.notLogged(err, "rel")
+		default:
+			s.releaseNext()
+		}
+		return
+	}
+	for _, idx := range left {
+		delete(s.releasing, idx)
+	}
+	if err != nil {
+		pids = nil
+	}
 	s.mu.Unlock()
-	if c != nil && len(pids) > 0 {
-		c.lateRelease(pids)
+	if now != nil && len(pids) > 0 {
+		now.lateRelease(pids)
 	}
 	s.releaseNext()
 }

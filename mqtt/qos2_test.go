@@ -2,7 +2,9 @@ package mqtt
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
+	"net"
 	"slices"
 	"strings"
 	"testing"
@@ -873,5 +875,281 @@ func TestMQTT_4_3_3_9_AnEarlierConnectionsStartIsNotTheBarrier(t *testing.T) {
 			t.Fatalf("packet type %d %q (id %d), want message 2 and nothing of message 1", pk.FixedHeader.Type, pk.Payload, pk.PacketID)
 		}
 		break
+	}
+}
+
+// [MQTT-4.3.3-9] when the release record of a PUBREC'd delivery cannot be
+// logged (the log full, no master, a timeout): no PUBREL goes, for the
+// device would complete a flow that a member taking the session over,
+// without the record, sends again under the same packet id, as new. The
+// connection ends instead (0x97 for a full log, 0x89 else; 3.1.1: closed),
+// the flow stays PUBREC'd, and the device's next connection has it
+// finished: back on the same member the release is logged before its
+// PUBREL; on another member the message comes again under the packet id
+// the device still holds, with DUP.
+func TestMQTT_4_3_3_9_NoPubrelWhenTheReleaseIsNotLogged(t *testing.T) {
+	full := fmt.Errorf("%w: the log is over its budget", ErrQuota)
+	for _, tc := range []struct {
+		name  string
+		v     byte
+		err   error
+		code  byte // of the DISCONNECT (MQTT 5)
+		moves bool // the device goes to the other member next
+	}{
+		{"v5-full-back", 5, full, 0x97, false},
+		{"v5-unavailable-moves", 5, errors.New("no master"), 0x89, true},
+		{"v4-back", 4, errors.New("ack timeout"), 0, false},
+		{"v4-moves", 4, full, 0, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) { releaseNotLogged(t, tc.v, tc.err, tc.code, tc.moves) })
+	}
+}
+
+func releaseNotLogged(t *testing.T, v byte, fail error, code byte, moves bool) {
+	l := newSharedLog()
+	a, b := startMember(t, l, 1), startMember(t, l, 2)
+	var props *packets.Properties
+	if v == 5 {
+		props = &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	}
+	dev := dialRaw(t, a.srv.Addr(), v)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	pid := dev.expect(packets.Publish).PacketID
+	a.setGate(func(msg *Message) (<-chan struct{}, error) {
+		if isSessionOp(msg, "rel") {
+			return nil, fail
+		}
+		return nil, nil
+	})
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pid})
+	for {
+		pk, err := dev.read(5 * time.Second)
+		if err != nil {
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				t.Fatal("the connection did not end when the release record failed")
+			}
+			if v == 5 {
+				t.Fatal("closed without a DISCONNECT")
+			}
+			break
+		}
+		if pk.FixedHeader.Type == packets.Pubrel {
+			t.Fatalf("PUBREL %d though the release record was refused (%v)", pk.PacketID, fail)
+		}
+		if pk.FixedHeader.Type == packets.Disconnect {
+			if pk.ReasonCode != code {
+				t.Fatalf("DISCONNECT %#x, want %#x", pk.ReasonCode, code)
+			}
+			break
+		}
+	}
+	dev.c.Close()
+	a.setGate(nil)
+	if released(l, "m/x") {
+		t.Fatal("a release record in the log: the gate let it through")
+	}
+
+	to := a
+	if moves {
+		b.caughtUp(t)
+		a.kill(t)
+		to = b
+	}
+	dev = dialRaw(t, to.srv.Addr(), v)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("CONNACK %#x session present %v", ack.ReasonCode, ack.SessionPresent)
+	}
+	if moves {
+		// The device still holds pid: the message comes under it, with
+		// DUP, and the flow goes on there.
+		p := dev.expect(packets.Publish)
+		if string(p.Payload) != "1" || p.PacketID != pid || !p.FixedHeader.Dup {
+			t.Fatalf("on b: PUBLISH %q id %d dup %v; want the held message under id %d with DUP", p.Payload, p.PacketID, p.FixedHeader.Dup, pid)
+		}
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pid})
+	}
+	if rel := dev.expect(packets.Pubrel); rel.PacketID != pid {
+		t.Fatalf("PUBREL %d, want %d", rel.PacketID, pid)
+	}
+	if !released(l, "m/x") {
+		t.Fatal("PUBREL sent with no release record in the log")
+	}
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pid})
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	dev.expect(packets.Pingresp)
+}
+
+// released reports whether l holds a release record of the delivery of
+// the record on topic.
+func released(l *sharedLog, topic string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var idx uint64
+	for i, m := range l.recs {
+		if m.Topic == topic {
+			idx = uint64(i + 1)
+		}
+	}
+	for _, m := range l.recs {
+		var op sessionOp
+		if isSessionOp(m, "rel") && json.Unmarshal(m.Payload, &op) == nil && slices.Contains(op.Rel, idx) {
+			return true
+		}
+	}
+	return false
+}
+
+// A release record that fails after its device has reconnected (the
+// resend of the new connection found it in flight, and did not log it
+// again) is logged again for the new connection, whose PUBREL waits for
+// it: no PUBREL goes on the failure.
+func TestMQTT_4_3_3_9_ReleaseFailingAfterAReconnectIsLoggedAgain(t *testing.T) {
+	l := newSharedLog()
+	a := startMember(t, l, 1)
+	startMember(t, l, 2)
+	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	dev := dialRaw(t, a.srv.Addr(), 5)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	pid := dev.expect(packets.Publish).PacketID
+	let := make(chan struct{})
+	a.setGate(func(msg *Message) (<-chan struct{}, error) {
+		if isSessionOp(msg, "rel") {
+			return let, errors.New("ack timeout")
+		}
+		return nil, nil
+	})
+	ping := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}}
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pid})
+	dev.write(ping)
+	dev.expect(packets.Pingresp)
+	dev.c.Close()
+	testutil.WaitFor(t, 5*time.Second, "the session offline", func() bool {
+		a.srv.mu.Lock()
+		se := a.srv.sessions["dev"]
+		a.srv.mu.Unlock()
+		return se != nil && !se.online()
+	})
+
+	dev = dialRaw(t, a.srv.Addr(), 5)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("CONNACK %#x session present %v", ack.ReasonCode, ack.SessionPresent)
+	}
+	dev.write(ping)
+	dev.expect(packets.Pingresp) // no PUBREL in the resend: the record is in flight
+	a.setGate(nil)
+	close(let) // the first connection's record fails now
+	if rel := dev.expect(packets.Pubrel); rel.PacketID != pid {
+		t.Fatalf("PUBREL %d, want %d", rel.PacketID, pid)
+	}
+	if !released(l, "m/x") {
+		t.Fatal("PUBREL sent on the failure of its release record, with none in the log")
+	}
+}
+
+// A device that started its session over on another member (a clean
+// start), or whose session ended there, and then resumes on a member that
+// applies those records only after it came (a follower learns the commit
+// index from the next master) resumes the session the log holds: log
+// order puts them before its start record here, so the subscriptions and
+// the flows in flight from before are gone, as on every other member. The
+// member must neither resend a message of the old session nor deliver
+// what only its old subscriptions match; what the device subscribed to
+// since (there, or here while it waited) is delivered.
+func TestSessionGoneElsewhereBeforeTheDeviceCameBack(t *testing.T) {
+	for _, clean := range []bool{true, false} {
+		name := "ended"
+		if clean {
+			name = "clean-start"
+		}
+		t.Run(name, func(t *testing.T) { goneElsewhere(t, clean) })
+	}
+}
+
+// goneElsewhere: the device holds old/1 in flight on b, goes to a, where
+// its session starts over (clean) or ends (a connection with expiry 0),
+// and comes back to b, which applies a's records after it came.
+func goneElsewhere(t *testing.T, clean bool) {
+	l := newSharedLog()
+	a, b := startMember(t, l, 1), startMember(t, l, 2)
+	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+	dev := dialRaw(t, b.srv.Addr(), 5)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "old/#", Qos: 1})
+	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "old/x", QoS: 1, Payload: []byte("old/1")})
+	dev.expect(packets.Publish) // held in flight on b: the device's PUBACK is lost
+	dev.c.Close()
+	testutil.WaitFor(t, 5*time.Second, "b's session offline", func() bool {
+		b.srv.mu.Lock()
+		se := b.srv.sessions["dev"]
+		b.srv.mu.Unlock()
+		return se != nil && !se.online()
+	})
+	a.caughtUp(t)
+	b.caughtUp(t)
+	l.mu.Lock()
+	last := uint64(len(l.recs))
+	l.mu.Unlock()
+	b.holdAt(last) // b applies nothing logged from here on until the device is back
+
+	dev = dialRaw(t, a.srv.Addr(), 5)
+	if clean {
+		if ack := dev.connect("dev", true, props); ack.SessionPresent {
+			t.Fatal("session present on a clean start")
+		}
+		dev.subscribe(2, packets.Subscription{Filter: "new/#", Qos: 1})
+	} else {
+		// Resumed with expiry 0: the session ends with this connection.
+		if ack := dev.connect("dev", false, nil); !ack.SessionPresent {
+			t.Fatal("session not present on a")
+		}
+		p := dev.expect(packets.Publish) // a's replay: its start record is applied there
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Disconnect}})
+		testutil.WaitFor(t, 5*time.Second, "a's end of the session in the log", func() bool {
+			l.mu.Lock()
+			defer l.mu.Unlock()
+			for _, m := range l.recs[last:] {
+				if m.Origin == 1 && isSessionOp(m, "end") {
+					return true
+				}
+			}
+			return false
+		})
+	}
+	a.kill(t)
+	dev.c.Close()
+
+	dev = dialRaw(t, b.srv.Addr(), 5)
+	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("back on b: CONNACK %#x session present %v; want 0, true (b has not applied a's records)", ack.ReasonCode, ack.SessionPresent)
+	}
+	if !clean {
+		dev.subscribe(3, packets.Subscription{Filter: "new/#", Qos: 1}) // while b waits for its start record
+	}
+	l.add(&Message{Origin: 9, Seq: 2, ClientID: "sensor", Topic: "old/x", QoS: 1, Payload: []byte("old/2")})
+	l.add(&Message{Origin: 9, Seq: 3, ClientID: "sensor", Topic: "new/x", QoS: 1, Payload: []byte("new/2")})
+	b.holdAt(0)
+	p := dev.next()
+	if p.FixedHeader.Type != packets.Publish || string(p.Payload) != "new/2" {
+		t.Fatalf("packet type %d %q (dup %v) on b; want new/2, and nothing of the session that was gone before b's start record",
+			p.FixedHeader.Type, p.Payload, p.FixedHeader.Dup)
+	}
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: p.PacketID})
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	if pk := dev.next(); pk.FixedHeader.Type != packets.Pingresp {
+		t.Fatalf("packet type %d %q after new/2, want PINGRESP", pk.FixedHeader.Type, pk.Payload)
+	}
+	b.srv.mu.Lock()
+	se := b.srv.sessions["dev"]
+	b.srv.mu.Unlock()
+	se.mu.Lock()
+	defer se.mu.Unlock()
+	if _, ok := se.subs["old/#"]; ok || len(se.subs) != 1 {
+		t.Fatalf("b's session subscribes to %d filters (old/# %v); want new/# alone", len(se.subs), ok)
 	}
 }

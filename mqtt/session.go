@@ -87,7 +87,8 @@ type session struct {
 	// is in flight. Their PUBRELs wait for it (qos2.go). releasing holds
 	// every index of either whose record's outcome has not come: no
 	// PUBREL goes for them, neither on a repeated PUBREC nor in the
-	// resend of a reconnect, until it has (released sends them).
+	// resend of a reconnect, until it is logged (released sends them; a
+	// record that failed puts them back in relPending).
 	relPending []uint64
 	relBusy    bool
 	releasing  map[uint64]bool
