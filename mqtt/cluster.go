@@ -405,7 +405,7 @@ func (c *conn) startNotLogged(err error) {
 	code5, why := startRefusal(err)
 	c.srv.refusal(c.id, why+": disconnected", "client", c.id, "error", err)
 	if r := c.srv.redirect.Load(); r != nil && !errors.Is(err, ErrQuota) {
-		c.endTo(packets.ErrUseAnotherServer, r.ref, r.why)
+		c.endRedirected(r)
 		return
 	}
 	if code5 == packets.ErrServerUnavailable {
