@@ -13,9 +13,10 @@ type Status struct {
 	Role string     `json:"role"`
 	Term uint64     `json:"term"`
 	// Serving is ServingAll while this member takes publishes (/healthz
-	// answers 200) and ServingSubscribers while it does not; NotServing
-	// is then why, the /healthz 503 body word for word (null while it
-	// takes them).
+	// answers 200), ServingSubscribers while it does not but keeps its
+	// devices, and ServingNone while it sends them to another member or
+	// refuses them; NotServing is then why, the /healthz 503 body word
+	// for word (null while it takes them).
 	Serving    string  `json:"serving"`
 	NotServing *string `json:"not_serving"`
 	// Leader is the master while this member is it or reaches it, null
@@ -37,6 +38,10 @@ type Status struct {
 const (
 	ServingAll         = "publishes and subscribers"
 	ServingSubscribers = "subscribers only"
+	// ServingNone: devices are sent to another member or refused (a
+	// member cut off from the majority, or whose broker state is
+	// incomplete).
+	ServingNone = "no devices"
 )
 
 // StatusCluster names the cluster this gateway belongs to.

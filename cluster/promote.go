@@ -66,7 +66,7 @@ func (c *cluster) promote(ctx context.Context, force bool, reason string) (repli
 		return old, errors.New("this gateway is the master already")
 	case n.StateIncomplete():
 		// Only the master has the state whole (replication/incomplete.go).
-		return old, fmt.Errorf("%w: promoted, this gateway would serve it; start the master again", replication.ErrStateIncomplete)
+		return old, fmt.Errorf("%w: promoted, this gateway would serve it; start the master again (if it is gone for good: stop this gateway, run `tandem repair --accept-incomplete --force --data DIR` on it, start it and promote it)", replication.ErrStateIncomplete)
 	case !force && n.Leader() == old.ID && c.tr.Reachable(old.ID):
 		return old, fmt.Errorf("the master %s is alive and in contact: promoting now would give the cluster two masters (stop it first, or use --force)", old.Name)
 	}

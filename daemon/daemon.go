@@ -207,7 +207,8 @@ func (d *Daemon) Start(ctx context.Context) (err error) {
 	d.broker.Applied(d.db.Applied())
 	if n.StateIncomplete() {
 		// Not even for the moment before the serving watch's first look.
-		d.broker.Redirect(d.mqttRefs(n, n.Members()), incompleteReason)
+		why, ref := d.incompleteServing(n, n.Members())
+		d.sendDevices(why, ref, true)
 	}
 	if err = d.broker.Start(); err != nil {
 		return inUse(err, "MQTT address", c.MQTT.Listen, "--mqtt", "mqtt.listen")

@@ -2,7 +2,9 @@ package daemon
 
 import (
 	"errors"
+	"fmt"
 	"net"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -51,6 +53,13 @@ import (
 //     until then, or when no member can take it (a 2-gateway slave is a
 //     learner), it answers 503 with the reason and keeps its devices,
 //     since the others send every publish to it;
+//   - a member whose broker state is incomplete (a snapshot's install was
+//     interrupted: replication/incomplete.go) takes no devices at all,
+//     since what it would serve them is part old, part new: it sends them
+//     to the others, or, with none to name, refuses them
+//     (mqtt.Server.Refuse: CONNACK 0x88, 3.1.1 0x03). A gateway with no
+//     other member waits for a snapshot nobody will send: its reason
+//     says how its operator accepts the state as it is instead;
 //   - a gateway whose log writes fail (its raft loop retries the save)
 //     applies nothing either, so its subscribers get nothing: it sends
 //     its devices to the master, or, as a master of three voters (the
@@ -75,8 +84,23 @@ const cutOffFor = 500 * time.Millisecond
 const cutOffReason = "no master reachable: cut off from the cluster's majority"
 
 // incompleteReason is why a member whose broker state is incomplete (a
-// snapshot's install was interrupted) sends its devices away.
+// snapshot's install was interrupted) takes no devices: it sends them to
+// the other members, or refuses them when it can name none.
 const incompleteReason = "broker state incomplete: a snapshot's install was interrupted, waiting for the master to send it again"
+
+// incompleteAlone is incompleteReason for a gateway with no other member:
+// no snapshot will ever come, and only its operator can end the wait
+// (tandem repair --accept-incomplete, docs/storage.md). What follows the
+// "; " is for the operator, not the devices (deviceReason).
+const incompleteAlone = "broker state incomplete: a snapshot's install was interrupted and this gateway has no other member to send it again; " +
+	"to serve the state as it is (part old, part new), stop the gateway and run `tandem repair --accept-incomplete --data %s`"
+
+// deviceReason is the part of why that devices are told: up to the first
+// "; ", after which come hints for the operator.
+func deviceReason(why string) string {
+	why, _, _ = strings.Cut(why, "; ")
+	return why
+}
 
 // servingState is what the watch last found: the one answer to "does this
 // member take publishes" that /healthz, the status JSON, the status page
@@ -188,7 +212,7 @@ func (d *Daemon) lookServing(leaderless *time.Time) {
 	if n := d.gw.Node(); n != nil {
 		d.noteLinks(n, now)
 	}
-	why, ref := d.checkServing(leaderless, now)
+	why, ref, refuse := d.checkServing(leaderless, now)
 	if d.serving.stopping.Load() {
 		return
 	}
@@ -201,7 +225,20 @@ func (d *Daemon) lookServing(leaderless *time.Time) {
 	case why != "" && old.why != why:
 		d.log.Warn("not taking publishes", "reason", why, "devices_sent_to", ref)
 	}
-	d.broker.Redirect(ref, why) // "" ref: keep the devices
+	d.sendDevices(why, ref, refuse)
+}
+
+// sendDevices sends the devices to ref, refuses them (refuse, no member to
+// name), or keeps them: checkServing's finding, told to the broker.
+func (d *Daemon) sendDevices(why, ref string, refuse bool) {
+	switch {
+	case ref != "":
+		d.broker.Redirect(ref, deviceReason(why))
+	case refuse:
+		d.broker.Refuse(deviceReason(why))
+	default:
+		d.broker.Serve()
+	}
 }
 
 // servingNow is the watch's last finding ("starting" before its first).
@@ -230,23 +267,50 @@ func (d *Daemon) reachableMaster(why string) uint64 {
 }
 
 // checkServing says why the gateway cannot take publishes ("" when it can)
-// and where its devices should go ("" to keep them). leaderless is when
-// the member last saw no master, zero while it sees one.
-func (d *Daemon) checkServing(leaderless *time.Time, now time.Time) (why, ref string) {
+// and where its devices should go ("" to keep them, unless refuse: what it
+// would serve them is wrong, and they are refused even with no member to
+// send them to). leaderless is when the member last saw no master, zero
+// while it sees one.
+func (d *Daemon) checkServing(leaderless *time.Time, now time.Time) (why, ref string, refuse bool) {
 	n := d.gw.Node()
 	if n == nil {
-		return "starting", ""
+		return "starting", "", false
 	}
 	members := n.Members()
 	if n.Fenced() {
-		return "replaced by a promoted master: rejoining as its slave", ""
+		return "replaced by a promoted master: rejoining as its slave", "", false
 	}
 	if n.StateIncomplete() {
-		// Its retained messages, sessions and cursors are part old, part
-		// new: the devices go to the others until the master's snapshot
-		// is installed (replication/incomplete.go).
-		return incompleteReason, d.mqttRefs(n, members)
+		why, ref := d.incompleteServing(n, members)
+		return why, ref, true
 	}
+	why, ref = d.checkWhole(n, members, leaderless, now)
+	return why, ref, false
+}
+
+// incompleteServing is checkServing for a member whose broker state is
+// incomplete: its retained messages, sessions and cursors are part old,
+// part new, and a device served them would see both (a retained message
+// older than one it saw, a session missing its subscriptions). The devices
+// go to the others until the master's snapshot is installed
+// (replication/incomplete.go), or are refused when there is nobody to
+// name; the reason says what the operator can do when no other member
+// exists.
+func (d *Daemon) incompleteServing(n *replication.Node, members []replication.Member) (why, ref string) {
+	if len(members) <= 1 {
+		dir := d.cfg.Node.DataDir
+		if abs, err := filepath.Abs(dir); err == nil {
+			dir = abs
+		}
+		return fmt.Sprintf(incompleteAlone, dir), ""
+	}
+	return incompleteReason, d.mqttRefs(n, members)
+}
+
+// checkWhole is checkServing for a member whose broker state is whole:
+// while it cannot take publishes it still serves what it holds, so with
+// nobody to name its devices stay.
+func (d *Daemon) checkWhole(n *replication.Node, members []replication.Member, leaderless *time.Time, now time.Time) (why, ref string) {
 	if t := n.CutOff(); !t.IsZero() && now.Sub(t) >= cutOffFor {
 		// A master that heard from no majority for an election timeout
 		// and a bit: the others elect a new one meanwhile.

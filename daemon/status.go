@@ -116,6 +116,9 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 	if sv.why != "" {
 		why := sv.why
 		s.Serving, s.NotServing = admin.ServingSubscribers, &why
+		if ref, refused := d.broker.Redirecting(); ref != "" || refused != "" {
+			s.Serving = admin.ServingNone
+		}
 	}
 	// Named by the watch's rule, looked at now: a slave that just
 	// joined names its master at once.

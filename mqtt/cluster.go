@@ -492,7 +492,7 @@ func (c *conn) notLogged(err error, what string) {
 	code5, why := startRefusal(err)
 	c.srv.refusal(c.id, why+": disconnected", "client", c.id, "record", what, "error", err)
 	if r := c.srv.redirect.Load(); r != nil && !errors.Is(err, ErrQuota) {
-		c.endTo(packets.ErrUseAnotherServer, r.ref, r.why)
+		c.endRedirected(r)
 		return
 	}
 	if code5 == packets.ErrServerUnavailable {

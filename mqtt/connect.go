@@ -190,7 +190,7 @@ func (c *conn) connect() bool {
 	if r := c.srv.redirect.Load(); r != nil {
 		// Redirect came between the check above and attach, after it had
 		// looked at the connections online.
-		c.endTo(packets.ErrUseAnotherServer, r.ref, r.why)
+		c.endRedirected(r)
 		return false
 	}
 	return true

@@ -91,7 +91,10 @@
 // Redirect (redirect.go) ends every connection with DISCONNECT 0x9C and a
 // Server Reference (3.1.1: closes it) and answers CONNECTs with CONNACK
 // 0x9C (3.1.1: 0x03) until Serve: the daemon calls it while this member
-// cannot take publishes and another member may.
+// cannot take publishes and another member may. Refuse does the same with
+// no member to name (DISCONNECT 0x89, CONNACK 0x88): the daemon calls it
+// while what this member would serve devices is wrong (its broker state
+// is incomplete) and it knows no other member.
 //
 // # Threading
 //

@@ -31,8 +31,38 @@ func (s *Server) Redirect(ref, why string) {
 	}
 	s.lines.Warn("sending devices to another member", "server_reference", ref, "reason", why)
 	for _, c := range s.onlineConns() {
-		c.endTo(packets.ErrUseAnotherServer, ref, why)
+		c.endRedirected(r)
 	}
+}
+
+// Refuse tells the broker that this member takes no devices now and has
+// no other member to name: what it would serve them is wrong, not only
+// late (its broker state is part old, part new: why says so, for the
+// devices and the log). Unlike an empty Redirect, which keeps them,
+// connected clients are ended: MQTT 5 ones with DISCONNECT 0x89 Server
+// busy and why (0x88 Server unavailable is a CONNACK's only), 3.1.1 ones by
+// closing the connection. Until Serve (or Redirect), a CONNECT is answered
+// with CONNACK 0x88 Server unavailable (3.1.1: 0x03). Sessions stay as
+// they are.
+func (s *Server) Refuse(why string) {
+	r := &redirection{why: why}
+	if old := s.redirect.Swap(r); old != nil && *old == *r {
+		return
+	}
+	s.lines.Warn("refusing devices, with no other member to send them to", "reason", why)
+	for _, c := range s.onlineConns() {
+		c.endRedirected(r)
+	}
+}
+
+// endRedirected ends c as r says: 0x9C naming the member to use, or 0x89
+// when there is none to name (Refuse).
+func (c *conn) endRedirected(r *redirection) {
+	if r.ref == "" {
+		c.endTo(packets.ErrServerBusy, "", r.why)
+		return
+	}
+	c.endTo(packets.ErrUseAnotherServer, r.ref, r.why)
 }
 
 // Serve ends Redirect: this member takes connections again.
@@ -43,7 +73,7 @@ func (s *Server) Serve() {
 }
 
 // Redirecting returns the reference devices are sent to, and why; "" while
-// this member serves.
+// this member serves (why alone while it refuses them: Refuse).
 func (s *Server) Redirecting() (ref, why string) {
 	if r := s.redirect.Load(); r != nil {
 		return r.ref, r.why
@@ -51,16 +81,24 @@ func (s *Server) Redirecting() (ref, why string) {
 	return "", ""
 }
 
-// refuseTo answers a CONNECT while the member sends devices elsewhere.
+// refuseTo answers a CONNECT while the member sends devices elsewhere, or
+// refuses them with nowhere to send them (0x88).
 func (c *conn) refuseTo(pk *packets.Packet, r *redirection) bool {
 	if c.v == 5 {
 		ack := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connack},
 			ReasonCode: packets.ErrUseAnotherServer.Code}
+		if r.ref == "" {
+			ack.ReasonCode = packets.ErrServerUnavailable.Code
+		}
 		ack.Properties.ServerReference = r.ref
 		ack.Properties.ReasonString = r.why
 		c.send(ack)
 	} else {
 		c.send(&packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connack}, ReasonCode: 0x03})
+	}
+	if r.ref == "" {
+		c.srv.refusal(c.host, "refused: "+r.why, "client", pk.Connect.ClientIdentifier, "remote", c.remote())
+		return false
 	}
 	c.srv.refusal(c.host, "sent to another member: "+r.why, "client", pk.Connect.ClientIdentifier,
 		"remote", c.remote(), "server_reference", r.ref)

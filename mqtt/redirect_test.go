@@ -95,3 +95,52 @@ func TestRedirectWithoutAReferenceKeepsDevices(t *testing.T) {
 	c.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
 	c.expect(packets.Pingresp)
 }
+
+// MQTT 5 §3.2.2.2 (0x88 Server unavailable) and [MQTT-3.2.2-7]: a member
+// that must take no devices and has no other member to name (Refuse: its
+// broker state is part old, part new) ends its MQTT 5 clients with
+// DISCONNECT 0x89 and the reason, closes 3.1.1 ones, and answers every
+// CONNECT with CONNACK 0x88 (3.1.1: 0x03) and closes the connection, until
+// it serves again.
+func TestMQTT_3_2_2_7_RefuseWithoutAReferenceTakesNoDevices(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	const why = "broker state incomplete"
+	v5 := dialRaw(t, s.Addr(), 5)
+	v5.connect("dev5", false, &packets.Properties{SessionExpiryInterval: 300, SessionExpiryIntervalFlag: true})
+	v3 := dialRaw(t, s.Addr(), 4)
+	v3.connect("dev3", true, nil)
+
+	s.Refuse(why)
+	if ref, got := s.Redirecting(); ref != "" || got != why {
+		t.Fatalf("Redirecting() = %q, %q; want no reference and %q", ref, got, why)
+	}
+	d, ok := v5.closedBy()
+	if !ok || d.ReasonCode != packets.ErrServerBusy.Code || d.Properties.ServerReference != "" || d.Properties.ReasonString != why {
+		t.Fatalf("MQTT 5 client ended with DISCONNECT %v %#x ref %q reason %q; want 0x89 and %q",
+			ok, d.ReasonCode, d.Properties.ServerReference, d.Properties.ReasonString, why)
+	}
+	if _, ok := v3.closedBy(); ok {
+		t.Fatal("a 3.1.1 client got a DISCONNECT packet: in 3.1.1 only clients send one")
+	}
+
+	again := dialRaw(t, s.Addr(), 5)
+	ack := again.connect("dev5", false, &packets.Properties{SessionExpiryInterval: 300, SessionExpiryIntervalFlag: true})
+	if ack.ReasonCode != packets.ErrServerUnavailable.Code || ack.Properties.ServerReference != "" || ack.Properties.ReasonString != why {
+		t.Fatalf("CONNACK while refusing: %#x ref %q reason %q; want 0x88, no reference, %q",
+			ack.ReasonCode, ack.Properties.ServerReference, ack.Properties.ReasonString, why)
+	}
+	if d, ok := again.closedBy(); ok { // fails if the connection stays open
+		t.Fatalf("a DISCONNECT %#x after a refusing CONNACK", d.ReasonCode)
+	}
+	old := dialRaw(t, s.Addr(), 4)
+	if ack := old.connect("dev3", true, nil); ack.ReasonCode != 0x03 {
+		t.Fatalf("3.1.1 CONNACK while refusing: %#x; want 0x03 server unavailable", ack.ReasonCode)
+	}
+
+	s.Serve()
+	back := dialRaw(t, s.Addr(), 5)
+	ack = back.connect("dev5", false, &packets.Properties{SessionExpiryInterval: 300, SessionExpiryIntervalFlag: true})
+	if ack.ReasonCode != 0 || !ack.SessionPresent {
+		t.Fatalf("back after Serve: CONNACK %#x session present %v; want 0, true", ack.ReasonCode, ack.SessionPresent)
+	}
+}

@@ -43,8 +43,12 @@ import (
 //     applies and serves its own state. It still grants votes: its log is
 //     whole. A forced promotion refuses it (ErrStateIncomplete).
 //
-// The daemon, meanwhile, sends its devices to the other members (the
-// broker state it would serve them is incomplete) and status says why.
+// The daemon, meanwhile, sends its devices to the other members, or
+// refuses them when it can name none (the broker state it would serve them
+// is incomplete), and status says why. A member no master will ever send
+// a snapshot (a lone gateway) stays so until its operator accepts the
+// state as it is (tandem repair --accept-incomplete, which clears the mark
+// offline: storage.RepairOptions.AcceptIncomplete).
 //
 // A master of an older version reads the refusal as a plain one and keeps
 // sending entries, which the member keeps refusing: it waits for that

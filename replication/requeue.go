@@ -3,7 +3,6 @@ package replication
 import (
 	"encoding/binary"
 	"fmt"
-	"math"
 	"sync"
 	"time"
 
@@ -71,21 +70,17 @@ func (n *Node) refuseRequeued() {
 	if len(n.live) == 0 {
 		return
 	}
-	items, err := n.db.Requeued(math.MaxInt)
-	if err != nil {
-		n.log.Error("reading requeued records failed", "error", err)
-		return
-	}
+	// By id alone, a chunk at a time: the bucket can hold a log budget's
+	// worth of records, more than the gateway's memory budget.
 	refused := 0
-	for _, it := range items {
-		origin, seq, err := storage.RecordID(it.Data)
-		if err != nil {
-			continue
-		}
+	err := n.db.RequeuedIDs(requeueBatch, func(origin, seq uint64) {
 		if p := n.live[recID{origin, seq}]; p != nil && !p.resolved {
 			n.resolve(p, errDeposedTail)
 			refused++
 		}
+	})
+	if err != nil {
+		n.log.Error("reading requeued records failed", "error", err)
 	}
 	if refused > 0 {
 		n.flushResolved()

@@ -306,3 +306,39 @@ func TestTailKeepsItsArrayOnceFull(t *testing.T) {
 		t.Fatalf("tail after %d batches: %s", k, d)
 	}
 }
+
+// RequeuedIDs walks the whole bucket a chunk at a time, oldest index
+// first, and leaves out what is staged to drop and entries holding no
+// record, as Requeued does.
+func TestRequeuedIDsWalksTheBucketInChunks(t *testing.T) {
+	db := testOpen(t, t.TempDir(), nil)
+	defer mustClose(t, db)
+	var ents []pb.Entry
+	for i := uint64(1); i <= 10; i++ {
+		r := Record{Origin: 3, Seq: 100 + i, ClientID: "c", Topic: "a/b", Payload: []byte("x")}
+		ents = append(ents, pb.Entry{Index: i, Term: 1, Data: AppendRecord(nil, &r)})
+	}
+	ents[4].Data = []byte("not a record")
+	mustSave(t, db, pb.HardState{Term: 1}, ents)
+	mustSave(t, db, pb.HardState{Term: 2}, makeEntries(1, 1, 2)) // requeues 1..10
+	all, err := db.Requeued(100)
+	if err != nil || len(all) != 10 {
+		t.Fatalf("Requeued = %d entries, %v; want 10", len(all), err)
+	}
+	db.DropRequeued(all[1].Key) // seq 102
+	for _, chunk := range []int{1, 3, 10, 100} {
+		var got []uint64
+		if err := db.RequeuedIDs(chunk, func(origin, seq uint64) {
+			if origin != 3 {
+				t.Errorf("origin %d", origin)
+			}
+			got = append(got, seq)
+		}); err != nil {
+			t.Fatal(err)
+		}
+		want := []uint64{101, 103, 104, 106, 107, 108, 109, 110}
+		if !slices.Equal(got, want) {
+			t.Errorf("chunk %d: ids %v; want %v", chunk, got, want)
+		}
+	}
+}

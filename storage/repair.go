@@ -80,6 +80,14 @@ type RepairOptions struct {
 	// Repair refuses one, before writing anything: a member's peers hold
 	// its log, and it re-syncs from them.
 	AllowCluster bool
+	// AcceptIncomplete clears the mark of a broker state a snapshot's
+	// interrupted install left part old, part new (InstallInterrupted),
+	// accepting that state as it is: the way out for a member no master
+	// will ever send a snapshot again (a lone gateway, or the slave of a
+	// master gone for good). Without it the mark is copied. With it a
+	// dir not marked is refused (ErrNotIncomplete) before anything is
+	// written.
+	AcceptIncomplete bool
 	// Logger receives the new DB's messages; nil discards them.
 	Logger *slog.Logger
 }
@@ -87,6 +95,11 @@ type RepairOptions struct {
 // ErrClusterMember is returned by Repair for the data dir of a member of a
 // cluster of two or three.
 var ErrClusterMember = errors.New("the data dir belongs to a member of a cluster")
+
+// ErrNotIncomplete is returned by Repair with AcceptIncomplete for a data
+// dir whose broker state is not marked incomplete: there is nothing to
+// accept.
+var ErrNotIncomplete = errors.New("its broker state is not marked incomplete: nothing to accept")
 
 // Verify opens dir read-only as a start would check it (every entry's CRC,
 // the meta pages, the size, the WAL) and reports the first problem, nil for
@@ -225,6 +238,10 @@ func Repair(src, dst string, opts *RepairOptions) (*RepairReport, error) {
 	if s.csOK {
 		s.rep.Members = len(s.cs.Voters) + len(s.cs.Learners)
 	}
+	mark, marked := s.meta[string(keyInstalling)]
+	if opts.AcceptIncomplete && !marked {
+		return s.rep, ErrNotIncomplete
+	}
 	if s.rep.Members > 1 && !opts.AllowCluster {
 		return s.rep, fmt.Errorf("%w of %d (its peers hold its log: it re-syncs from them)", ErrClusterMember, s.rep.Members)
 	}
@@ -232,6 +249,15 @@ func Repair(src, dst string, opts *RepairOptions) (*RepairReport, error) {
 		s.cs = pb.ConfState{Voters: []uint64{s.nodeID}}
 		if s.stateOK {
 			s.rep.Unreadable = append(s.rep.Unreadable, "the membership (conf state): this gateway is made the lone voter")
+		}
+	}
+	if marked {
+		ref, _ := ParseSnapshotRef(mark)
+		if opts.AcceptIncomplete {
+			delete(s.meta, string(keyInstalling))
+			s.rep.Notes = append(s.rep.Notes, fmt.Sprintf("WARNING: the broker state was marked incomplete (the install of a snapshot of index %d was interrupted) and is accepted as it is: retained messages, sessions, cursors and uplink positions may be part from that snapshot, part older. The mark is cleared: the gateway applies its log from index %d on and takes devices again.", ref.Index, s.applied+1))
+		} else {
+			s.rep.Notes = append(s.rep.Notes, fmt.Sprintf("The broker state is marked incomplete (the install of a snapshot of index %d was interrupted) and stays so: the gateway waits for its master's snapshot. With no master to send one, --accept-incomplete accepts the state as it is.", ref.Index))
 		}
 	}
 	if s.out, err = Open(dst, &Options{Logger: opts.Logger, MinFree: -1}); err != nil {

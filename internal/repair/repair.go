@@ -40,6 +40,10 @@ type Options struct {
 	// Force repairs a dir that passes its checks, or one of a cluster
 	// member, too.
 	Force bool
+	// AcceptIncomplete accepts a broker state marked incomplete as it is
+	// and clears the mark (storage.RepairOptions.AcceptIncomplete); a
+	// dir that passes its checks is copied for it without Force.
+	AcceptIncomplete bool
 	// Now names the folder the damaged files move to; nil means time.Now.
 	Now func() time.Time
 }
@@ -67,6 +71,8 @@ func Run(w io.Writer, dir string, opts Options) error {
 	switch {
 	case errors.Is(check, storage.ErrInUse):
 		return fmt.Errorf("%s: %w", dir, check)
+	case check == nil && opts.AcceptIncomplete:
+		fmt.Fprintf(w, "%s passes every check a start makes; accepting its broker state as it is (--accept-incomplete).\n", dir)
 	case check == nil && !opts.Force:
 		fmt.Fprintf(w, "%s passes every check a start makes: nothing to repair, nothing changed.\n", dir)
 		return ErrHealthy
@@ -82,7 +88,13 @@ func Run(w io.Writer, dir string, opts Options) error {
 		return fmt.Errorf("repair: %w", err)
 	}
 	defer os.RemoveAll(tmp) // only the new files, and only if they were not moved in
-	rep, err := storage.Repair(dir, tmp, &storage.RepairOptions{NodeID: nodeID(dir), AllowCluster: opts.Force})
+	rep, err := storage.Repair(dir, tmp, &storage.RepairOptions{NodeID: nodeID(dir), AllowCluster: opts.Force, AcceptIncomplete: opts.AcceptIncomplete})
+	switch {
+	case errors.Is(err, storage.ErrNotIncomplete):
+		return fmt.Errorf("%s: %w; nothing was changed", dir, err)
+	case errors.Is(err, storage.ErrClusterMember) && opts.AcceptIncomplete:
+		return fmt.Errorf("%s: %w.\nIts master sends it a whole snapshot once both run: start the master again. Only if no member of its cluster will ever come back, use --force to accept its broker state as it is; then `tandem promote` makes it the master", dir, err)
+	}
 	if errors.Is(err, storage.ErrClusterMember) {
 		return fmt.Errorf("%s: %w.\nOn a cluster member, start the gateway with storage.on_damage: resync: it moves the damaged files aside and re-syncs from its peers. Use --force to repair it as a lone gateway anyway", dir, err)
 	}
@@ -94,7 +106,7 @@ func Run(w io.Writer, dir string, opts Options) error {
 	if err := swap(dir, tmp, kept); err != nil {
 		return err
 	}
-	report(w, dir, kept, rep)
+	report(w, dir, kept, rep, check == nil)
 	return nil
 }
 
@@ -220,8 +232,9 @@ func syncDir(dir string) error {
 	return nil
 }
 
-// report says what the repair did, one fact a line.
-func report(w io.Writer, dir, kept string, rep *storage.RepairReport) {
+// report says what the repair did, one fact a line; healthy when the dir
+// passed its checks (copied for --force or --accept-incomplete).
+func report(w io.Writer, dir, kept string, rep *storage.RepairReport, healthy bool) {
 	p := func(format string, a ...any) { fmt.Fprintf(w, format+"\n", a...) }
 	if rep.Last >= rep.First {
 		p("Copied %d log entries (%d records) of index %d to %d, and %d WAL frames.", rep.Entries, rep.Records, rep.First, rep.Last, rep.WALFrames)
@@ -264,6 +277,10 @@ func report(w io.Writer, dir, kept string, rep *storage.RepairReport) {
 		keys = append(keys, fmt.Sprintf("%s %d", b, rep.Keys[b]))
 	}
 	p("Broker state copied (keys per bucket): %s; applied index %d.", strings.Join(keys, ", "), rep.Applied)
-	p("The damaged files are kept, unchanged, in %s.", kept)
+	if healthy {
+		p("The files as they were are kept, unchanged, in %s.", kept)
+	} else {
+		p("The damaged files are kept, unchanged, in %s.", kept)
+	}
 	p("The repaired files are in %s: start the gateway as usual (systemctl start tandem, or tandem run --data %s).", dir, dir)
 }
