@@ -1252,3 +1252,53 @@ func countLogged(m *member, l *sharedLog, topic, payload string) int {
 	})
 	return count
 }
+
+// A resend whose original never reached the log (the member the device
+// left died with it) is logged once the new member has applied its start
+// record, and delivered: waiting for that record swallows nothing.
+func TestInboundResendOfAPublishNeverLoggedIsLoggedOnce(t *testing.T) {
+	for _, v := range []byte{4, 5} {
+		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
+			l := newSharedLog()
+			a, b := startMember(t, l, 1), startMember(t, l, 2)
+			var props *packets.Properties
+			if v == 5 {
+				props = &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+			}
+			dev := dialRaw(t, a.srv.Addr(), v)
+			dev.connect("dev", false, props)
+			b.caughtUp(t)
+			lost := make(chan struct{})
+			t.Cleanup(func() { close(lost) })
+			a.setGate(func(msg *Message) (<-chan struct{}, error) {
+				if msg.Kind == KindMessage {
+					return lost, errCut // never logged
+				}
+				return nil, nil
+			})
+			pub := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2}, TopicName: "in/x", PacketID: 7, Payload: []byte("once")}
+			dev.write(pub)
+			a.kill(t)
+			dev.c.Close()
+			l.mu.Lock()
+			last := uint64(len(l.recs))
+			l.mu.Unlock()
+			b.holdAt(last) // the resend waits for b's start record
+
+			dev = dialRaw(t, b.srv.Addr(), v)
+			if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+				t.Fatal("session not present on b")
+			}
+			pub.FixedHeader.Dup = true
+			dev.write(pub)
+			b.holdAt(0)
+			if rec := dev.expect(packets.Pubrec); rec.PacketID != 7 || rec.ReasonCode >= 0x80 {
+				t.Fatalf("PUBREC %+v for the resend", rec)
+			}
+			b.caughtUp(t)
+			if n := countLogged(b, l, "in/x", "once"); n != 1 {
+				t.Fatalf("the message is in the log %d times, want once", n)
+			}
+		})
+	}
+}
