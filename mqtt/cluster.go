@@ -182,7 +182,8 @@ func (s *Server) applySession(index uint64, id string, own bool, seq uint64, op 
 				s.saveSession(se) // with its ref
 			}
 			if c != nil {
-				c.kick() // its replay waited for this (awaitingStartLocked)
+				c.startReached() // a resend waited for this (awaitStart)
+				c.kick()         // its replay waited for this (awaitingStartLocked)
 			}
 		}
 		return
@@ -291,7 +292,7 @@ func (s *Server) startedOverLocked(se *session, index uint64) {
 		outs = append(outs, p)
 	}
 	for p, in := range se.inbound {
-		if in.origin == s.cfg.NodeID && se.startSeq != startComing && in.seq > se.startSeq {
+		if se.sentHereLocked(in) {
 			continue // sent on this connection
 		}
 		ins = append(ins, p)
@@ -464,6 +465,7 @@ func (s *Server) proposeStart(se *session, c *conn, op sessionOp) {
 			return
 		}
 		s.lines.Warn("session start record not logged: replaying without it", "client", se.id, "error", err)
+		c.startReached()
 		c.kick()
 	}))
 

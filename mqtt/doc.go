@@ -84,7 +84,8 @@
 // cannot be logged sends none: the connection ends, and the next one logs
 // it first); and a copy
 // keeps the inbound QoS 2 ids of the device's publishes from the log, so a
-// resend after a move is not logged twice.
+// resend after a move is not logged twice (one read before the session's
+// start record is applied waits for it: awaitStart).
 //
 // # Devices follow the master
 //

@@ -47,6 +47,9 @@ func (c *conn) publish(pk *packets.Packet) bool {
 	}
 	qos, pid := pk.FixedHeader.Qos, pk.PacketID
 	now := time.Now()
+	if qos == 2 && pk.FixedHeader.Dup && !c.awaitStart() {
+		return false
+	}
 	if qos == 2 {
 		if done, stale := c.qos2Resend(pid, pk.FixedHeader.Dup, now); done {
 			return true

@@ -238,11 +238,17 @@ func (se *session) completedLocked() []uint16 {
 }
 
 // noteInbound takes a QoS 2 publish another member logged for a device
-// whose persistent session is here offline into that copy's inbound
-// table: when the device comes here and resends it (DUP, its PUBREC lost
-// with the other member), it gets the PUBREC and the record is not logged
-// twice [MQTT-4.3.3-9]; its PUBREL gets PUBCOMP. A new publish reusing the
-// id comes without DUP and starts a flow of its own (qos2Resend).
+// into the copy of its persistent session here while that copy takes
+// remote records (takesRemoteLocked): offline, or back here and waiting
+// for its start record, before which what the member it left logged for
+// it is still being applied. When the device resends it here (DUP, its
+// PUBREC lost with the other member), it gets the PUBREC and the record is
+// not logged twice [MQTT-4.3.3-9]; its PUBREL gets PUBCOMP. A resend read
+// before the start record is applied waits for it (awaitStart), so that
+// this table holds every publish logged before the device came. A flow the
+// device began on this connection is newer and stays (sentHereLocked). A
+// new publish reusing the id comes without DUP and starts a flow of its
+// own (qos2Resend).
 func (s *Server) noteInbound(m *Message) {
 	s.mu.Lock()
 	se := s.sessions[m.ClientID]
@@ -251,16 +257,69 @@ func (s *Server) noteInbound(m *Message) {
 		return
 	}
 	se.mu.Lock()
-	if se.conn != nil || !se.persistent() {
+	if !se.persistent() || !se.takesRemoteLocked() {
 		se.mu.Unlock()
 		return
 	}
-	if se.inbound[m.PacketID] == nil {
+	old := se.inbound[m.PacketID]
+	if old != nil && se.conn != nil && se.sentHereLocked(old) {
+		se.mu.Unlock()
+		return
+	}
+	if old == nil {
 		s.inflight.Add(1)
 	}
 	se.inbound[m.PacketID] = &inbound2{origin: m.Origin, seq: m.Seq, done: true}
 	se.mu.Unlock()
 	s.stagePut(qos2Key(m.ClientID, m.PacketID), encodeQoS2(m.Origin, m.Seq, time.Unix(0, m.Time)))
+}
+
+// sentHereLocked reports whether in, an entry of the inbound table, is a
+// publish the device sent on its current connection here: its record was
+// taken after that connection's start record. Called with se.mu held.
+func (se *session) sentHereLocked(in *inbound2) bool {
+	return in.origin == se.srv.cfg.NodeID && se.startSeq != startComing && in.seq > se.startSeq
+}
+
+// awaitStart holds a QoS 2 resend (DUP) that a resumed session's
+// connection reads before its start record is applied here, until it is:
+// only then has this member applied every publish the device had logged
+// on the member it left (log order makes the start record a barrier), and
+// the inbound table tells a resend of one of them (PUBREC, not logged
+// again: noteInbound) from a publish that never reached the log (logged
+// now). Decided earlier, a resend whose original this member had not
+// applied yet was logged a second time, and delivered twice. The read
+// loop waits, as a 3.1.1 client past max_inflight makes it wait (room),
+// so the publishes after the resend keep their order; a resend comes
+// right after a reconnect, when the start record is one commit away. On a
+// log no other member shares nothing is awaited. False: the connection
+// ended meanwhile.
+func (c *conn) awaitStart() bool {
+	if !c.srv.clustered() {
+		return true
+	}
+	c.amu.Lock()
+	defer c.amu.Unlock()
+	for !c.closedAcks && c.sess.awaitingStartOf(c) {
+		c.acond.Wait()
+	}
+	return !c.closedAcks
+}
+
+// awaitingStartOf reports whether c's session waits for the start record
+// of c, its current connection.
+func (se *session) awaitingStartOf(c *conn) bool {
+	se.mu.Lock()
+	defer se.mu.Unlock()
+	return se.conn == c && se.awaitingStartLocked()
+}
+
+// startReached wakes a resend waiting for the start record (awaitStart):
+// it was applied, or will not be awaited.
+func (c *conn) startReached() {
+	c.amu.Lock()
+	c.acond.Broadcast()
+	c.amu.Unlock()
 }
 
 // mayHaveLocked reports whether the client of a resumed session may hold

@@ -1153,3 +1153,152 @@ func goneElsewhere(t *testing.T, clean bool) {
 		t.Fatalf("b's session subscribes to %d filters (old/# %v); want new/# alone", len(se.subs), ok)
 	}
 }
+
+// A QoS 2 publish the device sent to a member it then left, logged there
+// with its PUBREC lost, and resent (DUP, same packet id) to a member that
+// has not applied that record yet: until the PUBREL the receiver answers a
+// publish with the same packet id with PUBREC and does not deliver it
+// onwards again [MQTT-4.3.3-9]. The member the device came to decides the
+// resend only once it has applied its start record, after which it holds
+// every record the device had logged before it came.
+func TestMQTT_4_3_3_9_InboundResendBeforeTheOriginalIsApplied(t *testing.T) {
+	for _, v := range []byte{4, 5} {
+		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
+			l := newSharedLog()
+			a, b := startMember(t, l, 1), startMember(t, l, 2)
+			var props *packets.Properties
+			if v == 5 {
+				props = &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+			}
+			sub := dialRaw(t, b.srv.Addr(), v)
+			sub.connect("sub", true, nil)
+			sub.subscribe(1, packets.Subscription{Filter: "in/#", Qos: 2})
+			dev := dialRaw(t, a.srv.Addr(), v)
+			dev.connect("dev", false, props)
+			b.caughtUp(t) // b holds the session, offline
+			l.mu.Lock()
+			last := uint64(len(l.recs))
+			l.mu.Unlock()
+			b.holdAt(last) // b lags: it applies nothing logged from here on for now
+
+			pub := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2}, TopicName: "in/x", PacketID: 7, Payload: []byte("once")}
+			dev.write(pub)
+			dev.expect(packets.Pubrec) // logged on a; say the PUBREC is lost on its way
+			a.kill(t)
+			dev.c.Close()
+
+			dev = dialRaw(t, b.srv.Addr(), v)
+			if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+				t.Fatal("session not present on b")
+			}
+			pub.FixedHeader.Dup = true
+			dev.write(pub)
+			// Answered now, it is decided before b knows the original:
+			// the count below tells.
+			rec, err := dev.read(300 * time.Millisecond)
+			b.holdAt(0)
+			if err != nil {
+				rec = dev.next()
+			}
+			if rec.FixedHeader.Type != packets.Pubrec || rec.PacketID != 7 || rec.ReasonCode >= 0x80 {
+				t.Fatalf("packet type %d %+v for the resend, want PUBREC", rec.FixedHeader.Type, rec)
+			}
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: 7})
+			if comp := dev.expect(packets.Pubcomp); comp.PacketID != 7 || comp.ReasonCode != 0 {
+				t.Fatalf("PUBCOMP %#x for the PUBREL, want 0", comp.ReasonCode)
+			}
+			b.caughtUp(t)
+			if n := countLogged(b, l, "in/x", "once"); n != 1 {
+				t.Fatalf("the message is in the log %d times, want once", n)
+			}
+			// The subscriber gets it once: a marker published after it
+			// comes next.
+			dev.publish("in/y", 1, 8, "marker")
+			dev.expect(packets.Puback)
+			var got []string
+			for len(got) == 0 || got[len(got)-1] != "marker" {
+				pk := sub.next()
+				switch pk.FixedHeader.Type {
+				case packets.Publish:
+					got = append(got, string(pk.Payload))
+					if pk.FixedHeader.Qos == 2 {
+						sub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pk.PacketID})
+					} else if pk.FixedHeader.Qos == 1 {
+						sub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: pk.PacketID})
+					}
+				case packets.Pubrel:
+					sub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pk.PacketID})
+				}
+			}
+			if len(got) != 2 || got[0] != "once" {
+				t.Fatalf("subscriber got %q, want the message once, then the marker", got)
+			}
+		})
+	}
+}
+
+// countLogged counts the device messages on topic with payload in the
+// log, as m reads it.
+func countLogged(m *member, l *sharedLog, topic, payload string) int {
+	l.mu.Lock()
+	n := uint64(len(l.recs))
+	l.mu.Unlock()
+	count := 0
+	_ = m.Committed(1, n, func(_ uint64, r *Message) bool {
+		if r.Kind == KindMessage && r.Topic == topic && string(r.Payload) == payload {
+			count++
+		}
+		return true
+	})
+	return count
+}
+
+// A resend whose original never reached the log (the member the device
+// left died with it) is logged once the new member has applied its start
+// record, and delivered: waiting for that record swallows nothing.
+func TestInboundResendOfAPublishNeverLoggedIsLoggedOnce(t *testing.T) {
+	for _, v := range []byte{4, 5} {
+		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
+			l := newSharedLog()
+			a, b := startMember(t, l, 1), startMember(t, l, 2)
+			var props *packets.Properties
+			if v == 5 {
+				props = &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+			}
+			dev := dialRaw(t, a.srv.Addr(), v)
+			dev.connect("dev", false, props)
+			b.caughtUp(t)
+			lost := make(chan struct{})
+			t.Cleanup(func() { close(lost) })
+			a.setGate(func(msg *Message) (<-chan struct{}, error) {
+				if msg.Kind == KindMessage {
+					return lost, errCut // never logged
+				}
+				return nil, nil
+			})
+			pub := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2}, TopicName: "in/x", PacketID: 7, Payload: []byte("once")}
+			dev.write(pub)
+			a.kill(t)
+			dev.c.Close()
+			l.mu.Lock()
+			last := uint64(len(l.recs))
+			l.mu.Unlock()
+			b.holdAt(last) // the resend waits for b's start record
+
+			dev = dialRaw(t, b.srv.Addr(), v)
+			if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+				t.Fatal("session not present on b")
+			}
+			pub.FixedHeader.Dup = true
+			dev.write(pub)
+			b.holdAt(0)
+			if rec := dev.expect(packets.Pubrec); rec.PacketID != 7 || rec.ReasonCode >= 0x80 {
+				t.Fatalf("PUBREC %+v for the resend", rec)
+			}
+			b.caughtUp(t)
+			if n := countLogged(b, l, "in/x", "once"); n != 1 {
+				t.Fatalf("the message is in the log %d times, want once", n)
+			}
+		})
+	}
+}
