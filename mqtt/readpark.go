@@ -40,10 +40,13 @@ type idleSlot struct {
 	parkIdle atomic.Bool
 	// rawReads and inlineWrites switch on the read loop in RawConn.Read
 	// (one read syscall a message, readraw.go) and the writing of acks by
-	// the goroutine that resolves them (kickHere). They are off: CI's race
-	// pass once had a subscriber wait past 5 s for a delivery
-	// (TestMQTT_3_3_4_3) with both on, a lost wake-up not found yet; off,
-	// connections read and write as the releases before did. Their tests
-	// switch them on.
+	// the goroutine that resolves them (kickHere). NewServer switches
+	// both on. They were off for a while: CI's race pass had a subscriber
+	// wait past 5 s for a QoS 0 delivery (TestMQTT_3_3_4_3) with both on,
+	// taken for a lost wake-up; it was a SUBACK written before the
+	// session recorded what the subscription owed (owe), which these
+	// paths made likelier and the writer goroutine allowed too. Off, a
+	// connection reads through a bufio.Reader and every write is its
+	// writer goroutine's, as the releases before did.
 	rawReads, inlineWrites atomic.Bool
 }

@@ -52,9 +52,9 @@ func serialServer(t *testing.T, l Log, mem *memLog, mutate func(*Config)) *Serve
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The acks written by the goroutine that resolves them (kickHere),
-	// switched off in the daemon, are what these tests hold to the rules
-	// the writer goroutine keeps.
+	// The acks written by the goroutine that resolves them (kickHere)
+	// are what these tests hold to the rules the writer goroutine keeps:
+	// on here whatever NewServer's default.
 	s.inlineWrites.Store(true)
 	mem.mu.Lock()
 	mem.srv = s

@@ -113,8 +113,8 @@ func (c *conn) subscribe(pk *packets.Packet) bool {
 	}
 	suback := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Suback}, PacketID: pk.PacketID, ReasonCodes: codes}
 	srv.proposeSessionOps(c.id, records, func() {
+		s.owe(owed) // before the SUBACK can be written (owe)
 		c.send(suback)
-		s.owe(owed)
 	})
 	return true
 }
