@@ -31,12 +31,13 @@ func (c *conn) unpark() {
 type idleSlot struct {
 	idleOnce sync.Once
 	idle     atomic.Pointer[idler]
-	// parkIdle switches parking on. It is off: under load a read loop
-	// that the idler had woken was seen waiting in Go's poller for a
-	// socket whose client had closed it (the daemon's TestClientChaos in
-	// race runs, about one in two), a lost wake-up not found yet. Idle
-	// connections then keep their read loop's goroutine (about 6 KiB a
-	// connection instead of 4). The idler's own tests switch it on.
+	// parkIdle switches parking on; NewServer does. It was off for a
+	// while: under load a read loop that the idler had woken was seen
+	// waiting in Go's poller for a socket whose client had closed it (the
+	// daemon's TestClientChaos in race runs, about one in two). The cause
+	// was the read loop's, not the idler's: it took a short read for a
+	// drained socket, and a packet and the FIN that came with it were one
+	// edge of Go's poller (readraw.go), parked or not.
 	parkIdle atomic.Bool
 	// rawReads and inlineWrites switch on the read loop in RawConn.Read
 	// (one read syscall a message, readraw.go) and the writing of acks by

@@ -104,3 +104,27 @@ func TestParkedConnectionSendingAndClosingAtOnceGoesOffline(t *testing.T) {
 	}
 	testutil.WaitFor(t, 5*time.Second, "every connection whose client closed it offline", func() bool { return s.Clients() == 0 })
 }
+
+// A connection whose read loop waits in Go's poller (not parked), after a
+// QoS 1 exchange, whose client then sends a packet and closes at once:
+// the data and the FIN may reach the poller as one edge, and the loop
+// must still see the end, not wait for an edge that will not come.
+func TestWaitingConnectionSendingAndClosingAtOnceGoesOffline(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	s.parkIdle.Store(false)
+	s.rawReads.Store(true)
+	const rounds, n = 10, 40
+	for round := range rounds {
+		devs := make([]*raw, n)
+		for i := range devs {
+			devs[i] = connected(t, s, 5, fmt.Sprintf("closer-%d-%d", round, i))
+			devs[i].publish("wait/t", 1, 1, "first")
+			devs[i].expect(packets.Puback)
+		}
+		for i, d := range devs {
+			d.publish("wait/t", 0, 0, fmt.Sprint("last words ", i))
+			d.c.Close()
+		}
+		testutil.WaitFor(t, 5*time.Second, fmt.Sprintf("round %d: every connection whose client closed it offline", round), func() bool { return s.Clients() == 0 })
+	}
+}

@@ -16,15 +16,24 @@ import (
 // through a bufio.Reader on net.Conn.Read. Read goes to the socket first,
 // and a client waiting for its ack has sent nothing more: that read
 // returns EAGAIN, the goroutine parks, and reads again once woken, two
-// read syscalls per message (strace of W1, issue #36). loopRaw instead
-// handles what one read brought while still inside the socket's
-// RawConn.Read, and asks it to wait for readability (its func returns
-// false) when that read was short, which on a stream socket means it took
-// all there was (epoll(7)): one read per wake-up. Inside one RawConn.Read
-// the poller's readiness is not reset between the read and the wait, so
-// data that came in between wakes the wait at once instead of being
-// missed. The buffer a read lands in comes from a pool and goes back when
-// the socket is drained: an idle connection holds none.
+// read syscalls per message (strace of W1, issue #36). loopRaw handles
+// what one read brought while still inside the socket's RawConn.Read, and
+// asks it to wait for readability (its func returns false) once a read
+// finds nothing (EAGAIN). Inside one RawConn.Read the poller's readiness
+// is not reset between the read and the wait, so data that came in
+// between wakes the wait at once instead of being missed. The buffer a
+// read lands in comes from a pool and goes back when the socket is
+// drained: an idle connection holds none, nor a bufio.Reader.
+//
+// A short read is not taken for drained, though it saves the read that
+// finds nothing (one read syscall per message instead of two): a client's
+// last packet and its FIN, arriving together, reach Go's edge-triggered
+// poller as one edge, which the wake-up for the packet consumed; waiting
+// after the short read that brought it waited for an edge that had come
+// and gone, and a closed connection stayed until its keep alive ran out
+// (TestWaitingConnectionSendingAndClosingAtOnceGoesOffline: in the first
+// of ten rounds of 40). Only the read that finds nothing, or the end,
+// says what the socket holds.
 //
 // TLS, WebSocket and anything else that is not a *net.TCPConn keep read
 // and its bufio.Reader, as does every CONNECT, and every system but Linux
@@ -70,19 +79,7 @@ type rawLoop struct {
 	ka    time.Duration // one and a half keep alives; 0: no deadline
 	by    time.Time     // the read deadline set last
 	pk    *packets.Packet
-	// drained: the last read was short, so the socket held no more.
-	// Unknown at first: what CONNECT left may not be all.
-	drained bool
-	rerr    error // why reading stopped; nil when handling ended it
-	// fresh: no read yet in this RawConn.Read. Its start forgets a
-	// readability the poller noted before (internal/poll's prepareRead),
-	// so the first short read of each is not taken for drained: data and
-	// the peer's FIN that came together before it (a device that sends
-	// and closes while its connection is parked) were one edge, and
-	// waiting after the data waited for an edge that had come and gone
-	// (TestClientChaos: a connection whose client had closed was still
-	// counted 10 s later).
-	fresh bool
+	rerr  error // why reading stopped; nil when handling ended it
 
 	// Parking (readpark.go): lastData is when a read last brought
 	// something, gap the time before it, which predicts the next.
@@ -145,7 +142,6 @@ func (c *conn) loopRaw() bool {
 	}
 	var err error
 	for l.rerr == nil {
-		l.fresh = true
 		err = l.rc.Read(l.step)
 		if !l.wantPark {
 			break
@@ -179,8 +175,8 @@ func (l *rawLoop) idle(fd uintptr) bool {
 }
 
 // step is loopRaw's func for RawConn.Read: it handles what is buffered,
-// then reads, until a read comes up short or finds nothing (false: wait
-// for readability) or the connection is to end (true).
+// then reads, until a read finds nothing (false: wait for readability)
+// or the connection is to end (true).
 func (l *rawLoop) step(fd uintptr) bool {
 	c := l.c
 	for {
@@ -200,15 +196,10 @@ func (l *rawLoop) step(fd uintptr) bool {
 				return true
 			}
 		}
-		if l.drained {
-			l.drained = false
-			l.park()
-			return l.idle(fd) // or wait for readability, then read
-		}
 		if !c.readyToRead(l.ka, &l.by) {
 			return true
 		}
-		n, asked, err := c.in.fill(int(fd))
+		n, _, err := c.in.fill(int(fd))
 		switch {
 		case err == syscall.EINTR:
 			continue
@@ -222,8 +213,6 @@ func (l *rawLoop) step(fd uintptr) bool {
 			l.rerr = io.EOF
 			return true
 		}
-		l.drained = n < asked && !l.fresh
-		l.fresh = false
 		now := time.Now()
 		l.gap, l.lastData = now.Sub(l.lastData), now
 	}

@@ -24,7 +24,8 @@ func (c *conn) rawConn() syscall.RawConn {
 
 // fill reads once from fd: into the body of the packet being read and the
 // buffer after it, or into the buffer. It returns what was read and what
-// it asked for: fewer means the socket is drained.
+// it asked for (fewer: the socket held no more data, though maybe its
+// end: loopRaw reads on until EAGAIN).
 func (in *inBuf) fill(fd int) (n, asked int, err error) {
 	if in.buf == nil {
 		in.buf = readBufs.Get().(*[readBufSize]byte)

@@ -150,6 +150,7 @@ func NewServer(cfg Config, log Log) (*Server, error) {
 	s.reader, _ = log.(LogReader)
 	s.rawReads.Store(true)
 	s.inlineWrites.Store(true)
+	s.parkIdle.Store(true)
 	s.access.Store(&Access{AllowAnonymous: cfg.AllowAnonymous, Users: cfg.Users, ACL: cfg.ACL})
 	s.SetTopics(cfg.Topics)
 	s.tcp = &srvListener{id: listenerID, addr: cfg.Listen, srv: s}
