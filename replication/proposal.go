@@ -18,14 +18,24 @@ import (
 type recID struct{ origin, seq uint64 }
 
 // proposal is one record on its way to its ack rule. Loop-owned after
-// Propose hands it over.
+// Propose hands it over. Fields are ordered so the struct fits a 144-byte
+// size class: one is allocated per publish.
 type proposal struct {
-	id       recID
-	data     []byte
-	mode     AckMode
-	done     func(index uint64, err error)
+	id   recID
+	data []byte
+	// to is told the outcome, with tag (ProposeTo).
+	to       Outcomes
+	tag      any
 	deadline time.Time
 	index    uint64
+	also     []*proposal // later copies of the same record, sharing the outcome
+	// out counts the forward requests carrying the record that have not
+	// returned, and doubt is set once one returned without proving the
+	// master never had it (forward.go, "Refused is final"). The stream's
+	// lock guards both; the raft loop never reads them.
+	out      int32
+	doubt    bool
+	mode     AckMode
 	resolved bool
 	counted  bool // in batch.inNode: enqueued, not yet resolved
 	// inbound marks a record a slave forwarded here: if this node is no
@@ -40,12 +50,6 @@ type proposal struct {
 	// stepped is set once raft took the record, here or (forwarded) on
 	// the master: from then on it may be in the log, whatever its outcome.
 	stepped bool
-	// out counts the forward requests carrying the record that have not
-	// returned, and doubt is set once one returned without proving the
-	// master never had it (forward.go, "Refused is final"). The stream's
-	// lock guards both; the raft loop never reads them.
-	out   int
-	doubt bool
 	// settles marks a sync record this node handed to raft as master: it
 	// settles it (settle.go); tracked, once its index is in settler.open.
 	settles, tracked bool
@@ -57,20 +61,45 @@ type proposal struct {
 	// while publishes are refused for space, or held records would wait
 	// for ever.
 	control bool
-	also    []*proposal // later copies of the same record, sharing the outcome
 }
+
+// Outcomes receives the outcomes of proposals. One receiver serves many
+// proposals, each told apart by the tag it was proposed with, so that a
+// proposal costs its proposer no callback of its own (a closure per
+// publish was an allocation, and garbage, per message).
+type Outcomes interface {
+	// Resolved is called exactly once per proposal, on the replication
+	// goroutine (or the proposer's, when the proposal is refused at
+	// once), with the record's index when its ack rule is met, or with an
+	// error (ErrAckTimeout, ErrNotLeader, ErrStopped, ErrStorage) when it
+	// cannot be. It must not block.
+	Resolved(tag any, index uint64, err error)
+}
+
+// outcomeFunc is a callback as Outcomes; it ignores the tag.
+type outcomeFunc func(index uint64, err error)
+
+func (f outcomeFunc) Resolved(_ any, index uint64, err error) { f(index, err) }
+
+// finish tells p's proposer its outcome.
+func (p *proposal) finish(index uint64, err error) { p.to.Resolved(p.tag, index, err) }
 
 // Propose submits data, an encoded record, under mode's ack rule. done is
 // called exactly once, on the replication goroutine, with the record's index
 // when the rule is met, or with an error (ErrAckTimeout, ErrNotLeader,
 // ErrStopped, ErrStorage) when it cannot be. done must not block.
 func (n *Node) Propose(data []byte, mode AckMode, done func(index uint64, err error)) {
+	n.ProposeTo(data, mode, outcomeFunc(done), nil)
+}
+
+// ProposeTo is Propose with the outcome told to to, with tag.
+func (n *Node) ProposeTo(data []byte, mode AckMode, to Outcomes, tag any) {
 	origin, seq, err := storage.RecordID(data)
 	if err != nil {
-		n.refuseNow(done, fmt.Errorf("replication: propose: %w", err))
+		n.refuseNow(&proposal{to: to, tag: tag}, fmt.Errorf("replication: propose: %w", err))
 		return
 	}
-	p := &proposal{id: recID{origin, seq}, data: data, mode: mode, done: done, deadline: time.Now().Add(n.cfg.SyncTimeout)}
+	p := &proposal{id: recID{origin, seq}, data: data, mode: mode, to: to, tag: tag, deadline: time.Now().Add(n.cfg.SyncTimeout)}
 	// Another node is the master, or records taken before this one are
 	// still on the forward stream: this one follows them there, so a
 	// publisher's records keep their order (forward.go).
@@ -84,30 +113,30 @@ func (n *Node) Propose(data []byte, mode AckMode, done func(index uint64, err er
 // cannot take proposals.
 func (n *Node) enqueue(p *proposal) {
 	if e := n.diskErr.Load(); e != nil {
-		n.refuseNow(p.done, *e)
+		n.refuseNow(p, *e)
 		return
 	}
 	if n.fenced.Load() {
-		n.refuseNow(p.done, ErrNotLeader)
+		n.refuseNow(p, ErrNotLeader)
 		return
 	}
 	if n.db.LowOnSpace() && !p.control {
 		// The filesystem is nearly full, whoever filled it: a write now
 		// could fail halfway through a checkpoint.
-		n.refuseNow(p.done, ErrDiskLow)
+		n.refuseNow(p, ErrDiskLow)
 		return
 	}
 	if n.db.Refusing() && !p.control && (n.cfg.PastBudget == nil || !n.cfg.PastBudget(p.data)) {
 		// Logging more would only grow the data dir past its budget:
 		// devices get 0x97 quota exceeded until the member catches up.
-		n.refuseNow(p.done, ErrLogFull)
+		n.refuseNow(p, ErrLogFull)
 		return
 	}
 	n.propMu.Lock()
 	if n.closedErr != nil {
 		err := n.closedErr
 		n.propMu.Unlock()
-		n.refuseNow(p.done, err)
+		n.refuseNow(p, err)
 		return
 	}
 	n.propQ = append(n.propQ, p)
@@ -134,8 +163,8 @@ func (n *Node) wakeProposals() {
 
 // refuseNow fails a proposal on the caller's goroutine, then lets
 // AfterResolve act on it as the raft goroutine would.
-func (n *Node) refuseNow(done func(uint64, error), err error) {
-	done(0, err)
+func (n *Node) refuseNow(p *proposal, err error) {
+	p.finish(0, err)
 	if n.cfg.AfterResolve != nil {
 		n.cfg.AfterResolve()
 	}
@@ -406,10 +435,10 @@ func (n *Node) resolve(p *proposal, err error) {
 			// log: should this node's requeue ever meet it, it is dropped.
 			n.noteRefused(p.id, p.index)
 		}
-		p.done(0, err)
+		p.finish(0, err)
 		return
 	}
-	p.done(p.index, nil)
+	p.finish(p.index, nil)
 }
 
 // flushResolved lets AfterResolve act on the callbacks run since the last
