@@ -50,6 +50,10 @@ type proposal struct {
 	// stepped is set once raft took the record, here or (forwarded) on
 	// the master: from then on it may be in the log, whatever its outcome.
 	stepped bool
+	// pending marks a record raft has taken whose entry is not saved yet
+	// (Node.pending counts them); live holds it meanwhile. A flag, not a
+	// second map: an insert and a delete per publish.
+	pending bool
 	// settles marks a sync record this node handed to raft as master: it
 	// settles it (settle.go); tracked, once its index is in settler.open.
 	settles, tracked bool
@@ -271,7 +275,8 @@ func (n *Node) proposeQueued() {
 	for _, p := range fresh {
 		p.stepped = true
 		p.settles = p.mode == Sync && storage.RecordSync(p.data)
-		n.pending[p.id] = p
+		p.pending = true
+		n.pending++
 		n.byDue = append(n.byDue, p)
 	}
 }
@@ -311,7 +316,7 @@ func (n *Node) matchSaved(ents []pb.Entry) {
 	if len(ents) > 0 {
 		n.settle.saved = ents[len(ents)-1].Index
 	}
-	if len(n.pending) == 0 && len(n.settle.abortIDs) == 0 {
+	if n.pending == 0 && len(n.settle.abortIDs) == 0 {
 		return
 	}
 	for i := range ents {
@@ -324,7 +329,10 @@ func (n *Node) matchSaved(ents []pb.Entry) {
 			continue
 		}
 		id := recID{origin, seq}
-		p := n.pending[id]
+		p := n.live[id] // a pending proposal is live, and the only one of its id
+		if p != nil && !p.pending {
+			p = nil
+		}
 		if origin != n.id || (p != nil && p.viaStream) {
 			// Only another node's records come again (a slave's retried
 			// forward, a deposed master's requeue), and this node's own
@@ -337,7 +345,7 @@ func (n *Node) matchSaved(ents []pb.Entry) {
 		if p == nil {
 			continue
 		}
-		delete(n.pending, p.id)
+		n.unpend(p)
 		p.index = e.Index
 		if p.mode == Async {
 			n.resolve(p, nil)
@@ -416,6 +424,7 @@ func (n *Node) resolve(p *proposal, err error) {
 	}
 	p.resolved = true
 	n.resolvedSome = true
+	n.unpend(p) // the loop is exiting (failWaiting), or raft dropped it
 	if p.counted {
 		n.batch.left()
 	}
@@ -441,6 +450,15 @@ func (n *Node) resolve(p *proposal, err error) {
 	p.finish(p.index, nil)
 }
 
+// unpend takes p off the pending count: its entry is saved, or it will
+// never be.
+func (n *Node) unpend(p *proposal) {
+	if p.pending {
+		p.pending = false
+		n.pending--
+	}
+}
+
 // flushResolved lets AfterResolve act on the callbacks run since the last
 // call (acks written in one go per client).
 func (n *Node) flushResolved() {
@@ -464,7 +482,7 @@ func (n *Node) expire(now time.Time) {
 				n.startAbort(p)
 				continue
 			}
-			if p.mode == Async && n.leader && n.pending[p.id] == p {
+			if p.mode == Async && n.leader && p.pending {
 				// Handed to raft, not yet saved (a slow disk): the next
 				// Ready saves it, and its rule is this disk, or the
 				// mastership goes first and raft drops it (setLeader).
@@ -472,7 +490,7 @@ func (n *Node) expire(now time.Time) {
 				// delivered, though its publisher was told it failed.
 				continue
 			}
-			delete(n.pending, p.id)
+			n.unpend(p)
 			n.resolve(p, ErrAckTimeout)
 		}
 	}
