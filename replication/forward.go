@@ -217,6 +217,9 @@ func (n *Node) fwdGateLocked() bool {
 // (this node lost the mastership first), at the head of the stream: they
 // are older than anything queued since. False if the stream has ended.
 func (n *Node) fwdPutBack(ps []*proposal) bool {
+	for _, p := range ps {
+		p.reuse = false // the stream may hold it past its outcome
+	}
 	s := &n.fwd
 	s.mu.Lock()
 	if s.closed {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"sync"
 	"time"
 
 	"go.etcd.io/raft/v3"
@@ -54,6 +55,10 @@ type proposal struct {
 	// (Node.pending counts them); live holds it meanwhile. A flag, not a
 	// second map: an insert and a delete per publish.
 	pending bool
+	// reuse marks a proposal of ProposeTo that went the plain way, never
+	// onto the forward stream: once resolved and out of byDue, nothing
+	// holds it and it goes back to proposals (expire).
+	reuse bool
 	// settles marks a sync record this node handed to raft as master: it
 	// settles it (settle.go); tracked, once its index is in settler.open.
 	settles, tracked bool
@@ -66,6 +71,12 @@ type proposal struct {
 	// for ever.
 	control bool
 }
+
+// proposals recycles ProposeTo's proposals: one per publish was an
+// allocation, and garbage, of 144 bytes. Only an async one that took the
+// plain way comes back, once it is resolved and leaves byDue (expire):
+// such a one is in no map, queue or list then.
+var proposals = sync.Pool{New: func() any { return new(proposal) }}
 
 // Outcomes receives the outcomes of proposals. One receiver serves many
 // proposals, each told apart by the tag it was proposed with, so that a
@@ -103,13 +114,15 @@ func (n *Node) ProposeTo(data []byte, mode AckMode, to Outcomes, tag any) {
 		n.refuseNow(&proposal{to: to, tag: tag}, fmt.Errorf("replication: propose: %w", err))
 		return
 	}
-	p := &proposal{id: recID{origin, seq}, data: data, mode: mode, to: to, tag: tag, deadline: time.Now().Add(n.cfg.SyncTimeout)}
+	p := proposals.Get().(*proposal)
+	*p = proposal{id: recID{origin, seq}, data: data, mode: mode, to: to, tag: tag, deadline: time.Now().Add(n.cfg.SyncTimeout)}
 	// Another node is the master, or records taken before this one are
 	// still on the forward stream: this one follows them there, so a
 	// publisher's records keep their order (forward.go).
 	if n.cfg.Forwarder != nil && n.fwdTake(p, n.Leader() != n.id) {
 		return
 	}
+	p.reuse = true // before the loop can see it
 	n.enqueue(p)
 }
 
@@ -495,6 +508,15 @@ func (n *Node) expire(now time.Time) {
 		}
 	}
 	if i > 0 {
+		for _, p := range n.byDue[:i] {
+			if p.reuse && p.resolved && p.mode == Async {
+				// Out of live (resolve), off the pending count, never in
+				// syncWait or the settler (async), never another's copy
+				// (it was proposed fresh): byDue held it last.
+				*p = proposal{}
+				proposals.Put(p)
+			}
+		}
 		n.byDue = append(n.byDue[:0], n.byDue[i:]...)
 	}
 	j := 0
