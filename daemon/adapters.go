@@ -60,15 +60,21 @@ func (a *logAdapter) Propose(m *mqtt.Message, mode mqtt.AckMode, done mqtt.Done)
 	rec.Sync = rmode == replication.Sync && rec.Kind == storage.KindMessage
 	rec.Legacy = rec.Kind != storage.KindMessage && a.d.gw.Node().LegacyControl()
 	data := storage.AppendRecord(make([]byte, 0, 64+len(m.Topic)+len(m.ClientID)+len(m.Payload)), &rec)
-	a.d.gw.Node().Propose(data, rmode, func(_ uint64, err error) {
-		if errors.Is(err, replication.ErrStorage) {
-			// One line: the text becomes the PUBACK's reason string,
-			// where a control character (errors.Join's newline) makes
-			// strict clients (mosquitto) drop the packet as malformed.
-			err = fmt.Errorf("%w: %w", mqtt.ErrQuota, err)
-		}
-		a.d.acks.push(done, err) // to the broker on the queue's goroutine, not raft's
-	})
+	// The adapter itself takes the outcome, done its tag: no callback
+	// allocated per publish.
+	a.d.gw.Node().ProposeTo(data, rmode, a, done)
+}
+
+// Resolved implements replication.Outcomes for Propose: tag is the
+// publish's mqtt.Done, which runs on the ack queue's goroutine, not raft's.
+func (a *logAdapter) Resolved(tag any, _ uint64, err error) {
+	if errors.Is(err, replication.ErrStorage) {
+		// One line: the text becomes the PUBACK's reason string,
+		// where a control character (errors.Join's newline) makes
+		// strict clients (mosquitto) drop the packet as malformed.
+		err = fmt.Errorf("%w: %w", mqtt.ErrQuota, err)
+	}
+	a.d.acks.push(tag.(mqtt.Done), err)
 }
 
 // The broker's record kinds as the log's.

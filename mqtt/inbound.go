@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -18,7 +19,7 @@ import (
 func (c *conn) publish(pk *packets.Packet) bool {
 	srv := c.srv
 	v5 := c.v == 5
-	if code := pk.PublishValidate(srv.cfg.TopicAliasMaximum); code != packets.CodeSuccess {
+	if code := publishCheck(pk, srv.cfg.TopicAliasMaximum); code != packets.CodeSuccess {
 		c.protocolError(code, "invalid PUBLISH: "+code.Reason)
 		return false
 	}
@@ -155,6 +156,32 @@ func (c *conn) publish(pk *packets.Packet) bool {
 	srv.log.Propose(m, mode, resolved)
 	putMessage(m)
 	return true
+}
+
+// publishCheck is mochi's Packet.PublishValidate (packets v2.7.9), check
+// for check and in its order, with the wildcard test done on bytes:
+// strings.ContainsAny(topic, "+#") costs about 500 instructions on a short
+// topic (a rune search per byte), a tenth of a publish's own. '+' and '#'
+// are ASCII, which no byte of a multi-byte UTF-8 sequence is, so bytes and
+// runes find the same ones.
+func publishCheck(pk *packets.Packet, topicAliasMaximum uint16) packets.Code {
+	switch {
+	case pk.FixedHeader.Qos > 0 && pk.PacketID == 0:
+		return packets.ErrProtocolViolationNoPacketID // [MQTT-2.2.1-3] [MQTT-2.2.1-4]
+	case pk.FixedHeader.Qos == 0 && pk.PacketID > 0:
+		return packets.ErrProtocolViolationSurplusPacketID // [MQTT-2.2.1-2]
+	case strings.IndexByte(pk.TopicName, '+') >= 0 || strings.IndexByte(pk.TopicName, '#') >= 0:
+		return packets.ErrProtocolViolationSurplusWildcard // [MQTT-3.3.2-2]
+	case pk.Properties.TopicAlias > topicAliasMaximum:
+		return packets.ErrTopicAliasInvalid // [MQTT-3.2.2-17] [MQTT-3.3.2-9] ~[MQTT-3.3.2-10] [MQTT-3.3.2-12]
+	case pk.TopicName == "" && pk.Properties.TopicAlias == 0:
+		return packets.ErrProtocolViolationNoTopic // ~[MQTT-3.3.2-8]
+	case pk.Properties.TopicAliasFlag && pk.Properties.TopicAlias == 0:
+		return packets.ErrTopicAliasInvalid // [MQTT-3.3.2-8]
+	case len(pk.Properties.SubscriptionIdentifier) > 0:
+		return packets.ErrProtocolViolationSurplusSubID // [MQTT-3.3.4-6]
+	}
+	return packets.CodeSuccess
 }
 
 // errMemoryFull refuses a publish read while the memory account is full:

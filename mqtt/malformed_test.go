@@ -303,3 +303,29 @@ func TestMQTT_3_8_3_5_SubscribeOptionsReservedBitsAreMalformed(t *testing.T) {
 		t.Fatalf("valid options: SUBACK %+v", sa.ReasonCodes)
 	}
 }
+
+// publishCheck answers every PUBLISH as mochi's PublishValidate does,
+// which it replaces on the hot path: the same code, checked in the same
+// order, whatever the topic bytes (wildcards beside multi-byte and invalid
+// UTF-8 included).
+func TestPublishCheckAnswersAsMochisPublishValidate(t *testing.T) {
+	topics := []string{"", "a", "a/b", "bench/12", "+", "#", "a/+/b", "a/#", "s/é+", "s/\xff#", "\xe2\x82+", "日本/語", "x+y#z"}
+	for _, topic := range topics {
+		for _, qos := range []byte{0, 1, 2} {
+			for _, pid := range []uint16{0, 7} {
+				for _, alias := range []uint16{0, 1, 9} {
+					for _, flag := range []bool{false, true} {
+						for _, subIDs := range [][]int{nil, {3}} {
+							pk := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: qos}, TopicName: topic, PacketID: pid}
+							pk.Properties.TopicAlias, pk.Properties.TopicAliasFlag = alias, flag
+							pk.Properties.SubscriptionIdentifier = subIDs
+							if got, want := publishCheck(&pk, 5), pk.PublishValidate(5); got != want {
+								t.Errorf("topic %q qos %d pid %d alias %d flag %v subids %v: %v, mochi %v", topic, qos, pid, alias, flag, subIDs, got, want)
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+}

@@ -132,11 +132,11 @@ func (n *Node) maybeRaiseLevel(now time.Time) {
 	rec := storage.Record{Kind: storage.KindFeature, Origin: n.id, Seq: n.NextSeq(), Time: clock.Now().UnixNano(), Payload: []byte{storage.FeatureLevel}}
 	p := &proposal{data: storage.AppendRecord(nil, &rec), mode: Async, control: true, deadline: now.Add(n.cfg.SyncTimeout)}
 	p.id = recID{rec.Origin, rec.Seq}
-	p.done = func(_ uint64, err error) {
+	p.to = outcomeFunc(func(_ uint64, err error) {
 		if err != nil {
 			n.log.Debug("feature level raise not logged; tried again later", "level", storage.FeatureLevel, "error", err)
 		}
-	}
+	})
 	n.enqueue(p)
 }
 

@@ -38,13 +38,13 @@ func (n *Node) levelWork(now time.Time) {
 		Payload: []byte("feature level 4: notes allowed")}
 	p := &proposal{data: storage.AppendRecord(nil, &rec), mode: Async, control: true, deadline: now.Add(n.cfg.SyncTimeout)}
 	p.id = recID{rec.Origin, rec.Seq}
-	p.done = func(index uint64, err error) {
+	p.to = outcomeFunc(func(index uint64, err error) {
 		if err != nil {
 			n.extras.noteLogged.Store(false) // the next tick tries again
 			n.log.Warn("note not logged; tried again", "error", err)
 			return
 		}
 		n.log.Info("note logged", "index", index, "level", storage.FeatureNote)
-	}
+	})
 	n.enqueue(p)
 }

@@ -217,6 +217,9 @@ func (n *Node) fwdGateLocked() bool {
 // (this node lost the mastership first), at the head of the stream: they
 // are older than anything queued since. False if the stream has ended.
 func (n *Node) fwdPutBack(ps []*proposal) bool {
+	for _, p := range ps {
+		p.reuse = false // the stream may hold it past its outcome
+	}
 	s := &n.fwd
 	s.mu.Lock()
 	if s.closed {
@@ -357,7 +360,7 @@ func (n *Node) fwdResolve(out []fwdOutcome) {
 			// node's log: its requeue must never re-publish it.
 			n.noteRefused(o.p.id, 0)
 		}
-		o.p.done(0, o.err)
+		o.p.finish(0, o.err)
 	}
 	if n.cfg.AfterResolve != nil {
 		n.cfg.AfterResolve()
@@ -649,7 +652,7 @@ func (n *Node) HandleForward(ctx context.Context, from uint64, batch []byte) ([]
 			}
 		}
 		p := &proposal{id: r.id, data: r.data, mode: r.mode, deadline: deadline, inbound: true,
-			done: func(_ uint64, err error) { resolve(i, err) }}
+			to: outcomeFunc(func(_ uint64, err error) { resolve(i, err) })}
 		n.enqueue(p)
 	}
 	in.epoch, in.next = epoch, seq+1

@@ -278,7 +278,7 @@ type Node struct {
 	inboundBy map[uint64]*fwdInbound
 
 	// Loop-owned state.
-	pending    map[recID]*proposal // proposed, not yet saved
+	pending    int                 // proposals in live that raft has taken and not saved (proposal.pending)
 	live       map[recID]*proposal // proposed here and unresolved, by record id
 	logged     recentLogged        // where recently saved records are, by id
 	syncWait   []*proposal         // saved, sync mode, waiting for replicas; by index
@@ -355,7 +355,6 @@ func NewNode(cfg Config) (*Node, error) {
 		stopc:      make(chan struct{}),
 		applyc:     make(chan []pb.Entry, 64),
 		failc:      make(chan struct{}),
-		pending:    map[recID]*proposal{},
 		live:       map[recID]*proposal{},
 		inboundBy:  map[uint64]*fwdInbound{},
 	}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"sync"
 	"time"
 
 	"go.etcd.io/raft/v3"
@@ -18,14 +19,24 @@ import (
 type recID struct{ origin, seq uint64 }
 
 // proposal is one record on its way to its ack rule. Loop-owned after
-// Propose hands it over.
+// Propose hands it over. Fields are ordered so the struct fits a 144-byte
+// size class: one is allocated per publish.
 type proposal struct {
-	id       recID
-	data     []byte
-	mode     AckMode
-	done     func(index uint64, err error)
+	id   recID
+	data []byte
+	// to is told the outcome, with tag (ProposeTo).
+	to       Outcomes
+	tag      any
 	deadline time.Time
 	index    uint64
+	also     []*proposal // later copies of the same record, sharing the outcome
+	// out counts the forward requests carrying the record that have not
+	// returned, and doubt is set once one returned without proving the
+	// master never had it (forward.go, "Refused is final"). The stream's
+	// lock guards both; the raft loop never reads them.
+	out      int32
+	doubt    bool
+	mode     AckMode
 	resolved bool
 	counted  bool // in batch.inNode: enqueued, not yet resolved
 	// inbound marks a record a slave forwarded here: if this node is no
@@ -40,12 +51,14 @@ type proposal struct {
 	// stepped is set once raft took the record, here or (forwarded) on
 	// the master: from then on it may be in the log, whatever its outcome.
 	stepped bool
-	// out counts the forward requests carrying the record that have not
-	// returned, and doubt is set once one returned without proving the
-	// master never had it (forward.go, "Refused is final"). The stream's
-	// lock guards both; the raft loop never reads them.
-	out   int
-	doubt bool
+	// pending marks a record raft has taken whose entry is not saved yet
+	// (Node.pending counts them); live holds it meanwhile. A flag, not a
+	// second map: an insert and a delete per publish.
+	pending bool
+	// reuse marks a proposal of ProposeTo that went the plain way, never
+	// onto the forward stream: once resolved and out of byDue, nothing
+	// holds it and it goes back to proposals (expire).
+	reuse bool
 	// settles marks a sync record this node handed to raft as master: it
 	// settles it (settle.go); tracked, once its index is in settler.open.
 	settles, tracked bool
@@ -57,26 +70,59 @@ type proposal struct {
 	// while publishes are refused for space, or held records would wait
 	// for ever.
 	control bool
-	also    []*proposal // later copies of the same record, sharing the outcome
 }
+
+// proposals recycles ProposeTo's proposals: one per publish was an
+// allocation, and garbage, of 144 bytes. Only an async one that took the
+// plain way comes back, once it is resolved and leaves byDue (expire):
+// such a one is in no map, queue or list then.
+var proposals = sync.Pool{New: func() any { return new(proposal) }}
+
+// Outcomes receives the outcomes of proposals. One receiver serves many
+// proposals, each told apart by the tag it was proposed with, so that a
+// proposal costs its proposer no callback of its own (a closure per
+// publish was an allocation, and garbage, per message).
+type Outcomes interface {
+	// Resolved is called exactly once per proposal, on the replication
+	// goroutine (or the proposer's, when the proposal is refused at
+	// once), with the record's index when its ack rule is met, or with an
+	// error (ErrAckTimeout, ErrNotLeader, ErrStopped, ErrStorage) when it
+	// cannot be. It must not block.
+	Resolved(tag any, index uint64, err error)
+}
+
+// outcomeFunc is a callback as Outcomes; it ignores the tag.
+type outcomeFunc func(index uint64, err error)
+
+func (f outcomeFunc) Resolved(_ any, index uint64, err error) { f(index, err) }
+
+// finish tells p's proposer its outcome.
+func (p *proposal) finish(index uint64, err error) { p.to.Resolved(p.tag, index, err) }
 
 // Propose submits data, an encoded record, under mode's ack rule. done is
 // called exactly once, on the replication goroutine, with the record's index
 // when the rule is met, or with an error (ErrAckTimeout, ErrNotLeader,
 // ErrStopped, ErrStorage) when it cannot be. done must not block.
 func (n *Node) Propose(data []byte, mode AckMode, done func(index uint64, err error)) {
+	n.ProposeTo(data, mode, outcomeFunc(done), nil)
+}
+
+// ProposeTo is Propose with the outcome told to to, with tag.
+func (n *Node) ProposeTo(data []byte, mode AckMode, to Outcomes, tag any) {
 	origin, seq, err := storage.RecordID(data)
 	if err != nil {
-		n.refuseNow(done, fmt.Errorf("replication: propose: %w", err))
+		n.refuseNow(&proposal{to: to, tag: tag}, fmt.Errorf("replication: propose: %w", err))
 		return
 	}
-	p := &proposal{id: recID{origin, seq}, data: data, mode: mode, done: done, deadline: time.Now().Add(n.cfg.SyncTimeout)}
+	p := proposals.Get().(*proposal)
+	*p = proposal{id: recID{origin, seq}, data: data, mode: mode, to: to, tag: tag, deadline: time.Now().Add(n.cfg.SyncTimeout)}
 	// Another node is the master, or records taken before this one are
 	// still on the forward stream: this one follows them there, so a
 	// publisher's records keep their order (forward.go).
 	if n.cfg.Forwarder != nil && n.fwdTake(p, n.Leader() != n.id) {
 		return
 	}
+	p.reuse = true // before the loop can see it
 	n.enqueue(p)
 }
 
@@ -84,30 +130,30 @@ func (n *Node) Propose(data []byte, mode AckMode, done func(index uint64, err er
 // cannot take proposals.
 func (n *Node) enqueue(p *proposal) {
 	if e := n.diskErr.Load(); e != nil {
-		n.refuseNow(p.done, *e)
+		n.refuseNow(p, *e)
 		return
 	}
 	if n.fenced.Load() {
-		n.refuseNow(p.done, ErrNotLeader)
+		n.refuseNow(p, ErrNotLeader)
 		return
 	}
 	if n.db.LowOnSpace() && !p.control {
 		// The filesystem is nearly full, whoever filled it: a write now
 		// could fail halfway through a checkpoint.
-		n.refuseNow(p.done, ErrDiskLow)
+		n.refuseNow(p, ErrDiskLow)
 		return
 	}
 	if n.db.Refusing() && !p.control && (n.cfg.PastBudget == nil || !n.cfg.PastBudget(p.data)) {
 		// Logging more would only grow the data dir past its budget:
 		// devices get 0x97 quota exceeded until the member catches up.
-		n.refuseNow(p.done, ErrLogFull)
+		n.refuseNow(p, ErrLogFull)
 		return
 	}
 	n.propMu.Lock()
 	if n.closedErr != nil {
 		err := n.closedErr
 		n.propMu.Unlock()
-		n.refuseNow(p.done, err)
+		n.refuseNow(p, err)
 		return
 	}
 	n.propQ = append(n.propQ, p)
@@ -134,8 +180,8 @@ func (n *Node) wakeProposals() {
 
 // refuseNow fails a proposal on the caller's goroutine, then lets
 // AfterResolve act on it as the raft goroutine would.
-func (n *Node) refuseNow(done func(uint64, error), err error) {
-	done(0, err)
+func (n *Node) refuseNow(p *proposal, err error) {
+	p.finish(0, err)
 	if n.cfg.AfterResolve != nil {
 		n.cfg.AfterResolve()
 	}
@@ -242,7 +288,8 @@ func (n *Node) proposeQueued() {
 	for _, p := range fresh {
 		p.stepped = true
 		p.settles = p.mode == Sync && storage.RecordSync(p.data)
-		n.pending[p.id] = p
+		p.pending = true
+		n.pending++
 		n.byDue = append(n.byDue, p)
 	}
 }
@@ -282,7 +329,7 @@ func (n *Node) matchSaved(ents []pb.Entry) {
 	if len(ents) > 0 {
 		n.settle.saved = ents[len(ents)-1].Index
 	}
-	if len(n.pending) == 0 && len(n.settle.abortIDs) == 0 {
+	if n.pending == 0 && len(n.settle.abortIDs) == 0 {
 		return
 	}
 	for i := range ents {
@@ -295,7 +342,10 @@ func (n *Node) matchSaved(ents []pb.Entry) {
 			continue
 		}
 		id := recID{origin, seq}
-		p := n.pending[id]
+		p := n.live[id] // a pending proposal is live, and the only one of its id
+		if p != nil && !p.pending {
+			p = nil
+		}
 		if origin != n.id || (p != nil && p.viaStream) {
 			// Only another node's records come again (a slave's retried
 			// forward, a deposed master's requeue), and this node's own
@@ -308,7 +358,7 @@ func (n *Node) matchSaved(ents []pb.Entry) {
 		if p == nil {
 			continue
 		}
-		delete(n.pending, p.id)
+		n.unpend(p)
 		p.index = e.Index
 		if p.mode == Async {
 			n.resolve(p, nil)
@@ -387,6 +437,7 @@ func (n *Node) resolve(p *proposal, err error) {
 	}
 	p.resolved = true
 	n.resolvedSome = true
+	n.unpend(p) // the loop is exiting (failWaiting), or raft dropped it
 	if p.counted {
 		n.batch.left()
 	}
@@ -406,10 +457,19 @@ func (n *Node) resolve(p *proposal, err error) {
 			// log: should this node's requeue ever meet it, it is dropped.
 			n.noteRefused(p.id, p.index)
 		}
-		p.done(0, err)
+		p.finish(0, err)
 		return
 	}
-	p.done(p.index, nil)
+	p.finish(p.index, nil)
+}
+
+// unpend takes p off the pending count: its entry is saved, or it will
+// never be.
+func (n *Node) unpend(p *proposal) {
+	if p.pending {
+		p.pending = false
+		n.pending--
+	}
 }
 
 // flushResolved lets AfterResolve act on the callbacks run since the last
@@ -435,7 +495,7 @@ func (n *Node) expire(now time.Time) {
 				n.startAbort(p)
 				continue
 			}
-			if p.mode == Async && n.leader && n.pending[p.id] == p {
+			if p.mode == Async && n.leader && p.pending {
 				// Handed to raft, not yet saved (a slow disk): the next
 				// Ready saves it, and its rule is this disk, or the
 				// mastership goes first and raft drops it (setLeader).
@@ -443,11 +503,20 @@ func (n *Node) expire(now time.Time) {
 				// delivered, though its publisher was told it failed.
 				continue
 			}
-			delete(n.pending, p.id)
+			n.unpend(p)
 			n.resolve(p, ErrAckTimeout)
 		}
 	}
 	if i > 0 {
+		for _, p := range n.byDue[:i] {
+			if p.reuse && p.resolved && p.mode == Async {
+				// Out of live (resolve), off the pending count, never in
+				// syncWait or the settler (async), never another's copy
+				// (it was proposed fresh): byDue held it last.
+				*p = proposal{}
+				proposals.Put(p)
+			}
+		}
 		n.byDue = append(n.byDue[:0], n.byDue[i:]...)
 	}
 	j := 0

@@ -185,11 +185,12 @@ func (n *Node) failWaiting(err error) {
 	for _, p := range n.settle.waiting {
 		n.resolve(p, err)
 	}
-	for _, p := range n.pending { // an async one past its deadline is only here
-		n.resolve(p, err)
+	for _, p := range n.live { // an async one past its deadline is only here
+		if p.pending {
+			n.resolve(p, err)
+		}
 	}
 	n.byDue, n.syncWait, n.settle.waiting = nil, nil, nil
-	clear(n.pending)
 	clear(n.live)
 }
 
@@ -225,9 +226,11 @@ func (n *Node) setLeader(leader bool, lead uint64) {
 		n.confWait = nil
 		// Proposals not yet in a saved Ready will never be: raft dropped
 		// them with the leadership.
-		for id, p := range n.pending {
-			delete(n.pending, id)
-			n.resolve(p, ErrNotLeader)
+		for _, p := range n.live {
+			if p.pending {
+				n.unpend(p)
+				n.resolve(p, ErrNotLeader)
+			}
 		}
 	}
 }

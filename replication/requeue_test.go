@@ -47,7 +47,7 @@ func TestRefuseRequeuedAnswersEveryWaitingPublisherInBoundedMemory(t *testing.T)
 	answered := map[uint64]error{}
 	wait := func(seq uint64) {
 		n.live[recID{origin, seq}] = &proposal{id: recID{origin, seq}, mode: Sync, stepped: true,
-			done: func(_ uint64, err error) { answered[seq] = err }}
+			to: outcomeFunc(func(_ uint64, err error) { answered[seq] = err })}
 	}
 	var waiting []uint64
 	for seq := uint64(1); seq <= records; seq += 97 { // spread over every chunk

@@ -269,7 +269,7 @@ func (n *Node) settleTurn(now time.Time) {
 	st.sentUpto = s.Upto
 	p := &proposal{data: storage.AppendRecord(nil, &rec), mode: Async, control: true, deadline: now.Add(n.cfg.SyncTimeout)}
 	p.id = recID{rec.Origin, rec.Seq}
-	p.done = func(_ uint64, err error) {
+	p.to = outcomeFunc(func(_ uint64, err error) {
 		if err == nil || !n.leader {
 			return
 		}
@@ -279,7 +279,7 @@ func (n *Node) settleTurn(now time.Time) {
 		st.doubt = max(st.doubt, s.Doubt)
 		st.sentUpto = min(st.sentUpto, prevUpto)
 		st.dirty = true
-	}
+	})
 	n.enqueue(p)
 }
 
