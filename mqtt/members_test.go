@@ -195,6 +195,26 @@ func isSessionOp(msg *Message, op string) bool {
 	return msg.Kind == KindSession && bytes.Contains(msg.Payload, []byte(`"op":"`+op+`"`))
 }
 
+// holdHere stops the member's applier after what the log holds now, and
+// returns that index: the member applies nothing logged from here on.
+func (m *member) holdHere() uint64 {
+	m.l.mu.Lock()
+	last := uint64(len(m.l.recs))
+	m.l.mu.Unlock()
+	m.holdAt(last)
+	return last
+}
+
+// offline says whether the member holds the session id, offline.
+func (m *member) offline(id string) func() bool {
+	return func() bool {
+		m.srv.mu.Lock()
+		se := m.srv.sessions[id]
+		m.srv.mu.Unlock()
+		return se != nil && !se.online()
+	}
+}
+
 // holdAt stops the member's applier after index (0: it goes on).
 func (m *member) holdAt(index uint64) {
 	m.l.mu.Lock()

@@ -287,10 +287,7 @@ func TestQoS2ReleaseAppliedAfterTheDeviceCameBack(t *testing.T) {
 	for i := 1; i <= 4; i++ {
 		l.add(&Message{Origin: 9, Seq: uint64(i), ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte{byte('0' + i)}})
 	}
-	l.mu.Lock()
-	last := uint64(len(l.recs))
-	l.mu.Unlock()
-	b.holdAt(last) // b applies nothing a logs from here on until the device is on b
+	last := b.holdHere() // b applies nothing a logs from here on until the device is on b
 	b.caughtUp(t)
 
 	pidOf := map[string]uint16{}
@@ -500,10 +497,7 @@ func TestSubscriptionsAppliedAfterTheDeviceCameBack(t *testing.T) {
 	dev.connect("dev", false, props)
 	dev.subscribe(1, packets.Subscription{Filter: "old/#", Qos: 1}, packets.Subscription{Filter: "again/#", Qos: 1})
 	b.caughtUp(t)
-	l.mu.Lock()
-	last := uint64(len(l.recs))
-	l.mu.Unlock()
-	b.holdAt(last) // b applies nothing logged from here on until the device is on b
+	b.holdHere() // b applies nothing logged from here on until the device is on b
 
 	dev.subscribe(2, packets.Subscription{Filter: "new/#", Qos: 1})
 	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Unsubscribe, Qos: 1}, PacketID: 3,
@@ -571,10 +565,7 @@ func resumeWithoutStart(t *testing.T, v byte, late bool, code byte, props *packe
 	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
 	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
 	b.caughtUp(t)
-	l.mu.Lock()
-	last := uint64(len(l.recs))
-	l.mu.Unlock()
-	b.holdAt(last) // b applies nothing logged from here on for now
+	b.holdHere() // b applies nothing logged from here on for now
 	p := dev.expect(packets.Publish)
 	pid := p.PacketID
 	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pid})
@@ -671,18 +662,10 @@ func TestMQTT_4_3_3_9_ResendWaitsForTheStartRecord(t *testing.T) {
 	p := dev.expect(packets.Publish) // held in flight on b: the device's answer is lost
 	pid := p.PacketID
 	dev.c.Close()
-	testutil.WaitFor(t, 5*time.Second, "b's session offline", func() bool {
-		b.srv.mu.Lock()
-		se := b.srv.sessions["dev"]
-		b.srv.mu.Unlock()
-		return se != nil && !se.online()
-	})
+	testutil.WaitFor(t, 5*time.Second, "b's session offline", b.offline("dev"))
 	a.caughtUp(t)
 	b.caughtUp(t)
-	l.mu.Lock()
-	last := uint64(len(l.recs))
-	l.mu.Unlock()
-	b.holdAt(last) // b applies nothing logged from here on until the device is back
+	b.holdHere() // b applies nothing logged from here on until the device is back
 
 	dev = dialRaw(t, a.srv.Addr(), 5)
 	if ack := dev.connect("dev", false, props); !ack.SessionPresent {
@@ -795,14 +778,6 @@ func TestMQTT_4_3_3_9_AnEarlierConnectionsStartIsNotTheBarrier(t *testing.T) {
 	l := newSharedLog()
 	a, b := startMember(t, l, 1), startMember(t, l, 2)
 	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
-	offline := func(m *member) func() bool {
-		return func() bool {
-			m.srv.mu.Lock()
-			se := m.srv.sessions["dev"]
-			m.srv.mu.Unlock()
-			return se != nil && !se.online()
-		}
-	}
 	startOf := func(origin uint64, after uint64) uint64 {
 		l.mu.Lock()
 		defer l.mu.Unlock()
@@ -819,12 +794,9 @@ func TestMQTT_4_3_3_9_AnEarlierConnectionsStartIsNotTheBarrier(t *testing.T) {
 	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
 	pid := dev.expect(packets.Publish).PacketID // held; the device's answer is lost
 	b.caughtUp(t)
-	l.mu.Lock()
-	last := uint64(len(l.recs))
-	l.mu.Unlock()
-	b.holdAt(last) // b applies nothing logged from here on for now
+	last := b.holdHere() // b applies nothing logged from here on for now
 	dev.c.Close()
-	testutil.WaitFor(t, 5*time.Second, "a's session offline", offline(a))
+	testutil.WaitFor(t, 5*time.Second, "a's session offline", a.offline("dev"))
 
 	dev = dialRaw(t, b.srv.Addr(), 5) // the first connection to b
 	if ack := dev.connect("dev", false, props); !ack.SessionPresent {
@@ -833,7 +805,7 @@ func TestMQTT_4_3_3_9_AnEarlierConnectionsStartIsNotTheBarrier(t *testing.T) {
 	var first uint64
 	testutil.WaitFor(t, 5*time.Second, "b's first start record in the log", func() bool { first = startOf(2, last); return first > 0 })
 	dev.c.Close()
-	testutil.WaitFor(t, 5*time.Second, "b's session offline", offline(b))
+	testutil.WaitFor(t, 5*time.Second, "b's session offline", b.offline("dev"))
 
 	dev = dialRaw(t, a.srv.Addr(), 5) // back to a, which completes the flow
 	if ack := dev.connect("dev", false, props); !ack.SessionPresent {
@@ -1028,12 +1000,7 @@ func TestMQTT_4_3_3_9_ReleaseFailingAfterAReconnectIsLoggedAgain(t *testing.T) {
 	dev.write(ping)
 	dev.expect(packets.Pingresp)
 	dev.c.Close()
-	testutil.WaitFor(t, 5*time.Second, "the session offline", func() bool {
-		a.srv.mu.Lock()
-		se := a.srv.sessions["dev"]
-		a.srv.mu.Unlock()
-		return se != nil && !se.online()
-	})
+	testutil.WaitFor(t, 5*time.Second, "the session offline", a.offline("dev"))
 
 	dev = dialRaw(t, a.srv.Addr(), 5)
 	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
@@ -1083,18 +1050,10 @@ func goneElsewhere(t *testing.T, clean bool) {
 	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "old/x", QoS: 1, Payload: []byte("old/1")})
 	dev.expect(packets.Publish) // held in flight on b: the device's PUBACK is lost
 	dev.c.Close()
-	testutil.WaitFor(t, 5*time.Second, "b's session offline", func() bool {
-		b.srv.mu.Lock()
-		se := b.srv.sessions["dev"]
-		b.srv.mu.Unlock()
-		return se != nil && !se.online()
-	})
+	testutil.WaitFor(t, 5*time.Second, "b's session offline", b.offline("dev"))
 	a.caughtUp(t)
 	b.caughtUp(t)
-	l.mu.Lock()
-	last := uint64(len(l.recs))
-	l.mu.Unlock()
-	b.holdAt(last) // b applies nothing logged from here on until the device is back
+	last := b.holdHere() // b applies nothing logged from here on until the device is back
 
 	dev = dialRaw(t, a.srv.Addr(), 5)
 	if clean {
@@ -1176,10 +1135,7 @@ func TestMQTT_4_3_3_9_InboundResendBeforeTheOriginalIsApplied(t *testing.T) {
 			dev := dialRaw(t, a.srv.Addr(), v)
 			dev.connect("dev", false, props)
 			b.caughtUp(t) // b holds the session, offline
-			l.mu.Lock()
-			last := uint64(len(l.recs))
-			l.mu.Unlock()
-			b.holdAt(last) // b lags: it applies nothing logged from here on for now
+			b.holdHere()  // b lags: it applies nothing logged from here on for now
 
 			pub := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2}, TopicName: "in/x", PacketID: 7, Payload: []byte("once")}
 			dev.write(pub)
@@ -1280,10 +1236,7 @@ func TestInboundResendOfAPublishNeverLoggedIsLoggedOnce(t *testing.T) {
 			dev.write(pub)
 			a.kill(t)
 			dev.c.Close()
-			l.mu.Lock()
-			last := uint64(len(l.recs))
-			l.mu.Unlock()
-			b.holdAt(last) // the resend waits for b's start record
+			b.holdHere() // the resend waits for b's start record
 
 			dev = dialRaw(t, b.srv.Addr(), v)
 			if ack := dev.connect("dev", false, props); !ack.SessionPresent {
