@@ -30,10 +30,7 @@ func TestMQTT_4_3_3_9_QoS2ExactlyOnceAcrossAMove(t *testing.T) {
 func qos2Move(t *testing.T, v byte) {
 	l := newSharedLog()
 	a, b := startMember(t, l, 1), startMember(t, l, 2)
-	var props *packets.Properties
-	if v == 5 {
-		props = &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
-	}
+	props := sessionProps(v)
 	dev := dialRaw(t, a.srv.Addr(), v)
 	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 {
 		t.Fatalf("CONNACK %#x", ack.ReasonCode)
@@ -125,10 +122,7 @@ func TestMQTT_4_3_3_9_QoS2InboundExactlyOnceAcrossAMove(t *testing.T) {
 		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
 			l := newSharedLog()
 			a, b := startMember(t, l, 1), startMember(t, l, 2)
-			var props *packets.Properties
-			if v == 5 {
-				props = &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
-			}
+			props := sessionProps(v)
 			dev := dialRaw(t, a.srv.Addr(), v)
 			dev.connect("dev", false, props)
 			pub := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2}, TopicName: "in/x", PacketID: 7, Payload: []byte("once")}
@@ -423,10 +417,7 @@ func TestMQTT_4_3_3_9_NoPubrelBeforeTheReleaseIsLogged(t *testing.T) {
 func pubrelWaitsForItsRecord(t *testing.T, v byte, logged bool) {
 	l := newSharedLog()
 	a, b := startMember(t, l, 1), startMember(t, l, 2)
-	var props *packets.Properties
-	if v == 5 {
-		props = &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
-	}
+	props := sessionProps(v)
 	dev := dialRaw(t, a.srv.Addr(), v)
 	dev.connect("dev", false, props)
 	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
@@ -880,10 +871,7 @@ func TestMQTT_4_3_3_9_NoPubrelWhenTheReleaseIsNotLogged(t *testing.T) {
 func releaseNotLogged(t *testing.T, v byte, fail error, code byte, moves bool) {
 	l := newSharedLog()
 	a, b := startMember(t, l, 1), startMember(t, l, 2)
-	var props *packets.Properties
-	if v == 5 {
-		props = &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
-	}
+	props := sessionProps(v)
 	dev := dialRaw(t, a.srv.Addr(), v)
 	dev.connect("dev", false, props)
 	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
@@ -1125,10 +1113,7 @@ func TestMQTT_4_3_3_9_InboundResendBeforeTheOriginalIsApplied(t *testing.T) {
 		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
 			l := newSharedLog()
 			a, b := startMember(t, l, 1), startMember(t, l, 2)
-			var props *packets.Properties
-			if v == 5 {
-				props = &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
-			}
+			props := sessionProps(v)
 			sub := dialRaw(t, b.srv.Addr(), v)
 			sub.connect("sub", true, nil)
 			sub.subscribe(1, packets.Subscription{Filter: "in/#", Qos: 2})
@@ -1217,10 +1202,7 @@ func TestInboundResendOfAPublishNeverLoggedIsLoggedOnce(t *testing.T) {
 		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
 			l := newSharedLog()
 			a, b := startMember(t, l, 1), startMember(t, l, 2)
-			var props *packets.Properties
-			if v == 5 {
-				props = &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
-			}
+			props := sessionProps(v)
 			dev := dialRaw(t, a.srv.Addr(), v)
 			dev.connect("dev", false, props)
 			b.caughtUp(t)
@@ -1254,4 +1236,13 @@ func TestInboundResendOfAPublishNeverLoggedIsLoggedOnce(t *testing.T) {
 			}
 		})
 	}
+}
+
+// sessionProps is a persistent session's CONNECT properties in protocol
+// version v: 3.1.1 has none (clean session false keeps it).
+func sessionProps(v byte) *packets.Properties {
+	if v != 5 {
+		return nil
+	}
+	return &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
 }
