@@ -93,31 +93,7 @@ func TestSlaveWithAnIncompleteStateTakesNoDevicesUntilTheSnapshotIsInstalled(t *
 	want := retainedOf(t, g1.d, "want", n)
 
 	// gw-2's data file, the merge of that snapshot begun and cut.
-	db, err := storage.Open(g2.dir, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	body := snap.Data
-	if _, isRef := storage.ParseSnapshotRef(body); isRef {
-		t.Fatal("the snapshot is past the inline limit: this test feeds its body")
-	}
-	ref := storage.SnapshotRef{Index: snap.Metadata.Index, Size: uint64(len(body)), CRC: binary.BigEndian.Uint32(body[len(body)-4:])}
-	in, err := db.ReceiveSnapshot(ref)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for !db.InstallInterrupted() {
-		if in.Done() {
-			t.Fatal("the whole snapshot was received without a merge in place")
-		}
-		if err := in.Write(body[in.Offset():min(in.Offset()+64<<10, ref.Size)]); err != nil {
-			t.Fatal(err)
-		}
-	}
-	in.Close()
-	if err := db.Close(); err != nil {
-		t.Fatal(err)
-	}
+	cutMergeShort(t, g2.dir, snap)
 
 	if err := g1.d.Stop(); err != nil {
 		t.Fatal(err)
@@ -235,31 +211,7 @@ func TestLoneGatewayWithAnIncompleteStateRefusesDevicesUntilTheOperatorAcceptsIt
 	}
 
 	// The copy's broker state, that snapshot's merge begun and cut.
-	db, err := storage.Open(marked, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	body := snap.Data
-	if _, isRef := storage.ParseSnapshotRef(body); isRef {
-		t.Fatal("the snapshot is past the inline limit: this test feeds its body")
-	}
-	ref := storage.SnapshotRef{Index: snap.Metadata.Index, Size: uint64(len(body)), CRC: binary.BigEndian.Uint32(body[len(body)-4:])}
-	in, err := db.ReceiveSnapshot(ref)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for !db.InstallInterrupted() {
-		if in.Done() {
-			t.Fatal("the whole snapshot was received without a merge in place")
-		}
-		if err := in.Write(body[in.Offset():min(in.Offset()+64<<10, ref.Size)]); err != nil {
-			t.Fatal(err)
-		}
-	}
-	in.Close()
-	if err := db.Close(); err != nil {
-		t.Fatal(err)
-	}
+	cutMergeShort(t, marked, snap)
 
 	logs := &testutil.Buffer{}
 	gw = startGatewayIn(t, marked, nil, logs)
@@ -312,5 +264,37 @@ func TestLoneGatewayWithAnIncompleteStateRefusesDevicesUntilTheOperatorAcceptsIt
 	t.Logf("retained messages served after the accept: %v", gens)
 	if len(got) != n || gens["new"] == 0 {
 		t.Errorf("served %d retained messages (%v); want %d, the merged part of them the snapshot's", len(got), gens, n)
+	}
+}
+
+// cutMergeShort opens the data dir dir, stopped, receives snap into it
+// until its merge in place has begun, and cuts the receive there: the
+// broker state is marked incomplete.
+func cutMergeShort(t *testing.T, dir string, snap pb.Snapshot) {
+	t.Helper()
+	db, err := storage.Open(dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := snap.Data
+	if _, isRef := storage.ParseSnapshotRef(body); isRef {
+		t.Fatal("the snapshot is past the inline limit: this test feeds its body")
+	}
+	ref := storage.SnapshotRef{Index: snap.Metadata.Index, Size: uint64(len(body)), CRC: binary.BigEndian.Uint32(body[len(body)-4:])}
+	in, err := db.ReceiveSnapshot(ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for !db.InstallInterrupted() {
+		if in.Done() {
+			t.Fatal("the whole snapshot was received without a merge in place")
+		}
+		if err := in.Write(body[in.Offset():min(in.Offset()+64<<10, ref.Size)]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	in.Close()
+	if err := db.Close(); err != nil {
+		t.Fatal(err)
 	}
 }
