@@ -32,14 +32,7 @@ func TestSlaveKilledMidMergeServesNothingUntilAWholeSnapshot(t *testing.T) {
 	const budget, count, size = 16 << 20, 2800, 1000
 	const slowFlash = "TANDEM_BENCH_FSYNC_DELAY=20ms"
 	nt := netns.New(t, 2)
-	const cfg = "storage:\n  max_bytes: 16MiB"
-	g1, g2 := newGW(t, nt.Hosts[0], "gw-1", cfg), newGW(t, nt.Hosts[1], "gw-2", cfg)
-	g1.withStateCaps(t, "8MiB", "4MiB")
-	g2.withStateCaps(t, "8MiB", "4MiB")
-	g1.start()
-	g2.start()
-	g2.join(g1)
-	waitShape(t, g1, 0, 1, 15*time.Second)
+	g1, g2 := budgetPair(t, nt)
 	// Sessions that stay as they are, and retained messages that all
 	// change while gw-2 is away: the changed part would not fit twice, so
 	// gw-2 merges the snapshot in place.

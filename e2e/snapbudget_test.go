@@ -129,6 +129,22 @@ type catchUpStatus struct {
 	} `json:"log"`
 }
 
+// budgetPair starts two gateways on nt on a 16MiB budget, with room for
+// a broker state of half of it (withStateCaps), the second the first's
+// slave.
+func budgetPair(t *testing.T, nt *netns.Net) (g1, g2 *gw) {
+	t.Helper()
+	const cfg = "storage:\n  max_bytes: 16MiB"
+	g1, g2 = newGW(t, nt.Hosts[0], "gw-1", cfg), newGW(t, nt.Hosts[1], "gw-2", cfg)
+	g1.withStateCaps(t, "8MiB", "4MiB")
+	g2.withStateCaps(t, "8MiB", "4MiB")
+	g1.start()
+	g2.start()
+	g2.join(g1)
+	waitShape(t, g1, 0, 1, 15*time.Second)
+	return g1, g2
+}
+
 // withStateCaps sets g's max_retained_bytes and max_session_bytes (their
 // defaults, an eighth of the budget each, would hold a fraction of the
 // broker state wanted).
@@ -240,14 +256,7 @@ func snapshotWithinBudget(t *testing.T, seed uint64, allReplaced bool) {
 		seed, seed, count, size, len(replaced), len(cleared), budget, storage.RetentionSlack)
 
 	nt := netns.New(t, 2)
-	const cfg = "storage:\n  max_bytes: 16MiB"
-	g1, g2 := newGW(t, nt.Hosts[0], "gw-1", cfg), newGW(t, nt.Hosts[1], "gw-2", cfg)
-	g1.withStateCaps(t, "8MiB", "4MiB")
-	g2.withStateCaps(t, "8MiB", "4MiB")
-	g1.start()
-	g2.start()
-	g2.join(g1)
-	waitShape(t, g1, 0, 1, 15*time.Second)
+	g1, g2 := budgetPair(t, nt)
 	if allReplaced {
 		// Sessions that stay as they are beside the retained messages
 		// that all change: with them the state takes 3/4 of the budget,

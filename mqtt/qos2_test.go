@@ -646,10 +646,7 @@ func TestMQTT_4_3_3_9_ResendWaitsForTheStartRecord(t *testing.T) {
 	l := newSharedLog()
 	a, b := startMember(t, l, 1), startMember(t, l, 2)
 	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
-	dev := dialRaw(t, b.srv.Addr(), 5)
-	dev.connect("dev", false, props)
-	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
-	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	dev := deliverQoS2(t, l, b, props)
 	p := dev.expect(packets.Publish) // held in flight on b: the device's answer is lost
 	pid := p.PacketID
 	dev.c.Close()
@@ -718,10 +715,7 @@ func TestMQTT_4_3_3_9_PubrelAfterARestartWaitsForTheReleaseRecord(t *testing.T) 
 	a := startMember(t, l, 1)
 	startMember(t, l, 2)
 	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
-	dev := dialRaw(t, a.srv.Addr(), 5)
-	dev.connect("dev", false, props)
-	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
-	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	dev := deliverQoS2(t, l, a, props)
 	p := dev.expect(packets.Publish)
 	a.holdReleases(t) // never logged: a dies first
 	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: p.PacketID})
@@ -779,10 +773,7 @@ func TestMQTT_4_3_3_9_AnEarlierConnectionsStartIsNotTheBarrier(t *testing.T) {
 		}
 		return 0
 	}
-	dev := dialRaw(t, a.srv.Addr(), 5)
-	dev.connect("dev", false, props)
-	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
-	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	dev := deliverQoS2(t, l, a, props)
 	pid := dev.expect(packets.Publish).PacketID // held; the device's answer is lost
 	b.caughtUp(t)
 	last := b.holdHere() // b applies nothing logged from here on for now
@@ -971,10 +962,7 @@ func TestMQTT_4_3_3_9_ReleaseFailingAfterAReconnectIsLoggedAgain(t *testing.T) {
 	a := startMember(t, l, 1)
 	startMember(t, l, 2)
 	props := &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
-	dev := dialRaw(t, a.srv.Addr(), 5)
-	dev.connect("dev", false, props)
-	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
-	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	dev := deliverQoS2(t, l, a, props)
 	pid := dev.expect(packets.Publish).PacketID
 	let := make(chan struct{})
 	a.setGate(func(msg *Message) (<-chan struct{}, error) {
@@ -1245,4 +1233,16 @@ func sessionProps(v byte) *packets.Properties {
 		return nil
 	}
 	return &packets.Properties{SessionExpiryInterval: 600, SessionExpiryIntervalFlag: true}
+}
+
+// deliverQoS2 connects a device "dev" to m (MQTT 5, session kept with
+// props), subscribes it to m/# at QoS 2, and logs a message for it
+// ("1" on m/x), whose PUBLISH the caller reads.
+func deliverQoS2(t *testing.T, l *sharedLog, m *member, props *packets.Properties) *raw {
+	t.Helper()
+	dev := dialRaw(t, m.srv.Addr(), 5)
+	dev.connect("dev", false, props)
+	dev.subscribe(1, packets.Subscription{Filter: "m/#", Qos: 2})
+	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
+	return dev
 }
