@@ -32,9 +32,9 @@ type UplinkConfig struct {
 	TLS UplinkTLS `yaml:"tls"`
 	// Topics selects what goes up: the first rule whose match filter
 	// matches a record's topic.
-	Topics []UplinkTopic `yaml:"topics"`
+	Topics []UplinkTopic `yaml:"topics,omitempty"`
 	// Downlink subscribes at the cloud; what arrives is published here.
-	Downlink []UplinkDownlink `yaml:"downlink"`
+	Downlink []UplinkDownlink `yaml:"downlink,omitempty"`
 	// MaxInflight is how many messages may await the cloud's ack (default
 	// 64).
 	MaxInflight int `yaml:"max_inflight"`
