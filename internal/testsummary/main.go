@@ -117,6 +117,22 @@ func scan(r io.Reader, w io.Writer) (*summary, error) {
 			s.packages++
 			s.pkgFailures++
 		case e.Test == "":
+			if e.Action == "fail" {
+				// A test binary that died (a panic, a signal, os.Exit)
+				// ends tests that never pass or fail: their output is
+				// the only account of it.
+				for key, o := range out {
+					if key[0] == e.Package {
+						fmt.Fprintf(w, "--- unfinished: %s\n", key[1])
+						for _, l := range o {
+							if !strings.HasPrefix(l, "=== ") {
+								fmt.Fprint(w, l)
+							}
+						}
+						delete(out, key)
+					}
+				}
+			}
 			s.packageEvent(e, w)
 		default:
 			key := [2]string{e.Package, e.Test}

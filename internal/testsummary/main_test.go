@@ -118,3 +118,30 @@ func TestReportSumsRecordedRuns(t *testing.T) {
 		t.Errorf("missing record: %v", err)
 	}
 }
+
+// A test binary that dies mid-test (a panic in a goroutine, a signal)
+// leaves tests that never pass or fail: their output, the panic among it,
+// is shown with the package's failure, not lost.
+func TestSummaryShowsTheOutputOfTestsADyingBinaryLeftUnfinished(t *testing.T) {
+	const died = `{"Action":"start","Package":"github.com/tandem-edge/tandem/c"}
+{"Action":"run","Package":"github.com/tandem-edge/tandem/c","Test":"TestFine"}
+{"Action":"pass","Package":"github.com/tandem-edge/tandem/c","Test":"TestFine"}
+{"Action":"run","Package":"github.com/tandem-edge/tandem/c","Test":"TestDies"}
+{"Action":"output","Package":"github.com/tandem-edge/tandem/c","Test":"TestDies","Output":"=== RUN   TestDies\n"}
+{"Action":"output","Package":"github.com/tandem-edge/tandem/c","Test":"TestDies","Output":"panic: boom in a goroutine\n"}
+{"Action":"output","Package":"github.com/tandem-edge/tandem/c","Output":"FAIL\tgithub.com/tandem-edge/tandem/c\t1.0s\n"}
+{"Action":"fail","Package":"github.com/tandem-edge/tandem/c"}
+`
+	var out strings.Builder
+	s, err := scan(strings.NewReader(died), &out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.print(&out)
+	if got := out.String(); !strings.Contains(got, "panic: boom in a goroutine") || !strings.Contains(got, "unfinished: TestDies") {
+		t.Errorf("the dying test's output is not shown:\n%s", got)
+	}
+	if !s.failed() {
+		t.Error("a package whose binary died: failed() = false")
+	}
+}
