@@ -106,11 +106,8 @@ func (s *session) released(batch []uint64, c *conn, err error) {
 		}
 		return
 	}
-	for _, idx := range left {
+	for _, idx := range left { // logged (a failure left none here)
 		delete(s.releasing, idx)
-	}
-	if err != nil {
-		pids = nil
 	}
 	s.mu.Unlock()
 	if now != nil && len(pids) > 0 {
