@@ -199,7 +199,7 @@ func (l *rawLoop) step(fd uintptr) bool {
 		if !c.readyToRead(l.ka, &l.by) {
 			return true
 		}
-		n, _, err := c.in.fill(int(fd))
+		n, err := c.in.fill(int(fd))
 		switch {
 		case err == syscall.EINTR:
 			continue

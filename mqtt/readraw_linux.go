@@ -23,10 +23,8 @@ func (c *conn) rawConn() syscall.RawConn {
 }
 
 // fill reads once from fd: into the body of the packet being read and the
-// buffer after it, or into the buffer. It returns what was read and what
-// it asked for (fewer: the socket held no more data, though maybe its
-// end: loopRaw reads on until EAGAIN).
-func (in *inBuf) fill(fd int) (n, asked int, err error) {
+// buffer after it, or into the buffer. It returns what was read.
+func (in *inBuf) fill(fd int) (n int, err error) {
 	if in.buf == nil {
 		in.buf = readBufs.Get().(*[readBufSize]byte)
 	}
@@ -43,19 +41,17 @@ func (in *inBuf) fill(fd int) (n, asked int, err error) {
 	free := in.buf[in.w:]
 	if in.pend != nil {
 		rest := in.pend[len(in.pend):cap(in.pend)]
-		asked = len(rest) + len(free)
 		n, err = unix.Readv(fd, [][]byte{rest, free})
 		if n > 0 {
 			k := min(n, len(rest))
 			in.pend = in.pend[:len(in.pend)+k]
 			in.w += int32(n - k)
 		}
-		return max(n, 0), asked, err
+		return max(n, 0), err
 	}
-	asked = len(free)
 	n, err = syscall.Read(fd, free)
 	if n > 0 {
 		in.w += int32(n)
 	}
-	return max(n, 0), asked, err
+	return max(n, 0), err
 }

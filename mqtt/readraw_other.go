@@ -12,6 +12,6 @@ import (
 func (c *conn) rawConn() syscall.RawConn { return nil }
 
 // fill is never called where rawConn is nil.
-func (in *inBuf) fill(fd int) (n, asked int, err error) {
-	return 0, 0, errors.ErrUnsupported
+func (in *inBuf) fill(fd int) (n int, err error) {
+	return 0, errors.ErrUnsupported
 }
