@@ -47,6 +47,11 @@ type sessionOp struct {
 	// Rel lists the log indexes of QoS 2 deliveries the client has
 	// PUBREC'd: on another member they are PUBREL'd, never sent again.
 	Rel []uint64 `json:"rel,omitempty"`
+	// In lists the packet ids of inbound QoS 2 flows the device
+	// released (PUBREL) on the member that logged it ("irel"): another
+	// member forgets them, so that the device, free to reuse an id once
+	// it has the PUBCOMP, is never taken for resending the old publish.
+	In []uint16 `json:"in,omitempty"`
 }
 
 // IsSessionTopic reports whether a record's topic is that of the session
@@ -56,17 +61,19 @@ func IsSessionTopic(topic string) bool { return topic == sessionTopic }
 // IsServingRecord reports whether a session record, by its topic and
 // payload, is one a device cannot be served without on a member of a
 // cluster, which a master takes while its log is over its budget: a
-// resumed session's start record (proposeStart), one per CONNECT, and the
+// resumed session's start record (proposeStart), one per CONNECT, the
 // release record of QoS 2 deliveries (releaseNext), whose PUBRELs wait for
-// it: refused, the connection ends (released). A release names flows the
-// device PUBREC'd, deliveries of records the log holds already, each at
-// most once a connection, many to a record.
+// it: refused, the connection ends (released), and the release record of
+// an inbound QoS 2 flow, whose PUBCOMP waits for it (pubrel). A release
+// names flows the device PUBREC'd, deliveries of records the log holds
+// already, each at most once a connection, many to a record; an inbound
+// release names a publish the log holds already.
 func IsServingRecord(topic string, payload []byte) bool {
 	if topic != sessionTopic {
 		return false
 	}
 	var op sessionOp
-	return json.Unmarshal(payload, &op) == nil && (op.Op == "start" || op.Op == "rel")
+	return json.Unmarshal(payload, &op) == nil && (op.Op == "start" || op.Op == "rel" || op.Op == "irel")
 }
 
 // isControl reports whether a topic is one of the cluster's own records.
@@ -124,6 +131,15 @@ func (s *Server) proposeRecord(kind Kind, client string, payload []byte, mode Ac
 	m := &Message{Kind: kind, ClientID: client, Topic: topic, Payload: payload, Time: s.cfg.Now().UnixNano()}
 	s.log.Reserve(m)
 	s.log.Propose(m, mode, DoneFunc(done))
+}
+
+// proposeOpTo logs op as client id's session record under mode, its
+// outcome to done.
+func (s *Server) proposeOpTo(id string, op sessionOp, mode AckMode, done Done) {
+	b, _ := json.Marshal(op) // a struct of strings and numbers: cannot fail
+	m := &Message{Kind: KindSession, ClientID: id, Topic: sessionTopic, Payload: b, Time: s.cfg.Now().UnixNano()}
+	s.log.Reserve(m)
+	s.log.Propose(m, mode, done)
 }
 
 // applyControl applies a committed session or cursor record; it runs on
@@ -258,6 +274,10 @@ func (s *Server) applySession(index uint64, id string, own bool, seq uint64, op 
 	case "rel":
 		if se != nil {
 			s.applyReleased(se, op.Rel)
+		}
+	case "irel":
+		if se != nil {
+			s.applyInboundReleased(se, op.In)
 		}
 	}
 }

@@ -132,8 +132,12 @@ type inAck struct {
 	err    error
 	mode   AckMode
 	start  time.Time
-	resend bool      // a QoS 2 resend answered without a new record
-	in2    *inbound2 // QoS 2: the inbound entry this publish made
+	resend bool // a QoS 2 resend answered without a new record
+	// comp marks a PUBCOMP, owed once the inbound release record is
+	// logged (pubrel); unknown: for an id with no flow here (MQTT 5:
+	// 0x92). Counted as a resend: it holds no receive maximum.
+	comp, unknown bool
+	in2           *inbound2 // QoS 2: the inbound entry this publish made
 	// charged is the memory this publish holds while the log takes it
 	// (memory.go), given back when it is resolved.
 	charged int64

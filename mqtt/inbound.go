@@ -356,6 +356,9 @@ func (a *inAck) outcome(err error, r *Resolver) {
 			w.c.resolve(w, err, r)
 		}
 	}
+	if a.comp && err != nil {
+		a.c.notLogged(err, "irel")
+	}
 	a.c.resolve(a, err, r)
 }
 
@@ -409,6 +412,13 @@ func (c *conn) takeAcks(buf []byte, now time.Time) (_ []byte, failed bool) {
 	c.amu.Unlock()
 	obs := c.srv.observer()
 	for i, a := range batch {
+		if a.comp {
+			// Not logged, none goes: notLogged ends the connection.
+			if a.err == nil {
+				buf = c.appendComp(buf, a)
+			}
+			continue
+		}
 		if !a.resend {
 			obs.Acked(a.mode, a.err, now.Sub(a.start))
 		}
@@ -428,6 +438,15 @@ func (c *conn) takeAcks(buf []byte, now time.Time) (_ []byte, failed bool) {
 		buf = c.appendAck(buf, a)
 	}
 	return buf, false
+}
+
+// appendComp encodes a's PUBCOMP.
+func (c *conn) appendComp(buf []byte, a *inAck) []byte {
+	if a.unknown && c.v == 5 {
+		// Remaining length 3: the reason code, no properties [MQTT-3.7.2.2].
+		return append(buf, packets.Pubcomp<<4, 3, byte(a.pid>>8), byte(a.pid), packets.ErrPacketIdentifierNotFound.Code)
+	}
+	return append(buf, packets.Pubcomp<<4, 2, byte(a.pid>>8), byte(a.pid))
 }
 
 // appendAck encodes a's PUBACK or PUBREC.
@@ -458,6 +477,17 @@ func (c *conn) appendAck(buf []byte, a *inAck) []byte {
 
 // pubrel answers a PUBREL: the inbound QoS 2 flow ends with PUBCOMP; an
 // id not in flight gets PUBCOMP 0x92 on MQTT 5 [MQTT-4.3.3-11].
+//
+// On a persistent session whose log other members share, the PUBCOMP
+// waits for an inbound release record ("irel") that every member applies
+// (applyInboundReleased): with the PUBCOMP the device may reuse the id at
+// once, and a member that had taken the released publish into its copy of
+// the session (noteInbound) would take a resend of the new one (DUP, its
+// original lost with the member the device left) for the old one, answer
+// PUBREC and log nothing: a message acked and lost. The record goes for
+// an id unknown here too, which another member may hold. Not logged, no
+// PUBCOMP goes and the connection ends (notLogged): the device sends the
+// PUBREL again when it comes back, here or elsewhere.
 func (c *conn) pubrel(pid uint16) {
 	s := c.sess
 	s.mu.Lock()
@@ -468,13 +498,20 @@ func (c *conn) pubrel(pid uint16) {
 	}
 	persist := s.persistent()
 	s.mu.Unlock()
-	comp := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pid}
 	if ok {
 		c.srv.inflight.Add(-1)
 		if persist {
 			c.srv.stageDelete(qos2Key(c.id, pid))
 		}
-	} else if c.v == 5 {
+	}
+	if persist && c.srv.clustered() {
+		a := &inAck{c: c, pid: pid, qos: 2, comp: true, unknown: !ok, resend: true, start: time.Now()}
+		c.queueAck(a)
+		c.srv.proposeOpTo(c.id, sessionOp{Op: "irel", In: []uint16{pid}}, Replicated, a)
+		return
+	}
+	comp := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pid}
+	if !ok && c.v == 5 {
 		comp.ReasonCode = packets.ErrPacketIdentifierNotFound.Code
 	}
 	c.send(comp)

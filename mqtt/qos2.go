@@ -271,6 +271,39 @@ func (s *Server) noteInbound(m *Message) {
 	s.stagePut(qos2Key(m.ClientID, m.PacketID), encodeQoS2(m.Origin, m.Seq, time.Unix(0, m.Time)))
 }
 
+// applyInboundReleased takes another member's inbound release record
+// ("irel": the device PUBREL'd those QoS 2 publishes there and got, or is
+// about to get, the PUBCOMP) into the copy of the session here while it
+// takes remote records, as noteInbound took the publishes: the device may
+// now reuse the ids for new messages, and a resend of one of those (DUP,
+// its original lost with the member it left) must be logged, not taken
+// for the released publish and answered with a PUBREC of nothing. A flow
+// the device began on this connection is newer and stays.
+func (s *Server) applyInboundReleased(se *session, pids []uint16) {
+	se.mu.Lock()
+	if !se.takesRemoteLocked() {
+		se.mu.Unlock()
+		return
+	}
+	var gone []uint16
+	for _, p := range pids {
+		in := se.inbound[p]
+		if in == nil || (se.conn != nil && se.sentHereLocked(in)) {
+			continue
+		}
+		delete(se.inbound, p)
+		gone = append(gone, p)
+	}
+	id, persist := se.id, se.persistent()
+	se.mu.Unlock()
+	s.inflight.Add(-int64(len(gone)))
+	if persist {
+		for _, p := range gone {
+			s.stageDelete(qos2Key(id, p))
+		}
+	}
+}
+
 // sentHereLocked reports whether in, an entry of the inbound table, is a
 // publish the device sent on its current connection here: its record was
 // taken after that connection's start record. Called with se.mu held.

@@ -1226,6 +1226,155 @@ func TestInboundResendOfAPublishNeverLoggedIsLoggedOnce(t *testing.T) {
 	}
 }
 
+// A device that completes a QoS 2 flow on one member may reuse the packet
+// id at once for a new message [MQTT-4.3.3-9: until the PUBREL the id is
+// the old message's; after the PUBCOMP it is free]. When that new
+// publish never reaches the log (the member dies with it) and the device
+// resends it (DUP) to another member, that member must log it: it held
+// the released publish under the same id, taken from the log while the
+// session was offline there, and without the release record answered the
+// resend with a PUBREC for the old one and logged nothing, a message
+// acked and lost.
+func TestMQTT_4_3_3_9_IdReusedAfterPubcompIsANewMessageOnEveryMember(t *testing.T) {
+	for _, v := range []byte{4, 5} {
+		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
+			l := newSharedLog()
+			a, b := startMember(t, l, 1), startMember(t, l, 2)
+			props := sessionProps(v)
+			dev := dialRaw(t, a.srv.Addr(), v)
+			dev.connect("dev", false, props)
+			b.caughtUp(t) // b holds the session, offline
+
+			first := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2}, TopicName: "in/x", PacketID: 7, Payload: []byte("first")}
+			dev.write(first)
+			dev.expect(packets.Pubrec)
+			b.caughtUp(t) // b has the publish: a resend of it would be known there
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: 7})
+			if comp := dev.expect(packets.Pubcomp); comp.PacketID != 7 || comp.ReasonCode != 0 {
+				t.Fatalf("PUBCOMP %d %#x, want 7, 0", comp.PacketID, comp.ReasonCode)
+			}
+			if !inboundReleaseLogged(l, 7) {
+				t.Fatal("PUBCOMP sent before the inbound release was in the log")
+			}
+
+			// The id again, for a new message that a never logs.
+			lost := make(chan struct{})
+			t.Cleanup(func() { close(lost) })
+			a.setGate(func(msg *Message) (<-chan struct{}, error) {
+				if msg.Kind == KindMessage {
+					return lost, errCut
+				}
+				return nil, nil
+			})
+			second := first
+			second.Payload = []byte("second")
+			dev.write(second)
+			a.kill(t)
+			dev.c.Close()
+
+			dev = dialRaw(t, b.srv.Addr(), v)
+			if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+				t.Fatal("session not present on b")
+			}
+			second.FixedHeader.Dup = true
+			dev.write(second)
+			if rec := dev.expect(packets.Pubrec); rec.PacketID != 7 || rec.ReasonCode >= 0x80 {
+				t.Fatalf("PUBREC %+v for the resend", rec)
+			}
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: 7})
+			dev.expect(packets.Pubcomp)
+			b.caughtUp(t)
+			if n := countLogged(b, l, "in/x", "second"); n != 1 {
+				t.Fatalf("the new message is in the log %d times, want once: acked by b, it must be there", n)
+			}
+			if n := countLogged(b, l, "in/x", "first"); n != 1 {
+				t.Fatalf("the first message is in the log %d times, want once", n)
+			}
+		})
+	}
+}
+
+// An inbound release record that cannot be logged sends no PUBCOMP: the
+// connection ends, and the device, which still holds the flow, sends its
+// PUBREL again on the member it comes back to, which logs the release and
+// completes the flow.
+func TestMQTT_4_3_3_9_NoPubcompWhenTheInboundReleaseIsNotLogged(t *testing.T) {
+	for _, v := range []byte{4, 5} {
+		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
+			l := newSharedLog()
+			a, b := startMember(t, l, 1), startMember(t, l, 2)
+			props := sessionProps(v)
+			dev := dialRaw(t, a.srv.Addr(), v)
+			dev.connect("dev", false, props)
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2}, TopicName: "in/x", PacketID: 7, Payload: []byte("m")})
+			dev.expect(packets.Pubrec)
+			a.setGate(func(msg *Message) (<-chan struct{}, error) {
+				if isSessionOp(msg, "irel") {
+					return nil, errors.New("no master")
+				}
+				return nil, nil
+			})
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: 7})
+			for {
+				pk, err := dev.read(5 * time.Second)
+				if err != nil {
+					var ne net.Error
+					if errors.As(err, &ne) && ne.Timeout() {
+						t.Fatal("the connection did not end when the inbound release failed")
+					}
+					if v == 5 {
+						t.Fatal("closed without a DISCONNECT")
+					}
+					break
+				}
+				if pk.FixedHeader.Type == packets.Pubcomp {
+					t.Fatal("PUBCOMP though the inbound release was refused")
+				}
+				if pk.FixedHeader.Type == packets.Disconnect {
+					if pk.ReasonCode != 0x89 {
+						t.Fatalf("DISCONNECT %#x, want 0x89", pk.ReasonCode)
+					}
+					break
+				}
+			}
+			dev.c.Close()
+			if inboundReleaseLogged(l, 7) {
+				t.Fatal("an inbound release in the log: the gate let it through")
+			}
+			b.caughtUp(t)
+			a.kill(t)
+			dev = dialRaw(t, b.srv.Addr(), v)
+			if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+				t.Fatal("session not present on b")
+			}
+			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: 7})
+			if comp := dev.expect(packets.Pubcomp); comp.PacketID != 7 || comp.ReasonCode != 0 {
+				t.Fatalf("PUBCOMP %d %#x on b, want 7, 0 (b holds the flow from the log)", comp.PacketID, comp.ReasonCode)
+			}
+			if !inboundReleaseLogged(l, 7) {
+				t.Fatal("b sent PUBCOMP without logging the release")
+			}
+		})
+	}
+}
+
+// inboundReleaseLogged reports whether the log holds an inbound release
+// record of packet id pid.
+func inboundReleaseLogged(l *sharedLog, pid uint16) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, m := range l.recs {
+		if !isSessionOp(m, "irel") {
+			continue
+		}
+		var op sessionOp
+		if json.Unmarshal(m.Payload, &op) == nil && slices.Contains(op.In, pid) {
+			return true
+		}
+	}
+	return false
+}
+
 // sessionProps is a persistent session's CONNECT properties in protocol
 // version v: 3.1.1 has none (clean session false keeps it).
 func sessionProps(v byte) *packets.Properties {
