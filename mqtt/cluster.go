@@ -270,7 +270,7 @@ func (s *Server) applySession(index uint64, id string, own bool, seq uint64, op 
 		// the session this connection resumes. One after it comes from
 		// a member that had not applied that record yet: the
 		// connection here is the session's latest, and stays.
-		s.startedOverLocked(se, index)
+		s.endedBeforeStartLocked(se)
 	case "rel":
 		if se != nil {
 			s.applyReleased(se, op.Rel)
@@ -280,6 +280,32 @@ func (s *Server) applySession(index uint64, id string, own bool, seq uint64, op 
 			s.applyInboundReleased(se, op.In)
 		}
 	}
+}
+
+// endedBeforeStartLocked takes into se, live here and waiting for its
+// start record, another member's end of the session: log order puts it
+// before this connection's start record, so the session the device
+// resumed here was gone before it came, and its CONNACK said "session
+// present" wrongly. A device told so keeps what it believes the session
+// holds and subscribes to nothing again: served from an empty session,
+// it would silently get nothing its old subscriptions match. Only a new
+// CONNACK sets that right: the session ends here and, by an end record
+// after the start record, everywhere, and the connection ends, without
+// its will (the device is not gone, it is sent to connect again), so that
+// the device comes back to no session, is told so, and subscribes again.
+// Called with s.mu held, not se.mu.
+func (s *Server) endedBeforeStartLocked(se *session) {
+	se.mu.Lock()
+	c := se.conn
+	waiting := c != nil && se.awaitingStartLocked()
+	se.mu.Unlock()
+	if !waiting {
+		return
+	}
+	c.noWill.Store(true)
+	s.endSessionLocked(se, true)
+	s.lines.Info("a resumed session had ended on another member before this connection's start: the device is sent to connect again", "client", se.id)
+	c.endTo(packets.ErrUnspecifiedError, "", "the session ended on another member before this connection resumed it: connect again")
 }
 
 // startedOverLocked takes into se, live here and waiting for its start

@@ -116,10 +116,14 @@ type conn struct {
 	writeBy  time.Time // the write deadline set last
 	aliasOut map[string]uint16
 
-	done      chan struct{} // closed when the connection has ended
-	endOnce   sync.Once
-	endCode   packets.Code // why the server ended it (zero: the client or the network)
-	graceful  bool         // the client sent DISCONNECT without will
+	done     chan struct{} // closed when the connection has ended
+	endOnce  sync.Once
+	endCode  packets.Code // why the server ended it (zero: the client or the network)
+	graceful bool         // the client sent DISCONNECT without will
+	// noWill drops the will: the server ended the connection to have the
+	// device connect again at once (endedBeforeStartLocked), not because
+	// it was lost.
+	noWill    atomic.Bool
 	writerEnd chan struct{}
 }
 

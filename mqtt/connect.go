@@ -478,12 +478,13 @@ func (s *Server) detach(c *conn) {
 	if expiry > 0 && expiry != 0xFFFFFFFF {
 		se.expireAt = time.Now().Add(time.Duration(expiry) * time.Second)
 	}
+	ended := se.ended
 	se.mu.Unlock()
 	if expiry == 0 {
 		s.endSessionLocked(se, true)
 	}
 	will := c.will
-	sendWill := will != nil && !c.graceful
+	sendWill := will != nil && !c.graceful && !c.noWill.Load()
 	delay := c.willDelay
 	if sendWill && delay > 0 && expiry > 0 && !s.closing.Load() {
 		// [MQTT-3.1.3-9]: the will waits for its delay or the session's
@@ -506,7 +507,9 @@ func (s *Server) detach(c *conn) {
 		sendWill = false
 	}
 	s.mu.Unlock()
-	if expiry > 0 {
+	if expiry > 0 && !ended {
+		// An ended session's "off" would come after the end record
+		// and could find the client's next session on other members.
 		s.saveCursor(se)
 		s.proposeSession(c.id, sessionOp{Op: "off"})
 		s.replicateCursors()

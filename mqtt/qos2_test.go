@@ -1059,8 +1059,15 @@ func goneElsewhere(t *testing.T, clean bool) {
 	a.kill(t)
 	dev.c.Close()
 
+	watch := dialRaw(t, b.srv.Addr(), 5)
+	watch.connect("watch", true, nil)
+	watch.subscribe(1, packets.Subscription{Filter: "will/#", Qos: 0})
 	dev = dialRaw(t, b.srv.Addr(), 5)
-	if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || !ack.SessionPresent {
+	// With a will: should b send the device away, the will is not due.
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connect}, Properties: *props,
+		Connect: packets.ConnectParams{ProtocolName: []byte("MQTT"), ClientIdentifier: "dev", Keepalive: 30,
+			WillFlag: true, WillTopic: "will/dev", WillPayload: []byte("gone")}})
+	if ack := dev.expect(packets.Connack); ack.ReasonCode != 0 || !ack.SessionPresent {
 		t.Fatalf("back on b: CONNACK %#x session present %v; want 0, true (b has not applied a's records)", ack.ReasonCode, ack.SessionPresent)
 	}
 	if !clean {
@@ -1069,6 +1076,45 @@ func goneElsewhere(t *testing.T, clean bool) {
 	l.add(&Message{Origin: 9, Seq: 2, ClientID: "sensor", Topic: "old/x", QoS: 1, Payload: []byte("old/2")})
 	l.add(&Message{Origin: 9, Seq: 3, ClientID: "sensor", Topic: "new/x", QoS: 1, Payload: []byte("new/2")})
 	b.holdAt(0)
+	if !clean {
+		// The session was gone before the device came: the CONNACK's
+		// "session present" was wrong, and only a new one sets it right.
+		// The connection ends; the device comes back to no session.
+		for {
+			pk := dev.next()
+			if pk.FixedHeader.Type == packets.Publish {
+				t.Fatalf("PUBLISH %q on b from a session the log says had ended", pk.Payload)
+			}
+			if pk.FixedHeader.Type == packets.Disconnect {
+				if pk.ReasonCode != 0x80 {
+					t.Fatalf("DISCONNECT %#x, want 0x80", pk.ReasonCode)
+				}
+				break
+			}
+		}
+		dev.c.Close()
+		dev = dialRaw(t, b.srv.Addr(), 5)
+		if ack := dev.connect("dev", false, props); ack.ReasonCode != 0 || ack.SessionPresent {
+			t.Fatalf("back on b: CONNACK %#x session present %v; want 0, false", ack.ReasonCode, ack.SessionPresent)
+		}
+		dev.subscribe(4, packets.Subscription{Filter: "new/#", Qos: 1})
+		l.add(&Message{Origin: 9, Seq: 4, ClientID: "sensor", Topic: "old/x", QoS: 1, Payload: []byte("old/3")})
+		l.add(&Message{Origin: 9, Seq: 5, ClientID: "sensor", Topic: "new/x", QoS: 1, Payload: []byte("new/3")})
+		p := dev.next()
+		if p.FixedHeader.Type != packets.Publish || string(p.Payload) != "new/3" {
+			t.Fatalf("packet type %d %q on b; want new/3 alone", p.FixedHeader.Type, p.Payload)
+		}
+		l.add(&Message{Origin: 9, Seq: 6, ClientID: "sensor", Topic: "will/marker", Payload: []byte("marker")})
+		if w := watch.expect(packets.Publish); string(w.Payload) != "marker" {
+			t.Fatalf("%q on %s before the marker: the device's will went when b sent it away", w.Payload, w.TopicName)
+		}
+		b.srv.mu.Lock()
+		defer b.srv.mu.Unlock()
+		if se := b.srv.sessions["dev"]; se == nil || len(se.subs) != 1 {
+			t.Fatal("b's new session does not hold new/# alone")
+		}
+		return
+	}
 	p := dev.next()
 	if p.FixedHeader.Type != packets.Publish || string(p.Payload) != "new/2" {
 		t.Fatalf("packet type %d %q (dup %v) on b; want new/2, and nothing of the session that was gone before b's start record",
