@@ -120,11 +120,7 @@ func qos2Move(t *testing.T, v byte) {
 func TestMQTT_4_3_3_9_QoS2InboundExactlyOnceAcrossAMove(t *testing.T) {
 	for _, v := range []byte{4, 5} {
 		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
-			l := newSharedLog()
-			a, b := startMember(t, l, 1), startMember(t, l, 2)
-			props := sessionProps(v)
-			dev := dialRaw(t, a.srv.Addr(), v)
-			dev.connect("dev", false, props)
+			l, a, b, dev, props := deviceOnA(t, v)
 			pub := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2}, TopicName: "in/x", PacketID: 7, Payload: []byte("once")}
 			dev.write(pub)
 			dev.expect(packets.Pubrec) // logged; the device is told, but say the PUBREC is lost on its way
@@ -1234,11 +1230,7 @@ func countLogged(m *member, l *sharedLog, topic, payload string) int {
 func TestInboundResendOfAPublishNeverLoggedIsLoggedOnce(t *testing.T) {
 	for _, v := range []byte{4, 5} {
 		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
-			l := newSharedLog()
-			a, b := startMember(t, l, 1), startMember(t, l, 2)
-			props := sessionProps(v)
-			dev := dialRaw(t, a.srv.Addr(), v)
-			dev.connect("dev", false, props)
+			l, a, b, dev, props := deviceOnA(t, v)
 			b.caughtUp(t)
 			lost := make(chan struct{})
 			t.Cleanup(func() { close(lost) })
@@ -1284,11 +1276,7 @@ func TestInboundResendOfAPublishNeverLoggedIsLoggedOnce(t *testing.T) {
 func TestMQTT_4_3_3_9_IdReusedAfterPubcompIsANewMessageOnEveryMember(t *testing.T) {
 	for _, v := range []byte{4, 5} {
 		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
-			l := newSharedLog()
-			a, b := startMember(t, l, 1), startMember(t, l, 2)
-			props := sessionProps(v)
-			dev := dialRaw(t, a.srv.Addr(), v)
-			dev.connect("dev", false, props)
+			l, a, b, dev, props := deviceOnA(t, v)
 			b.caughtUp(t) // b holds the session, offline
 
 			first := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2}, TopicName: "in/x", PacketID: 7, Payload: []byte("first")}
@@ -1347,11 +1335,7 @@ func TestMQTT_4_3_3_9_IdReusedAfterPubcompIsANewMessageOnEveryMember(t *testing.
 func TestMQTT_4_3_3_9_NoPubcompWhenTheInboundReleaseIsNotLogged(t *testing.T) {
 	for _, v := range []byte{4, 5} {
 		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
-			l := newSharedLog()
-			a, b := startMember(t, l, 1), startMember(t, l, 2)
-			props := sessionProps(v)
-			dev := dialRaw(t, a.srv.Addr(), v)
-			dev.connect("dev", false, props)
+			l, a, b, dev, props := deviceOnA(t, v)
 			dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2}, TopicName: "in/x", PacketID: 7, Payload: []byte("m")})
 			dev.expect(packets.Pubrec)
 			a.setGate(func(msg *Message) (<-chan struct{}, error) {
@@ -1419,6 +1403,18 @@ func inboundReleaseLogged(l *sharedLog, pid uint16) bool {
 		}
 	}
 	return false
+}
+
+// deviceOnA starts two members on a shared log and connects a device
+// "dev" to a, session kept (sessionProps(v)), in protocol version v.
+func deviceOnA(t *testing.T, v byte) (l *sharedLog, a, b *member, dev *raw, props *packets.Properties) {
+	t.Helper()
+	l = newSharedLog()
+	a, b = startMember(t, l, 1), startMember(t, l, 2)
+	props = sessionProps(v)
+	dev = dialRaw(t, a.srv.Addr(), v)
+	dev.connect("dev", false, props)
+	return l, a, b, dev, props
 }
 
 // sessionProps is a persistent session's CONNECT properties in protocol
