@@ -104,7 +104,7 @@ func messageOf(r *storage.Record) *mqtt.Message {
 	m := &mqtt.Message{
 		Kind:   mqttKinds[r.Kind],
 		Origin: r.Origin, Seq: r.Seq, ClientID: r.ClientID, Topic: r.Topic, QoS: r.QoS,
-		Retain: r.Retain, Will: r.Will, Sync: r.Sync, PacketID: r.PacketID, Time: r.Time, Payload: r.Payload,
+		Retain: r.Retain, Will: r.Will, Sync: r.Sync, Republished: r.Republished, PacketID: r.PacketID, Time: r.Time, Payload: r.Payload,
 		PayloadFormat: r.Props.PayloadFormat, PayloadFormatSet: r.Props.PayloadFormatSet,
 		MessageExpiry: r.Props.MessageExpiry, MessageExpirySet: r.Props.MessageExpirySet,
 		ContentType: r.Props.ContentType, ResponseTopic: r.Props.ResponseTopic, CorrelationData: r.Props.CorrelationData,
@@ -318,6 +318,10 @@ func (a *logAdapter) LegacyControl() bool { return a.d.gw.Node().LegacyControl()
 // retained messages and sessions count pages; below it bytes, as the
 // builds before it do.
 func (a *logAdapter) PageCounts() bool { return a.d.gw.Node().PageCounts() }
+
+// InboundResends implements mqtt.ResendRules: from feature level 4 every
+// member delivers a QoS 2 resend and its late original once.
+func (a *logAdapter) InboundResends() bool { return a.d.gw.Node().InboundResends() }
 
 // CapsApplied implements mqtt.CapRules: below feature level 2 a member may
 // run v0.1.0, which retains every retained record, capped or not.

@@ -116,8 +116,8 @@ func (u *upgradeLoad) finish(t *testing.T, inspectBin string, gws ...*gw) {
 // build (storage.FeatureLevel in each; e2e runs the binaries, and a build
 // of this package knows only one of them).
 const (
-	thisLevel = 3
-	nextLevel = 4
+	thisLevel = 4
+	nextLevel = 5
 )
 
 func binName(bin string) string {
@@ -294,12 +294,12 @@ func notes(t *testing.T, bin string, g *gw) int {
 // build defines.
 const noteKind = "kind-6"
 
-// From this build (feature level 3) to a test build of a next release
-// (-tags tandem_next: level 4 and a record kind gated behind it), one
+// From this build (feature level 4) to a test build of a next release
+// (-tags tandem_next: level 5 and a record kind gated behind it), one
 // member at a time under load: while a member of this build remains, the
-// level stays 3 and no record of the new kind is written, also with a
-// next build as master; once all run it, the level is 4 and the new
-// record is in every member's log. A data dir at level 4 then refuses
+// level stays 4 and no record of the new kind is written, also with a
+// next build as master; once all run it, the level is 5 and the new
+// record is in every member's log. A data dir at level 5 then refuses
 // this build, unchanged. The gating is proven before a real format change
 // relies on it.
 func TestUpgradeToNextLevel(t *testing.T) {
@@ -375,7 +375,7 @@ func TestUpgradeToNextLevel(t *testing.T) {
 	}
 	t.Logf("every member on the next build: level %d and the note on every member, after %v", nextLevel, time.Since(began).Round(time.Millisecond))
 
-	// A data dir at level 4 refuses this build, which changes nothing.
+	// A data dir at level 5 refuses this build, which changes nothing.
 	m = masterOf(t, 15*time.Second, gws...)
 	var slave *gw
 	for _, g := range gws {

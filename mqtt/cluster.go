@@ -47,6 +47,10 @@ type sessionOp struct {
 	// Rel lists the log indexes of QoS 2 deliveries the client has
 	// PUBREC'd: on another member they are PUBREL'd, never sent again.
 	Rel []uint64 `json:"rel,omitempty"`
+	// Seq is, in a "resend" record, the sequence number of the record of
+	// the resent publish, which follows it from the same member; In names
+	// its packet id (qos2.go: inboundDup).
+	Seq uint64 `json:"seq,omitempty"`
 	// In lists the packet ids of inbound QoS 2 flows the device
 	// released (PUBREL) on the member that logged it ("irel"): another
 	// member forgets them, so that the device, free to reuse an id once
@@ -153,7 +157,7 @@ func (s *Server) applyControl(index uint64, m *Message) {
 			s.unreadable(index, "session", err)
 			return
 		}
-		s.applySession(index, m.ClientID, m.Origin == s.cfg.NodeID, m.Seq, &op)
+		s.applySession(index, m.ClientID, m.Origin, m.Seq, &op)
 	case KindCursors:
 		b, err := decodeCursors(m.Payload)
 		if err != nil {
@@ -178,12 +182,15 @@ func (s *Server) unreadable(index uint64, kind string, err error) {
 	s.lines.Warn("control record unreadable: skipped", "index", index, "kind", kind, "error", err)
 }
 
-// applySession applies one session record, seq its sequence number. own
-// is true on the member where it was taken: there the session is live, and
-// the record is only the moment it took effect cluster-wide.
-func (s *Server) applySession(index uint64, id string, own bool, seq uint64, op *sessionOp) {
+// applySession applies one session record, taken on member origin with
+// sequence number seq. On that member (own) the session is live, and the
+// record is only the moment it took effect cluster-wide; the inbound QoS 2
+// window (resendWindow) is kept alike on every member.
+func (s *Server) applySession(index uint64, id string, origin, seq uint64, op *sessionOp) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	own := origin == s.cfg.NodeID
+	defer s.windowOp(id, origin, seq, op)
 	se := s.sessions[id]
 	if own {
 		if op.Op == "start" && se != nil {

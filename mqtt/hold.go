@@ -31,12 +31,14 @@ const (
 	recFree    holdState = iota // not held: confirmed, or not a sync record
 	recHeld                     // applied, waiting for its settlement
 	recAborted                  // refused: never delivered
+	recDup                      // a QoS 2 resend's second copy: never delivered (inboundDup)
 )
 
 // Keys of the hold in the session store: an 8-byte big-endian log index.
 const (
 	keyHeld    = "H\x00" // H index → 1 byte: 1 if the record is retained
 	keyAborted = "X\x00" // X index → empty
+	keyDup     = "D\x00" // D index → empty: a duplicate (inboundDup)
 )
 
 func holdKey(prefix string, index uint64) string {
@@ -48,6 +50,7 @@ type holds struct {
 	mu      sync.Mutex          // guards everything below; taken after a session's mu
 	held    map[uint64]heldRec  // applied, not yet settled
 	aborted map[uint64]struct{} // aborted, still in the log
+	dups    map[uint64]struct{} // duplicates (inboundDup), still in the log
 	waiting map[*session]struct{}
 	settles int // settlements applied, for the occasional prune
 }
@@ -81,7 +84,33 @@ func (h *holds) state(index uint64, se *session) holdState {
 	if _, ok := h.aborted[index]; ok {
 		return recAborted
 	}
+	if _, ok := h.dups[index]; ok {
+		return recDup
+	}
 	return recFree
+}
+
+// markDup notes the record at index a duplicate: kept in the session
+// store, like aborted indexes, until retention drops it.
+func (s *Server) markDup(index uint64) {
+	h := &s.holds
+	h.mu.Lock()
+	if h.dups == nil {
+		h.dups = map[uint64]struct{}{}
+	}
+	h.dups[index] = struct{}{}
+	h.mu.Unlock()
+	s.stagePut(holdKey(keyDup, index), nil)
+}
+
+// skipsForAll reports whether nobody is ever handed the record at index,
+// m: an aborted sync record or a duplicate QoS 2 one.
+func (s *Server) skipsForAll(index uint64, m *Message) bool {
+	if !m.Sync && m.QoS != 2 {
+		return false
+	}
+	st := s.holds.state(index, nil)
+	return st == recAborted || st == recDup
 }
 
 // hold notes the sync record at index, just applied: nobody gets it until
@@ -252,6 +281,12 @@ func (s *Server) pruneAborted() {
 			s.stageDelete(holdKey(keyAborted, idx))
 		}
 	}
+	for idx := range h.dups {
+		if idx < first {
+			delete(h.dups, idx)
+			s.stageDelete(holdKey(keyDup, idx))
+		}
+	}
 }
 
 // Aborted reports whether the sync record at index was aborted by a
@@ -262,14 +297,14 @@ func (s *Server) Aborted(index uint64) bool {
 
 // HoldState reads from st what the settlements applied so far say of the
 // sync records they cover: aborted holds the indexes of the aborted ones
-// still in the log, held those applied and not yet settled (tandem
-// inspect marks both).
-func HoldState(st SessionStore) (aborted, held map[uint64]bool, err error) {
-	aborted, held = map[uint64]bool{}, map[uint64]bool{}
+// still in the log, held those applied and not yet settled; dups holds
+// the duplicate QoS 2 resends (inboundDup). tandem inspect marks them.
+func HoldState(st SessionStore) (aborted, held, dups map[uint64]bool, err error) {
+	aborted, held, dups = map[uint64]bool{}, map[uint64]bool{}, map[uint64]bool{}
 	for _, x := range []struct {
 		prefix string
 		into   map[uint64]bool
-	}{{keyAborted, aborted}, {keyHeld, held}} {
+	}{{keyAborted, aborted}, {keyHeld, held}, {keyDup, dups}} {
 		err = st.Load(x.prefix, func(k string, _ []byte) error {
 			if rest, ok := strings.CutPrefix(k, x.prefix); ok && len(rest) == 8 {
 				x.into[binary.BigEndian.Uint64([]byte(rest))] = true
@@ -277,10 +312,10 @@ func HoldState(st SessionStore) (aborted, held map[uint64]bool, err error) {
 			return nil
 		})
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 	}
-	return aborted, held, nil
+	return aborted, held, dups, nil
 }
 
 // Holding reports whether sync records applied here wait for a settlement
@@ -309,7 +344,7 @@ var errStopLoad = errors.New("mqtt: stop")
 // as sessions.
 func (s *Server) SyncState(index uint64) (held, aborted bool) {
 	st := s.holds.state(index, nil)
-	return st == recHeld, st == recAborted
+	return st == recHeld, st == recAborted || st == recDup
 }
 
 // rewindHolds forgets the held and aborted records past applied: the log
@@ -330,18 +365,33 @@ func (s *Server) rewindHolds(applied uint64) {
 			s.stageDelete(holdKey(keyAborted, idx))
 		}
 	}
+	for idx := range h.dups {
+		if idx > applied {
+			delete(h.dups, idx)
+			s.stageDelete(holdKey(keyDup, idx))
+		}
+	}
 }
 
 // loadHolds reads the held and aborted sets at start.
 func (s *Server) loadHolds() error {
 	h := &s.holds
-	held, aborted := map[uint64]heldRec{}, map[uint64]struct{}{}
+	held, aborted, dups := map[uint64]heldRec{}, map[uint64]struct{}{}, map[uint64]struct{}{}
 	defer func() {
 		h.mu.Lock()
-		h.held, h.aborted = held, aborted
+		h.held, h.aborted, h.dups = held, aborted, dups
 		h.mu.Unlock()
 	}()
-	err := s.store.Load(keyHeld, func(k string, v []byte) error {
+	err := s.store.Load(keyDup, func(k string, _ []byte) error {
+		if idx, ok := holdIndex(k, keyDup); ok {
+			dups[idx] = struct{}{}
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	err = s.store.Load(keyHeld, func(k string, v []byte) error {
 		if idx, ok := holdIndex(k, keyHeld); ok {
 			held[idx] = heldRec{retain: len(v) == 1 && v[0] == 1}
 		}

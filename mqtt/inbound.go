@@ -51,12 +51,16 @@ func (c *conn) publish(pk *packets.Packet) bool {
 	if qos == 2 && pk.FixedHeader.Dup && !c.awaitStart() {
 		return false
 	}
+	// resent: a resend (DUP) of a QoS 2 publish whose packet id this
+	// member does not know: logged again, and named first (qos2.go).
+	resent := false
 	if qos == 2 {
 		if done, stale := c.qos2Resend(pid, pk.FixedHeader.Dup, now); done {
 			return true
 		} else if stale {
 			c.forgetInbound(pid)
 		}
+		resent = pk.FixedHeader.Dup
 	}
 	if qos > 0 && !c.room() {
 		return false
@@ -150,6 +154,12 @@ func (c *conn) publish(pk *packets.Packet) bool {
 			// recognised, and a marker whose record never made it is
 			// dropped at start.
 			srv.stagePut(qos2Key(c.id, pid), encodeQoS2(m.Origin, m.Seq, now))
+		}
+		if resent && persist && srv.resendMarks() {
+			// Before the record, from this member: the original, should
+			// it commit after this connection's start record, and
+			// this record are then delivered once (inboundDup).
+			srv.proposeSession(c.id, sessionOp{Op: "resend", In: []uint16{pid}, Seq: m.Seq})
 		}
 	}
 	c.queueAck(a)

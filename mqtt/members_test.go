@@ -43,6 +43,9 @@ type member struct {
 	applied uint64
 	cut     bool // killed: its proposals are lost
 	legacy  bool // writes control records as a cluster below feature level 2
+	// level3: a cluster below feature level 4, where no "resend" record
+	// is logged (ResendRules).
+	level3  bool
 	stopped bool
 	// gate, when set, is asked about each proposal: it may hold it back
 	// until wait is closed, and refuse it with err (then or at once).
@@ -118,6 +121,8 @@ func (m *member) LegacyControl() bool { return m.legacy }
 
 // OtherMembers implements Clustered: a sharedLog has several members.
 func (m *member) OtherMembers() bool { return true }
+
+func (m *member) InboundResends() bool { return !m.level3 && !m.legacy }
 
 func (m *member) Committed(from, to uint64, fn func(uint64, *Message) bool) error {
 	m.l.mu.Lock()

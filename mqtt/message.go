@@ -103,10 +103,13 @@ type Message struct {
 	Will     bool
 	// Sync: taken under a sync ack rule; delivered only once the master's
 	// settlement confirms it (hold.go).
-	Sync     bool
-	PacketID uint16
-	Time     int64 // Unix nanoseconds
-	Payload  []byte
+	Sync bool
+	// Republished: re-proposed from a deposed master's tail (inboundDup
+	// leaves it out).
+	Republished bool
+	PacketID    uint16
+	Time        int64 // Unix nanoseconds
+	Payload     []byte
 
 	PayloadFormat    byte
 	PayloadFormatSet bool

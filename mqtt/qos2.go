@@ -365,6 +365,129 @@ func (se *session) mayHaveLocked(it *outItem) bool {
 	return it.qos > 0 && it.idx > 0 && se.resumed && (se.startIndex == 0 || it.idx < se.startIndex)
 }
 
+// Inbound QoS 2 resends whose original commits late (feature level 4).
+//
+// A device whose gateway died resends (DUP) on the member it moves to the
+// QoS 2 publishes it has no PUBREC for. That member answers the resend of
+// one it has applied with PUBREC and logs nothing (noteInbound,
+// awaitStart). But the original may commit only after the device's start
+// record there: its proposal was still on its way from the member the
+// device left. The new member then logs the resend, and the log holds the
+// message twice. Every member must deliver it once, deciding alike, in
+// log order, from the records alone.
+//
+// The member that logs such a resend first logs a session record
+// "resend" naming its packet id and the resend's sequence number, when
+// every member applies this rule (ResendRules). Each session keeps, from
+// its latest start record on, a window (resendWindow): the resends named,
+// those applied, and the packet ids of late records, QoS 2 publishes of
+// an older connection of the device applied after that start record. A
+// late record and a resend of the same packet id in one window are the
+// same message: a device holds one flow per packet id, and a late record
+// is one it cannot have had a PUBREC for (its PUBREC waits until the
+// record is on the master's disk, where the start record that came after
+// it in time is appended after it), so the device resent it. Whichever of
+// the two comes second in the log is a duplicate (inboundDup): not
+// delivered, not retained, skipped by replays (holds: recDup), on every
+// member. A deposed master's tail re-published (Republished) is left
+// out: it may hold a publish the device had a PUBREC for and whose packet
+// id it has reused since, which must not be taken for a duplicate; the
+// resend of one it had no PUBREC for is delivered twice.
+
+// ResendRules is implemented by a log whose members may all apply the
+// rule above; a log that does not implement it logs no "resend" record.
+type ResendRules interface {
+	// InboundResends reports whether every member delivers a resend
+	// and its late original once (feature level 4 or above).
+	InboundResends() bool
+}
+
+// resendMarks reports whether a resend of an unknown packet id is to be
+// named by a "resend" record: the log is shared and every member applies
+// the rule.
+func (s *Server) resendMarks() bool {
+	r, ok := s.log.(ResendRules)
+	return ok && r.InboundResends() && s.clustered()
+}
+
+// resendWindow is a session's inbound QoS 2 window since its latest
+// start record applied here, taken on member origin with sequence number
+// seq.
+type resendWindow struct {
+	origin, seq uint64
+	resends     map[uint16]uint64 // packet id → sequence number of the resend named
+	resent      map[uint16]bool   // resends applied
+	late        map[uint16]bool   // late records applied
+}
+
+// windowOp applies session record op, taken on member origin with
+// sequence number seq, to the window of client id's session here: a start
+// record opens a new one, a "resend" record of the member the start
+// record came from names a resend to come. Called with s.mu held.
+func (s *Server) windowOp(id string, origin, seq uint64, op *sessionOp) {
+	se := s.sessions[id]
+	if se == nil {
+		return
+	}
+	se.mu.Lock()
+	defer se.mu.Unlock()
+	switch op.Op {
+	case "start":
+		se.win = &resendWindow{origin: origin, seq: seq}
+	case "resend":
+		w := se.win
+		if w == nil || origin != w.origin || seq < w.seq || len(op.In) != 1 {
+			return
+		}
+		if w.resends == nil {
+			w.resends = map[uint16]uint64{}
+		}
+		w.resends[op.In[0]] = op.Seq
+	}
+}
+
+// inboundDup reports whether m, the QoS 2 publish at index, is the second
+// of a resend and its late original in its session's window, and notes it
+// a duplicate then (markDup).
+func (s *Server) inboundDup(index uint64, m *Message) bool {
+	if m.QoS != 2 || m.PacketID == 0 || m.Will || m.Republished {
+		return false
+	}
+	s.mu.Lock()
+	se := s.sessions[m.ClientID]
+	s.mu.Unlock()
+	if se == nil {
+		return false
+	}
+	p, dup := m.PacketID, false
+	se.mu.Lock()
+	if w := se.win; w != nil {
+		if m.Origin == w.origin && m.Seq > w.seq {
+			if rs, ok := w.resends[p]; ok && rs == m.Seq {
+				dup = w.late[p]
+				setFlag(&w.resent, p)
+			}
+		} else {
+			dup = w.resent[p]
+			setFlag(&w.late, p)
+		}
+	}
+	se.mu.Unlock()
+	if dup {
+		s.markDup(index)
+		s.lines.Info("a QoS 2 publish resent by its device and logged twice is delivered once", "client", m.ClientID, "packet_id", p, "index", index)
+	}
+	return dup
+}
+
+// setFlag sets p in *m, made on first use.
+func setFlag(m *map[uint16]bool, p uint16) {
+	if *m == nil {
+		*m = map[uint16]bool{}
+	}
+	(*m)[p] = true
+}
+
 // clustered reports whether other members share the log (Clustered).
 func (s *Server) clustered() bool {
 	c, ok := s.log.(Clustered)

@@ -1186,26 +1186,188 @@ func TestMQTT_4_3_3_9_InboundResendBeforeTheOriginalIsApplied(t *testing.T) {
 			// comes next.
 			dev.publish("in/y", 1, 8, "marker")
 			dev.expect(packets.Puback)
-			var got []string
-			for len(got) == 0 || got[len(got)-1] != "marker" {
-				pk := sub.next()
-				switch pk.FixedHeader.Type {
-				case packets.Publish:
-					got = append(got, string(pk.Payload))
-					if pk.FixedHeader.Qos == 2 {
-						sub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pk.PacketID})
-					} else if pk.FixedHeader.Qos == 1 {
-						sub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: pk.PacketID})
-					}
-				case packets.Pubrel:
-					sub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pk.PacketID})
-				}
-			}
-			if len(got) != 2 || got[0] != "once" {
+			if got := untilMarker(sub); len(got) != 2 || got[0] != "once" {
 				t.Fatalf("subscriber got %q, want the message once, then the marker", got)
 			}
 		})
 	}
+}
+
+// untilMarker reads sub's deliveries, acknowledging them, up to the
+// message "marker", and returns their payloads.
+func untilMarker(sub *raw) []string {
+	sub.t.Helper()
+	var got []string
+	for len(got) == 0 || got[len(got)-1] != "marker" {
+		pk := sub.next()
+		switch pk.FixedHeader.Type {
+		case packets.Publish:
+			got = append(got, string(pk.Payload))
+			if pk.FixedHeader.Qos == 2 {
+				sub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrec}, PacketID: pk.PacketID})
+			} else if pk.FixedHeader.Qos == 1 {
+				sub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: pk.PacketID})
+			}
+		case packets.Pubrel:
+			sub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pk.PacketID})
+		}
+	}
+	return got
+}
+
+// A QoS 2 publish whose original commits only after the device's start
+// record on the member it moved to: its proposal was still on its way
+// from the member the device left (a slow forward), and the device,
+// without a PUBREC, resent it there. That member cannot know the original
+// yet and logs the resend; the log holds the message twice. Every member
+// delivers it once [MQTT-4.3.3-9], whichever copy comes first in the log,
+// to live subscribers and to a persistent one that replays it from the
+// log. The resend is named by a "resend" record first (feature level 4).
+func TestMQTT_4_3_3_9_ResendWhoseOriginalCommitsLateIsDeliveredOnce(t *testing.T) {
+	for _, first := range []string{"resend", "original"} {
+		for _, v := range []byte{4, 5} {
+			t.Run(fmt.Sprintf("%s-first-v%d", first, v), func(t *testing.T) { lateOriginal(t, v, first == "original", false) })
+		}
+	}
+	// Below level 4 a member of an earlier build may deliver both: no
+	// member names the resend then.
+	t.Run("level3", func(t *testing.T) { lateOriginal(t, 5, false, true) })
+}
+
+func lateOriginal(t *testing.T, v byte, originalFirst, level3 bool) {
+	l := newSharedLog()
+	a := startMemberWith(t, &member{l: l, id: 1, store: newMemStore(), level3: level3}, nil)
+	b := startMemberWith(t, &member{l: l, id: 2, store: newMemStore(), level3: level3}, nil)
+	props := sessionProps(v)
+	// A persistent subscriber, offline while it all happens: it replays.
+	psub := dialRaw(t, b.srv.Addr(), 5)
+	psub.connect("psub", false, sessionProps(5))
+	psub.subscribe(1, packets.Subscription{Filter: "in/#", Qos: 2})
+	psub.c.Close()
+	var subs []*raw
+	for _, m := range []*member{a, b} {
+		sub := dialRaw(t, m.srv.Addr(), v)
+		sub.connect(fmt.Sprintf("sub%d", m.id), true, nil)
+		sub.subscribe(1, packets.Subscription{Filter: "in/#", Qos: 2})
+		subs = append(subs, sub)
+	}
+	dev := dialRaw(t, a.srv.Addr(), v)
+	dev.connect("dev", false, props)
+	testutil.WaitFor(t, 5*time.Second, "psub offline on b", b.offline("psub"))
+	b.caughtUp(t)
+
+	// a takes the publish; its proposal is held on its way.
+	taken, slow := make(chan struct{}), make(chan struct{})
+	held := false // the gate runs under the log's lock
+	a.setGate(func(msg *Message) (<-chan struct{}, error) {
+		if msg.Kind == KindMessage && !held {
+			held = true
+			close(taken)
+			return slow, nil // proposed again once slow is closed
+		}
+		return nil, nil
+	})
+	pub := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2}, TopicName: "in/x", PacketID: 7, Payload: []byte("once")}
+	dev.write(pub)
+	<-taken
+	dev.c.Close() // lost with its PUBREC never sent; a lives on
+
+	dev = dialRaw(t, b.srv.Addr(), v)
+	if ack := dev.connect("dev", false, props); !ack.SessionPresent {
+		t.Fatal("session not present on b")
+	}
+	start := waitLogged(t, l, func(m *Message) bool { return m.Origin == 2 && isSessionOp(m, "start") && m.ClientID == "dev" })
+	if originalFirst {
+		// The original commits after b's start record and before the
+		// resend; b, behind, has not applied it when the resend comes.
+		b.caughtUpTo(t, start)
+		b.holdAt(start)
+		close(slow)
+		waitLogged(t, l, func(m *Message) bool { return m.Origin == 1 && m.Kind == KindMessage && m.Topic == "in/x" })
+	}
+	pub.FixedHeader.Dup = true
+	dev.write(pub)
+	if rec := dev.expect(packets.Pubrec); rec.PacketID != 7 || rec.ReasonCode >= 0x80 {
+		t.Fatalf("PUBREC %+v for the resend", rec)
+	}
+	if originalFirst {
+		b.holdAt(0)
+	} else {
+		close(slow) // the original commits after the resend
+	}
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: 7})
+	dev.expect(packets.Pubcomp)
+	waitLogged(t, l, func(m *Message) bool { return m.Origin == 1 && m.Kind == KindMessage && m.Topic == "in/x" })
+	a.caughtUp(t)
+	b.caughtUp(t)
+	if n := countLogged(b, l, "in/x", "once"); n != 2 {
+		t.Fatalf("the message is in the log %d times; the case needs it twice (the original committed late)", n)
+	}
+	named := waitLoggedOrNot(l, func(m *Message) bool { return isSessionOp(m, "resend") })
+	if level3 {
+		if named {
+			t.Fatal("a resend record below feature level 4: a member of an earlier build would deliver both copies anyway")
+		}
+		return
+	}
+	if !named {
+		t.Fatal("no resend record before the resend")
+	}
+	dev.publish("in/y", 1, 8, "marker")
+	dev.expect(packets.Puback)
+	for i, sub := range subs {
+		if got := untilMarker(sub); len(got) != 2 || got[0] != "once" {
+			t.Fatalf("the subscriber on member %d got %q, want the message once, then the marker", i+1, got)
+		}
+	}
+	// b restarts: what it decided is kept with its session state.
+	b.caughtUp(t)
+	b.halt(t)
+	b = startMemberWith(t, &member{l: l, id: 2, store: b.store, applied: b.applied, seq: 1000}, nil)
+	psub = dialRaw(t, b.srv.Addr(), 5)
+	psub.connect("psub", false, sessionProps(5))
+	if got := untilMarker(psub); len(got) != 2 || got[0] != "once" {
+		t.Fatalf("the persistent subscriber's replay on b, restarted, got %q, want the message once, then the marker", got)
+	}
+	// What tandem inspect marks: one copy, a duplicate.
+	_, _, dups, err := HoldState(b.store)
+	if err != nil || len(dups) != 1 {
+		t.Fatalf("duplicates in b's store: %v (%v), want one", dups, err)
+	}
+	for idx := range dups {
+		l.mu.Lock()
+		m := l.recs[idx-1]
+		l.mu.Unlock()
+		if m.Topic != "in/x" || string(m.Payload) != "once" {
+			t.Fatalf("index %d marked a duplicate holds %s %q", idx, m.Topic, m.Payload)
+		}
+	}
+}
+
+// waitLogged waits until the log holds a record that match accepts, and
+// returns its index.
+func waitLogged(t *testing.T, l *sharedLog, match func(*Message) bool) uint64 {
+	t.Helper()
+	var at uint64
+	testutil.WaitFor(t, 5*time.Second, "the record in the log", func() bool {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		for i, m := range l.recs {
+			if match(m) {
+				at = uint64(i + 1)
+				return true
+			}
+		}
+		return false
+	})
+	return at
+}
+
+// waitLoggedOrNot reports whether the log holds a record match accepts.
+func waitLoggedOrNot(l *sharedLog, match func(*Message) bool) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.ContainsFunc(l.recs, match)
 }
 
 // countLogged counts the device messages on topic with payload in the

@@ -474,11 +474,14 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 		s.applyControl(index, m)
 		return nil
 	}
-	if m.QoS == 2 && m.PacketID != 0 && !m.Will && m.Origin != s.cfg.NodeID {
-		s.noteInbound(m)
-	}
 	if m.Retain && m.Origin == s.cfg.NodeID {
 		defer s.retained.applied(m.Seq) // after retain: counted in the store by then
+	}
+	if s.inboundDup(index, m) {
+		return nil // delivered once already, or to be: its other copy
+	}
+	if m.QoS == 2 && m.PacketID != 0 && !m.Will && m.Origin != s.cfg.NodeID {
+		s.noteInbound(m)
 	}
 	if m.Sync {
 		s.hold(index, m) // offered now, handed out once confirmed
@@ -547,6 +550,9 @@ func (s *Server) Retain(index uint64, m *Message) {
 	}
 	if m.Retain && m.Origin == s.cfg.NodeID {
 		defer s.retained.applied(m.Seq)
+	}
+	if s.inboundDup(index, m) {
+		return
 	}
 	if m.Sync {
 		s.hold(index, m) // retained, if at all, once confirmed

@@ -104,6 +104,10 @@ type session struct {
 	// completed before the replay reached them, which must skip them.
 	doneAbove map[uint64]bool
 
+	// win is the inbound QoS 2 window of the session's latest start
+	// record applied here (inboundDup); nil until one is.
+	win *resendWindow
+
 	dropped uint64 // log positions retention took before this session was handed them
 	bytes   int64  // counted in srv.sessionBytes (sessionbytes.go)
 }
@@ -388,8 +392,8 @@ func (s *session) replay(c *conn) bool {
 			if s.srv.skipped(idx) {
 				return true // delivered here before the rejoin
 			}
-			if m.Sync && s.srv.holds.state(idx, nil) == recAborted {
-				return true // its publisher was refused
+			if s.srv.skipsForAll(idx, m) {
+				return true // its publisher was refused, or it is a resend's second copy
 			}
 			if it := matchReplay(subs, s.id, idx, m, s.srv.cfg.Now()); it != nil && !s.inFlight(it) {
 				cost := outCost(m)

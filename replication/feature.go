@@ -110,6 +110,11 @@ func (n *Node) LegacyControl() bool { return n.FeatureLevel() < storage.FeatureC
 // level of that record's position: the same answer on every member.
 func (n *Node) PageCounts() bool { return n.FeatureLevel() >= storage.FeaturePageCounts }
 
+// InboundResends reports whether every member delivers once a QoS 2
+// resend and its original (storage.FeatureInboundResends): only then may
+// a member log the session record that names a resend.
+func (n *Node) InboundResends() bool { return n.FeatureLevel() >= storage.FeatureInboundResends }
+
 // maybeRaiseLevel logs the raise of the cluster's feature level to this
 // build's once every member's build knows it. Loop-owned; a master calls
 // it from its ticks.

@@ -3,6 +3,7 @@
 package replication
 
 import (
+	"fmt"
 	"sync/atomic"
 	"time"
 
@@ -12,8 +13,8 @@ import (
 )
 
 // A test build of a next release (go build -tags tandem_next; never
-// shipped): peer protocol 2, feature level 4 (storage/kind_next.go), and a
-// record kind gated behind level 4 that a master writes once the cluster
+// shipped): peer protocol 2, feature level 5 (storage/kind_next.go), and a
+// record kind gated behind level 5 that a master writes once the cluster
 // runs at it. The e2e upgrade test upgrades a cluster of the release to
 // this build and shows the note is written only once every member runs
 // it, before a real format change relies on the gating.
@@ -35,7 +36,7 @@ func (n *Node) levelWork(now time.Time) {
 		return
 	}
 	rec := storage.Record{Kind: storage.KindNote, Origin: n.id, Seq: n.NextSeq(), Time: clock.Now().UnixNano(),
-		Payload: []byte("feature level 4: notes allowed")}
+		Payload: fmt.Appendf(nil, "feature level %d: notes allowed", storage.FeatureNote)}
 	p := &proposal{data: storage.AppendRecord(nil, &rec), mode: Async, control: true, deadline: now.Add(n.cfg.SyncTimeout)}
 	p.id = recID{rec.Origin, rec.Seq}
 	p.to = outcomeFunc(func(index uint64, err error) {

@@ -3,7 +3,7 @@
 package storage
 
 // A test build of a next release (go build -tags tandem_next; never
-// shipped): it knows feature level 4, FeatureNote, which allows one more
+// shipped): it knows feature level 5, FeatureNote, which allows one more
 // control record kind, KindNote. The release build reads a KindNote as a
 // kind it does not know: its applier counts it in
 // tandem_records_skipped_total and goes on. The e2e upgrade test
@@ -11,7 +11,7 @@ package storage
 // member's build knows it.
 const (
 	// FeatureNote allows KindNote records.
-	FeatureNote = FeaturePageCounts + 1
+	FeatureNote = FeatureInboundResends + 1
 	// FeatureLevel is the highest level this build knows.
 	FeatureLevel = FeatureNote
 )

@@ -166,6 +166,13 @@ const (
 	// at apply time, so a member counting the other way would retain
 	// what the others do not.
 	FeaturePageCounts = 3
+	// FeatureInboundResends: a member that logs a QoS 2 publish a
+	// device resent (DUP) under a packet id it did not know first logs
+	// a session record naming it ("resend"), and every member delivers
+	// once what that resend and its original, committed later, both
+	// carry (mqtt: inboundDup). A member of a build before it ignores
+	// the session record and would deliver both.
+	FeatureInboundResends = 4
 )
 
 // FeatureLevel, the highest level this build knows, is in kind_default.go

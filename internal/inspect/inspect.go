@@ -55,9 +55,13 @@ type Record struct {
 	// (a settlement aborted it): no session or uplink ever gets it, and
 	// its publisher was told it failed. Held marks one still waiting for
 	// its settlement. Both as of the last record applied.
-	Aborted bool          `json:"aborted,omitempty"`
-	Held    bool          `json:"held,omitempty"`
-	Props   *inspectProps `json:"properties,omitempty"`
+	Aborted bool `json:"aborted,omitempty"`
+	Held    bool `json:"held,omitempty"`
+	// Duplicate marks the second copy of a QoS 2 publish its device
+	// resent on another member, whose original was committed late:
+	// nobody gets it (mqtt: inboundDup).
+	Duplicate bool          `json:"duplicate,omitempty"`
+	Props     *inspectProps `json:"properties,omitempty"`
 }
 
 // inspectProps are a record's MQTT 5 properties as inspect prints them.
@@ -125,7 +129,7 @@ func Write(w io.Writer, db *storage.DB, q Query) error {
 		payload = Encoders["base64"]
 	}
 	from, limit, all := max(q.From, 1), q.Limit, q.All
-	aborted, held, err := mqtt.HoldState(sessions{db})
+	aborted, held, dups, err := mqtt.HoldState(sessions{db})
 	if err != nil {
 		return fmt.Errorf("reading the settled sync records: %w", err)
 	}
@@ -150,7 +154,7 @@ func Write(w io.Writer, db *storage.DB, q Query) error {
 				Time:   time.Unix(0, rec.Time).UTC().Format(time.RFC3339Nano),
 				Origin: replication.IDString(rec.Origin), Seq: rec.Seq, PacketID: rec.PacketID,
 				Will: rec.Will, Republished: rec.Republished,
-				Aborted: aborted[e.Index], Held: held[e.Index],
+				Aborted: aborted[e.Index], Held: held[e.Index], Duplicate: dups[e.Index],
 			}
 			out.Payload, out.PayloadEncoding = payload(rec.Payload)
 			out.Props = propsOf(&rec.Props)
