@@ -248,7 +248,7 @@ func (s *memStore) Load(prefix string, fn func(string, []byte) error) error {
 
 // testServer starts a Server on loopback over log (a new memLog when
 // nil), stopped at cleanup: and checks there that it stops within 5 s.
-func testServer(t *testing.T, log *memLog, mutate func(*Config)) (*Server, *memLog) {
+func testServer(t testing.TB, log *memLog, mutate func(*Config)) (*Server, *memLog) {
 	t.Helper()
 	if log == nil {
 		log = newMemLog()
@@ -282,7 +282,7 @@ func testServer(t *testing.T, log *memLog, mutate func(*Config)) (*Server, *memL
 }
 
 // stopServer stops s (once) and fails the test if that takes over 5 s.
-func stopServer(t *testing.T, s *Server, log *memLog, applier chan struct{}) {
+func stopServer(t testing.TB, s *Server, log *memLog, applier chan struct{}) {
 	stopped := make(chan struct{})
 	go func() {
 		_ = s.Stop()
