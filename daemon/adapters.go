@@ -148,7 +148,15 @@ func (a *applier) Apply(index uint64, data []byte) error {
 		// rule forwards, whatever topic (or none) the record carries.
 		topic = []byte("$tandem/" + kind.String())
 	}
-	a.ups.notify(index, topic, len(data), held)
+	// A QoS 2 publish may be the second copy of one its device resent
+	// (mqtt: inboundDup): the broker decides that as it applies it,
+	// whoever subscribes, and the uplinks read it only after.
+	qos2 := kind == storage.KindMessage && storage.RecordQoS2(data)
+	if qos2 {
+		defer a.ups.notify(index, topic, len(data), held)
+	} else {
+		a.ups.notify(index, topic, len(data), held)
+	}
 	switch kind {
 	case storage.KindMessage, storage.KindSession, storage.KindCursors:
 	case storage.KindUplinks:
@@ -175,7 +183,7 @@ func (a *applier) Apply(index uint64, data []byte) error {
 	// A sync record nobody subscribes to needs no hold (a subscription
 	// made later starts after it), unless an uplink forwards it: uplinks
 	// ask the broker whether it is settled.
-	if !retain && !control && (!held || !a.ups.forwards(topic)) && (quiet || a.broker.Unrouted(topic)) {
+	if !retain && !control && !qos2 && (!held || !a.ups.forwards(topic)) && (quiet || a.broker.Unrouted(topic)) {
 		a.broker.Applied(index)
 		return nil // nobody subscribes: no Message to build
 	}

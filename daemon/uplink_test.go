@@ -341,3 +341,45 @@ func TestUplinkOfEverythingForwardsNoControlRecord(t *testing.T) {
 		t.Fatalf("uplink error: %s", s.LastError)
 	}
 }
+
+// A QoS 2 publish in the log twice, the resend a device made on the member
+// it moved to and its original committed after it (mqtt: inboundDup),
+// reaches the cloud once: the second copy has another record id, so a
+// consumer could not drop it by tandem-id. The records are the ones such
+// a move leaves, from two other members, with no local subscriber.
+func TestUplinkForwardsAQoS2ResendAndItsLateOriginalOnce(t *testing.T) {
+	cloud := cloudtest.Start(t, "127.0.0.1", 0, nil)
+	rec := cloudtest.Record(t, dialTo(cloud.Addr()), "#")
+	d := testGateway(t, t.TempDir(), withUplink(cloud.URL(), func(u *config.UplinkConfig) {
+		u.Topics = []config.UplinkTopic{{Match: "in/#", RemotePrefix: "site/"}}
+		u.Downlink = nil
+	}))
+	const left, came = 0xa1, 0xb2 // the member the device left, the one it came to
+	now := time.Now().UnixNano()
+	for _, r := range []storage.Record{
+		{Kind: storage.KindSession, Origin: came, Seq: 10, ClientID: "dev", Topic: "$tandem/session", Payload: []byte(`{"op":"start","expiry":600}`)},
+		{Kind: storage.KindSession, Origin: came, Seq: 12, ClientID: "dev", Topic: "$tandem/session", Payload: []byte(`{"op":"resend","in":[7],"seq":11}`)},
+		{Origin: came, Seq: 11, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Payload: []byte("once")},
+		{Origin: left, Seq: 40, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Payload: []byte("once")},
+		{Origin: came, Seq: 13, ClientID: "dev", Topic: "in/y", QoS: 1, PacketID: 8, Payload: []byte("marker")},
+	} {
+		r.Time = now
+		done := make(chan error, 1)
+		d.gw.Node().Propose(storage.AppendRecord(nil, &r), replication.Async, func(_ uint64, err error) { done <- err })
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+	}
+	testutil.WaitFor(t, 10*time.Second, "the marker at the cloud", func() bool {
+		msgs := rec.Msgs()
+		return len(msgs) > 0 && msgs[len(msgs)-1].Payload == "marker"
+	}, func() string { return fmt.Sprintf("%+v; cloud has %d", uplinkStatus(t, d), len(rec.Msgs())) })
+	var got []string
+	for _, m := range rec.Msgs() {
+		got = append(got, m.Payload)
+	}
+	if fmt.Sprint(got) != "[once marker]" {
+		t.Fatalf("the cloud got %q, want the message once, then the marker", got)
+	}
+	assertAnswersAndStops(t, d)
+}

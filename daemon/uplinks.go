@@ -435,9 +435,9 @@ func (l uplinkLog) Committed(from, to uint64, fn func(r *uplink.Record) bool) er
 			if e.Type != raftpb.EntryNormal || len(e.Data) == 0 {
 				return len(batch) < scanChunk
 			}
-			if storage.RecordSync(e.Data) {
+			if storage.RecordSync(e.Data) || storage.RecordQoS2(e.Data) {
 				if _, aborted := l.d.broker.SyncState(e.Index); aborted {
-					return len(batch) < scanChunk // its publisher was refused
+					return len(batch) < scanChunk // its publisher was refused, or a resend's second copy
 				}
 			}
 			rec, err := storage.DecodeRecord(e.Data)

@@ -341,7 +341,8 @@ var errStopLoad = errors.New("mqtt: stop")
 
 // SyncState reports whether the sync record at index is held (no
 // settlement yet) or aborted, for the uplinks, which follow the same rule
-// as sessions.
+// as sessions; a QoS 2 record that is a resend's second copy
+// (inboundDup) is reported aborted too: nobody gets it.
 func (s *Server) SyncState(index uint64) (held, aborted bool) {
 	st := s.holds.state(index, nil)
 	return st == recHeld, st == recAborted || st == recDup

@@ -457,6 +457,10 @@ func RecordHead(b []byte) (kind Kind, topic []byte, retain bool, err error) {
 // flagSync; the full check is the decoder's).
 func RecordSync(b []byte) bool { return len(b) > 0 && b[offVersion] == RecordVersionSync }
 
+// RecordQoS2 reports whether an encoded record is a QoS 2 one, from its
+// fixed header alone (the full check is the decoder's).
+func RecordQoS2(b []byte) bool { return len(b) > offQoS && b[offQoS] == 2 }
+
 // RecordID returns the record id from the fixed header. It neither parses the
 // rest nor checks the CRC: the persist path uses it to match entries to
 // pending proposals, and the full check happens when the entry is decoded.
