@@ -103,6 +103,32 @@ func (s *Server) markDup(index uint64) {
 	s.stagePut(holdKey(keyDup, index), nil)
 }
 
+// demoteHeld makes the held sync record at index a duplicate: a resend of
+// it, acked to its device, is delivered instead (inboundDup). Sessions
+// waiting at it go on.
+func (s *Server) demoteHeld(index uint64) {
+	h := &s.holds
+	h.mu.Lock()
+	_, held := h.held[index]
+	delete(h.held, index)
+	if h.dups == nil {
+		h.dups = map[uint64]struct{}{}
+	}
+	h.dups[index] = struct{}{}
+	waiting := h.waiting
+	h.waiting = nil
+	h.mu.Unlock()
+	if held {
+		s.stageDelete(holdKey(keyHeld, index))
+	}
+	s.stagePut(holdKey(keyDup, index), nil)
+	for se := range waiting {
+		if c := se.current(); c != nil {
+			c.kick()
+		}
+	}
+}
+
 // skipsForAll reports whether nobody is ever handed the record at index,
 // m: an aborted sync record or a duplicate QoS 2 one.
 func (s *Server) skipsForAll(index uint64, m *Message) bool {

@@ -177,6 +177,14 @@ func (l *memLog) settle(upto uint64, aborts ...uint64) {
 	l.mu.Unlock()
 }
 
+// addRaw appends m, as it is, to the log: a record another member took.
+func (l *memLog) addRaw(m *Message) {
+	l.mu.Lock()
+	l.recs = append(l.recs, m)
+	l.cond.Broadcast()
+	l.mu.Unlock()
+}
+
 // lastIndex is the index of the newest record.
 func (l *memLog) lastIndex() uint64 {
 	l.mu.Lock()

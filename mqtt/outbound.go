@@ -43,7 +43,7 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 			if st == recHeld {
 				break
 			}
-			if st == recAborted {
+			if st == recAborted || st == recDup {
 				n++
 				s.unqueuedLocked(it)
 				s.cursor = it.idx

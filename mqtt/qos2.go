@@ -389,7 +389,9 @@ func (se *session) mayHaveLocked(it *outItem) bool {
 // it in time is appended after it), so the device resent it. Whichever of
 // the two comes second in the log is a duplicate (inboundDup): not
 // delivered, not retained, skipped by replays (holds: recDup), on every
-// member. A deposed master's tail re-published (Republished) is left
+// member; except that an original taken under a sync rule and not yet
+// settled gives way to the resend that follows it (demoteHeld), since a
+// settlement may still abort it. A deposed master's tail re-published (Republished) is left
 // out: it may hold a publish the device had a PUBREC for and whose packet
 // id it has reused since, which must not be taken for a duplicate; the
 // resend of one it had no PUBREC for is delivered twice.
@@ -417,7 +419,7 @@ type resendWindow struct {
 	origin, seq uint64
 	resends     map[uint16]uint64 // packet id → sequence number of the resend named
 	resent      map[uint16]bool   // resends applied
-	late        map[uint16]bool   // late records applied
+	late        map[uint16]uint64 // packet id → index of the late record applied
 }
 
 // windowOp applies session record op, taken on member origin with
@@ -460,19 +462,41 @@ func (s *Server) inboundDup(index uint64, m *Message) bool {
 		return false
 	}
 	p, dup := m.PacketID, false
+	var demote uint64
 	se.mu.Lock()
 	if w := se.win; w != nil {
 		if m.Origin == w.origin && m.Seq > w.seq {
 			if rs, ok := w.resends[p]; ok && rs == m.Seq {
-				dup = w.late[p]
+				if late := w.late[p]; late > 0 {
+					// The original came first. Taken under a sync
+					// rule, it may still be aborted (its publisher,
+					// gone, refused): the resend, acked to the
+					// device, must not go with it. Not settled yet,
+					// the original gives way; aborted, the resend
+					// stands; confirmed (or async), it is the copy.
+					switch s.holds.state(late, nil) {
+					case recHeld:
+						demote = late
+					case recAborted, recDup:
+					default:
+						dup = true
+					}
+				}
 				setFlag(&w.resent, p)
 			}
 		} else {
 			dup = w.resent[p]
-			setFlag(&w.late, p)
+			if w.late == nil {
+				w.late = map[uint16]uint64{}
+			}
+			w.late[p] = index
 		}
 	}
 	se.mu.Unlock()
+	if demote > 0 {
+		s.demoteHeld(demote)
+		s.lines.Info("a QoS 2 publish resent by its device and logged twice is delivered once", "client", m.ClientID, "packet_id", p, "index", demote)
+	}
 	if dup {
 		s.markDup(index)
 		s.lines.Info("a QoS 2 publish resent by its device and logged twice is delivered once", "client", m.ClientID, "packet_id", p, "index", index)

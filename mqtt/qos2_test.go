@@ -1344,6 +1344,63 @@ func lateOriginal(t *testing.T, v byte, originalFirst, level3 bool) {
 	}
 }
 
+// The original of a QoS 2 resend, committed late and taken under a sync
+// rule, may still be aborted when the resend is applied: its publisher,
+// the device's old connection, is gone, and its ack rule can time out.
+// The resend was acked to the device, so the message must be delivered
+// once whatever the settlement says: the original gives way while it is
+// held, and the resend stands if it was aborted; confirmed first, the
+// original is the copy delivered. Without that, an aborted original and
+// a resend taken for its copy delivered the message to nobody.
+func TestMQTT_4_3_3_9_ResendAfterASyncOriginalIsDeliveredOnceWhateverItsSettlement(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		before string // the original's settlement before the resend is applied
+		after  string // and after
+	}{
+		{"held-then-aborted", "", "abort"},
+		{"held-then-confirmed", "", "confirm"},
+		{"aborted-first", "abort", ""},
+		{"confirmed-first", "confirm", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, l := testServer(t, nil, nil)
+			sub := dialRaw(t, s.Addr(), 5)
+			sub.connect("sub", true, nil)
+			sub.subscribe(1, packets.Subscription{Filter: "in/#", Qos: 2})
+			const left, came = 0xa1, 0xb2
+			l.addRaw(&Message{Kind: KindSession, Origin: came, Seq: 10, ClientID: "dev", Topic: sessionTopic, Payload: []byte(`{"op":"start","expiry":600}`)})
+			l.addRaw(&Message{Kind: KindSession, Origin: came, Seq: 12, ClientID: "dev", Topic: sessionTopic, Payload: []byte(`{"op":"resend","in":[7],"seq":11}`)})
+			l.addRaw(&Message{Origin: left, Seq: 40, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Sync: true, Payload: []byte("once")})
+			original := l.lastIndex()
+			settle := func(how string) {
+				switch how {
+				case "abort":
+					l.settle(original, original)
+				case "confirm":
+					l.settle(original)
+				}
+			}
+			settle(tc.before)
+			l.addRaw(&Message{Origin: came, Seq: 11, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Payload: []byte("once")})
+			settle(tc.after)
+			l.addRaw(&Message{Origin: came, Seq: 13, ClientID: "dev", Topic: "in/y", QoS: 1, PacketID: 8, Payload: []byte("marker")})
+			if got := untilMarker(sub); len(got) != 2 || got[0] != "once" {
+				t.Fatalf("the subscriber got %q, want the message once, then the marker", got)
+			}
+			// An aborted original is no copy: the resend is the message.
+			want := 1
+			if tc.before == "abort" {
+				want = 0
+			}
+			_, _, dups, err := HoldState(l.store)
+			if err != nil || len(dups) != want {
+				t.Fatalf("duplicates %v (%v), want %d", dups, err, want)
+			}
+		})
+	}
+}
+
 // waitLogged waits until the log holds a record that match accepts, and
 // returns its index.
 func waitLogged(t *testing.T, l *sharedLog, match func(*Message) bool) uint64 {
