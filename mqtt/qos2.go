@@ -1,6 +1,7 @@
 package mqtt
 
 import (
+	"maps"
 	"time"
 
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -432,20 +433,55 @@ func (s *Server) windowOp(id string, origin, seq uint64, op *sessionOp) {
 		return
 	}
 	se.mu.Lock()
-	defer se.mu.Unlock()
 	switch op.Op {
 	case "start":
 		se.win = &resendWindow{origin: origin, seq: seq}
 	case "resend":
 		w := se.win
 		if w == nil || origin != w.origin || seq < w.seq || len(op.In) != 1 {
+			se.mu.Unlock()
 			return
 		}
 		if w.resends == nil {
 			w.resends = map[uint16]uint64{}
 		}
 		w.resends[op.In[0]] = op.Seq
+	default:
+		se.mu.Unlock()
+		return
 	}
+	rec, persist := se.win.record(), se.persistent()
+	se.mu.Unlock()
+	if persist {
+		s.stageJSON(windowKey(id), rec)
+	}
+}
+
+// windowRec is a resendWindow as the session store keeps it: a member
+// restarted within a device's move decides as the others do.
+type windowRec struct {
+	O, S uint64            // origin and sequence number of the start record
+	R    map[uint16]uint64 `json:",omitempty"`
+	D    []uint16          `json:",omitempty"`
+	L    map[uint16]uint64 `json:",omitempty"`
+}
+
+// record is w as the store keeps it.
+func (w *resendWindow) record() windowRec {
+	rec := windowRec{O: w.origin, S: w.seq, R: maps.Clone(w.resends), L: maps.Clone(w.late)}
+	for p := range w.resent {
+		rec.D = append(rec.D, p)
+	}
+	return rec
+}
+
+// window is the resendWindow rec keeps.
+func (rec *windowRec) window() *resendWindow {
+	w := &resendWindow{origin: rec.O, seq: rec.S, resends: rec.R, late: rec.L}
+	for _, p := range rec.D {
+		setFlag(&w.resent, p)
+	}
+	return w
 }
 
 // inboundDup reports whether m, the QoS 2 publish at index, is the second
@@ -461,8 +497,9 @@ func (s *Server) inboundDup(index uint64, m *Message) bool {
 	if se == nil {
 		return false
 	}
-	p, dup := m.PacketID, false
+	p, dup, changed := m.PacketID, false, false
 	var demote uint64
+	var rec windowRec
 	se.mu.Lock()
 	if w := se.win; w != nil {
 		if m.Origin == w.origin && m.Seq > w.seq {
@@ -483,6 +520,7 @@ func (s *Server) inboundDup(index uint64, m *Message) bool {
 					}
 				}
 				setFlag(&w.resent, p)
+				changed = true
 			}
 		} else {
 			dup = w.resent[p]
@@ -490,9 +528,17 @@ func (s *Server) inboundDup(index uint64, m *Message) bool {
 				w.late = map[uint16]uint64{}
 			}
 			w.late[p] = index
+			changed = true
+		}
+		if changed {
+			rec = w.record()
 		}
 	}
+	persist := se.persistent()
 	se.mu.Unlock()
+	if changed && persist {
+		s.stageJSON(windowKey(m.ClientID), rec)
+	}
 	if demote > 0 {
 		s.demoteHeld(demote)
 		s.lines.Info("a QoS 2 publish resent by its device and logged twice is delivered once", "client", m.ClientID, "packet_id", p, "index", demote)

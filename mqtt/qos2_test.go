@@ -1401,6 +1401,33 @@ func TestMQTT_4_3_3_9_ResendAfterASyncOriginalIsDeliveredOnceWhateverItsSettleme
 	}
 }
 
+// A member that restarts between a resend and its late original decides
+// as the others: the session's window is kept in the session store.
+func TestMQTT_4_3_3_9_ResendWindowSurvivesARestart(t *testing.T) {
+	s, l := testServer(t, nil, nil)
+	sub := dialRaw(t, s.Addr(), 5)
+	sub.connect("sub", true, nil)
+	sub.subscribe(1, packets.Subscription{Filter: "in/#", Qos: 2})
+	const left, came = 0xa1, 0xb2
+	l.addRaw(&Message{Kind: KindSession, Origin: came, Seq: 10, ClientID: "dev", Topic: sessionTopic, Payload: []byte(`{"op":"start","expiry":600}`)})
+	l.addRaw(&Message{Kind: KindSession, Origin: came, Seq: 12, ClientID: "dev", Topic: sessionTopic, Payload: []byte(`{"op":"resend","in":[7],"seq":11}`)})
+	l.addRaw(&Message{Origin: came, Seq: 11, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Payload: []byte("once")})
+	l.addRaw(&Message{Origin: came, Seq: 13, ClientID: "dev", Topic: "in/y", QoS: 1, PacketID: 8, Payload: []byte("marker")})
+	if got := untilMarker(sub); len(got) != 2 || got[0] != "once" {
+		t.Fatalf("before the restart the subscriber got %q, want the resend, then the marker", got)
+	}
+	l.halt()
+	s, _ = testServer(t, l, nil)
+	sub = dialRaw(t, s.Addr(), 5)
+	sub.connect("sub", true, nil)
+	sub.subscribe(1, packets.Subscription{Filter: "in/#", Qos: 2})
+	l.addRaw(&Message{Origin: left, Seq: 40, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Payload: []byte("once")})
+	l.addRaw(&Message{Origin: came, Seq: 14, ClientID: "dev", Topic: "in/y", QoS: 1, PacketID: 9, Payload: []byte("marker")})
+	if got := untilMarker(sub); len(got) != 1 {
+		t.Fatalf("after the restart the subscriber got %q, want the marker alone: the late original is the resend's copy", got)
+	}
+}
+
 // waitLogged waits until the log holds a record that match accepts, and
 // returns its index.
 func waitLogged(t *testing.T, l *sharedLog, match func(*Message) bool) uint64 {

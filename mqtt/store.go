@@ -24,6 +24,7 @@ const (
 	keyOut      = "O\x00" // O id NUL pid → outbound in flight (encodeOut)
 	keyRetained = "R\x00" // R topic → retainedRec (JSON)
 	prefixQoS2  = "q\x00" // q id NUL pid → inbound QoS 2 marker (encodeQoS2)
+	keyWindow   = "W\x00" // W id → the session's inbound QoS 2 window (windowRec, JSON)
 
 	legacyClient   = "c\x00"
 	legacySub      = "s\x00"
@@ -59,6 +60,7 @@ type retainedRec struct {
 
 func sessKey(id string) string        { return keySession + id }
 func cursorKey(id string) string      { return keyCursor + id }
+func windowKey(id string) string      { return keyWindow + id }
 func subKey(id, filter string) string { return keySub + id + "\x00" + filter }
 func outKey(id string, pid uint16) string {
 	return keyOut + id + "\x00" + strconv.Itoa(int(pid))
@@ -139,6 +141,7 @@ func (s *Server) deleteSessionState(id string) {
 	}
 	s.store.Delete(sessKey(id))
 	s.store.Delete(cursorKey(id))
+	s.store.Delete(windowKey(id))
 	for _, p := range []string{keySub, keyOut, prefixQoS2} {
 		var keys []string
 		_ = s.store.Load(p+id+"\x00", func(k string, _ []byte) error {
@@ -274,6 +277,21 @@ func (s *Server) loadState(checkLog bool) error {
 		return err
 	}
 	get := func(id string) *session { return s.sessions[id] }
+	err = s.store.Load(keyWindow, func(k string, v []byte) error {
+		var rec windowRec
+		se := get(strings.TrimPrefix(k, keyWindow))
+		if se == nil {
+			return nil
+		}
+		if err := json.Unmarshal(v, &rec); err != nil {
+			return fmt.Errorf("QoS 2 window of session %q: %w", se.id, err)
+		}
+		se.win = rec.window()
+		return nil
+	})
+	if err != nil {
+		return err
+	}
 	err = s.store.Load(keyCursor, func(k string, v []byte) error {
 		if se := get(strings.TrimPrefix(k, keyCursor)); se != nil && len(v) == 8 {
 			se.cursor = binary.BigEndian.Uint64(v)
