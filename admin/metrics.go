@@ -342,6 +342,7 @@ var (
 	descDiskBudget    = desc("tandem_disk_budget_bytes", "storage.max_bytes, 0 when unset.")
 	descCommits       = desc("tandem_storage_commits_total", "Durable writes of the log: WAL appends (one fdatasync) and checkpoints into the data file (two).")
 	descFsyncs        = desc("tandem_storage_fsyncs_total", "fdatasyncs of the WAL and the data file.")
+	descWritten       = desc("tandem_storage_written_bytes_total", "Bytes the storage layer wrote into the data dir, by file: wal (the pages each fdatasync covered), data (the pages the data file's commits wrote), snapshot (snapshots built for members behind). The device writes more: the file system's journal and metadata.", "file")
 	descStoreUsed     = desc("tandem_storage_used_bytes", "Size of the whole data dir: WAL and data file.")
 	descStoreBudget   = desc("tandem_storage_budget_bytes", "storage.max_bytes: the data dir's budget (plus a 2MiB slack).")
 	descStoreDropped  = desc("tandem_storage_dropped_records_total", "Records retention dropped (max_bytes, max_age) since the start.")
@@ -369,7 +370,7 @@ func (statusCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descNode, descTerm, descRole, descLeaderChanges, descHasLeader, descMembers,
 		descLagRecords, descLagSeconds, descMatchIndex, descReachable, descVoter,
 		descFirstIndex, descLastIndex, descCommitIndex, descAppliedIndex,
-		descDiskUsed, descDiskFree, descDiskBudget, descCommits, descFsyncs,
+		descDiskUsed, descDiskFree, descDiskBudget, descCommits, descFsyncs, descWritten,
 		descStoreUsed, descStoreBudget, descStoreDropped, descStoreOldest, descStoreRefusing, descStoreFree, descStoreMinFree, descStoreLost, descClients, descInflight, descRetained, descStatusUp,
 		descGeneration, descPromotions, descDeposed, descRequeued, descRequeuePend, descTopicsMatch} {
 		ch <- d
@@ -422,6 +423,10 @@ func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- gauge(descDiskBudget, float64(s.Disk.BudgetBytes))
 	ch <- prometheus.MustNewConstMetric(descCommits, prometheus.CounterValue, float64(s.Storage.Commits))
 	ch <- prometheus.MustNewConstMetric(descFsyncs, prometheus.CounterValue, float64(s.Storage.Fsyncs))
+	w := s.Storage.Written
+	ch <- prometheus.MustNewConstMetric(descWritten, prometheus.CounterValue, float64(w.WAL), "wal")
+	ch <- prometheus.MustNewConstMetric(descWritten, prometheus.CounterValue, float64(w.Data), "data")
+	ch <- prometheus.MustNewConstMetric(descWritten, prometheus.CounterValue, float64(w.Snapshot), "snapshot")
 	ch <- gauge(descStoreUsed, float64(s.Storage.UsedBytes))
 	ch <- gauge(descStoreBudget, float64(s.Storage.BudgetBytes))
 	ch <- prometheus.MustNewConstMetric(descStoreDropped, prometheus.CounterValue, float64(s.Storage.DroppedRecords))

@@ -148,6 +148,17 @@ type StatusMQTT struct {
 	HeldForMemory     int64 `json:"held_for_memory"`
 }
 
+// StatusWritten is the bytes the storage layer wrote since the start, by
+// file: the pages each WAL fdatasync covered, the pages the data file's
+// commits wrote, and the snapshot bodies built for members behind. The
+// device writes more (the file system's journal and metadata); its own
+// counters show the difference.
+type StatusWritten struct {
+	WAL      int64 `json:"wal"`
+	Data     int64 `json:"data"`
+	Snapshot int64 `json:"snapshot"`
+}
+
 // StatusPairing says whether pairing is open.
 type StatusPairing struct {
 	Open    bool       `json:"open"`
@@ -181,6 +192,9 @@ type StatusStorage struct {
 	// Damaged is null unless this member's data file failed its checks at
 	// a start and was moved aside: where to, and the re-sync's state.
 	Damaged *StatusDamaged `json:"damaged"`
+	// Written is what the storage layer wrote into the data dir since
+	// the start, by file.
+	Written StatusWritten `json:"written_bytes"`
 }
 
 // StatusRange is the log indexes First..Last, both included.

@@ -99,6 +99,10 @@ type Result struct {
 	IdleOpen           int     `json:"idle_open,omitempty"`
 	IdleConnectSeconds float64 `json:"idle_connect_seconds,omitempty"`
 	FirstFailure       string  `json:"first_failure,omitempty"`
+	// StorageWritten is what a tandem gateway's storage layer wrote per
+	// acked publish, by file, when the caller read its /metrics around
+	// the run (ReadStorageWritten; tandem bench --metrics).
+	StorageWritten *StorageWritten `json:"storage_written_per_msg,omitempty"`
 }
 
 // publisher is one connection's publish call, whatever the MQTT version.

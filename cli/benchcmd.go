@@ -23,6 +23,7 @@ const barAfter = 2 * time.Second
 func newBenchCmd() *cobra.Command {
 	var o bench.Options
 	var asJSON bool
+	var metrics string
 	var qos int
 	cmd := &cobra.Command{
 		Use:   "bench",
@@ -93,9 +94,24 @@ broker.`,
 			}
 			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 			defer stop()
+			var w0 bench.StorageWritten
+			if metrics != "" {
+				var err error
+				if w0, err = bench.ReadStorageWritten(ctx, metrics); err != nil {
+					return fmt.Errorf("--metrics: %w", err)
+				}
+			}
 			res, err := bench.Run(ctx, o)
 			if err != nil {
 				return err
+			}
+			if metrics != "" {
+				w1, err := bench.ReadStorageWritten(ctx, metrics)
+				if err != nil {
+					return fmt.Errorf("--metrics: %w", err)
+				}
+				per := w1.Sub(w0).Per(res.Acked)
+				res.StorageWritten = &per
 			}
 			if asJSON {
 				if err := json.NewEncoder(out).Encode(res); err != nil {
@@ -125,6 +141,7 @@ broker.`,
 	fl.IntVar(&o.Idle, "idle", 0, "idle connections (CONNECT, then only keep-alive) held open through the run")
 	fl.StringVar(&o.Username, "username", "", "username")
 	fl.StringVar(&o.Password, "password", "", "password")
+	fl.StringVar(&metrics, "metrics", "", "a tandem gateway's HTTP address (its http.listen): also report what its storage layer wrote per acked publish, by file, from its /metrics (other writes on the gateway count too)")
 	fl.BoolVar(&asJSON, "json", false, "print the result as JSON")
 	return cmd
 }
@@ -145,6 +162,9 @@ func printResult(w io.Writer, o *bench.Options, r *bench.Result) {
 			r.Received, r.Subscribers, r.SubscribeQoS, r.DeliveredQoS, r.ReceivedMin, r.Acked)
 		fmt.Fprintf(w, "  fan-out    %.0f deliveries/s\n", r.DeliveriesPerSec)
 		fmt.Fprintf(w, "  e2e        p50 %.3f ms  p99 %.3f ms  max %.3f ms\n", r.E2EP50Ms, r.E2EP99Ms, r.E2EMaxMs)
+	}
+	if sw := r.StorageWritten; sw != nil {
+		fmt.Fprintf(w, "  storage    %.0f B written per publish (WAL %.0f, data %.0f, snapshot %.0f)\n", sw.Total(), sw.WAL, sw.Data, sw.Snapshot)
 	}
 	if r.FirstFailure != "" {
 		fmt.Fprintf(w, "  first failure: %s\n", r.FirstFailure)

@@ -126,3 +126,27 @@ func TestBenchFailsWhenPublishesFailAndSaysWhy(t *testing.T) {
 		t.Fatalf("--count -1: exit %d %s", code, stderr)
 	}
 }
+
+// --metrics reads a gateway's written-bytes counters around the run: what
+// its storage layer wrote per acked publish, by file (#36).
+func TestBenchReportsTheStorageWritesOfAGateway(t *testing.T) {
+	d := testGateway(t, t.TempDir(), nil)
+	code, out, stderr := runMain(t, "bench", "--broker", d.MQTTAddr(), "--clients", "2", "--count", "50",
+		"--qos", "1", "--metrics", d.HTTPAddr(), "--json")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	var r bench.Result
+	if err := json.Unmarshal([]byte(out), &r); err != nil {
+		t.Fatalf("bench --json printed %q: %v", out, err)
+	}
+	// Two clients, one publish in flight each: a WAL page per fdatasync
+	// of one or two publishes.
+	if w := r.StorageWritten; w == nil || w.WAL < 1024 || w.Snapshot != 0 {
+		t.Fatalf("storage written per publish: %+v", w)
+	}
+	code, out, _ = runMain(t, "bench", "--broker", d.MQTTAddr(), "--count", "10", "--metrics", d.HTTPAddr())
+	if code != 0 || !strings.Contains(out, "B written per publish (WAL ") {
+		t.Fatalf("human output: %d %q", code, out)
+	}
+}

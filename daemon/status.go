@@ -39,7 +39,7 @@ func (d *Daemon) status(ctx context.Context) (*admin.Status, error) {
 		Disk:    admin.StatusDisk{BudgetBytes: uint64(d.cfg.Storage.MaxBytes)},
 		MQTT: admin.StatusMQTT{Clients: d.broker.Clients(), Inflight: d.broker.Inflight(),
 			MemoryBytes: d.broker.MemoryUsed(), MemoryBudgetBytes: int64(d.cfg.Limits.Memory), HeldForMemory: d.broker.HeldForMemory()},
-		Storage: admin.StatusStorage{Commits: d.db.Commits(), Fsyncs: d.db.Syncs()},
+		Storage: admin.StatusStorage{Commits: d.db.Commits(), Fsyncs: d.db.Syncs(), Written: statusWritten(d.db.Written())},
 		Cluster: admin.StatusCluster{ID: d.gw.ClusterID(), Generation: d.gw.Generation(), TopicsHash: d.gw.TopicsHash(), PeerAddrs: d.gw.PeerAddrs(), Requeued: n.Requeued(),
 			FeatureLevel: n.FeatureLevel(), FeatureLevelKnown: storage.FeatureLevel},
 	}
@@ -159,6 +159,12 @@ func (d *Daemon) lagSeconds(match, last uint64, now time.Time) float64 {
 		return max(0, now.Sub(time.Unix(0, rec.Time)).Seconds())
 	}
 	return 0
+}
+
+// statusWritten is the storage layer's written bytes as the status says
+// them.
+func statusWritten(w storage.Written) admin.StatusWritten {
+	return admin.StatusWritten{WAL: w.WAL, Data: w.Data, Snapshot: w.Snapshot}
 }
 
 // catchUpOf is status's log.catch_up: null unless a catch-up is under way.

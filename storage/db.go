@@ -221,6 +221,9 @@ type DB struct {
 	// fileWritten counts the bytes checkpoints wrote into the data file
 	// (walLog.written those of the WAL): what the log costs the device.
 	fileWritten atomic.Int64
+	// snapWritten counts the bytes of the snapshot bodies built into
+	// their file (snapshot.go).
+	snapWritten atomic.Int64
 	syncDelay   time.Duration            // Options.SyncDelay
 	onCommit    func(time.Duration, int) // Options.OnCommit
 	requeued    atomic.Bool              // entries were moved to the requeue bucket (TakeRequeueSignal)
@@ -785,11 +788,26 @@ func (db *DB) Commits() uint64 { return db.commits.Load() }
 // two per bbolt commit.
 func (db *DB) Syncs() uint64 { return db.syncs.Load() }
 
-// written returns the bytes the log wrote to the device since Open: the
-// pages each WAL fdatasync covered, and the pages the checkpoints' commits
-// wrote into the data file. Flash wears by them, not by the records' size.
-func (db *DB) written() (wal, file int64) {
-	return db.wal.written.Load(), db.fileWritten.Load()
+// Written is what the storage layer wrote into the data dir since Open, in
+// bytes, by file. Flash wears by these, not by the records' size; the
+// device writes more besides (the file system's journal and metadata),
+// which only its own counters show.
+type Written struct {
+	// WAL is the pages each WAL fdatasync covered, and the zeros a WAL
+	// segment is grown with.
+	WAL int64
+	// Data is the pages the data file's commits wrote: checkpoints, and
+	// the received snapshots merged in through them.
+	Data int64
+	// Snapshot is the bodies of the snapshots built for members that
+	// fell behind, as written into their file (not synced: one removed
+	// soon may never reach the device).
+	Snapshot int64
+}
+
+// Written returns what the storage layer wrote since Open.
+func (db *DB) Written() Written {
+	return Written{WAL: db.wal.written.Load(), Data: db.fileWritten.Load(), Snapshot: db.snapWritten.Load()}
 }
 
 // Path returns the data file's path.

@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"sync/atomic"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
@@ -248,7 +249,7 @@ func (db *DB) buildSnapshotFile() (snap pb.Snapshot, ref SnapshotRef, tmp string
 	if err != nil {
 		return snap, ref, "", fmt.Errorf("storage: snapshot: %w", err)
 	}
-	md, ref, err := db.encodeSnapshot(f)
+	md, ref, err := db.encodeSnapshot(countWriter{f, &db.snapWritten})
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
@@ -426,6 +427,19 @@ func (db *DB) snapshotMeta(tx *bolt.Tx) (pb.SnapshotMetadata, error) {
 		}
 	}
 	return md, nil
+}
+
+// countWriter is w adding the bytes it took to n: what a file of the
+// data dir outside the log costs the device (DB.Written).
+type countWriter struct {
+	w io.Writer
+	n *atomic.Int64
+}
+
+func (c countWriter) Write(p []byte) (int, error) {
+	k, err := c.w.Write(p)
+	c.n.Add(int64(k))
+	return k, err
 }
 
 // snapWriter encodes a snapshot into w, summing its CRC; the first write

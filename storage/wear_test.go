@@ -5,14 +5,17 @@ import (
 	"fmt"
 	"os"
 	"testing"
+	"time"
 
 	pb "go.etcd.io/raft/v3/raftpb"
+
+	"github.com/tandem-edge/tandem/internal/testutil"
 )
 
 // TestBytesWrittenPerRecord bounds what the log costs a gateway's SD card
 // or eMMC per record: the pages each WAL fdatasync writes and the pages the
 // checkpoints write into the data file, counted as the storage layer issues
-// them (DB.written), not timed. Records of a 100-byte payload (186 bytes an
+// them (DB.Written), not timed. Records of a 100-byte payload (186 bytes an
 // entry, as a bench publish is), in the two shapes a gateway sees: many
 // devices at once, about 40 records per fdatasync, and a single device,
 // one record per fdatasync. The bounds are about 1.5 times what this
@@ -50,7 +53,7 @@ func TestBytesWrittenPerRecord(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer db.Close()
-			wal0, file0 := db.written()
+			w0 := db.Written()
 			n := 0
 			last, err := db.LastIndex()
 			if err != nil {
@@ -75,8 +78,8 @@ func TestBytesWrittenPerRecord(t *testing.T) {
 			if err := db.commit(nil); err != nil {
 				t.Fatal(err)
 			}
-			wal1, file1 := db.written()
-			walPer, filePer := float64(wal1-wal0)/float64(n), float64(file1-file0)/float64(n)
+			w1 := db.Written()
+			walPer, filePer := float64(w1.WAL-w0.WAL)/float64(n), float64(w1.Data-w0.Data)/float64(n)
 			t.Logf("per record: WAL %.0f bytes, data file %.0f bytes (%d records in %d fdatasyncs)", walPer, filePer, n, tc.saves)
 			if walPer > tc.walMax {
 				t.Errorf("the WAL wrote %.0f bytes per record, more than %.0f", walPer, tc.walMax)
@@ -85,5 +88,27 @@ func TestBytesWrittenPerRecord(t *testing.T) {
 				t.Errorf("checkpoints wrote %.0f bytes per record into the data file, more than %.0f", filePer, tc.dbMax)
 			}
 		})
+	}
+}
+
+// A snapshot built for a member behind is a file of the data dir too: its
+// body counts in Written, so the written-bytes metric leaves out none of
+// what the storage layer puts on the device.
+func TestBuiltSnapshotCountsInWritten(t *testing.T) {
+	db := testOpen(t, t.TempDir(), nil)
+	mustSave(t, db, pb.HardState{Term: 1, Commit: 5}, makeEntries(1, 5, 1))
+	db.Stage(BucketSessions, "R\x00t", []byte("x"))
+	db.SetApplied(5)
+	before := db.Written().Snapshot
+	// raft's call: the first starts the build in the background.
+	var snap pb.Snapshot
+	testutil.WaitFor(t, 10*time.Second, "the snapshot built", func() bool {
+		var err error
+		snap, err = db.Snapshot()
+		return err == nil
+	})
+	// Inline (small): the data is the body its file held.
+	if got := db.Written().Snapshot - before; got != int64(len(snap.Data)) || got == 0 {
+		t.Errorf("building a snapshot of %d bytes counted %d", len(snap.Data), got)
 	}
 }

@@ -7,7 +7,10 @@
 // syscalls (/proc/PID/io syscr, syscw) and context switches, voluntary
 // (the broker's threads sleeping to be woken again) and involuntary,
 // summed over /proc/PID/task/*/status. Those counts, unlike µs/msg, hold
-// on a busy host.
+// on a busy host. Under tandem's row a second line takes dev B/msg apart:
+// the bytes per message its storage layer wrote, by file (its
+// tandem_storage_written_bytes_total), and what the device wrote beyond
+// them.
 //
 // W5 is fan-out (1 publisher, 20 QoS 1 MQTT 5 subscribers with Receive
 // Maximum 20): its row shows deliveries/s, end-to-end p50/p99 and broker
@@ -82,6 +85,10 @@ type sample struct {
 	rssBeforeMB    float64    // idle workload: RSS before the connections
 	kernel         kernelWork // per message (per delivery for a fan-out workload)
 	failed         bool
+	// written is what tandem's storage layer wrote per message, by file
+	// (its /metrics); hasWritten is false for Mosquitto.
+	written    bench.StorageWritten
+	hasWritten bool
 }
 
 // tandemConfig is the gateway's config for the suite: enough clients for
@@ -163,11 +170,30 @@ func main() {
 func printRow(w, name string, s sample) {
 	fmt.Printf("%-4s %-9s %10.0f %9.3f %9.3f %9.1f %10.3f %11.0f %8.1f%s\n", w, name, s.res.MsgPerSec, s.res.AckP50Ms, s.res.AckP99Ms, s.cpuUsPerMsg, s.fsyncsPerMsg, s.devBytesPerMsg, s.rssMB, failedMark(s))
 	printKernelRow("msg", s.kernel)
+	printWrittenRow("msg", s)
+}
+
+// printWrittenRow is the line under tandem's row that takes dev B/msg
+// apart: what its storage layer wrote per message, by file, and what the
+// device wrote beyond it: the file system's journal and metadata, the
+// gateway's log, and any other writer on the device (Mosquitto's dev
+// B/msg, which writes nothing, shows those). /proc/PID/io write_bytes is
+// no help: on kernels with large folios (6.18) it counts the whole folio a
+// write dirties (1 MiB for a 100-byte pwrite into a 1 MiB file) where the
+// device writes the page.
+func printWrittenRow(per string, s sample) {
+	if !s.hasWritten {
+		return
+	}
+	w := s.written
+	fmt.Printf("%-4s %-9s per %s: storage wrote %.0f B (WAL %.0f, data %.0f, snapshot %.0f); the device %.0f B more\n",
+		"", "", per, w.Total(), w.WAL, w.Data, w.Snapshot, s.devBytesPerMsg-w.Total())
 }
 
 func printFanOutRow(w, name string, s sample) {
 	fmt.Printf("%-4s %-9s %10.0f %9.3f %9.3f %9.1f %10.3f %11.0f %8.1f%s\n", w, name, s.res.DeliveriesPerSec, s.res.E2EP50Ms, s.res.E2EP99Ms, s.cpuUsPerMsg, s.fsyncsPerMsg, s.devBytesPerMsg, s.rssMB, failedMark(s))
 	printKernelRow("delivery", s.kernel)
+	printWrittenRow("delivery", s)
 }
 
 // printKernelRow is the line under a broker's row: its kernel work per
@@ -260,6 +286,7 @@ func run(b *broker, w workload, dev string) sample {
 	cpu0 := procCPU(b.cmd.Process.Pid)
 	k0 := procKernel(b.cmd.Process.Pid)
 	fsyncs0 := tandemFsyncs(b)
+	written0, werr := tandemWritten(b)
 	dev0 := deviceBytes(dev)
 	ctx, cancel := context.WithTimeout(context.Background(), runTimeout)
 	defer cancel()
@@ -286,6 +313,10 @@ func run(b *broker, w workload, dev string) sample {
 	s.kernel = procKernel(b.cmd.Process.Pid).since(k0, per)
 	s.fsyncsPerMsg = float64(tandemFsyncs(b)-fsyncs0) / float64(res.Acked)
 	s.devBytesPerMsg = float64(deviceBytes(dev)-dev0) / float64(res.Acked)
+	if written1, err := tandemWritten(b); err == nil && werr == nil {
+		// Per acked message, as dev B/msg, also for fan-out.
+		s.written, s.hasWritten = written1.Sub(written0).Per(res.Acked), true
+	}
 	s.rssMB = procRSS(b.cmd.Process.Pid)
 	return s
 }
@@ -384,6 +415,17 @@ func tandemFsyncs(b *broker) uint64 {
 	}
 	_ = json.NewDecoder(resp.Body).Decode(&s)
 	return s.Storage.Fsyncs
+}
+
+// tandemWritten reads what b's storage layer wrote so far (its /metrics);
+// an error for Mosquitto.
+func tandemWritten(b *broker) (bench.StorageWritten, error) {
+	if b.http == "" {
+		return bench.StorageWritten{}, fmt.Errorf("%s has no metrics", b.name)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	return bench.ReadStorageWritten(ctx, b.http)
 }
 
 func freePort() string {
