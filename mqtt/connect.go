@@ -510,9 +510,12 @@ func (s *Server) detach(c *conn) {
 	if expiry > 0 && !ended {
 		// An ended session's "off" would come after the end record
 		// and could find the client's next session on other members.
+		// The cursor first: a member that has applied the "off" has
+		// the cursor the device left with, whether this batch or an
+		// earlier one logged it.
 		s.saveCursor(se)
-		s.proposeSession(c.id, sessionOp{Op: "off"})
 		s.replicateCursors()
+		s.proposeSession(c.id, sessionOp{Op: "off"})
 	}
 	if sendWill {
 		s.proposeWill(will)
