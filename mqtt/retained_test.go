@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -223,5 +224,58 @@ func TestPersistentSessionsPastTheCapAreRefused(t *testing.T) {
 	}
 	if n := obs.count(whyMaxSessions); n != 2 {
 		t.Fatalf("%d refusals counted, want 2", n)
+	}
+}
+
+// A client that connects and subscribes while the gateway applies a
+// retained message gets it: from the retained store, or live. CI once saw
+// paho-mqtt's retained case get nothing in 20 s: the record's index was
+// handed to replays before the retained store had it; the new session's
+// first replay, with no subscription yet, moved past it; the SUBSCRIBE
+// then found the store without it, and the offer that followed was taken
+// for one the replay had already had.
+func TestRetainedMessageAppliedWhileAClientSubscribesReachesIt(t *testing.T) {
+	s, _ := testServer(t, nil, nil)
+	stall, goOn := make(chan uint64, 1), make(chan struct{})
+	release := sync.OnceFunc(func() { close(goOn) })
+	t.Cleanup(release) // before the server stops (cleanups run last first)
+	var once sync.Once
+	s.handedHook = func(index uint64) {
+		once.Do(func() {
+			stall <- index
+			<-goOn
+		})
+	}
+	pub := dialRaw(t, s.Addr(), 5)
+	pub.connect("rp", true, nil)
+	pub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 1, Retain: true}, TopicName: "rt/a", PacketID: 1, Payload: []byte("kept")})
+	pub.expect(packets.Puback) // acked once logged, before it is applied
+	<-stall                    // the applier is inside Deliver
+	sub := dialRaw(t, s.Addr(), 4)
+	sub.connect("late", true, nil)
+	sub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pingreq}})
+	sub.expect(packets.Pingresp) // its first replay has run
+	sub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Subscribe, Qos: 1}, PacketID: 1,
+		Filters: []packets.Subscription{{Filter: "rt/#", Qos: 1}}})
+	got := 0
+	for suback := false; !suback || got == 0; {
+		pk, err := sub.read(3 * time.Second)
+		if err != nil {
+			break
+		}
+		switch pk.FixedHeader.Type {
+		case packets.Suback:
+			suback = true
+			release()
+		case packets.Publish:
+			got++
+			if string(pk.Payload) != "kept" {
+				t.Fatalf("got %q", pk.Payload)
+			}
+			sub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Puback}, PacketID: pk.PacketID})
+		}
+	}
+	if got == 0 {
+		t.Fatal("the retained message applied while the client subscribed never reached it")
 	}
 }

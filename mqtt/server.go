@@ -101,6 +101,9 @@ type Server struct {
 	// offered, set by tests only, runs in Deliver after a record's offers
 	// and before it counts as applied: a test starts a replay there.
 	offered func(index uint64)
+	// handedHook, set by tests only, runs in Deliver right after a
+	// device message's index is handed to replays.
+	handedHook func(index uint64)
 }
 
 // target is one session a record goes to, its matching subscriptions
@@ -468,9 +471,9 @@ func (s *Server) Rewind(applied, skip uint64) {
 // into its bounded queue or, when that is full or its client offline,
 // reads it from the log later.
 func (s *Server) Deliver(index uint64, m *Message) error {
-	s.hand(index) // before any offer: a replay under way must read it
 	defer s.Applied(index)
 	if m.Kind != KindMessage {
+		s.hand(index)
 		s.applyControl(index, m)
 		return nil
 	}
@@ -478,6 +481,7 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 		defer s.retained.applied(m.Seq) // after retain: counted in the store by then
 	}
 	if s.inboundDup(index, m) {
+		s.handMessage(index)
 		return nil // delivered once already, or to be: its other copy
 	}
 	if m.QoS == 2 && m.PacketID != 0 && !m.Will && m.Origin != s.cfg.NodeID {
@@ -487,6 +491,7 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 		s.hold(index, m) // offered now, handed out once confirmed
 	}
 	if _, live := m.expiryLeft(s.cfg.Now()); !live {
+		s.handMessage(index)
 		return nil // its message expiry ran out before it was delivered
 	}
 	// A record past the retained caps is delivered as a plain message:
@@ -498,6 +503,13 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 			s.supersedeHeld(m.Topic)
 		}
 	}
+	// Handed to replays before any offer (a replay under way must read
+	// it), and only once the retained store has it: a session that
+	// subscribes in between finds it there, and one that subscribes
+	// after is offered it. Handed first, a new session's first replay,
+	// before its SUBSCRIBE, moved past it, the SUBSCRIBE then found the
+	// store without it, and the offer was taken for the replay's.
+	s.handMessage(index)
 	ts := s.scratch[:0]
 	s.index.match(m.Topic, func(se *session, sub *subscription) {
 		if sub.noLocal && se.id == m.ClientID {
@@ -530,6 +542,14 @@ func (s *Server) Deliver(index uint64, m *Message) error {
 		s.offered(index)
 	}
 	return nil
+}
+
+// handMessage hands a device message's index to replays (Deliver).
+func (s *Server) handMessage(index uint64) {
+	s.hand(index)
+	if s.handedHook != nil {
+		s.handedHook(index)
+	}
 }
 
 // Unrouted reports whether no subscriber matches topic, so that a record
