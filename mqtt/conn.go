@@ -139,7 +139,8 @@ type inAck struct {
 	resend bool // a QoS 2 resend answered without a new record
 	// comp marks a PUBCOMP, owed once the inbound release record is
 	// logged (pubrel); unknown: for an id with no flow here (MQTT 5:
-	// 0x92). Counted as a resend: it holds no receive maximum.
+	// 0x92). Its flow holds the receive maximum until the PUBCOMP
+	// [MQTT-4.9.0-1], so PUBRELs cannot queue records without bound.
 	comp, unknown bool
 	in2           *inbound2 // QoS 2: the inbound entry this publish made
 	// charged is the memory this publish holds while the log takes it
@@ -445,7 +446,7 @@ func (c *conn) handle(pk *packets.Packet) bool {
 			c.kick()
 		}
 	case packets.Pubrel:
-		c.pubrel(pk.PacketID)
+		return c.pubrel(pk.PacketID)
 	case packets.Subscribe:
 		return c.subscribe(pk)
 	case packets.Unsubscribe:

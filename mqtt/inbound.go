@@ -497,8 +497,11 @@ func (c *conn) appendAck(buf []byte, a *inAck) []byte {
 // PUBREC and log nothing: a message acked and lost. The record goes for
 // an id unknown here too, which another member may hold. Not logged, no
 // PUBCOMP goes and the connection ends (notLogged): the device sends the
-// PUBREL again when it comes back, here or elsewhere.
-func (c *conn) pubrel(pid uint16) {
+// PUBREL again when it comes back, here or elsewhere. Until then the flow
+// holds the receive maximum (room): a client sending PUBRELs faster than
+// their records are logged is held back (3.1.1) or disconnected (MQTT 5,
+// 0x93), as for PUBLISH. False ends the loop.
+func (c *conn) pubrel(pid uint16) bool {
 	s := c.sess
 	s.mu.Lock()
 	in := s.inbound[pid]
@@ -515,14 +518,18 @@ func (c *conn) pubrel(pid uint16) {
 		}
 	}
 	if persist && c.srv.clustered() {
-		a := &inAck{c: c, pid: pid, qos: 2, comp: true, unknown: !ok, resend: true, start: time.Now()}
+		if !c.room() {
+			return false
+		}
+		a := &inAck{c: c, pid: pid, qos: 2, comp: true, unknown: !ok, start: time.Now()}
 		c.queueAck(a)
 		c.srv.proposeOpTo(c.id, sessionOp{Op: "irel", In: []uint16{pid}}, Replicated, a)
-		return
+		return true
 	}
 	comp := &packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubcomp}, PacketID: pid}
 	if !ok && c.v == 5 {
 		comp.ReasonCode = packets.ErrPacketIdentifierNotFound.Code
 	}
 	c.send(comp)
+	return true
 }

@@ -1683,3 +1683,38 @@ func deliverQoS2(t *testing.T, l *sharedLog, m *member, props *packets.Propertie
 	l.add(&Message{Origin: 9, Seq: 1, ClientID: "sensor", Topic: "m/x", QoS: 2, Payload: []byte("1")})
 	return dev
 }
+
+// A PUBREL'd inbound flow holds the receive maximum until its PUBCOMP
+// [MQTT-4.9.0-1], and its PUBCOMP waits for the inbound release record:
+// a client sending PUBRELs (for any ids) faster than those records are
+// logged is disconnected with 0x93 once past the receive maximum, not
+// left to queue records and acks without bound.
+func TestMQTT_4_9_0_1_PubrelsAwaitingTheirPubcompHoldTheReceiveMaximum(t *testing.T) {
+	l := newSharedLog()
+	a := startMemberWith(t, &member{l: l, id: 1, store: newMemStore()}, func(c *Config) { c.MaxInflight = 2 })
+	slow := make(chan struct{})
+	t.Cleanup(func() { close(slow) }) // before the member stops
+	a.setGate(func(msg *Message) (<-chan struct{}, error) {
+		if isSessionOp(msg, "irel") {
+			return slow, nil
+		}
+		return nil, nil
+	})
+	dev := dialRaw(t, a.srv.Addr(), 5)
+	dev.connect("dev", false, sessionProps(5))
+	for pid := uint16(1); pid <= 3; pid++ {
+		dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: pid})
+	}
+	for {
+		pk, err := dev.read(5 * time.Second)
+		if err != nil {
+			t.Fatalf("no DISCONNECT past the receive maximum: %v", err)
+		}
+		if pk.FixedHeader.Type == packets.Disconnect {
+			if pk.ReasonCode != 0x93 {
+				t.Fatalf("DISCONNECT %#x, want 0x93", pk.ReasonCode)
+			}
+			return
+		}
+	}
+}
