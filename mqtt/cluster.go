@@ -93,7 +93,7 @@ func (s *Server) proposeSession(id string, op sessionOp) {
 // the outcome.
 func (s *Server) proposeOp(id string, op sessionOp, mode AckMode, done func(error)) {
 	b, _ := json.Marshal(op) // a struct of strings and numbers: cannot fail
-	s.proposeRecord(KindSession, id, b, mode, done)
+	s.proposeRecord(KindSession, id, b, mode, DoneFunc(done))
 }
 
 // proposeSessionOps logs ops for client id, in order, and calls then once
@@ -123,27 +123,25 @@ func (s *Server) proposeSessionOps(id string, ops []sessionOp, then func()) {
 
 // proposeControl logs one of the cluster's own records; nobody waits for it.
 func (s *Server) proposeControl(kind Kind, client string, payload []byte) {
-	s.proposeRecord(kind, client, payload, Async, s.logFailure)
+	s.proposeRecord(kind, client, payload, Async, DoneFunc(s.logFailure))
 }
 
 // proposeRecord logs a record of the cluster's own under mode.
-func (s *Server) proposeRecord(kind Kind, client string, payload []byte, mode AckMode, done func(error)) {
+func (s *Server) proposeRecord(kind Kind, client string, payload []byte, mode AckMode, done Done) {
 	topic := sessionTopic
 	if kind == KindCursors {
 		topic = cursorTopic
 	}
 	m := &Message{Kind: kind, ClientID: client, Topic: topic, Payload: payload, Time: s.cfg.Now().UnixNano()}
 	s.log.Reserve(m)
-	s.log.Propose(m, mode, DoneFunc(done))
+	s.log.Propose(m, mode, done)
 }
 
 // proposeOpTo logs op as client id's session record under mode, its
 // outcome to done.
 func (s *Server) proposeOpTo(id string, op sessionOp, mode AckMode, done Done) {
 	b, _ := json.Marshal(op) // a struct of strings and numbers: cannot fail
-	m := &Message{Kind: KindSession, ClientID: id, Topic: sessionTopic, Payload: b, Time: s.cfg.Now().UnixNano()}
-	s.log.Reserve(m)
-	s.log.Propose(m, mode, done)
+	s.proposeRecord(KindSession, id, b, mode, done)
 }
 
 // applyControl applies a committed session or cursor record; it runs on

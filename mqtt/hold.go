@@ -95,12 +95,26 @@ func (h *holds) state(index uint64, se *session) holdState {
 func (s *Server) markDup(index uint64) {
 	h := &s.holds
 	h.mu.Lock()
+	h.dupLocked(index)
+	h.mu.Unlock()
+	s.stagePut(holdKey(keyDup, index), nil)
+}
+
+// dupLocked notes index a duplicate. Called with h.mu held.
+func (h *holds) dupLocked(index uint64) {
 	if h.dups == nil {
 		h.dups = map[uint64]struct{}{}
 	}
 	h.dups[index] = struct{}{}
-	h.mu.Unlock()
-	s.stagePut(holdKey(keyDup, index), nil)
+}
+
+// wake has the sessions that waited at a held record go on.
+func wake(waiting map[*session]struct{}) {
+	for se := range waiting {
+		if c := se.current(); c != nil {
+			c.kick()
+		}
+	}
 }
 
 // demoteHeld makes the held sync record at index a duplicate: a resend of
@@ -111,10 +125,7 @@ func (s *Server) demoteHeld(index uint64) {
 	h.mu.Lock()
 	_, held := h.held[index]
 	delete(h.held, index)
-	if h.dups == nil {
-		h.dups = map[uint64]struct{}{}
-	}
-	h.dups[index] = struct{}{}
+	h.dupLocked(index) // with the same lock: no session sees it free between
 	waiting := h.waiting
 	h.waiting = nil
 	h.mu.Unlock()
@@ -122,11 +133,7 @@ func (s *Server) demoteHeld(index uint64) {
 		s.stageDelete(holdKey(keyHeld, index))
 	}
 	s.stagePut(holdKey(keyDup, index), nil)
-	for se := range waiting {
-		if c := se.current(); c != nil {
-			c.kick()
-		}
-	}
+	wake(waiting)
 }
 
 // skipsForAll reports whether nobody is ever handed the record at index,
@@ -233,11 +240,7 @@ func (s *Server) Settle(index, upto uint64, aborts []uint64, doubt uint64, alone
 		s.observer().InDoubt(inDoubt)
 		s.lines.Warn("sync records confirmed in doubt: an earlier master logged them and did not settle them", "records", inDoubt, "index", index)
 	}
-	for se := range waiting {
-		if c := se.current(); c != nil {
-			c.kick()
-		}
-	}
+	wake(waiting)
 	if prune {
 		s.pruneAborted()
 	}
