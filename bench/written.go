@@ -1,13 +1,13 @@
 package bench
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"io"
 	"net/http"
-	"strconv"
-	"strings"
+
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
 )
 
 // writtenMetric is tandem's counter of the bytes its storage layer wrote,
@@ -60,43 +60,34 @@ func ReadStorageWritten(ctx context.Context, addr string) (StorageWritten, error
 	return parseStorageWritten(resp.Body)
 }
 
-// parseStorageWritten reads the written-bytes samples out of Prometheus'
-// text format.
+// parseStorageWritten reads the written-bytes counters, by file, from a
+// /metrics page in the Prometheus text format.
 func parseStorageWritten(r io.Reader) (StorageWritten, error) {
 	var w StorageWritten
-	found := false
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		line, ok := strings.CutPrefix(sc.Text(), writtenMetric+"{")
-		if !ok {
-			continue
-		}
-		labels, v, ok := strings.Cut(line, "} ")
-		if !ok {
-			continue
-		}
-		n, err := strconv.ParseFloat(strings.Fields(v)[0], 64)
-		if err != nil {
-			return w, fmt.Errorf("%s{%s}: %w", writtenMetric, labels, err)
-		}
-		switch labels {
-		case `file="wal"`:
-			w.WAL = n
-		case `file="data"`:
-			w.Data = n
-		case `file="snapshot"`:
-			w.Snapshot = n
-		default:
-			continue
-		}
-		found = true
+	p := expfmt.NewTextParser(model.LegacyValidation)
+	fams, err := p.TextToMetricFamilies(r)
+	if err != nil {
+		return w, fmt.Errorf("reading /metrics: %w", err)
 	}
-	if err := sc.Err(); err != nil {
-		return w, err
-	}
-	if !found {
+	fam := fams[writtenMetric]
+	if fam == nil {
 		return w, fmt.Errorf("no %s in /metrics (not tandem, or a tandem before it)", writtenMetric)
+	}
+	for _, m := range fam.GetMetric() {
+		v := m.GetCounter().GetValue()
+		for _, l := range m.GetLabel() {
+			if l.GetName() != "file" {
+				continue
+			}
+			switch l.GetValue() {
+			case "wal":
+				w.WAL = v
+			case "data":
+				w.Data = v
+			case "snapshot":
+				w.Snapshot = v
+			}
+		}
 	}
 	return w, nil
 }
