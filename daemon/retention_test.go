@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -197,21 +198,41 @@ func TestRetentionRefusesWhatAStoppedSlaveLacks(t *testing.T) {
 	slaveLast := statusOfGW(t, g2).Log.LastIndex
 	g2.Stop()
 
-	pub, _ := v5(t, g1.MQTTAddr(), "filler", nil)
+	// Four publishers: the budget must fill within the time a silent
+	// member holds retention (10 election timeouts), after which the
+	// master lets it go (it gets a snapshot when it returns). One
+	// publisher at a time took about that long, and longer on a loaded
+	// host, where the test failed with records dropped and none refused.
 	payload := make([]byte, 1<<10)
-	refused := false
-	for i := 0; i < 3*budget/len(payload) && !refused; i++ {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		r, err := pub.Publish(ctx, &paho.Publish{Topic: "a/fill", QoS: 1, Payload: payload})
-		cancel()
-		switch {
-		case r != nil && r.ReasonCode == 0x97:
-			refused = true
-		case err != nil:
-			t.Fatalf("publish %d: %v", i, err)
-		}
+	var left atomic.Int64
+	left.Store(3 * budget / int64(len(payload)))
+	var refused atomic.Bool
+	var failed atomic.Value
+	var wg sync.WaitGroup
+	for f := range 4 {
+		pub, _ := v5(t, g1.MQTTAddr(), fmt.Sprintf("filler-%d", f), nil)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for !refused.Load() && left.Add(-1) >= 0 {
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				r, err := pub.Publish(ctx, &paho.Publish{Topic: "a/fill", QoS: 1, Payload: payload})
+				cancel()
+				switch {
+				case r != nil && r.ReasonCode == 0x97:
+					refused.Store(true)
+				case err != nil:
+					failed.CompareAndSwap(nil, err)
+					return
+				}
+			}
+		}()
 	}
-	if !refused {
+	wg.Wait()
+	if err, _ := failed.Load().(error); err != nil {
+		t.Fatalf("publish: %v", err)
+	}
+	if !refused.Load() {
 		t.Fatalf("3 budgets published with the slave stopped, none refused: %+v", statusOfGW(t, g1).Storage)
 	}
 	s := statusOfGW(t, g1)
@@ -240,6 +261,7 @@ func TestRetentionRefusesWhatAStoppedSlaveLacks(t *testing.T) {
 		s := statusOfGW(t, g1)
 		return !s.Storage.IsRefusing() && s.Log.FirstIndex > slaveLast+1
 	})
+	pub, _ := v5(t, g1.MQTTAddr(), "filler-after", nil)
 	if r := publish(t, pub, &paho.Publish{Topic: "a/after", QoS: 1, Payload: []byte("after")}); r.ReasonCode != 0 {
 		t.Fatalf("publish after the slave caught up: reason %#x", r.ReasonCode)
 	}
