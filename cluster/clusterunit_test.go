@@ -4,6 +4,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/tandem-edge/tandem/internal/clock"
 )
 
 func TestKnockPacingGrowsWithRoundTripAndFailures(t *testing.T) {
@@ -61,5 +63,24 @@ func TestInviteBookRefusesExpiredAndReused(t *testing.T) {
 	}
 	if _, err := b.claim([]byte("0123456789abcdef"), 2, now); err == nil || !strings.Contains(err.Error(), "already used") {
 		t.Fatalf("reused secret: %v", err)
+	}
+}
+
+// A failover probe that fails while the master's heartbeat arrives in its
+// middle must not promote: the master spoke, so it is alive, even if its
+// silence at the end of the probe is longer than failover_after.
+func TestFailoverNotTakenForAMasterHeardDuringTheProbe(t *testing.T) {
+	after := 3 * time.Second
+	var f failoverState
+	f.heard.Store(int64(clock.Mono() - 10*time.Second)) // silent for 10 s when the probe starts
+	mark := f.heard.Load()
+	if f.spokeSince(mark, after) {
+		t.Fatal("a master silent all through the probe counted as alive")
+	}
+	// A heartbeat 4 s ago, during the probe: the silence is still over
+	// failover_after at its end.
+	f.heard.Store(int64(clock.Mono() - 4*time.Second))
+	if !f.spokeSince(mark, after) {
+		t.Fatalf("a master heard during the probe counted as dead (silent %v at the end, failover_after %v)", f.silence(), after)
 	}
 }

@@ -41,6 +41,18 @@ func (f *failoverState) silence() time.Duration {
 	return clock.Mono() - time.Duration(f.heard.Load())
 }
 
+// spokeSince reports whether the master has shown itself alive since
+// heard was mark: anything arrived from it since, or it has been silent
+// for less than after. A probe on a slow lossy link can fail (its request
+// stalled on a link whose TCP is backing off, a fresh connection slower
+// than the probe's patience) while the raft link still brings a heartbeat
+// now and then; a master heard during the probe is alive, however long
+// its silence before it was (CI saw a promotion 4 s after a heartbeat that
+// arrived in the middle of a failed 6 s probe).
+func (f *failoverState) spokeSince(mark int64, after time.Duration) bool {
+	return f.heard.Load() != mark || f.silence() < after
+}
+
 // promote makes this node, the slave of a 2-gateway cluster, its master
 // (DESIGN.md: forced promotion). Unless force, it refuses while the master
 // is in contact: two masters would then take writes.
@@ -267,6 +279,7 @@ func (c *cluster) checkFailover(n *replication.Node) {
 // reports whether it promoted.
 func (c *cluster) failoverRound(master replication.Member, after time.Duration) bool {
 	d := c.d
+	mark := c.failover.heard.Load()
 	before := c.failover.silence()
 	ctx, cancel := context.WithTimeout(context.Background(), c.probeTimeout(after))
 	alive := c.masterAnswers(ctx, master)
@@ -281,8 +294,8 @@ func (c *cluster) failoverRound(master replication.Member, after time.Duration) 
 			d.log.Warn("the master sent nothing on the raft link for a while but answers a probe: not promoting", "peer", master.Name, "silent", before.Round(time.Millisecond), "rtt", c.rtt.get().Round(time.Millisecond))
 		}
 		return false
-	case silent < after:
-		return false // it spoke meanwhile
+	case c.failover.spokeSince(mark, after):
+		return false
 	}
 	pctx, pcancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer pcancel()
