@@ -31,7 +31,8 @@ import (
 //     addresses settles, instead of churning TLS handshakes;
 //   - in time: the hello must arrive within firstHelloTimeout of the
 //     accept and the knock frame within knockFrameTimeout of the hello, so
-//     a stalled socket gives its slot back in seconds anyway;
+//     a stalled socket gives its slot back in seconds anyway (a member
+//     host has handshakeTimeout for each: acceptPatience);
 //   - members first: connections from member hosts (the hosts of the
 //     members' addresses and those their links last came from) are held
 //     to no per-source bound (every gateway of a test or a lab may share
@@ -279,6 +280,23 @@ func hostOf(addr string) string {
 		return h
 	}
 	return addr
+}
+
+// acceptPatience is how long an accepted connection from host may take
+// for a step that strangers get only a short time for (the TLS handshake and
+// the first hello, the knock frame after it). A member host gets
+// handshakeTimeout, what the dialling side allows itself: a stranger's
+// short limits keep a stalled socket from holding a slot, but each step
+// costs the dialler a round trip, so on a link with a one-way delay of a
+// second (satellite, a congested cellular uplink) a member's redial or a
+// failover probe could never finish within them, and a member link once
+// dropped would never come back. Member hosts are trusted with it as
+// they are with their number of slots (no per-source bound).
+func (t *PeerTransport) acceptPatience(host string, stranger time.Duration) time.Duration {
+	if t.memberHost(host) {
+		return handshakeTimeout
+	}
+	return stranger
 }
 
 // memberHost reports whether host is where a member may dial from: the

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	pb "go.etcd.io/raft/v3/raftpb"
+
 	"github.com/tandem-edge/tandem/storage"
 )
 
@@ -349,4 +351,122 @@ func TestSrcLimiter(t *testing.T) {
 	if !l.acquire("2001:db8:0:1::1", false) {
 		t.Fatal("another /64 is another source")
 	}
+}
+
+// slowRelay listens on loopback and relays every connection to target,
+// holding each chunk it reads for delay before writing it on, both ways:
+// a link with that one-way delay. It runs until the test ends.
+func slowRelay(t *testing.T, target string, delay time.Duration) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var conns []net.Conn
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	type chunk struct {
+		due time.Time
+		b   []byte
+	}
+	// pipe copies from src to dst, each chunk delay after it was read.
+	pipe := func(src, dst net.Conn) {
+		q := make(chan chunk, 1024)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer dst.Close()
+			for c := range q {
+				time.Sleep(time.Until(c.due)) // the link's delay, not a synchronisation
+				if _, err := dst.Write(c.b); err != nil {
+					src.Close()
+					for range q {
+					}
+					return
+				}
+			}
+		}()
+		defer close(q)
+		for {
+			b := make([]byte, 32<<10)
+			n, err := src.Read(b)
+			if n > 0 {
+				q <- chunk{time.Now().Add(delay), b[:n]}
+			}
+			if err != nil {
+				return
+			}
+		}
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			in, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			out, err := net.Dial("tcp", target)
+			if err != nil {
+				in.Close()
+				continue
+			}
+			mu.Lock()
+			conns = append(conns, in, out)
+			mu.Unlock()
+			wg.Add(2)
+			go func() { defer wg.Done(); pipe(in, out) }()
+			go func() { defer wg.Done(); pipe(out, in) }()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+// A member on a link with a one-way delay over a second (2.2 s round
+// trips: satellite, a congested cellular uplink) still gets its member
+// link up and its knock (a deposed master's rejoin, a failover probe)
+// answered. Each takes the dialler several round trips, more than the
+// short limits a stranger's socket is held to on the accepting side; a
+// member link dropped on such a link could never be made again.
+func TestMemberLinkAndKnockOverALinkWithASecondOfDelay(t *testing.T) {
+	t.Parallel() // mostly waiting on the slow link
+	const delay = 1100 * time.Millisecond
+	var knocks atomic.Int32
+	a := newTP(t, tpIdentity(t), "", nil)
+	b := newTP(t, tpIdentity(t), "", func(c *TransportConfig) {
+		c.OnStranger = func(_ context.Context, r Remote, kind byte, payload []byte) ([]byte, error) {
+			knocks.Add(1)
+			return append([]byte("welcome:"), payload...), nil
+		}
+	})
+	slow := slowRelay(t, b.tr.Addr().String(), delay)
+	bInfo := b.info(false)
+	bInfo.Addrs = []string{slow}
+	a.tr.SetPeers([]PeerInfo{bInfo})
+	b.tr.SetPeers([]PeerInfo{a.info(true)}) // a's host is a member host of b
+	a.tr.Start()
+	b.tr.Start()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	start := time.Now()
+	reply, _, err := a.tr.Knock(ctx, slow, b.id.Fingerprint, KnockJoin, []byte("rejoin"))
+	if err != nil || string(reply) != "welcome:rejoin" {
+		t.Fatalf("a member's knock over the slow link: %q, %v (after %v)", reply, err, time.Since(start).Round(time.Millisecond))
+	}
+	t.Logf("knock answered after %v", time.Since(start).Round(time.Millisecond))
+	waitFor(t, "a raft message from a to b over the slow link", func() bool {
+		a.tr.Send([]pb.Message{tpMsg(a.id.ID, b.id.ID, 1)})
+		return b.count() > 0
+	})
+	t.Logf("member link carried a message after %v", time.Since(start).Round(time.Millisecond))
 }

@@ -135,7 +135,8 @@ func (t *PeerTransport) dial(ctx context.Context, addr string, pin [32]byte, any
 }
 
 // greet completes the TLS handshake and the hellos within handshakeTimeout
-// (firstHelloTimeout on the accepting side; or ctx). The dialling side sends its hello first and reads the
+// (on the accepting side firstHelloTimeout, or handshakeTimeout for a
+// member host: acceptPatience; or ctx). The dialling side sends its hello first and reads the
 // server's; the server only reads, and sends its own (sendHello) once it
 // has decided: a stranger asking for a member link gets nothing back. greet
 // checks the protocol version and that the id the hello claims is the one
@@ -144,7 +145,7 @@ func (t *PeerTransport) greet(ctx context.Context, tc *tls.Conn, purpose byte, s
 	nc := tc.NetConn()
 	limit := handshakeTimeout
 	if server {
-		limit = firstHelloTimeout
+		limit = t.acceptPatience(hostOf(tc.RemoteAddr().String()), firstHelloTimeout)
 	}
 	deadline := time.Now().Add(limit)
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
@@ -371,7 +372,8 @@ func (t *PeerTransport) serveKnock(tc *tls.Conn, fr *frameReader, r Remote, host
 		t.refuse(r.Addr, "knock refused: no handler", nil)
 		return
 	}
-	tc.SetReadDeadline(time.Now().Add(knockFrameTimeout))
+	patience := t.acceptPatience(host, knockFrameTimeout)
+	tc.SetReadDeadline(time.Now().Add(patience))
 	typ, body, err := fr.next()
 	var kind byte
 	var payload []byte
@@ -392,7 +394,7 @@ func (t *PeerTransport) serveKnock(tc *tls.Conn, fr *frameReader, r Remote, host
 	}
 	// Handlers answer a stranger in milliseconds: wait for a turn rather
 	// than refuse, for as long again as the knock frame had.
-	if !t.knocks.acquireWait(host, t.memberHost(host), time.Now().Add(knockFrameTimeout), t.ctx.Done(), slot.evicted) {
+	if !t.knocks.acquireWait(host, t.memberHost(host), time.Now().Add(patience), t.ctx.Done(), slot.evicted) {
 		if !slot.wasEvicted() {
 			t.refuse(r.Addr, "knock refused: too many at once", nil)
 		}
