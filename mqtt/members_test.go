@@ -17,6 +17,9 @@ type sharedLog struct {
 	mu   sync.Mutex // guards recs and every member's applied, seq, cut, stopped
 	cond *sync.Cond
 	recs []*Message // recs[i] is index i+1
+	// aborts are the aborted indexes of the settlement record at an
+	// index (settle).
+	aborts map[uint64][]uint64
 }
 
 func newSharedLog() *sharedLog {
@@ -31,6 +34,19 @@ func (l *sharedLog) add(m *Message) {
 	c := *m
 	c.Payload = bytes.Clone(m.Payload)
 	l.recs = append(l.recs, &c)
+	l.cond.Broadcast()
+	l.mu.Unlock()
+}
+
+// settle logs a settlement, as memLog's: every sync record up to upto
+// settled, those in aborts aborted; every member applies it.
+func (l *sharedLog) settle(upto uint64, aborts ...uint64) {
+	l.mu.Lock()
+	l.recs = append(l.recs, &Message{Topic: testSettleTopic, Seq: upto})
+	if l.aborts == nil {
+		l.aborts = map[uint64][]uint64{}
+	}
+	l.aborts[uint64(len(l.recs))] = aborts
 	l.cond.Broadcast()
 	l.mu.Unlock()
 }
@@ -155,8 +171,11 @@ func (m *member) apply() {
 		}
 		idx := m.applied + 1
 		r := *m.l.recs[idx-1]
+		aborts := m.l.aborts[idx]
 		m.l.mu.Unlock()
-		if err := m.srv.Deliver(idx, &r); err != nil {
+		if r.Topic == testSettleTopic {
+			m.srv.Settle(idx, r.Seq, aborts, 0, false)
+		} else if err := m.srv.Deliver(idx, &r); err != nil {
 			panic(err)
 		}
 		m.l.mu.Lock()
