@@ -143,6 +143,10 @@ type inAck struct {
 	// [MQTT-4.9.0-1], so PUBRELs cannot queue records without bound.
 	comp, unknown bool
 	in2           *inbound2 // QoS 2: the inbound entry this publish made
+	// resent marks a QoS 2 resend (DUP) of an id unknown here, logged
+	// again on a persistent session: when its proposal fails, its late
+	// original may be the message, delivered (resendDeliveredLocked).
+	resent bool
 	// charged is the memory this publish holds while the log takes it
 	// (memory.go), given back when it is resolved.
 	charged int64

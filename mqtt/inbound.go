@@ -147,6 +147,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 		s.inbound[pid] = in
 		persist := s.persistent()
 		s.mu.Unlock()
+		a.resent = resent && persist
 		srv.inflight.Add(1)
 		if persist {
 			// Staged before the record is proposed, so it is on disk
@@ -349,6 +350,12 @@ func (a *inAck) outcome(err error, r *Resolver) {
 	if in := a.in2; in != nil {
 		s := a.c.sess
 		s.mu.Lock()
+		var late uint64
+		if err != nil && a.resent && s.inbound[a.pid] == in {
+			if late = s.resendDeliveredLocked(a.pid, in); late > 0 {
+				err = nil // the flow goes on: its PUBREL is owed
+			}
+		}
 		in.done, in.err = true, err
 		waiting := in.waiting
 		in.waiting = nil
@@ -361,6 +368,9 @@ func (a *inAck) outcome(err error, r *Resolver) {
 		s.mu.Unlock()
 		if err != nil && persist {
 			a.c.srv.stageDelete(qos2Key(a.c.id, a.pid))
+		}
+		if late > 0 {
+			a.c.srv.lines.Info("a QoS 2 resend not logged is acked: its late original was delivered", "client", a.c.id, "packet_id", a.pid, "index", late)
 		}
 		for _, w := range waiting {
 			w.c.resolve(w, err, r)

@@ -550,6 +550,36 @@ func (s *Server) inboundDup(index uint64, m *Message) bool {
 	return dup
 }
 
+// resendDeliveredLocked reports, for the resend in (a DUP of packet id p,
+// unknown here, logged again) whose proposal failed, the index of its
+// late original when that was delivered, 0 otherwise. By the window rule
+// the two are one message, so the device must not be told "refused"
+// (DESIGN.md: a publisher told so never sees its message delivered): it
+// gets the PUBREC, and its PUBREL completes the flow. The original counts
+// as delivered when it was applied in the resend's window and is free:
+// confirmed, or async; not held (a settlement may still abort it),
+// aborted, or a duplicate (the resend, in the log after all and applied
+// first, took its place).
+//
+// Decided at the failure, from what is applied here by then: an original
+// applied only later, or held then and confirmed later, is delivered
+// although the device was told "refused" (not covered). A resend that
+// reached the log after all (its ack rule timed out with the record in
+// it) comes after an original applied before the failure, and, named by
+// its "resend" record, is that one's copy (inboundDup). Called with se.mu
+// held.
+func (se *session) resendDeliveredLocked(p uint16, in *inbound2) uint64 {
+	w := se.win
+	if w == nil || in.origin != w.origin || in.seq <= w.seq {
+		return 0 // not in this window: the device's connection here is gone
+	}
+	late := w.late[p]
+	if late == 0 || se.srv.holds.state(late, nil) != recFree {
+		return 0
+	}
+	return late
+}
+
 // setFlag sets p in *m, made on first use.
 func setFlag(m *map[uint16]bool, p uint16) {
 	if *m == nil {

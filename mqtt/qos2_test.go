@@ -1401,6 +1401,112 @@ func TestMQTT_4_3_3_9_ResendAfterASyncOriginalIsDeliveredOnceWhateverItsSettleme
 	}
 }
 
+// A QoS 2 resend whose own proposal fails (its sync ack rule timed out,
+// or the log refused it) is told "refused" unless the message was
+// delivered anyway: when its late original (from the device's connection
+// on the member it left, committed after its start record here) was
+// applied first and is confirmed, or async, the two are one message by
+// the window rule (qos2.go), and a device told "refused" would see
+// delivered a message it was refused. It gets the PUBREC (MQTT 5: 0x00;
+// 3.1.1: no disconnect), as do the resends of it waiting for that outcome,
+// and the subscriber gets the message once. An original still held
+// (unsettled: it may yet be aborted), or none, leaves the refusal.
+func TestMQTT_4_3_3_9_FailedResendOfADeliveredLateOriginalIsAcked(t *testing.T) {
+	for _, original := range []string{"confirmed", "async", "held", "none"} {
+		for _, v := range []byte{4, 5} {
+			t.Run(fmt.Sprintf("%s-v%d", original, v), func(t *testing.T) { failedResend(t, v, original) })
+		}
+	}
+}
+
+// errRuleTimedOut is a sync proposal's failure as replication gives it
+// (its ErrAckTimeout).
+var errRuleTimedOut = errors.New("replication: ack rule not met within sync_timeout")
+
+func failedResend(t *testing.T, v byte, original string) {
+	l := newSharedLog()
+	a := startMemberWith(t, &member{l: l, id: 1, store: newMemStore()}, func(c *Config) {
+		c.Topics = []TopicPolicy{{Filter: "in/x", Ack: Sync}}
+	})
+	sub := dialRaw(t, a.srv.Addr(), 5)
+	sub.connect("sub", true, nil)
+	sub.subscribe(1, packets.Subscription{Filter: "in/#", Qos: 2})
+	dev := dialRaw(t, a.srv.Addr(), v)
+	dev.connect("dev", false, sessionProps(v))
+	waitLogged(t, l, func(m *Message) bool { return m.Origin == 1 && isSessionOp(m, "start") && m.ClientID == "dev" })
+	if original != "none" {
+		const left = 0xa1
+		l.add(&Message{Origin: left, Seq: 40, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Sync: original != "async", Payload: []byte("once")})
+		if original == "confirmed" {
+			l.settle(waitLogged(t, l, func(m *Message) bool { return m.Origin == left }))
+		}
+	}
+	a.caughtUp(t) // the original is applied before the resend fails
+
+	fail := make(chan struct{})
+	a.setGate(func(msg *Message) (<-chan struct{}, error) {
+		if msg.Kind == KindMessage && msg.Topic == "in/x" {
+			return fail, errRuleTimedOut
+		}
+		return nil, nil
+	})
+	pub := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2, Dup: true}, TopicName: "in/x", PacketID: 7, Payload: []byte("once")}
+	dev.write(pub)
+	dev.write(pub) // again before the outcome: it waits for it (qos2Resend)
+	testutil.WaitFor(t, 5*time.Second, "the second resend waiting for the first's outcome", func() bool {
+		a.srv.mu.Lock()
+		se := a.srv.sessions["dev"]
+		a.srv.mu.Unlock()
+		se.mu.Lock()
+		defer se.mu.Unlock()
+		in := se.inbound[7]
+		return in != nil && len(in.waiting) == 1
+	})
+	close(fail)
+
+	if original == "held" || original == "none" {
+		// Refused, as ever: nothing here says the message was delivered.
+		if v == 5 {
+			for range 2 {
+				if rec := dev.expect(packets.Pubrec); rec.PacketID != 7 || rec.ReasonCode < 0x80 {
+					t.Fatalf("PUBREC %d %#x for the resend, want a refusal", rec.PacketID, rec.ReasonCode)
+				}
+			}
+			return
+		}
+		for {
+			pk, err := dev.read(5 * time.Second)
+			if err != nil {
+				var ne net.Error
+				if errors.As(err, &ne) && ne.Timeout() {
+					t.Fatal("the connection did not end when the resend was refused")
+				}
+				return
+			}
+			if pk.FixedHeader.Type == packets.Pubrec {
+				t.Fatal("PUBREC for a refused resend")
+			}
+		}
+	}
+	for range 2 {
+		if rec := dev.expect(packets.Pubrec); rec.PacketID != 7 || rec.ReasonCode != 0 {
+			t.Fatalf("PUBREC %d %#x for the resend, want 0x00: its late original was delivered", rec.PacketID, rec.ReasonCode)
+		}
+	}
+	dev.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Pubrel, Qos: 1}, PacketID: 7})
+	if comp := dev.expect(packets.Pubcomp); comp.PacketID != 7 || comp.ReasonCode != 0 {
+		t.Fatalf("PUBCOMP %d %#x, want 7, 0", comp.PacketID, comp.ReasonCode)
+	}
+	dev.publish("in/y", 1, 8, "marker")
+	dev.expect(packets.Puback)
+	if got := untilMarker(sub); len(got) != 2 || got[0] != "once" {
+		t.Fatalf("the subscriber got %q, want the message once, then the marker", got)
+	}
+	if n := countLogged(a, l, "in/x", "once"); n != 1 {
+		t.Fatalf("the message is in the log %d times, want once: the original", n)
+	}
+}
+
 // A member that restarts between a resend and its late original decides
 // as the others: the session's window is kept in the session store.
 func TestMQTT_4_3_3_9_ResendWindowSurvivesARestart(t *testing.T) {
