@@ -63,7 +63,13 @@ func TestSubscriberThatNeverAcksHoldsAtMostItsWindow(t *testing.T) {
 	s, log := testServer(t, nil, func(c *Config) { c.Limits.Memory = 256 << 20 })
 	const window, windowBytes = 100, 4 << 20 // the defaults
 	sub := dialRaw(t, s.Addr(), 5)
-	sub.connect("never-acks", true, &packets.Properties{ReceiveMaximum: 65535})
+	// No keep-alive: it sends nothing while 100 MB are published, which
+	// took over 45 s under -race on a loaded machine, and the server
+	// rightly ended it then (1.5 keep-alives, MQTT-3.1.2-24).
+	sub.write(packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Connect},
+		Connect:    packets.ConnectParams{ProtocolName: []byte("MQTT"), ClientIdentifier: "never-acks", Clean: true},
+		Properties: packets.Properties{ReceiveMaximum: 65535}})
+	sub.expect(packets.Connack)
 	sub.subscribe(1, packets.Subscription{Filter: "win/#", Qos: 1})
 	pub := dialRaw(t, s.Addr(), 5)
 	pub.connect("pub", true, nil)
