@@ -52,7 +52,27 @@ type holds struct {
 	aborted map[uint64]struct{} // aborted, still in the log
 	dups    map[uint64]struct{} // duplicates (inboundDup), still in the log
 	waiting map[*session]struct{}
+	// pending are the outcomes of failed QoS 2 resends whose late
+	// original, at the index they are kept under, was held when they
+	// failed: they wait for its settlement (inAck.outcome).
+	pending map[uint64][]heldOutcome
 	settles int // settlements applied, for the occasional prune
+}
+
+// heldOutcome is the outcome of a failed QoS 2 resend, a, waiting for its
+// late original's settlement: err is the resend's own failure, what the
+// device is told unless the original is confirmed.
+type heldOutcome struct {
+	a   *inAck
+	err error
+}
+
+// settledOutcome is a heldOutcome whose original's fate is known now:
+// delivered when it was confirmed.
+type settledOutcome struct {
+	heldOutcome
+	late      uint64
+	delivered bool
 }
 
 // heldRec is one held record: a retained one updates the retained store
@@ -88,6 +108,54 @@ func (h *holds) state(index uint64, se *session) holdState {
 		return recDup
 	}
 	return recFree
+}
+
+// stateOrWait is state, except that when index is held, o waits for its
+// settlement, decided with the same lock so that no settlement comes
+// between. Called with o's session's mu held.
+func (h *holds) stateOrWait(index uint64, o heldOutcome) holdState {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if _, ok := h.held[index]; ok {
+		if h.pending == nil {
+			h.pending = map[uint64][]heldOutcome{}
+		}
+		h.pending[index] = append(h.pending[index], o)
+		return recHeld
+	}
+	if _, ok := h.aborted[index]; ok {
+		return recAborted
+	}
+	if _, ok := h.dups[index]; ok {
+		return recDup
+	}
+	return recFree
+}
+
+// settledLocked takes the pending outcomes whose original is no longer
+// held: confirmed (delivered), aborted, or a duplicate. Called with h.mu
+// held; the caller runs them (runSettled) once it is released.
+func (h *holds) settledLocked() []settledOutcome {
+	var out []settledOutcome
+	for idx, os := range h.pending {
+		if _, ok := h.held[idx]; ok {
+			continue
+		}
+		_, aborted := h.aborted[idx]
+		_, dup := h.dups[idx]
+		for _, o := range os {
+			out = append(out, settledOutcome{o, idx, !aborted && !dup})
+		}
+		delete(h.pending, idx)
+	}
+	return out
+}
+
+// runSettled runs outcomes, with no lock held: each takes its session's.
+func runSettled(outcomes []settledOutcome) {
+	for _, o := range outcomes {
+		o.a.settled(o.err, o.late, o.delivered)
+	}
 }
 
 // markDup notes the record at index a duplicate: kept in the session
@@ -128,12 +196,14 @@ func (s *Server) demoteHeld(index uint64) {
 	h.dupLocked(index) // with the same lock: no session sees it free between
 	waiting := h.waiting
 	h.waiting = nil
+	settled := h.settledLocked()
 	h.mu.Unlock()
 	if held {
 		s.stageDelete(holdKey(keyHeld, index))
 	}
 	s.stagePut(holdKey(keyDup, index), nil)
 	wake(waiting)
+	runSettled(settled)
 }
 
 // skipsForAll reports whether nobody is ever handed the record at index,
@@ -220,6 +290,7 @@ func (s *Server) Settle(index, upto uint64, aborts []uint64, doubt uint64, alone
 	}
 	waiting := h.waiting
 	h.waiting = nil
+	settled := h.settledLocked()
 	h.settles++
 	prune := h.settles%pruneEvery == 0
 	h.mu.Unlock()
@@ -241,6 +312,7 @@ func (s *Server) Settle(index, upto uint64, aborts []uint64, doubt uint64, alone
 		s.lines.Warn("sync records confirmed in doubt: an earlier master logged them and did not settle them", "records", inDoubt, "index", index)
 	}
 	wake(waiting)
+	runSettled(settled)
 	if prune {
 		s.pruneAborted()
 	}
@@ -378,11 +450,21 @@ func (s *Server) SyncState(index uint64) (held, aborted bool) {
 }
 
 // rewindHolds forgets the held and aborted records past applied: the log
-// there was replaced (Rewind), and its indexes now name other records.
+// there was replaced (Rewind), and its indexes now name other records. A
+// resend's outcome waiting for an original forgotten so is a refusal: the
+// original is not in the log that stays.
 func (s *Server) rewindHolds(applied uint64) {
 	h := &s.holds
 	h.mu.Lock()
-	defer h.mu.Unlock()
+	var gone []settledOutcome
+	for idx, os := range h.pending {
+		if idx > applied {
+			for _, o := range os {
+				gone = append(gone, settledOutcome{o, idx, false})
+			}
+			delete(h.pending, idx)
+		}
+	}
 	for idx := range h.held {
 		if idx > applied {
 			delete(h.held, idx)
@@ -401,6 +483,8 @@ func (s *Server) rewindHolds(applied uint64) {
 			s.stageDelete(holdKey(keyDup, idx))
 		}
 	}
+	h.mu.Unlock()
+	runSettled(gone)
 }
 
 // loadHolds reads the held and aborted sets at start.

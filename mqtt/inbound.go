@@ -352,34 +352,73 @@ func (a *inAck) outcome(err error, r *Resolver) {
 		s.mu.Lock()
 		var late uint64
 		if err != nil && a.resent && s.inbound[a.pid] == in {
-			if late = s.resendDeliveredLocked(a.pid, in); late > 0 {
+			var held bool
+			late, held = s.resendDeliveredLocked(a.pid, in, heldOutcome{a, err})
+			if held {
+				// Its original's settlement decides (settled); until
+				// then the ack stays in the queue, not done, as while
+				// the proposal was in flight.
+				s.mu.Unlock()
+				a.c.srv.lines.Info("a QoS 2 resend not logged waits for its late original's settlement", "client", a.c.id, "packet_id", a.pid, "index", late)
+				return
+			}
+			if late > 0 {
 				err = nil // the flow goes on: its PUBREL is owed
 			}
 		}
-		in.done, in.err = true, err
-		waiting := in.waiting
-		in.waiting = nil
-		if err != nil && s.inbound[a.pid] == in {
-			// The client may retry this id: the flow is over.
-			delete(s.inbound, a.pid)
-			a.c.srv.inflight.Add(-1)
-		}
-		persist := s.persistent()
-		s.mu.Unlock()
-		if err != nil && persist {
-			a.c.srv.stageDelete(qos2Key(a.c.id, a.pid))
-		}
-		if late > 0 {
-			a.c.srv.lines.Info("a QoS 2 resend not logged is acked: its late original was delivered", "client", a.c.id, "packet_id", a.pid, "index", late)
-		}
-		for _, w := range waiting {
-			w.c.resolve(w, err, r)
-		}
+		a.inboundDoneLocked(err, late, r)
 	}
 	if a.comp && err != nil {
 		a.c.notLogged(err, "irel")
 	}
 	a.c.resolve(a, err, r)
+}
+
+// settled is the outcome of a failed QoS 2 resend whose late original, at
+// index late, was held when it failed (resendDeliveredLocked), now that
+// the original is settled: confirmed, it delivered the message, and the
+// device gets the PUBREC; aborted, or a duplicate (the resend was in the
+// log after all, and took its place, but failed: it is aborted), the
+// message is not delivered, and the device is refused with err, the
+// resend's own failure. On a connection ended meanwhile resolve writes
+// nothing.
+func (a *inAck) settled(err error, late uint64, delivered bool) {
+	if delivered {
+		err = nil
+	} else {
+		late = 0
+	}
+	a.c.sess.mu.Lock()
+	a.inboundDoneLocked(err, late, nil)
+	a.c.resolve(a, err, nil)
+}
+
+// inboundDoneLocked ends the wait of a's QoS 2 inbound entry with err:
+// the resends waiting for it get the same answer; refused, the entry and
+// its marker go, and the client may use the id again. late is the index
+// of the late original that made a failed resend a success. Called with
+// the session's mu held, which it releases.
+func (a *inAck) inboundDoneLocked(err error, late uint64, r *Resolver) {
+	in, s := a.in2, a.c.sess
+	in.done, in.err = true, err
+	waiting := in.waiting
+	in.waiting = nil
+	if err != nil && s.inbound[a.pid] == in {
+		// The client may retry this id: the flow is over.
+		delete(s.inbound, a.pid)
+		a.c.srv.inflight.Add(-1)
+	}
+	persist := s.persistent()
+	s.mu.Unlock()
+	if err != nil && persist {
+		a.c.srv.stageDelete(qos2Key(a.c.id, a.pid))
+	}
+	if late > 0 {
+		a.c.srv.lines.Info("a QoS 2 resend not logged is acked: its late original was delivered", "client", a.c.id, "packet_id", a.pid, "index", late)
+	}
+	for _, w := range waiting {
+		w.c.resolve(w, err, r)
+	}
 }
 
 // resolve marks a done and, when a is at the head, has it written

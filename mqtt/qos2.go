@@ -552,32 +552,40 @@ func (s *Server) inboundDup(index uint64, m *Message) bool {
 
 // resendDeliveredLocked reports, for the resend in (a DUP of packet id p,
 // unknown here, logged again) whose proposal failed, the index of its
-// late original when that was delivered, 0 otherwise. By the window rule
+// late original when that is the message, 0 otherwise. By the window rule
 // the two are one message, so the device must not be told "refused"
-// (DESIGN.md: a publisher told so never sees its message delivered): it
-// gets the PUBREC, and its PUBREL completes the flow. The original counts
-// as delivered when it was applied in the resend's window and is free:
-// confirmed, or async; not held (a settlement may still abort it),
-// aborted, or a duplicate (the resend, in the log after all and applied
-// first, took its place).
+// (DESIGN.md: a publisher told so never sees its message delivered)
+// while the original is delivered: it gets the PUBREC, and its PUBREL
+// completes the flow. The original counts when it was applied in the
+// resend's window and is free: confirmed, or async; not aborted, nor a
+// duplicate (the resend, in the log after all and applied first, took
+// its place). When it is still held (a settlement may still abort it),
+// held is true and o, the resend's outcome, waits for the settlement
+// (holds.pending, inAck.settled).
 //
 // Decided at the failure, from what is applied here by then: an original
-// applied only later, or held then and confirmed later, is delivered
-// although the device was told "refused" (not covered). A resend that
-// reached the log after all (its ack rule timed out with the record in
-// it) comes after an original applied before the failure, and, named by
-// its "resend" record, is that one's copy (inboundDup). Called with se.mu
-// held.
-func (se *session) resendDeliveredLocked(p uint16, in *inbound2) uint64 {
+// applied only later is delivered although the device was told "refused"
+// (not covered). A resend that reached the log after all (its ack rule
+// timed out with the record in it) comes after an original applied
+// before the failure, and, named by its "resend" record, is that one's
+// copy (inboundDup), or, the original held, its stand-in (demoteHeld).
+// Called with se.mu held.
+func (se *session) resendDeliveredLocked(p uint16, in *inbound2, o heldOutcome) (late uint64, held bool) {
 	w := se.win
 	if w == nil || in.origin != w.origin || in.seq <= w.seq {
-		return 0 // not in this window: the device's connection here is gone
+		return 0, false // not in this window: the device's connection here is gone
 	}
-	late := w.late[p]
-	if late == 0 || se.srv.holds.state(late, nil) != recFree {
-		return 0
+	late = w.late[p]
+	if late == 0 {
+		return 0, false
 	}
-	return late
+	switch se.srv.holds.stateOrWait(late, o) {
+	case recFree:
+		return late, false
+	case recHeld:
+		return late, true
+	}
+	return 0, false
 }
 
 // setFlag sets p in *m, made on first use.

@@ -1410,9 +1410,11 @@ func TestMQTT_4_3_3_9_ResendAfterASyncOriginalIsDeliveredOnceWhateverItsSettleme
 // delivered a message it was refused. It gets the PUBREC (MQTT 5: 0x00;
 // 3.1.1: no disconnect), as do the resends of it waiting for that outcome,
 // and the subscriber gets the message once. An original still held
-// (unsettled: it may yet be aborted), or none, leaves the refusal.
+// (unsettled: it may yet be aborted) has the answer wait for its
+// settlement: confirmed, the PUBREC; aborted, the refusal, and nobody
+// gets the message. No original leaves the refusal.
 func TestMQTT_4_3_3_9_FailedResendOfADeliveredLateOriginalIsAcked(t *testing.T) {
-	for _, original := range []string{"confirmed", "async", "held", "none"} {
+	for _, original := range []string{"confirmed", "async", "held-then-confirmed", "held-then-aborted", "none"} {
 		for _, v := range []byte{4, 5} {
 			t.Run(fmt.Sprintf("%s-v%d", original, v), func(t *testing.T) { failedResend(t, v, original) })
 		}
@@ -1434,11 +1436,14 @@ func failedResend(t *testing.T, v byte, original string) {
 	dev := dialRaw(t, a.srv.Addr(), v)
 	dev.connect("dev", false, sessionProps(v))
 	waitLogged(t, l, func(m *Message) bool { return m.Origin == 1 && isSessionOp(m, "start") && m.ClientID == "dev" })
+	held := strings.HasPrefix(original, "held")
+	var late uint64
 	if original != "none" {
 		const left = 0xa1
 		l.add(&Message{Origin: left, Seq: 40, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Sync: original != "async", Payload: []byte("once")})
+		late = waitLogged(t, l, func(m *Message) bool { return m.Origin == left })
 		if original == "confirmed" {
-			l.settle(waitLogged(t, l, func(m *Message) bool { return m.Origin == left }))
+			l.settle(late)
 		}
 	}
 	a.caughtUp(t) // the original is applied before the resend fails
@@ -1464,29 +1469,47 @@ func failedResend(t *testing.T, v byte, original string) {
 	})
 	close(fail)
 
-	if original == "held" || original == "none" {
-		// Refused, as ever: nothing here says the message was delivered.
-		if v == 5 {
-			for range 2 {
-				if rec := dev.expect(packets.Pubrec); rec.PacketID != 7 || rec.ReasonCode < 0x80 {
-					t.Fatalf("PUBREC %d %#x for the resend, want a refusal", rec.PacketID, rec.ReasonCode)
-				}
-			}
-			return
+	if held {
+		// Nothing is told before the settlement: a check for absence.
+		pk, err := dev.read(200 * time.Millisecond)
+		var ne net.Error
+		if err == nil {
+			t.Fatalf("%v before the original's settlement, want nothing yet", pk.FixedHeader)
+		} else if !errors.As(err, &ne) || !ne.Timeout() {
+			t.Fatalf("reading before the original's settlement: %v, want a timeout", err)
 		}
-		for {
-			pk, err := dev.read(5 * time.Second)
-			if err != nil {
-				var ne net.Error
-				if errors.As(err, &ne) && ne.Timeout() {
-					t.Fatal("the connection did not end when the resend was refused")
-				}
-				return
-			}
-			if pk.FixedHeader.Type == packets.Pubrec {
-				t.Fatal("PUBREC for a refused resend")
-			}
+		// Settled after the failure, not before it (the resend would
+		// find the original free then).
+		testutil.WaitFor(t, 5*time.Second, "the resend's outcome waiting for its original's settlement", func() bool {
+			a.srv.holds.mu.Lock()
+			defer a.srv.holds.mu.Unlock()
+			return len(a.srv.holds.pending[late]) == 1
+		})
+		if original == "held-then-confirmed" {
+			l.settle(late)
+		} else {
+			l.settle(late, late)
 		}
+		a.caughtUp(t)
+		a.srv.holds.mu.Lock()
+		left := len(a.srv.holds.pending)
+		a.srv.holds.mu.Unlock()
+		if left != 0 {
+			t.Fatalf("%d outcomes still wait after the settlement", left)
+		}
+	}
+
+	if original == "held-then-aborted" || original == "none" {
+		// Refused: nothing here says the message was delivered.
+		expectRefused(t, dev, v)
+		mark := dialRaw(t, a.srv.Addr(), 5)
+		mark.connect("mark", true, nil)
+		mark.publish("in/y", 1, 1, "marker")
+		mark.expect(packets.Puback)
+		if got := untilMarker(sub); len(got) != 1 {
+			t.Fatalf("the subscriber got %q, want the marker alone: the message was refused", got)
+		}
+		return
 	}
 	for range 2 {
 		if rec := dev.expect(packets.Pubrec); rec.PacketID != 7 || rec.ReasonCode != 0 {
@@ -1504,6 +1527,33 @@ func failedResend(t *testing.T, v byte, original string) {
 	}
 	if n := countLogged(a, l, "in/x", "once"); n != 1 {
 		t.Fatalf("the message is in the log %d times, want once: the original", n)
+	}
+}
+
+// expectRefused checks that both resends of packet id 7 were refused: MQTT 5
+// PUBREC with a failure code, 3.1.1 the connection's end.
+func expectRefused(t *testing.T, dev *raw, v byte) {
+	t.Helper()
+	if v == 5 {
+		for range 2 {
+			if rec := dev.expect(packets.Pubrec); rec.PacketID != 7 || rec.ReasonCode < 0x80 {
+				t.Fatalf("PUBREC %d %#x for the resend, want a refusal", rec.PacketID, rec.ReasonCode)
+			}
+		}
+		return
+	}
+	for {
+		pk, err := dev.read(5 * time.Second)
+		if err != nil {
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				t.Fatal("the connection did not end when the resend was refused")
+			}
+			return
+		}
+		if pk.FixedHeader.Type == packets.Pubrec {
+			t.Fatal("PUBREC for a refused resend")
+		}
 	}
 }
 

@@ -138,6 +138,7 @@ wait:
 	s.setApplied(index)
 	s.holds.mu.Lock()
 	s.holds.waiting = nil // sessions that are no more; loadState reads the snapshot's holds
+	s.holds.pending = nil // acks of connections ended above, to sessions that are no more
 	s.holds.mu.Unlock()
 	if err := s.loadState(false); err != nil {
 		return fmt.Errorf("mqtt: loading the sessions of the snapshot: %w", err)
