@@ -29,10 +29,17 @@ import (
 //     leaderlessFor sends them to the other members if the cluster has
 //     three voters, one of which may lead a majority elsewhere; a 2-gateway
 //     slave whose master is gone has nobody to send them to, and keeps
-//     them. A member forgets its master only once an election timeout
-//     passes without it (a master cut off from the majority steps down
-//     then, check-quorum), and an election settles within a few hundred
-//     milliseconds after that: a second more without one means none is in
+//     them. A member forgets its master only once its randomized
+//     election timeout (one to two election timeouts) passes without it
+//     (a master cut off from the majority steps down then, check-quorum),
+//     and its pre-vote may then be refused by a member whose own timeout
+//     has not run out yet (or whose log is longer), which campaigns itself
+//     up to an election timeout later, or by then the first tries again,
+//     up to two later: a member of the majority can be without a master
+//     for about two election timeouts and a vote (CI saw 1.3 s with 1 s,
+//     and its devices were sent away in the middle of an ordinary
+//     failover, some to the very member that was cut off). So only
+//     leaderlessTimeouts election timeouts without one mean none is in
 //     reach. A master knows sooner: once it has heard from no majority of
 //     the voters for an election timeout (replication's CutOff), it sends
 //     its devices to the others cutOffFor later, rather than at
@@ -66,12 +73,20 @@ import (
 //     others elect a new one once its heartbeats stop), to the others.
 
 // servingEvery is how often the watch looks at most (it looks every
-// cluster.heartbeat when that is shorter); leaderlessFor how long a member
-// of a cluster may see no master before it sends its devices away.
+// cluster.heartbeat when that is shorter); leaderlessTimeouts how many
+// election timeouts a member of a cluster may see no master before it
+// sends its devices away (leaderlessFor).
 const (
-	servingEvery  = 200 * time.Millisecond
-	leaderlessFor = time.Second
+	servingEvery       = 200 * time.Millisecond
+	leaderlessTimeouts = 3
 )
+
+// leaderlessFor is how long a member of a cluster may see no master
+// before it sends its devices away: leaderlessTimeouts election timeouts,
+// and never less than a second.
+func (d *Daemon) leaderlessFor() time.Duration {
+	return max(time.Second, leaderlessTimeouts*d.cfg.Cluster.ElectionTimeout.Duration())
+}
 
 // cutOffFor is how long a master must have known itself cut off before it
 // sends its devices away: a shorter blip of the LAN, or peers stalled for
@@ -320,7 +335,7 @@ func (d *Daemon) checkWhole(n *replication.Node, members []replication.Member, l
 		if leaderless.IsZero() {
 			*leaderless = now
 		}
-		if now.Sub(*leaderless) > leaderlessFor {
+		if now.Sub(*leaderless) > d.leaderlessFor() {
 			if voters(members) >= 3 {
 				return cutOffReason, d.mqttRefs(n, members)
 			}
