@@ -13,6 +13,7 @@ import (
 
 	pb "go.etcd.io/raft/v3/raftpb"
 
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/storage"
 )
 
@@ -353,84 +354,6 @@ func TestSrcLimiter(t *testing.T) {
 	}
 }
 
-// slowRelay listens on loopback and relays every connection to target,
-// holding each chunk it reads for delay before writing it on, both ways:
-// a link with that one-way delay. It runs until the test ends.
-func slowRelay(t *testing.T, target string, delay time.Duration) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var conns []net.Conn
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	type chunk struct {
-		due time.Time
-		b   []byte
-	}
-	// pipe copies from src to dst, each chunk delay after it was read.
-	pipe := func(src, dst net.Conn) {
-		q := make(chan chunk, 1024)
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer dst.Close()
-			for c := range q {
-				time.Sleep(time.Until(c.due)) // the link's delay, not a synchronisation
-				if _, err := dst.Write(c.b); err != nil {
-					src.Close()
-					for range q {
-					}
-					return
-				}
-			}
-		}()
-		defer close(q)
-		for {
-			b := make([]byte, 32<<10)
-			n, err := src.Read(b)
-			if n > 0 {
-				q <- chunk{time.Now().Add(delay), b[:n]}
-			}
-			if err != nil {
-				return
-			}
-		}
-	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			in, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			out, err := net.Dial("tcp", target)
-			if err != nil {
-				in.Close()
-				continue
-			}
-			mu.Lock()
-			conns = append(conns, in, out)
-			mu.Unlock()
-			wg.Add(2)
-			go func() { defer wg.Done(); pipe(in, out) }()
-			go func() { defer wg.Done(); pipe(out, in) }()
-		}
-	}()
-	return ln.Addr().String()
-}
-
 // A member on a link with a one-way delay over a second (2.2 s round
 // trips: satellite, a congested cellular uplink) still gets its member
 // link up and its knock (a deposed master's rejoin, a failover probe)
@@ -448,7 +371,9 @@ func TestMemberLinkAndKnockOverALinkWithASecondOfDelay(t *testing.T) {
 			return append([]byte("welcome:"), payload...), nil
 		}
 	})
-	slow := slowRelay(t, b.tr.Addr().String(), delay)
+	relay := testutil.NewRelay(t, b.tr.Addr().String())
+	relay.SetDelay(delay)
+	slow := relay.Addr
 	bInfo := b.info(false)
 	bInfo.Addrs = []string{slow}
 	a.tr.SetPeers([]PeerInfo{bInfo})

@@ -309,90 +309,13 @@ func TestBrokerThatAnswersNothingIsReported(t *testing.T) {
 	}
 }
 
-// freezer is a TCP proxy to a broker that can stop passing bytes while
-// keeping its connections open: a link that goes quiet after CONNACK.
-type freezer struct {
-	mu     sync.Mutex
-	frozen bool
-	conns  []net.Conn
-}
-
-func (f *freezer) setFrozen(v bool) {
-	f.mu.Lock()
-	f.frozen = v
-	f.mu.Unlock()
-}
-
-func (f *freezer) pass() bool {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return !f.frozen
-}
-
-func startFreezer(t *testing.T, target string) (*freezer, string) {
-	t.Helper()
-	f := &freezer{}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	t.Cleanup(func() {
-		ln.Close()
-		f.mu.Lock()
-		for _, c := range f.conns {
-			c.Close()
-		}
-		f.mu.Unlock()
-		wg.Wait()
-	})
-	pipe := func(dst, src net.Conn) {
-		defer wg.Done()
-		defer dst.Close()
-		buf := make([]byte, 32<<10)
-		for {
-			n, err := src.Read(buf)
-			if err != nil {
-				return
-			}
-			if !f.pass() {
-				continue // swallowed: the link is quiet
-			}
-			if _, err := dst.Write(buf[:n]); err != nil {
-				return
-			}
-		}
-	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			in, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			out, err := net.Dial("tcp", target)
-			if err != nil {
-				in.Close()
-				continue
-			}
-			f.mu.Lock()
-			f.conns = append(f.conns, in, out)
-			f.mu.Unlock()
-			wg.Add(2)
-			go pipe(out, in)
-			go pipe(in, out)
-		}
-	}()
-	return f, ln.Addr().String()
-}
-
 func TestKeepAliveDetectsALinkThatGoesQuiet(t *testing.T) {
 	for _, proto := range []string{"5", "3.1.1"} {
 		t.Run(proto, func(t *testing.T) {
 			c := startCloud(t)
 			rec := newRecorder(t, c, "#")
-			f, addr := startFreezer(t, "127.0.0.1:"+strconv.Itoa(c.port))
+			f := testutil.NewRelay(t, "127.0.0.1:"+strconv.Itoa(c.port))
+			addr := f.Addr
 			cfg := testConfig(c)
 			cfg.Broker = "tcp://" + addr
 			cfg.Protocol = proto
@@ -400,7 +323,7 @@ func TestKeepAliveDetectsALinkThatGoesQuiet(t *testing.T) {
 			u := runUplink(t, cfg, l, &sink{}, nil, 0)
 			l.add("p", "dev/a", "p/1")
 			testutil.WaitFor(t, 5*time.Second, "the first message", func() bool { return rec.distinct() == 1 })
-			f.setFrozen(true)
+			f.SetFrozen(true)
 			l.add("p", "dev/a", "p/2")
 			// Keep alive 1 s: the silence is noticed within a few seconds,
 			// with no help from TCP (the proxy keeps the socket open).
@@ -408,7 +331,7 @@ func TestKeepAliveDetectsALinkThatGoesQuiet(t *testing.T) {
 				st := u.Status()
 				return !st.Connected && strings.Contains(strings.ToUpper(st.LastError), "PINGRESP")
 			}, func() string { return fmt.Sprintf("status %+v", u.Status()) })
-			f.setFrozen(false)
+			f.SetFrozen(false)
 			testutil.WaitFor(t, 10*time.Second, "the second message after the link heals", func() bool { return rec.distinct() == 2 })
 			checkPerPublisher(t, rec.all(), map[string]int{"p": 2})
 		})

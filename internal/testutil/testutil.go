@@ -3,7 +3,8 @@
 // port, polling with a deadline, a log buffer goroutines may share, and the
 // framing of a raw MQTT client (mqtt.go). It
 // imports no package of ours, so that any package's internal tests may use
-// it. It starts no goroutines.
+// it. It starts no goroutines but a Relay's (relay.go), which end with
+// the test.
 package testutil
 
 import (
