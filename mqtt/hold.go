@@ -92,13 +92,19 @@ const pruneEvery = 256
 func (h *holds) state(index uint64, se *session) holdState {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if _, ok := h.held[index]; ok {
-		if se != nil {
-			if h.waiting == nil {
-				h.waiting = map[*session]struct{}{}
-			}
-			h.waiting[se] = struct{}{}
+	st := h.stateLocked(index)
+	if st == recHeld && se != nil {
+		if h.waiting == nil {
+			h.waiting = map[*session]struct{}{}
 		}
+		h.waiting[se] = struct{}{}
+	}
+	return st
+}
+
+// stateLocked is index's hold state. Called with h.mu held.
+func (h *holds) stateLocked(index uint64) holdState {
+	if _, ok := h.held[index]; ok {
 		return recHeld
 	}
 	if _, ok := h.aborted[index]; ok {
@@ -116,20 +122,14 @@ func (h *holds) state(index uint64, se *session) holdState {
 func (h *holds) stateOrWait(index uint64, o heldOutcome) holdState {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if _, ok := h.held[index]; ok {
+	st := h.stateLocked(index)
+	if st == recHeld {
 		if h.pending == nil {
 			h.pending = map[uint64][]heldOutcome{}
 		}
 		h.pending[index] = append(h.pending[index], o)
-		return recHeld
 	}
-	if _, ok := h.aborted[index]; ok {
-		return recAborted
-	}
-	if _, ok := h.dups[index]; ok {
-		return recDup
-	}
-	return recFree
+	return st
 }
 
 // settledLocked takes the pending outcomes whose original is no longer

@@ -42,11 +42,7 @@ func (l *sharedLog) add(m *Message) {
 // settled, those in aborts aborted; every member applies it.
 func (l *sharedLog) settle(upto uint64, aborts ...uint64) {
 	l.mu.Lock()
-	l.recs = append(l.recs, &Message{Topic: testSettleTopic, Seq: upto})
-	if l.aborts == nil {
-		l.aborts = map[uint64][]uint64{}
-	}
-	l.aborts[uint64(len(l.recs))] = aborts
+	appendSettle(&l.recs, &l.aborts, upto, aborts)
 	l.cond.Broadcast()
 	l.mu.Unlock()
 }

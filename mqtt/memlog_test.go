@@ -168,13 +168,19 @@ const testSettleTopic = "$tandem/test-settle"
 // in aborts aborted.
 func (l *memLog) settle(upto uint64, aborts ...uint64) {
 	l.mu.Lock()
-	l.recs = append(l.recs, &Message{Topic: testSettleTopic, Seq: upto})
-	if l.aborts == nil {
-		l.aborts = map[uint64][]uint64{}
-	}
-	l.aborts[uint64(len(l.recs))] = aborts
+	appendSettle(&l.recs, &l.aborts, upto, aborts)
 	l.cond.Broadcast()
 	l.mu.Unlock()
+}
+
+// appendSettle appends a settlement record to recs, its aborted indexes
+// noted in byIndex under its index: memLog's and sharedLog's settle.
+func appendSettle(recs *[]*Message, byIndex *map[uint64][]uint64, upto uint64, aborts []uint64) {
+	*recs = append(*recs, &Message{Topic: testSettleTopic, Seq: upto})
+	if *byIndex == nil {
+		*byIndex = map[uint64][]uint64{}
+	}
+	(*byIndex)[uint64(len(*recs))] = aborts
 }
 
 // addRaw appends m, as it is, to the log: a record another member took.
