@@ -186,7 +186,14 @@ func TestRetentionDropsRecordsPastMaxAge(t *testing.T) {
 // it drops and takes publishes again.
 func TestRetentionRefusesWhatAStoppedSlaveLacks(t *testing.T) {
 	const budget = 8 << 20
-	withBudget := func(c *config.Config) { c.Storage.MaxBytes = budget }
+	withBudget := func(c *config.Config) {
+		c.Storage.MaxBytes = budget
+		// A silent member holds retention for 10 election timeouts,
+		// within which the budget must fill: 5 s with the tests' fast
+		// 500 ms, which four publishers missed under a loaded CI (21,480
+		// records dropped, none refused). 50 s here.
+		c.Cluster.ElectionTimeout = config.Duration(5 * time.Second)
+	}
 	g1 := clusterGateway(t, "gw-1", withBudget)
 	g2 := clusterGateway(t, "gw-2", withBudget)
 	joinWith(t, g2, inviteToken(t, g1))
@@ -199,10 +206,9 @@ func TestRetentionRefusesWhatAStoppedSlaveLacks(t *testing.T) {
 	g2.Stop()
 
 	// Four publishers: the budget must fill within the time a silent
-	// member holds retention (10 election timeouts), after which the
-	// master lets it go (it gets a snapshot when it returns). One
-	// publisher at a time took about that long, and longer on a loaded
-	// host, where the test failed with records dropped and none refused.
+	// member holds retention (10 election timeouts, see withBudget),
+	// after which the master lets it go (it gets a snapshot when it
+	// returns).
 	payload := make([]byte, 1<<10)
 	var left atomic.Int64
 	left.Store(3 * budget / int64(len(payload)))
