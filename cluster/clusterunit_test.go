@@ -39,6 +39,21 @@ func TestKnockPacingGrowsWithRoundTripAndFailures(t *testing.T) {
 	if got := r.get(); got < 1500*time.Millisecond {
 		t.Errorf("smoothed round trip after a slow link: %v", got)
 	}
+	// A link that just slowed down: one sample of 2 s after a fast
+	// history. A knock (about four round trips) must fit in the timeout
+	// at once, not eight samples later.
+	var fast rttEstimate
+	for range 20 {
+		fast.observe(time.Millisecond)
+	}
+	fast.observe(2 * time.Second)
+	if got := knockTimeout(fast.patience(), 0); got < 4*2*time.Second {
+		t.Errorf("knock timeout right after the link slowed to a 2 s round trip: %v, less than a knock's four round trips", got)
+	}
+	fast.observe(time.Millisecond)
+	if got := fast.patience(); got > time.Second {
+		t.Errorf("patience after the link is fast again: %v", got)
+	}
 	var rl rateLimit
 	if !rl.allow(time.Hour) || rl.allow(time.Hour) {
 		t.Error("rate limit: first event must pass, the second not")

@@ -53,8 +53,9 @@ func (r *rateLimit) allow(every time.Duration) bool {
 // rttEstimate is a smoothed round trip to the other members (RFC 6298's
 // SRTT), measured on requests over member links and on knocks.
 type rttEstimate struct {
-	mu   sync.Mutex    // guards srtt
+	mu   sync.Mutex    // guards srtt and last
 	srtt time.Duration // 0 until measured
+	last time.Duration // the latest sample
 }
 
 // observe adds one measured round trip.
@@ -64,6 +65,7 @@ func (r *rttEstimate) observe(d time.Duration) {
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	r.last = d
 	if r.srtt == 0 {
 		r.srtt = d
 		return
@@ -76,6 +78,17 @@ func (r *rttEstimate) get() time.Duration {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.srtt
+}
+
+// patience is the round trip a timeout should allow for: the estimate,
+// or the latest sample when that is longer. The smoothed estimate takes
+// about eight samples (the topic exchange's, one every 10 s) to follow a
+// link that slowed down; a probe timed by it meanwhile gives up on a
+// master that is only slow (CI: a 6 s probe on a 2 s round trip).
+func (r *rttEstimate) patience() time.Duration {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return max(r.srtt, r.last)
 }
 
 // knockTimeout is the patience for one knock after failures timed-out
@@ -172,7 +185,7 @@ func (c *cluster) checkDeposed(ctx context.Context, lost []replication.Member) {
 	answered := false
 	var lastErr error
 	var lastAddr string
-	timeout := knockTimeout(c.rtt.get(), c.rejoins.attempts())
+	timeout := knockTimeout(c.rtt.patience(), c.rejoins.attempts())
 	for _, m := range lost {
 		for _, addr := range c.peerAddrs(m) {
 			kctx, cancel := context.WithTimeout(ctx, timeout)
@@ -282,7 +295,7 @@ type probeReply struct {
 // enough for a fresh connection on the slowest link measured, and never
 // less than failover_after.
 func (c *cluster) probeTimeout(after time.Duration) time.Duration {
-	return max(after, knockTimeout(c.rtt.get(), 0))
+	return max(after, knockTimeout(c.rtt.patience(), 0))
 }
 
 // masterAnswers probes master, over the member link and by a knock on a

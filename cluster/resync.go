@@ -332,7 +332,7 @@ func (c *cluster) resyncRound(ctx context.Context, old *replication.Identity, kn
 			}
 		}
 		for _, addr := range addrs {
-			kctx, cancel := context.WithTimeout(ctx, knockTimeout(c.rtt.get(), 0))
+			kctx, cancel := context.WithTimeout(ctx, knockTimeout(c.rtt.patience(), 0))
 			reply, remote, err := c.tr.Knock(kctx, addr, m.Fingerprint, replication.KnockJoin, payload)
 			cancel()
 			if err != nil {
