@@ -1365,13 +1365,8 @@ func TestMQTT_4_3_3_9_ResendAfterASyncOriginalIsDeliveredOnceWhateverItsSettleme
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s, l := testServer(t, nil, nil)
-			sub := dialRaw(t, s.Addr(), 5)
-			sub.connect("sub", true, nil)
-			sub.subscribe(1, packets.Subscription{Filter: "in/#", Qos: 2})
-			const left, came = 0xa1, 0xb2
-			l.addRaw(&Message{Kind: KindSession, Origin: came, Seq: 10, ClientID: "dev", Topic: sessionTopic, Payload: []byte(`{"op":"start","expiry":600}`)})
-			l.addRaw(&Message{Kind: KindSession, Origin: came, Seq: 12, ClientID: "dev", Topic: sessionTopic, Payload: []byte(`{"op":"resend","in":[7],"seq":11}`)})
-			l.addRaw(&Message{Origin: left, Seq: 40, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Sync: true, Payload: []byte("once")})
+			sub := resendWindowOn(t, s, l)
+			l.addRaw(&Message{Origin: leftMember, Seq: 40, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Sync: true, Payload: []byte("once")})
 			original := l.lastIndex()
 			settle := func(how string) {
 				switch how {
@@ -1382,9 +1377,9 @@ func TestMQTT_4_3_3_9_ResendAfterASyncOriginalIsDeliveredOnceWhateverItsSettleme
 				}
 			}
 			settle(tc.before)
-			l.addRaw(&Message{Origin: came, Seq: 11, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Payload: []byte("once")})
+			l.addRaw(&Message{Origin: cameMember, Seq: 11, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Payload: []byte("once")})
 			settle(tc.after)
-			l.addRaw(&Message{Origin: came, Seq: 13, ClientID: "dev", Topic: "in/y", QoS: 1, PacketID: 8, Payload: []byte("marker")})
+			l.addRaw(&Message{Origin: cameMember, Seq: 13, ClientID: "dev", Topic: "in/y", QoS: 1, PacketID: 8, Payload: []byte("marker")})
 			if got := untilMarker(sub); len(got) != 2 || got[0] != "once" {
 				t.Fatalf("the subscriber got %q, want the message once, then the marker", got)
 			}
@@ -1439,9 +1434,8 @@ func failedResend(t *testing.T, v byte, original string) {
 	held := strings.HasPrefix(original, "held")
 	var late uint64
 	if original != "none" {
-		const left = 0xa1
-		l.add(&Message{Origin: left, Seq: 40, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Sync: original != "async", Payload: []byte("once")})
-		late = waitLogged(t, l, func(m *Message) bool { return m.Origin == left })
+		l.add(&Message{Origin: leftMember, Seq: 40, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Sync: original != "async", Payload: []byte("once")})
+		late = waitLogged(t, l, func(m *Message) bool { return m.Origin == leftMember })
 		if original == "confirmed" {
 			l.settle(late)
 		}
@@ -1557,18 +1551,31 @@ func expectRefused(t *testing.T, dev *raw, v byte) {
 	}
 }
 
+// The members of the resend-window tests: the device "dev" left member
+// leftMember and came to member cameMember.
+const leftMember, cameMember = 0xa1, 0xb2
+
+// resendWindowOn connects a subscriber to in/# on s and logs, as member
+// cameMember took them, dev's start record (seq 10) and its resend record
+// naming packet id 7 as the record of seq 11 (seq 12): the window the
+// tests' records are then decided in. It returns the subscriber.
+func resendWindowOn(t *testing.T, s *Server, l *memLog) *raw {
+	t.Helper()
+	sub := dialRaw(t, s.Addr(), 5)
+	sub.connect("sub", true, nil)
+	sub.subscribe(1, packets.Subscription{Filter: "in/#", Qos: 2})
+	l.addRaw(&Message{Kind: KindSession, Origin: cameMember, Seq: 10, ClientID: "dev", Topic: sessionTopic, Payload: []byte(`{"op":"start","expiry":600}`)})
+	l.addRaw(&Message{Kind: KindSession, Origin: cameMember, Seq: 12, ClientID: "dev", Topic: sessionTopic, Payload: []byte(`{"op":"resend","in":[7],"seq":11}`)})
+	return sub
+}
+
 // A member that restarts between a resend and its late original decides
 // as the others: the session's window is kept in the session store.
 func TestMQTT_4_3_3_9_ResendWindowSurvivesARestart(t *testing.T) {
 	s, l := testServer(t, nil, nil)
-	sub := dialRaw(t, s.Addr(), 5)
-	sub.connect("sub", true, nil)
-	sub.subscribe(1, packets.Subscription{Filter: "in/#", Qos: 2})
-	const left, came = 0xa1, 0xb2
-	l.addRaw(&Message{Kind: KindSession, Origin: came, Seq: 10, ClientID: "dev", Topic: sessionTopic, Payload: []byte(`{"op":"start","expiry":600}`)})
-	l.addRaw(&Message{Kind: KindSession, Origin: came, Seq: 12, ClientID: "dev", Topic: sessionTopic, Payload: []byte(`{"op":"resend","in":[7],"seq":11}`)})
-	l.addRaw(&Message{Origin: came, Seq: 11, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Payload: []byte("once")})
-	l.addRaw(&Message{Origin: came, Seq: 13, ClientID: "dev", Topic: "in/y", QoS: 1, PacketID: 8, Payload: []byte("marker")})
+	sub := resendWindowOn(t, s, l)
+	l.addRaw(&Message{Origin: cameMember, Seq: 11, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Payload: []byte("once")})
+	l.addRaw(&Message{Origin: cameMember, Seq: 13, ClientID: "dev", Topic: "in/y", QoS: 1, PacketID: 8, Payload: []byte("marker")})
 	if got := untilMarker(sub); len(got) != 2 || got[0] != "once" {
 		t.Fatalf("before the restart the subscriber got %q, want the resend, then the marker", got)
 	}
@@ -1577,8 +1584,8 @@ func TestMQTT_4_3_3_9_ResendWindowSurvivesARestart(t *testing.T) {
 	sub = dialRaw(t, s.Addr(), 5)
 	sub.connect("sub", true, nil)
 	sub.subscribe(1, packets.Subscription{Filter: "in/#", Qos: 2})
-	l.addRaw(&Message{Origin: left, Seq: 40, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Payload: []byte("once")})
-	l.addRaw(&Message{Origin: came, Seq: 14, ClientID: "dev", Topic: "in/y", QoS: 1, PacketID: 9, Payload: []byte("marker")})
+	l.addRaw(&Message{Origin: leftMember, Seq: 40, ClientID: "dev", Topic: "in/x", QoS: 2, PacketID: 7, Payload: []byte("once")})
+	l.addRaw(&Message{Origin: cameMember, Seq: 14, ClientID: "dev", Topic: "in/y", QoS: 1, PacketID: 9, Payload: []byte("marker")})
 	if got := untilMarker(sub); len(got) != 1 {
 		t.Fatalf("after the restart the subscriber got %q, want the marker alone: the late original is the resend's copy", got)
 	}
