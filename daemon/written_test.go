@@ -1,12 +1,14 @@
 package daemon
 
 import (
+	"context"
 	"fmt"
 	"testing"
 	"time"
 
 	"github.com/eclipse/paho.golang/paho"
 
+	"github.com/tandem-edge/tandem/bench"
 	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/storage"
 )
@@ -21,22 +23,18 @@ func TestMetricsCountTheBytesTheStorageWrote(t *testing.T) {
 		publish(t, pub, &paho.Publish{Topic: "w/t", QoS: 1, Payload: []byte{byte(i)}})
 	}
 	var w storage.Written
+	var m bench.StorageWritten
+	var err error
 	// The gateway writes on its own (settlements, checkpoints): compare
 	// a scrape with counts that did not move across it.
 	testutil.WaitFor(t, 10*time.Second, "/metrics to say what DB.Written says", func() bool {
 		w = d.db.Written()
-		mfs := scrape(t, d)
-		return d.db.Written() == w &&
-			value(mfs, "tandem_storage_written_bytes_total", "file", "wal") == float64(w.WAL) &&
-			value(mfs, "tandem_storage_written_bytes_total", "file", "data") == float64(w.Data) &&
-			value(mfs, "tandem_storage_written_bytes_total", "file", "snapshot") == float64(w.Snapshot)
-	}, func() string {
-		mfs := scrape(t, d)
-		return fmt.Sprintf("DB.Written %+v, /metrics wal %v data %v snapshot %v", d.db.Written(),
-			value(mfs, "tandem_storage_written_bytes_total", "file", "wal"),
-			value(mfs, "tandem_storage_written_bytes_total", "file", "data"),
-			value(mfs, "tandem_storage_written_bytes_total", "file", "snapshot"))
-	})
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		m, err = bench.ReadStorageWritten(ctx, d.HTTPAddr())
+		return err == nil && d.db.Written() == w &&
+			m == bench.StorageWritten{WAL: float64(w.WAL), Data: float64(w.Data), Snapshot: float64(w.Snapshot)}
+	}, func() string { return fmt.Sprintf("DB.Written %+v, /metrics %+v (%v)", w, m, err) })
 	// Every QoS 1 publish was fdatasynced before its ack, one at a time:
 	// about a page each.
 	if w.WAL < 50*4096/2 {
