@@ -282,18 +282,19 @@ func hostOf(addr string) string {
 	return addr
 }
 
-// acceptPatience is how long an accepted connection from host may take
-// for a step that strangers get only a short time for (the TLS handshake and
-// the first hello, the knock frame after it). A member host gets
-// handshakeTimeout, what the dialling side allows itself: a stranger's
-// short limits keep a stalled socket from holding a slot, but each step
-// costs the dialler a round trip, so on a link with a one-way delay of a
-// second (satellite, a congested cellular uplink) a member's redial or a
-// failover probe could never finish within them, and a member link once
-// dropped would never come back. Member hosts are trusted with it as
-// they are with their number of slots (no per-source bound).
-func (t *PeerTransport) acceptPatience(host string, stranger time.Duration) time.Duration {
-	if t.memberHost(host) {
+// acceptPatience is how long an accepted connection may take for each
+// step strangers get only stranger for (the TLS handshake and the first
+// hello; the knock frame after it); member says it comes from a member
+// host (memberHost), which gets handshakeTimeout, what the dialling side
+// allows itself. A stranger's short limits keep a stalled socket from
+// holding a slot, but each step costs the dialler a round trip: on a link
+// with a second of one-way delay (satellite, a congested cellular uplink)
+// a member's redial or a failover probe could never finish within them,
+// and a member link once dropped would never come back. Member hosts are
+// trusted with it as they are with their number of slots (no per-source
+// bound).
+func acceptPatience(member bool, stranger time.Duration) time.Duration {
+	if member {
 		return handshakeTimeout
 	}
 	return stranger

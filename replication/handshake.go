@@ -145,7 +145,7 @@ func (t *PeerTransport) greet(ctx context.Context, tc *tls.Conn, purpose byte, s
 	nc := tc.NetConn()
 	limit := handshakeTimeout
 	if server {
-		limit = t.acceptPatience(hostOf(tc.RemoteAddr().String()), firstHelloTimeout)
+		limit = acceptPatience(t.memberHost(hostOf(tc.RemoteAddr().String())), firstHelloTimeout)
 	}
 	deadline := time.Now().Add(limit)
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
@@ -372,7 +372,8 @@ func (t *PeerTransport) serveKnock(tc *tls.Conn, fr *frameReader, r Remote, host
 		t.refuse(r.Addr, "knock refused: no handler", nil)
 		return
 	}
-	patience := t.acceptPatience(host, knockFrameTimeout)
+	member := t.memberHost(host)
+	patience := acceptPatience(member, knockFrameTimeout)
 	tc.SetReadDeadline(time.Now().Add(patience))
 	typ, body, err := fr.next()
 	var kind byte
@@ -394,7 +395,7 @@ func (t *PeerTransport) serveKnock(tc *tls.Conn, fr *frameReader, r Remote, host
 	}
 	// Handlers answer a stranger in milliseconds: wait for a turn rather
 	// than refuse, for as long again as the knock frame had.
-	if !t.knocks.acquireWait(host, t.memberHost(host), time.Now().Add(patience), t.ctx.Done(), slot.evicted) {
+	if !t.knocks.acquireWait(host, member, time.Now().Add(patience), t.ctx.Done(), slot.evicted) {
 		if !slot.wasEvicted() {
 			t.refuse(r.Addr, "knock refused: too many at once", nil)
 		}
