@@ -58,7 +58,10 @@ func TestFloodOfLargePublishesStaysWithinTheMemoryBudget(t *testing.T) {
 	for ctx.Err() == nil {
 		start := time.Now()
 		s := statusOfGW(t, d)
-		if took := time.Since(start); took > time.Second {
+		// The stall this guards against was ~10 s (89e05a4); 1.1 s was
+		// seen on a 2-core host with make test's three packages and
+		// other tests beside it, so the bound leaves room for the host.
+		if took := time.Since(start); took > 3*time.Second {
 			t.Fatalf("status took %v during the flood", took)
 		}
 		peak = max(peak, s.MQTT.MemoryBytes)
