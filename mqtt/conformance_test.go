@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -69,6 +70,66 @@ func TestMQTT_3_3_4_9_ReceiveMaximumExceededEndsOnlyThatConnection(t *testing.T)
 	again.publish("burst/y", 1, 1, "ok")
 	if ack := again.expect(packets.Puback); ack.PacketID != 1 || ack.ReasonCode != 0 {
 		t.Fatalf("PUBACK %+v", ack)
+	}
+}
+
+// [MQTT-4.4.0-1]: a client resends a QoS 2 publish only after a
+// reconnect. One that resends a flow again and again on one connection
+// while the record waits (here for the log) made the gateway queue an ack
+// per resend, without bound. MQTT 5: past max_inflight resends owed, it is
+// disconnected with 0x82. 3.1.1, which does not forbid it: it is no longer
+// read from, at most max_inflight resends are queued, and once the record
+// is logged every resend read is answered.
+func TestMQTT_4_4_0_1_AFlowResentOnOneConnectionIsBounded(t *testing.T) {
+	for _, v := range []byte{4, 5} {
+		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
+			const max, resends = 4, 50
+			log := newMemLog()
+			hold := make(chan struct{})
+			log.hold = hold // the record waits: its ack and the resends' stay owed
+			release := sync.OnceFunc(func() { close(hold) })
+			t.Cleanup(release)
+			s, _ := testServer(t, log, func(c *Config) { c.MaxInflight = max })
+			dev := dialRaw(t, s.Addr(), v)
+			dev.connect("dev", true, nil)
+			pub := packets.Packet{FixedHeader: packets.FixedHeader{Type: packets.Publish, Qos: 2}, TopicName: "in/x", PacketID: 7, Payload: []byte("p")}
+			dev.write(pub)
+			pub.FixedHeader.Dup = true
+			if v == 5 {
+				for range max + 1 {
+					dev.write(pub)
+				}
+				if code, ok := dev.closed(); !ok || code != packets.ErrProtocolViolation.Code {
+					t.Fatalf("a flow resent %d times on one connection: DISCONNECT %v %#x, want 0x82", max+1, ok, code)
+				}
+				return
+			}
+			for range resends {
+				dev.write(pub)
+			}
+			queued := func() int {
+				s.mu.Lock()
+				se := s.sessions["dev"]
+				s.mu.Unlock()
+				c := se.current()
+				if c == nil {
+					return -1
+				}
+				c.amu.Lock()
+				defer c.amu.Unlock()
+				return len(c.acks)
+			}
+			testutil.WaitFor(t, 5*time.Second, "the publish and max_inflight resends queued", func() bool { return queued() >= max+1 })
+			if n := queued(); n != max+1 {
+				t.Fatalf("%d acks queued for one publish resent %d times, want at most %d", n, resends, max+1)
+			}
+			release()
+			for i := range resends + 1 {
+				if rec := dev.expect(packets.Pubrec); rec.PacketID != 7 || rec.ReasonCode != 0 {
+					t.Fatalf("PUBREC %d: %d %#x", i, rec.PacketID, rec.ReasonCode)
+				}
+			}
+		})
 	}
 }
 

@@ -48,7 +48,7 @@ func (c *conn) publish(pk *packets.Packet) bool {
 	}
 	qos, pid := pk.FixedHeader.Qos, pk.PacketID
 	now := time.Now()
-	if qos == 2 && pk.FixedHeader.Dup && !c.awaitStart() {
+	if qos == 2 && pk.FixedHeader.Dup && (!c.awaitStart() || !c.resendRoom()) {
 		return false
 	}
 	// resent: a resend (DUP) of a QoS 2 publish whose packet id this
@@ -270,6 +270,33 @@ func (c *conn) room() bool {
 	c.amu.Lock()
 	defer c.amu.Unlock()
 	for len(c.acks)-c.resends >= max && !c.closedAcks {
+		c.acond.Wait()
+	}
+	return !c.closedAcks
+}
+
+// resendRoom bounds the QoS 2 resends a connection may have owed, which
+// room does not count (qos2Resend): at most max_inflight, as many as the
+// flows its client can have pending. More means a flow resent again on
+// this connection, each resend an ack queued behind the one that waits
+// (for the log, or for an original's settlement): an MQTT 5 client may
+// resend only after a reconnect [MQTT-4.4.0-1] and is disconnected
+// (0x82); a 3.1.1 client is not read from until its acks are written.
+// False ends the loop.
+func (c *conn) resendRoom() bool {
+	max := c.srv.cfg.MaxInflight
+	c.amu.Lock()
+	if c.v == 5 {
+		over := c.resends >= max
+		c.amu.Unlock()
+		if over {
+			c.protocolError(packets.ErrProtocolViolation, "QoS 2 publish resent again on one connection")
+			return false
+		}
+		return true
+	}
+	defer c.amu.Unlock()
+	for c.resends >= max && !c.closedAcks {
 		c.acond.Wait()
 	}
 	return !c.closedAcks
