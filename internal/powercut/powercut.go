@@ -91,6 +91,7 @@ type FS struct {
 	unmounted bool
 	cutAfter  *Op                  // a write to apply, then cut at (CutWhen with tear)
 	syncedAt  map[string]time.Time // path → when its last fsync was applied
+	lostFrom  map[string]time.Time // path → when the first change a cut dropped was made
 }
 
 // inode is a file or directory of the model.
@@ -115,6 +116,7 @@ type inode struct {
 // op is one unsynced change to a file's data.
 type op struct {
 	seq   uint64
+	at    time.Time
 	off   int64 // a truncate: the new size
 	data  []byte
 	trunc bool
@@ -150,7 +152,7 @@ func Mount(backing, mnt string, opts *Options) (*FS, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &FS{backing: backing, scratch: scratch, mnt: mnt, nextIno: 1, cutDone: make(chan struct{}), syncedAt: map[string]time.Time{},
+	p := &FS{backing: backing, scratch: scratch, mnt: mnt, nextIno: 1, cutDone: make(chan struct{}), syncedAt: map[string]time.Time{}, lostFrom: map[string]time.Time{},
 		rnd: rand.New(rand.NewPCG(opts.Seed, opts.Seed^0x9e3779b97f4a7c15))}
 	if p.root, err = p.load(backing); err != nil {
 		os.RemoveAll(scratch)
@@ -292,6 +294,23 @@ func (p *FS) SyncedAt(prefix string) time.Time {
 	return last
 }
 
+// LostFrom returns when the earliest write or truncate that the cut dropped
+// from a file whose path starts with prefix was made (zero if it dropped
+// none, or before the cut): everything written to those files before that
+// instant survived. It is SyncedAt for a set of files synced one at a time:
+// the last fsync of one of them says nothing of what the others hold.
+func (p *FS) LostFrom(prefix string) time.Time {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var first time.Time
+	for path, at := range p.lostFrom {
+		if strings.HasPrefix(path, prefix) && (first.IsZero() || at.Before(first)) {
+			first = at
+		}
+	}
+	return first
+}
+
 // Done is closed once the power is cut.
 func (p *FS) Done() <-chan struct{} { return p.cutDone }
 
@@ -381,6 +400,9 @@ func (p *FS) cutLocked(o *Op, tear bool) {
 			}
 			seen[in] = true
 			r.Writes += len(in.ops)
+			if len(in.ops) > 0 {
+				p.lostFrom[in.path()] = in.ops[0].at
+			}
 			for i := range in.ops {
 				if lastOp == nil || in.ops[i].seq > lastOp.seq {
 					last, lastOp = in, &in.ops[i]
@@ -568,7 +590,7 @@ func (p *FS) materialize(path string, in *inode, depth int) error {
 // write records an unsynced write.
 func (p *FS) write(in *inode, data []byte, off int64) {
 	p.seq++
-	in.ops = append(in.ops, op{seq: p.seq, off: off, data: append([]byte(nil), data...)})
+	in.ops = append(in.ops, op{seq: p.seq, at: time.Now(), off: off, data: append([]byte(nil), data...)})
 	in.size = max(in.size, off+int64(len(data)))
 	in.mtime = time.Now()
 	p.stats.Writes++
@@ -577,7 +599,7 @@ func (p *FS) write(in *inode, data []byte, off int64) {
 // truncate records an unsynced truncate.
 func (p *FS) truncate(in *inode, size int64) {
 	p.seq++
-	in.ops = append(in.ops, op{seq: p.seq, off: size, trunc: true})
+	in.ops = append(in.ops, op{seq: p.seq, at: time.Now(), off: size, trunc: true})
 	in.size = size
 	in.mtime = time.Now()
 }

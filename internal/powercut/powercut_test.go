@@ -11,6 +11,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	bolt "go.etcd.io/bbolt"
 )
@@ -121,6 +122,44 @@ func TestCutDropsUnsyncedWritesAndKeepsSyncedOnes(t *testing.T) {
 	}
 	if r.Writes != 2 {
 		t.Fatalf("the cut reports %d writes dropped, want 2", r.Writes)
+	}
+}
+
+// Two files synced one at a time: the later fsync of one says nothing of
+// the other's writes; LostFrom names the first write the cut dropped.
+func TestLostFromIsTheFirstDroppedWriteOfAnyFile(t *testing.T) {
+	p := mount(t, "", 1)
+	create(t, p.Dir(), "log.0", "")
+	create(t, p.Dir(), "log.1", "")
+	a, err := os.OpenFile(filepath.Join(p.Dir(), "log.0"), os.O_RDWR, 0)
+	must(t, err)
+	defer a.Close()
+	b, err := os.OpenFile(filepath.Join(p.Dir(), "log.1"), os.O_RDWR, 0)
+	must(t, err)
+	defer b.Close()
+	_, err = a.WriteAt([]byte("synced"), 0)
+	must(t, err)
+	fdatasync(t, a)
+	before := time.Now()
+	_, err = b.WriteAt([]byte("lost"), 0) // never synced
+	must(t, err)
+	between := time.Now()
+	_, err = a.WriteAt([]byte("synced too"), 6)
+	must(t, err)
+	fdatasync(t, a)
+	if at := p.LostFrom("log."); !at.IsZero() {
+		t.Fatalf("LostFrom before the cut = %v, want zero", at)
+	}
+	p.Cut(false)
+	at := p.LostFrom("log.")
+	if at.Before(before) || at.After(between) {
+		t.Fatalf("LostFrom = %v, want the write to log.1 (between %v and %v)", at, before, between)
+	}
+	if synced := p.SyncedAt("log."); !synced.After(at) {
+		t.Fatalf("SyncedAt = %v, want the later fsync of log.0, after %v", synced, at)
+	}
+	if at := p.LostFrom("log.0"); !at.IsZero() {
+		t.Fatalf("LostFrom(log.0) = %v, want zero: all of it was synced", at)
 	}
 }
 
