@@ -3,6 +3,7 @@ package storage
 import (
 	"encoding/binary"
 	"fmt"
+	"os"
 	"slices"
 	"time"
 
@@ -19,7 +20,8 @@ import (
 // synchronously (commit).
 //
 // Locks: ckMu, then wmu. ckMu is held for a whole checkpoint, wmu only for
-// the cut by a background one, so Save waits for an fdatasync at most.
+// the cut by a background one, so Save waits for an fdatasync at most
+// (under flush: interval for none: the cut's fdatasync runs after wmu).
 
 // cut is the part of the log a checkpoint writes: everything up to the
 // cut frame.
@@ -58,15 +60,99 @@ func (db *DB) dropFresh(gen uint64) {
 // cutLocked writes a cut frame and switches the WAL to the other file. The
 // caller holds ckMu (no checkpoint of an earlier cut is pending, so the
 // other file's frames are dead) and wmu.
-func (db *DB) cutLocked() (*cut, error) {
+//
+// With lazy, under flush: interval, the cut frame is written without its
+// fdatasync: the caller syncs it after it lets go of wmu (syncCut). On
+// slow flash an fdatasync takes tens of milliseconds, and Saves waiting
+// for wmu meanwhile would put it on every ack of a checkpoint's moment:
+// with checkpoints back to back (two more fdatasyncs each, bbolt's), a
+// third of the time. Until that sync, nothing after the cut counts as
+// durable (see pendingCut).
+func (db *DB) cutLocked(lazy bool) (*cut, error) {
+	if err := db.syncCutLocked(); err != nil {
+		return nil, err
+	}
 	id := newWALID()
-	if _, err := db.appendWAL(nil, id, nil, nil, false); err != nil {
+	lazy = lazy && db.flushEvery > 0
+	if _, err := db.appendWAL(nil, id, nil, nil, lazy); err != nil {
 		return nil, err
 	}
 	w := db.wal
+	if lazy {
+		seg := &w.segs[w.cur]
+		w.cutPend = &pendingCut{f: seg.f, seg: w.cur, from: w.synced.Load(), pages: w.dirtyPages(w.off)}
+		w.dirtyLo, w.dirtyHi = 0, 0
+	}
 	w.cur, w.off, w.id = 1-w.cur, 0, id
 	w.synced.Store(0)
 	return db.snapshot(w.cur, id), nil
+}
+
+// pendingCut is a cut frame written without its fdatasync (cutLocked). A
+// power cut may lose it, and with it every frame of the other file, which
+// only it makes live: so no frame after it is synced, by a write of its
+// own or by the flusher, before it is (syncCutLocked, syncWAL).
+type pendingCut struct {
+	f    *os.File
+	seg  int   // the file it ends
+	from int64 // what of that file was synced before: what a power cut keeps
+	// pages counts the bytes of the pages its fdatasync covers (written).
+	pages int64
+}
+
+// syncCutLocked syncs a pending cut frame. The caller holds wmu.
+func (db *DB) syncCutLocked() error {
+	p := db.wal.cutPend
+	if p == nil {
+		return nil
+	}
+	if err := db.syncCutFile(p); err != nil {
+		return err
+	}
+	db.cutSyncedLocked(p)
+	return nil
+}
+
+// syncCut syncs a pending cut frame without holding wmu while it waits.
+func (db *DB) syncCut() error {
+	db.wmu.Lock()
+	p := db.wal.cutPend
+	db.wmu.Unlock()
+	if p == nil {
+		return nil
+	}
+	if err := db.syncCutFile(p); err != nil {
+		return err
+	}
+	db.wmu.Lock()
+	db.cutSyncedLocked(p)
+	db.wmu.Unlock()
+	return nil
+}
+
+// syncCutFile is p's fdatasync. Two may run at once (the checkpointer's and
+// the flusher's): both then cover it.
+func (db *DB) syncCutFile(p *pendingCut) error {
+	if h := db.faults.cutSync.Load(); h != nil {
+		(*h)()
+	}
+	if err := walSync(p.f); err != nil {
+		return fmt.Errorf("storage: sync %s: %w", p.f.Name(), err)
+	}
+	if db.syncDelay > 0 {
+		time.Sleep(db.syncDelay)
+	}
+	db.syncs.Add(1)
+	return nil
+}
+
+// cutSyncedLocked notes that p is on disk, unless another sync noted it
+// first. The caller holds wmu.
+func (db *DB) cutSyncedLocked(p *pendingCut) {
+	if w := db.wal; w.cutPend == p {
+		w.cutPend = nil
+		w.written.Add(p.pages)
+	}
 }
 
 // snapshot returns the cut of everything so far, whose frames go on in
@@ -337,7 +423,7 @@ func (db *DB) commitSync(entries int, fn func(tx *bolt.Tx) error, after func()) 
 	if err := db.finishPending(); err != nil {
 		return err
 	}
-	c, err := db.cutLocked()
+	c, err := db.cutLocked(false)
 	if err != nil {
 		return err
 	}
@@ -467,12 +553,17 @@ func (db *DB) checkpoint() error {
 			db.wmu.Unlock()
 			return nil // a checkpoint since the signal did it
 		}
-		c, err := db.cutLocked()
+		c, err := db.cutLocked(true)
 		db.wmu.Unlock()
 		if err != nil {
 			return err
 		}
 		db.pendingCut = c
+	}
+	// Before the commit, so that the file the commit makes dead is never
+	// the one whose sync is owed; Saves go on meanwhile.
+	if err := db.syncCut(); err != nil {
+		return err
 	}
 	return db.finishPending()
 }

@@ -144,7 +144,9 @@ func crashCopyHeld(t *testing.T, db *DB) string {
 	t.Helper()
 	dir := t.TempDir()
 	src := filepath.Dir(db.Path())
-	cur, synced := db.wal.cur, db.wal.synced.Load()
+	db.wmu.Lock()
+	cur, synced, p := db.wal.cur, db.wal.synced.Load(), db.wal.cutPend
+	db.wmu.Unlock()
 	for i, name := range []string{WALName + ".0", WALName + ".1", FileName} {
 		b, err := os.ReadFile(filepath.Join(src, name))
 		if err != nil {
@@ -152,6 +154,9 @@ func crashCopyHeld(t *testing.T, db *DB) string {
 		}
 		if i == cur && int64(len(b)) > synced {
 			clear(b[synced:]) // not synced yet: lost in the crash
+		}
+		if p != nil && i == p.seg && int64(len(b)) > p.from {
+			clear(b[p.from:]) // a cut whose sync is owed, and what came before it
 		}
 		if err := os.WriteFile(filepath.Join(dir, name), b, 0o640); err != nil {
 			t.Fatal(err)

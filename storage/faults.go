@@ -18,6 +18,9 @@ type faults struct {
 	// fileLimit, when above zero, fails a write that would grow a WAL
 	// file past that many bytes with EFBIG, as RLIMIT_FSIZE would.
 	fileLimit atomic.Int64
+	// cutSync, when set, runs before the fdatasync of a cut frame written
+	// without one (pendingCut): a test holds that sync there.
+	cutSync atomic.Pointer[func()]
 }
 
 // commitErr is the error a checkpoint's transaction must fail with, or nil.

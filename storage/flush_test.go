@@ -99,3 +99,76 @@ func TestFlushIntervalSyncsOncePerInterval(t *testing.T) {
 		t.Errorf("after Sync and a power cut the staged session is %q", got["s"])
 	}
 }
+
+// Under flush: interval a background checkpoint's cut does not hold Saves
+// for its fdatasync (on slow flash that fdatasync was on every ack of the
+// moment), and nothing after the cut is synced before the cut is: a power
+// cut while its sync is owed keeps only what was synced before, and a Sync
+// then syncs the cut first and keeps everything.
+func TestIntervalCutSyncsWithoutHoldingSaves(t *testing.T) {
+	db := testOpen(t, t.TempDir(), &Options{FlushInterval: time.Hour, TailBytes: 64 << 10})
+	mustSave(t, db, pb.HardState{Term: 1, Vote: 1}, nil) // synced at once
+	entered, release := make(chan struct{}, 4), make(chan struct{})
+	hold := func() {
+		entered <- struct{}{}
+		<-release
+	}
+	db.faults.cutSync.Store(&hold)
+	released := false
+	defer func() {
+		if !released {
+			close(release)
+		}
+	}()
+	waitEntered := func(what string) {
+		t.Helper()
+		select {
+		case <-entered:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%s: no sync of a cut frame reached within 10 s", what)
+		}
+	}
+
+	// Enough for a checkpoint (a quarter of TailBytes), not for a Save to
+	// checkpoint itself.
+	mustSave(t, db, pb.HardState{}, makeEntries(1, 600, 1))
+	waitEntered("the background checkpoint")
+
+	// The cut's sync is held: Saves go on.
+	saved := make(chan error, 1)
+	go func() { saved <- db.Save(pb.HardState{}, makeEntries(601, 10, 1)) }()
+	select {
+	case err := <-saved:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a Save waited for the checkpoint's cut to be synced")
+	}
+
+	// A power cut now: the checkpointer holds ckMu, stopped before its
+	// commit, so the copy is of one instant. The entries were never
+	// synced, those after the cut included.
+	cut := testOpen(t, crashCopyHeld(t, db), &Options{ReadOnly: true})
+	if l, _ := cut.LastIndex(); l != 0 {
+		t.Errorf("after a power cut with the cut's sync owed the log ends at %d, want 0 (nothing was synced)", l)
+	}
+	if hs := cut.HardState(); hs.Vote != 1 {
+		t.Errorf("the vote was lost: %+v", hs)
+	}
+
+	// Sync must sync the cut before it returns: it is what makes the
+	// frames after it live.
+	synced := make(chan error, 1)
+	go func() { synced <- db.Sync() }()
+	waitEntered("Sync")
+	close(release)
+	released = true
+	if err := <-synced; err != nil {
+		t.Fatal(err)
+	}
+	after := crashCopyRO(t, db)
+	if l, _ := after.LastIndex(); l != 610 {
+		t.Errorf("after Sync and a power cut the log ends at %d, want 610", l)
+	}
+}

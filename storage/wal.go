@@ -110,9 +110,12 @@ type walLog struct {
 	written          atomic.Int64
 
 	// synced is off once the frames before it are on disk: what a crash at
-	// this instant keeps. Read without wmu: by behind, on every write, and
-	// by the tests' crash copies.
+	// this instant keeps, once no cut's sync is owed (cutPend). Read
+	// without wmu: by behind, on every write, and by the tests' crash
+	// copies.
 	synced atomic.Int64
+	// cutPend is the cut into this file while its fdatasync is owed.
+	cutPend *pendingCut
 }
 
 // walFrame is one decoded frame, at Open.
@@ -557,13 +560,14 @@ func decodeFrame(p []byte) (walFrame, error) {
 
 // appendWAL writes one frame (a cut when next is not 0) and makes it
 // durable, unless lazy: then the flusher's next fdatasync does (flush:
-// interval). A cut and a hard state are never lazy: a cut's frame makes
-// the other file's frames live, and raft's term and vote must be on disk
-// before the messages that depend on them leave. The caller holds wmu. On
+// interval). A hard state is never lazy: raft's term and vote must be on
+// disk before the messages that depend on them leave; a cut is lazy only
+// when cutLocked says so, and then syncs before any frame after it. The
+// caller holds wmu. On
 // an error nothing moves: the next frame goes where this one went (padded
 // or not, as it was) and overwrites whatever part of it reached the file.
 func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb.Entry, lazy bool) (time.Duration, error) {
-	lazy = lazy && db.flushEvery > 0 && next == 0 && hs == nil
+	lazy = lazy && db.flushEvery > 0 && hs == nil
 	w := db.wal
 	seg := &w.segs[w.cur]
 	if seg.f == nil {
@@ -601,6 +605,9 @@ func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb
 		w.off, w.retry = at+int64(len(fr)), false
 		return time.Since(start), nil
 	}
+	if err := db.syncCutLocked(); err != nil {
+		return 0, err // the cut this frame follows: first
+	}
 	if err := walSync(seg.f); err != nil {
 		return 0, fmt.Errorf("storage: sync %s: %w", seg.f.Name(), err)
 	}
@@ -625,14 +632,24 @@ func (w *walLog) dirty(from, to int64) {
 	w.dirtyLo, w.dirtyHi = min(w.dirtyLo, from), max(w.dirtyHi, to)
 }
 
+// dirtyPages is the bytes of the dirty pages an fdatasync covering the
+// current file up to off writes. The caller holds wmu.
+func (w *walLog) dirtyPages(off int64) int64 {
+	if w.dirtyHi == w.dirtyLo {
+		return 0
+	}
+	return min(w.dirtyHi, (off+walPage-1)/walPage*walPage) - w.dirtyLo
+}
+
 // flushed counts the pages an fdatasync covering the current file up to
 // off wrote. The caller holds wmu.
 func (w *walLog) flushed(off int64) {
 	if w.dirtyHi == w.dirtyLo {
 		return
 	}
-	hi := min(w.dirtyHi, (off+walPage-1)/walPage*walPage)
-	w.written.Add(hi - w.dirtyLo)
+	n := w.dirtyPages(off)
+	w.written.Add(n)
+	hi := w.dirtyLo + n
 	if hi >= w.dirtyHi {
 		w.dirtyLo, w.dirtyHi = 0, 0
 	} else {
@@ -667,15 +684,25 @@ func (db *DB) flusher() {
 	}
 }
 
-// syncWAL makes the current WAL file's frames durable. The fdatasync runs
-// without wmu, so Saves go on writing meanwhile; it covers every frame
-// written before it started.
+// syncWAL makes the current WAL file's frames durable, and first the cut
+// that leads to them if its sync is owed (pendingCut). The fdatasyncs run
+// without wmu, so Saves go on writing meanwhile; they cover every frame
+// written before they started.
 func (db *DB) syncWAL() error {
 	db.wmu.Lock()
 	w := db.wal
 	cur, id, off := w.cur, w.id, w.off
 	f := w.segs[cur].f
+	p := w.cutPend
 	db.wmu.Unlock()
+	if p != nil {
+		if err := db.syncCutFile(p); err != nil {
+			return err
+		}
+		db.wmu.Lock()
+		db.cutSyncedLocked(p)
+		db.wmu.Unlock()
+	}
 	if f == nil || off <= w.synced.Load() {
 		return nil
 	}

@@ -312,7 +312,7 @@ func stopAfterCut(t *testing.T, db *DB) {
 	t.Helper()
 	db.ckMu.Lock()
 	db.wmu.Lock()
-	c, err := db.cutLocked()
+	c, err := db.cutLocked(false)
 	db.wmu.Unlock()
 	if err != nil {
 		db.ckMu.Unlock()
