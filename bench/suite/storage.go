@@ -25,12 +25,20 @@ type storageWorkload struct {
 
 // The storage workloads. R1/R2 are W1/W2 on a gateway whose log is past
 // its budget (retention drops the oldest runs while they run) against one
-// that starts empty (issue: within 5 %). F1/F3 are W1/W3 on slow flash
-// (every fdatasync 2 ms longer): flush interval against always.
+// that starts empty (issue: within 5 %). F1 is W1 under flush: interval
+// on a slow SD card (every fdatasync 20 ms longer) against the same on the
+// bench's disk: interval's promise is that the flash's latency stays off
+// the ack path (the background checkpoints' fdatasyncs included). F2/F3 are W1/W3 on slow
+// flash (every fdatasync 2 ms longer): flush interval against always. F2
+// has no goal: interval lifts W1 only as far as the CPU goes, and on two
+// shared cores that is about 3× a fast disk's always, so the ≥3× it had
+// measured the host (the goal moved to F1); one client's W3 is bound by
+// the flash, not the CPU, and keeps its goal.
 var storageWorkloads = []storageWorkload{
 	{"R1", bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "empty", "dropping", "≥0.95×"},
 	{"R2", bench.Options{Clients: 1, Count: 20000, Window: 64, QoS: 1, Size: 100}, "empty", "dropping", "≥0.95×"},
-	{"F1", bench.Options{Clients: 50, Count: 1000, Window: 1, QoS: 1, Size: 100}, "always", "interval", "≥3×"},
+	{"F1", bench.Options{Clients: 50, Count: 2000, Window: 1, QoS: 1, Size: 100}, "fast-disk", "flash+20ms", "≥0.9×"},
+	{"F2", bench.Options{Clients: 50, Count: 1000, Window: 1, QoS: 1, Size: 100}, "always", "interval", "information"},
 	{"F3", bench.Options{Clients: 1, Count: 1000, Window: 1, QoS: 1, Size: 100}, "always", "interval", "≥3×"},
 }
 
@@ -44,11 +52,14 @@ var storageGateways = map[string]struct {
 	"dropping": {"storage:\n  max_bytes: 16MiB\n", nil},
 	"always":   {"storage:\n  flush: always\n", []string{"TANDEM_BENCH_FSYNC_DELAY=2ms"}},
 	"interval": {"storage:\n  flush: interval\n", []string{"TANDEM_BENCH_FSYNC_DELAY=2ms"}},
+	// F1's pair: flush: interval on the disk, and on slow flash.
+	"fast-disk":  {"storage:\n  flush: interval\n", nil},
+	"flash+20ms": {"storage:\n  flush: interval\n", []string{"TANDEM_BENCH_FSYNC_DELAY=20ms"}},
 }
 
 // runStorage runs the storage workloads, each on a fresh pair of gateways.
 func runStorage(bin, dir, dev string, reps int, only string) {
-	fmt.Printf("\nstorage settings, tandem against tandem (A B A B …, %d runs each, medians); R: retention dropping vs an empty log; F: slow flash (fsync +2 ms), flush interval vs always\n", reps)
+	fmt.Printf("\nstorage settings, tandem against tandem (A B A B …, %d runs each, medians); R: retention dropping vs an empty log; F1: flush interval on slow flash (fsync +20 ms) vs on this disk; F2, F3: slow flash (fsync +2 ms), flush interval vs always\n", reps)
 	fmt.Printf("%-4s %-9s %10s %9s %9s %9s %10s %11s %8s  %s\n", "", "gateway", "msg/s", "p50 ms", "p99 ms", "µs/msg", "fsync/msg", "dev B/msg", "RSS MB", "ratio (goal)")
 	for i, w := range storageWorkloads {
 		if only != "" && !slices.Contains(strings.Split(only, ","), w.name) {
