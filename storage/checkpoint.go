@@ -67,7 +67,7 @@ func (db *DB) dropFresh(gen uint64) {
 // for wmu meanwhile would put it on every ack of a checkpoint's moment:
 // with checkpoints back to back (two more fdatasyncs each, bbolt's), a
 // third of the time. Until that sync, nothing after the cut counts as
-// durable (see pendingCut).
+// durable (see unsyncedCut).
 func (db *DB) cutLocked(lazy bool) (*cut, error) {
 	if err := db.syncCutLocked(); err != nil {
 		return nil, err
@@ -80,7 +80,7 @@ func (db *DB) cutLocked(lazy bool) (*cut, error) {
 	w := db.wal
 	if lazy {
 		seg := &w.segs[w.cur]
-		w.cutPend = &pendingCut{f: seg.f, seg: w.cur, from: w.synced.Load(), pages: w.dirtyPages(w.off)}
+		w.unsyncedCut = &unsyncedCut{f: seg.f, seg: w.cur, from: w.synced.Load(), pages: w.dirtyPages(w.off)}
 		w.dirtyLo, w.dirtyHi = 0, 0
 	}
 	w.cur, w.off, w.id = 1-w.cur, 0, id
@@ -88,11 +88,11 @@ func (db *DB) cutLocked(lazy bool) (*cut, error) {
 	return db.snapshot(w.cur, id), nil
 }
 
-// pendingCut is a cut frame written without its fdatasync (cutLocked). A
+// unsyncedCut is a cut frame written without its fdatasync (cutLocked). A
 // power cut may lose it, and with it every frame of the other file, which
 // only it makes live: so no frame after it is synced, by a write of its
 // own or by the flusher, before it is (syncCutLocked, syncWAL).
-type pendingCut struct {
+type unsyncedCut struct {
 	f    *os.File
 	seg  int   // the file it ends
 	from int64 // what of that file was synced before: what a power cut keeps
@@ -102,7 +102,7 @@ type pendingCut struct {
 
 // syncCutLocked syncs a pending cut frame. The caller holds wmu.
 func (db *DB) syncCutLocked() error {
-	p := db.wal.cutPend
+	p := db.wal.unsyncedCut
 	if p == nil {
 		return nil
 	}
@@ -116,7 +116,7 @@ func (db *DB) syncCutLocked() error {
 // syncCut syncs a pending cut frame without holding wmu while it waits.
 func (db *DB) syncCut() error {
 	db.wmu.Lock()
-	p := db.wal.cutPend
+	p := db.wal.unsyncedCut
 	db.wmu.Unlock()
 	if p == nil {
 		return nil
@@ -132,7 +132,7 @@ func (db *DB) syncCut() error {
 
 // syncCutFile is p's fdatasync. Two may run at once (the checkpointer's and
 // the flusher's): both then cover it.
-func (db *DB) syncCutFile(p *pendingCut) error {
+func (db *DB) syncCutFile(p *unsyncedCut) error {
 	if h := db.faults.cutSync.Load(); h != nil {
 		(*h)()
 	}
@@ -148,9 +148,9 @@ func (db *DB) syncCutFile(p *pendingCut) error {
 
 // cutSyncedLocked notes that p is on disk, unless another sync noted it
 // first. The caller holds wmu.
-func (db *DB) cutSyncedLocked(p *pendingCut) {
-	if w := db.wal; w.cutPend == p {
-		w.cutPend = nil
+func (db *DB) cutSyncedLocked(p *unsyncedCut) {
+	if w := db.wal; w.unsyncedCut == p {
+		w.unsyncedCut = nil
 		w.written.Add(p.pages)
 	}
 }

@@ -145,7 +145,7 @@ func crashCopyHeld(t *testing.T, db *DB) string {
 	dir := t.TempDir()
 	src := filepath.Dir(db.Path())
 	db.wmu.Lock()
-	cur, synced, p := db.wal.cur, db.wal.synced.Load(), db.wal.cutPend
+	cur, synced, p := db.wal.cur, db.wal.synced.Load(), db.wal.unsyncedCut
 	db.wmu.Unlock()
 	for i, name := range []string{WALName + ".0", WALName + ".1", FileName} {
 		b, err := os.ReadFile(filepath.Join(src, name))

@@ -19,7 +19,7 @@ type faults struct {
 	// file past that many bytes with EFBIG, as RLIMIT_FSIZE would.
 	fileLimit atomic.Int64
 	// cutSync, when set, runs before the fdatasync of a cut frame written
-	// without one (pendingCut): a test holds that sync there.
+	// without one (unsyncedCut): a test holds that sync there.
 	cutSync atomic.Pointer[func()]
 }
 

@@ -110,12 +110,13 @@ type walLog struct {
 	written          atomic.Int64
 
 	// synced is off once the frames before it are on disk: what a crash at
-	// this instant keeps, once no cut's sync is owed (cutPend). Read
+	// this instant keeps, once no cut's sync is owed (unsyncedCut). Read
 	// without wmu: by behind, on every write, and by the tests' crash
 	// copies.
 	synced atomic.Int64
-	// cutPend is the cut into this file while its fdatasync is owed.
-	cutPend *pendingCut
+	// unsyncedCut is the cut frame that ended the other file and leads to
+	// this one, while its fdatasync is owed.
+	unsyncedCut *unsyncedCut
 }
 
 // walFrame is one decoded frame, at Open.
@@ -685,7 +686,7 @@ func (db *DB) flusher() {
 }
 
 // syncWAL makes the current WAL file's frames durable, and first the cut
-// that leads to them if its sync is owed (pendingCut). The fdatasyncs run
+// that leads to them if its sync is owed (unsyncedCut). The fdatasyncs run
 // without wmu, so Saves go on writing meanwhile; they cover every frame
 // written before they started.
 func (db *DB) syncWAL() error {
@@ -693,7 +694,7 @@ func (db *DB) syncWAL() error {
 	w := db.wal
 	cur, id, off := w.cur, w.id, w.off
 	f := w.segs[cur].f
-	p := w.cutPend
+	p := w.unsyncedCut
 	db.wmu.Unlock()
 	if p != nil {
 		if err := db.syncCutFile(p); err != nil {
