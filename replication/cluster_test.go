@@ -7,6 +7,7 @@ import (
 	"math/rand"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -14,6 +15,7 @@ import (
 	"go.etcd.io/raft/v3"
 	pb "go.etcd.io/raft/v3/raftpb"
 
+	"github.com/tandem-edge/tandem/internal/testutil"
 	"github.com/tandem-edge/tandem/storage"
 )
 
@@ -583,18 +585,33 @@ func cutOffAcks(t *testing.T, c *cluster, old *testNode) []string {
 // waitAppliedEverywhere waits until every member applied every topic.
 func waitAppliedEverywhere(t *testing.T, c *cluster, topics []string) {
 	t.Helper()
+	lacks := func(id uint64) []string {
+		got := map[string]bool{}
+		for _, tp := range c.applied(id) {
+			got[tp] = true
+		}
+		var out []string
+		for _, tp := range topics {
+			if !got[tp] {
+				out = append(out, tp)
+			}
+		}
+		return out
+	}
+	// On a timeout, what every member holds: which of them lacks what,
+	// whom it follows and how far its log and its applier got.
+	diag := func() string {
+		var b strings.Builder
+		for _, id := range c.ids {
+			tn := c.nodes[id]
+			first, _ := tn.db.FirstIndex()
+			last, _ := tn.db.LastIndex()
+			fmt.Fprintf(&b, "member %d: leader %d, log %d..%d, %d applied, lacks %v; ", id, tn.Leader(), first, last, len(c.applied(id)), lacks(id))
+		}
+		return b.String()
+	}
 	for _, id := range c.ids {
-		waitFor(t, "every async ack of the deposed master on every member", func() bool {
-			got := map[string]bool{}
-			for _, tp := range c.applied(id) {
-				got[tp] = true
-			}
-			for _, tp := range topics {
-				if !got[tp] {
-					return false
-				}
-			}
-			return true
-		})
+		testutil.WaitFor(t, 20*time.Second, "every async ack of the deposed master on every member",
+			func() bool { return len(lacks(id)) == 0 }, diag)
 	}
 }
