@@ -118,6 +118,12 @@ func (db *DB) syncCut() error {
 	db.wmu.Lock()
 	p := db.wal.unsyncedCut
 	db.wmu.Unlock()
+	return db.syncCutUnlocked(p)
+}
+
+// syncCutUnlocked syncs p, taken from unsyncedCut under wmu (nil: nothing
+// to do), without holding wmu while it waits.
+func (db *DB) syncCutUnlocked(p *unsyncedCut) error {
 	if p == nil {
 		return nil
 	}

@@ -564,9 +564,9 @@ func decodeFrame(p []byte) (walFrame, error) {
 // interval). A hard state is never lazy: raft's term and vote must be on
 // disk before the messages that depend on them leave; a cut is lazy only
 // when cutLocked says so, and then syncs before any frame after it. The
-// caller holds wmu. On
-// an error nothing moves: the next frame goes where this one went (padded
-// or not, as it was) and overwrites whatever part of it reached the file.
+// caller holds wmu. On an error nothing moves: the next frame goes where
+// this one went (padded or not, as it was) and overwrites whatever part of
+// it reached the file.
 func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb.Entry, lazy bool) (time.Duration, error) {
 	lazy = lazy && db.flushEvery > 0 && hs == nil
 	w := db.wal
@@ -694,15 +694,10 @@ func (db *DB) syncWAL() error {
 	w := db.wal
 	cur, id, off := w.cur, w.id, w.off
 	f := w.segs[cur].f
-	p := w.unsyncedCut
+	p := w.unsyncedCut // read with cur: the cut that leads to cur's frames
 	db.wmu.Unlock()
-	if p != nil {
-		if err := db.syncCutFile(p); err != nil {
-			return err
-		}
-		db.wmu.Lock()
-		db.cutSyncedLocked(p)
-		db.wmu.Unlock()
+	if err := db.syncCutUnlocked(p); err != nil {
+		return err
 	}
 	if f == nil || off <= w.synced.Load() {
 		return nil

@@ -629,9 +629,9 @@ func waitDropping(http string, d time.Duration) error {
 // fdatasyncs cover every frame written before them): a missing acked seq
 // must have been acked after the first WAL write the cut dropped (walLost,
 // as the filesystem saw it; a frame is written before its ack), and be part
-// of the tail: nothing present after it. Retention rounds: a missing acked seq must be older
-// than every seq present, the oldest records being the ones dropped. All:
-// seqs in publish order, QoS 2 ones once.
+// of the tail: nothing present after it. Retention rounds: a missing acked
+// seq must be older than every seq present, the oldest records being the
+// ones dropped. All: seqs in publish order, QoS 2 ones once.
 func (o *outcome) check(c *client, got []int, cutAt, walLost time.Time) {
 	present := map[int]int{}
 	prev := -1
@@ -676,12 +676,12 @@ func (o *outcome) check(c *client, got []int, cutAt, walLost time.Time) {
 		}
 		lost = append(lost, s)
 		if len(lost) <= 3 {
-			lost := "no write to the WAL was lost"
+			when := "no write to the WAL was lost"
 			if !walLost.IsZero() {
-				lost = fmt.Sprintf("%s before the first WAL write the cut dropped", walLost.Sub(at).Round(time.Millisecond))
+				when = fmt.Sprintf("%s before the first WAL write the cut dropped", walLost.Sub(at).Round(time.Millisecond))
 			}
 			o.violations = append(o.violations, fmt.Sprintf("%s: acked seq %d (acked %s before the cut, %s) is not in the log",
-				c.id, s, cutAt.Sub(at).Round(time.Millisecond), lost))
+				c.id, s, cutAt.Sub(at).Round(time.Millisecond), when))
 		}
 	}
 	if len(lost) > 3 {

@@ -90,7 +90,6 @@ type FS struct {
 	cutDone   chan struct{} // closed by the cut
 	unmounted bool
 	cutAfter  *Op                  // a write to apply, then cut at (CutWhen with tear)
-	syncedAt  map[string]time.Time // path → when its last fsync was applied
 	lostFrom  map[string]time.Time // path → when the first change a cut dropped was made
 }
 
@@ -152,7 +151,7 @@ func Mount(backing, mnt string, opts *Options) (*FS, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &FS{backing: backing, scratch: scratch, mnt: mnt, nextIno: 1, cutDone: make(chan struct{}), syncedAt: map[string]time.Time{}, lostFrom: map[string]time.Time{},
+	p := &FS{backing: backing, scratch: scratch, mnt: mnt, nextIno: 1, cutDone: make(chan struct{}), lostFrom: map[string]time.Time{},
 		rnd: rand.New(rand.NewPCG(opts.Seed, opts.Seed^0x9e3779b97f4a7c15))}
 	if p.root, err = p.load(backing); err != nil {
 		os.RemoveAll(scratch)
@@ -279,26 +278,11 @@ func (p *FS) CutWhen(when func(Op) bool, tear bool) {
 	p.trigger, p.tear = when, tear
 }
 
-// SyncedAt returns when the last fsync of a file whose path starts with
-// prefix was made durable (zero if none was): whatever was written to it
-// before that instant survives a cut.
-func (p *FS) SyncedAt(prefix string) time.Time {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var last time.Time
-	for path, at := range p.syncedAt {
-		if strings.HasPrefix(path, prefix) && at.After(last) {
-			last = at
-		}
-	}
-	return last
-}
-
 // LostFrom returns when the earliest write or truncate that the cut dropped
 // from a file whose path starts with prefix was made (zero if it dropped
 // none, or before the cut): everything written to those files before that
-// instant survived. It is SyncedAt for a set of files synced one at a time:
-// the last fsync of one of them says nothing of what the others hold.
+// instant survived. The files' last fsync would not say that of a set of
+// files synced one at a time: the fsync of one says nothing of the others.
 func (p *FS) LostFrom(prefix string) time.Time {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -513,7 +497,6 @@ func (p *FS) syncFile(in *inode) syscall.Errno {
 	}
 	in.ops, in.dsize = nil, in.size
 	p.stats.Syncs++
-	p.syncedAt[in.path()] = time.Now()
 	return 0
 }
 
@@ -590,18 +573,18 @@ func (p *FS) materialize(path string, in *inode, depth int) error {
 // write records an unsynced write.
 func (p *FS) write(in *inode, data []byte, off int64) {
 	p.seq++
-	in.ops = append(in.ops, op{seq: p.seq, at: time.Now(), off: off, data: append([]byte(nil), data...)})
-	in.size = max(in.size, off+int64(len(data)))
 	in.mtime = time.Now()
+	in.ops = append(in.ops, op{seq: p.seq, at: in.mtime, off: off, data: append([]byte(nil), data...)})
+	in.size = max(in.size, off+int64(len(data)))
 	p.stats.Writes++
 }
 
 // truncate records an unsynced truncate.
 func (p *FS) truncate(in *inode, size int64) {
 	p.seq++
-	in.ops = append(in.ops, op{seq: p.seq, at: time.Now(), off: size, trunc: true})
-	in.size = size
 	in.mtime = time.Now()
+	in.ops = append(in.ops, op{seq: p.seq, at: in.mtime, off: size, trunc: true})
+	in.size = size
 }
 
 // read fills dest from off with what the process sees: the durable content
