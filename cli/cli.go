@@ -18,6 +18,7 @@ import (
 	"github.com/tandem-edge/tandem/admin"
 	"github.com/tandem-edge/tandem/config"
 	"github.com/tandem-edge/tandem/daemon"
+	"github.com/tandem-edge/tandem/internal/procs"
 	"github.com/tandem-edge/tandem/internal/version"
 )
 
@@ -218,6 +219,10 @@ func runDaemon(cfg *config.Config, logw io.Writer) error {
 	if err := d.Start(context.Background()); err != nil {
 		return err
 	}
+	// After Start: what sizes itself by GOMAXPROCS at start (the broker's
+	// bcrypt slots) sees the processors the host gives.
+	stopProcs := procs.Start(log)
+	defer stopProcs()
 	for {
 		select {
 		case s := <-sigc:
