@@ -211,7 +211,10 @@ func TestWebSocketTLSHandshakeTimesOut(t *testing.T) {
 		c.TLS = &TLSConfig{Listen: "127.0.0.1:0", CertFile: cert, KeyFile: key}
 		c.WebSocket = &WebSocketConfig{Listen: "127.0.0.1:0", TLS: true}
 		c.Observer = obs
-		c.Limits.ConnectTimeout = 300 * time.Millisecond
+		// Long enough for the other socket's TLS handshake, upgrade and
+		// CONNECT on a loaded host (300 ms was not, at a load average
+		// of 11 on two cores).
+		c.Limits.ConnectTimeout = 2 * time.Second
 	})
 	silent := dialTCP(t, s.WSAddr())
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
