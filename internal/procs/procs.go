@@ -57,8 +57,8 @@ const (
 // governs.
 var running atomic.Bool
 
-// Governor moves GOMAXPROCS between 1 and Max with the load.
-type Governor struct {
+// governor moves GOMAXPROCS between 1 and Max with the load.
+type governor struct {
 	Max      int           // processors under load: GOMAXPROCS as the runtime set it
 	Interval time.Duration // between readings of the CPU time
 	UpAt     float64       // cores used on one processor that bring Max back
@@ -75,7 +75,6 @@ type Governor struct {
 	lastCPU  time.Duration // at the last reading
 	lastAt   time.Time
 	lowSince time.Time // since when the load is under DownAt; zero: it is not
-	changes  atomic.Int64
 }
 
 // Start runs the daemon's governor until the returned stop is called, which
@@ -99,14 +98,15 @@ func Start(log *slog.Logger) (stop func()) {
 	if !running.CompareAndSwap(false, true) {
 		return func() {}
 	}
-	log.Info("processors: one while the load needs less than a core, all of them beyond", "procs", runtime.GOMAXPROCS(0))
-	g := &Governor{
+	g := &governor{
 		Max: runtime.GOMAXPROCS(0), Interval: Interval, UpAt: UpAt, DownAt: DownAt, Calm: Calm,
 		CPU: processCPU, Set: func(n int) { runtime.GOMAXPROCS(n) }, Log: log,
 	}
 	quit := make(chan struct{})
 	var wg sync.WaitGroup
 	g.begin(time.Now())
+	// After begin, so that whoever reads this line finds one processor.
+	log.Info("processors: one while the load needs less than a core, all of them beyond", "procs", g.Max)
 	wg.Go(func() {
 		t := time.NewTicker(g.Interval)
 		defer t.Stop()
@@ -115,7 +115,7 @@ func Start(log *slog.Logger) (stop func()) {
 			case <-quit:
 				return
 			case now := <-t.C:
-				g.Tick(now)
+				g.tick(now)
 			}
 		}
 	})
@@ -133,16 +133,16 @@ func Start(log *slog.Logger) (stop func()) {
 }
 
 // begin takes the first reading and goes to one processor.
-func (g *Governor) begin(now time.Time) {
+func (g *governor) begin(now time.Time) {
 	g.procs = g.Max
 	g.lastCPU, _ = g.CPU()
 	g.lastAt = now
 	g.set(1, "start")
 }
 
-// Tick reads the CPU time and moves GOMAXPROCS if the load since the last
+// tick reads the CPU time and moves GOMAXPROCS if the load since the last
 // reading calls for it.
-func (g *Governor) Tick(now time.Time) {
+func (g *governor) tick(now time.Time) {
 	cpu, ok := g.CPU()
 	wall := now.Sub(g.lastAt)
 	if !ok || wall <= 0 {
@@ -153,7 +153,6 @@ func (g *Governor) Tick(now time.Time) {
 
 	switch {
 	case g.procs == 1 && load >= g.UpAt:
-		g.lowSince = time.Time{}
 		g.set(g.Max, "load")
 	case g.procs > 1 && load < g.DownAt:
 		if g.lowSince.IsZero() {
@@ -167,20 +166,13 @@ func (g *Governor) Tick(now time.Time) {
 	}
 }
 
-func (g *Governor) set(n int, why string) {
+func (g *governor) set(n int, why string) {
 	if n == g.procs {
 		return
 	}
 	g.Set(n)
 	g.procs = n
-	g.changes.Add(1)
 	if g.Log != nil {
 		g.Log.Debug("processors", "procs", n, "why", why)
 	}
 }
-
-// Procs is GOMAXPROCS as the governor set it last.
-func (g *Governor) Procs() int { return g.procs }
-
-// Changes counts how often the governor has set GOMAXPROCS.
-func (g *Governor) Changes() int64 { return g.changes.Load() }

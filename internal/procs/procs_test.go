@@ -9,7 +9,7 @@ import (
 
 // fake is a governor on a CPU clock the test advances.
 type fake struct {
-	g   *Governor
+	g   *governor
 	cpu time.Duration
 	now time.Time
 	set []int
@@ -17,7 +17,7 @@ type fake struct {
 
 func newFake(max int) *fake {
 	f := &fake{now: time.Unix(1000, 0)}
-	f.g = &Governor{
+	f.g = &governor{
 		Max: max, Interval: Interval, UpAt: UpAt, DownAt: DownAt, Calm: Calm,
 		CPU: func() (time.Duration, bool) { return f.cpu, true },
 		Set: func(n int) { f.set = append(f.set, n) },
@@ -31,52 +31,52 @@ func (f *fake) run(load float64, d time.Duration) {
 	for end := f.now.Add(d); f.now.Before(end); {
 		f.now = f.now.Add(f.g.Interval)
 		f.cpu += time.Duration(load * float64(f.g.Interval))
-		f.g.Tick(f.now)
+		f.g.tick(f.now)
 	}
 }
 
 func TestGovernorStartsOnOneProcessor(t *testing.T) {
 	f := newFake(4)
-	if f.g.Procs() != 1 || len(f.set) != 1 || f.set[0] != 1 {
-		t.Fatalf("after start: procs %d, set %v; want 1, [1]", f.g.Procs(), f.set)
+	if f.g.procs != 1 || len(f.set) != 1 || f.set[0] != 1 {
+		t.Fatalf("after start: procs %d, set %v; want 1, [1]", f.g.procs, f.set)
 	}
 	f.run(0.5, 10*time.Second)
-	if f.g.Procs() != 1 || f.g.Changes() != 1 {
-		t.Fatalf("half a core for 10 s: procs %d after %d changes; want 1 after 1", f.g.Procs(), f.g.Changes())
+	if f.g.procs != 1 || len(f.set) != 1 {
+		t.Fatalf("half a core for 10 s: procs %d after %d changes; want 1 after 1", f.g.procs, len(f.set))
 	}
 }
 
 func TestGovernorGivesAllProcessorsBackOnceOneIsBusy(t *testing.T) {
 	f := newFake(4)
 	f.run(0.95, f.g.Interval)
-	if f.g.Procs() != 4 {
-		t.Fatalf("one processor 95 %% busy for one reading: procs %d, want 4", f.g.Procs())
+	if f.g.procs != 4 {
+		t.Fatalf("one processor 95 %% busy for one reading: procs %d, want 4", f.g.procs)
 	}
 	// A load that needs more than the one, now spread over four, keeps
 	// them: it is above DownAt.
 	f.run(2.5, 10*time.Second)
-	if f.g.Procs() != 4 || f.g.Changes() != 2 {
-		t.Fatalf("2.5 cores: procs %d after %d changes; want 4 after 2", f.g.Procs(), f.g.Changes())
+	if f.g.procs != 4 || len(f.set) != 2 {
+		t.Fatalf("2.5 cores: procs %d after %d changes; want 4 after 2", f.g.procs, len(f.set))
 	}
 }
 
 func TestGovernorGoesBackToOneOnlyAfterACalm(t *testing.T) {
 	f := newFake(2)
 	f.run(1.0, f.g.Interval)
-	if f.g.Procs() != 2 {
-		t.Fatalf("saturated: procs %d, want 2", f.g.Procs())
+	if f.g.procs != 2 {
+		t.Fatalf("saturated: procs %d, want 2", f.g.procs)
 	}
 	// Low, but shorter than Calm, then a reading above DownAt: the calm
 	// starts again.
 	f.run(0.2, f.g.Calm-f.g.Interval)
 	f.run(0.8, f.g.Interval)
 	f.run(0.2, f.g.Calm-f.g.Interval)
-	if f.g.Procs() != 2 {
-		t.Fatalf("two calms cut short: procs %d, want 2", f.g.Procs())
+	if f.g.procs != 2 {
+		t.Fatalf("two calms cut short: procs %d, want 2", f.g.procs)
 	}
 	f.run(0.2, 2*f.g.Interval)
-	if f.g.Procs() != 1 {
-		t.Fatalf("low for longer than Calm: procs %d, want 1", f.g.Procs())
+	if f.g.procs != 1 {
+		t.Fatalf("low for longer than Calm: procs %d, want 1", f.g.procs)
 	}
 	if want := []int{1, 2, 1}; !slices.Equal(f.set, want) {
 		t.Fatalf("GOMAXPROCS set to %v, want %v", f.set, want)
@@ -90,13 +90,13 @@ func TestGovernorGoesBackToOneOnlyAfterACalm(t *testing.T) {
 func TestGovernorLoadBetweenTheThresholdsStaysPut(t *testing.T) {
 	f := newFake(2)
 	f.run(0.8, 10*time.Second)
-	if f.g.Procs() != 1 {
-		t.Fatalf("0.8 of a core on one: procs %d, want 1", f.g.Procs())
+	if f.g.procs != 1 {
+		t.Fatalf("0.8 of a core on one: procs %d, want 1", f.g.procs)
 	}
 	f.run(0.95, f.g.Interval)
 	f.run(0.8, 10*time.Second)
-	if f.g.Procs() != 2 || f.g.Changes() != 2 {
-		t.Fatalf("0.8 of a core on two: procs %d after %d changes; want 2 after 2", f.g.Procs(), f.g.Changes())
+	if f.g.procs != 2 || len(f.set) != 2 {
+		t.Fatalf("0.8 of a core on two: procs %d after %d changes; want 2 after 2", f.g.procs, len(f.set))
 	}
 }
 
@@ -104,8 +104,8 @@ func TestGovernorIgnoresAReadingItCannotTake(t *testing.T) {
 	f := newFake(2)
 	f.g.CPU = func() (time.Duration, bool) { return 0, false }
 	f.run(1.0, time.Second)
-	if f.g.Procs() != 1 {
-		t.Fatalf("no CPU time to read: procs %d, want 1 (unchanged)", f.g.Procs())
+	if f.g.procs != 1 {
+		t.Fatalf("no CPU time to read: procs %d, want 1 (unchanged)", f.g.procs)
 	}
 }
 
