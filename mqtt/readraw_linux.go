@@ -5,8 +5,6 @@ package mqtt
 import (
 	"net"
 	"syscall"
-
-	"golang.org/x/sys/unix"
 )
 
 // rawConn returns c's socket for loopRaw, or nil for read's path.
@@ -41,7 +39,7 @@ func (in *inBuf) fill(fd int) (n int, err error) {
 	free := in.buf[in.w:]
 	if in.pend != nil {
 		rest := in.pend[len(in.pend):cap(in.pend)]
-		n, err = unix.Readv(fd, [][]byte{rest, free})
+		n, err = sysReadv(fd, rest, free)
 		if n > 0 {
 			k := min(n, len(rest))
 			in.pend = in.pend[:len(in.pend)+k]
@@ -49,7 +47,7 @@ func (in *inBuf) fill(fd int) (n int, err error) {
 		}
 		return max(n, 0), err
 	}
-	n, err = syscall.Read(fd, free)
+	n, err = sysRead(fd, free)
 	if n > 0 {
 		in.w += int32(n)
 	}
