@@ -23,7 +23,14 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 	// out nothing, or nothing that expires.
 	var now time.Time
 	acc := c.srv.access.Load()
-	var staged []*outItem
+	// The in-flight records are encoded under the lock: once a message is
+	// in s.inflight a PUBREC for its packet id may change it (a client
+	// that has the message, or one that guesses the id).
+	type put struct {
+		k string
+		v []byte
+	}
+	var staged []put
 	s.mu.Lock()
 	if s.conn != c {
 		s.mu.Unlock()
@@ -102,7 +109,7 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 			s.flyLocked(it)
 			c.srv.inflight.Add(1)
 			if s.persistent() {
-				staged = append(staged, it)
+				staged = append(staged, put{outKey(s.id, it.pid), encodeOut(it)})
 			}
 		}
 	}
@@ -113,8 +120,8 @@ func (c *conn) takeDeliveries(buf []byte) []byte {
 	}
 	held := s.heldLocked()
 	s.mu.Unlock()
-	for _, it := range staged {
-		c.srv.stagePut(outKey(s.id, it.pid), encodeOut(it))
+	for _, p := range staged {
+		c.srv.stagePut(p.k, p.v)
 	}
 	s.checkBudget(c, held)
 	return buf

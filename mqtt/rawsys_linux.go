@@ -1,4 +1,4 @@
-//go:build linux
+//go:build linux && !race
 
 package mqtt
 
@@ -13,7 +13,8 @@ import (
 // one processor (procs' governor), the entry of every first call after
 // the processor idled woke the runtime's sysmon thread, which then polled
 // every 20 µs until the processor idled again. Under W1's load that
-// thread took about a tenth of the gateway's CPU.
+// thread took about a tenth of the gateway's CPU. Race builds keep the
+// syscall package's calls (rawsys_race.go).
 
 // sysRead is read(2) on the non-blocking socket fd.
 func sysRead(fd int, p []byte) (int, error) {
