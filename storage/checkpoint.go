@@ -28,6 +28,7 @@ import (
 type cut struct {
 	seg   int    // the file the frames after the cut go to
 	id    uint64 // and the id they carry
+	off   int64  // in format 6, where in seg they start (no cut frame)
 	last  uint64 // the last entry before the cut
 	bytes int    // the size of the entries past boltLast up to last
 	gen   uint64 // the stage generation at the cut
@@ -71,6 +72,9 @@ func (db *DB) dropFresh(gen uint64) {
 func (db *DB) cutLocked(lazy bool) (*cut, error) {
 	if err := db.syncCutLocked(); err != nil {
 		return nil, err
+	}
+	if db.chain {
+		return db.markLocked(lazy)
 	}
 	id := newWALID()
 	lazy = lazy && db.flushEvery > 0
@@ -170,7 +174,7 @@ func (db *DB) snapshot(seg int, id uint64) *cut {
 	db.stageMu.Unlock()
 	db.mu.RLock()
 	c.last, c.bytes, c.hs = db.last, db.pendBytes, db.hs
-	if c.last > db.boltLast {
+	if c.last > db.boltLast && !db.chain {
 		// A copy of the entries' headers (their data is never written
 		// to): appendTailLocked moves the tail within its array.
 		c.ents = slices.Clone(db.tail[db.boltLast+1-db.tail[0].Index:])
@@ -191,6 +195,13 @@ func (db *DB) checkpointReplayed() error {
 	db.wmu.Lock()
 	defer db.wmu.Unlock()
 	w := db.wal
+	if db.chain {
+		c, err := db.markLocked(false)
+		if err != nil {
+			return err
+		}
+		return db.commitCut(c, 0, nil)
+	}
 	c := db.snapshot(w.cur, newWALID())
 	if err := db.commitCut(c, 0, nil); err != nil {
 		return err
@@ -267,8 +278,10 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 				return fmt.Errorf("%s/%s: %w", op.bucket, op.key, err)
 			}
 		}
-		if err := db.putEntries(tx, c.ents); err != nil {
-			return err
+		if !db.chain {
+			if err := db.putEntries(tx, c.ents); err != nil {
+				return err
+			}
 		}
 		// After the staged operations: a staged commit-only hard state
 		// may be ahead of the entries the cut covers.
@@ -282,6 +295,9 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 		v := make([]byte, 16)
 		binary.BigEndian.PutUint64(v, c.id)
 		binary.BigEndian.PutUint64(v[8:], uint64(c.seg))
+		if db.chain {
+			v = walValue(c.id, uint64(c.seg), c.off)
+		}
 		if err := m.Put(keyWAL, v); err != nil {
 			return err
 		}
@@ -313,10 +329,14 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 	st = db.bolt.Stats()
 	db.fileWritten.Add(st.TxStats.GetPageAlloc() - alloc + int64(db.bolt.Info().PageSize))
 	db.mu.Lock()
-	db.boltLast = max(db.boltLast, c.last)
+	if !db.chain {
+		db.boltLast = max(db.boltLast, c.last)
+	}
 	db.pendBytes -= c.bytes
 	db.mu.Unlock()
-	db.shrinkDeadWAL(&db.wal.segs[1-c.seg])
+	if !db.chain {
+		db.shrinkDeadWAL(&db.wal.segs[1-c.seg])
+	}
 	db.applyDrop(drop)
 	db.syncs.Add(2)
 	db.committed(c.bytes)
@@ -377,6 +397,12 @@ const walBehindAt = 4 * walPrealloc
 // a checkpoint takes, once one has failed), or the WAL is far past its
 // preallocated size.
 func (db *DB) behind() bool {
+	if db.chain {
+		// The tail holds no entry for want of a checkpoint, and the
+		// segments are the log: what bounds the WAL is the frames Open
+		// would replay.
+		return db.wal.sinceMark.Load() > walBehindAt
+	}
 	limit := db.maxTail
 	if db.ckFailed.Load() {
 		// A full disk: a WAL that ran far ahead would need bbolt to grow
@@ -464,8 +490,12 @@ func (db *DB) finishPending() error {
 // of the tail's budget in entries, or walCheckpointAt in frames of any kind.
 // The caller holds wmu.
 func (db *DB) dueLocked() bool {
-	if db.wal.off >= walCheckpointAt {
+	if db.wal.off >= walCheckpointAt && !db.chain {
 		return true
+	}
+	if db.chain {
+		// Frames past the replay point: what Open replays.
+		return db.wal.sinceMark.Load() >= walCheckpointAt
 	}
 	db.mu.RLock()
 	defer db.mu.RUnlock()
@@ -552,6 +582,9 @@ func (db *DB) checkpointer() {
 func (db *DB) checkpoint() error {
 	db.ckMu.Lock()
 	defer db.ckMu.Unlock()
+	if err := db.readySpare(); err != nil {
+		return err
+	}
 	if db.pendingCut == nil {
 		db.wmu.Lock()
 		due, retain := db.dueLocked(), db.retainDue.Swap(false)
@@ -567,9 +600,16 @@ func (db *DB) checkpoint() error {
 		db.pendingCut = c
 	}
 	// Before the commit, so that the file the commit makes dead is never
-	// the one whose sync is owed; Saves go on meanwhile.
+	// the one whose sync is owed; Saves go on meanwhile. In format 6, so
+	// that no frame before the replay point the commit records can be
+	// lost to a power cut.
 	if err := db.syncCut(); err != nil {
 		return err
+	}
+	if db.chain {
+		if err := db.syncWAL(); err != nil {
+			return err
+		}
 	}
 	return db.finishPending()
 }

@@ -46,8 +46,9 @@ const FileName = "tandem.db"
 // until a clean Close leaves no live frame, and then says again what it
 // said before (keyFormatRest), so a release before this one refuses a data
 // dir left by a crash, naming both versions, and opens one left by a clean
-// stop.
-const FormatVersion = formatPadded
+// stop. Version 6 is a file whose WAL segments are its log past the runs
+// (chain.go): being built, it is only ever written by this package's tests.
+const FormatVersion = formatChain
 
 // The format versions this build writes.
 const (
@@ -154,6 +155,10 @@ type Options struct {
 	// faults, set by this package's tests only, are the DB's failpoints
 	// (faults.go); nil means none.
 	faults *faults
+	// segmented creates a new data file in format 6, whose WAL is its
+	// log (chain.go). This package's tests only, until that format is
+	// complete.
+	segmented bool
 }
 
 // DB is the node's data file: the raft log, raft state and metadata in one
@@ -202,9 +207,15 @@ type DB struct {
 	pendBytes int    // bytes of the entries past boltLast
 	applied   uint64
 	nodeID    uint64
-	format    uint64     // the file's format version, as Open loaded it
-	walID     uint64     // the WAL id the file records, as Open loaded it
-	walSeg    int        // and the WAL file it names
+	format    uint64 // the file's format version, as Open loaded it
+	walID     uint64 // the WAL id the file records, as Open loaded it
+	walSeg    int    // and the WAL file it names
+	walOff    int64  // and in format 6 the offset frames are replayed from
+	// chain is set for a file of format 6: the WAL's segments are the
+	// log past boltLast (chain.go), seg what reads need of them.
+	chain     bool
+	seg       segState
+	segHeadID uint64     // the id of the chain's first segment, as Open loaded it
 	tail      []pb.Entry // newest entries; tail ends at last and holds all past boltLast
 	// tailArr is tail's backing array, whole: appendTailLocked moves the
 	// tail back to its start rather than allocate another (nil: tail has
@@ -374,21 +385,31 @@ func Open(dir string, opts *Options) (*DB, error) {
 		}
 	}
 	// The WAL exists before the file records a format that needs it.
-	if db.wal, err = openWALs(dir, opts.ReadOnly, exists && db.format >= 2); err != nil {
+	chain := db.chain || (!exists && opts.segmented)
+	if chain {
+		db.wal = &walLog{chain: true}
+	} else if db.wal, err = openWALs(dir, opts.ReadOnly, exists && db.format >= 2); err != nil {
 		bdb.Close()
 		return nil, err
 	}
 	if !exists && !opts.ReadOnly {
-		if err := db.create(); err != nil {
+		if err := db.create(chain); err != nil {
 			return fail(err)
 		}
 		if err := db.load(false); err != nil {
 			return fail(err)
 		}
 	}
-	frames, err := db.wal.readAll(db.walSeg, db.walID)
-	if err == nil {
-		err = db.replay(frames)
+	var replayed int
+	if chain {
+		replayed, err = db.openChain(opts.ReadOnly)
+	} else {
+		var frames []walFrame
+		frames, err = db.wal.readAll(db.walSeg, db.walID)
+		if err == nil {
+			err = db.replay(frames)
+		}
+		replayed = len(frames)
 	}
 	if err != nil {
 		bdb.Close()
@@ -399,6 +420,9 @@ func Open(dir string, opts *Options) (*DB, error) {
 		// Move what the WAL held into the file and start a new WAL id:
 		// from here on the WAL holds only what this process appends.
 		for i := range db.wal.segs {
+			if chain {
+				break
+			}
 			if err := db.growWAL(&db.wal.segs[i], walPrealloc); err != nil {
 				return fail(err)
 			}
@@ -418,6 +442,9 @@ func Open(dir string, opts *Options) (*DB, error) {
 			return fail(err)
 		}
 		db.ckSig, db.ckStop, db.ckDone = make(chan struct{}, 1), make(chan struct{}), make(chan struct{})
+		if chain {
+			db.ckSig <- struct{}{} // to make the next segment ready
+		}
 		go db.checkpointer()
 		if db.flushEvery > 0 {
 			db.flStop, db.flDone = make(chan struct{}), make(chan struct{})
@@ -429,7 +456,7 @@ func Open(dir string, opts *Options) (*DB, error) {
 	// would count in the gateway's RSS for as long as it runs (a gateway
 	// on a 111 MB file: RssFile 124 MB, 16 MB with the release).
 	db.releaseMapped()
-	lg.Info("data file opened", "path", path, "first_index", db.first, "last_index", db.last, "applied", db.applied, "wal_frames_replayed", len(frames))
+	lg.Info("data file opened", "path", path, "first_index", db.first, "last_index", db.last, "applied", db.applied, "wal_frames_replayed", replayed)
 	return db, nil
 }
 
@@ -569,14 +596,31 @@ func (db *DB) readAhead() {
 }
 
 // create makes the buckets of a new file.
-func (db *DB) create() error {
+func (db *DB) create(chain bool) error {
+	var head, id uint64
+	if chain {
+		var err error
+		if head, id, err = db.createChain(); err != nil {
+			return err
+		}
+	}
 	return db.bolt.Update(func(tx *bolt.Tx) error {
 		for _, b := range [][]byte{bucketLog, bucketRaftState, bucketMeta, bucketRequeue, []byte(BucketSessions)} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
 		}
-		return tx.Bucket(bucketMeta).Put(keyFormat, u64(formatRuns))
+		m := tx.Bucket(bucketMeta)
+		if !chain {
+			return m.Put(keyFormat, u64(formatRuns))
+		}
+		if err := m.Put(keySegHead, segHeadValue(head, id)); err != nil {
+			return err
+		}
+		if err := m.Put(keyWAL, walValue(id, head, 0)); err != nil {
+			return err
+		}
+		return m.Put(keyFormat, u64(formatChain))
 	})
 }
 
@@ -613,6 +657,19 @@ func (db *DB) load(verify bool) (err error) {
 		if v := m.Get(keyWAL); len(v) == 16 {
 			db.walID = binary.BigEndian.Uint64(v)
 			db.walSeg = int(binary.BigEndian.Uint64(v[8:]) & 1)
+		} else if len(v) == 24 && db.format >= formatChain {
+			db.walID = binary.BigEndian.Uint64(v)
+			db.walSeg = int(binary.BigEndian.Uint64(v[8:]))
+			db.walOff = int64(binary.BigEndian.Uint64(v[16:]))
+		}
+		if db.format >= formatChain {
+			v := m.Get(keySegHead)
+			if len(v) != 16 {
+				return fmt.Errorf("data format %d without the head of its log's chain: %w", db.format, ErrCorrupt)
+			}
+			db.chain = true
+			db.seg.head = binary.BigEndian.Uint64(v)
+			db.segHeadID = binary.BigEndian.Uint64(v[8:])
 		}
 		if v := m.Get(keyNodeID); len(v) == 8 {
 			db.nodeID = binary.BigEndian.Uint64(v)
@@ -679,7 +736,7 @@ func (db *DB) scanLocked(lb *bolt.Bucket, verify bool) error {
 		}
 		db.last = max(db.last, last)
 	}
-	if db.hs.Commit > db.last {
+	if db.hs.Commit > db.last && !db.chain { // in format 6, openChain checks it
 		return fmt.Errorf("commit index %d is past the last entry %d: %w", db.hs.Commit, db.last, ErrCorrupt)
 	}
 	db.boltLast = db.last

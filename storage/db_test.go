@@ -144,6 +144,9 @@ func crashCopyHeld(t *testing.T, db *DB) string {
 	t.Helper()
 	dir := t.TempDir()
 	src := filepath.Dir(db.Path())
+	if db.chain {
+		return crashCopyChain(t, db, src, dir)
+	}
 	db.wmu.Lock()
 	cur, synced, p := db.wal.cur, db.wal.synced.Load(), db.wal.unsyncedCut
 	db.wmu.Unlock()

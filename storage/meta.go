@@ -240,6 +240,9 @@ func (db *DB) Scan(from uint64, fn func(e pb.Entry) bool) error {
 		}
 		from = batch[len(batch)-1].Index + 1
 	}
+	if db.chain {
+		return db.scanChain(max(from, boltLast+1), fn)
+	}
 	// The copy of what the checkpoint has not moved yet may hold records
 	// retention dropped meanwhile: none before the first index is shown.
 	first, _ := db.FirstIndex()
@@ -265,8 +268,8 @@ const (
 func (db *DB) pending() (uint64, []pb.Entry) {
 	db.mu.RLock()
 	defer db.mu.RUnlock()
-	if db.last <= db.boltLast {
-		return db.boltLast, nil
+	if db.last <= db.boltLast || db.chain {
+		return db.boltLast, nil // in format 6, Scan reads the rest itself
 	}
 	return db.boltLast, append([]pb.Entry(nil), db.tail[db.boltLast+1-db.tail[0].Index:]...)
 }
@@ -350,10 +353,17 @@ func (db *DB) DataRecords() (int, error) {
 			return true, nil
 		})
 	})
-	for i := range pend {
-		if pend[i].Type == pb.EntryNormal && len(pend[i].Data) > 0 && !isFeatureRecord(pend[i].Data) {
+	count := func(e pb.Entry) bool {
+		if e.Type == pb.EntryNormal && len(e.Data) > 0 && !isFeatureRecord(e.Data) {
 			n++
 		}
+		return true
+	}
+	for i := range pend {
+		count(pend[i])
+	}
+	if db.chain && err == nil {
+		err = db.scanChain(boltLast+1, count)
 	}
 	return n, err
 }
@@ -374,6 +384,9 @@ func (db *DB) ResetRaft(requeue bool) error {
 // from on (none when from is 0): how a deposed master keeps what it logged
 // after the point where the promoted slave's log forked from its own.
 func (db *DB) ResetRaftFrom(from uint64) error {
+	if db.chain {
+		return fmt.Errorf("storage: reset: %w", errChainNotYet)
+	}
 	requeue := from > 0
 	err := db.commitSync(0, func(tx *bolt.Tx) error {
 		lb := tx.Bucket(bucketLog)

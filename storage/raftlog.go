@@ -58,6 +58,9 @@ func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 	if db.ro {
 		return fmt.Errorf("storage: apply snapshot on a read-only file")
 	}
+	if db.chain {
+		return fmt.Errorf("storage: apply snapshot: %w", errChainNotYet)
+	}
 	md := snap.Metadata
 	var staged *SnapshotRef
 	if ref, ok := ParseStagedSnapshot(snap.Data); ok {
@@ -173,6 +176,9 @@ func (db *DB) Term(i uint64) (uint64, error) {
 	if e, ok := db.tailEntryLocked(i); ok {
 		return e.Term, nil
 	}
+	if db.chain && i > db.boltLast {
+		return db.chainTermLocked(i)
+	}
 	var term uint64
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		lc := newLogCursor(tx.Bucket(bucketLog))
@@ -211,6 +217,9 @@ func (db *DB) Entries(lo, hi, maxSize uint64) ([]pb.Entry, error) {
 		ents := db.tail[lo-off : hi-off]
 		n := limitSize(ents, maxSize)
 		return append([]pb.Entry(nil), ents[:n]...), nil
+	}
+	if db.chain {
+		return db.chainEntriesAllLocked(lo, hi, maxSize)
 	}
 	// [lo, hi) starts before the tail, so before boltLast+1: the file has
 	// the head, the tail the rest.
@@ -315,8 +324,9 @@ func (db *DB) appendTailLocked(ents []pb.Entry) {
 	db.tail = append(db.tail, ents...)
 	drop := 0
 	// Never an entry past boltLast: the tail is the only copy of those
-	// that readers have until the next checkpoint.
-	for db.tailBytes > db.maxTail && drop < len(db.tail)-1 && db.tail[drop].Index <= db.boltLast {
+	// that readers have until the next checkpoint. In format 6 readers
+	// have the segments.
+	for db.tailBytes > db.maxTail && drop < len(db.tail)-1 && (db.chain || db.tail[drop].Index <= db.boltLast) {
 		db.tailBytes -= entrySize(&db.tail[drop])
 		drop++
 	}
@@ -364,6 +374,9 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 		return ErrClosed
 	}
 	if len(ents) > 0 && ents[0].Index <= last {
+		if db.chain {
+			return db.saveOverwritingChain(hs, ents)
+		}
 		return db.saveOverwriting(hs, ents, last)
 	}
 	// Raft hands a failed batch again: nothing may be written before the
@@ -388,14 +401,30 @@ func (db *DB) Save(hs pb.HardState, ents []pb.Entry) error {
 // frame and updates the in-memory view; lazy leaves its fdatasync to the
 // flusher under flush: interval (appendWAL). The caller holds wmu.
 func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry, lazy bool) error {
+	return db.appendWithLocked(hs, ents, nil, lazy)
+}
+
+// appendWithLocked is appendLocked whose frame also carries extra, staged
+// once the frame is written (for the checkpoint to write into the file).
+func (db *DB) appendWithLocked(hs *pb.HardState, ents []pb.Entry, extra []stagedOp, lazy bool) error {
 	ops := db.takeFresh(db.opsBuf)
+	ops = append(ops, extra...)
 	db.opsBuf = ops
 	if hs == nil && len(ops) == 0 && len(ents) == 0 {
 		return nil
 	}
 	took, err := db.appendWAL(hs, 0, ops, ents, lazy)
-	if err == nil && len(ops) > 0 {
-		db.dropFresh(ops[len(ops)-1].gen)
+	if n := len(ops) - len(extra); err == nil && n > 0 {
+		db.dropFresh(ops[n-1].gen)
+	}
+	if err == nil && len(extra) > 0 {
+		db.stageMu.Lock()
+		for _, op := range extra {
+			db.stageGen++
+			op.gen = db.stageGen
+			db.staged[op.k] = op
+		}
+		db.stageMu.Unlock()
 	}
 	clear(ops) // the values belong to the stage
 	if cap(ops) > maxKeptOps {
@@ -412,6 +441,9 @@ func (db *DB) appendLocked(hs *pb.HardState, ents []pb.Entry, lazy bool) error {
 		db.last = ents[len(ents)-1].Index
 		for i := range ents {
 			db.pendBytes += entrySize(&ents[i])
+		}
+		if db.chain {
+			db.seg.x.note(ents[0].Index, db.last, uint64(db.wal.cur), db.wal.lastAt)
 		}
 		db.appendTailLocked(ents)
 	}

@@ -176,8 +176,8 @@ type dropResult struct {
 // adding bytes of entries. The caller holds ckMu.
 func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 	var res dropResult
-	if !db.retainOn() {
-		return res, nil
+	if !db.retainOn() || db.chain {
+		return res, nil // format 6 drops nothing yet (chain.go)
 	}
 	// The applied and commit indexes this transaction writes (the stage
 	// and the hard state are in it already), not the in-memory ones, which

@@ -410,6 +410,12 @@ func (db *DB) snapshotMeta(tx *bolt.Tx) (pb.SnapshotMetadata, error) {
 		return md, fmt.Errorf("applied index %d below the compaction point %d: %w", md.Index, compacted, ErrCorrupt)
 	case md.Index == compacted:
 		md.Term = compactedTerm
+	case db.chain && md.Index > db.boltLastNow():
+		t, err := db.Term(md.Index)
+		if err != nil {
+			return md, err
+		}
+		md.Term = t
 	default:
 		lc := newLogCursor(tx.Bucket(bucketLog))
 		if err := lc.seek(md.Index); err != nil {

@@ -90,10 +90,23 @@ type walSeg struct {
 // walLog is the WAL and where the next frame goes. Guarded by DB.wmu.
 type walLog struct {
 	segs [2]walSeg
-	cur  int    // the file frames go to
-	off  int64  // where the last frame ends in it: the next one goes there, or at the next page (padFrame)
-	id   uint64 // the id its frames carry; 0 until the first checkpoint
-	buf  []byte // frame being built, reused
+	// chain is set in format 6 (segments.go): cur is then a segment's
+	// seq, cseg the segment frames go to and spare, when not nil, the
+	// next one, made ready ahead of the cut that will lead to it.
+	chain bool
+	cseg  *walSeg
+	spare *walSeg
+	// sealed is the segment the last cut ended, still open: the flusher
+	// may be syncing it without wmu. Closed at the next cut.
+	sealed *walSeg
+	cur    int // the file frames go to
+	// lastAt is where the last frame written starts; sinceMark counts
+	// the bytes of frames written since the replay point (format 6).
+	lastAt    int64
+	sinceMark atomic.Int64 // read by behind without wmu
+	off       int64        // where the last frame ends in it: the next one goes there, or at the next page (padFrame)
+	id        uint64       // the id its frames carry; 0 until the first checkpoint
+	buf       []byte       // frame being built, reused
 	// retry is set when a frame failed to be written or synced: the next
 	// frame goes where that one went, padded as it was, so that it
 	// overwrites its header and no part of it can be read back as live.
@@ -155,6 +168,23 @@ func (w *walLog) close() {
 			w.segs[i].f = nil
 		}
 	}
+	for _, s := range []*walSeg{w.cseg, w.spare, w.sealed} {
+		if s != nil && s.f != nil {
+			_ = s.f.Close()
+			s.f = nil
+		}
+	}
+}
+
+// curSeg is the file frames go to.
+func (w *walLog) curSeg() *walSeg {
+	if w.chain {
+		if w.cseg == nil {
+			return &walSeg{}
+		}
+		return w.cseg
+	}
+	return &w.segs[w.cur]
 }
 
 // openWAL opens (read-write: creating) a WAL file. want says it is
@@ -570,7 +600,12 @@ func decodeFrame(p []byte) (walFrame, error) {
 func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb.Entry, lazy bool) (time.Duration, error) {
 	lazy = lazy && db.flushEvery > 0 && hs == nil
 	w := db.wal
-	seg := &w.segs[w.cur]
+	if w.chain && next == 0 {
+		if err := db.sealIfFullLocked(frameSize(ops, ents)); err != nil {
+			return 0, err
+		}
+	}
+	seg := w.curSeg()
 	if seg.f == nil {
 		return 0, ErrClosed
 	}
@@ -602,6 +637,8 @@ func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb
 		return 0, fmt.Errorf("storage: write %s: %w", seg.f.Name(), err)
 	}
 	w.dirty(at, at+int64(len(fr)))
+	w.lastAt = at
+	w.sinceMark.Add(int64(len(fr)))
 	if lazy {
 		w.off, w.retry = at+int64(len(fr)), false
 		return time.Since(start), nil
@@ -693,7 +730,7 @@ func (db *DB) syncWAL() error {
 	db.wmu.Lock()
 	w := db.wal
 	cur, id, off := w.cur, w.id, w.off
-	f := w.segs[cur].f
+	f := w.curSeg().f
 	p := w.unsyncedCut // read with cur: the cut that leads to cur's frames
 	db.wmu.Unlock()
 	if err := db.syncCutUnlocked(p); err != nil {

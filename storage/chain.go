@@ -1,0 +1,596 @@
+package storage
+
+import (
+	"encoding/binary"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+
+	pb "go.etcd.io/raft/v3/raftpb"
+)
+
+// The DB's side of format 6, the WAL as the log (segments.go): a chain of
+// segments from the head bbolt records (keySegHead) to the one frames go
+// to; the replay point (keyWAL: id, seq and offset) says from where Open
+// replays frames' staged operations and hard states, which the checkpoints
+// before it wrote into bbolt. Entries are never copied into bbolt: the
+// log bucket holds only what a file of format 5 or earlier held, and
+// boltLast stays where it was (the snapshot's index in a data dir created
+// in format 6).
+//
+// Being built: until it is complete, only a data dir created with
+// Options.segmented (this package's tests) is in format 6, and retention,
+// snapshots, the reset of the raft state and the offline tools refuse it.
+
+// keySegHead is the seq and id of the chain's first segment.
+var keySegHead = []byte("seg_head")
+
+// formatChain is the format of a data dir whose WAL is its log.
+const formatChain = 6
+
+// errChainNotYet is what the operations format 6 does not have yet
+// return.
+var errChainNotYet = fmt.Errorf("storage: not available in data format %d yet", formatChain)
+
+// segState is the chain as the DB reads it. Guarded by DB.mu.
+type segState struct {
+	x     segIndex
+	ids   map[uint64]uint64 // the id of each live segment, by seq
+	head  uint64            // the first live segment
+	files *segFiles
+}
+
+// segID returns the id of live segment seq. The caller holds mu.
+func (db *DB) segIDLocked(seq uint64) (uint64, bool) {
+	id, ok := db.seg.ids[seq]
+	return id, ok
+}
+
+// makeSegment creates segment seq, or reuses a file of that name no cut
+// leads to yet (one made ready before a crash), written with zeros to
+// walPrealloc and synced with its directory entry: a cut may lead to it
+// from then on.
+func (db *DB) makeSegment(seq int) (*walSeg, error) {
+	path := walPath(filepath.Dir(db.path), seq)
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o640)
+	if err != nil {
+		return nil, fmt.Errorf("storage: create %s: %w", path, err)
+	}
+	st, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("storage: stat %s: %w", path, err)
+	}
+	s := &walSeg{f: f, size: st.Size()}
+	grown := s.size
+	if err := db.growWAL(s, walPrealloc); err != nil {
+		f.Close()
+		return nil, err
+	}
+	db.wal.written.Add(s.size - grown)
+	if err := syncDir(filepath.Dir(path)); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return s, nil
+}
+
+// readySpare makes the segment after the current one ready, unless it is:
+// the checkpointer's work, after each cut, so that the cut itself finds it
+// and the Save that cuts waits for no zeros. The caller holds ckMu.
+func (db *DB) readySpare() error {
+	db.wmu.Lock()
+	w := db.wal
+	if !w.chain || w.spare != nil || w.cseg == nil {
+		db.wmu.Unlock()
+		return nil
+	}
+	next := w.cur + 1
+	db.wmu.Unlock()
+	s, err := db.makeSegment(next)
+	if err != nil {
+		return err
+	}
+	db.wmu.Lock()
+	defer db.wmu.Unlock()
+	if w.spare != nil || w.cur+1 != next || w.cseg == nil {
+		s.f.Close() // a cut made its own meanwhile
+		return nil
+	}
+	w.spare = s
+	return nil
+}
+
+// sealIfFullLocked ends the current segment with a cut when a frame of n
+// bytes would not fit in what is left of it: the next one goes to the
+// segment after it, under a new id. The caller holds wmu.
+func (db *DB) sealIfFullLocked(n int) error {
+	w := db.wal
+	if w.retry || w.cseg == nil || w.off == 0 || w.off+int64(n)+walPage <= w.cseg.size {
+		// A frame that failed is written again where it went first, in
+		// this segment: a cut there could leave it readable after the cut.
+		return nil
+	}
+	next := w.cur + 1
+	if w.spare == nil {
+		s, err := db.makeSegment(next)
+		if err != nil {
+			return err
+		}
+		w.spare = s
+	}
+	id := newWALID()
+	if _, err := db.appendWAL(nil, id, nil, nil, false); err != nil {
+		return err
+	}
+	old := w.cseg
+	w.cseg, w.spare = w.spare, nil
+	w.cur, w.off, w.id = next, 0, id
+	w.synced.Store(0)
+	// The flusher may be syncing the old file without wmu: it is closed
+	// at the next cut, not under that sync.
+	if w.sealed != nil && w.sealed.f != nil {
+		_ = w.sealed.f.Close()
+	}
+	w.sealed = old
+	db.mu.Lock()
+	db.seg.ids[uint64(next)] = id
+	db.mu.Unlock()
+	select {
+	case db.ckSig <- struct{}{}: // to make the next spare ready
+	default:
+	}
+	return nil
+}
+
+// createChain starts the chain of a new data file: its first segment, and
+// the keys that name it, written in the transaction create makes.
+func (db *DB) createChain() (head uint64, id uint64, err error) {
+	s, err := db.makeSegment(firstSegment)
+	if err != nil {
+		return 0, 0, err
+	}
+	s.f.Close()
+	return firstSegment, newWALID(), nil
+}
+
+// segHeadValue encodes keySegHead.
+func segHeadValue(seq, id uint64) []byte {
+	v := make([]byte, 16)
+	binary.BigEndian.PutUint64(v, seq)
+	binary.BigEndian.PutUint64(v[8:], id)
+	return v
+}
+
+// openChain reads the chain from its head: every frame's CRC, the entries
+// into the index and the tail, and from the replay point on the staged
+// operations and hard states, as replay does for formats up to 5. It
+// leaves the WAL at the end of the last segment, where the next frame
+// goes. It returns how many frames it replayed.
+func (db *DB) openChain(ro bool) (int, error) {
+	dir := filepath.Dir(db.path)
+	w := db.wal
+	w.chain = true
+	db.seg.ids = map[uint64]uint64{}
+	db.seg.files = newSegFiles(dir)
+	seq, id := db.seg.head, db.segHeadID
+	var prevTerm uint64
+	if len(db.tail) > 0 {
+		prevTerm = db.tail[len(db.tail)-1].Term
+	}
+	replayed := 0
+	for {
+		path := walPath(dir, int(seq))
+		seg, err := openWAL(path, ro, true)
+		if err != nil {
+			return 0, err
+		}
+		frames, end, err := seg.readFrames(id)
+		if err != nil {
+			seg.f.Close()
+			return 0, err
+		}
+		db.seg.ids[seq] = id
+		for _, fr := range frames {
+			if fr.next != 0 {
+				continue
+			}
+			where := fmt.Sprintf("%s: frame at offset %d", path, fr.off)
+			live := seq > uint64(db.walSeg) || (seq == uint64(db.walSeg) && fr.off >= db.walOff)
+			if live {
+				replayed++
+				for _, op := range fr.ops {
+					db.stageGen++
+					op.gen = db.stageGen
+					db.staged[op.k] = op
+					if err := db.loadStaged(op); err != nil {
+						seg.f.Close()
+						return 0, fmt.Errorf("%s: %w", where, err)
+					}
+				}
+				if fr.hs != nil {
+					db.hs = *fr.hs
+				}
+			}
+			if len(fr.ents) == 0 {
+				continue
+			}
+			first, last := fr.ents[0].Index, fr.ents[len(fr.ents)-1].Index
+			if first > db.last+1 || first <= db.boltLast {
+				seg.f.Close()
+				return 0, fmt.Errorf("%s starts at index %d, the log ends at %d (%d in the data file): %w", where, first, db.last, db.boltLast, ErrCorrupt)
+			}
+			if first <= db.last {
+				prevTerm = 0 // an overwrite, by a later term
+			}
+			for i := range fr.ents {
+				if fr.ents[i].Term < prevTerm {
+					seg.f.Close()
+					return 0, fmt.Errorf("%s: entry %d has term %d after term %d: %w", where, fr.ents[i].Index, fr.ents[i].Term, prevTerm, ErrCorrupt)
+				}
+				prevTerm = fr.ents[i].Term
+				if live {
+					db.pendBytes += entrySize(&fr.ents[i])
+				}
+			}
+			db.seg.x.note(first, last, seq, fr.off)
+			db.last = last
+			db.appendTailLocked(fr.ents)
+		}
+		if n := len(frames); n > 0 && frames[n-1].next != 0 {
+			seg.f.Close()
+			seq, id = seq+1, frames[n-1].next
+			continue
+		}
+		if seq < uint64(db.walSeg) || (seq == uint64(db.walSeg) && end < db.walOff) {
+			seg.f.Close()
+			return 0, fmt.Errorf("%s: the log ends at offset %d, before the data file's replay point (segment %d, offset %d): frames the file has checkpointed are missing: %w", path, end, db.walSeg, db.walOff, ErrCorrupt)
+		}
+		w.cseg = &seg
+		w.cur, w.off, w.id = int(seq), end, id
+		w.synced.Store(end)
+		break
+	}
+	if db.hs.Commit > db.last {
+		return 0, fmt.Errorf("%s: commit index %d is past the last entry %d: %w", WALName, db.hs.Commit, db.last, ErrCorrupt)
+	}
+	return replayed, nil
+}
+
+// segView is what a reader needs of the chain, copied under mu: the
+// index's points for a range, and the segments' ids.
+type segView struct {
+	pts   []segPoint
+	ids   map[uint64]uint64
+	files *segFiles
+}
+
+// segViewLocked copies the points a read of [lo, hi) uses. The caller
+// holds mu.
+func (db *DB) segViewLocked(lo, hi uint64) segView {
+	x := &db.seg.x
+	i := max(sort.Search(len(x.pts), func(i int) bool { return x.pts[i].idx > lo })-1, 0)
+	j := sort.Search(len(x.pts), func(j int) bool { return x.pts[j].idx >= hi })
+	j = max(i, j)
+	ids := make(map[uint64]uint64, len(db.seg.ids))
+	for k, v := range db.seg.ids {
+		ids[k] = v
+	}
+	return segView{pts: append([]segPoint(nil), x.pts[i:j]...), ids: ids, files: db.seg.files}
+}
+
+// pointFor returns the point entry i is read from: the greatest at or
+// below it.
+func (v *segView) pointFor(i uint64) (segPoint, bool) {
+	x := segIndex{pts: v.pts, last: ^uint64(0)}
+	return x.find(i)
+}
+
+// before says whether position (seq, off) comes before point p.
+func (p segPoint) after(seq uint64, off int64) bool {
+	return p.seq > seq || (p.seq == seq && p.off > off)
+}
+
+// walk calls fn with the live entries [lo, hi) in order, each value
+// aliasing the reader's buffer (valid until fn returns), until fn returns
+// false. A frame that should be there and is not is ErrCorrupt; a segment
+// dropped meanwhile is errSegGone.
+func (v *segView) walk(lo, hi uint64, fn func(idx uint64, val []byte) (bool, error)) error {
+	if lo >= hi {
+		return nil
+	}
+	p, ok := v.pointFor(lo)
+	if !ok {
+		return fmt.Errorf("entry %d is not in the segments: %w", lo, ErrUnavailable)
+	}
+	r := segReader{files: v.files, ids: func(seq uint64) (uint64, bool) { id, ok := v.ids[seq]; return id, ok }}
+	if err := r.at(p); err != nil {
+		return err
+	}
+	want := lo
+	cur, _ := v.pointFor(want)
+	for want < hi {
+		fp, seq, at, ok, err := r.frame()
+		if err != nil {
+			return err
+		}
+		if !ok {
+			return fmt.Errorf("entry %d: %s has no live frame at offset %d: %w", want, walPath(v.files.dir, int(r.seq)), r.off, ErrCorrupt)
+		}
+		stop := false
+		var ferr error
+		err = frameEntries(fp, func(idx uint64, ev []byte) bool {
+			if idx != want || cur.after(seq, at) {
+				return idx <= want // before want, or an earlier generation
+			}
+			more, err := fn(idx, ev)
+			if err != nil || !more {
+				stop, ferr = true, err
+				return false
+			}
+			want++
+			if want >= hi {
+				stop = true
+				return false
+			}
+			cur, _ = v.pointFor(want)
+			return true
+		})
+		if err != nil {
+			return fmt.Errorf("%s: frame at offset %d: %w", walPath(v.files.dir, int(seq)), at, err)
+		}
+		if stop {
+			return ferr
+		}
+	}
+	return nil
+}
+
+// chainEntriesLocked appends to out the entries [lo, hi) the segments
+// hold, within maxSize bytes (at least one in all of out). The caller
+// holds mu.
+func (db *DB) chainEntriesLocked(out []pb.Entry, lo, hi, maxSize uint64) ([]pb.Entry, bool, error) {
+	v := segView{pts: db.seg.x.pts, ids: db.seg.ids, files: db.seg.files}
+	var size uint64
+	for i := range out {
+		size += uint64(out[i].Size())
+	}
+	full := false
+	err := v.walk(lo, hi, func(idx uint64, val []byte) (bool, error) {
+		e, err := decodeEntry(idx, val)
+		if err != nil {
+			return false, err
+		}
+		size += uint64(e.Size())
+		if len(out) > 0 && size > maxSize {
+			full = true
+			return false, nil
+		}
+		out = append(out, e)
+		return true, nil
+	})
+	return out, full, err
+}
+
+// chainTermLocked returns the term of entry i, which the segments hold.
+// The caller holds mu.
+func (db *DB) chainTermLocked(i uint64) (uint64, error) {
+	v := segView{pts: db.seg.x.pts, ids: db.seg.ids, files: db.seg.files}
+	var term uint64
+	found := false
+	err := v.walk(i, i+1, func(idx uint64, val []byte) (bool, error) {
+		t, err := checkEntry(idx, val)
+		term, found = t, err == nil
+		return false, err
+	})
+	if err == nil && !found {
+		err = fmt.Errorf("entry %d missing: %w", i, ErrCorrupt)
+	}
+	return term, err
+}
+
+// chainRequeueOps returns, for an append that overwrites the entries from
+// from on, the writes that put those that are data entries into the
+// requeue bucket, keyed as requeueFrom keys them: the frame of the append
+// carries them, so the overwrite and the requeue are durable together.
+func (db *DB) chainRequeueOps(from uint64) ([]stagedOp, error) {
+	db.mu.RLock()
+	last := db.last
+	var tailStart uint64 = last + 1
+	if len(db.tail) > 0 {
+		tailStart = db.tail[0].Index
+	}
+	var vals [][2][]byte
+	keep := func(idx uint64, ev []byte) {
+		if len(ev) > entryHdr && pb.EntryType(ev[12]) == pb.EntryNormal {
+			vals = append(vals, [2][]byte{append(u64(idx), ev[4:12]...), append([]byte(nil), ev...)})
+		}
+	}
+	var err error
+	if from < tailStart {
+		v := segView{pts: db.seg.x.pts, ids: db.seg.ids, files: db.seg.files}
+		err = v.walk(from, tailStart, func(idx uint64, ev []byte) (bool, error) {
+			if _, err := checkEntry(idx, ev); err != nil {
+				return false, err
+			}
+			keep(idx, ev)
+			return true, nil
+		})
+	}
+	for i := max(from, tailStart); err == nil && i <= last; i++ {
+		e := &db.tail[i-tailStart]
+		ev := make([]byte, entrySize(e))
+		putEntry(ev, e)
+		keep(i, ev)
+	}
+	db.mu.RUnlock()
+	if err != nil {
+		return nil, err
+	}
+	ops := make([]stagedOp, len(vals))
+	for i, kv := range vals {
+		b, k := string(bucketRequeue), string(kv[0])
+		ops[i] = stagedOp{k: b + "\x00" + k, bucket: b, key: k, val: kv[1]}
+	}
+	return ops, nil
+}
+
+// saveOverwritingChain is Save for an append that overwrites entries in
+// format 6: one frame with the entries and the requeue bucket's writes of
+// those they overwrite (the index and the tail forget them), then a
+// checkpoint, since the requeue bucket is read from the file.
+func (db *DB) saveOverwritingChain(hs pb.HardState, ents []pb.Entry) error {
+	db.mu.RLock()
+	boltLast := db.boltLast
+	db.mu.RUnlock()
+	if ents[0].Index <= boltLast {
+		return fmt.Errorf("storage: save: an append over entries of the data file's runs: %w", errChainNotYet)
+	}
+	if err := db.catchUp(); err != nil {
+		return fmt.Errorf("storage: save: %w", err)
+	}
+	ops, err := db.chainRequeueOps(ents[0].Index)
+	if err != nil {
+		return fmt.Errorf("storage: save: %w", err)
+	}
+	var hsp *pb.HardState
+	if !isEmptyHardState(hs) {
+		hsp = &hs
+	}
+	db.wmu.Lock()
+	err = db.appendWithLocked(hsp, ents, ops, false)
+	db.wmu.Unlock()
+	if err != nil {
+		return fmt.Errorf("storage: save: %w", err)
+	}
+	if len(ops) > 0 {
+		if err := db.commit(nil); err != nil {
+			return fmt.Errorf("storage: save: %w", err)
+		}
+		db.requeued.Store(true)
+	}
+	return nil
+}
+
+// walValue encodes keyWAL in format 6: the id, seq and offset frames are
+// replayed from.
+func walValue(id, seq uint64, off int64) []byte {
+	v := make([]byte, 24)
+	binary.BigEndian.PutUint64(v, id)
+	binary.BigEndian.PutUint64(v[8:], seq)
+	binary.BigEndian.PutUint64(v[16:], uint64(off))
+	return v
+}
+
+// chainEntriesAllLocked is Entries in format 6, for [lo, hi) starting
+// before the tail: the file's runs, the segments, then the tail. The
+// caller holds mu.
+func (db *DB) chainEntriesAllLocked(lo, hi, maxSize uint64) ([]pb.Entry, error) {
+	var out []pb.Entry
+	if lo <= db.boltLast {
+		var err error
+		out, err = db.readEntries(lo, min(hi, db.boltLast+1), maxSize)
+		if err != nil || hi <= db.boltLast+1 || out[len(out)-1].Index < db.boltLast {
+			return out, err
+		}
+		lo = db.boltLast + 1
+	}
+	tailStart := db.last + 1
+	if len(db.tail) > 0 {
+		tailStart = db.tail[0].Index
+	}
+	if lo < min(hi, tailStart) {
+		var full bool
+		var err error
+		out, full, err = db.chainEntriesLocked(out, lo, min(hi, tailStart), maxSize)
+		if err != nil || full || hi <= tailStart {
+			return out, err
+		}
+		lo = tailStart
+	}
+	all := append(out, db.tail[lo-tailStart:hi-tailStart]...)
+	return all[:limitSize(all, maxSize)], nil
+}
+
+// markLocked is cutLocked in format 6: no cut frame, the replay point
+// moves to where the next frame goes. Without lazy, the frames before it
+// are synced first (flush: interval leaves them to the flusher); with it,
+// the caller syncs them before the commit. The caller holds ckMu and wmu.
+func (db *DB) markLocked(lazy bool) (*cut, error) {
+	w := db.wal
+	if !lazy && w.off > w.synced.Load() {
+		seg := w.curSeg()
+		if err := walSync(seg.f); err != nil {
+			return nil, fmt.Errorf("storage: sync %s: %w", seg.f.Name(), err)
+		}
+		w.synced.Store(w.off)
+		w.flushed(w.off)
+		db.syncs.Add(1)
+	}
+	c := db.snapshot(w.cur, w.id)
+	c.off = w.off
+	w.sinceMark.Store(0)
+	return c, nil
+}
+
+// scanChain is Scan past the file's runs in format 6: the segments, in
+// chunks read outside mu from a copy of the index, then the tail.
+func (db *DB) scanChain(from uint64, fn func(e pb.Entry) bool) error {
+	var batch []pb.Entry
+	for limit := scanChunkMin; ; limit = min(2*limit, scanChunkMax) {
+		db.mu.RLock()
+		from = max(from, db.first)
+		last := db.last
+		if from > last {
+			db.mu.RUnlock()
+			return nil
+		}
+		tailStart := last + 1
+		if len(db.tail) > 0 {
+			tailStart = db.tail[0].Index
+		}
+		if from >= tailStart {
+			pend := append([]pb.Entry(nil), db.tail[from-tailStart:]...)
+			db.mu.RUnlock()
+			for i := range pend {
+				if !fn(pend[i]) {
+					return nil
+				}
+			}
+			return nil
+		}
+		v := db.segViewLocked(from, tailStart)
+		db.mu.RUnlock()
+		batch = batch[:0]
+		size := 0
+		err := v.walk(from, tailStart, func(idx uint64, val []byte) (bool, error) {
+			e, err := decodeEntry(idx, val)
+			if err != nil {
+				return false, err
+			}
+			batch = append(batch, e)
+			size += len(e.Data)
+			return size < limit, nil
+		})
+		for i := range batch {
+			if !fn(batch[i]) {
+				return nil
+			}
+		}
+		if err != nil {
+			return err // after the entries before the damage
+		}
+		if len(batch) == 0 {
+			return nil
+		}
+		from = batch[len(batch)-1].Index + 1
+	}
+}
+
+// boltLastNow returns boltLast, read under mu.
+func (db *DB) boltLastNow() uint64 {
+	db.mu.RLock()
+	defer db.mu.RUnlock()
+	return db.boltLast
+}
