@@ -3,10 +3,15 @@ package storage
 import (
 	"encoding/binary"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
+	"strings"
+	"sync"
 
+	bolt "go.etcd.io/bbolt"
 	pb "go.etcd.io/raft/v3/raftpb"
 )
 
@@ -19,9 +24,17 @@ import (
 // boltLast stays where it was (the snapshot's index in a data dir created
 // in format 6).
 //
+// Retention drops whole segments from the head (dropSegments), before the
+// replay point's segment, and keeps one dropped file for reuse: written
+// once with zeros, a segment costs the device nothing more when it comes
+// back. A segment is cut when a frame would not fit in it (unless it is
+// less than half full: then it grows), and when its records span more
+// than a sixteenth of max_age, so that max_age drops records at most that
+// much late.
+//
 // Being built: until it is complete, only a data dir created with
-// Options.segmented (this package's tests) is in format 6, and retention,
-// snapshots, the reset of the raft state and the offline tools refuse it.
+// Options.segmented (this package's tests) is in format 6, and snapshots,
+// the reset of the raft state and the offline repair refuse it.
 
 // keySegHead is the seq and id of the chain's first segment.
 var keySegHead = []byte("seg_head")
@@ -39,6 +52,11 @@ type segState struct {
 	ids   map[uint64]uint64 // the id of each live segment, by seq
 	head  uint64            // the first live segment
 	files *segFiles
+	// recycled is a dropped segment kept for the next makeSegment,
+	// "" when none; guarded by recycleMu (retention drops under ckMu,
+	// a cut makes a segment under wmu).
+	recycleMu sync.Mutex
+	recycled  string
 }
 
 // segID returns the id of live segment seq. The caller holds mu.
@@ -47,12 +65,45 @@ func (db *DB) segIDLocked(seq uint64) (uint64, bool) {
 	return id, ok
 }
 
-// makeSegment creates segment seq, or reuses a file of that name no cut
-// leads to yet (one made ready before a crash), written with zeros to
-// walPrealloc and synced with its directory entry: a cut may lead to it
-// from then on.
-func (db *DB) makeSegment(seq int) (*walSeg, error) {
-	path := walPath(filepath.Dir(db.path), seq)
+// segStep is what a segment grows by when a frame does not fit (a
+// record larger than walPrealloc): little past what it needs.
+const segStep = 64 << 10
+
+// segAgeShare is the share of max_age a segment's records may span
+// (sealIfFullLocked).
+const segAgeShare = 16
+
+// firstRecordTime returns the publish time of the first record in ents,
+// 0 when none holds one.
+func firstRecordTime(ents []pb.Entry) int64 {
+	for i := range ents {
+		if ents[i].Type == pb.EntryNormal {
+			if t, ok := recordTime(ents[i].Data); ok {
+				return t
+			}
+		}
+	}
+	return 0
+}
+
+// spareName is the file the next segment is made ready in, renamed to its
+// seq when the current one's seq is known for sure (readySpare).
+const spareName = WALName + ".next"
+
+// makeSegment makes the file at path a segment frames may go to: the
+// dropped segment retention kept for reuse if there is one, else a new
+// file (or one a crash left there), written with zeros to walPrealloc;
+// synced with its directory entry, so that a cut may lead to it from
+// then on. Its old frames, if any, carry ids no cut will name again.
+func (db *DB) makeSegment(path string) (*walSeg, error) {
+	db.seg.recycleMu.Lock()
+	defer db.seg.recycleMu.Unlock()
+	if old := db.seg.recycled; old != "" {
+		db.seg.recycled = ""
+		if err := os.Rename(old, path); err != nil {
+			_ = os.Remove(old)
+		}
+	}
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o640)
 	if err != nil {
 		return nil, fmt.Errorf("storage: create %s: %w", path, err)
@@ -62,7 +113,16 @@ func (db *DB) makeSegment(seq int) (*walSeg, error) {
 		f.Close()
 		return nil, fmt.Errorf("storage: stat %s: %w", path, err)
 	}
-	s := &walSeg{f: f, size: st.Size()}
+	s := &walSeg{f: f, size: st.Size(), step: segStep}
+	if s.size > walPrealloc {
+		// A record larger than a segment grew it: back to the size of
+		// one, the frames there are dead.
+		if err := f.Truncate(walPrealloc); err != nil {
+			f.Close()
+			return nil, fmt.Errorf("storage: truncate %s: %w", path, err)
+		}
+		s.size = walPrealloc
+	}
 	grown := s.size
 	if err := db.growWAL(s, walPrealloc); err != nil {
 		f.Close()
@@ -78,43 +138,69 @@ func (db *DB) makeSegment(seq int) (*walSeg, error) {
 
 // readySpare makes the segment after the current one ready, unless it is:
 // the checkpointer's work, after each cut, so that the cut itself finds it
-// and the Save that cuts waits for no zeros. The caller holds ckMu.
+// and the Save that cuts waits for no zeros. It is made under spareName,
+// without wmu, and renamed to its seq under wmu: a cut may come between,
+// which makes its own. The caller holds ckMu.
 func (db *DB) readySpare() error {
 	db.wmu.Lock()
 	w := db.wal
-	if !w.chain || w.spare != nil || w.cseg == nil {
-		db.wmu.Unlock()
+	need := w.chain && w.spare == nil && w.cseg != nil
+	db.wmu.Unlock()
+	if !need {
 		return nil
 	}
-	next := w.cur + 1
-	db.wmu.Unlock()
-	s, err := db.makeSegment(next)
+	dir := filepath.Dir(db.path)
+	tmp := filepath.Join(dir, spareName)
+	s, err := db.makeSegment(tmp)
 	if err != nil {
 		return err
 	}
 	db.wmu.Lock()
 	defer db.wmu.Unlock()
-	if w.spare != nil || w.cur+1 != next || w.cseg == nil {
-		s.f.Close() // a cut made its own meanwhile
+	if w.spare != nil || w.cseg == nil {
+		s.f.Close() // kept under spareName for the next time
 		return nil
+	}
+	if err := os.Rename(tmp, walPath(dir, w.cur+1)); err != nil {
+		s.f.Close()
+		return fmt.Errorf("storage: %w", err)
+	}
+	if err := syncDir(dir); err != nil {
+		s.f.Close()
+		return err
 	}
 	w.spare = s
 	return nil
 }
 
 // sealIfFullLocked ends the current segment with a cut when a frame of n
-// bytes would not fit in what is left of it: the next one goes to the
-// segment after it, under a new id. The caller holds wmu.
-func (db *DB) sealIfFullLocked(n int) error {
+// bytes would not fit in what is left of it, or when its first record,
+// published at t0, is more than segAgeShare of max_age younger than the
+// segment's first: the next one goes to the segment after it, under a
+// new id. The caller holds wmu.
+//
+// The second keeps what max_age drops close to what it names: retention
+// drops whole segments, once the newest record in one is past max_age, so
+// a segment spanning more than a share of it would keep records that much
+// longer.
+func (db *DB) sealIfFullLocked(n int, t0 int64) error {
 	w := db.wal
-	if w.retry || w.cseg == nil || w.off == 0 || w.off+int64(n)+walPage <= w.cseg.size {
+	if w.retry || w.cseg == nil || w.off == 0 {
 		// A frame that failed is written again where it went first, in
 		// this segment: a cut there could leave it readable after the cut.
 		return nil
 	}
+	aged := db.ret.maxAge > 0 && w.segFirst != 0 && t0 != 0 && t0-w.segFirst > int64(db.ret.maxAge/segAgeShare)
+	// A segment less than half full grows for a large frame rather than
+	// be cut: cut, most of it would stay empty for as long as it lives
+	// (a 1 MiB record after a few small ones, over and over).
+	full := w.off+int64(n)+walPage > w.cseg.size && w.off >= walPrealloc/2
+	if !full && !aged {
+		return nil
+	}
 	next := w.cur + 1
 	if w.spare == nil {
-		s, err := db.makeSegment(next)
+		s, err := db.makeSegment(walPath(filepath.Dir(db.path), next))
 		if err != nil {
 			return err
 		}
@@ -127,6 +213,7 @@ func (db *DB) sealIfFullLocked(n int) error {
 	old := w.cseg
 	w.cseg, w.spare = w.spare, nil
 	w.cur, w.off, w.id = next, 0, id
+	w.segFirst = 0
 	w.synced.Store(0)
 	// The flusher may be syncing the old file without wmu: it is closed
 	// at the next cut, not under that sync.
@@ -147,7 +234,7 @@ func (db *DB) sealIfFullLocked(n int) error {
 // createChain starts the chain of a new data file: its first segment, and
 // the keys that name it, written in the transaction create makes.
 func (db *DB) createChain() (head uint64, id uint64, err error) {
-	s, err := db.makeSegment(firstSegment)
+	s, err := db.makeSegment(walPath(filepath.Dir(db.path), firstSegment))
 	if err != nil {
 		return 0, 0, err
 	}
@@ -180,12 +267,14 @@ func (db *DB) openChain(ro bool) (int, error) {
 		prevTerm = db.tail[len(db.tail)-1].Term
 	}
 	replayed := 0
+	var segFirst int64
 	for {
 		path := walPath(dir, int(seq))
 		seg, err := openWAL(path, ro, true)
 		if err != nil {
 			return 0, err
 		}
+		seg.step = segStep
 		frames, end, err := seg.readFrames(id)
 		if err != nil {
 			seg.f.Close()
@@ -235,12 +324,16 @@ func (db *DB) openChain(ro bool) (int, error) {
 				}
 			}
 			db.seg.x.note(first, last, seq, fr.off)
+			if segFirst == 0 {
+				segFirst = firstRecordTime(fr.ents)
+			}
 			db.last = last
 			db.appendTailLocked(fr.ents)
 		}
 		if n := len(frames); n > 0 && frames[n-1].next != 0 {
 			seg.f.Close()
 			seq, id = seq+1, frames[n-1].next
+			segFirst = 0
 			continue
 		}
 		if seq < uint64(db.walSeg) || (seq == uint64(db.walSeg) && end < db.walOff) {
@@ -249,13 +342,44 @@ func (db *DB) openChain(ro bool) (int, error) {
 		}
 		w.cseg = &seg
 		w.cur, w.off, w.id = int(seq), end, id
+		w.segFirst = segFirst
 		w.synced.Store(end)
 		break
 	}
 	if db.hs.Commit > db.last {
 		return 0, fmt.Errorf("%s: commit index %d is past the last entry %d: %w", WALName, db.hs.Commit, db.last, ErrCorrupt)
 	}
+	if !ro {
+		removeDroppedSegments(dir, db.seg.head)
+	}
 	return replayed, nil
+}
+
+// removeDroppedSegments deletes the segments before head: retention
+// dropped them, and a crash came before their files went (or one was
+// kept for reuse).
+func removeDroppedSegments(dir string, head uint64) {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return
+	}
+	removed := false
+	for _, e := range ents {
+		n, ok := strings.CutPrefix(e.Name(), WALName+".")
+		if !ok {
+			continue
+		}
+		seq, err := strconv.ParseUint(n, 10, 64)
+		if err != nil || seq < firstSegment || seq >= head {
+			continue
+		}
+		if os.Remove(filepath.Join(dir, e.Name())) == nil {
+			removed = true
+		}
+	}
+	if removed {
+		_ = syncDir(dir)
+	}
 }
 
 // segView is what a reader needs of the chain, copied under mu: the
@@ -578,13 +702,25 @@ func (db *DB) scanChain(from uint64, fn func(e pb.Entry) bool) error {
 				return nil
 			}
 		}
+		if len(batch) > 0 {
+			from = batch[len(batch)-1].Index + 1
+		}
 		if err != nil {
-			return err // after the entries before the damage
+			// Retention may have dropped the segments read meanwhile:
+			// then the scan goes on at the new first index, as it does
+			// over the runs. Else it is damage, after the entries
+			// before it.
+			db.mu.RLock()
+			gone := from < db.first
+			db.mu.RUnlock()
+			if gone {
+				continue
+			}
+			return err
 		}
 		if len(batch) == 0 {
 			return nil
 		}
-		from = batch[len(batch)-1].Index + 1
 	}
 }
 
@@ -593,4 +729,204 @@ func (db *DB) boltLastNow() uint64 {
 	db.mu.RLock()
 	defer db.mu.RUnlock()
 	return db.boltLast
+}
+
+// snapIndexNow returns snapIndex, read under mu.
+func (db *DB) snapIndexNow() uint64 {
+	db.mu.RLock()
+	defer db.mu.RUnlock()
+	return db.snapIndex
+}
+
+// segmentBytes is the size of the WAL's files in dir: the segments, the
+// one made ready for the next cut, and the two files of format 5 if an
+// upgrade left them.
+func segmentBytes(dir string) int64 {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return 0
+	}
+	var n int64
+	for _, e := range ents {
+		if !strings.HasPrefix(e.Name(), WALName+".") {
+			continue
+		}
+		if fi, err := e.Info(); err == nil && fi.Mode().IsRegular() {
+			n += fi.Size()
+		}
+	}
+	return n
+}
+
+// segRange returns the live entries of segment seq, [lo, hi], from the
+// index's points: from its first point to the one before the next
+// segment's first; ok is false for a segment none of whose entries is
+// live (metadata only, or overwritten since). The caller holds mu.
+func (x *segIndex) segRange(seq uint64) (lo, hi uint64, ok bool) {
+	i := sort.Search(len(x.pts), func(i int) bool { return x.pts[i].seq >= seq })
+	if i == len(x.pts) || x.pts[i].seq != seq {
+		return 0, 0, false
+	}
+	j := sort.Search(len(x.pts), func(j int) bool { return x.pts[j].seq > seq })
+	if j == len(x.pts) {
+		return x.pts[i].idx, x.last, x.pts[i].idx <= x.last
+	}
+	return x.pts[i].idx, x.pts[j].idx - 1, x.pts[i].idx < x.pts[j].idx
+}
+
+// chainOldest returns the publish time of the first record in the
+// segments from index from on (0: the first), 0 when there is none.
+func (db *DB) chainOldest(from uint64) (int64, error) {
+	db.mu.RLock()
+	from = max(from, db.boltLast+1, db.first)
+	last := db.last
+	v := db.segViewLocked(from, last+1)
+	db.mu.RUnlock()
+	if from > last || len(v.pts) == 0 {
+		return 0, nil
+	}
+	var t int64
+	err := v.walk(from, last+1, func(_ uint64, ev []byte) (bool, error) {
+		if tt, ok := entryTime(ev); ok {
+			t = tt
+			return false, nil
+		}
+		return true, nil
+	})
+	return t, err
+}
+
+// dropSegments is dropFront in format 6: whole segments from the head,
+// before the segment of the replay point this commit writes (its frames'
+// operations may not be in the file yet), as runs are dropped: while the
+// bytes are over the budget or the records past max_age, never past
+// limit. It records the new head in tx, and the compaction point if it
+// moved; commitCut removes the files once the commit is made
+// (applySegmentDrop). freed is what the backfill's drop freed already.
+func (db *DB) dropSegments(tx *bolt.Tx, res *dropResult, freed, excess, cutoff int64, limit, floor, maxDrop uint64) error {
+	m := tx.Bucket(bucketMeta)
+	wv := m.Get(keyWAL)
+	if len(wv) != 24 {
+		return fmt.Errorf("replay point of %d bytes in format %d: %w", len(wv), formatChain, ErrCorrupt)
+	}
+	replaySeq := binary.BigEndian.Uint64(wv[8:])
+	dir := filepath.Dir(db.path)
+	db.mu.RLock()
+	head, snapIndex, last := db.seg.head, db.snapIndex, db.last
+	type segInfo struct {
+		lo, hi uint64
+		ok     bool
+	}
+	var infos []segInfo
+	for s := head; s < replaySeq; s++ {
+		lo, hi, ok := db.seg.x.segRange(s)
+		infos = append(infos, segInfo{lo, hi, ok})
+	}
+	v := db.segViewLocked(snapIndex+1, last+1)
+	db.mu.RUnlock()
+	next := snapIndex + 1 // the first entry left
+	for i, in := range infos {
+		s := head + uint64(i)
+		records, newest, term := uint64(0), int64(math.MinInt64), uint64(0)
+		if in.ok {
+			err := v.walk(in.lo, in.hi+1, func(idx uint64, ev []byte) (bool, error) {
+				t, err := checkEntry(idx, ev)
+				if err != nil {
+					return false, err
+				}
+				term = t
+				if pt, ok := entryTime(ev); ok {
+					records++
+					newest = max(newest, pt)
+				}
+				return true, nil
+			})
+			if err != nil {
+				return err
+			}
+		}
+		byBytes := freed < excess
+		byAge := cutoff != math.MinInt64 && newest < cutoff
+		if !byBytes && !byAge {
+			break
+		}
+		if in.ok && res.some && byBytes && !byAge && in.hi > snapIndex+maxDrop {
+			res.capped = true
+			break
+		}
+		if in.ok && in.hi > limit {
+			res.blocked, res.blockedAt = byBytes && in.hi > floor && db.floorSet.Load(), in.hi
+			if in.hi <= floor {
+				res.applyAt = in.hi
+			}
+			break
+		}
+		if fi, err := os.Stat(walPath(dir, int(s))); err == nil {
+			freed += fi.Size()
+		}
+		res.segTo, res.some = s, true
+		res.records += records
+		if in.ok {
+			res.snapIndex, res.snapTerm = in.hi, term
+			next = in.hi + 1
+		}
+	}
+	// The oldest record left, which applyDrop stores: whether or not
+	// anything goes.
+	t, err := db.chainOldest(next)
+	if err != nil {
+		return err
+	}
+	res.oldest = t
+	if res.segTo == 0 {
+		res.some = false
+		return nil
+	}
+	id, ok := v.ids[res.segTo+1]
+	if !ok {
+		return fmt.Errorf("segment %d, after the last one dropped, is not in the chain: %w", res.segTo+1, ErrCorrupt)
+	}
+	if err := m.Put(keySegHead, segHeadValue(res.segTo+1, id)); err != nil {
+		return err
+	}
+	if res.snapIndex <= snapIndex {
+		res.snapIndex, res.snapTerm = 0, 0 // no entry went: the head moved
+		return nil
+	}
+	return db.compactTo(tx, nil, res)
+}
+
+// applySegmentDrop removes the segments res dropped, once the commit that
+// moved the chain's head past them is made: the first of them is kept for
+// makeSegment to reuse (written once with zeros, a segment is worth
+// reusing), the rest are deleted. The caller holds ckMu, and wmu or not.
+func (db *DB) applySegmentDrop(res dropResult) {
+	if res.segTo == 0 {
+		return
+	}
+	dir := filepath.Dir(db.path)
+	db.mu.Lock()
+	from := db.seg.head
+	db.seg.head = res.segTo + 1
+	for s := from; s <= res.segTo; s++ {
+		delete(db.seg.ids, s)
+	}
+	db.seg.x.dropThrough(res.segTo)
+	db.mu.Unlock()
+	for s := from; s <= res.segTo; s++ {
+		db.seg.files.forget(s)
+	}
+	keep := ""
+	db.seg.recycleMu.Lock()
+	if db.seg.recycled == "" {
+		keep = walPath(dir, int(from))
+		db.seg.recycled = keep
+	}
+	db.seg.recycleMu.Unlock()
+	for s := from; s <= res.segTo; s++ {
+		if p := walPath(dir, int(s)); p != keep {
+			_ = os.Remove(p)
+		}
+	}
+	_ = syncDir(dir)
 }

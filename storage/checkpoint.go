@@ -310,7 +310,11 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 			}
 		}
 		var err error
-		if drop, err = db.dropFront(tx, c.bytes); err != nil {
+		adding := c.bytes
+		if db.chain {
+			adding = 0 // the entries stay in the segments
+		}
+		if drop, err = db.dropFront(tx, adding); err != nil {
 			return err
 		}
 		return db.faults.commitErr()
@@ -338,6 +342,9 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 		db.shrinkDeadWAL(&db.wal.segs[1-c.seg])
 	}
 	db.applyDrop(drop)
+	if db.chain {
+		db.applySegmentDrop(drop)
+	}
 	db.syncs.Add(2)
 	db.committed(c.bytes)
 	if db.onCommit != nil {
@@ -392,6 +399,9 @@ const (
 // alone never make the entries' budget run over.
 const walBehindAt = 4 * walPrealloc
 
+// chainBehindAt is walBehindAt in format 6.
+const chainBehindAt = 3 * walCheckpointAt
+
 // behind says whether a write must checkpoint before its frame: the
 // entries only the WAL holds pass the tail's budget (a quarter of it, what
 // a checkpoint takes, once one has failed), or the WAL is far past its
@@ -400,8 +410,10 @@ func (db *DB) behind() bool {
 	if db.chain {
 		// The tail holds no entry for want of a checkpoint, and the
 		// segments are the log: what bounds the WAL is the frames Open
-		// would replay.
-		return db.wal.sinceMark.Load() > walBehindAt
+		// would replay, and the segments retention cannot drop yet
+		// (those past the replay point), which the background
+		// checkpoints keep at walCheckpointAt unless writes outrun them.
+		return db.wal.sinceMark.Load() > chainBehindAt
 	}
 	limit := db.maxTail
 	if db.ckFailed.Load() {

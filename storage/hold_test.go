@@ -9,9 +9,11 @@ import (
 
 // An uplink's position holds the log as a member's floor does: nothing
 // past it goes, and retention resumes once it moves.
-func TestRetentionNeverDropsAboveHold(t *testing.T) {
+func TestRetentionNeverDropsAboveHold(t *testing.T) { forFormats(t, testRetentionNeverDropsAboveHold) }
+
+func testRetentionNeverDropsAboveHold(t *testing.T, seg bool) {
 	const budget = 8 << 20
-	db := testOpen(t, t.TempDir(), &Options{MaxBytes: budget})
+	db := testOpen(t, t.TempDir(), &Options{MaxBytes: budget, segmented: seg})
 	db.SetRetentionFloor(math.MaxUint64) // every member holds everything
 	const hold = 1000
 	db.SetHoldFloor(hold)

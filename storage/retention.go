@@ -146,10 +146,14 @@ func dirBytes(dir string) int64 {
 	return n
 }
 
-// walBytes is the size of the two WAL files.
+// walBytes is the size of the two WAL files, or in format 6 of the
+// segments.
 func (db *DB) walBytes() int64 {
 	var n int64
 	dir := filepath.Dir(db.path)
+	if db.chain {
+		return segmentBytes(dir)
+	}
 	for i := range 2 {
 		if fi, err := os.Stat(walPath(dir, i)); err == nil {
 			n += fi.Size()
@@ -161,6 +165,8 @@ func (db *DB) walBytes() int64 {
 // dropResult is what one retention pass did, applied to the in-memory view
 // once its transaction committed.
 type dropResult struct {
+	// segTo is the last segment dropped, 0 when none (format 6).
+	segTo               uint64
 	snapIndex, snapTerm uint64
 	prevIndex, prevTerm uint64 // the compaction point before
 	records             uint64
@@ -176,8 +182,8 @@ type dropResult struct {
 // adding bytes of entries. The caller holds ckMu.
 func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 	var res dropResult
-	if !db.retainOn() || db.chain {
-		return res, nil // format 6 drops nothing yet (chain.go)
+	if !db.retainOn() {
+		return res, nil
 	}
 	// The applied and commit indexes this transaction writes (the stage
 	// and the hard state are in it already), not the in-memory ones, which
@@ -208,7 +214,12 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 		bs := db.bolt.Stats()
 		ps := int64(tx.DB().Info().PageSize)
 		inUse := tx.Size() - int64(bs.FreePageN+bs.PendingPageN)*ps
-		used := inUse + int64(adding) + db.walBytes() + growChunk + int64(db.maxTail)
+		used := inUse + int64(adding) + db.walBytes() + growChunk
+		if !db.chain {
+			// What the checkpoints will add to the file: in format 6
+			// the entries stay in the segments walBytes counts.
+			used += int64(db.maxTail)
+		}
 		excess = used - db.ret.maxBytes
 	}
 	var cutoff int64 = math.MinInt64
@@ -223,6 +234,14 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 	freed, err := dropBackfill(tx, excess)
 	if err != nil {
 		return res, err
+	}
+	if db.chain {
+		if k, _ := c.First(); k == nil {
+			return res, db.dropSegments(tx, &res, freed, excess, cutoff, limit, floor, maxDrop)
+		}
+		// A data dir upgraded to format 6 drops its runs first (not
+		// built yet: only a new data dir is in format 6).
+		return res, nil
 	}
 	// at is the item where the drops stop, read already (the cursor is
 	// on its last key): the oldest record left is looked for from it on.
@@ -463,6 +482,11 @@ func entryValue(e *pb.Entry) []byte {
 
 // loadOldest sets the oldest record's time from the file, at Open.
 func (db *DB) loadOldest() error {
+	if db.chain && db.boltLastNow() == db.snapIndexNow() {
+		t, err := db.chainOldest(0)
+		db.oldest.Store(t)
+		return err
+	}
 	return db.bolt.View(func(tx *bolt.Tx) error {
 		c := tx.Bucket(bucketLog).Cursor()
 		for k, v := c.First(); k != nil; k, v = c.Next() {

@@ -89,9 +89,20 @@ func checkCompactedBelow(t *testing.T, db *DB) {
 }
 
 func TestRetentionKeepsDataDirWithinBudget(t *testing.T) {
+	forFormats(t, testRetentionKeepsDataDirWithinBudget)
+}
+
+// forFormats runs test for a data dir of format 5 and one of format 6
+// (chain.go), seg set for the latter.
+func forFormats(t *testing.T, test func(t *testing.T, seg bool)) {
+	t.Run("runs", func(t *testing.T) { test(t, false) })
+	t.Run("segments", func(t *testing.T) { test(t, true) })
+}
+
+func testRetentionKeepsDataDirWithinBudget(t *testing.T, seg bool) {
 	const budget = 8 << 20
 	dir := t.TempDir()
-	db := testOpen(t, dir, &Options{MaxBytes: budget})
+	db := testOpen(t, dir, &Options{MaxBytes: budget, segmented: seg})
 	db.SetRetentionFloor(math.MaxUint64)
 	now := time.Now()
 	at := func(uint64) time.Time { return now }
@@ -130,7 +141,7 @@ func TestRetentionKeepsDataDirWithinBudget(t *testing.T) {
 	checkCompactedBelow(t, db)
 	// And it goes on appending and dropping.
 	db.SetRetentionFloor(math.MaxUint64)
-	saveApplied(t, db, recordEntries(next, 2000, 300, at))
+	saveApplied(t, db, recordEntries(next, 7000, 300, at)) // two segments' worth
 	mustCheckpoint(t, db)
 	if f, _ := db.FirstIndex(); f <= first {
 		t.Errorf("FirstIndex after more appends = %d, not past %d", f, first)
@@ -148,8 +159,12 @@ func fillPastBudget(t *testing.T, db *DB, budget int) {
 }
 
 func TestRetentionNeverDropsAboveFloor(t *testing.T) {
+	forFormats(t, testRetentionNeverDropsAboveFloor)
+}
+
+func testRetentionNeverDropsAboveFloor(t *testing.T, seg bool) {
 	const budget = 8 << 20
-	db := testOpen(t, t.TempDir(), &Options{MaxBytes: budget})
+	db := testOpen(t, t.TempDir(), &Options{MaxBytes: budget, segmented: seg})
 	const floor = 1000
 	db.SetRetentionFloor(floor)
 	fillPastBudget(t, db, budget)
@@ -174,17 +189,24 @@ func TestRetentionNeverDropsAboveFloor(t *testing.T) {
 }
 
 func TestRetentionDropsRecordsPastMaxAge(t *testing.T) {
+	forFormats(t, testRetentionDropsRecordsPastMaxAge)
+}
+
+func testRetentionDropsRecordsPastMaxAge(t *testing.T, seg bool) {
 	var clock atomic.Int64
 	start := time.Unix(1_800_000_000, 0)
 	clock.Store(start.UnixNano())
 	now := func() time.Time { return time.Unix(0, clock.Load()) }
 	dir := t.TempDir()
-	db := testOpen(t, dir, &Options{MaxAge: time.Hour, Now: now})
+	db := testOpen(t, dir, &Options{MaxAge: time.Hour, Now: now, segmented: seg})
 	db.SetRetentionFloor(math.MaxUint64)
 	// 4000 records, one a second of the clock: the first 3600 are an
 	// hour older than the last.
 	at := func(i uint64) time.Time { return start.Add(time.Duration(i) * time.Second) }
-	saveApplied(t, db, recordEntries(1, 4000, 100, at))
+	all := recordEntries(1, 4000, 100, at)
+	for i := 0; i < len(all); i += 40 { // batches as a gateway's
+		saveApplied(t, db, all[i:i+40])
+	}
 	mustCheckpoint(t, db)
 	if f, _ := db.FirstIndex(); f != 1 {
 		t.Fatalf("dropped with no record past max_age: first index %d", f)
@@ -211,8 +233,10 @@ func TestRetentionDropsRecordsPastMaxAge(t *testing.T) {
 	if first-1 > 400 {
 		t.Errorf("dropped up to %d, records from 400 on are younger than max_age", first-1)
 	}
-	if first < 300 {
-		t.Errorf("dropped only up to %d of the 399 expired records", first-1)
+	// Segments are cut when their records span a sixteenth of max_age
+	// (225 records here).
+	if least := uint64(map[bool]int{false: 300, true: 400 - 3600/segAgeShare}[seg]); first-1 < least {
+		t.Errorf("dropped only up to %d of the 399 expired records, want at least %d", first-1, least)
 	}
 	if o := oldest; !o.Equal(at(first)) {
 		t.Errorf("oldest record %v, want %v (index %d)", o, at(first), first)
@@ -274,8 +298,12 @@ func TestApplySnapshotRestartsTheLogAfterIt(t *testing.T) {
 // A checkpoint that fails (a full disk) drops nothing: the bounds raft sees
 // come back with the file's, and the next checkpoint drops.
 func TestRetentionFailedCheckpointKeepsTheBounds(t *testing.T) {
+	forFormats(t, testRetentionFailedCheckpointKeepsTheBounds)
+}
+
+func testRetentionFailedCheckpointKeepsTheBounds(t *testing.T, seg bool) {
 	const budget = 8 << 20
-	db := testOpen(t, t.TempDir(), &Options{MaxBytes: budget})
+	db := testOpen(t, t.TempDir(), &Options{MaxBytes: budget, segmented: seg})
 	db.SetRetentionFloor(math.MaxUint64)
 	now := time.Now()
 	at := func(uint64) time.Time { return now }
@@ -286,8 +314,9 @@ func TestRetentionFailedCheckpointKeepsTheBounds(t *testing.T) {
 	}
 	mustCheckpoint(t, db)
 	first, _ := db.FirstIndex()
-	saveApplied(t, db, recordEntries(next, 3000, 300, at))
-	next += 3000
+	// Two segments' worth: format 6 drops whole segments.
+	saveApplied(t, db, recordEntries(next, 7000, 300, at))
+	next += 7000
 	failCommits(db.faults)
 	if err := db.commit(nil); err == nil {
 		t.Fatal("checkpoint succeeded with commits failing")
@@ -308,8 +337,10 @@ func TestRetentionFailedCheckpointKeepsTheBounds(t *testing.T) {
 
 // Readers racing with drops see either entries or ErrCompacted, never a
 // missing entry taken for damage.
-func TestRetentionReadsDuringDrops(t *testing.T) {
-	db := testOpen(t, t.TempDir(), &Options{MaxBytes: 8 << 20, TailBytes: 64 << 10})
+func TestRetentionReadsDuringDrops(t *testing.T) { forFormats(t, testRetentionReadsDuringDrops) }
+
+func testRetentionReadsDuringDrops(t *testing.T, seg bool) {
+	db := testOpen(t, t.TempDir(), &Options{MaxBytes: 8 << 20, TailBytes: 64 << 10, segmented: seg})
 	db.SetRetentionFloor(math.MaxUint64)
 	now := time.Now()
 	stop := make(chan struct{})
@@ -360,6 +391,10 @@ func TestRetentionReadsDuringDrops(t *testing.T) {
 // such a reader may still see), and past the slack when the WAL stayed
 // grown or large runs found no free run of pages long enough.
 func TestRetentionBudgetWithLargeRecords(t *testing.T) {
+	forFormats(t, testRetentionBudgetWithLargeRecords)
+}
+
+func testRetentionBudgetWithLargeRecords(t *testing.T, seg bool) {
 	const budget = 8 << 20
 	for _, tc := range []struct {
 		name  string
@@ -376,7 +411,7 @@ func TestRetentionBudgetWithLargeRecords(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()
-			db := testOpen(t, dir, &Options{MaxBytes: budget})
+			db := testOpen(t, dir, &Options{MaxBytes: budget, segmented: seg})
 			db.SetRetentionFloor(math.MaxUint64)
 			now := time.Now()
 			at := func(uint64) time.Time { return now }
@@ -555,8 +590,12 @@ func TestApplySnapshotRequeuesTheTailWrittenAsMaster(t *testing.T) {
 // behind) goes on once they are: not at the next write, which an idle
 // gateway may not see for hours, leaving its data dir over the budget.
 func TestRetentionGoesOnOnceTheRecordsAreApplied(t *testing.T) {
+	forFormats(t, testRetentionGoesOnOnceTheRecordsAreApplied)
+}
+
+func testRetentionGoesOnOnceTheRecordsAreApplied(t *testing.T, seg bool) {
 	const budget = 8 << 20
-	db := testOpen(t, t.TempDir(), &Options{MaxBytes: budget})
+	db := testOpen(t, t.TempDir(), &Options{MaxBytes: budget, segmented: seg})
 	db.SetRetentionFloor(math.MaxUint64)
 	now := time.Now()
 	at := func(uint64) time.Time { return now }

@@ -85,6 +85,18 @@ var zeros = make([]byte, 64<<10)
 type walSeg struct {
 	f    *os.File
 	size int64 // bytes the file holds (frames and zeros)
+	// step is what the file grows by, 0 for walPrealloc: in format 6
+	// segStep, so that a record larger than a segment does not take a
+	// whole walPrealloc more of the budget.
+	step int64
+}
+
+// growStep is what w grows by.
+func (w *walSeg) growStep() int64 {
+	if w.step > 0 {
+		return w.step
+	}
+	return walPrealloc
 }
 
 // walLog is the WAL and where the next frame goes. Guarded by DB.wmu.
@@ -104,9 +116,12 @@ type walLog struct {
 	// the bytes of frames written since the replay point (format 6).
 	lastAt    int64
 	sinceMark atomic.Int64 // read by behind without wmu
-	off       int64        // where the last frame ends in it: the next one goes there, or at the next page (padFrame)
-	id        uint64       // the id its frames carry; 0 until the first checkpoint
-	buf       []byte       // frame being built, reused
+	// segFirst is the publish time of the first record in the current
+	// segment, 0 when it holds none (format 6, sealIfFullLocked).
+	segFirst int64
+	off      int64  // where the last frame ends in it: the next one goes there, or at the next page (padFrame)
+	id       uint64 // the id its frames carry; 0 until the first checkpoint
+	buf      []byte // frame being built, reused
 	// retry is set when a frame failed to be written or synced: the next
 	// frame goes where that one went, padded as it was, so that it
 	// overwrites its header and no part of it can be read back as live.
@@ -375,8 +390,8 @@ func (w *walSeg) checkLength(b []byte, off int64, id uint64) error {
 			return fmt.Errorf("%s is cut short: the frame at offset %d needs %d bytes, the file has %d: acknowledged records past it would be lost: %w", w.f.Name(), off, off+walHdr+n, size, ErrCorrupt)
 		}
 	}
-	if rem := size % walPrealloc; rem != 0 && off > size-rem {
-		return fmt.Errorf("%s is cut short: it has %d bytes, not a whole number of %d-byte steps, and its frames reach offset %d: acknowledged records past the cut would be lost: %w", w.f.Name(), size, walPrealloc, off, ErrCorrupt)
+	if rem := size % w.growStep(); rem != 0 && off > size-rem {
+		return fmt.Errorf("%s is cut short: it has %d bytes, not a whole number of %d-byte steps, and its frames reach offset %d: acknowledged records past the cut would be lost: %w", w.f.Name(), size, w.growStep(), off, ErrCorrupt)
 	}
 	return nil
 }
@@ -600,8 +615,10 @@ func decodeFrame(p []byte) (walFrame, error) {
 func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb.Entry, lazy bool) (time.Duration, error) {
 	lazy = lazy && db.flushEvery > 0 && hs == nil
 	w := db.wal
+	var t0 int64 // the frame's first record's time (format 6)
 	if w.chain && next == 0 {
-		if err := db.sealIfFullLocked(frameSize(ops, ents)); err != nil {
+		t0 = firstRecordTime(ents)
+		if err := db.sealIfFullLocked(frameSize(ops, ents), t0); err != nil {
 			return 0, err
 		}
 	}
@@ -626,7 +643,8 @@ func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb
 		// Rarely: checkpoints are failing, or a batch is huge. Grow by
 		// whole steps, each with its fsync, not by every frame.
 		grown := seg.size
-		if err := db.growWAL(seg, (end+walPrealloc-1)/walPrealloc*walPrealloc); err != nil {
+		step := seg.growStep()
+		if err := db.growWAL(seg, (end+step-1)/step*step); err != nil {
 			return 0, err
 		}
 		w.written.Add(seg.size - grown)
@@ -638,6 +656,9 @@ func (db *DB) appendWAL(hs *pb.HardState, next uint64, ops []stagedOp, ents []pb
 	}
 	w.dirty(at, at+int64(len(fr)))
 	w.lastAt = at
+	if w.segFirst == 0 {
+		w.segFirst = t0
+	}
 	w.sinceMark.Add(int64(len(fr)))
 	if lazy {
 		w.off, w.retry = at+int64(len(fr)), false
