@@ -158,7 +158,16 @@ func (db *DB) readySpare() error {
 	db.wmu.Lock()
 	defer db.wmu.Unlock()
 	if w.spare != nil || w.cseg == nil {
-		s.f.Close() // kept under spareName for the next time
+		// A cut made its own meanwhile: this one is kept for the
+		// next, unless one is kept already.
+		s.f.Close()
+		db.seg.recycleMu.Lock()
+		if db.seg.recycled == "" {
+			db.seg.recycled = tmp
+		} else if db.seg.recycled != tmp {
+			_ = os.Remove(tmp)
+		}
+		db.seg.recycleMu.Unlock()
 		return nil
 	}
 	if err := os.Rename(tmp, walPath(dir, w.cur+1)); err != nil {
@@ -169,7 +178,7 @@ func (db *DB) readySpare() error {
 		s.f.Close()
 		return err
 	}
-	w.spare = s
+	w.setSpare(s)
 	return nil
 }
 
@@ -198,20 +207,28 @@ func (db *DB) sealIfFullLocked(n int, t0 int64) error {
 	if !full && !aged {
 		return nil
 	}
+	return db.sealLocked()
+}
+
+// sealLocked ends the current segment with a cut: the frames after it go
+// to the next segment, under a new id. The caller holds wmu.
+func (db *DB) sealLocked() error {
+	w := db.wal
 	next := w.cur + 1
 	if w.spare == nil {
 		s, err := db.makeSegment(walPath(filepath.Dir(db.path), next))
 		if err != nil {
 			return err
 		}
-		w.spare = s
+		w.setSpare(s)
 	}
 	id := newWALID()
 	if _, err := db.appendWAL(nil, id, nil, nil, false); err != nil {
 		return err
 	}
 	old := w.cseg
-	w.cseg, w.spare = w.spare, nil
+	w.cseg = w.spare
+	w.setSpare(nil)
 	w.cur, w.off, w.id = next, 0, id
 	w.segFirst = 0
 	w.synced.Store(0)
@@ -654,7 +671,7 @@ func (db *DB) markLocked(lazy bool) (*cut, error) {
 	}
 	c := db.snapshot(w.cur, w.id)
 	c.off = w.off
-	w.sinceMark.Store(0)
+	c.since = w.sinceMark.Load() // off sinceMark once the commit is made
 	return c, nil
 }
 
@@ -706,12 +723,13 @@ func (db *DB) scanChain(from uint64, fn func(e pb.Entry) bool) error {
 			from = batch[len(batch)-1].Index + 1
 		}
 		if err != nil {
-			// Retention may have dropped the segments read meanwhile:
-			// then the scan goes on at the new first index, as it does
-			// over the runs. Else it is damage, after the entries
+			// Retention may have dropped the segments read meanwhile
+			// (the one being read, or the ones holding from): then the
+			// scan goes on at from, or at the new first index, as it
+			// does over the runs. Else it is damage, after the entries
 			// before it.
 			db.mu.RLock()
-			gone := from < db.first
+			gone := from < db.first || (len(v.pts) > 0 && v.pts[0].seq < db.seg.head)
 			db.mu.RUnlock()
 			if gone {
 				continue
@@ -803,16 +821,27 @@ func (db *DB) chainOldest(from uint64) (int64, error) {
 // limit. It records the new head in tx, and the compaction point if it
 // moved; commitCut removes the files once the commit is made
 // (applySegmentDrop). freed is what the backfill's drop freed already.
-func (db *DB) dropSegments(tx *bolt.Tx, res *dropResult, freed, excess, cutoff int64, limit, floor, maxDrop uint64) error {
+//
+// Unlike a pass over runs it drops as much as it must at once: what a
+// segment frees is its file's size, no estimate to measure again.
+func (db *DB) dropSegments(tx *bolt.Tx, res *dropResult, freed, excess, cutoff int64, limit, floor uint64) error {
 	m := tx.Bucket(bucketMeta)
 	wv := m.Get(keyWAL)
 	if len(wv) != 24 {
 		return fmt.Errorf("replay point of %d bytes in format %d: %w", len(wv), formatChain, ErrCorrupt)
 	}
 	replaySeq := binary.BigEndian.Uint64(wv[8:])
+	hv := m.Get(keySegHead)
+	if len(hv) != 16 {
+		return fmt.Errorf("head of the log's chain of %d bytes: %w", len(hv), ErrCorrupt)
+	}
+	// The head as tx has it: a drop earlier in the same transaction
+	// (ReceiveSnapshot's, then the checkpoint's) moved it already, and
+	// the in-memory one only moves once tx commits.
+	head := binary.BigEndian.Uint64(hv)
 	dir := filepath.Dir(db.path)
 	db.mu.RLock()
-	head, snapIndex, last := db.seg.head, db.snapIndex, db.last
+	snapIndex, last := db.snapIndex, db.last
 	type segInfo struct {
 		lo, hi uint64
 		ok     bool
@@ -848,10 +877,6 @@ func (db *DB) dropSegments(tx *bolt.Tx, res *dropResult, freed, excess, cutoff i
 		byBytes := freed < excess
 		byAge := cutoff != math.MinInt64 && newest < cutoff
 		if !byBytes && !byAge {
-			break
-		}
-		if in.ok && res.some && byBytes && !byAge && in.hi > snapIndex+maxDrop {
-			res.capped = true
 			break
 		}
 		if in.ok && in.hi > limit {
@@ -899,28 +924,42 @@ func (db *DB) dropSegments(tx *bolt.Tx, res *dropResult, freed, excess, cutoff i
 // applySegmentDrop removes the segments res dropped, once the commit that
 // moved the chain's head past them is made: the first of them is kept for
 // makeSegment to reuse (written once with zeros, a segment is worth
-// reusing), the rest are deleted. The caller holds ckMu, and wmu or not.
-func (db *DB) applySegmentDrop(res dropResult) {
+// reusing) if no segment is ready for the next cut already, the rest are
+// deleted: a kept file is a segment's worth of the budget. The caller holds ckMu, and wmu or not.
+// A from other than 0 says the in-memory chain starts past them already,
+// and the segments go from there.
+func (db *DB) applySegmentDrop(res dropResult, from uint64) {
 	if res.segTo == 0 {
 		return
 	}
 	dir := filepath.Dir(db.path)
-	db.mu.Lock()
-	from := db.seg.head
-	db.seg.head = res.segTo + 1
-	for s := from; s <= res.segTo; s++ {
-		delete(db.seg.ids, s)
+	if from == 0 {
+		db.mu.Lock()
+		if res.segTo < db.seg.head {
+			db.mu.Unlock()
+			return // an earlier drop of the same commit took them
+		}
+		from = db.seg.head
+		db.seg.head = res.segTo + 1
+		for s := from; s <= res.segTo; s++ {
+			delete(db.seg.ids, s)
+		}
+		db.seg.x.dropThrough(res.segTo)
+		db.mu.Unlock()
 	}
-	db.seg.x.dropThrough(res.segTo)
-	db.mu.Unlock()
 	for s := from; s <= res.segTo; s++ {
 		db.seg.files.forget(s)
 	}
 	keep := ""
 	db.seg.recycleMu.Lock()
-	if db.seg.recycled == "" {
-		keep = walPath(dir, int(from))
-		db.seg.recycled = keep
+	if db.seg.recycled == "" && !db.wal.hasSpare.Load() {
+		// Back to a segment's size if a large frame grew it: dropped,
+		// its bytes must leave the budget now, not at its reuse.
+		p := walPath(dir, int(from))
+		if fi, err := os.Stat(p); err == nil && (fi.Size() <= walPrealloc || os.Truncate(p, walPrealloc) == nil) {
+			keep = p
+			db.seg.recycled = keep
+		}
 	}
 	db.seg.recycleMu.Unlock()
 	for s := from; s <= res.segTo; s++ {
@@ -929,4 +968,76 @@ func (db *DB) applySegmentDrop(res dropResult) {
 		}
 	}
 	_ = syncDir(dir)
+}
+
+// restartChainLocked starts a new chain in tx, for a log that starts
+// again (ApplySnapshot, ResetRaftFrom): the segment after the current one,
+// made ready first, becomes the head and the replay point, so that every
+// segment before it is dead once tx commits; the frames go there from
+// then on (finishRestartLocked). Nothing changes in memory before: if tx
+// fails, the old chain goes on as it was. The caller holds ckMu and wmu.
+func (db *DB) restartChainLocked(tx *bolt.Tx) (next uint64, id uint64, err error) {
+	w := db.wal
+	if w.spare == nil {
+		s, err := db.makeSegment(walPath(filepath.Dir(db.path), w.cur+1))
+		if err != nil {
+			return 0, 0, err
+		}
+		w.setSpare(s)
+	}
+	next, id = uint64(w.cur+1), newWALID()
+	m := tx.Bucket(bucketMeta)
+	if err := m.Put(keySegHead, segHeadValue(next, id)); err != nil {
+		return 0, 0, err
+	}
+	return next, id, m.Put(keyWAL, walValue(id, next, 0))
+}
+
+// finishRestartLocked moves the WAL and the reads to the chain
+// restartChainLocked started, whose commit was made, and removes the
+// segments before it (one kept for reuse). The caller holds ckMu and wmu,
+// and has reset the log's bounds.
+func (db *DB) finishRestartLocked(next, id uint64) {
+	w := db.wal
+	if w.sealed != nil && w.sealed.f != nil {
+		_ = w.sealed.f.Close()
+	}
+	w.sealed = w.cseg
+	w.cseg = w.spare
+	w.setSpare(nil)
+	w.cur, w.off, w.id = int(next), 0, id
+	w.segFirst = 0
+	w.synced.Store(0)
+	w.sinceMark.Store(0)
+	db.mu.Lock()
+	from := db.seg.head
+	db.seg.head = next
+	db.seg.ids = map[uint64]uint64{next: id}
+	db.seg.x = segIndex{}
+	db.mu.Unlock()
+	db.applySegmentDrop(dropResult{segTo: next - 1}, from)
+}
+
+// chainRequeueTx moves, in tx, the data entries of the segments from
+// index from on (of term only, when not 0) to the requeue bucket, as
+// requeueFrom does for the runs.
+func (db *DB) chainRequeueTx(tx *bolt.Tx, from, term uint64) error {
+	db.mu.RLock()
+	from = max(from, db.boltLast+1, db.first)
+	last := db.last
+	v := db.segViewLocked(from, last+1)
+	db.mu.RUnlock()
+	if from > last {
+		return nil
+	}
+	rq := tx.Bucket(bucketRequeue)
+	return v.walk(from, last+1, func(idx uint64, ev []byte) (bool, error) {
+		if _, err := checkEntry(idx, ev); err != nil {
+			return false, err
+		}
+		if len(ev) > entryHdr && pb.EntryType(ev[12]) == pb.EntryNormal && (term == 0 || binary.BigEndian.Uint64(ev[4:12]) == term) {
+			return true, rq.Put(append(u64(idx), ev[4:12]...), append([]byte(nil), ev...))
+		}
+		return true, nil
+	})
 }

@@ -29,6 +29,7 @@ type cut struct {
 	seg   int    // the file the frames after the cut go to
 	id    uint64 // and the id they carry
 	off   int64  // in format 6, where in seg they start (no cut frame)
+	since int64  // and the bytes of frames before it since the last one
 	last  uint64 // the last entry before the cut
 	bytes int    // the size of the entries past boltLast up to last
 	gen   uint64 // the stage generation at the cut
@@ -312,7 +313,13 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 		var err error
 		adding := c.bytes
 		if db.chain {
-			adding = 0 // the entries stay in the segments
+			// The entries stay in the segments; what the file gains is
+			// the staged writes (a broker state staged at once can be
+			// megabytes, which a segment then holds until dropped).
+			adding = 0
+			for _, op := range taken {
+				adding += len(op.key) + len(op.val)
+			}
 		}
 		if drop, err = db.dropFront(tx, adding); err != nil {
 			return err
@@ -338,12 +345,13 @@ func (db *DB) commitCut(c *cut, entries int, fn func(tx *bolt.Tx) error) error {
 	}
 	db.pendBytes -= c.bytes
 	db.mu.Unlock()
+	db.wal.sinceMark.Add(-c.since)
 	if !db.chain {
 		db.shrinkDeadWAL(&db.wal.segs[1-c.seg])
 	}
 	db.applyDrop(drop)
 	if db.chain {
-		db.applySegmentDrop(drop)
+		db.applySegmentDrop(drop, 0)
 	}
 	db.syncs.Add(2)
 	db.committed(c.bytes)

@@ -384,14 +384,23 @@ func (db *DB) ResetRaft(requeue bool) error {
 // from on (none when from is 0): how a deposed master keeps what it logged
 // after the point where the promoted slave's log forked from its own.
 func (db *DB) ResetRaftFrom(from uint64) error {
-	if db.chain {
-		return fmt.Errorf("storage: reset: %w", errChainNotYet)
-	}
 	requeue := from > 0
+	var chainNext, chainID uint64
 	err := db.commitSync(0, func(tx *bolt.Tx) error {
 		lb := tx.Bucket(bucketLog)
 		if requeue {
 			if err := requeueFrom(tx, lb, from, 0); err != nil {
+				return err
+			}
+			if db.chain {
+				if err := db.chainRequeueTx(tx, from, 0); err != nil {
+					return err
+				}
+			}
+		}
+		if db.chain {
+			var err error
+			if chainNext, chainID, err = db.restartChainLocked(tx); err != nil {
 				return err
 			}
 		}
@@ -435,6 +444,9 @@ func (db *DB) ResetRaftFrom(from uint64) error {
 		db.oldest.Store(0)
 		db.blockedAt.Store(0)
 		db.forgetBuilt()
+		if db.chain {
+			db.finishRestartLocked(chainNext, chainID)
+		}
 	})
 	if err != nil {
 		return fmt.Errorf("storage: reset: %w", err)

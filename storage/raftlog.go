@@ -58,9 +58,6 @@ func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 	if db.ro {
 		return fmt.Errorf("storage: apply snapshot on a read-only file")
 	}
-	if db.chain {
-		return fmt.Errorf("storage: apply snapshot: %w", errChainNotYet)
-	}
 	md := snap.Metadata
 	var staged *SnapshotRef
 	if ref, ok := ParseStagedSnapshot(snap.Data); ok {
@@ -87,12 +84,24 @@ func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 	if md.Term > hs.Term {
 		hs.Term, hs.Vote = md.Term, 0
 	}
+	var chainNext, chainID uint64
 	err = db.commitSync(0, func(tx *bolt.Tx) error {
 		if requeue {
 			if err := requeueFrom(tx, tx.Bucket(bucketLog), from, led); err != nil {
 				return err
 			}
+			if db.chain {
+				if err := db.chainRequeueTx(tx, from, led); err != nil {
+					return err
+				}
+			}
 			db.requeued.Store(true)
+		}
+		if db.chain {
+			var err error
+			if chainNext, chainID, err = db.restartChainLocked(tx); err != nil {
+				return err
+			}
 		}
 		if err := tx.DeleteBucket(bucketLog); err != nil {
 			return err
@@ -138,6 +147,9 @@ func (db *DB) ApplySnapshot(snap pb.Snapshot) error {
 		db.forgetBuilt()
 		if staged != nil {
 			db.installing.Store(false) // installStaged cleared keyInstalling
+		}
+		if db.chain {
+			db.finishRestartLocked(chainNext, chainID)
 		}
 	})
 	if err != nil {
@@ -412,6 +424,21 @@ func (db *DB) appendWithLocked(hs *pb.HardState, ents []pb.Entry, extra []staged
 	db.opsBuf = ops
 	if hs == nil && len(ops) == 0 && len(ents) == 0 {
 		return nil
+	}
+	if db.chain && len(ents) > 0 && len(extra) == 0 && frameSize(ops, nil) >= walPrealloc/2 {
+		// Metadata of half a segment or more (a broker state staged
+		// at once) goes in a frame of its own, before the entries: in
+		// format 6 a frame stays until retention drops its segment,
+		// and one that held entries too would keep the metadata's
+		// bytes for as long as the entries' segment lives. Ahead of
+		// the entries is where staged writes may be.
+		if _, err := db.appendWAL(nil, 0, ops, nil, lazy); err != nil {
+			clear(ops)
+			return err
+		}
+		db.dropFresh(ops[len(ops)-1].gen)
+		clear(ops)
+		ops = ops[:0]
 	}
 	took, err := db.appendWAL(hs, 0, ops, ents, lazy)
 	if n := len(ops) - len(extra); err == nil && n > 0 {

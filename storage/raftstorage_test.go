@@ -17,7 +17,9 @@ import (
 // ---------------------------------------------------------------------------
 // 2. The raft.Storage contract
 
-func TestRaftStorageContract(t *testing.T) {
+func TestRaftStorageContract(t *testing.T) { forFormats(t, testRaftStorageContract) }
+
+func testRaftStorageContract(t *testing.T, seg bool) {
 	noop := func(ents []pb.Entry) []pb.Entry { ents[0].Data = nil; return ents } // a new leader's empty entry
 	steps := []struct {
 		hs   pb.HardState
@@ -47,7 +49,7 @@ func TestRaftStorageContract(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()
-			opts := &Options{TailBytes: tc.tail}
+			opts := &Options{TailBytes: tc.tail, segmented: seg}
 			db := testOpen(t, dir, opts)
 			ms := raft.NewMemoryStorage()
 			checkLog(t, db, ms)
@@ -92,8 +94,10 @@ func TestRaftStorageContract(t *testing.T) {
 
 // The raft.Storage methods may be called from any goroutine while the
 // replication loop saves: readers must always see a consistent log.
-func TestConcurrentReadsDuringSaves(t *testing.T) {
-	db := testOpen(t, t.TempDir(), &Options{TailBytes: 2000})
+func TestConcurrentReadsDuringSaves(t *testing.T) { forFormats(t, testConcurrentReadsDuringSaves) }
+
+func testConcurrentReadsDuringSaves(t *testing.T, seg bool) {
+	db := testOpen(t, t.TempDir(), &Options{TailBytes: 2000, segmented: seg})
 	done := make(chan struct{})
 	var wg sync.WaitGroup
 	for range 2 {
@@ -174,6 +178,10 @@ func sortEntries(ents []pb.Entry) {
 }
 
 func TestConflictingAppendRequeuesOverwrittenData(t *testing.T) {
+	forFormats(t, testConflictingAppendRequeuesOverwrittenData)
+}
+
+func testConflictingAppendRequeuesOverwrittenData(t *testing.T, seg bool) {
 	// The tail a deposed master had: entries 1..10 at term 1, with a conf
 	// change at 4, a v2 conf change at 7 and a leader's empty entry at 8.
 	base := func() []pb.Entry {
@@ -197,7 +205,7 @@ func TestConflictingAppendRequeuesOverwrittenData(t *testing.T) {
 		for _, tail := range []int{0, 1} {
 			t.Run(fmt.Sprintf("%s/tail=%d", tc.name, tail), func(t *testing.T) {
 				dir := t.TempDir()
-				opts := &Options{TailBytes: tail}
+				opts := &Options{TailBytes: tail, segmented: seg}
 				db := testOpen(t, dir, opts)
 				ms := raft.NewMemoryStorage()
 				old := base()
@@ -249,8 +257,12 @@ func TestConflictingAppendRequeuesOverwrittenData(t *testing.T) {
 // bucket (a 3-gateway cluster flapping): the second overwrite must not
 // destroy what the first one requeued at the same indexes.
 func TestRequeueKeepsEntriesOverwrittenTwice(t *testing.T) {
+	forFormats(t, testRequeueKeepsEntriesOverwrittenTwice)
+}
+
+func testRequeueKeepsEntriesOverwrittenTwice(t *testing.T, seg bool) {
 	dir := t.TempDir()
-	db := testOpen(t, dir, nil)
+	db := testOpen(t, dir, &Options{segmented: seg})
 	t1 := makeEntries(1, 10, 1)
 	mustSave(t, db, pb.HardState{Term: 1}, t1)
 	t2 := makeEntries(5, 3, 2) // overwrites 5..10 of term 1

@@ -6,10 +6,12 @@ import (
 	pb "go.etcd.io/raft/v3/raftpb"
 )
 
-func TestResetRaftForJoining(t *testing.T) {
+func TestResetRaftForJoining(t *testing.T) { forFormats(t, testResetRaftForJoining) }
+
+func testResetRaftForJoining(t *testing.T, seg bool) {
 	for _, requeue := range []bool{false, true} {
 		dir := t.TempDir()
-		db, err := Open(dir, nil)
+		db, err := Open(dir, &Options{segmented: seg})
 		if err != nil {
 			t.Fatal(err)
 		}

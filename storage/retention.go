@@ -219,6 +219,11 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 			// What the checkpoints will add to the file: in format 6
 			// the entries stay in the segments walBytes counts.
 			used += int64(db.maxTail)
+		} else {
+			// The segment the frames until the next checkpoint may
+			// take besides the one made ready (walBytes counts it), a
+			// Save waiting for a checkpoint past chainBehindAt.
+			used += walPrealloc
 		}
 		excess = used - db.ret.maxBytes
 	}
@@ -237,7 +242,7 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 	}
 	if db.chain {
 		if k, _ := c.First(); k == nil {
-			return res, db.dropSegments(tx, &res, freed, excess, cutoff, limit, floor, maxDrop)
+			return res, db.dropSegments(tx, &res, freed, excess, cutoff, limit, floor)
 		}
 		// A data dir upgraded to format 6 drops its runs first (not
 		// built yet: only a new data dir is in format 6).

@@ -253,8 +253,12 @@ func testRetentionDropsRecordsPastMaxAge(t *testing.T, seg bool) {
 }
 
 func TestApplySnapshotRestartsTheLogAfterIt(t *testing.T) {
+	forFormats(t, testApplySnapshotRestartsTheLogAfterIt)
+}
+
+func testApplySnapshotRestartsTheLogAfterIt(t *testing.T, seg bool) {
 	dir := t.TempDir()
-	db := testOpen(t, dir, nil)
+	db := testOpen(t, dir, &Options{segmented: seg})
 	mustSave(t, db, pb.HardState{Term: 1, Commit: 10}, makeEntries(1, 20, 1))
 	db.SetApplied(10)
 	snap := pb.Snapshot{Metadata: pb.SnapshotMetadata{Index: 500, Term: 3, ConfState: pb.ConfState{Voters: []uint64{1}, Learners: []uint64{2}}}}
@@ -286,7 +290,7 @@ func TestApplySnapshotRestartsTheLogAfterIt(t *testing.T) {
 	check(db)
 	mustSave(t, db, pb.HardState{Term: 3, Commit: 501}, makeEntries(501, 5, 3))
 	mustClose(t, db)
-	db = testOpen(t, dir, nil)
+	db = testOpen(t, dir, &Options{segmented: seg})
 	if l, _ := db.LastIndex(); l != 505 {
 		t.Errorf("LastIndex after reopen %d, want 505", l)
 	}
@@ -520,6 +524,10 @@ func isClosed(ch <-chan struct{}) bool {
 // bucket, durably; earlier terms' entries and a member that never led
 // requeue nothing.
 func TestApplySnapshotRequeuesTheTailWrittenAsMaster(t *testing.T) {
+	forFormats(t, testApplySnapshotRequeuesTheTailWrittenAsMaster)
+}
+
+func testApplySnapshotRequeuesTheTailWrittenAsMaster(t *testing.T, seg bool) {
 	snap := pb.Snapshot{Metadata: pb.SnapshotMetadata{Index: 500, Term: 3, ConfState: pb.ConfState{Voters: []uint64{1, 2, 3}}}}
 	indexes := func(db *DB) []uint64 {
 		t.Helper()
@@ -538,7 +546,7 @@ func TestApplySnapshotRequeuesTheTailWrittenAsMaster(t *testing.T) {
 	}
 	t.Run("led", func(t *testing.T) {
 		dir := t.TempDir()
-		db := testOpen(t, dir, nil)
+		db := testOpen(t, dir, &Options{segmented: seg})
 		mustSave(t, db, pb.HardState{Term: 1, Commit: 8}, makeEntries(1, 10, 1)) // 9, 10: term 1, past the commit, another master's
 		db.NoteLed(2)
 		mustSave(t, db, pb.HardState{Term: 2, Vote: 1, Commit: 8}, makeEntries(11, 8, 2))
@@ -553,13 +561,13 @@ func TestApplySnapshotRequeuesTheTailWrittenAsMaster(t *testing.T) {
 			t.Fatalf("requeued %v, want %v", got, want)
 		}
 		mustClose(t, db)
-		db = testOpen(t, dir, nil)
+		db = testOpen(t, dir, &Options{segmented: seg})
 		if got := indexes(db); !slices.Equal(got, want) {
 			t.Fatalf("after reopen: requeued %v, want %v", got, want)
 		}
 	})
 	t.Run("led before a reset", func(t *testing.T) {
-		db := testOpen(t, t.TempDir(), nil)
+		db := testOpen(t, t.TempDir(), &Options{segmented: seg})
 		db.NoteLed(2)
 		mustSave(t, db, pb.HardState{Term: 2, Vote: 1, Commit: 4}, makeEntries(1, 6, 2))
 		if err := db.ResetRaft(false); err != nil {
@@ -575,7 +583,7 @@ func TestApplySnapshotRequeuesTheTailWrittenAsMaster(t *testing.T) {
 		}
 	})
 	t.Run("never led", func(t *testing.T) {
-		db := testOpen(t, t.TempDir(), nil)
+		db := testOpen(t, t.TempDir(), &Options{segmented: seg})
 		mustSave(t, db, pb.HardState{Term: 2, Commit: 8}, makeEntries(1, 18, 2))
 		if err := db.ApplySnapshot(snap); err != nil {
 			t.Fatal(err)

@@ -111,6 +111,10 @@ func noStaging(t *testing.T, dir string) {
 // quarter of the 11 MB state staged before the merge began, 20.6 MB; now
 // none grows past the log's own peak (16.6, 16.7 and 15.9 MB).
 func TestSnapshotInstallStaysWithinTheBudget(t *testing.T) {
+	forFormats(t, testSnapshotInstallStaysWithinTheBudget)
+}
+
+func testSnapshotInstallStaysWithinTheBudget(t *testing.T, seg bool) {
 	const (
 		budget = 16 << 20
 		size   = 1750 // a retained message of 1,100 bytes, base64 and JSON
@@ -127,7 +131,7 @@ func TestSnapshotInstallStaysWithinTheBudget(t *testing.T) {
 		{"two thirds of 11 MB changed", 5400, func(i int) bool { return i < 3600 }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			master := testOpen(t, t.TempDir(), nil)
+			master := testOpen(t, t.TempDir(), &Options{segmented: seg})
 			brokerState(master, tc.n, size, func(i int) string {
 				if tc.changed(i) {
 					return "n"
@@ -137,7 +141,7 @@ func TestSnapshotInstallStaysWithinTheBudget(t *testing.T) {
 			snap, ref := snapshotOf(t, master, 60000)
 
 			dir := t.TempDir()
-			db := testOpen(t, dir, &Options{MaxBytes: budget})
+			db := testOpen(t, dir, &Options{MaxBytes: budget, segmented: seg})
 			db.SetRetentionFloor(math.MaxUint64)
 			peak := dirPeak{dir: dir}
 			brokerState(db, tc.n, size, func(int) string { return "o" })
@@ -205,7 +209,11 @@ func TestSnapshotInstallStaysWithinTheBudget(t *testing.T) {
 // the merge passed the key written. The body comes in chunks of every size
 // from 1 byte, which end anywhere in an item.
 func TestSnapshotReceivedWhileTheBrokerWrites(t *testing.T) {
-	master := testOpen(t, t.TempDir(), nil)
+	forFormats(t, testSnapshotReceivedWhileTheBrokerWrites)
+}
+
+func testSnapshotReceivedWhileTheBrokerWrites(t *testing.T, seg bool) {
+	master := testOpen(t, t.TempDir(), &Options{segmented: seg})
 	master.SnapshotBucket("uplinks", nil)
 	for i := range 40 {
 		master.Stage(BucketSessions, fmt.Sprintf("k%02d", i), []byte(fmt.Sprintf("v%d", i%3)))
@@ -225,7 +233,7 @@ func TestSnapshotReceivedWhileTheBrokerWrites(t *testing.T) {
 		for _, chunk := range []uint64{1, 2, 3, 7, 64, ref.Size} {
 			t.Run(fmt.Sprint(tc.name, chunk), func(t *testing.T) {
 				dir := t.TempDir()
-				db := testOpen(t, dir, nil)
+				db := testOpen(t, dir, &Options{segmented: seg})
 				db.inPlaceMin = 0 // a bucket of 40 keys merged in place
 				for i := range 40 {
 					if i%4 != 1 { // some the member lacks
@@ -257,7 +265,7 @@ func TestSnapshotReceivedWhileTheBrokerWrites(t *testing.T) {
 				}
 				mustClose(t, db)
 				noStaging(t, dir)
-				db = testOpen(t, dir, nil)
+				db = testOpen(t, dir, &Options{segmented: seg})
 				if got := bucketContents(t, db, BucketSessions); !maps.Equal(got, want) {
 					t.Errorf("sessions after a restart: %q, want the snapshot's %q", got, want)
 				}
@@ -270,11 +278,15 @@ func TestSnapshotReceivedWhileTheBrokerWrites(t *testing.T) {
 // starts again (the master sends it again); one received again from the
 // start installs.
 func TestSnapshotReceivedInPartIsDroppedAtStart(t *testing.T) {
-	master := testOpen(t, t.TempDir(), nil)
+	forFormats(t, testSnapshotReceivedInPartIsDroppedAtStart)
+}
+
+func testSnapshotReceivedInPartIsDroppedAtStart(t *testing.T, seg bool) {
+	master := testOpen(t, t.TempDir(), &Options{segmented: seg})
 	brokerState(master, 200, 500, func(int) string { return "m" })
 	snap, ref := snapshotOf(t, master, 30)
 	dir := t.TempDir()
-	db := testOpen(t, dir, nil)
+	db := testOpen(t, dir, &Options{segmented: seg})
 	saveApplied(t, db, makeEntries(1, 10, 1))
 	in, err := db.ReceiveSnapshot(ref)
 	if err != nil {
@@ -284,11 +296,11 @@ func TestSnapshotReceivedInPartIsDroppedAtStart(t *testing.T) {
 		t.Fatal(err)
 	}
 	mustClose(t, db)
-	db = testOpen(t, dir, nil)
+	db = testOpen(t, dir, &Options{segmented: seg})
 	db.DropSnapshotFiles()
 	mustClose(t, db)
 	noStaging(t, dir)
-	db = testOpen(t, dir, nil)
+	db = testOpen(t, dir, &Options{segmented: seg})
 	receive(t, db, snap, ref, 1000, nil)
 	if want, got := bucketContents(t, master, BucketSessions), bucketContents(t, db, BucketSessions); !maps.Equal(want, got) {
 		t.Errorf("%d keys after the install, the master %d", len(got), len(want))
@@ -308,14 +320,18 @@ func TestSnapshotReceivedInPartIsDroppedAtStart(t *testing.T) {
 //   - an install whose commit fails leaves the mark; the snapshot
 //     received again installs.
 func TestSnapshotMergedInPlaceIsKnownIncompleteUntilInstalled(t *testing.T) {
+	forFormats(t, testSnapshotMergedInPlaceIsKnownIncompleteUntilInstalled)
+}
+
+func testSnapshotMergedInPlaceIsKnownIncompleteUntilInstalled(t *testing.T, seg bool) {
 	const n, size = 1000, 700 // 0.7 MB: past inPlaceMin
-	master := testOpen(t, t.TempDir(), nil)
+	master := testOpen(t, t.TempDir(), &Options{segmented: seg})
 	brokerState(master, n, size, func(int) string { return "n" })
 	snap, ref := snapshotOf(t, master, 30)
 	want := bucketContents(t, master, BucketSessions)
 
 	dir := t.TempDir()
-	db := testOpen(t, dir, nil)
+	db := testOpen(t, dir, &Options{segmented: seg})
 	brokerState(db, n, size, func(int) string { return "o" })
 	db.Stage(BucketSessions, "R\x00zz-mine", []byte("not in the snapshot"))
 	saveApplied(t, db, makeEntries(1, 10, 1))
@@ -350,7 +366,7 @@ func TestSnapshotMergedInPlaceIsKnownIncompleteUntilInstalled(t *testing.T) {
 	}
 	mustClose(t, db) // the member stops, the merge half done
 
-	db = testOpen(t, dir, nil)
+	db = testOpen(t, dir, &Options{segmented: seg})
 	db.DropSnapshotFiles()
 	if !db.InstallInterrupted() {
 		t.Fatal("restarted after a merge in place began: the state is not marked incomplete")
@@ -358,7 +374,7 @@ func TestSnapshotMergedInPlaceIsKnownIncompleteUntilInstalled(t *testing.T) {
 	mustClose(t, db)
 	noStaging(t, dir)
 
-	db = testOpen(t, dir, nil)
+	db = testOpen(t, dir, &Options{segmented: seg})
 	in, err = db.ReceiveSnapshot(ref)
 	if err != nil {
 		t.Fatal(err)
@@ -392,7 +408,7 @@ func TestSnapshotMergedInPlaceIsKnownIncompleteUntilInstalled(t *testing.T) {
 	}
 	mustClose(t, db)
 	noStaging(t, dir)
-	db = testOpen(t, dir, nil)
+	db = testOpen(t, dir, &Options{segmented: seg})
 	if db.InstallInterrupted() {
 		t.Error("restarted after the install: the state is marked incomplete")
 	}

@@ -46,7 +46,11 @@ func waitSnapshot(t *testing.T, db *DB) pb.Snapshot {
 // snapshot carries (members, sessions, a registered one, converted)
 // replace its own, staged writes included, also after a restart.
 func TestSnapshotCarriesTheBrokerStateToAnotherMember(t *testing.T) {
-	master := testOpen(t, t.TempDir(), nil)
+	forFormats(t, testSnapshotCarriesTheBrokerStateToAnotherMember)
+}
+
+func testSnapshotCarriesTheBrokerStateToAnotherMember(t *testing.T, seg bool) {
+	master := testOpen(t, t.TempDir(), &Options{segmented: seg})
 	master.SnapshotBucket("uplinks", nil)
 	// Converted: keys starting with "local" stay on the member.
 	master.SnapshotBucket(BucketSessions, func(scan func(string, func(k, v []byte) error) error, emit func(k, v []byte) error) error {
@@ -76,7 +80,7 @@ func TestSnapshotCarriesTheBrokerStateToAnotherMember(t *testing.T) {
 	}
 
 	dir := t.TempDir()
-	joiner := testOpen(t, dir, nil)
+	joiner := testOpen(t, dir, &Options{segmented: seg})
 	mustSave(t, joiner, pb.HardState{Term: 1, Commit: 3}, makeEntries(1, 3, 1))
 	joiner.Stage(BucketSessions, "S\x00old", []byte("gone"))   // replaced
 	joiner.Stage(BucketSessions, "local\x00x", []byte("gone")) // replaced too: the bucket goes whole
@@ -110,7 +114,7 @@ func TestSnapshotCarriesTheBrokerStateToAnotherMember(t *testing.T) {
 	}
 	check(joiner)
 	mustClose(t, joiner)
-	joiner = testOpen(t, dir, nil)
+	joiner = testOpen(t, dir, &Options{segmented: seg})
 	check(joiner)
 }
 
@@ -213,7 +217,9 @@ func scanIndexes(t *testing.T, db *DB) []uint64 {
 // pulled are read by Scan as the log's past, kept across a restart, and
 // the first that retention drops (they are the oldest), which ends the
 // pull.
-func TestBackfillBeforeTheSnapshot(t *testing.T) {
+func TestBackfillBeforeTheSnapshot(t *testing.T) { forFormats(t, testBackfillBeforeTheSnapshot) }
+
+func testBackfillBeforeTheSnapshot(t *testing.T, seg bool) {
 	dir := t.TempDir()
 	db := installed(t, dir)
 	if below, ok := db.BackfillWanted(); !ok || below != 21 {
@@ -233,7 +239,7 @@ func TestBackfillBeforeTheSnapshot(t *testing.T) {
 		t.Errorf("OldestIndex %d, want 15", o)
 	}
 	mustClose(t, db)
-	db = testOpen(t, dir, nil)
+	db = testOpen(t, dir, &Options{segmented: seg})
 	if below, ok := db.BackfillWanted(); !ok || below != 15 {
 		t.Errorf("after a restart BackfillWanted = %d, %v; want 15, true", below, ok)
 	}
@@ -270,7 +276,11 @@ func TestBackfillCompletes(t *testing.T) {
 // checks it and installs it, with the same broker state; a damaged body is
 // refused, a stale ref answered ErrSnapshotGone.
 func TestLargeSnapshotIsPulledInChunks(t *testing.T) {
-	master := testOpen(t, t.TempDir(), nil)
+	forFormats(t, testLargeSnapshotIsPulledInChunks)
+}
+
+func testLargeSnapshotIsPulledInChunks(t *testing.T, seg bool) {
+	master := testOpen(t, t.TempDir(), &Options{segmented: seg})
 	master.SetSnapshotInline(4 << 10)
 	mustSave(t, master, pb.HardState{Term: 1, Commit: 10}, makeEntries(1, 10, 1))
 	for i := range 500 {
@@ -285,7 +295,7 @@ func TestLargeSnapshotIsPulledInChunks(t *testing.T) {
 	if !ok || ref.Index != 10 || ref.Size < 50<<10 {
 		t.Fatalf("snapshot data of %d bytes, ref %+v %v: want a ref to a body of 50KiB or more", len(snap.Data), ref, ok)
 	}
-	joiner := testOpen(t, t.TempDir(), nil)
+	joiner := testOpen(t, t.TempDir(), &Options{segmented: seg})
 	pull := func(ref SnapshotRef, damage bool) ([]byte, error) {
 		in, err := joiner.ReceiveSnapshot(ref)
 		if err != nil {
