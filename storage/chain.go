@@ -924,8 +924,8 @@ func (db *DB) dropSegments(tx *bolt.Tx, res *dropResult, freed, excess, cutoff i
 // applySegmentDrop removes the segments res dropped, once the commit that
 // moved the chain's head past them is made: the first of them is kept for
 // makeSegment to reuse (written once with zeros, a segment is worth
-// reusing) if no segment is ready for the next cut already, the rest are
-// deleted: a kept file is a segment's worth of the budget. The caller holds ckMu, and wmu or not.
+// reusing; a segment's worth of the budget, which saves the device a
+// segment of zeros per segment of log), the rest are deleted. The caller holds ckMu, and wmu or not.
 // A from other than 0 says the in-memory chain starts past them already,
 // and the segments go from there.
 func (db *DB) applySegmentDrop(res dropResult, from uint64) {
@@ -952,7 +952,7 @@ func (db *DB) applySegmentDrop(res dropResult, from uint64) {
 	}
 	keep := ""
 	db.seg.recycleMu.Lock()
-	if db.seg.recycled == "" && !db.wal.hasSpare.Load() {
+	if db.seg.recycled == "" {
 		// Back to a segment's size if a large frame grew it: dropped,
 		// its bytes must leave the budget now, not at its reuse.
 		p := walPath(dir, int(from))
@@ -1040,4 +1040,11 @@ func (db *DB) chainRequeueTx(tx *bolt.Tx, from, term uint64) error {
 		}
 		return true, nil
 	})
+}
+
+// keepsSegment says a dropped segment is kept for reuse.
+func (db *DB) keepsSegment() bool {
+	db.seg.recycleMu.Lock()
+	defer db.seg.recycleMu.Unlock()
+	return db.seg.recycled != ""
 }

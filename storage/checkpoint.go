@@ -602,9 +602,17 @@ func (db *DB) checkpointer() {
 func (db *DB) checkpoint() error {
 	db.ckMu.Lock()
 	defer db.ckMu.Unlock()
-	if err := db.readySpare(); err != nil {
-		return err
+	err := db.checkpointLocked()
+	// After the commit, whose retention pass may have dropped a segment
+	// to reuse: made afresh, the next segment costs its zeros.
+	if e := db.readySpare(); err == nil {
+		err = e
 	}
+	return err
+}
+
+// checkpointLocked is checkpoint's work. The caller holds ckMu.
+func (db *DB) checkpointLocked() error {
 	if db.pendingCut == nil {
 		db.wmu.Lock()
 		due, retain := db.dueLocked(), db.retainDue.Swap(false)

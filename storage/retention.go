@@ -219,10 +219,11 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 			// What the checkpoints will add to the file: in format 6
 			// the entries stay in the segments walBytes counts.
 			used += int64(db.maxTail)
-		} else {
+		} else if !db.keepsSegment() {
 			// The segment the frames until the next checkpoint may
 			// take besides the one made ready (walBytes counts it), a
-			// Save waiting for a checkpoint past chainBehindAt.
+			// Save waiting for a checkpoint past chainBehindAt; a
+			// dropped one kept for reuse is that segment, counted.
 			used += walPrealloc
 		}
 		excess = used - db.ret.maxBytes

@@ -111,9 +111,7 @@ type walLog struct {
 	// sealed is the segment the last cut ended, still open: the flusher
 	// may be syncing it without wmu. Closed at the next cut.
 	sealed *walSeg
-	// hasSpare says spare is set, for readers without wmu.
-	hasSpare atomic.Bool
-	cur      int // the file frames go to
+	cur    int // the file frames go to
 	// lastAt is where the last frame written starts; sinceMark counts
 	// the bytes of frames written since the replay point (format 6).
 	lastAt    int64
@@ -196,7 +194,6 @@ func (w *walLog) close() {
 // setSpare sets spare. The caller holds wmu.
 func (w *walLog) setSpare(s *walSeg) {
 	w.spare = s
-	w.hasSpare.Store(s != nil)
 }
 
 // curSeg is the file frames go to.
