@@ -33,8 +33,12 @@ import (
 // much late.
 //
 // Being built: until it is complete, only a data dir created with
-// Options.segmented (this package's tests) is in format 6, and snapshots,
-// the reset of the raft state and the offline repair refuse it.
+// Options.segmented (this package's tests) is in format 6. Still to do
+// before it can be the default: the offline repair and damage survey
+// (they refuse format 6); a segment damaged before its cut ends the chain
+// there at Open, and the segments after it are not yet looked for; the
+// upgrade of a format 5 data dir (its runs read, then dropped first); the
+// power-cut rounds in format 6; the bench's figures.
 
 // keySegHead is the seq and id of the chain's first segment.
 var keySegHead = []byte("seg_head")

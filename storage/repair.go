@@ -144,6 +144,7 @@ type salvager struct {
 	nodeID              uint64
 	walID               uint64
 	walSeg              int
+	format              uint64 // the file's format version, if read
 	walOK               bool
 	epoch, maxEpoch     uint64
 	meta                map[string][]byte // the meta bucket's other keys
@@ -206,6 +207,11 @@ func Repair(src, dst string, opts *RepairOptions) (*RepairReport, error) {
 		}
 	}
 	defer s.close()
+	if s.format >= formatChain {
+		// Its log is in the WAL's segments, which the salvage below
+		// does not read: it would report the log lost.
+		return nil, fmt.Errorf("storage: repair of %s: data format %d is not repaired by this build yet: %w", path, s.format, ErrUnknownVersion)
+	}
 	var found map[uint64]pb.Entry
 	if !s.stateOK {
 		// One line for the engineer instead of one per bucket bbolt
@@ -430,6 +436,9 @@ func (s *salvager) readState() bool {
 			return m.ForEach(func(k, v []byte) error {
 				switch string(k) {
 				case string(keyFormat):
+					if len(v) == 8 {
+						s.format = binary.BigEndian.Uint64(v)
+					}
 				case string(keyWAL):
 					if len(v) == 16 {
 						s.walID, s.walSeg, s.walOK = binary.BigEndian.Uint64(v), int(binary.BigEndian.Uint64(v[8:])&1), true

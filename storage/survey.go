@@ -70,6 +70,9 @@ func SurveyDamaged(dir string) (s Survey) {
 	}()
 	var acc rangeAcc
 	err = bdb.View(func(tx *bolt.Tx) error {
+		if m := tx.Bucket(bucketMeta); m != nil && metaU64(tx, bucketMeta, keyFormat) >= formatChain {
+			return fmt.Errorf("data format %d: its log is in the WAL's segments, which this survey does not read yet", metaU64(tx, bucketMeta, keyFormat))
+		}
 		lb := tx.Bucket(bucketLog)
 		if lb == nil {
 			return errors.New("no log bucket")
