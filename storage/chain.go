@@ -746,39 +746,18 @@ func (db *DB) scanChain(from uint64, fn func(e pb.Entry) bool) error {
 	}
 }
 
-// boltLastNow returns boltLast, read under mu.
-func (db *DB) boltLastNow() uint64 {
+// runsEnd returns boltLast and snapIndex, read under mu: the log's runs
+// end at boltLast, and hold none when it is snapIndex.
+func (db *DB) runsEnd() (boltLast, snapIndex uint64) {
 	db.mu.RLock()
 	defer db.mu.RUnlock()
-	return db.boltLast
-}
-
-// snapIndexNow returns snapIndex, read under mu.
-func (db *DB) snapIndexNow() uint64 {
-	db.mu.RLock()
-	defer db.mu.RUnlock()
-	return db.snapIndex
+	return db.boltLast, db.snapIndex
 }
 
 // segmentBytes is the size of the WAL's files in dir: the segments, the
-// one made ready for the next cut, and the two files of format 5 if an
-// upgrade left them.
-func segmentBytes(dir string) int64 {
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return 0
-	}
-	var n int64
-	for _, e := range ents {
-		if !strings.HasPrefix(e.Name(), WALName+".") {
-			continue
-		}
-		if fi, err := e.Info(); err == nil && fi.Mode().IsRegular() {
-			n += fi.Size()
-		}
-	}
-	return n
-}
+// one made ready for the next cut, the one kept for reuse, and the two
+// files of format 5 if an upgrade left them.
+func segmentBytes(dir string) int64 { return filesBytes(dir, WALName+".") }
 
 // segRange returns the live entries of segment seq, [lo, hi], from the
 // index's points: from its first point to the one before the next

@@ -6,6 +6,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
@@ -132,13 +133,20 @@ func (db *DB) RetentionStats() RetentionStats {
 }
 
 // dirBytes is the size of the regular files in dir.
-func dirBytes(dir string) int64 {
+func dirBytes(dir string) int64 { return filesBytes(dir, "") }
+
+// filesBytes is the size of the regular files in dir whose names start
+// with prefix.
+func filesBytes(dir, prefix string) int64 {
 	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return 0
 	}
 	var n int64
 	for _, e := range ents {
+		if !strings.HasPrefix(e.Name(), prefix) {
+			continue
+		}
 		if fi, err := e.Info(); err == nil && fi.Mode().IsRegular() {
 			n += fi.Size()
 		}
@@ -488,7 +496,7 @@ func entryValue(e *pb.Entry) []byte {
 
 // loadOldest sets the oldest record's time from the file, at Open.
 func (db *DB) loadOldest() error {
-	if db.chain && db.boltLastNow() == db.snapIndexNow() {
+	if boltLast, snapIndex := db.runsEnd(); db.chain && boltLast == snapIndex {
 		t, err := db.chainOldest(0)
 		db.oldest.Store(t)
 		return err

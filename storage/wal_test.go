@@ -497,10 +497,15 @@ func TestCheckpointsRunInTheBackground(t *testing.T) {
 // When checkpoints keep failing (a full disk), the WAL does not grow
 // without end: past its bound, a write checkpoints itself and fails with
 // the checkpoint's error, having written nothing, and works again once
-// checkpoints do.
+// checkpoints do. In format 6 the bound is on the frames past the replay
+// point, the segments being the log.
 func TestWALStopsGrowingWhileCheckpointsFail(t *testing.T) {
+	forFormats(t, testWALStopsGrowingWhileCheckpointsFail)
+}
+
+func testWALStopsGrowingWhileCheckpointsFail(t *testing.T, seg bool) {
 	dir := t.TempDir()
-	db := testOpen(t, dir, nil)
+	db := testOpen(t, dir, &Options{segmented: seg})
 	full := failCommits(db.faults)
 	big := make([]byte, 256<<10)
 	var err error
@@ -513,14 +518,20 @@ func TestWALStopsGrowingWhileCheckpointsFail(t *testing.T) {
 	if !errors.Is(err, full) {
 		t.Fatalf("%d Flushes of 256 KiB with failing checkpoints: %v, want the checkpoint's error", staged, err)
 	}
-	db.wmu.Lock()
-	size := db.wal.segs[db.wal.cur].size
-	db.wmu.Unlock()
-	if size > walBehindAt+walPrealloc {
-		t.Errorf("the WAL file grew to %d bytes, want at most %d", size, walBehindAt+walPrealloc)
-	}
-	if size%walPrealloc != 0 {
-		t.Errorf("the WAL file is %d bytes: it grows by whole steps of %d", size, walPrealloc)
+	if seg {
+		if n := db.wal.sinceMark.Load(); n > chainBehindAt+int64(len(big))+walPage {
+			t.Errorf("%d bytes of frames past the replay point, want at most about %d", n, chainBehindAt)
+		}
+	} else {
+		db.wmu.Lock()
+		size := db.wal.segs[db.wal.cur].size
+		db.wmu.Unlock()
+		if size > walBehindAt+walPrealloc {
+			t.Errorf("the WAL file grew to %d bytes, want at most %d", size, walBehindAt+walPrealloc)
+		}
+		if size%walPrealloc != 0 {
+			t.Errorf("the WAL file is %d bytes: it grows by whole steps of %d", size, walPrealloc)
+		}
 	}
 	if err := db.Save(pb.HardState{Term: 1, Vote: 1}, makeEntries(1, 1, 1)); !errors.Is(err, full) {
 		t.Errorf("Save with the WAL full and failing checkpoints: %v, want the checkpoint's error", err)

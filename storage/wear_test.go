@@ -61,17 +61,9 @@ func TestBytesWrittenPerRecord(t *testing.T) {
 			}
 			next := last + 1
 			for s := range tc.saves {
-				ents := make([]pb.Entry, tc.batch(s))
+				ents := benchEntries(next, tc.batch(s), s, payload)
 				n += len(ents)
-				for i := range ents {
-					r := Record{
-						Origin: 0x0102030405060708, Seq: next, ClientID: fmt.Sprintf("tandem-bench-%06d-pub-%d", 123456, s%50),
-						Topic: fmt.Sprintf("bench/%d", s%50), QoS: 1, PacketID: uint16(next),
-						Time: 1_700_000_000_000_000_000 + int64(next), Payload: payload,
-					}
-					ents[i] = pb.Entry{Index: next, Term: 1, Type: pb.EntryNormal, Data: AppendRecord(nil, &r)}
-					next++
-				}
+				next += uint64(len(ents))
 				mustSave(t, db, pb.HardState{Term: 1, Vote: 1, Commit: next - 1}, ents)
 			}
 			// The checkpoint of the rest: every record reaches the file.
@@ -111,4 +103,20 @@ func TestBuiltSnapshotCountsInWritten(t *testing.T) {
 	if got := db.Written().Snapshot - before; got != int64(len(snap.Data)) || got == 0 {
 		t.Errorf("building a snapshot of %d bytes counted %d", len(snap.Data), got)
 	}
+}
+
+// benchEntries returns n entries from next on holding records as a bench
+// publisher sends them (client s%50 of 50), with payload.
+func benchEntries(next uint64, n, s int, payload []byte) []pb.Entry {
+	ents := make([]pb.Entry, n)
+	for i := range ents {
+		r := Record{
+			Origin: 0x0102030405060708, Seq: next, ClientID: fmt.Sprintf("tandem-bench-%06d-pub-%d", 123456, s%50),
+			Topic: fmt.Sprintf("bench/%d", s%50), QoS: 1, PacketID: uint16(next),
+			Time: 1_700_000_000_000_000_000 + int64(next), Payload: payload,
+		}
+		ents[i] = pb.Entry{Index: next, Term: 1, Type: pb.EntryNormal, Data: AppendRecord(nil, &r)}
+		next++
+	}
+	return ents
 }
