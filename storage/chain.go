@@ -63,12 +63,6 @@ type segState struct {
 	recycled  string
 }
 
-// segID returns the id of live segment seq. The caller holds mu.
-func (db *DB) segIDLocked(seq uint64) (uint64, bool) {
-	id, ok := db.seg.ids[seq]
-	return id, ok
-}
-
 // segStep is what a segment grows by when a frame does not fit (a
 // record larger than walPrealloc): little past what it needs.
 const segStep = 64 << 10

@@ -830,6 +830,9 @@ func (db *DB) Close() error {
 	db.wal.close()
 	db.wmu.Unlock()
 	db.ckMu.Unlock()
+	if db.seg.files != nil {
+		db.seg.files.close() // the segments readers opened
+	}
 	err := db.bolt.Close()
 	if err != nil {
 		return err
