@@ -6,6 +6,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -220,7 +221,7 @@ func (db *DB) sealLocked() error {
 		}
 		w.setSpare(s)
 	}
-	id := newWALID()
+	id := nextSegmentID(w.id)
 	if _, err := db.appendWAL(nil, id, nil, nil, false); err != nil {
 		return err
 	}
@@ -355,6 +356,10 @@ func (db *DB) openChain(ro bool) (int, error) {
 			seg.f.Close()
 			return 0, fmt.Errorf("%s: the log ends at offset %d, before the data file's replay point (segment %d, offset %d): frames the file has checkpointed are missing: %w", path, end, db.walSeg, db.walOff, ErrCorrupt)
 		}
+		if err := chainGoesOn(dir, seq, id, end); err != nil {
+			seg.f.Close()
+			return 0, err
+		}
 		w.cseg = &seg
 		w.cur, w.off, w.id = int(seq), end, id
 		w.segFirst = segFirst
@@ -368,6 +373,65 @@ func (db *DB) openChain(ro bool) (int, error) {
 		removeDroppedSegments(dir, db.seg.head)
 	}
 	return replayed, nil
+}
+
+// nextSegmentID returns the id of the segment after the one carrying id
+// (splitmix64's finaliser, never 0). The cut names it too; derived, it
+// can also be looked for when the cut is gone (chainGoesOn). It is as
+// hard to guess as the random id the chain starts from.
+func nextSegmentID(id uint64) uint64 {
+	z := id + 0x9e3779b97f4a7c15
+	z = (z ^ z>>30) * 0xbf58476d1ce4e5b9
+	z = (z ^ z>>27) * 0x94d049bb133111eb
+	if z ^= z >> 31; z == 0 {
+		return 1
+	}
+	return z
+}
+
+// maxSegmentsAhead bounds how far past the chain's end chainGoesOn looks:
+// only the next segment can exist there in a data dir tandem wrote.
+const maxSegmentsAhead = 1 << 10
+
+// chainGoesOn reports a segment past seq, the last the chain reaches
+// (carrying id, its frames ending at end), that holds a frame of the
+// chain: one carrying the id a cut from seq on would have named. A cut is
+// synced before any frame goes to the segment it names, so such a frame
+// means seq lost its cut, or the frames before it, after they were
+// synced: damage, and the acknowledged records past it would be lost if
+// Open went on. The segment made ready for the next cut holds zeros or a
+// dropped segment's frames, whose ids no cut names again.
+func chainGoesOn(dir string, seq, id uint64, end int64) error {
+	des, err := os.ReadDir(dir)
+	if err != nil {
+		return fmt.Errorf("storage: %w", err)
+	}
+	var after []uint64
+	for _, de := range des {
+		n, ok := strings.CutPrefix(de.Name(), WALName+".")
+		if !ok {
+			continue
+		}
+		if k, err := strconv.ParseUint(n, 10, 64); err == nil && k > seq && k-seq <= maxSegmentsAhead {
+			after = append(after, k)
+		}
+	}
+	slices.Sort(after)
+	for _, k := range after {
+		want := id
+		for range k - seq {
+			want = nextSegmentID(want)
+		}
+		path := walPath(dir, int(k))
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return fmt.Errorf("storage: %w", err)
+		}
+		if at, ok := findFrame(b, 0, want); ok {
+			return fmt.Errorf("%s ends at offset %d without the cut to the next segment, and %s holds a frame of the chain at offset %d: the segment was damaged after it was synced, and acknowledged records past the damage would be lost: %w", walPath(dir, int(seq)), end, path, at, ErrCorrupt)
+		}
+	}
+	return nil
 }
 
 // removeDroppedSegments deletes the segments before head: retention

@@ -4,12 +4,15 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	pb "go.etcd.io/raft/v3/raftpb"
 )
@@ -368,4 +371,154 @@ func TestChainOfflineToolsRefuseWhatTheyCannotRead(t *testing.T) {
 	if s := SurveyDamaged(dir); !strings.Contains(s.Why, "format 6") {
 		t.Errorf("SurveyDamaged of a format 6 data dir: %+v, want it to say it cannot read format 6", s)
 	}
+}
+
+// copyDataDir copies the data file and every WAL file of a closed data dir
+// into a new one.
+func copyDataDir(t *testing.T, src string) string {
+	t.Helper()
+	dir := t.TempDir()
+	for _, name := range dirNames(t, src) {
+		if name != FileName && !strings.HasPrefix(name, WALName+".") {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(src, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, name), b, 0o640); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return dir
+}
+
+// A segment damaged before its cut, past the replay point, ends the chain
+// there, and what follows would be lost without a word: Open reports it
+// when a later segment holds a frame of the chain, which is only ever
+// written after the cut was synced. It is not fooled by the segment made
+// ready for the next cut, zeros or a dropped segment kept for reuse.
+func TestChainDamageBeforeACutIsReported(t *testing.T) {
+	dir := t.TempDir()
+	db := testOpen(t, dir, &Options{segmented: true, MaxBytes: 8 << 20})
+	db.SetRetentionFloor(math.MaxUint64)
+	now := time.Now()
+	at := func(uint64) time.Time { return now }
+	next := uint64(1)
+	save := func(n uint64) {
+		saveApplied(t, db, recordEntries(next, n, 1000, at))
+		next += n
+	}
+	for next < 20000 {
+		save(20) // past the budget: segments dropped, one kept for reuse
+	}
+	mustCheckpoint(t, db)
+
+	// Past the replay point: frames in its segment, a cut, frames in the
+	// next, a cut, frames in the one after. No checkpoint comes between
+	// (ckMu), so the crash copy's replay point stays before both cuts.
+	db.ckMu.Lock()
+	db.wmu.Lock()
+	mark := uint64(db.wal.cur) // the checkpoint above marked its end
+	db.wmu.Unlock()
+	for range 2 {
+		save(20)
+		db.wmu.Lock()
+		if err := db.sealLocked(); err != nil {
+			t.Fatal(err)
+		}
+		db.wmu.Unlock()
+	}
+	save(20)
+	src := crashCopyHeld(t, db)
+	ids := maps.Clone(db.seg.ids)
+	end := uint64(db.wal.cur)
+	db.ckMu.Unlock()
+	if end != mark+2 {
+		t.Fatalf("replay point in segment %d, chain ends at %d: want two cuts past it", mark, end)
+	}
+
+	// Undamaged, it opens whole: the crash copy, and the data dir itself
+	// with the next segment made ready past its end.
+	mustClose(t, db)
+	if names := dirNames(t, dir); !slices.Contains(names, filepath.Base(walPath(dir, int(end+1)))) {
+		t.Fatalf("no segment made ready past the last one, %d: %v", end, names)
+	}
+	for _, d := range []string{dir, copyDataDir(t, src)} {
+		db := testOpen(t, d, nil)
+		if got, _ := db.LastIndex(); got != next-1 {
+			t.Fatalf("undamaged: log ends at %d, want %d", got, next-1)
+		}
+		mustClose(t, db)
+	}
+
+	frames := func(seq uint64) ([]walFrame, int64) {
+		seg, err := openWAL(walPath(src, int(seq)), true, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer seg.f.Close()
+		fr, end, err := seg.readFrames(ids[seq])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fr, end
+	}
+	damage := func(t *testing.T, seq uint64, from, to int64) {
+		dir := copyDataDir(t, src)
+		path := walPath(dir, int(seq))
+		b, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		clear(b[from:to])
+		if err := os.WriteFile(path, b, 0o640); err != nil {
+			t.Fatal(err)
+		}
+		db, err := Open(dir, nil)
+		if err == nil {
+			l, _ := db.LastIndex()
+			db.Close()
+			t.Fatalf("Open of a chain damaged in segment %d at [%d, %d) succeeded with the log ending at %d of %d", seq, from, to, l, next-1)
+		}
+		if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "without the cut") {
+			t.Fatalf("Open: %v; want ErrCorrupt naming the missing cut", err)
+		}
+		t.Log(err)
+	}
+	t.Run("cut", func(t *testing.T) {
+		fr, end := frames(mark)
+		if cut := fr[len(fr)-1]; cut.next != 0 {
+			damage(t, mark, cut.off, end)
+		} else {
+			t.Fatalf("segment %d does not end with a cut", mark)
+		}
+	})
+	t.Run("frames and cut", func(t *testing.T) {
+		fr, end := frames(mark + 1)
+		damage(t, mark+1, fr[0].off, end)
+	})
+	t.Run("a cut two segments back", func(t *testing.T) {
+		_, end := frames(mark)
+		from := end - 64
+		_, end2 := frames(mark + 1)
+		dir := copyDataDir(t, src)
+		for _, d := range []struct {
+			seq      uint64
+			from, to int64
+		}{{mark, from, end}, {mark + 1, 0, end2}} {
+			path := walPath(dir, int(d.seq))
+			b, err := os.ReadFile(path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			clear(b[d.from:d.to])
+			if err := os.WriteFile(path, b, 0o640); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := Open(dir, nil); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "without the cut") {
+			t.Fatalf("Open with segments %d and %d damaged: %v; want ErrCorrupt naming the missing cut", mark, mark+1, err)
+		}
+	})
 }

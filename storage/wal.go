@@ -361,21 +361,30 @@ func (w *walSeg) readFrames(id uint64) ([]walFrame, int64, error) {
 	if err := w.checkLength(b, off, id); err != nil {
 		return nil, 0, err
 	}
-	// Look for the id (at offset 8 of a header) past the end: a search
-	// for 8 bytes, fast enough to do over the whole file at every Open.
+	if at, ok := findFrame(b, off+1, id); ok {
+		return nil, 0, fmt.Errorf("%s: the frame at offset %d is damaged or missing, and a good one follows at %d: acknowledged records would be lost: %w", w.f.Name(), off, at, ErrCorrupt)
+	}
+	return frames, off, nil
+}
+
+// findFrame returns the offset of the first frame carrying id that checks
+// out in b at from or past it. It looks for the id (at offset 8 of a
+// header): a search for 8 bytes, fast enough to do over a whole file at
+// every Open.
+func findFrame(b []byte, from int64, id uint64) (int64, bool) {
 	var pat [8]byte
 	binary.LittleEndian.PutUint64(pat[:], id)
-	for p := off + 1 + 8; p < int64(len(b)); {
+	for p := from + 8; p < int64(len(b)); {
 		i := bytes.Index(b[p:], pat[:])
 		if i < 0 {
 			break
 		}
 		if _, ok := frameAt(b, p+int64(i)-8, id); ok {
-			return nil, 0, fmt.Errorf("%s: the frame at offset %d is damaged or missing, and a good one follows at %d: acknowledged records would be lost: %w", w.f.Name(), off, p+int64(i)-8, ErrCorrupt)
+			return p + int64(i) - 8, true
 		}
 		p += int64(i) + 1
 	}
-	return frames, off, nil
+	return 0, false
 }
 
 // checkLength reports a file cut short below the frames that end at off.
