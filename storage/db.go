@@ -385,7 +385,7 @@ func Open(dir string, opts *Options) (*DB, error) {
 		}
 	}
 	// The WAL exists before the file records a format that needs it.
-	chain := db.chain || (!exists && opts.segmented)
+	chain := db.chain || (!exists && (opts.segmented || newDirsSegmented))
 	if chain {
 		db.wal = &walLog{chain: true}
 	} else if db.wal, err = openWALs(dir, opts.ReadOnly, exists && db.format >= 2); err != nil {
