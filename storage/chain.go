@@ -54,7 +54,7 @@ var errChainNotYet = fmt.Errorf("storage: not available in data format %d yet", 
 // segState is the chain as the DB reads it. Guarded by DB.mu.
 type segState struct {
 	x     segIndex
-	ids   map[uint64]uint64 // the id of each live segment, by seq
+	ids   map[uint64]uint64 // the id of each live segment, by seq: head on, no gap
 	head  uint64            // the first live segment
 	files *segFiles
 	// recycled is a dropped segment kept for the next makeSegment,
@@ -291,10 +291,13 @@ func (db *DB) openChain(ro bool) (int, error) {
 			return 0, err
 		}
 		seg.step = segStep
-		frames, end, err := seg.readFrames(id)
-		if err != nil {
+		fail := func(err error) (int, error) {
 			seg.f.Close()
 			return 0, err
+		}
+		frames, end, err := seg.readFrames(id)
+		if err != nil {
+			return fail(err)
 		}
 		db.seg.ids[seq] = id
 		for _, fr := range frames {
@@ -305,17 +308,8 @@ func (db *DB) openChain(ro bool) (int, error) {
 			live := seq > uint64(db.walSeg) || (seq == uint64(db.walSeg) && fr.off >= db.walOff)
 			if live {
 				replayed++
-				for _, op := range fr.ops {
-					db.stageGen++
-					op.gen = db.stageGen
-					db.staged[op.k] = op
-					if err := db.loadStaged(op); err != nil {
-						seg.f.Close()
-						return 0, fmt.Errorf("%s: %w", where, err)
-					}
-				}
-				if fr.hs != nil {
-					db.hs = *fr.hs
+				if err := db.replayOps(fr); err != nil {
+					return fail(fmt.Errorf("%s: %w", where, err))
 				}
 			}
 			if len(fr.ents) == 0 {
@@ -323,16 +317,14 @@ func (db *DB) openChain(ro bool) (int, error) {
 			}
 			first, last := fr.ents[0].Index, fr.ents[len(fr.ents)-1].Index
 			if first > db.last+1 || first <= db.boltLast {
-				seg.f.Close()
-				return 0, fmt.Errorf("%s starts at index %d, the log ends at %d (%d in the data file): %w", where, first, db.last, db.boltLast, ErrCorrupt)
+				return fail(fmt.Errorf("%s starts at index %d, the log ends at %d (%d in the data file): %w", where, first, db.last, db.boltLast, ErrCorrupt))
 			}
 			if first <= db.last {
 				prevTerm = 0 // an overwrite, by a later term
 			}
 			for i := range fr.ents {
 				if fr.ents[i].Term < prevTerm {
-					seg.f.Close()
-					return 0, fmt.Errorf("%s: entry %d has term %d after term %d: %w", where, fr.ents[i].Index, fr.ents[i].Term, prevTerm, ErrCorrupt)
+					return fail(fmt.Errorf("%s: entry %d has term %d after term %d: %w", where, fr.ents[i].Index, fr.ents[i].Term, prevTerm, ErrCorrupt))
 				}
 				prevTerm = fr.ents[i].Term
 				if live {
@@ -353,12 +345,10 @@ func (db *DB) openChain(ro bool) (int, error) {
 			continue
 		}
 		if seq < uint64(db.walSeg) || (seq == uint64(db.walSeg) && end < db.walOff) {
-			seg.f.Close()
-			return 0, fmt.Errorf("%s: the log ends at offset %d, before the data file's replay point (segment %d, offset %d): frames the file has checkpointed are missing: %w", path, end, db.walSeg, db.walOff, ErrCorrupt)
+			return fail(fmt.Errorf("%s: the log ends at offset %d, before the data file's replay point (segment %d, offset %d): frames the file has checkpointed are missing: %w", path, end, db.walSeg, db.walOff, ErrCorrupt))
 		}
 		if err := chainGoesOn(dir, seq, id, end); err != nil {
-			seg.f.Close()
-			return 0, err
+			return fail(err)
 		}
 		w.cseg = &seg
 		w.cur, w.off, w.id = int(seq), end, id
@@ -469,18 +459,33 @@ type segView struct {
 	files *segFiles
 }
 
-// segViewLocked copies the points a read of [lo, hi) uses. The caller
-// holds mu.
+// segViewLocked copies the points a read of [lo, hi) uses, and the ids of
+// the segments it may reach: from its first point's segment on, since a
+// reader only goes forward. The caller holds mu.
 func (db *DB) segViewLocked(lo, hi uint64) segView {
 	x := &db.seg.x
 	i := max(sort.Search(len(x.pts), func(i int) bool { return x.pts[i].idx > lo })-1, 0)
 	j := sort.Search(len(x.pts), func(j int) bool { return x.pts[j].idx >= hi })
 	j = max(i, j)
-	ids := make(map[uint64]uint64, len(db.seg.ids))
-	for k, v := range db.seg.ids {
-		ids[k] = v
+	from := db.seg.head
+	if i < j {
+		from = x.pts[i].seq
+	}
+	ids := map[uint64]uint64{}
+	for s := from; ; s++ {
+		id, ok := db.seg.ids[s]
+		if !ok {
+			break
+		}
+		ids[s] = id
 	}
 	return segView{pts: append([]segPoint(nil), x.pts[i:j]...), ids: ids, files: db.seg.files}
+}
+
+// liveViewLocked is the chain as a reader under mu sees it: the index and
+// the ids themselves, not copies, valid only while the caller holds mu.
+func (db *DB) liveViewLocked() segView {
+	return segView{pts: db.seg.x.pts, ids: db.seg.ids, files: db.seg.files}
 }
 
 // pointFor returns the point entry i is read from: the greatest at or
@@ -490,15 +495,17 @@ func (v *segView) pointFor(i uint64) (segPoint, bool) {
 	return x.find(i)
 }
 
-// before says whether position (seq, off) comes before point p.
+// after says whether point p comes after position (seq, off).
 func (p segPoint) after(seq uint64, off int64) bool {
 	return p.seq > seq || (p.seq == seq && p.off > off)
 }
 
 // walk calls fn with the live entries [lo, hi) in order, each value
 // aliasing the reader's buffer (valid until fn returns), until fn returns
-// false. A frame that should be there and is not is ErrCorrupt; a segment
-// dropped meanwhile is errSegGone.
+// false. A frame that should be there and is not is ErrCorrupt, and so is
+// a segment whose file went after the view was taken, or that the view's
+// ids lack (errSegGone): a caller that may race retention (scanChain)
+// checks the first index before it believes either.
 func (v *segView) walk(lo, hi uint64, fn func(idx uint64, val []byte) (bool, error)) error {
 	if lo >= hi {
 		return nil
@@ -554,7 +561,7 @@ func (v *segView) walk(lo, hi uint64, fn func(idx uint64, val []byte) (bool, err
 // hold, within maxSize bytes (at least one in all of out). The caller
 // holds mu.
 func (db *DB) chainEntriesLocked(out []pb.Entry, lo, hi, maxSize uint64) ([]pb.Entry, bool, error) {
-	v := segView{pts: db.seg.x.pts, ids: db.seg.ids, files: db.seg.files}
+	v := db.liveViewLocked()
 	var size uint64
 	for i := range out {
 		size += uint64(out[i].Size())
@@ -579,7 +586,7 @@ func (db *DB) chainEntriesLocked(out []pb.Entry, lo, hi, maxSize uint64) ([]pb.E
 // chainTermLocked returns the term of entry i, which the segments hold.
 // The caller holds mu.
 func (db *DB) chainTermLocked(i uint64) (uint64, error) {
-	v := segView{pts: db.seg.x.pts, ids: db.seg.ids, files: db.seg.files}
+	v := db.liveViewLocked()
 	var term uint64
 	found := false
 	err := v.walk(i, i+1, func(idx uint64, val []byte) (bool, error) {
@@ -599,11 +606,7 @@ func (db *DB) chainTermLocked(i uint64) (uint64, error) {
 // carries them, so the overwrite and the requeue are durable together.
 func (db *DB) chainRequeueOps(from uint64) ([]stagedOp, error) {
 	db.mu.RLock()
-	last := db.last
-	var tailStart uint64 = last + 1
-	if len(db.tail) > 0 {
-		tailStart = db.tail[0].Index
-	}
+	last, tailStart := db.last, db.tailStartLocked()
 	var vals [][2][]byte
 	keep := func(idx uint64, ev []byte) {
 		if len(ev) > entryHdr && pb.EntryType(ev[12]) == pb.EntryNormal {
@@ -612,7 +615,7 @@ func (db *DB) chainRequeueOps(from uint64) ([]stagedOp, error) {
 	}
 	var err error
 	if from < tailStart {
-		v := segView{pts: db.seg.x.pts, ids: db.seg.ids, files: db.seg.files}
+		v := db.liveViewLocked()
 		err = v.walk(from, tailStart, func(idx uint64, ev []byte) (bool, error) {
 			if _, err := checkEntry(idx, ev); err != nil {
 				return false, err
@@ -686,6 +689,16 @@ func walValue(id, seq uint64, off int64) []byte {
 	return v
 }
 
+// tailStartLocked returns the first index of the tail, last+1 when it is
+// empty: in format 6 the segments hold every entry before it. The caller
+// holds mu.
+func (db *DB) tailStartLocked() uint64 {
+	if len(db.tail) > 0 {
+		return db.tail[0].Index
+	}
+	return db.last + 1
+}
+
 // chainEntriesAllLocked is Entries in format 6, for [lo, hi) starting
 // before the tail: the file's runs, the segments, then the tail. The
 // caller holds mu.
@@ -699,10 +712,7 @@ func (db *DB) chainEntriesAllLocked(lo, hi, maxSize uint64) ([]pb.Entry, error) 
 		}
 		lo = db.boltLast + 1
 	}
-	tailStart := db.last + 1
-	if len(db.tail) > 0 {
-		tailStart = db.tail[0].Index
-	}
+	tailStart := db.tailStartLocked()
 	if lo < min(hi, tailStart) {
 		var full bool
 		var err error
@@ -749,10 +759,7 @@ func (db *DB) scanChain(from uint64, fn func(e pb.Entry) bool) error {
 			db.mu.RUnlock()
 			return nil
 		}
-		tailStart := last + 1
-		if len(db.tail) > 0 {
-			tailStart = db.tail[0].Index
-		}
+		tailStart := db.tailStartLocked()
 		if from >= tailStart {
 			pend := append([]pb.Entry(nil), db.tail[from-tailStart:]...)
 			db.mu.RUnlock()
@@ -948,7 +955,11 @@ func (db *DB) dropSegments(tx *bolt.Tx, res *dropResult, freed, excess, cutoff i
 		res.some = false
 		return nil
 	}
-	id, ok := v.ids[res.segTo+1]
+	// Not v's ids: they start at the segment holding entry snapIndex+1,
+	// which may be past the new head (a segment of metadata only).
+	db.mu.RLock()
+	id, ok := db.seg.ids[res.segTo+1]
+	db.mu.RUnlock()
 	if !ok {
 		return fmt.Errorf("segment %d, after the last one dropped, is not in the chain: %w", res.segTo+1, ErrCorrupt)
 	}

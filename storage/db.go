@@ -473,13 +473,8 @@ func (db *DB) replay(frames []walFrame) error {
 			continue // a cut carries nothing else
 		}
 		where := fmt.Sprintf("%s: frame at offset %d", walPath(filepath.Dir(db.path), fr.seg), fr.off)
-		for _, op := range fr.ops {
-			db.stageGen++
-			op.gen = db.stageGen
-			db.staged[op.k] = op
-			if err := db.loadStaged(op); err != nil {
-				return fmt.Errorf("%s: %w", where, err)
-			}
+		if err := db.replayOps(fr); err != nil {
+			return fmt.Errorf("%s: %w", where, err)
 		}
 		if len(fr.ents) > 0 {
 			if fr.ents[0].Index != db.last+1 {
@@ -495,12 +490,28 @@ func (db *DB) replay(frames []walFrame) error {
 			db.last = fr.ents[len(fr.ents)-1].Index
 			db.appendTailLocked(fr.ents)
 		}
-		if fr.hs != nil {
-			db.hs = *fr.hs
-		}
 	}
 	if db.hs.Commit > db.last {
 		return fmt.Errorf("%s: commit index %d is past the last entry %d: %w", WALName, db.hs.Commit, db.last, ErrCorrupt)
+	}
+	return nil
+}
+
+// replayOps applies what a replayed frame carries besides its entries:
+// its staged operations, staged again for the next checkpoint, then its
+// hard state. Its callers check the entries after it: those checks read
+// neither, and a frame that fails them fails Open.
+func (db *DB) replayOps(fr walFrame) error {
+	for _, op := range fr.ops {
+		db.stageGen++
+		op.gen = db.stageGen
+		db.staged[op.k] = op
+		if err := db.loadStaged(op); err != nil {
+			return err
+		}
+	}
+	if fr.hs != nil {
+		db.hs = *fr.hs
 	}
 	return nil
 }

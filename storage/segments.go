@@ -58,12 +58,8 @@ type segPoint struct {
 // segIndex locates entries in the segments. Not safe for concurrent use:
 // the DB guards it.
 type segIndex struct {
-	pts []segPoint
-	// last is the last entry noted (0: none); lastSeq and lastOff where
-	// the frame holding it starts.
-	last    uint64
-	lastSeq uint64
-	lastOff int64
+	pts  []segPoint
+	last uint64 // the last entry noted, 0: none
 }
 
 // note records a frame whose entries are [first, last], written at seq,
@@ -73,11 +69,13 @@ func (x *segIndex) note(first, last, seq uint64, off int64) {
 	if over {
 		x.truncate(first)
 	}
+	// Without an overwrite every point is at or below x.last, so before
+	// first: the points stay sorted by index.
 	n := len(x.pts)
-	if n == 0 || over || x.pts[n-1].seq != seq || off-x.pts[n-1].off >= segPointEvery || x.pts[n-1].idx > first {
+	if n == 0 || over || x.pts[n-1].seq != seq || off-x.pts[n-1].off >= segPointEvery {
 		x.pts = append(x.pts, segPoint{idx: first, seq: seq, off: off})
 	}
-	x.last, x.lastSeq, x.lastOff = last, seq, off
+	x.last = last
 }
 
 // truncate forgets every entry from k on: points at k or past it.
@@ -99,14 +97,6 @@ func (x *segIndex) find(i uint64) (segPoint, bool) {
 		return segPoint{}, false
 	}
 	return x.pts[n-1], true
-}
-
-// first returns the first entry the index holds, 0 when none.
-func (x *segIndex) first() uint64 {
-	if len(x.pts) == 0 {
-		return 0
-	}
-	return x.pts[0].idx
 }
 
 // dropThrough forgets segments up to seq, whose entries retention dropped:
@@ -219,9 +209,11 @@ func (r *segReader) at(p segPoint) error {
 	return nil
 }
 
-// errSegGone says a segment a reader wanted was dropped meanwhile:
-// retention got there first, and the reader starts again from the new
-// first index.
+// errSegGone says a reader reached a segment that the ids it was given do
+// not name: one dropped, or replaced by a restarted chain, since they were
+// copied. No caller tells it apart: scanChain, which reads outside mu,
+// goes on (from the new first index if it moved) after any error once it
+// sees that retention dropped what it read; the other readers return it.
 var errSegGone = errors.New("segment dropped")
 
 // bytes returns n bytes of the current segment from off, fewer at its end.
@@ -374,51 +366,4 @@ func frameEntries(p []byte, fn func(idx uint64, v []byte) bool) error {
 		off += 4 + sz
 	}
 	return nil
-}
-
-// frameSpan returns the first and last index of a frame's entries, ok
-// false for a frame without any.
-func frameSpan(p []byte) (first, last uint64, ok bool, err error) {
-	err = frameEntries(p, func(idx uint64, _ []byte) bool {
-		if !ok {
-			first, ok = idx, true
-		}
-		last = idx
-		return true
-	})
-	return first, last, ok, err
-}
-
-// entry reads entry i from the point x gives for it: the value, copied.
-func (r *segReader) entry(x *segIndex, i uint64) ([]byte, error) {
-	p, ok := x.find(i)
-	if !ok {
-		return nil, fmt.Errorf("entry %d is not in the segments: %w", i, ErrUnavailable)
-	}
-	if err := r.at(p); err != nil {
-		return nil, err
-	}
-	for {
-		fp, seq, at, ok, err := r.frame()
-		if err != nil {
-			return nil, err
-		}
-		if !ok {
-			return nil, fmt.Errorf("entry %d: %s has no live frame at offset %d, past the index's point (%d at %d): %w", i, walPath(r.files.dir, int(r.seq)), r.off, p.idx, p.off, ErrCorrupt)
-		}
-		var v []byte
-		err = frameEntries(fp, func(idx uint64, ev []byte) bool {
-			if idx == i {
-				v = append([]byte(nil), ev...)
-				return false
-			}
-			return idx < i
-		})
-		if err != nil {
-			return nil, fmt.Errorf("%s: frame at offset %d: %w", walPath(r.files.dir, int(seq)), at, err)
-		}
-		if v != nil {
-			return v, nil
-		}
-	}
 }

@@ -103,6 +103,61 @@ func (sw *segWriter) rebuild() *segIndex {
 	}
 }
 
+// first returns the first entry the index holds, 0 when none.
+func (x *segIndex) first() uint64 {
+	if len(x.pts) == 0 {
+		return 0
+	}
+	return x.pts[0].idx
+}
+
+// frameSpan returns the first and last index of a frame's entries, ok
+// false for a frame without any.
+func frameSpan(p []byte) (first, last uint64, ok bool, err error) {
+	err = frameEntries(p, func(idx uint64, _ []byte) bool {
+		if !ok {
+			first, ok = idx, true
+		}
+		last = idx
+		return true
+	})
+	return first, last, ok, err
+}
+
+// entry reads entry i from the point x gives for it: the value, copied.
+func (r *segReader) entry(x *segIndex, i uint64) ([]byte, error) {
+	p, ok := x.find(i)
+	if !ok {
+		return nil, fmt.Errorf("entry %d is not in the segments: %w", i, ErrUnavailable)
+	}
+	if err := r.at(p); err != nil {
+		return nil, err
+	}
+	for {
+		fp, seq, at, ok, err := r.frame()
+		if err != nil {
+			return nil, err
+		}
+		if !ok {
+			return nil, fmt.Errorf("entry %d: %s has no live frame at offset %d, past the index's point (%d at %d): %w", i, walPath(r.files.dir, int(r.seq)), r.off, p.idx, p.off, ErrCorrupt)
+		}
+		var v []byte
+		err = frameEntries(fp, func(idx uint64, ev []byte) bool {
+			if idx == i {
+				v = append([]byte(nil), ev...)
+				return false
+			}
+			return idx < i
+		})
+		if err != nil {
+			return nil, fmt.Errorf("%s: frame at offset %d: %w", walPath(r.files.dir, int(seq)), at, err)
+		}
+		if v != nil {
+			return v, nil
+		}
+	}
+}
+
 // checkAll reads every live entry through x and compares it with want.
 func checkAll(t *testing.T, r *segReader, x *segIndex, want map[uint64]pb.Entry, last uint64) {
 	t.Helper()
