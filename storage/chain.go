@@ -21,9 +21,8 @@ import (
 // to; the replay point (keyWAL: id, seq and offset) says from where Open
 // replays frames' staged operations and hard states, which the checkpoints
 // before it wrote into bbolt. Entries are never copied into bbolt: the
-// log bucket holds only what a file of format 5 or earlier held, and
-// boltLast stays where it was (the snapshot's index in a data dir created
-// in format 6).
+// log bucket is empty (an upgrade from an older format moves its runs
+// into segments: chainup.go), and boltLast is the compaction point.
 //
 // Retention drops whole segments from the head (dropSegments), before the
 // replay point's segment, and keeps one dropped file for reuse: written
@@ -34,22 +33,17 @@ import (
 // much late.
 //
 // Being built: until it is complete, only a data dir created with
-// Options.segmented (this package's tests) is in format 6. Still to do
-// before it can be the default: the offline repair and damage survey
-// (they refuse format 6); a segment damaged before its cut ends the chain
-// there at Open, and the segments after it are not yet looked for; the
-// upgrade of a format 5 data dir (its runs read, then dropped first); the
-// power-cut rounds in format 6; the bench's figures.
+// Options.segmented (this package's tests) or by a test build
+// (tandem_format6) is in format 6, and those upgrade a data dir of an
+// older format at Open (upgradeToChain). Still to do before it can be the
+// default: the offline repair and damage survey (they refuse format 6);
+// the bench's figures.
 
 // keySegHead is the seq and id of the chain's first segment.
 var keySegHead = []byte("seg_head")
 
 // formatChain is the format of a data dir whose WAL is its log.
 const formatChain = 6
-
-// errChainNotYet is what the operations format 6 does not have yet
-// return.
-var errChainNotYet = fmt.Errorf("storage: not available in data format %d yet", formatChain)
 
 // segState is the chain as the DB reads it. Guarded by DB.mu.
 type segState struct {
@@ -426,7 +420,8 @@ func chainGoesOn(dir string, seq, id uint64, end int64) error {
 
 // removeDroppedSegments deletes the segments before head: retention
 // dropped them, and a crash came before their files went (or one was
-// kept for reuse).
+// kept for reuse). Format 5's two WAL files (.0 and .1) are before any
+// head: dead in a data dir upgraded from it.
 func removeDroppedSegments(dir string, head uint64) {
 	ents, err := os.ReadDir(dir)
 	if err != nil {
@@ -439,7 +434,7 @@ func removeDroppedSegments(dir string, head uint64) {
 			continue
 		}
 		seq, err := strconv.ParseUint(n, 10, 64)
-		if err != nil || seq < firstSegment || seq >= head {
+		if err != nil || seq >= head {
 			continue
 		}
 		if os.Remove(filepath.Join(dir, e.Name())) == nil {
@@ -651,7 +646,10 @@ func (db *DB) saveOverwritingChain(hs pb.HardState, ents []pb.Entry) error {
 	boltLast := db.boltLast
 	db.mu.RUnlock()
 	if ents[0].Index <= boltLast {
-		return fmt.Errorf("storage: save: an append over entries of the data file's runs: %w", errChainNotYet)
+		// Format 6 has no runs past the compaction point (an upgrade
+		// moves a data file's runs into segments), and raft appends
+		// nothing at or below it.
+		return fmt.Errorf("storage: save: an append from index %d, at or below the compaction point %d: %w", ents[0].Index, boltLast, ErrCorrupt)
 	}
 	if err := db.catchUp(); err != nil {
 		return fmt.Errorf("storage: save: %w", err)

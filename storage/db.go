@@ -47,7 +47,8 @@ const FileName = "tandem.db"
 // said before (keyFormatRest), so a release before this one refuses a data
 // dir left by a crash, naming both versions, and opens one left by a clean
 // stop. Version 6 is a file whose WAL segments are its log past the runs
-// (chain.go): being built, it is only ever written by this package's tests.
+// (chain.go): being built, it is only ever written by this package's tests
+// and test builds (tandem_format6), which upgrade older data dirs to it.
 const FormatVersion = formatChain
 
 // The format versions this build writes.
@@ -440,6 +441,25 @@ func Open(dir string, opts *Options) (*DB, error) {
 		}
 		if err := db.checkpointReplayed(); err != nil {
 			return fail(err)
+		}
+		if !chain && (opts.segmented || newDirsSegmented) {
+			up, err := db.upgradeToChain(timeout)
+			if err != nil {
+				return fail(err)
+			}
+			if up {
+				db.wal.close()
+				if err := bdb.Close(); err != nil {
+					return nil, fmt.Errorf("%s: %w", path, err)
+				}
+				if err := finishUpgrade(dir); err != nil {
+					return nil, err
+				}
+				lg.Info("data dir upgraded to data format 6: the log is in the WAL's segments", "path", path, "format_before", db.format, "last_index", db.last)
+				// Opened again in its new format, as any data dir of
+				// format 6 is.
+				return Open(dir, opts)
+			}
 		}
 		db.ckSig, db.ckStop, db.ckDone = make(chan struct{}, 1), make(chan struct{}), make(chan struct{})
 		if chain {
