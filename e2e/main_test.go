@@ -74,14 +74,20 @@ func TestMain(m *testing.M) {
 }
 
 // tandemBin builds bin/tandem from this module once per test binary
-// (`go build -o TMP/tandem .`) and returns its path.
+// (`go build -o TMP/tandem .`) and returns its path. TANDEM_E2E_TAGS, if
+// set, are build tags for it: the suite against a test build, such as
+// storage's tandem_format6 before that format is the default.
 func tandemBin(t testing.TB) string {
 	t.Helper()
 	buildMu.Lock()
 	defer buildMu.Unlock()
 	if builtBin == "" && buildErr == nil {
 		out := filepath.Join(binDir, "tandem")
-		cmd := exec.Command("go", "build", "-o", out, ".")
+		args := []string{"build", "-o", out}
+		if tags := os.Getenv("TANDEM_E2E_TAGS"); tags != "" {
+			args = append(args, "-tags", tags)
+		}
+		cmd := exec.Command("go", append(args, ".")...)
 		cmd.Dir = ".."
 		if b, err := cmd.CombinedOutput(); err != nil {
 			buildErr = fmt.Errorf("go build: %v\n%s", err, b)
