@@ -73,11 +73,12 @@ const (
 	anytime                // a random instant
 	interval               // storage.flush: interval, a random instant
 	retention              // a data file write once retention drops records (an 8MiB budget)
+	upgrade                // a write, sync, rename or unlink of the data dir's upgrade to format 6 at start
 	nKinds
 )
 
 func (k kind) String() string {
-	return [...]string{"wal-write", "wal-sync", "checkpoint", "anytime", "flush-interval", "retention"}[k]
+	return [...]string{"wal-write", "wal-sync", "checkpoint", "anytime", "flush-interval", "retention", "upgrade"}[k]
 }
 
 // flushInterval is the interval rounds' storage.flush_interval.
@@ -450,6 +451,7 @@ type outcome struct {
 	dropped    int           // retention rounds: acked records older than every kept one, allowed
 	violations []string
 	phases     []string // how long each part took
+	aim        string   // upgrade rounds: what the cut was aimed at
 }
 
 func (o *outcome) phase(name string, since *time.Time) {
@@ -458,8 +460,12 @@ func (o *outcome) phase(name string, since *time.Time) {
 }
 
 func (o *outcome) String() string {
+	kind := o.kind.String()
+	if o.aim != "" {
+		kind += ": " + o.aim
+	}
 	return fmt.Sprintf("seed %d (%s, tear=%v): %d acked, %d present, %d lost with unsynced WAL writes (acked up to %s before the cut), %d oldest dropped by retention; cut at %v, %d writes and %d names %v dropped, torn %q",
-		o.seed, o.kind, o.tear, o.acked, o.present, o.lostByDesn, o.lostAge.Round(time.Millisecond), o.dropped, o.cut.Op, o.cut.Writes, o.cut.Names, o.cut.NameList, o.cut.Torn)
+		o.seed, kind, o.tear, o.acked, o.present, o.lostByDesn, o.lostAge.Round(time.Millisecond), o.dropped, o.cut.Op, o.cut.Writes, o.cut.Names, o.cut.NameList, o.cut.Torn)
 }
 
 // round runs one round in a fresh dir under base, of one of kinds (any
@@ -728,27 +734,7 @@ func TestPowerCutRounds(t *testing.T) {
 // not. Each round's data dir must be in format 6.
 func TestPowerCutRoundsFormat6(t *testing.T) {
 	needFUSE(t)
-	runRounds(t, tandemBin(t, "tandem_format6"), 12, "TestPowerCutRoundsFormat6", func(dir string) error {
-		des, err := os.ReadDir(dir)
-		if err != nil {
-			return err
-		}
-		var segs []string
-		for _, de := range des {
-			n, ok := strings.CutPrefix(de.Name(), "tandem.wal.")
-			if !ok {
-				continue
-			}
-			if k, err := strconv.Atoi(n); err == nil && k < 2 {
-				return fmt.Errorf("%s in the data dir: format 5's WAL, not format 6's segments", de.Name())
-			}
-			segs = append(segs, de.Name())
-		}
-		if len(segs) == 0 {
-			return fmt.Errorf("no WAL segment in the data dir")
-		}
-		return nil
-	})
+	runRounds(t, tandemBin(t, "tandem_format6"), 12, "TestPowerCutRoundsFormat6", format6Dir)
 }
 
 // runRounds runs the rounds of seeds (n by default) against bin, checking
