@@ -149,11 +149,12 @@ clean:
 
 # Power-cut rounds (e2e/powercut; root and /dev/fuse): make test runs 20
 # of one gateway (and 12 of a test build in data format 6, 8 of its
-# upgrade of a release build's data dir), 2 of three (each data dir on its own filesystem, all
-# cut at once) and 1 of a member cut during a snapshot install; this runs
-# ROUNDS (in each format), ROUNDS3 and ROUNDS_SNAP of them and prints rounds per minute. A
-# failing round prints its seed; POWERCUT_SEED=N make powercut replays it
-# (in every test).
+# upgrade of a release build's data dir), 2 of three (each data dir on
+# its own filesystem, all cut at once) and 1 of a member cut during a
+# snapshot install; this runs ROUNDS (in each format and of the upgrade),
+# ROUNDS3 and ROUNDS_SNAP of them and prints rounds per minute. A failing
+# round prints its seed; POWERCUT_SEED=N make powercut replays it (in
+# every test).
 ROUNDS ?= 200
 ROUNDS3 ?= 20
 ROUNDS_SNAP ?= 10
