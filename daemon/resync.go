@@ -172,7 +172,11 @@ func moveAside(dir, dest string) error {
 	if err := os.MkdirAll(dest, 0o750); err != nil {
 		return fmt.Errorf("moving the damaged data file aside: %w", err)
 	}
-	for _, n := range []string{storage.FileName, storage.WALName + ".0", storage.WALName + ".1", cluster.MembersFile, replication.CertFile, replication.KeyFile} {
+	store, err := storage.Files(dir)
+	if err != nil {
+		return fmt.Errorf("moving the damaged data file aside: %w", err)
+	}
+	for _, n := range append(store, cluster.MembersFile, replication.CertFile, replication.KeyFile) {
 		if err := os.Rename(filepath.Join(dir, n), filepath.Join(dest, n)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return fmt.Errorf("moving the damaged %s aside: %w", n, err)
 		}

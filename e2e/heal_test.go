@@ -17,6 +17,7 @@ import (
 
 	"github.com/tandem-edge/tandem/internal/netns"
 	"github.com/tandem-edge/tandem/internal/testutil"
+	"github.com/tandem-edge/tandem/storage"
 )
 
 // A damage done to a stopped gateway's data file.
@@ -41,11 +42,10 @@ func boltMetas(t *testing.T, b []byte) (pageSize int64, pgid uint64) {
 
 var damages = []damage{
 	{"flipped byte in a record", func(t *testing.T, path string) {
-		b := readFile(t, path)
 		// Every copy of one acked payload, so that the live page is hit
-		// whatever stale copies bbolt's free pages keep.
-		flipAll(t, b, []byte("load-a-heal-0-7"))
-		writeFile(t, path, b)
+		// whatever stale copies bbolt's free pages keep: in the data
+		// file, or in format 6 in the WAL segment that holds it.
+		flipEverywhere(t, path, []byte("load-a-heal-0-7"))
 	}},
 	{"truncated tail", func(t *testing.T, path string) {
 		ps, pgid := boltMetas(t, readFile(t, path))
@@ -63,20 +63,40 @@ var damages = []damage{
 	}},
 }
 
-// flipAll flips the last byte of every copy of pat in b.
-func flipAll(t *testing.T, b, pat []byte) {
-	t.Helper()
+// flipAll flips the last byte of every copy of pat in b and says how many
+// it flipped.
+func flipAll(b, pat []byte) int {
 	n := 0
 	for off := 0; ; n++ {
 		i := bytes.Index(b[off:], pat)
 		if i < 0 {
-			break
+			return n
 		}
 		b[off+i+len(pat)-1] ^= 0x01
 		off += i + len(pat)
 	}
+}
+
+// flipEverywhere flips every copy of pat in the store files of the data
+// file at path's dir: the data file and the WAL's.
+func flipEverywhere(t *testing.T, path string, pat []byte) {
+	t.Helper()
+	dir := filepath.Dir(path)
+	names, err := storage.Files(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, name := range names {
+		p := filepath.Join(dir, name)
+		b := readFile(t, p)
+		if k := flipAll(b, pat); k > 0 {
+			writeFile(t, p, b)
+			n += k
+		}
+	}
 	if n == 0 {
-		t.Fatalf("fixture: %q not in the data file", pat)
+		t.Fatalf("fixture: %q not in the data file nor in the WAL", pat)
 	}
 }
 
@@ -279,9 +299,7 @@ func TestDamagedMasterReportsWhatOnlyItHeld(t *testing.T) {
 	// Damaged, gw-1 comes back while gw-2 is still a slave without a
 	// master: it knocks until gw-2 is promoted, then rejoins it.
 	dm := damage{"flipped bytes in records only it held", func(t *testing.T, path string) {
-		b := readFile(t, path)
-		flipAll(t, b, []byte(pat))
-		writeFile(t, path, b)
+		flipEverywhere(t, path, []byte(pat))
 	}}
 	sum := damageAndStart(t, g1, dm)
 	logLine(t, g1, "no master admitted this gateway yet")

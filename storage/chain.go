@@ -35,9 +35,8 @@ import (
 // Being built: until it is complete, only a data dir created with
 // Options.segmented (this package's tests) or by a test build
 // (tandem_format6) is in format 6, and those upgrade a data dir of an
-// older format at Open (upgradeToChain). Still to do before it can be the
-// default: the offline repair and damage survey (they refuse format 6);
-// the bench's figures.
+// older format at Open (upgradeToChain). The offline tools read it past
+// damage (salvage_chain.go).
 
 // keySegHead is the seq and id of the chain's first segment.
 var keySegHead = []byte("seg_head")
@@ -244,12 +243,12 @@ func (db *DB) sealLocked() error {
 // createChain starts the chain of a new data file: its first segment, and
 // the keys that name it, written in the transaction create makes.
 func (db *DB) createChain() (head uint64, id uint64, err error) {
-	s, err := db.makeSegment(walPath(filepath.Dir(db.path), firstSegment))
+	s, err := db.makeSegment(walPath(filepath.Dir(db.path), int(db.chainFrom)))
 	if err != nil {
 		return 0, 0, err
 	}
 	s.f.Close()
-	return firstSegment, newWALID(), nil
+	return db.chainFrom, newWALID(), nil
 }
 
 // segHeadValue encodes keySegHead.
@@ -416,6 +415,33 @@ func chainGoesOn(dir string, seq, id uint64, end int64) error {
 		}
 	}
 	return nil
+}
+
+// Files lists the files of the data dir dir that storage owns: the data
+// file and every file of the WAL (format 6's segments, format 5's two
+// files, a segment made ready, an upgrade's new data file), the data file
+// last. Whoever replaces or moves a data dir's store (repair, a re-sync
+// that keeps a damaged one aside) moves these, and the data file last:
+// until it is in place, the others are not read as its log.
+func Files(dir string) ([]string, error) {
+	des, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("storage: %w", err)
+	}
+	var out []string
+	db := false
+	for _, de := range des {
+		switch n := de.Name(); {
+		case n == FileName:
+			db = true
+		case strings.HasPrefix(n, WALName+".") || n == upgradeName:
+			out = append(out, n)
+		}
+	}
+	if db {
+		out = append(out, FileName)
+	}
+	return out, nil
 }
 
 // removeDroppedSegments deletes the segments before head: retention

@@ -354,22 +354,131 @@ func TestChainBytesWrittenPerRecord(t *testing.T) {
 	}
 }
 
-// The offline repair and the damage survey do not read format 6's
-// segments yet: they refuse such a data dir, naming its format, rather
-// than report its log lost; Verify reads it as Open does.
-func TestChainOfflineToolsRefuseWhatTheyCannotRead(t *testing.T) {
-	dir := t.TempDir()
-	db := testOpen(t, dir, &Options{segmented: true})
-	mustSave(t, db, pb.HardState{Term: 1, Vote: 1, Commit: 10}, makeEntries(1, 10, 1))
+// The offline tools read format 6's segments past damage: Verify as Open
+// does; the damage survey, Repair and the requeue of what a damaged member
+// held frame by frame past a damaged one, and segment by segment past a
+// lost cut. Repair keeps every other entry at its index, the lost ones as
+// empty entries, and the metadata only the frames past the replay point
+// held.
+func TestChainOfflineToolsReadPastDamage(t *testing.T) {
+	src := t.TempDir()
+	db := testOpen(t, src, &Options{segmented: true})
+	now := time.Now()
+	at := func(uint64) time.Time { return now }
+	var want []pb.Entry
+	next := uint64(1)
+	for next < 4000 {
+		ents := recordEntries(next, 20, 1000, at)
+		saveApplied(t, db, ents)
+		want = append(want, ents...)
+		next += 20
+		if next%400 == 1 {
+			mustCheckpoint(t, db)
+		}
+	}
+	db.ckMu.Lock() // no checkpoint: the key below only in a frame
+	db.Stage(BucketSessions, "s", []byte("late"))
+	ents := recordEntries(next, 20, 1000, at)
+	saveApplied(t, db, ents)
+	want = append(want, ents...)
+	next += 20
+	src = crashCopyHeld(t, db)
+	ids := maps.Clone(db.seg.ids)
+	head := db.seg.head
+	db.ckMu.Unlock()
 	mustClose(t, db)
-	if err := Verify(dir); err != nil {
-		t.Errorf("Verify of a sound format 6 data dir: %v", err)
+	if err := Verify(src); err != nil {
+		t.Fatalf("Verify of a sound format 6 data dir: %v", err)
 	}
-	if _, err := Repair(dir, t.TempDir(), nil); !errors.Is(err, ErrUnknownVersion) || !strings.Contains(err.Error(), "format 6") {
-		t.Errorf("Repair of a format 6 data dir: %v, want ErrUnknownVersion naming format 6", err)
+	frames := func(seq uint64) ([]walFrame, int64) {
+		seg, err := openWAL(walPath(src, int(seq)), true, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer seg.f.Close()
+		fr, end, err := seg.readFrames(ids[seq])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fr, end
 	}
-	if s := SurveyDamaged(dir); !strings.Contains(s.Why, "format 6") {
-		t.Errorf("SurveyDamaged of a format 6 data dir: %+v, want it to say it cannot read format 6", s)
+	damaged := func(seq uint64, from, to int64) string {
+		dir := copyDataDir(t, src)
+		path := walPath(dir, int(seq))
+		b, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		clear(b[from:to])
+		if err := os.WriteFile(path, b, 0o640); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := Open(dir, nil); !errors.Is(err, ErrCorrupt) {
+			t.Fatalf("Open of the damaged copy: %v, want ErrCorrupt", err)
+		}
+		return dir
+	}
+	fr, end := frames(head + 1)
+	mid := fr[len(fr)/2]
+	cut := fr[len(fr)-1]
+	beforeCut := fr[len(fr)-2]
+	for _, tc := range []struct {
+		name     string
+		from, to int64
+		lost     IndexRange
+	}{
+		{"a frame", mid.off, mid.off + walHdr + 8, IndexRange{mid.ents[0].Index, mid.ents[len(mid.ents)-1].Index}},
+		{"the last frame and the cut", beforeCut.off, end, IndexRange{beforeCut.ents[0].Index, beforeCut.ents[len(beforeCut.ents)-1].Index}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if cut.next == 0 {
+				t.Fatalf("segment %d does not end with a cut", head+1)
+			}
+			dir := damaged(head+1, tc.from, tc.to)
+			sv := SurveyDamaged(dir)
+			if !sv.Opened || sv.Last != next-1 || !slices.Equal(sv.Unreadable, []IndexRange{tc.lost}) {
+				t.Fatalf("survey %+v; want the log to %d, %v unreadable", sv, next-1, tc.lost)
+			}
+
+			dst := t.TempDir()
+			rep, err := Repair(dir, dst, nil)
+			if err != nil {
+				t.Fatalf("Repair: %v (report %+v)", err, rep)
+			}
+			if !slices.Equal(rep.Lost, []LostRange{{tc.lost.First, tc.lost.Last}}) || rep.Last != next-1 {
+				t.Fatalf("Repair lost %v, log to %d; want %v lost, to %d (report %+v)", rep.Lost, rep.Last, tc.lost, next-1, rep)
+			}
+			out := testOpen(t, dst, nil)
+			got, err := out.Entries(1, next, math.MaxUint64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i := range want {
+				idx := want[i].Index
+				lost := idx >= tc.lost.First && idx <= tc.lost.Last
+				if lost && len(got[i].Data) != 0 || !lost && !bytes.Equal(got[i].Data, want[i].Data) {
+					t.Fatalf("entry %d after the repair: %d bytes (lost %v)", idx, len(got[i].Data), lost)
+				}
+			}
+			var late string
+			if err := out.ForEach(BucketSessions, "s", func(k, v []byte) error { late = string(v); return nil }); err != nil {
+				t.Fatal(err)
+			}
+			if late != "late" {
+				t.Fatalf("key only in a frame past the replay point: %q after the repair", late)
+			}
+			mustClose(t, out)
+
+			rq := testOpen(t, t.TempDir(), &Options{segmented: true})
+			n, err := rq.RequeueSalvaged(dir, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if lost := int(tc.lost.Last - tc.lost.First + 1); n != len(want)-lost {
+				t.Fatalf("%d entries requeued, want the %d readable", n, len(want)-lost)
+			}
+			mustClose(t, rq)
+		})
 	}
 }
 

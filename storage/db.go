@@ -160,6 +160,11 @@ type Options struct {
 	// log (chain.go). This package's tests only, until that format is
 	// complete.
 	segmented bool
+	// chainFrom, when past firstSegment, is the seq a new data file's
+	// chain starts at: Repair's, so that its segments take no name the
+	// damaged dir's hold, and replacing the one with the other can be
+	// cut short anywhere.
+	chainFrom uint64
 }
 
 // DB is the node's data file: the raft log, raft state and metadata in one
@@ -289,6 +294,8 @@ type DB struct {
 	// inPlaceMin is the smallest bucket a snapshot received is merged
 	// into in place (snapin.go); tests lower it.
 	inPlaceMin int64
+	// chainFrom is the seq a new data file's chain starts at (Options.chainFrom).
+	chainFrom uint64
 }
 
 type stagedOp struct {
@@ -350,6 +357,7 @@ func Open(dir string, opts *Options) (*DB, error) {
 	db := &DB{path: path, bolt: bdb, log: lg, ro: opts.ReadOnly, maxTail: maxTail, staged: map[string]stagedOp{}, syncDelay: opts.SyncDelay, onCommit: opts.OnCommit,
 		snapStop: make(chan struct{}), inPlaceMin: inPlaceMin}
 	db.ret = retention{maxBytes: opts.MaxBytes, maxAge: opts.MaxAge, now: opts.Now}
+	db.chainFrom = max(opts.chainFrom, firstSegment)
 	if db.faults = opts.faults; db.faults == nil {
 		db.faults = &faults{}
 	}

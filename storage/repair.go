@@ -144,6 +144,9 @@ type salvager struct {
 	nodeID              uint64
 	walID               uint64
 	walSeg              int
+	walOff              int64  // format 6: the replay point's offset in segment walSeg
+	segHead, segHeadID  uint64 // format 6: the chain's head, if read
+	chain               *chainSalvage
 	format              uint64 // the file's format version, if read
 	walOK               bool
 	epoch, maxEpoch     uint64
@@ -207,11 +210,6 @@ func Repair(src, dst string, opts *RepairOptions) (*RepairReport, error) {
 		}
 	}
 	defer s.close()
-	if s.format >= formatChain {
-		// Its log is in the WAL's segments, which the salvage below
-		// does not read: it would report the log lost.
-		return nil, fmt.Errorf("storage: repair of %s: data format %d is not repaired by this build yet: %w", path, s.format, ErrUnknownVersion)
-	}
 	var found map[uint64]pb.Entry
 	if !s.stateOK {
 		// One line for the engineer instead of one per bucket bbolt
@@ -236,7 +234,11 @@ func Repair(src, dst string, opts *RepairOptions) (*RepairReport, error) {
 			s.snapIndex, s.snapTerm = oldest-1, found[oldest].Term
 		}
 	}
-	s.loadWAL()
+	if s.format >= formatChain || (s.format == 0 && hasSegments(src)) {
+		s.loadChain()
+	} else {
+		s.loadWAL()
+	}
 	if s.nodeID == 0 {
 		s.nodeID = opts.NodeID
 	}
@@ -266,7 +268,7 @@ func Repair(src, dst string, opts *RepairOptions) (*RepairReport, error) {
 			s.rep.Notes = append(s.rep.Notes, fmt.Sprintf("The broker state is marked incomplete (the install of a snapshot of index %d was interrupted) and stays so: the gateway waits for its master's snapshot. With no master to send one, --accept-incomplete accepts the state as it is.", ref.Index))
 		}
 	}
-	if s.out, err = Open(dst, &Options{Logger: opts.Logger, MinFree: -1}); err != nil {
+	if s.out, err = Open(dst, &Options{Logger: opts.Logger, MinFree: -1, chainFrom: lastSegment(src) + 1}); err != nil {
 		return nil, err
 	}
 	if err := s.write(found); err != nil {
@@ -367,6 +369,11 @@ func (s *salvager) write(found map[uint64]pb.Entry) error {
 	} else if err := s.copyFound(found); err != nil {
 		return err
 	}
+	if s.chain != nil {
+		if err := s.chain.each(s.add); err != nil {
+			return err
+		}
+	}
 	for _, e := range s.walEnts {
 		if err := s.add(e); err != nil {
 			return err
@@ -442,6 +449,14 @@ func (s *salvager) readState() bool {
 				case string(keyWAL):
 					if len(v) == 16 {
 						s.walID, s.walSeg, s.walOK = binary.BigEndian.Uint64(v), int(binary.BigEndian.Uint64(v[8:])&1), true
+					} else if len(v) == 24 {
+						s.walID, s.walSeg, s.walOK = binary.BigEndian.Uint64(v), int(binary.BigEndian.Uint64(v[8:])), true
+						s.walOff = int64(binary.BigEndian.Uint64(v[16:]))
+					}
+				case string(keySegHead):
+					// The new dir names its own chain, if it has one.
+					if len(v) == 16 {
+						s.segHead, s.segHeadID = binary.BigEndian.Uint64(v), binary.BigEndian.Uint64(v[8:])
 					}
 				case string(keyNodeID):
 					if len(v) == 8 {

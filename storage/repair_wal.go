@@ -6,7 +6,10 @@ import (
 	"encoding/binary"
 	"fmt"
 	"io"
+	"os"
 	"slices"
+	"strconv"
+	"strings"
 
 	pb "go.etcd.io/raft/v3/raftpb"
 )
@@ -46,6 +49,84 @@ func (s *salvager) loadWAL() {
 		}
 		seg, id = 1-seg, next
 	}
+}
+
+// loadChain reads a format 6 data dir's log from its segments, past
+// damage: the frames at or past the replay point give their metadata
+// writes over what the file held, as loadWAL's do, and write appends the
+// entries of all of them.
+func (s *salvager) loadChain() {
+	head, id := s.segHead, s.segHeadID
+	replaySeq, replayOff := uint64(s.walSeg), s.walOff
+	if head == 0 || !s.walOK {
+		// The data file no longer says where the chain starts, or
+		// from where its frames are live: from the oldest segment
+		// there, every frame's metadata, the newest last.
+		head, id = guessChainHead(s.src)
+		replaySeq, replayOff = 0, 0
+		if head == 0 {
+			s.rep.Unreadable = append(s.rep.Unreadable, "the log: no segment of it in the data dir")
+			return
+		}
+		s.rep.Notes = append(s.rep.Notes, fmt.Sprintf("The data file no longer says where its log's segments start: they were read from the oldest one there (%s), every frame's metadata replayed, the newest last.", walPath(s.src, int(head))))
+	}
+	c := salvageChain(s.src, head, id, replaySeq, replayOff)
+	s.rep.Unreadable = append(s.rep.Unreadable, c.bad...)
+	for _, fr := range c.live {
+		s.takeFrame(fr)
+	}
+	s.chain = c
+}
+
+// hasSegments says whether dir holds segments of format 6: a data file
+// too damaged to say its format may be one.
+func hasSegments(dir string) bool {
+	seq, _ := guessChainHead(dir)
+	return seq != 0
+}
+
+// lastSegment returns the highest seq of a segment in dir, 0 if none.
+func lastSegment(dir string) uint64 {
+	des, err := os.ReadDir(dir)
+	if err != nil {
+		return 0
+	}
+	var last uint64
+	for _, de := range des {
+		n, ok := strings.CutPrefix(de.Name(), WALName+".")
+		if k, err := strconv.ParseUint(n, 10, 64); ok && err == nil {
+			last = max(last, k)
+		}
+	}
+	return last
+}
+
+// guessChainHead returns the oldest segment in dir whose first frame
+// checks out, and its id; 0 if none.
+func guessChainHead(dir string) (seq, id uint64) {
+	des, err := os.ReadDir(dir)
+	if err != nil {
+		return 0, 0
+	}
+	var seqs []uint64
+	for _, de := range des {
+		n, ok := strings.CutPrefix(de.Name(), WALName+".")
+		if k, err := strconv.ParseUint(n, 10, 64); ok && err == nil && k >= firstSegment {
+			seqs = append(seqs, k)
+		}
+	}
+	slices.Sort(seqs)
+	for _, k := range seqs {
+		b, err := os.ReadFile(walPath(dir, int(k)))
+		if err != nil || len(b) < walHdr {
+			continue
+		}
+		id := binary.LittleEndian.Uint64(b[8:])
+		if _, ok := frameAt(b, 0, id); ok && id != 0 {
+			return k, id
+		}
+	}
+	return 0, 0
 }
 
 // guessWAL reads the WAL when the data file no longer says which of its

@@ -1,6 +1,7 @@
 package storage
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"path/filepath"
@@ -47,7 +48,8 @@ type Survey struct {
 // the data dir dir whose Open failed with ErrCorrupt: it walks every run of
 // the log bucket and checks each entry on its own, where Open stops at the
 // first bad one. Entries only in the WAL are not looked at (a clean stop
-// leaves none).
+// leaves none). In format 6 it reads the log's segments frame by frame
+// past a damaged one (salvageChain).
 func SurveyDamaged(dir string) (s Survey) {
 	path := filepath.Join(dir, FileName)
 	if err := checkFile(path); err != nil {
@@ -69,9 +71,21 @@ func SurveyDamaged(dir string) (s Survey) {
 		}
 	}()
 	var acc rangeAcc
+	var chain *chainSalvage
 	err = bdb.View(func(tx *bolt.Tx) error {
 		if m := tx.Bucket(bucketMeta); m != nil && metaU64(tx, bucketMeta, keyFormat) >= formatChain {
-			return fmt.Errorf("data format %d: its log is in the WAL's segments, which this survey does not read yet", metaU64(tx, bucketMeta, keyFormat))
+			var err error
+			chain, err = salvageChainOf(dir, m)
+			if err != nil {
+				return err
+			}
+			s.Opened = true
+			for _, r := range chain.frames {
+				for i := r.first; i <= r.last; i++ {
+					acc.add(i, true)
+				}
+			}
+			return nil
 		}
 		lb := tx.Bucket(bucketLog)
 		if lb == nil {
@@ -158,7 +172,7 @@ func appendRange(rs *[]IndexRange, first, last uint64) {
 }
 
 // RequeueSalvaged puts the data entries past index from that pass their CRC
-// in the damaged data file of dir (a directory a damaged data dir's files
+// in the damaged data file of dir (in format 6, in its segments) (a directory a damaged data dir's files
 // were moved to) into this DB's requeue bucket, to be re-published on the
 // master like a deposed master's tail: what a damaged member held alone and
 // can still read is not lost. It returns how many it put there. The damaged
@@ -183,6 +197,20 @@ func (db *DB) RequeueSalvaged(dir string, from uint64) (n int, err error) {
 			}
 		}()
 		err = bdb.View(func(tx *bolt.Tx) error {
+			if m := tx.Bucket(bucketMeta); m != nil && metaU64(tx, bucketMeta, keyFormat) >= formatChain {
+				chain, err := salvageChainOf(dir, m)
+				if err != nil {
+					return err
+				}
+				return chain.each(func(e pb.Entry) error {
+					if e.Index > from && e.Type == pb.EntryNormal && len(e.Data) > 0 {
+						ev := make([]byte, entrySize(&e))
+						putEntry(ev, &e)
+						found = append(found, kv{append(u64(e.Index), ev[4:12]...), ev})
+					}
+					return nil
+				})
+			}
 			lb := tx.Bucket(bucketLog)
 			if lb == nil {
 				return fmt.Errorf("%s: no log bucket: %w", path, ErrCorrupt)
@@ -226,4 +254,15 @@ func (db *DB) RequeueSalvaged(dir string, from uint64) (n int, err error) {
 		return 0, err
 	}
 	return len(found), nil
+}
+
+// salvageChainOf reads the chain of the format 6 data dir dir whose meta
+// bucket is m, past damage (salvageChain).
+func salvageChainOf(dir string, m *bolt.Bucket) (*chainSalvage, error) {
+	h, w := m.Get(keySegHead), m.Get(keyWAL)
+	if len(h) != 16 || len(w) != 24 {
+		return nil, fmt.Errorf("data format %d without the head of its log's chain or its replay point: %w", formatChain, ErrCorrupt)
+	}
+	head, id := binary.BigEndian.Uint64(h), binary.BigEndian.Uint64(h[8:])
+	return salvageChain(dir, head, id, binary.BigEndian.Uint64(w[8:]), int64(binary.BigEndian.Uint64(w[16:]))), nil
 }

@@ -17,6 +17,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"syscall"
@@ -47,10 +48,6 @@ type Options struct {
 	// Now names the folder the damaged files move to; nil means time.Now.
 	Now func() time.Time
 }
-
-// storeFiles are the files of the data dir that storage owns: the ones a
-// repair replaces. The node's key, certificate and API token stay.
-var storeFiles = []string{storage.FileName, storage.WALName + ".0", storage.WALName + ".1"}
 
 // Run repairs the data dir dir and writes what it does to w.
 func Run(w io.Writer, dir string, opts Options) error {
@@ -144,7 +141,12 @@ func lockShared(path string) (func(), error) {
 }
 
 // swap keeps the damaged store files in kept (hard links: the originals,
-// byte for byte) and renames the new ones from tmp over them.
+// byte for byte) and renames the new ones from tmp over them, the data
+// file last (storage.Files), then removes the damaged ones the repair has
+// no file of (format 6's segments past the repaired log's). The node's
+// key, certificate and API token stay. Cut short anywhere, dir has the
+// damaged data file, or the repaired one with all of its files: the
+// repaired segments take names the damaged ones do not have.
 func swap(dir, tmp, kept string) error {
 	if err := os.MkdirAll(filepath.Dir(kept), 0o750); err != nil {
 		return fmt.Errorf("repair: %w; nothing was changed in %s", err, dir)
@@ -152,27 +154,40 @@ func swap(dir, tmp, kept string) error {
 	if err := os.Mkdir(kept, 0o750); err != nil {
 		return fmt.Errorf("repair: %w; nothing was changed in %s", err, dir)
 	}
-	for _, name := range storeFiles {
-		old := filepath.Join(dir, name)
-		if _, err := os.Lstat(old); err != nil {
-			continue
-		}
-		if err := keep(old, filepath.Join(kept, name)); err != nil {
+	old, err := storage.Files(dir)
+	if err != nil {
+		return fmt.Errorf("repair: %w; nothing was changed in %s", err, dir)
+	}
+	repaired, err := storage.Files(tmp)
+	if err != nil {
+		return fmt.Errorf("repair: %w; nothing was changed in %s", err, dir)
+	}
+	for _, name := range old {
+		if err := keep(filepath.Join(dir, name), filepath.Join(kept, name)); err != nil {
 			return fmt.Errorf("repair: keeping %s in %s: %w; nothing was changed in %s", name, kept, err, dir)
 		}
 	}
 	if err := syncDir(kept); err != nil {
 		return err
 	}
-	for _, name := range storeFiles {
-		src := filepath.Join(tmp, name)
-		if _, err := os.Lstat(src); err != nil {
-			continue
-		}
-		dst := filepath.Join(dir, name)
+	for _, name := range repaired {
+		src, dst := filepath.Join(tmp, name), filepath.Join(dir, name)
 		chownLike(src, dst)
 		if err := os.Rename(src, dst); err != nil {
 			return fmt.Errorf("repair: moving the repaired %s into %s: %w (the damaged files are kept in %s)", name, dir, err, kept)
+		}
+		if name != storage.FileName {
+			continue
+		}
+		if err := syncDir(dir); err != nil {
+			return err
+		}
+		for _, n := range old {
+			if !slices.Contains(repaired, n) {
+				if err := os.Remove(filepath.Join(dir, n)); err != nil && !errors.Is(err, os.ErrNotExist) {
+					return fmt.Errorf("repair: removing the damaged %s (kept in %s): %w", n, kept, err)
+				}
+			}
 		}
 	}
 	return syncDir(dir)
