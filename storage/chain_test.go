@@ -390,29 +390,10 @@ func TestChainOfflineToolsReadPastDamage(t *testing.T) {
 	if err := Verify(src); err != nil {
 		t.Fatalf("Verify of a sound format 6 data dir: %v", err)
 	}
-	frames := func(seq uint64) ([]walFrame, int64) {
-		seg, err := openWAL(walPath(src, int(seq)), true, true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer seg.f.Close()
-		fr, end, err := seg.readFrames(ids[seq])
-		if err != nil {
-			t.Fatal(err)
-		}
-		return fr, end
-	}
+	frames := func(seq uint64) ([]walFrame, int64) { return segmentFrames(t, src, seq, ids[seq]) }
 	damaged := func(seq uint64, from, to int64) string {
 		dir := copyDataDir(t, src)
-		path := walPath(dir, int(seq))
-		b, err := os.ReadFile(path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		clear(b[from:to])
-		if err := os.WriteFile(path, b, 0o640); err != nil {
-			t.Fatal(err)
-		}
+		clearSegment(t, dir, seq, from, to)
 		if _, err := Open(dir, nil); !errors.Is(err, ErrCorrupt) {
 			t.Fatalf("Open of the damaged copy: %v, want ErrCorrupt", err)
 		}
@@ -479,6 +460,36 @@ func TestChainOfflineToolsReadPastDamage(t *testing.T) {
 			}
 			mustClose(t, rq)
 		})
+	}
+}
+
+// segmentFrames reads the frames of segment seq of dir, which carry id,
+// up to its cut, and where they end.
+func segmentFrames(t *testing.T, dir string, seq, id uint64) ([]walFrame, int64) {
+	t.Helper()
+	seg, err := openWAL(walPath(dir, int(seq)), true, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer seg.f.Close()
+	fr, end, err := seg.readFrames(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fr, end
+}
+
+// clearSegment zeroes bytes [from, to) of segment seq of dir: damage.
+func clearSegment(t *testing.T, dir string, seq uint64, from, to int64) {
+	t.Helper()
+	path := walPath(dir, int(seq))
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	clear(b[from:to])
+	if err := os.WriteFile(path, b, 0o640); err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -561,29 +572,10 @@ func TestChainDamageBeforeACutIsReported(t *testing.T) {
 		mustClose(t, db)
 	}
 
-	frames := func(seq uint64) ([]walFrame, int64) {
-		seg, err := openWAL(walPath(src, int(seq)), true, true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer seg.f.Close()
-		fr, end, err := seg.readFrames(ids[seq])
-		if err != nil {
-			t.Fatal(err)
-		}
-		return fr, end
-	}
+	frames := func(seq uint64) ([]walFrame, int64) { return segmentFrames(t, src, seq, ids[seq]) }
 	damage := func(t *testing.T, seq uint64, from, to int64) {
 		dir := copyDataDir(t, src)
-		path := walPath(dir, int(seq))
-		b, err := os.ReadFile(path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		clear(b[from:to])
-		if err := os.WriteFile(path, b, 0o640); err != nil {
-			t.Fatal(err)
-		}
+		clearSegment(t, dir, seq, from, to)
 		db, err := Open(dir, nil)
 		if err == nil {
 			l, _ := db.LastIndex()
@@ -612,20 +604,8 @@ func TestChainDamageBeforeACutIsReported(t *testing.T) {
 		from := end - 64
 		_, end2 := frames(mark + 1)
 		dir := copyDataDir(t, src)
-		for _, d := range []struct {
-			seq      uint64
-			from, to int64
-		}{{mark, from, end}, {mark + 1, 0, end2}} {
-			path := walPath(dir, int(d.seq))
-			b, err := os.ReadFile(path)
-			if err != nil {
-				t.Fatal(err)
-			}
-			clear(b[d.from:d.to])
-			if err := os.WriteFile(path, b, 0o640); err != nil {
-				t.Fatal(err)
-			}
-		}
+		clearSegment(t, dir, mark, from, end)
+		clearSegment(t, dir, mark+1, 0, end2)
 		if _, err := Open(dir, nil); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "without the cut") {
 			t.Fatalf("Open with segments %d and %d damaged: %v; want ErrCorrupt naming the missing cut", mark, mark+1, err)
 		}

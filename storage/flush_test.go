@@ -1,7 +1,6 @@
 package storage
 
 import (
-	"os"
 	"path/filepath"
 	"testing"
 	"time"
@@ -17,18 +16,7 @@ func processCrashCopy(t *testing.T, db *DB) string {
 	defer db.ckMu.Unlock()
 	db.wmu.Lock()
 	defer db.wmu.Unlock()
-	dir := t.TempDir()
-	src := filepath.Dir(db.Path())
-	for _, name := range []string{WALName + ".0", WALName + ".1", FileName} {
-		b, err := os.ReadFile(filepath.Join(src, name))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(filepath.Join(dir, name), b, 0o640); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return dir
+	return copyDataDir(t, filepath.Dir(db.Path()))
 }
 
 // Under flush: interval a Save returns without an fdatasync, the WAL is

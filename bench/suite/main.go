@@ -109,8 +109,8 @@ func main() {
 	only := flag.String("only", "", "comma-separated workloads to run (default all)")
 	clusters := flag.Bool("clusters", true, "also run the cluster workloads (2 and 3 gateways on loopback)")
 	onlyClusters := flag.String("only-clusters", "", "comma-separated cluster workloads to run, by their first word (C1, the reference, always runs); with it, the single-gateway workloads are skipped")
-	storageRuns := flag.Bool("storage", true, "also run the storage workloads (R1, R2: retention dropping against an empty log; F1: flush interval on slow flash against on this disk; F2, F3: flush interval against always on slow flash)")
-	onlyStorage := flag.String("only-storage", "", "comma-separated storage workloads to run (R1,R2,F1,F2,F3); with it, the other workloads are skipped")
+	storageRuns := flag.Bool("storage", true, "also run the storage workloads (R1, R2, R3: retention dropping against an empty log; F1: flush interval on slow flash against on this disk; F2, F3: flush interval against always on slow flash)")
+	onlyStorage := flag.String("only-storage", "", "comma-separated storage workloads to run (R1,R2,R3,F1,F2,F3); with it, the other workloads are skipped")
 	flag.Parse()
 
 	// W6 holds 5,000 connections on each side: the brokers started below

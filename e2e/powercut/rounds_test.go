@@ -483,13 +483,7 @@ func round(bin, base string, seed uint64, kinds ...kind) (*outcome, error) {
 	if o.kind == retention {
 		budget = retentionBudget
 	}
-	backing, mnt := filepath.Join(base, "backing"), filepath.Join(base, "mnt")
-	for _, d := range []string{backing, mnt} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			return nil, err
-		}
-	}
-	fs, err := pc.Mount(backing, mnt, &pc.Options{Seed: seed})
+	fs, backing, mnt, err := mountRound(base, seed)
 	if err != nil {
 		return nil, err
 	}
@@ -602,6 +596,19 @@ func round(bin, base string, seed uint64, kinds ...kind) (*outcome, error) {
 		o.check(c, seqs[c.id], cutAt, walLost)
 	}
 	return o, nil
+}
+
+// mountRound mounts a round's power-cut filesystem: mnt, over backing,
+// both made under base.
+func mountRound(base string, seed uint64) (fs *pc.FS, backing, mnt string, err error) {
+	backing, mnt = filepath.Join(base, "backing"), filepath.Join(base, "mnt")
+	for _, d := range []string{backing, mnt} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return nil, "", "", err
+		}
+	}
+	fs, err = pc.Mount(backing, mnt, &pc.Options{Seed: seed})
+	return fs, backing, mnt, err
 }
 
 // waitDropping waits until the gateway's log has dropped records (its

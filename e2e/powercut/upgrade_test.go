@@ -70,13 +70,7 @@ var upgradeTargets = []struct {
 func upgradeRound(bin5, bin6, base string, seed uint64) (*outcome, error) {
 	rng := rand.New(rand.NewPCG(seed, 0x7570677264))
 	o := &outcome{seed: seed, kind: upgrade, tear: rng.IntN(2) == 0}
-	backing, mnt := filepath.Join(base, "backing"), filepath.Join(base, "mnt")
-	for _, d := range []string{backing, mnt} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			return nil, err
-		}
-	}
-	fs, err := pc.Mount(backing, mnt, &pc.Options{Seed: seed})
+	fs, backing, mnt, err := mountRound(base, seed)
 	if err != nil {
 		return nil, err
 	}
