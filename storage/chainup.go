@@ -2,6 +2,7 @@ package storage
 
 import (
 	"bytes"
+	"cmp"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -114,6 +115,7 @@ func (db *DB) writeChainFromRuns(dir string) (head uint64, last segRef, end int6
 	}()
 	var batch []pb.Entry
 	size := 0
+	var wrote uint64 // the last index in a frame
 	flush := func() error {
 		if len(batch) == 0 {
 			return nil
@@ -121,21 +123,30 @@ func (db *DB) writeChainFromRuns(dir string) (head uint64, last segRef, end int6
 		if _, err := db.appendWAL(nil, 0, nil, batch, false); err != nil {
 			return err
 		}
+		wrote = batch[len(batch)-1].Index
 		batch, size = batch[:0], 0
 		return nil
 	}
+	var werr error // Scan returns nil when its callback stops it
 	err = db.Scan(first, func(e pb.Entry) bool {
 		batch = append(batch, e)
 		if size += len(e.Data); size >= upgradeFrame {
-			err = flush()
+			werr = flush()
 		}
-		return err == nil
+		return werr == nil
 	})
-	if err == nil {
-		err = flush()
+	if err == nil && werr == nil {
+		werr = flush()
 	}
-	if err != nil {
+	if err = cmp.Or(err, werr); err != nil {
 		return 0, segRef{}, 0, err
+	}
+	db.mu.RLock()
+	logLast := db.last
+	db.mu.RUnlock()
+	if first <= logLast && wrote != logLast {
+		// Every entry went into a frame, or the upgrade is not made.
+		return 0, segRef{}, 0, fmt.Errorf("upgrade to format %d: the segments end at index %d, the log at %d: %w", formatChain, wrote, logLast, ErrCorrupt)
 	}
 	if err := syncDir(dir); err != nil {
 		return 0, segRef{}, 0, err
@@ -196,6 +207,7 @@ func (db *DB) copyWithoutRuns(path string, timeout time.Duration, txMax int, met
 				return err
 			}
 			to = dstBucket(path) // the transaction may be a new one
+			to.FillPercent = 1
 			return nil
 		})
 	}

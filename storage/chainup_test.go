@@ -377,3 +377,37 @@ func TestUpgradeCopiesEveryBucketButTheRuns(t *testing.T) {
 		}
 	}
 }
+
+// An upgrade whose write fails part way (here a segment that cannot grow
+// for a record larger than it) is not made: the data dir opens in its
+// format with its whole log, keeps none of the upgrade's files, and the
+// next start upgrades it.
+func TestUpgradeThatFailsLeavesTheDataDirAsItWas(t *testing.T) {
+	dir := t.TempDir()
+	db := testOpen(t, dir, nil)
+	want := bigEntries(1, 12, 1, 30<<10)
+	want = append(want, bigEntries(13, 1, 1, 3<<19)...) // 1.5 MiB: past a segment
+	want = append(want, bigEntries(14, 5, 1, 100)...)
+	mustSave(t, db, pb.HardState{Term: 1, Vote: 1, Commit: 18}, want)
+	mustClose(t, db)
+
+	f := &faults{}
+	f.fileLimit.Store(walPrealloc)
+	db = testOpen(t, dir, &Options{segmented: true, faults: f})
+	if db.chain {
+		t.Fatal("upgraded although a segment could not grow for the large record")
+	}
+	sameLog(t, db, want)
+	names := dirNames(t, dir)
+	if len(segmentFiles(t, dir)) != 0 || slices.Contains(names, upgradeName) {
+		t.Fatalf("a failed upgrade left its files: %v", names)
+	}
+	mustClose(t, db)
+
+	db = testOpen(t, dir, &Options{segmented: true})
+	if !db.chain {
+		t.Fatal("not upgraded at the next start")
+	}
+	sameLog(t, db, want)
+	mustClose(t, db)
+}

@@ -234,10 +234,24 @@ func Repair(src, dst string, opts *RepairOptions) (*RepairReport, error) {
 			s.snapIndex, s.snapTerm = oldest-1, found[oldest].Term
 		}
 	}
-	if s.format >= formatChain || (s.format == 0 && hasSegments(src)) {
+	switch {
+	case s.format >= formatChain:
 		s.loadChain()
-	} else {
+	case s.format == 0 && hasSegments(src):
+		// The file no longer says its format: format 6's log, or
+		// format 5's WAL beside segments an upgrade cut short left.
+		// Both are read; an index only the older holds is kept.
+		s.loadChain()
 		s.loadWAL()
+	default:
+		s.loadWAL()
+	}
+	if !s.stateOK && s.snapIndex == 0 && s.chain != nil && len(s.chain.frames) > 0 {
+		// Where the log started is unknown: at the chain's first entry
+		// (retention may have dropped what came before).
+		if first := s.chain.frames[0].first; first > 1 {
+			s.snapIndex, s.snapTerm = first-1, s.chain.firstTerm
+		}
 	}
 	if s.nodeID == 0 {
 		s.nodeID = opts.NodeID

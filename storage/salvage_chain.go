@@ -31,9 +31,10 @@ type chainSalvage struct {
 	frames []chainFrameRef
 	// live are the frames at or past the replay point, without their
 	// entries: their metadata writes and hard states, in order.
-	live []walFrame
-	bad  []string // what could not be read, in words
-	last uint64   // the last index of the log read, 0 if none
+	live      []walFrame
+	bad       []string // what could not be read, in words
+	last      uint64   // the last index of the log read, 0 if none
+	firstTerm uint64   // the term of the first entry read
 }
 
 // salvageChain reads the chain of dir from its head (seq head, carrying
@@ -73,26 +74,47 @@ func salvageChain(dir string, head, id, replaySeq uint64, replayOff int64) *chai
 			if first <= c.last {
 				c.truncate(first) // an overwrite, by a later term
 			}
+			if len(c.frames) == 0 {
+				c.firstTerm = fr.ents[0].Term
+			}
 			c.frames = append(c.frames, chainFrameRef{seq: seq, id: id, off: fr.off, first: first, last: last})
 			c.last = last
 		}
 		if next == 0 {
-			// The chain's end, or a cut lost to damage: then the next
-			// segment holds frames under the id the cut named.
-			nid := nextSegmentID(id)
-			b, err := os.ReadFile(walPath(dir, int(seq+1)))
-			if err != nil {
-				break
-			}
-			if _, ok := findFrame(b, 0, nid); !ok {
+			// The chain's end, or a cut lost to damage: then a later
+			// segment holds frames under the id a cut from here on
+			// named (chainGoesOn).
+			k, kid := nextChainSegment(dir, seq, id)
+			if k == 0 {
 				break
 			}
 			c.bad = append(c.bad, fmt.Sprintf("%s: the frames before its cut to the next segment (damaged; their records are listed as lost)", path))
-			next = nid
+			for s := seq + 1; s < k; s++ {
+				c.bad = append(c.bad, fmt.Sprintf("%s: missing or unreadable", walPath(dir, int(s))))
+			}
+			seq, id = k, kid
+			continue
 		}
 		seq, id = seq+1, next
 	}
 	return c
+}
+
+// nextChainSegment returns the first segment past seq (whose frames carry
+// id) that holds a frame of the chain, and its id; 0 if none does.
+func nextChainSegment(dir string, seq, id uint64) (uint64, uint64) {
+	top := min(lastSegment(dir), seq+maxSegmentsAhead)
+	for k := seq + 1; k <= top; k++ {
+		id = nextSegmentID(id)
+		b, err := os.ReadFile(walPath(dir, int(k)))
+		if err != nil {
+			continue
+		}
+		if _, ok := findFrame(b, 0, id); ok {
+			return k, id
+		}
+	}
+	return 0, 0
 }
 
 // truncate drops the frames' entries from index i on.

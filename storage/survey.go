@@ -172,11 +172,12 @@ func appendRange(rs *[]IndexRange, first, last uint64) {
 }
 
 // RequeueSalvaged puts the data entries past index from that pass their CRC
-// in the damaged data file of dir (in format 6, in its segments) (a directory a damaged data dir's files
-// were moved to) into this DB's requeue bucket, to be re-published on the
-// master like a deposed master's tail: what a damaged member held alone and
-// can still read is not lost. It returns how many it put there. The damaged
-// file is only read.
+// in the damaged data file of dir (in format 6, in its segments; dir is a
+// directory a damaged data dir's files were moved to) into this DB's
+// requeue bucket, to be re-published on the master like a deposed
+// master's tail: what a damaged member held alone and can still read is
+// not lost. It returns how many it put there. The damaged files are only
+// read.
 func (db *DB) RequeueSalvaged(dir string, from uint64) (n int, err error) {
 	path := filepath.Join(dir, FileName)
 	if err := checkFile(path); err != nil {

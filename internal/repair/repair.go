@@ -140,13 +140,19 @@ func lockShared(path string) (func(), error) {
 	return func() { f.Close() }, nil
 }
 
+// renameFile is os.Rename; a test cuts a swap short with it.
+var renameFile = os.Rename
+
 // swap keeps the damaged store files in kept (hard links: the originals,
-// byte for byte) and renames the new ones from tmp over them, the data
-// file last (storage.Files), then removes the damaged ones the repair has
-// no file of (format 6's segments past the repaired log's). The node's
-// key, certificate and API token stay. Cut short anywhere, dir has the
-// damaged data file, or the repaired one with all of its files: the
-// repaired segments take names the damaged ones do not have.
+// byte for byte) and moves the new ones from tmp into dir, then removes the
+// damaged ones the repair has no file of (format 6's segments). The node's
+// key, certificate and API token stay. The order makes a swap cut short
+// anywhere leave the damaged data file with all of its own files, or the
+// repaired one with all of its: first the repaired files whose names the
+// damaged dir does not use (format 6's segments: a repaired chain starts
+// past the damaged one), then the data file, then those whose names it
+// does use (format 5's two WAL files, which the new data file's WAL id
+// disowns until they are in place).
 func swap(dir, tmp, kept string) error {
 	if err := os.MkdirAll(filepath.Dir(kept), 0o750); err != nil {
 		return fmt.Errorf("repair: %w; nothing was changed in %s", err, dir)
@@ -170,23 +176,39 @@ func swap(dir, tmp, kept string) error {
 	if err := syncDir(kept); err != nil {
 		return err
 	}
+	var fresh, shared []string
 	for _, name := range repaired {
-		src, dst := filepath.Join(tmp, name), filepath.Join(dir, name)
-		chownLike(src, dst)
-		if err := os.Rename(src, dst); err != nil {
-			return fmt.Errorf("repair: moving the repaired %s into %s: %w (the damaged files are kept in %s)", name, dir, err, kept)
+		switch {
+		case name == storage.FileName:
+		case slices.Contains(old, name):
+			shared = append(shared, name)
+		default:
+			fresh = append(fresh, name)
 		}
-		if name != storage.FileName {
-			continue
+	}
+	move := func(names ...string) error {
+		for _, name := range names {
+			src, dst := filepath.Join(tmp, name), filepath.Join(dir, name)
+			chownLike(src, dst)
+			if err := renameFile(src, dst); err != nil {
+				return fmt.Errorf("repair: moving the repaired %s into %s: %w (the damaged files are kept in %s)", name, dir, err, kept)
+			}
 		}
-		if err := syncDir(dir); err != nil {
-			return err
-		}
-		for _, n := range old {
-			if !slices.Contains(repaired, n) {
-				if err := os.Remove(filepath.Join(dir, n)); err != nil && !errors.Is(err, os.ErrNotExist) {
-					return fmt.Errorf("repair: removing the damaged %s (kept in %s): %w", n, kept, err)
-				}
+		return syncDir(dir)
+	}
+	if err := move(fresh...); err != nil {
+		return err
+	}
+	if err := move(storage.FileName); err != nil {
+		return err
+	}
+	if err := move(shared...); err != nil {
+		return err
+	}
+	for _, n := range old {
+		if !slices.Contains(repaired, n) {
+			if err := os.Remove(filepath.Join(dir, n)); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return fmt.Errorf("repair: removing the damaged %s (kept in %s): %w", n, kept, err)
 			}
 		}
 	}
