@@ -2,6 +2,8 @@ package storage
 
 import (
 	"bytes"
+	"cmp"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"maps"
@@ -610,4 +612,88 @@ func TestChainDamageBeforeACutIsReported(t *testing.T) {
 			t.Fatalf("Open with segments %d and %d damaged: %v; want ErrCorrupt naming the missing cut", mark, mark+1, err)
 		}
 	})
+}
+
+// Repair of a format 6 data dir whose data file cannot be opened at all
+// (both meta pages torn) finds the chain's head among the segments, a
+// dropped one kept for reuse notwithstanding (after drops one at a time,
+// and after many at once, which leave it with no successor), and starts
+// the log where the chain does: every record kept from there, none
+// reported lost.
+func TestChainRepairWithoutTheDataFile(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		before int64 // the budget while the log is written; 0: the same
+	}{{"dropped one at a time", 0}, {"dropped many at once", 64 << 20}} {
+		t.Run(tc.name, func(t *testing.T) {
+			const budget = 8 << 20
+			dir := t.TempDir()
+			var err error
+			db := testOpen(t, dir, &Options{segmented: true, MaxBytes: cmp.Or(tc.before, budget)})
+			db.SetRetentionFloor(math.MaxUint64)
+			now := time.Now()
+			at := func(uint64) time.Time { return now }
+			var want []pb.Entry
+			next := uint64(1)
+			save := func() {
+				ents := recordEntries(next, 20, 1000, at)
+				saveApplied(t, db, ents)
+				want = append(want, ents...)
+				next += 20
+			}
+			for next < 20000 {
+				save()
+			}
+			var kept []byte
+			if tc.before != 0 {
+				mustClose(t, db)
+				if kept, err = os.ReadFile(walPath(dir, firstSegment)); err != nil {
+					t.Fatal(err)
+				}
+				db = testOpen(t, dir, &Options{MaxBytes: budget})
+				db.SetRetentionFloor(math.MaxUint64)
+				save()
+				mustCheckpoint(t, db)
+			}
+			first, _ := db.FirstIndex()
+			mustClose(t, db)
+			if kept != nil {
+				// The oldest of the segments dropped at once, kept for
+				// reuse (whether it still is depends on when the next
+				// one was made): the segment after it is gone.
+				if err := os.WriteFile(walPath(dir, firstSegment), kept, 0o640); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if first <= 1 {
+				t.Fatal("fixture: retention dropped nothing")
+			}
+			path := filepath.Join(dir, FileName)
+			b, err := os.ReadFile(path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ps := int64(binary.LittleEndian.Uint32(b[16+8:]))
+			zeroPage(t, path, 0, ps)
+			zeroPage(t, path, 1, ps)
+
+			dst := t.TempDir()
+			rep, err := Repair(dir, dst, &RepairOptions{NodeID: 1})
+			if err != nil {
+				t.Fatalf("Repair: %v (report %+v)", err, rep)
+			}
+			if len(rep.Lost) != 0 || rep.Last != next-1 || rep.First <= 1 || rep.First > first {
+				t.Fatalf("repaired log %d..%d, lost %v; want it to start by %d (not at 1) and end at %d, nothing lost (segments %v)", rep.First, rep.Last, rep.Lost, first, next-1, segmentFiles(t, dir))
+			}
+			out := testOpen(t, dst, &Options{ReadOnly: true})
+			got, err := out.Entries(first, next, math.MaxUint64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d := diffEntries(got, want[first-1:]); d != "" {
+				t.Fatalf("after the repair: %s", d)
+			}
+			mustClose(t, out)
+		})
+	}
 }

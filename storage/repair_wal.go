@@ -102,7 +102,12 @@ func lastSegment(dir string) uint64 {
 }
 
 // guessChainHead returns the oldest segment in dir whose first frame
-// checks out, and its id; 0 if none.
+// checks out and that leads on to the next one (the segment after it
+// holds a frame under the id a cut from it names), or is the last such
+// segment; and its id; 0 if none. A dropped segment kept for reuse has a
+// deleted one after it, unless it was the head's predecessor: then the
+// chain read from it holds records retention had dropped, older than the
+// rest and contiguous with it.
 func guessChainHead(dir string) (seq, id uint64) {
 	des, err := os.ReadDir(dir)
 	if err != nil {
@@ -116,6 +121,8 @@ func guessChainHead(dir string) (seq, id uint64) {
 		}
 	}
 	slices.Sort(seqs)
+	type cand struct{ seq, id uint64 }
+	var cands []cand
 	for _, k := range seqs {
 		b, err := os.ReadFile(walPath(dir, int(k)))
 		if err != nil || len(b) < walHdr {
@@ -123,7 +130,17 @@ func guessChainHead(dir string) (seq, id uint64) {
 		}
 		id := binary.LittleEndian.Uint64(b[8:])
 		if _, ok := frameAt(b, 0, id); ok && id != 0 {
-			return k, id
+			cands = append(cands, cand{k, id})
+		}
+	}
+	for i, c := range cands {
+		if i == len(cands)-1 {
+			return c.seq, c.id
+		}
+		if b, err := os.ReadFile(walPath(dir, int(c.seq+1))); err == nil {
+			if _, ok := findFrame(b, 0, nextSegmentID(c.id)); ok {
+				return c.seq, c.id
+			}
 		}
 	}
 	return 0, 0
