@@ -3,7 +3,6 @@ package storage
 import (
 	"bytes"
 	"cmp"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"maps"
@@ -668,14 +667,7 @@ func TestChainRepairWithoutTheDataFile(t *testing.T) {
 			if first <= 1 {
 				t.Fatal("fixture: retention dropped nothing")
 			}
-			path := filepath.Join(dir, FileName)
-			b, err := os.ReadFile(path)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ps := int64(binary.LittleEndian.Uint32(b[16+8:]))
-			zeroPage(t, path, 0, ps)
-			zeroPage(t, path, 1, ps)
+			tearMetaPages(t, filepath.Join(dir, FileName))
 
 			dst := t.TempDir()
 			rep, err := Repair(dir, dst, &RepairOptions{NodeID: 1})

@@ -44,6 +44,19 @@ func zeroPage(t *testing.T, path string, id uint64, pageSize int64) {
 	}
 }
 
+// tearMetaPages zeroes both meta pages of the data file at path: bbolt
+// cannot open it at all.
+func tearMetaPages(t *testing.T, path string) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ps := int64(binary.LittleEndian.Uint32(b[16+8:]))
+	zeroPage(t, path, 0, ps)
+	zeroPage(t, path, 1, ps)
+}
+
 func TestRepairKeepsEveryReadableEntry(t *testing.T) {
 	const n = 400
 	cases := []struct {
@@ -66,14 +79,7 @@ func TestRepairKeepsEveryReadableEntry(t *testing.T) {
 			}
 		}, nil},
 		{"both meta pages torn: page by page", func(t *testing.T, dir string) {
-			path := filepath.Join(dir, FileName)
-			b, err := os.ReadFile(path)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ps := int64(binary.LittleEndian.Uint32(b[16+8:]))
-			zeroPage(t, path, 0, ps)
-			zeroPage(t, path, 1, ps)
+			tearMetaPages(t, filepath.Join(dir, FileName))
 		}, nil},
 	}
 	for _, tc := range cases {
