@@ -170,7 +170,7 @@ func (db *DB) readySpare() error {
 		s.f.Close()
 		return err
 	}
-	w.setSpare(s)
+	w.spare = s
 	return nil
 }
 
@@ -212,15 +212,14 @@ func (db *DB) sealLocked() error {
 		if err != nil {
 			return err
 		}
-		w.setSpare(s)
+		w.spare = s
 	}
 	id := nextSegmentID(w.id)
 	if _, err := db.appendWAL(nil, id, nil, nil, false); err != nil {
 		return err
 	}
 	old := w.cseg
-	w.cseg = w.spare
-	w.setSpare(nil)
+	w.cseg, w.spare = w.spare, nil
 	w.cur, w.off, w.id = next, 0, id
 	w.segFirst = 0
 	w.synced.Store(0)
@@ -372,8 +371,9 @@ func nextSegmentID(id uint64) uint64 {
 	return z
 }
 
-// maxSegmentsAhead bounds how far past the chain's end chainGoesOn looks:
-// only the next segment can exist there in a data dir tandem wrote.
+// maxSegmentsAhead bounds how far past the chain's end nextChainSegment
+// looks: only the next segment can exist there in a data dir tandem
+// wrote.
 const maxSegmentsAhead = 1 << 10
 
 // chainGoesOn reports a segment past seq, the last the chain reaches
@@ -385,36 +385,53 @@ const maxSegmentsAhead = 1 << 10
 // Open went on. The segment made ready for the next cut holds zeros or a
 // dropped segment's frames, whose ids no cut names again.
 func chainGoesOn(dir string, seq, id uint64, end int64) error {
-	des, err := os.ReadDir(dir)
-	if err != nil {
-		return fmt.Errorf("storage: %w", err)
-	}
-	var after []uint64
-	for _, de := range des {
-		n, ok := strings.CutPrefix(de.Name(), WALName+".")
-		if !ok {
-			continue
-		}
-		if k, err := strconv.ParseUint(n, 10, 64); err == nil && k > seq && k-seq <= maxSegmentsAhead {
-			after = append(after, k)
-		}
-	}
-	slices.Sort(after)
-	for _, k := range after {
-		want := id
-		for range k - seq {
-			want = nextSegmentID(want)
-		}
-		path := walPath(dir, int(k))
-		b, err := os.ReadFile(path)
-		if err != nil {
-			return fmt.Errorf("storage: %w", err)
-		}
-		if at, ok := findFrame(b, 0, want); ok {
-			return fmt.Errorf("%s ends at offset %d without the cut to the next segment, and %s holds a frame of the chain at offset %d: the segment was damaged after it was synced, and acknowledged records past the damage would be lost: %w", walPath(dir, int(seq)), end, path, at, ErrCorrupt)
-		}
+	if k, _, at := nextChainSegment(dir, seq, id); k != 0 {
+		return fmt.Errorf("%s ends at offset %d without the cut to the next segment, and %s holds a frame of the chain at offset %d: the segment was damaged after it was synced, and acknowledged records past the damage would be lost: %w", walPath(dir, int(seq)), end, walPath(dir, int(k)), at, ErrCorrupt)
 	}
 	return nil
+}
+
+// nextChainSegment returns the first segment past seq (whose frames carry
+// id), within maxSegmentsAhead, that holds a frame of the chain, its id
+// and where that frame is; 0 if none does.
+func nextChainSegment(dir string, seq, id uint64) (uint64, uint64, int64) {
+	seqs := walSeqs(dir)
+	top := seq + maxSegmentsAhead
+	if n := len(seqs); n > 0 {
+		top = min(top, seqs[n-1])
+	}
+	for k := seq + 1; k <= top; k++ {
+		id = nextSegmentID(id)
+		if !slices.Contains(seqs, k) {
+			continue
+		}
+		b, err := os.ReadFile(walPath(dir, int(k)))
+		if err != nil {
+			continue
+		}
+		if at, ok := findFrame(b, 0, id); ok {
+			return k, id, at
+		}
+	}
+	return 0, 0, 0
+}
+
+// walSeqs returns the numbers of the WAL files in dir (tandem.wal.N: format
+// 5's two, format 6's segments), sorted.
+func walSeqs(dir string) []uint64 {
+	des, err := os.ReadDir(dir)
+	if err != nil {
+		return nil
+	}
+	var seqs []uint64
+	for _, de := range des {
+		n, ok := strings.CutPrefix(de.Name(), WALName+".")
+		if k, err := strconv.ParseUint(n, 10, 64); ok && err == nil {
+			seqs = append(seqs, k)
+		}
+	}
+	slices.Sort(seqs)
+	return seqs
 }
 
 // Files lists the files of the data dir dir that storage owns: the data
@@ -449,21 +466,9 @@ func Files(dir string) ([]string, error) {
 // kept for reuse). Format 5's two WAL files (.0 and .1) are before any
 // head: dead in a data dir upgraded from it.
 func removeDroppedSegments(dir string, head uint64) {
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return
-	}
 	removed := false
-	for _, e := range ents {
-		n, ok := strings.CutPrefix(e.Name(), WALName+".")
-		if !ok {
-			continue
-		}
-		seq, err := strconv.ParseUint(n, 10, 64)
-		if err != nil || seq >= head {
-			continue
-		}
-		if os.Remove(filepath.Join(dir, e.Name())) == nil {
+	for _, seq := range walSeqs(dir) {
+		if seq < head && os.Remove(walPath(dir, int(seq))) == nil {
 			removed = true
 		}
 	}
@@ -835,14 +840,6 @@ func (db *DB) scanChain(from uint64, fn func(e pb.Entry) bool) error {
 	}
 }
 
-// runsEnd returns boltLast and snapIndex, read under mu: the log's runs
-// end at boltLast, and hold none when it is snapIndex.
-func (db *DB) runsEnd() (boltLast, snapIndex uint64) {
-	db.mu.RLock()
-	defer db.mu.RUnlock()
-	return db.boltLast, db.snapIndex
-}
-
 // segmentBytes is the size of the WAL's files in dir: the segments, the
 // one made ready for the next cut, the one kept for reuse, and the two
 // files of format 5 if an upgrade left them.
@@ -1001,8 +998,8 @@ func (db *DB) dropSegments(tx *bolt.Tx, res *dropResult, freed, excess, cutoff i
 // moved the chain's head past them is made: the first of them is kept for
 // makeSegment to reuse (written once with zeros, a segment is worth
 // reusing; a segment's worth of the budget, which saves the device a
-// segment of zeros per segment of log), the rest are deleted. The caller holds ckMu, and wmu or not.
-// A from other than 0 says the in-memory chain starts past them already,
+// segment of zeros per segment of log), the rest are deleted. The caller
+// holds ckMu, and wmu or not. A from other than 0 says the in-memory chain starts past them already,
 // and the segments go from there.
 func (db *DB) applySegmentDrop(res dropResult, from uint64) {
 	if res.segTo == 0 {
@@ -1059,7 +1056,7 @@ func (db *DB) restartChainLocked(tx *bolt.Tx) (next uint64, id uint64, err error
 		if err != nil {
 			return 0, 0, err
 		}
-		w.setSpare(s)
+		w.spare = s
 	}
 	next, id = uint64(w.cur+1), newWALID()
 	m := tx.Bucket(bucketMeta)
@@ -1079,8 +1076,7 @@ func (db *DB) finishRestartLocked(next, id uint64) {
 		_ = w.sealed.f.Close()
 	}
 	w.sealed = w.cseg
-	w.cseg = w.spare
-	w.setSpare(nil)
+	w.cseg, w.spare = w.spare, nil
 	w.cur, w.off, w.id = int(next), 0, id
 	w.segFirst = 0
 	w.synced.Store(0)

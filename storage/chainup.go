@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
@@ -253,16 +251,12 @@ func finishUpgrade(dir string) error {
 // in a data dir still in format 5 or earlier: its new file and its
 // segments, none of which that format reads.
 func removeUpgradeLeftovers(dir string) {
-	des, err := os.ReadDir(dir)
-	if err != nil {
-		return
-	}
-	for _, de := range des {
-		name := de.Name()
-		n, isWAL := strings.CutPrefix(name, WALName+".")
-		seq, numErr := strconv.ParseUint(n, 10, 64)
-		if name == upgradeName || name == spareName || (isWAL && numErr == nil && seq >= firstSegment) {
-			_ = os.Remove(filepath.Join(dir, name))
+	for _, seq := range walSeqs(dir) {
+		if seq >= firstSegment {
+			_ = os.Remove(walPath(dir, int(seq)))
 		}
+	}
+	for _, name := range []string{upgradeName, spareName} {
+		_ = os.Remove(filepath.Join(dir, name))
 	}
 }

@@ -1,15 +1,12 @@
 package storage
 
 import (
-	"bytes"
 	"cmp"
 	"encoding/binary"
 	"fmt"
 	"io"
 	"os"
 	"slices"
-	"strconv"
-	"strings"
 
 	pb "go.etcd.io/raft/v3/raftpb"
 )
@@ -85,20 +82,13 @@ func hasSegments(dir string) bool {
 	return seq != 0
 }
 
-// lastSegment returns the highest seq of a segment in dir, 0 if none.
+// lastSegment returns the highest seq of a WAL file in dir, 0 if none.
 func lastSegment(dir string) uint64 {
-	des, err := os.ReadDir(dir)
-	if err != nil {
+	seqs := walSeqs(dir)
+	if len(seqs) == 0 {
 		return 0
 	}
-	var last uint64
-	for _, de := range des {
-		n, ok := strings.CutPrefix(de.Name(), WALName+".")
-		if k, err := strconv.ParseUint(n, 10, 64); ok && err == nil {
-			last = max(last, k)
-		}
-	}
-	return last
+	return seqs[len(seqs)-1]
 }
 
 // guessChainHead returns the oldest segment in dir whose first frame
@@ -109,21 +99,12 @@ func lastSegment(dir string) uint64 {
 // chain read from it holds records retention had dropped, older than the
 // rest and contiguous with it.
 func guessChainHead(dir string) (seq, id uint64) {
-	des, err := os.ReadDir(dir)
-	if err != nil {
-		return 0, 0
-	}
-	var seqs []uint64
-	for _, de := range des {
-		n, ok := strings.CutPrefix(de.Name(), WALName+".")
-		if k, err := strconv.ParseUint(n, 10, 64); ok && err == nil && k >= firstSegment {
-			seqs = append(seqs, k)
-		}
-	}
-	slices.Sort(seqs)
 	type cand struct{ seq, id uint64 }
 	var cands []cand
-	for _, k := range seqs {
+	for _, k := range walSeqs(dir) {
+		if k < firstSegment {
+			continue
+		}
 		b, err := os.ReadFile(walPath(dir, int(k)))
 		if err != nil || len(b) < walHdr {
 			continue
@@ -245,8 +226,6 @@ func (w *walSeg) salvageFrames(id uint64) ([]walFrame, []string) {
 	if _, err := w.f.ReadAt(b, 0); err != nil && err != io.EOF {
 		return nil, []string{fmt.Sprintf("read: %v", err)}
 	}
-	var pat [8]byte
-	binary.LittleEndian.PutUint64(pat[:], id)
 	var frames []walFrame
 	var bad []string
 	off := int64(0)
@@ -270,19 +249,8 @@ func (w *walSeg) salvageFrames(id uint64) ([]walFrame, []string) {
 			}
 		}
 		// A bad frame: the end of the log, unless a good one follows.
-		nextGood := int64(-1)
-		for p := off + 1 + 8; p < int64(len(b)); {
-			i := bytes.Index(b[p:], pat[:])
-			if i < 0 {
-				break
-			}
-			if _, ok := frameAt(b, p+int64(i)-8, id); ok {
-				nextGood = p + int64(i) - 8
-				break
-			}
-			p += int64(i) + 1
-		}
-		if nextGood < 0 {
+		nextGood, ok := findFrame(b, off+1, id)
+		if !ok {
 			break
 		}
 		bad = append(bad, fmt.Sprintf("bytes %d to %d (damaged frames; their records are listed as lost)", off, nextGood-1))

@@ -250,12 +250,9 @@ func (db *DB) dropFront(tx *bolt.Tx, adding int) (dropResult, error) {
 		return res, err
 	}
 	if db.chain {
-		if k, _ := c.First(); k == nil {
-			return res, db.dropSegments(tx, &res, freed, excess, cutoff, limit, floor)
-		}
-		// A data dir upgraded to format 6 drops its runs first (not
-		// built yet: only a new data dir is in format 6).
-		return res, nil
+		// Format 6's log bucket is empty: an upgrade moves the runs
+		// into segments (chainup.go).
+		return res, db.dropSegments(tx, &res, freed, excess, cutoff, limit, floor)
 	}
 	// at is the item where the drops stop, read already (the cursor is
 	// on its last key): the oldest record left is looked for from it on.
@@ -496,7 +493,7 @@ func entryValue(e *pb.Entry) []byte {
 
 // loadOldest sets the oldest record's time from the file, at Open.
 func (db *DB) loadOldest() error {
-	if boltLast, snapIndex := db.runsEnd(); db.chain && boltLast == snapIndex {
+	if db.chain {
 		t, err := db.chainOldest(0)
 		db.oldest.Store(t)
 		return err

@@ -84,7 +84,7 @@ func salvageChain(dir string, head, id, replaySeq uint64, replayOff int64) *chai
 			// The chain's end, or a cut lost to damage: then a later
 			// segment holds frames under the id a cut from here on
 			// named (chainGoesOn).
-			k, kid := nextChainSegment(dir, seq, id)
+			k, kid, _ := nextChainSegment(dir, seq, id)
 			if k == 0 {
 				break
 			}
@@ -98,23 +98,6 @@ func salvageChain(dir string, head, id, replaySeq uint64, replayOff int64) *chai
 		seq, id = seq+1, next
 	}
 	return c
-}
-
-// nextChainSegment returns the first segment past seq (whose frames carry
-// id) that holds a frame of the chain, and its id; 0 if none does.
-func nextChainSegment(dir string, seq, id uint64) (uint64, uint64) {
-	top := min(lastSegment(dir), seq+maxSegmentsAhead)
-	for k := seq + 1; k <= top; k++ {
-		id = nextSegmentID(id)
-		b, err := os.ReadFile(walPath(dir, int(k)))
-		if err != nil {
-			continue
-		}
-		if _, ok := findFrame(b, 0, id); ok {
-			return k, id
-		}
-	}
-	return 0, 0
 }
 
 // truncate drops the frames' entries from index i on.

@@ -288,20 +288,18 @@ func (db *DB) ReceiveSnapshot(ref SnapshotRef) (*SnapshotIn, error) {
 		}
 		limit := min(metaU64(tx, bucketMeta, keyApplied), hs.Commit)
 		if db.chain {
-			if k, _ := tx.Bucket(bucketLog).Cursor().First(); k == nil {
-				// The segment frames go to holds entries up to the
-				// applied index: a cut first makes it one retention
-				// may drop, and the replay point moves past it (no
-				// frame came since the checkpoint's mark: wmu is held).
-				if err := db.sealLocked(); err != nil {
-					return err
-				}
-				w := db.wal
-				if err := tx.Bucket(bucketMeta).Put(keyWAL, walValue(w.id, uint64(w.cur), 0)); err != nil {
-					return err
-				}
-				return db.dropSegments(tx, &drop, 0, math.MaxInt64, math.MinInt64, limit, limit)
+			// The segment frames go to holds entries up to the
+			// applied index: a cut first makes it one retention may
+			// drop, and the replay point moves past it (no frame came
+			// since the checkpoint's mark: wmu is held).
+			if err := db.sealLocked(); err != nil {
+				return err
 			}
+			w := db.wal
+			if err := tx.Bucket(bucketMeta).Put(keyWAL, walValue(w.id, uint64(w.cur), 0)); err != nil {
+				return err
+			}
+			return db.dropSegments(tx, &drop, 0, math.MaxInt64, math.MinInt64, limit, limit)
 		}
 		drop, err = db.dropLogTo(tx, limit)
 		return err

@@ -405,13 +405,12 @@ func (db *DB) snapshotMeta(tx *bolt.Tx) (pb.SnapshotMetadata, error) {
 	if v := rs.Get(keySnapMeta); len(v) == 16 {
 		compacted, compactedTerm = binary.BigEndian.Uint64(v), binary.BigEndian.Uint64(v[8:])
 	}
-	boltLast, _ := db.runsEnd()
 	switch {
 	case md.Index < compacted:
 		return md, fmt.Errorf("applied index %d below the compaction point %d: %w", md.Index, compacted, ErrCorrupt)
 	case md.Index == compacted:
 		md.Term = compactedTerm
-	case db.chain && md.Index > boltLast:
+	case db.chain: // past the compaction point: in the segments
 		t, err := db.Term(md.Index)
 		if err != nil {
 			return md, err

@@ -191,11 +191,6 @@ func (w *walLog) close() {
 	}
 }
 
-// setSpare sets spare. The caller holds wmu.
-func (w *walLog) setSpare(s *walSeg) {
-	w.spare = s
-}
-
 // curSeg is the file frames go to.
 func (w *walLog) curSeg() *walSeg {
 	if w.chain {
